@@ -1,0 +1,98 @@
+"""Scalar operations shared by the Graph IR (Map nodes) and the Loop IR (Op statements).
+
+Each op has one NumPy meaning here; the interpreters evaluate it, and the CUDA printer
+has one C++ spelling for it (tilefuse.codegen.cexpr). An op name that is not in this
+table is an error everywhere, never a guess.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+
+def _erf(x):
+    from math import erf
+
+    return np.vectorize(erf, otypes=[np.float64])(x).astype(np.result_type(x, np.float32))
+
+
+def _sigmoid(x):
+    return 1.0 / (1.0 + np.exp(-x))
+
+
+@dataclass(frozen=True)
+class OpInfo:
+    name: str
+    arity: int
+    numpy: Callable
+    kind: str  # "float": float in, float out; "cmp": -> bool; "logic": bool; "any": keeps type
+
+
+def _table(*rows):
+    return {r.name: r for r in rows}
+
+
+OPS: dict[str, OpInfo] = _table(
+    OpInfo("neg", 1, np.negative, "any"),
+    OpInfo("abs", 1, np.abs, "any"),
+    OpInfo("exp", 1, np.exp, "float"),
+    OpInfo("exp2", 1, np.exp2, "float"),
+    OpInfo("log", 1, np.log, "float"),
+    OpInfo("log2", 1, np.log2, "float"),
+    OpInfo("log1p", 1, np.log1p, "float"),
+    OpInfo("expm1", 1, np.expm1, "float"),
+    OpInfo("sqrt", 1, np.sqrt, "float"),
+    OpInfo("rsqrt", 1, lambda x: 1.0 / np.sqrt(x), "float"),
+    OpInfo("recip", 1, lambda x: 1.0 / x, "float"),
+    OpInfo("tanh", 1, np.tanh, "float"),
+    OpInfo("sin", 1, np.sin, "float"),
+    OpInfo("cos", 1, np.cos, "float"),
+    OpInfo("erf", 1, _erf, "float"),
+    OpInfo("sigmoid", 1, _sigmoid, "float"),
+    OpInfo("relu", 1, lambda x: np.maximum(x, 0), "any"),
+    OpInfo("floor", 1, np.floor, "float"),
+    OpInfo("not", 1, np.logical_not, "logic"),
+    OpInfo("add", 2, np.add, "any"),
+    OpInfo("sub", 2, np.subtract, "any"),
+    OpInfo("mul", 2, np.multiply, "any"),
+    OpInfo("div", 2, np.true_divide, "float"),
+    OpInfo("max", 2, np.maximum, "any"),
+    OpInfo("min", 2, np.minimum, "any"),
+    OpInfo("pow", 2, np.power, "float"),
+    OpInfo("eq", 2, np.equal, "cmp"),
+    OpInfo("ne", 2, np.not_equal, "cmp"),
+    OpInfo("lt", 2, np.less, "cmp"),
+    OpInfo("le", 2, np.less_equal, "cmp"),
+    OpInfo("gt", 2, np.greater, "cmp"),
+    OpInfo("ge", 2, np.greater_equal, "cmp"),
+    OpInfo("and", 2, np.logical_and, "logic"),
+    OpInfo("or", 2, np.logical_or, "logic"),
+    OpInfo("where", 3, np.where, "any"),
+    OpInfo("cast", 1, lambda x: x, "any"),  # the target dtype is the statement's dtype
+)
+
+# Reductions: name -> (identity, NumPy reducer).
+REDUCTIONS = {
+    "sum": (0.0, np.sum),
+    "max": (-np.inf, np.max),
+    "min": (np.inf, np.min),
+}
+
+
+def info(name: str) -> OpInfo:
+    try:
+        return OPS[name]
+    except KeyError:
+        raise ValueError(f"unknown scalar op {name!r}") from None
+
+
+def result_dtype(op: str, arg_dtypes: tuple[str, ...], out: str | None = None) -> str:
+    """dtype of op's result: bool for comparisons and logic, else the declared or first float type."""
+    kind = info(op).kind
+    if kind in ("cmp", "logic"):
+        return "bool"
+    if out is not None:
+        return out
+    return arg_dtypes[-1] if op == "where" else arg_dtypes[0]
