@@ -1,0 +1,57 @@
+"""The correctness rule of DESIGN.md: within 2x PyTorch's own low-precision error.
+
+Errors are relative Frobenius norms against a float64 reference. Integer and bool outputs
+must match exactly; a NaN where the reference has none never passes.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+
+FLOOR = 1e-5  # a tiny relative floor, so exact-in-f32 programs are not held to zero error
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    ok: bool
+    error: float
+    torch_error: float
+    bound: float
+    note: str = ""
+
+
+def rel_error(x: torch.Tensor, ref: torch.Tensor) -> float:
+    x, ref = x.double().cpu(), ref.double().cpu()
+    denom = ref.norm().item()
+    diff = (x - ref).norm().item()
+    return diff / denom if denom > 0 else diff
+
+
+def compare(name: str, out: torch.Tensor, ref64: torch.Tensor, torch_out: torch.Tensor) -> Check:
+    if tuple(out.shape) != tuple(ref64.shape):
+        return Check(name, False, float("inf"), 0.0, 0.0, f"shape {tuple(out.shape)} != {tuple(ref64.shape)}")
+    if not out.is_floating_point():
+        same = torch.equal(out.cpu(), ref64.to(out.dtype).cpu())
+        return Check(name, same, 0.0 if same else 1.0, 0.0, 0.0, "exact match required")
+    nan_out = torch.isnan(out.double().cpu()) & ~torch.isnan(ref64.double().cpu())
+    if nan_out.any():
+        return Check(name, False, float("nan"), 0.0, 0.0, f"{int(nan_out.sum())} NaN where the reference has none")
+    err = rel_error(out, ref64)
+    terr = rel_error(torch_out, ref64)
+    bound = 2 * terr + FLOOR
+    return Check(name, err <= bound, err, terr, bound)
+
+
+def float64_reference(fn, inputs):
+    """Run `fn` with its weights and float inputs in float64."""
+    fn64 = copy.deepcopy(fn).double() if isinstance(fn, torch.nn.Module) else fn
+    args = [x.double() if isinstance(x, torch.Tensor) and x.is_floating_point() else x for x in inputs]
+    with torch.no_grad():
+        return fn64(*args)
+
+
+def flatten(x) -> list[torch.Tensor]:
+    return [t for t in torch.utils._pytree.tree_leaves(x) if isinstance(t, torch.Tensor)]

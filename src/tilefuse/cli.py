@@ -1,0 +1,190 @@
+"""The `tilefuse` command: compile, run, bench, and draw layouts."""
+from __future__ import annotations
+
+import argparse
+import difflib
+import sys
+import time
+
+EXAMPLE = 'torch.nn.RMSNorm(2048)(torch.randn(1, 32, 2048))'
+DTYPES = {"bf16": "bfloat16", "f16": "float16", "f32": "float32"}
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tilefuse", description="Compile PyTorch programs to fused CUDA kernels.")
+    p.add_argument("--version", action="version", version=f"tilefuse {_version()}")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    def program_args(sp):
+        sp.add_argument("-c", "--expr", required=True, metavar="EXPR",
+                        help=f"a PyTorch expression; torch.randn(...) calls in it are the inputs (e.g. {EXAMPLE!r})")
+        sp.add_argument("--dtype", choices=sorted(DTYPES), help="cast inputs and weights to this dtype first")
+        sp.add_argument("--arch", help="GPU architecture to build for (sm_90a, sm_80; default: the current GPU's)")
+        sp.add_argument("-v", "--verbose", action="count", default=0, help="-v: tracebacks; -vv: a diff per rewrite")
+
+    c = sub.add_parser("compile", help="compile a program and print its stages",
+                       description="Compile a program and print the chosen stages.")
+    program_args(c)
+    c.add_argument("--ir", action="append", choices=["graph", "loop", "schedule", "cuda"],
+                   help="stage to print (repeatable); default: graph")
+    r = sub.add_parser("run", help="run a program and check it against PyTorch",
+                       description="Run a program (generated CUDA kernels on a GPU, the Loop IR interpreter "
+                                   "without one) on fresh random inputs and compare it with PyTorch.")
+    program_args(r)
+    r.add_argument("--bench", action="store_true", help="on a GPU: time it against eager and torch.compile")
+    r.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
+    r.add_argument("--seed", type=int, default=0)
+    lay = sub.add_parser("layout", help="print or draw a CuTe layout", add_help=False)
+    lay.add_argument("rest", nargs=argparse.REMAINDER)
+    return p
+
+
+def _version():
+    from . import __version__
+
+    return __version__
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "layout":
+        from .layout.draw import main as layout_main
+
+        return layout_main(argv[1:])
+    args = _parser().parse_args(argv)
+    try:
+        if args.command == "compile":
+            return cmd_compile(args)
+        return cmd_run(args)
+    except KeyboardInterrupt:
+        return 130
+    except Exception as e:  # one clear line unless -v
+        if getattr(args, "verbose", 0):
+            raise
+        print(f"tilefuse: error: {type(e).__name__}: {e}" if not _known(e) else f"tilefuse: error: {e}",
+              file=sys.stderr)
+        return 1
+
+
+def _known(e) -> bool:
+    from .frontend.capture import CaptureError
+    from .frontend.expr import ExprError
+
+    known = (CaptureError, ExprError, ValueError)
+    try:
+        from .runtime.nvrtc import CompileError
+
+        known += (CompileError,)
+    except ImportError:
+        pass
+    return isinstance(e, known)
+
+
+def _build(args):
+    import torch
+
+    from .compiler import compile_stages
+    from .frontend.expr import parse
+
+    dtype = getattr(torch, DTYPES[args.dtype]) if args.dtype else None
+    module, inputs, specs = parse(args.expr, dtype)
+    stages = compile_stages(module, inputs, expr=args.expr, arch=args.arch)
+    return module, inputs, specs, stages
+
+
+def cmd_compile(args) -> int:
+    from rich.console import Console
+
+    console = Console(highlight=False)
+    _, _, _, st = _build(args)
+    if args.verbose >= 2:
+        for f in st.fired:
+            console.print(f"[bold]rewrite {f.rule}[/bold]")
+            for line in difflib.unified_diff(f.before.splitlines(), f.after.splitlines(), lineterm="", n=1):
+                console.print(line, markup=False)
+    for stage in args.ir or ["graph"]:
+        if stage == "graph":
+            console.print(str(st.graph), markup=False)
+            console.print()
+            console.print(str(st.plan), markup=False)
+        elif stage == "loop":
+            for lk in st.kernels.values():
+                console.print(str(lk.kernel), markup=False)
+                console.print()
+        else:
+            from .codegen.mapreduce import default_schedule, render
+
+            for lk in st.kernels.values():
+                sched = default_schedule(lk.kernel, args.arch or _default_arch())
+                if stage == "schedule":
+                    console.print(f"{lk.kernel.name}: {sched}  (source: heuristic default)", markup=False)
+                else:
+                    src = render(lk.kernel, sched)
+                    console.print(f"// ---- {lk.kernel.name}: grid {src.grid} block {src.block} "
+                                  f"smem {src.smem_bytes}B cluster {src.cluster}", markup=False)
+                    console.print(src.source, markup=False)
+    return 0
+
+
+def _default_arch() -> str:
+    import torch
+
+    if torch.cuda.is_available():
+        major, minor = torch.cuda.get_device_capability()
+        return f"sm_{major}{minor}" + ("a" if major == 9 else "")
+    return "sm_90a"
+
+
+def cmd_run(args) -> int:
+    import torch
+    from rich.console import Console
+    from rich.table import Table
+
+    from .check import compare, flatten, float64_reference
+
+    console = Console(highlight=False)
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda, but no CUDA GPU is visible")
+    t0 = time.perf_counter()
+    module, _, specs, st = _build(args)
+    prog = st.program
+    if device == "cuda":
+        prog.prepare("cuda")
+    compile_s = time.perf_counter() - t0
+    torch.manual_seed(args.seed)
+    dtype = getattr(torch, DTYPES[args.dtype]) if args.dtype else None
+    inputs = []
+    for s in specs:
+        x = s.make({"torch": torch})
+        inputs.append((x.to(dtype) if dtype and x.is_floating_point() else x).to(device))
+    module = module.to(device)
+    out = flatten(prog(*inputs))
+    with torch.no_grad():
+        eager = flatten(module(*inputs))
+    ref = flatten(float64_reference(module, inputs))
+    where = "CUDA kernels" if device == "cuda" else "the Loop IR interpreter (no GPU)"
+    table = Table(title=f"tilefuse run: {args.expr}  [{where}]")
+    for col in ("output", "shape", "error", "torch error", "bound", "result"):
+        table.add_column(col)
+    ok = True
+    for i, (o, r, e) in enumerate(zip(out, ref, eager)):
+        c = compare(f"out{i}", o, r, e)
+        ok &= c.ok
+        table.add_row(c.name, str(tuple(o.shape)), f"{c.error:.2e}", f"{c.torch_error:.2e}", f"{c.bound:.2e}",
+                      ("[green]pass[/green]" if c.ok else "[red]FAIL[/red]") + (f" {c.note}" if c.note else ""))
+    console.print(table)
+    console.print(f"compile: {compile_s * 1e3:.0f} ms; {len(st.kernels)} fused kernel(s), "
+                  f"{sum(s.family == 'extern' for s in st.plan.steps)} extern(s)")
+    if args.bench:
+        if device != "cuda":
+            console.print("--bench needs a GPU; skipped")
+        else:
+            from .analyze.bench import bench_program
+
+            console.print(bench_program(prog, module, inputs, st))
+    return 0 if ok else 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,363 @@
+"""C++ spellings of scalar ops, constants, dtype conversions and index expressions.
+
+Values live in registers in their *compute type* (`dtypes.compute_type`): bf16 and f16
+values are floats that hold an exactly representable bf16/f16 number, so an op whose
+result dtype is bf16 computes in f32 and rounds (round-to-nearest-even), exactly what the
+NumPy interpreter does with ml_dtypes. Memory holds the storage type (16-bit patterns).
+
+The generated source includes no header: the PRELUDE below spells the few conversions it
+needs in inline PTX (sm_80+), so NVRTC compiles it on a machine with no CUDA toolkit (the
+`nvidia-cuda-nvrtc` wheel ships no cuda_bf16.h) and a cold compile stays fast.
+
+Math: IEEE-accurate library calls (`expf`, `logf`, `erff`, `tanhf`, ...) rather than the
+`__expf` family, whose error grows with |x|; `rsqrtf` (2 ulp) for rsqrt. max/min on floats
+propagate NaN like NumPy (PTX `max.NaN`), so a NaN input can never vanish in a reduction.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .. import dtypes, ops
+from ..loop import ir
+
+# ---------------------------------------------------------------- the prelude
+
+PRELUDE = r"""// ---- tilefuse prelude: storage <-> compute conversions, NaN-propagating max/min
+typedef unsigned short tf_bf16_t;  // bf16 bit pattern in memory
+typedef unsigned short tf_f16_t;   // f16 bit pattern in memory
+
+__device__ __forceinline__ float tf_bf16_to_f32(unsigned short h) { return __uint_as_float(((unsigned)h) << 16); }
+__device__ __forceinline__ unsigned short tf_f32_to_bf16(float x) {
+  unsigned short h; asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(x)); return h;
+}
+__device__ __forceinline__ float tf_f16_to_f32(unsigned short h) {
+  float x; asm("cvt.f32.f16 %0, %1;" : "=f"(x) : "h"(h)); return x;
+}
+__device__ __forceinline__ unsigned short tf_f32_to_f16(float x) {
+  unsigned short h; asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(x)); return h;
+}
+// Round a float to the nearest bf16 / f16 value, kept as a float.
+__device__ __forceinline__ float tf_round_bf16(float x) { return tf_bf16_to_f32(tf_f32_to_bf16(x)); }
+__device__ __forceinline__ float tf_round_f16(float x) { return tf_f16_to_f32(tf_f32_to_f16(x)); }
+
+__device__ __forceinline__ float tf_max(float a, float b) { float r; asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b)); return r; }
+__device__ __forceinline__ float tf_min(float a, float b) { float r; asm("min.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b)); return r; }
+__device__ __forceinline__ double tf_max(double a, double b) { return (a != a || a > b) ? a : b; }
+__device__ __forceinline__ double tf_min(double a, double b) { return (a != a || a < b) ? a : b; }
+template <class T> __device__ __forceinline__ T tf_max(T a, T b) { return a > b ? a : b; }
+template <class T> __device__ __forceinline__ T tf_min(T a, T b) { return a < b ? a : b; }
+
+// Python's floor division and modulo, for index expressions that may go negative.
+__device__ __forceinline__ long long tf_floordiv(long long a, long long b) {
+  long long q = a / b; return (q * b != a && ((a < 0) != (b < 0))) ? q - 1 : q;
+}
+__device__ __forceinline__ long long tf_mod(long long a, long long b) {
+  long long m = a % b; return (m != 0 && ((m < 0) != (b < 0))) ? m + b : m;
+}
+
+// Element i of a chunk held as 32-bit words (a register array, i a compile-time constant
+// once the loops are unrolled).
+__device__ __forceinline__ float tf_get_bf16(const unsigned* w, int i) {
+  unsigned x = w[i >> 1]; return __uint_as_float((i & 1) ? (x & 0xffff0000u) : (x << 16));
+}
+__device__ __forceinline__ float tf_get_f16(const unsigned* w, int i) {
+  return tf_f16_to_f32((unsigned short)(w[i >> 1] >> ((i & 1) * 16)));
+}
+__device__ __forceinline__ float tf_get_f32(const unsigned* w, int i) { return __uint_as_float(w[i]); }
+__device__ __forceinline__ double tf_get_f64(const unsigned* w, int i) {
+  return __longlong_as_double((long long)(((unsigned long long)w[2 * i + 1] << 32) | w[2 * i]));
+}
+__device__ __forceinline__ int tf_get_i32(const unsigned* w, int i) { return (int)w[i]; }
+__device__ __forceinline__ long long tf_get_i64(const unsigned* w, int i) {
+  return (long long)(((unsigned long long)w[2 * i + 1] << 32) | w[2 * i]);
+}
+__device__ __forceinline__ signed char tf_get_i8(const unsigned* w, int i) { return (signed char)(w[i >> 2] >> ((i & 3) * 8)); }
+__device__ __forceinline__ unsigned char tf_get_u8(const unsigned* w, int i) { return (unsigned char)(w[i >> 2] >> ((i & 3) * 8)); }
+__device__ __forceinline__ bool tf_get_bool(const unsigned* w, int i) { return ((w[i >> 2] >> ((i & 3) * 8)) & 0xffu) != 0; }
+
+// Set element i of a chunk of 32-bit words (the words start zeroed).
+__device__ __forceinline__ void tf_put_bf16(unsigned* w, int i, float x) { w[i >> 1] |= ((unsigned)tf_f32_to_bf16(x)) << ((i & 1) * 16); }
+__device__ __forceinline__ void tf_put_f16(unsigned* w, int i, float x) { w[i >> 1] |= ((unsigned)tf_f32_to_f16(x)) << ((i & 1) * 16); }
+__device__ __forceinline__ void tf_put_f32(unsigned* w, int i, float x) { w[i] = __float_as_uint(x); }
+__device__ __forceinline__ void tf_put_f64(unsigned* w, int i, double x) {
+  unsigned long long b = (unsigned long long)__double_as_longlong(x); w[2 * i] = (unsigned)b; w[2 * i + 1] = (unsigned)(b >> 32);
+}
+__device__ __forceinline__ void tf_put_i32(unsigned* w, int i, int x) { w[i] = (unsigned)x; }
+__device__ __forceinline__ void tf_put_i64(unsigned* w, int i, long long x) { w[2 * i] = (unsigned)x; w[2 * i + 1] = (unsigned)((unsigned long long)x >> 32); }
+__device__ __forceinline__ void tf_put_i8(unsigned* w, int i, signed char x) { w[i >> 2] |= ((unsigned)(unsigned char)x) << ((i & 3) * 8); }
+__device__ __forceinline__ void tf_put_u8(unsigned* w, int i, unsigned char x) { w[i >> 2] |= ((unsigned)x) << ((i & 3) * 8); }
+__device__ __forceinline__ void tf_put_bool(unsigned* w, int i, bool x) { w[i >> 2] |= ((unsigned)x) << ((i & 3) * 8); }
+
+// Global memory: read-only vector loads (L1 bypass for streamed rows), vector stores.
+__device__ __forceinline__ void tf_ld16_stream(unsigned* w, const void* p) {
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3]) : "l"(p));
+}
+__device__ __forceinline__ void tf_ld16(unsigned* w, const void* p) {
+  asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3]) : "l"(p));
+}
+__device__ __forceinline__ void tf_ld8(unsigned* w, const void* p) {
+  asm volatile("ld.global.nc.v2.u32 {%0, %1}, [%2];" : "=r"(w[0]), "=r"(w[1]) : "l"(p));
+}
+__device__ __forceinline__ void tf_ld4(unsigned* w, const void* p) { w[0] = *(const unsigned*)p; }
+__device__ __forceinline__ void tf_ld2(unsigned* w, const void* p) { w[0] = *(const unsigned short*)p; }
+__device__ __forceinline__ void tf_ld1(unsigned* w, const void* p) { w[0] = *(const unsigned char*)p; }
+__device__ __forceinline__ void tf_st16(void* p, const unsigned* w) {
+  asm volatile("st.global.v4.u32 [%0], {%1, %2, %3, %4};" :: "l"(p), "r"(w[0]), "r"(w[1]), "r"(w[2]), "r"(w[3]) : "memory");
+}
+__device__ __forceinline__ void tf_st8(void* p, const unsigned* w) {
+  asm volatile("st.global.v2.u32 [%0], {%1, %2};" :: "l"(p), "r"(w[0]), "r"(w[1]) : "memory");
+}
+__device__ __forceinline__ void tf_st4(void* p, const unsigned* w) { *(unsigned*)p = w[0]; }
+__device__ __forceinline__ void tf_st2(void* p, const unsigned* w) { *(unsigned short*)p = (unsigned short)w[0]; }
+__device__ __forceinline__ void tf_st1(void* p, const unsigned* w) { *(unsigned char*)p = (unsigned char)w[0]; }
+"""
+
+# The cluster prelude: distributed shared memory through PTX (sm_90).
+CLUSTER_PRELUDE = r"""// ---- thread-block cluster: rank, barrier, reads of another CTA's shared memory
+__device__ __forceinline__ unsigned tf_cluster_rank() { unsigned r; asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r)); return r; }
+__device__ __forceinline__ void tf_cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+__device__ __forceinline__ unsigned tf_remote_addr(const void* local, unsigned rank) {
+  unsigned a = (unsigned)__cvta_generic_to_shared(local), r;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(rank)); return r;
+}
+__device__ __forceinline__ float tf_remote_ld(const float* p, unsigned rank) {
+  float v; asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(tf_remote_addr(p, rank)) : "memory"); return v;
+}
+__device__ __forceinline__ double tf_remote_ld(const double* p, unsigned rank) {
+  double v; asm volatile("ld.shared::cluster.f64 %0, [%1];" : "=d"(v) : "r"(tf_remote_addr(p, rank)) : "memory"); return v;
+}
+__device__ __forceinline__ int tf_remote_ld(const int* p, unsigned rank) {
+  int v; asm volatile("ld.shared::cluster.s32 %0, [%1];" : "=r"(v) : "r"(tf_remote_addr(p, rank)) : "memory"); return v;
+}
+__device__ __forceinline__ long long tf_remote_ld(const long long* p, unsigned rank) {
+  long long v; asm volatile("ld.shared::cluster.s64 %0, [%1];" : "=l"(v) : "r"(tf_remote_addr(p, rank)) : "memory"); return v;
+}
+"""
+
+# ---------------------------------------------------------------- types and constants
+
+
+def ctype(dtype: str) -> str:
+    """C++ type a value of `dtype` is computed in (bf16/f16 widen to float)."""
+    return dtypes.to_cuda(dtypes.compute_type(dtype))
+
+
+def storage_ctype(dtype: str) -> str:
+    """C++ type of one element of a buffer of `dtype` in memory."""
+    return {"bf16": "tf_bf16_t", "f16": "tf_f16_t"}.get(dtype) or dtypes.to_cuda(dtype)
+
+
+def const(value, dtype: str) -> str:
+    """A literal of `dtype`; floats are first rounded to `dtype`, printed so that they round-trip."""
+    dtypes.check(dtype)
+    if dtype == "bool":
+        return "true" if value else "false"
+    if dtype in dtypes.INTS:
+        v = int(value)
+        return f"{v}LL" if dtype == "i64" else (f"{v}" if dtype != "u8" else f"{v}u")
+    if dtype == "f64":
+        v = float(value)
+        if math.isnan(v):
+            return "__longlong_as_double(0x7ff8000000000000LL)"
+        if math.isinf(v):
+            return f"{'-' if v < 0 else ''}__longlong_as_double(0x7ff0000000000000LL)"
+        return repr(v)
+    v = np.float32(np.array(value).astype(dtypes.to_numpy(dtype)))
+    if np.isnan(v):
+        return "__int_as_float(0x7fffffff)"
+    if np.isinf(v):
+        return "__uint_as_float(0xff800000u)" if v < 0 else "__uint_as_float(0x7f800000u)"
+    text = str(v)
+    if "e" not in text and "." not in text:
+        text += ".0"
+    return text + "f"
+
+
+def identity(op: str, dtype: str) -> str:
+    """Identity of reduction `op` in `dtype` (the value masked-off elements contribute)."""
+    if op not in ops.REDUCTIONS:
+        raise ValueError(f"unknown reduction {op!r}")
+    if op == "sum":
+        return const(0, dtype)
+    if dtypes.is_float(dtype):
+        return const(-math.inf if op == "max" else math.inf, dtype)
+    if dtype == "bool":
+        return "false" if op == "max" else "true"
+    info = np.iinfo(dtypes.to_numpy(dtype))
+    return const(info.min if op == "max" else info.max, dtype)
+
+
+def combine(op: str, a: str, b: str) -> str:
+    """The binary step of reduction `op`."""
+    if op == "sum":
+        return f"{a} + {b}"
+    if op in ("max", "min"):
+        return f"tf_{op}({a}, {b})"
+    raise ValueError(f"unknown reduction {op!r}")
+
+
+# ---------------------------------------------------------------- conversions
+
+
+def round_to(dtype: str, expr: str) -> str:
+    """Round a compute-type expression to `dtype`'s precision (a no-op unless bf16/f16)."""
+    if dtype == "bf16":
+        return f"tf_round_bf16({expr})"
+    if dtype == "f16":
+        return f"tf_round_f16({expr})"
+    return expr
+
+
+def cast(expr: str, src: str, dst: str) -> str:
+    """Convert a compute-type value of dtype `src` to dtype `dst` (NumPy's astype)."""
+    if src == dst:
+        return expr
+    if dst == "bool":
+        return f"(({expr}) != 0)"
+    if dtypes.is_float(dst):
+        widened = expr if ctype(src) == ctype(dst) else f"({ctype(dst)})({expr})"
+        # Narrowing to bf16/f16 rounds; every other float destination holds the value (or
+        # the C conversion rounds it, f64 -> f32 and int -> float).
+        return round_to(dst, widened) if dst in ("bf16", "f16") else widened
+    # integer destination: floats truncate toward zero, like astype
+    return f"({ctype(dst)})({expr})"
+
+
+def to_storage(dtype: str, expr: str) -> str:
+    """Compute-type expression -> the bits stored in memory."""
+    if dtype == "bf16":
+        return f"tf_f32_to_bf16({expr})"
+    if dtype == "f16":
+        return f"tf_f32_to_f16({expr})"
+    return f"({dtypes.to_cuda(dtype)})({expr})"
+
+
+def from_storage(dtype: str, expr: str) -> str:
+    """A storage element (memory bits) -> compute-type expression."""
+    if dtype == "bf16":
+        return f"tf_bf16_to_f32({expr})"
+    if dtype == "f16":
+        return f"tf_f16_to_f32({expr})"
+    return expr
+
+
+# ---------------------------------------------------------------- scalar ops
+
+_FLOAT_FN = {
+    # op: (f32 spelling, f64 spelling)
+    "exp": ("expf", "exp"), "exp2": ("exp2f", "exp2"), "log": ("logf", "log"),
+    "log2": ("log2f", "log2"), "log1p": ("log1pf", "log1p"), "expm1": ("expm1f", "expm1"),
+    "sqrt": ("sqrtf", "sqrt"), "rsqrt": ("rsqrtf", "rsqrt"), "tanh": ("tanhf", "tanh"),
+    "sin": ("sinf", "sin"), "cos": ("cosf", "cos"), "erf": ("erff", "erf"),
+    "floor": ("floorf", "floor"), "pow": ("powf", "pow"),
+}
+_CMP = {"eq": "==", "ne": "!=", "lt": "<", "le": "<=", "gt": ">", "ge": ">="}
+_ARITH = {"add": "+", "sub": "-", "mul": "*", "div": "/"}
+
+
+def op(name: str, args: list[str], arg_dtypes: list[str], dtype: str) -> str:
+    """C++ expression for `dtype = name(args)`; args are compute-type expressions.
+
+    The result is rounded to `dtype` when it is bf16/f16 (compute in f32, then round).
+    """
+    info = ops.info(name)
+    if len(args) != info.arity:
+        raise ValueError(f"op {name} takes {info.arity} arguments, got {len(args)}")
+    ct = ctype(dtype)
+    if name == "cast":
+        return cast(args[0], arg_dtypes[0], dtype)
+    if info.kind == "cmp":
+        return f"({args[0]} {_CMP[name]} {args[1]})"
+    if info.kind == "logic":
+        if name == "not":
+            return f"(!{args[0]})"
+        return f"({args[0]} {'&&' if name == 'and' else '||'} {args[1]})"
+
+    def conv(i):  # argument i in the result's compute type
+        a, d = args[i], arg_dtypes[i]
+        return a if ctype(d) == ct else f"({ct})({a})"
+
+    f64 = dtypes.compute_type(dtype) == "f64"
+    is_float = dtypes.is_float(dtype)
+    if name in _FLOAT_FN:
+        fn = _FLOAT_FN[name][1 if f64 else 0]
+        e = f"{fn}({', '.join(conv(i) for i in range(info.arity))})"
+    elif name == "recip":
+        e = f"({const(1, dtypes.compute_type(dtype))} / {conv(0)})"
+    elif name == "sigmoid":
+        one = const(1, dtypes.compute_type(dtype))
+        e = f"({one} / ({one} + {'exp' if f64 else 'expf'}(-{conv(0)})))"
+    elif name == "neg":
+        e = f"(-{conv(0)})"
+    elif name == "abs":
+        e = f"{'fabs' if f64 else 'fabsf'}({conv(0)})" if is_float else f"({conv(0)} < 0 ? -{conv(0)} : {conv(0)})"
+    elif name == "relu":
+        zero = const(0, dtypes.compute_type(dtype))
+        e = f"tf_max({conv(0)}, {zero})"
+    elif name in _ARITH:
+        e = f"({conv(0)} {_ARITH[name]} {conv(1)})"
+    elif name in ("max", "min"):
+        e = f"tf_{name}({conv(0)}, {conv(1)})"
+    elif name == "where":
+        e = f"({args[0]} ? {conv(1)} : {conv(2)})"
+    else:  # pragma: no cover - every op of ops.OPS is spelled above
+        raise ValueError(f"no C++ spelling for op {name!r}")
+    if is_float:
+        return round_to(dtype, e)
+    return e
+
+
+def check_all_ops_spelled():
+    """Every op in ops.OPS has a spelling (a test calls this)."""
+    missing = []
+    for name, info in ops.OPS.items():
+        try:
+            op(name, ["a", "b", "c"][: info.arity], ["f32"] * info.arity if name != "where"
+               else ["bool", "f32", "f32"], "f32" if info.kind not in ("cmp", "logic") else "bool")
+        except ValueError:
+            missing.append(name)
+    return missing
+
+
+# ---------------------------------------------------------------- index expressions
+
+
+def index(e: ir.Index, env: dict[str, str]) -> str:
+    """C++ (long long) for an index expression; `env` maps loop vars and SSA values to C names."""
+    if isinstance(e, ir.IConst):
+        return f"{e.value}LL" if abs(e.value) >= 2**31 else str(e.value)
+    if isinstance(e, ir.Var):
+        return env[e.name]
+    if isinstance(e, ir.Val):
+        return f"(long long)({env[e.name]})"
+    if isinstance(e, ir.IBin):
+        a, b = index(e.a, env), index(e.b, env)
+        if e.op == "+":
+            return f"({a} + {b})"
+        if e.op == "*":
+            return f"((long long)({a}) * ({b}))"
+        if e.op == "//":
+            return f"tf_floordiv({a}, {b})"
+        return f"tf_mod({a}, {b})"
+    raise TypeError(f"not an index expression: {e!r}")
+
+
+def flat_offset(buf: ir.Buffer, index_exprs: tuple, env: dict[str, str]) -> str:
+    """Row-major element offset of buf[index...] as a C++ expression."""
+    if len(index_exprs) != len(buf.shape):
+        raise ValueError(f"buffer {buf.name} has {len(buf.shape)} dims, indexed with {len(index_exprs)}")
+    if not index_exprs:
+        return "0"
+    terms = []
+    stride = 1
+    for e, n in reversed(list(zip(index_exprs, buf.shape))):
+        s = index(e, env)
+        terms.append(s if stride == 1 else f"({s}) * {stride}LL")
+        stride *= n
+    return " + ".join(reversed(terms))

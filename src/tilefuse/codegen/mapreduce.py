@@ -1,0 +1,759 @@
+"""CUDA C++ for the map-reduce family: one row of the Loop IR kernel per group of threads.
+
+The row stays on chip. Every input read in the column loops at a contiguous (r, c)-like
+index is a *stream*: each thread loads its chunks of the row once, with 16-byte vector
+loads, into registers (`stage="regs"`), and every Reduce and Loop over the row reads them
+from there. A chunk is `vector` consecutive elements; chunk q of a row belongs to thread
+`q % P` of the row's P threads, so a warp's accesses are contiguous.
+
+    rows --> row groups of `group` threads (several rows per CTA, one row per warp, or
+             one row per CTA; a row of >= 32k elements spans a cluster of `cluster` CTAs)
+    per row:  loads of every stream (all in flight before the first use)
+              row-scalar statements, in order
+              Reduce: thread-local -> warp shuffles -> shared memory across warps
+                      -> distributed shared memory across the cluster's CTAs
+              Loop:   element-wise math, stores packed into 16-byte vector stores
+
+Rows too long to keep in registers (without a cluster, e.g. on sm_80) use
+`stage="stream"`: each pass re-reads its chunks from global memory (L2 catches part).
+Loads the vector path cannot serve (gathers, strided or misaligned indices, odd row
+lengths) are scalar loads at the element's own index; tails are masked, any length works.
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field, replace
+
+from .. import dtypes
+from ..loop import ir
+from . import cexpr
+
+# ---------------------------------------------------------------- schedule and source
+
+
+@dataclass(frozen=True)
+class MapReduceSchedule:
+    """How a map-reduce kernel is laid out on the GPU.
+
+    threads:    threads per CTA.
+    group:      threads that share one row inside a CTA: 1, 2, 4, 8, 16 or 32 (a row per
+                sub-warp or warp, threads/group rows per CTA), or a multiple of 32 that
+                divides `threads` (warps combine through shared memory).
+    vector:     elements per chunk (8 for bf16 = one 16-byte access).
+    cluster:    CTAs per row (> 1: sm_90 thread-block cluster; one row per cluster).
+    stage:      "regs" (the row's chunks stay in registers, read once from memory) or
+                "stream" (each pass over the row re-reads it; for rows too long for regs).
+    unroll:     stream mode: chunks per unrolled iteration (loads in flight per thread).
+    min_blocks: __launch_bounds__ minimum CTAs per SM (caps registers per thread).
+    """
+
+    threads: int = 256
+    group: int = 256
+    vector: int = 8
+    cluster: int = 1
+    stage: str = "regs"
+    unroll: int = 4
+    min_blocks: int = 1
+
+    def __post_init__(self):
+        if not 1 <= self.threads <= 1024 or self.threads % 32:
+            raise ValueError(f"threads per CTA must be a multiple of 32 up to 1024, not {self.threads}")
+        g = self.group
+        if g <= 32:
+            if g & (g - 1):
+                raise ValueError(f"a row group of up to 32 threads must be a power of two, not {g}")
+        elif g % 32 or self.threads % g:
+            raise ValueError(f"a row group of {g} threads must be a multiple of 32 dividing {self.threads}")
+        if self.threads % g:
+            raise ValueError(f"row group {g} does not divide {self.threads} threads")
+        if self.vector not in (1, 2, 4, 8, 16):
+            raise ValueError(f"vector width must be 1, 2, 4, 8 or 16 elements, not {self.vector}")
+        if self.cluster not in (1, 2, 4, 8, 16):
+            raise ValueError(f"cluster size must be 1, 2, 4, 8 or 16, not {self.cluster}")
+        if self.cluster > 1 and self.group != self.threads:
+            raise ValueError("a clustered schedule has one row per cluster: group must equal threads")
+        if self.stage not in ("regs", "stream"):
+            raise ValueError(f"stage must be 'regs' or 'stream', not {self.stage!r}")
+
+    @property
+    def rows_per_cta(self) -> int:
+        return self.threads // self.group
+
+    def __str__(self):
+        return (f"mapreduce(threads={self.threads}, group={self.group}, rows/cta={self.rows_per_cta}, "
+                f"vector={self.vector}, cluster={self.cluster}, stage={self.stage}, "
+                f"unroll={self.unroll}, min_blocks={self.min_blocks})")
+
+
+@dataclass(frozen=True)
+class KernelSource:
+    """A rendered kernel: what NVRTC compiles and what the launcher needs."""
+
+    name: str                       # extern "C" entry point
+    code: str                       # CUDA C++
+    grid: tuple[int, int, int]
+    block: tuple[int, int, int]
+    smem_bytes: int                 # dynamic shared memory per CTA
+    cluster: tuple[int, int, int]   # (1, 1, 1) when not clustered
+    params: tuple[str, ...]         # buffer names in launch order (kernel.params order)
+    alignment: tuple[tuple[str, int], ...] = ()  # (buffer, bytes) its data pointer must be aligned to
+    schedule: MapReduceSchedule | None = field(default=None, compare=False)
+
+
+# ---------------------------------------------------------------- access analysis
+
+
+def _c_offset(e: ir.Index, cvar: str):
+    """`e` as c + k (returns k), or None if `e` is not that shape."""
+    if isinstance(e, ir.Var) and e.name == cvar:
+        return 0
+    if isinstance(e, ir.IBin) and e.op == "+":
+        if isinstance(e.a, ir.Var) and e.a.name == cvar and isinstance(e.b, ir.IConst):
+            return e.b.value
+        if isinstance(e.b, ir.Var) and e.b.name == cvar and isinstance(e.a, ir.IConst):
+            return e.a.value
+    return None
+
+
+@dataclass(frozen=True)
+class _Stream:
+    """A buffer read or written contiguously along the row: base(row) + c."""
+
+    key: tuple
+    buf: ir.Buffer
+    base_index: tuple  # the index with the column replaced by its constant offset
+    name: str          # C identifier stem
+
+    @property
+    def itemsize(self):
+        return dtypes.itemsize(self.buf.dtype)
+
+    @property
+    def per_row(self) -> bool:
+        """True for a row of a matrix (read once); False for a column vector shared by all rows."""
+        return any(ir.index_vars(e) for e in self.base_index)
+
+
+def _contiguous(buf: ir.Buffer, index: tuple, cvar: str, vector: int):
+    """base_index if buf[index] is contiguous in `cvar` and chunk-aligned for `vector`, else None."""
+    if len(index) != len(buf.shape) or not buf.shape:
+        return None
+    strides = []
+    s = 1
+    for n in reversed(buf.shape):
+        strides.append(s)
+        s *= n
+    strides.reverse()
+    c_dims = [i for i, e in enumerate(index) if cvar in ir.index_vars(e)]
+    if len(c_dims) != 1 or strides[c_dims[0]] != 1:
+        return None
+    k = _c_offset(index[c_dims[0]], cvar)
+    if k is None:
+        return None
+    const_part = k
+    for i, e in enumerate(index):
+        if i == c_dims[0]:
+            continue
+        if ir.index_values(e):  # a gather: base unknown until a value is loaded
+            return None
+        if isinstance(e, ir.IConst):
+            const_part += e.value * strides[i]
+        elif strides[i] % vector:
+            return None
+    if const_part % vector:
+        return None
+    base = tuple(ir.IConst(k) if i == c_dims[0] else e for i, e in enumerate(index))
+    return base
+
+
+def _inner_blocks(parts: ir.RowKernel):
+    return [s for s in parts.body if isinstance(s, (ir.Loop, ir.Reduce))]
+
+
+def _choose_vector(kernel: ir.Kernel, parts: ir.RowKernel) -> int:
+    """Widest chunk (16 bytes of the narrowest streamed dtype) that divides the row length."""
+    sizes = []
+    for blk in _inner_blocks(parts):
+        for s in blk.body:
+            if isinstance(s, (ir.Load, ir.Store)):
+                buf = kernel.buffer(s.buf)
+                if _contiguous(buf, s.index, blk.var, 1) is not None:
+                    sizes.append(dtypes.itemsize(buf.dtype))
+    if not sizes:
+        return 1
+    v = 16 // min(sizes)
+    while v > 1 and parts.col_extent % v:
+        v //= 2
+    return v
+
+
+@dataclass(frozen=True)
+class _Analysis:
+    in_streams: dict    # key -> _Stream (loads served from staged chunks)
+    out_streams: dict   # key -> _Stream (stores packed into vector stores)
+    load_stream: dict   # id(Load) -> key
+    store_stream: dict  # id(Store) -> key
+
+
+def _analyse(kernel: ir.Kernel, parts: ir.RowKernel, vector: int) -> _Analysis:
+    ins, outs, lmap, smap = {}, {}, {}, {}
+    for blk in _inner_blocks(parts):
+        stores_seen = set()
+        for s in blk.body:
+            if not isinstance(s, (ir.Load, ir.Store)):
+                continue
+            buf = kernel.buffer(s.buf)
+            base = _contiguous(buf, s.index, blk.var, vector)
+            if base is None:
+                continue
+            key = (buf.name, tuple(str(e) for e in base))
+            table = ins if isinstance(s, ir.Load) else outs
+            if isinstance(s, ir.Store):
+                if key in stores_seen:  # two stores to one chunk in a loop: keep them scalar
+                    continue
+                stores_seen.add(key)
+            if key not in table:
+                stem = _ident(buf.name) + ("" if not any(k[0] == buf.name for k in table) else f"_{len(table)}")
+                table[key] = _Stream(key, buf, base, stem)
+            (lmap if isinstance(s, ir.Load) else smap)[id(s)] = key
+    return _Analysis(ins, outs, lmap, smap)
+
+
+def _ident(name: str) -> str:
+    return re.sub(r"\W", "_", name)
+
+
+def _words(dtype: str, vector: int) -> int:
+    """32-bit words holding one chunk of `vector` elements of `dtype`."""
+    return max(1, vector * dtypes.itemsize(dtype) // 4)
+
+
+# ---------------------------------------------------------------- default schedule
+
+
+def _arch_number(arch: str) -> int:
+    m = re.fullmatch(r"(?:sm|compute)_(\d+)a?", arch)
+    if not m:
+        raise ValueError(f"unknown GPU architecture {arch!r} (expected e.g. sm_90a or sm_80)")
+    return int(m.group(1))
+
+
+def supports_clusters(arch: str) -> bool:
+    return _arch_number(arch) >= 90
+
+
+def _pow2ceil(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+TARGET_WORDS = 16  # registers per thread for staged row chunks: about 64 bytes in flight
+STAGE_WORDS = 24   # the most a schedule may spend on them (under a 64-register cap)
+
+
+def staged_words(kernel: ir.Kernel, vector: int) -> int:
+    """32-bit registers one chunk of every staged (per-row input) stream takes."""
+    parts = ir.row_kernel_parts(kernel)
+    ana = _analyse(kernel, parts, vector)
+    return sum(_words(s.buf.dtype, vector) for s in ana.in_streams.values() if s.per_row)
+
+
+def default_schedule(kernel: ir.Kernel, arch: str = "sm_90a") -> MapReduceSchedule:
+    """A schedule from the row length, the staged bytes per element and the target.
+
+    Aim: about TARGET_WORDS registers (64 bytes) of row chunks in flight per thread, at
+    most STAGE_WORDS, under a 64-register cap so that at least 1024 threads fit an SM.
+    Short rows share a warp or a CTA; long rows get their own CTA; rows too long for one
+    CTA's registers get a cluster (sm_90) or, without clusters, the streaming stage.
+    """
+    parts = ir.row_kernel_parts(kernel)
+    C = parts.col_extent
+    v = _choose_vector(kernel, parts)
+    words = max(1, staged_words(kernel, v))
+    k_target = max(1, min(16, TARGET_WORDS // words))
+    k_max = max(1, min(32, STAGE_WORDS // words))
+    chunks = -(-C // v)
+    want = -(-chunks // k_target)
+    if want <= 32:  # a row per warp or sub-warp, many rows per CTA
+        return MapReduceSchedule(threads=256, group=_pow2ceil(want), vector=v, min_blocks=3)
+    if want <= 512:  # a row per CTA (two per CTA for 64-thread rows)
+        g = _pow2ceil(want)
+        t = max(g, 128)
+        return MapReduceSchedule(threads=t, group=g, vector=v, min_blocks=max(1, 1024 // t))
+    clusters = (1, 2, 4, 8) if supports_clusters(arch) else (1,)
+    shapes = [(512, cl) for cl in clusters] + [(1024, clusters[-1])]
+    for k in (k_target, k_max):
+        for t, cl in shapes:
+            if -(-chunks // (t * cl)) <= k:
+                return MapReduceSchedule(threads=t, group=t, vector=v, cluster=cl, min_blocks=max(1, 1024 // t))
+    return MapReduceSchedule(threads=512, group=512, vector=v, stage="stream", unroll=4, min_blocks=2)
+
+
+# ---------------------------------------------------------------- rendering
+
+
+class _Emitter:
+    """Accumulates indented lines of C++."""
+
+    def __init__(self):
+        self.lines: list[str] = []
+        self.depth = 0
+
+    def __call__(self, line: str = ""):
+        self.lines.append(("  " * self.depth + line) if line else "")
+
+    def open(self, line: str):
+        self(f"{line} {{" if line else "{")
+        self.depth += 1
+
+    def close(self, tail: str = ""):
+        self.depth -= 1
+        self("}" + tail)
+
+    def text(self):
+        return "\n".join(self.lines) + "\n"
+
+
+@dataclass
+class _Ctx:
+    kernel: ir.Kernel
+    parts: ir.RowKernel
+    sched: MapReduceSchedule
+    ana: _Analysis
+    V: int
+    C: int
+    P: int           # threads per row (group * cluster)
+    nchunk: int      # chunks per thread (regs) or chunk loop trip count (stream)
+    full: bool       # every chunk of every thread is inside the row
+    names: dict = field(default_factory=dict)     # SSA name -> C identifier
+    dtype_of: dict = field(default_factory=dict)  # SSA name -> IR dtype
+    store_only_casts: set = field(default_factory=set)
+    rgroup: int = 0  # reduce groups emitted so far
+
+    def c(self, ssa: str) -> str:
+        return self.names[ssa]
+
+    def define(self, ssa: str, dtype: str) -> str:
+        base = "v_" + _ident(ssa)
+        name = base
+        i = 1
+        while name in self.names.values():
+            name = f"{base}_{i}"
+            i += 1
+        self.names[ssa] = name
+        self.dtype_of[ssa] = dtype
+        return name
+
+
+def _cast_store_only(kernel: ir.Kernel, body) -> set:
+    uses: dict[str, list] = {}
+
+    def use(name, stmt):
+        uses.setdefault(name, []).append(stmt)
+
+    for s in ir.walk(body):
+        if isinstance(s, ir.Op):
+            for a in s.args:
+                use(a, s)
+        elif isinstance(s, (ir.Store,)):
+            use(s.value, s)
+        elif isinstance(s, ir.Reduce):
+            use(s.value, s)
+        if isinstance(s, (ir.Load, ir.Store)):
+            for e in s.index:
+                for v in ir.index_values(e):
+                    use(v, s)
+        if isinstance(s, ir.IndexValue):
+            for v in ir.index_values(s.expr):
+                use(v, s)
+    out = set()
+    for s in ir.walk(body):
+        if isinstance(s, ir.Op) and s.op == "cast" and s.dtype in ("bf16", "f16"):
+            us = uses.get(s.dst, [])
+            if us and all(isinstance(u, ir.Store) and u.value == s.dst
+                          and kernel.buffer(u.buf).dtype == s.dtype for u in us):
+                out.add(s.dst)
+    return out
+
+
+def _env(ctx: _Ctx, cvar: str | None) -> dict:
+    env = {ctx.parts.row_var: "r"}
+    if cvar is not None:
+        env[cvar] = "c"
+    env.update(ctx.names)
+    return env
+
+
+def _guarded_load(ctx: _Ctx, s: ir.Load, env: dict, extra_guard: str) -> str:
+    """A scalar load at the element's own index, with masks for the row and for gathers."""
+    buf = ctx.kernel.buffer(s.buf)
+    off = cexpr.flat_offset(buf, s.index, env)
+    guards = [g for g in (extra_guard,) if g]
+    for e, n in zip(s.index, buf.shape):
+        if ir.index_values(e):  # a gathered index: stay inside the buffer
+            guards.append(f"(unsigned long long)({cexpr.index(e, env)}) < {n}ULL")
+    load = cexpr.from_storage(buf.dtype, f"{_ident(buf.name)}[{off}]")
+    if not guards:
+        return load
+    return f"({' && '.join(guards)}) ? {load} : ({cexpr.ctype(buf.dtype)})0"
+
+
+def _emit_stmt(ctx: _Ctx, em: _Emitter, s, env: dict, *, inner: bool, src_chunk=None, out_chunk=None):
+    """One scalar statement (not a loop). In an inner body, `src_chunk(key)` names the
+    staged words of a stream and `out_chunk(key)` the packed words of an output chunk."""
+    if isinstance(s, ir.Const):
+        name = ctx.define(s.dst, s.dtype)
+        em(f"const {cexpr.ctype(s.dtype)} {name} = {cexpr.const(s.value, s.dtype)};")
+    elif isinstance(s, ir.Op):
+        args = [ctx.c(a) for a in s.args]
+        arg_dtypes = [ctx.dtype_of[a] for a in s.args]
+        if s.dst in ctx.store_only_casts:  # the store's conversion rounds it
+            expr = cexpr.cast(args[0], arg_dtypes[0], "f32")
+        else:
+            expr = cexpr.op(s.op, args, arg_dtypes, s.dtype)
+        name = ctx.define(s.dst, s.dtype)
+        em(f"const {cexpr.ctype(s.dtype)} {name} = {expr};")
+        env[s.dst] = name
+    elif isinstance(s, ir.IndexValue):
+        name = ctx.define(s.dst, s.dtype)
+        em(f"const {cexpr.ctype(s.dtype)} {name} = ({cexpr.ctype(s.dtype)})({cexpr.index(s.expr, env)});")
+    elif isinstance(s, ir.Load):
+        buf = ctx.kernel.buffer(s.buf)
+        key = ctx.ana.load_stream.get(id(s)) if inner else None
+        if key is not None and src_chunk is not None:
+            expr = f"tf_get_{buf.dtype}({src_chunk(key)}, v)"
+        else:
+            expr = _guarded_load(ctx, s, env, "row_ok")
+        name = ctx.define(s.dst, buf.dtype)
+        em(f"const {cexpr.ctype(buf.dtype)} {name} = {expr};")
+    elif isinstance(s, ir.Store):
+        buf = ctx.kernel.buffer(s.buf)
+        val = ctx.c(s.value)
+        vdt = ctx.dtype_of[s.value]
+        if vdt != buf.dtype and s.value not in ctx.store_only_casts:
+            val = cexpr.cast(val, vdt, buf.dtype)
+        key = ctx.ana.store_stream.get(id(s)) if inner else None
+        if key is not None and out_chunk is not None:
+            em(f"tf_put_{buf.dtype}({out_chunk(key)}, v, {val});")
+        else:
+            off = cexpr.flat_offset(buf, s.index, env)
+            guard = "row_ok" if inner else "row_ok && p == 0"
+            for e, n in zip(s.index, buf.shape):
+                if ir.index_values(e):
+                    guard += f" && (unsigned long long)({cexpr.index(e, env)}) < {n}ULL"
+            em(f"if ({guard}) {_ident(buf.name)}[{off}] = {cexpr.to_storage(buf.dtype, val)};")
+    else:
+        raise ValueError(f"kernel {ctx.kernel.name}: unexpected statement {s}")
+    if isinstance(s, (ir.Const, ir.Op, ir.IndexValue, ir.Load)):
+        env[s.dst] = ctx.c(s.dst)
+
+
+def _ld_fn(nbytes: int, stream: bool) -> list[tuple[str, int]]:
+    """Load calls for a chunk of nbytes: [(function, word offset)]."""
+    if nbytes >= 16:
+        fn = "tf_ld16_stream" if stream else "tf_ld16"
+        return [(fn, 4 * i) for i in range(nbytes // 16)]
+    return [({8: "tf_ld8", 4: "tf_ld4", 2: "tf_ld2", 1: "tf_ld1"}[nbytes], 0)]
+
+
+def _st_fn(nbytes: int) -> list[tuple[str, int]]:
+    if nbytes >= 16:
+        return [("tf_st16", 4 * i) for i in range(nbytes // 16)]
+    return [({8: "tf_st8", 4: "tf_st4", 2: "tf_st2", 1: "tf_st1"}[nbytes], 0)]
+
+
+def _emit_chunk_load(ctx: _Ctx, em: _Emitter, st: _Stream, dst: str, guard: str):
+    """dst (words) <- this thread's chunk of stream st at column c0, zeros where masked."""
+    nbytes = ctx.V * st.itemsize
+    calls = _ld_fn(nbytes, stream=st.per_row)
+    w = _words(st.buf.dtype, ctx.V)
+    ptr = f"{_ident(st.buf.name)} + b_{st.name} + c0"
+    body = " ".join(
+        f"{fn}({dst} + {off}, {ptr}{'' if off == 0 else f' + {off * 4 // st.itemsize}'});"
+        for fn, off in calls)
+    zero = " ".join(f"{dst}[{i}] = 0u;" for i in range(w))
+    if guard:
+        em(f"if ({guard}) {{ {body} }} else {{ {zero} }}")
+    else:
+        em(body)
+
+
+def _chunk_header(ctx: _Ctx, em: _Emitter, regs: bool):
+    """Opens the loop over this thread's chunks and the column c0 of the current one."""
+    if regs:
+        em("#pragma unroll")
+    elif ctx.sched.unroll > 1:
+        em(f"#pragma unroll {ctx.sched.unroll}")
+    em.open(f"for (int j = 0; j < {ctx.nchunk}; ++j)")
+    em(f"const long long c0 = (long long)(j * {ctx.P} + p) * {ctx.V};")
+    if not ctx.full:
+        em.open(f"if (c0 < {ctx.C})")
+
+
+def _chunk_footer(ctx: _Ctx, em: _Emitter):
+    if not ctx.full:
+        em.close()
+    em.close()
+
+
+def _streams_used(ctx: _Ctx, body, table: dict, key_map: dict):
+    keys = []
+    for s in body:
+        k = key_map.get(id(s))
+        if k is not None and k not in keys:
+            keys.append(k)
+    return [table[k] for k in keys]
+
+
+def _emit_pass(ctx: _Ctx, em: _Emitter, blocks: list, cvar_of: list, accs: list):
+    """One pass over this thread's chunks, running the bodies of `blocks` per element.
+
+    `accs[i]` is the accumulator of blocks[i] when it is a Reduce (None for a Loop).
+    """
+    regs = ctx.sched.stage == "regs"
+    _chunk_header(ctx, em, regs)
+    all_body = [s for b in blocks for s in b.body]
+    staged = {k for k, st in ctx.ana.in_streams.items() if regs and st.per_row}
+    for st in _streams_used(ctx, all_body, ctx.ana.in_streams, ctx.ana.load_stream):
+        if st.key not in staged:  # not held in registers: this pass loads the chunk it reads
+            em(f"unsigned {st.name}_c[{_words(st.buf.dtype, ctx.V)}];")
+            _emit_chunk_load(ctx, em, st, f"{st.name}_c", "row_ok")
+
+    def src_chunk(key):
+        st = ctx.ana.in_streams[key]
+        return f"{st.name}_s[j]" if key in staged else f"{st.name}_c"
+
+    outs = _streams_used(ctx, all_body, ctx.ana.out_streams, ctx.ana.store_stream)
+    for st in outs:
+        w = _words(st.buf.dtype, ctx.V)
+        em(f"unsigned {st.name}_o[{w}] = {{{', '.join(['0u'] * w)}}};")
+    out_chunk = lambda key: f"{ctx.ana.out_streams[key].name}_o"  # noqa: E731
+    em("#pragma unroll")
+    em.open(f"for (int v = 0; v < {ctx.V}; ++v)")
+    em("const long long c = c0 + v; (void)c;")
+    saved = dict(ctx.names), dict(ctx.dtype_of)
+    for blk, acc in zip(blocks, accs):
+        env = _env(ctx, None)
+        env[blk.var] = "c"
+        if len(blocks) > 1:
+            em(f"// {blk.header()}")
+            em.open("")
+        for s in blk.body:
+            _emit_stmt(ctx, em, s, env, inner=True, src_chunk=src_chunk, out_chunk=out_chunk)
+        if isinstance(blk, ir.Reduce):
+            val = ctx.c(blk.value)
+            vdt = ctx.dtype_of[blk.value]
+            acc_t = dtypes.compute_type(blk.dtype)
+            if dtypes.compute_type(vdt) != acc_t:
+                val = f"({cexpr.ctype(acc_t)})({val})"
+            em(f"{acc} = {cexpr.combine(blk.op, acc, val)};")
+        if len(blocks) > 1:
+            em.close()
+        ctx.names, ctx.dtype_of = dict(saved[0]), dict(saved[1])  # body values die here
+    em.close()
+    for st in outs:
+        nbytes = ctx.V * st.itemsize
+        ptr = f"{_ident(st.buf.name)} + b_{st.name} + c0"
+        calls = " ".join(
+            f"{fn}({ptr}{'' if off == 0 else f' + {off * 4 // st.itemsize}'}, {st.name}_o + {off});"
+            for fn, off in _st_fn(nbytes))
+        em(f"if (row_ok) {{ {calls} }}")
+    _chunk_footer(ctx, em)
+
+
+def _shfl(acc: str, ctype: str, off: int) -> str:
+    if ctype in ("float", "double", "int", "long long", "unsigned", "unsigned long long"):
+        return f"__shfl_xor_sync(0xffffffffu, {acc}, {off})"
+    return f"({ctype})__shfl_xor_sync(0xffffffffu, (int){acc}, {off})"
+
+
+def _emit_reduce_group(ctx: _Ctx, em: _Emitter, group: list):
+    """A run of mutually independent Reduces: one pass, one exchange."""
+    sch = ctx.sched
+    gi = ctx.rgroup
+    ctx.rgroup += 1
+    accs = []
+    em(f"// ---- reduce {', '.join('%' + r.dst for r in group)} over the row")
+    for r in group:
+        acc_t = dtypes.compute_type(r.dtype)
+        acc = f"acc_{_ident(r.dst)}"
+        accs.append(acc)
+        em(f"{cexpr.ctype(acc_t)} {acc} = {cexpr.identity(r.op, acc_t)};")
+    _emit_pass(ctx, em, group, [r.var for r in group], accs)
+    g = sch.group
+    if g > 1:
+        em(f"// across the {min(g, 32)} threads of the {'warp' if g >= 32 else 'row group'} (butterfly: all lanes agree)")
+        em("#pragma unroll")
+        em.open(f"for (int o = {min(g, 32) // 2}; o > 0; o >>= 1)")
+        for r, acc in zip(group, accs):
+            em(f"{acc} = {cexpr.combine(r.op, acc, _shfl(acc, cexpr.ctype(r.dtype if dtypes.compute_type(r.dtype) == r.dtype else 'f32'), 'o'))};")
+        em.close()
+    if g > 32:
+        wpr = g // 32
+        em(f"// across the {wpr} warps of the row, through shared memory")
+        for r, acc in zip(group, accs):
+            ct = cexpr.ctype(r.dtype)
+            em(f"__shared__ {ct} red{gi}_{_ident(r.dst)}[{sch.rows_per_cta}][{wpr}];")
+        em.open("if ((lane & 31) == 0)")
+        for r, acc in zip(group, accs):
+            em(f"red{gi}_{_ident(r.dst)}[slot][lane >> 5] = {acc};")
+        em.close()
+        em("__syncthreads();")
+        for r, acc in zip(group, accs):
+            arr = f"red{gi}_{_ident(r.dst)}[slot]"
+            em(f"{acc} = {arr}[0];")
+            em(f"#pragma unroll")
+            em(f"for (int w = 1; w < {wpr}; ++w) {acc} = {cexpr.combine(r.op, acc, arr + '[w]')};")
+    if sch.cluster > 1:
+        em(f"// across the {sch.cluster} CTAs of the cluster, through distributed shared memory (rank order: all CTAs agree)")
+        for r, acc in zip(group, accs):
+            ct = cexpr.ctype(r.dtype)
+            em(f"__shared__ {ct} cl{gi}_{_ident(r.dst)};")
+        em.open("if (threadIdx.x == 0)")
+        for r, acc in zip(group, accs):
+            em(f"cl{gi}_{_ident(r.dst)} = {acc};")
+        em.close()
+        em("tf_cluster_sync();")
+        for r, acc in zip(group, accs):
+            var = f"cl{gi}_{_ident(r.dst)}"
+            em(f"{acc} = tf_remote_ld(&{var}, 0);")
+            em("#pragma unroll")
+            em(f"for (unsigned k = 1; k < {sch.cluster}; ++k) {acc} = "
+               f"{cexpr.combine(r.op, acc, f'tf_remote_ld(&{var}, k)')};")
+    for r, acc in zip(group, accs):
+        name = ctx.define(r.dst, r.dtype)
+        val = acc if dtypes.compute_type(r.dtype) == r.dtype else cexpr.round_to(r.dtype, acc)
+        em(f"const {cexpr.ctype(r.dtype)} {name} = {val};")
+
+
+def _independent(group: list, r: ir.Reduce) -> bool:
+    """r's body reads none of group's results."""
+    dsts = {g.dst for g in group}
+    for s in ir.walk(r.body):
+        reads = set()
+        if isinstance(s, ir.Op):
+            reads |= set(s.args)
+        if isinstance(s, (ir.Load, ir.Store)):
+            for e in s.index:
+                reads |= ir.index_values(e)
+            if isinstance(s, ir.Store):
+                reads.add(s.value)
+        if isinstance(s, ir.IndexValue):
+            reads |= ir.index_values(s.expr)
+        if reads & dsts:
+            return False
+    return r.value not in dsts
+
+
+def _plan_chunks(C: int, V: int, P: int, sched: MapReduceSchedule):
+    chunks = -(-C // V)
+    nchunk = -(-chunks // P)
+    return nchunk, (C == nchunk * P * V)
+
+
+def render(kernel: ir.Kernel, schedule: MapReduceSchedule | None = None, arch: str = "sm_90a") -> KernelSource:
+    """CUDA C++ for a map-reduce kernel under `schedule` (default_schedule(kernel, arch) if None)."""
+    parts = ir.row_kernel_parts(kernel)
+    sch = schedule or default_schedule(kernel, arch)
+    has_reduce = any(isinstance(x, ir.Reduce) for x in parts.body)
+    hw_cluster = sch.cluster > 1 and has_reduce  # a map needs no exchange: plain CTAs split the row
+    if hw_cluster and not supports_clusters(arch):
+        raise ValueError(f"kernel {kernel.name}: schedule has a cluster of {sch.cluster} CTAs, "
+                         f"which {arch} does not support; use default_schedule(kernel, {arch!r})")
+    C, R, V = parts.col_extent, parts.rows, sch.vector
+    if V > 1 and C % V:
+        raise ValueError(f"kernel {kernel.name}: vector width {V} does not divide the row length {C}")
+    ana = _analyse(kernel, parts, V) if V > 1 else _analyse(kernel, parts, 1)
+    P = sch.group * sch.cluster
+    nchunk, full = _plan_chunks(C, V, P, sch)
+    ctx = _Ctx(kernel, parts, sch, ana, V, C, P, nchunk, full)
+    ctx.store_only_casts = _cast_store_only(kernel, parts.body)
+    name = _ident(kernel.name)
+    em = _Emitter()
+
+    # ---- header and parameters
+    em(f"// tilefuse map-reduce kernel {kernel.name}: {R} rows x {C} columns")
+    em(f"// schedule: {sch}")
+    em(f"// {'; '.join(str(b) for b in kernel.params)}")
+    params = []
+    for b in kernel.params:
+        t = cexpr.storage_ctype(b.dtype)
+        params.append(f"{'const ' if b.role == 'in' else ''}{t}* __restrict__ {_ident(b.name)}")
+    em(f'extern "C" __global__ void __launch_bounds__({sch.threads}, {sch.min_blocks})')
+    em.open(f"{name}({', '.join(params)})")
+
+    # ---- which row, which part of it
+    em("// ---- which row this thread works on, and its place in the row")
+    rpc = sch.rows_per_cta
+    em(f"const int slot = {'threadIdx.x / ' + str(sch.group) if rpc > 1 else '0'};  // row within the CTA")
+    em(f"const int lane = {'threadIdx.x % ' + str(sch.group) if rpc > 1 else 'threadIdx.x'};  // thread within the row's group")
+    if sch.cluster > 1:
+        rank = "tf_cluster_rank()" if hw_cluster else f"blockIdx.x % {sch.cluster}"
+        em(f"const unsigned rank = {rank};  // this CTA's part of the row")
+        em(f"const long long r = (long long)(blockIdx.x / {sch.cluster});")
+        em(f"const int p = (int)rank * {sch.group} + lane;  // thread within the row (cluster-wide)")
+    else:
+        em(f"const long long r = (long long)blockIdx.x * {rpc} + slot;")
+        em("const int p = lane;")
+    em(f"const bool row_ok = r < {R};")
+    em("(void)slot; (void)p;")
+
+    # ---- stream bases
+    env0 = _env(ctx, None)
+    for st in list(ana.in_streams.values()) + list(ana.out_streams.values()):
+        em(f"const long long b_{st.name} = {cexpr.flat_offset(st.buf, st.base_index, env0)};  // {st.buf.name} row base")
+
+    # ---- staging
+    staged = [st for st in ana.in_streams.values() if st.per_row] if sch.stage == "regs" else []
+    if staged:
+        em(f"// ---- this thread's {nchunk} chunk(s) of {V} element(s) of each input row: loaded once, all in flight")
+        for st in staged:
+            em(f"unsigned {st.name}_s[{nchunk}][{_words(st.buf.dtype, V)}];")
+        em("#pragma unroll")
+        em.open(f"for (int j = 0; j < {nchunk}; ++j)")
+        em(f"const long long c0 = (long long)(j * {P} + p) * {V};")
+        guard = "row_ok" if full else f"row_ok && c0 < {C}"
+        for st in staged:
+            _emit_chunk_load(ctx, em, st, f"{st.name}_s[j]", guard)
+        em.close()
+
+    # ---- the row body, in order
+    body = list(parts.body)
+    i = 0
+    while i < len(body):
+        s = body[i]
+        if isinstance(s, ir.Reduce):
+            group = [s]
+            while i + 1 < len(body) and isinstance(body[i + 1], ir.Reduce) and _independent(group, body[i + 1]):
+                group.append(body[i + 1])
+                i += 1
+            _emit_reduce_group(ctx, em, group)
+        elif isinstance(s, ir.Loop):
+            em(f"// ---- map over the row: {s.header()}")
+            _emit_pass(ctx, em, [s], [s.var], [None])
+        else:
+            _emit_stmt(ctx, em, s, _env(ctx, None), inner=False)
+        i += 1
+    if hw_cluster:
+        em("// keep this CTA's shared memory alive until every CTA of the cluster has read it")
+        em("tf_cluster_sync();")
+    em.close()
+
+    code = cexpr.PRELUDE + (cexpr.CLUSTER_PRELUDE if hw_cluster else "") + "\n" + em.text()
+    grid = (-(-R // rpc) * sch.cluster, 1, 1)
+    align = []
+    for st in list(ana.in_streams.values()) + list(ana.out_streams.values()):
+        need = min(16, V * st.itemsize)
+        if need > st.itemsize:
+            align.append((st.buf.name, need))
+    align_d = {}
+    for b, n in align:
+        align_d[b] = max(n, align_d.get(b, 0))
+    return KernelSource(name=name, code=code, grid=grid, block=(sch.threads, 1, 1), smem_bytes=0,
+                        cluster=(sch.cluster if hw_cluster else 1, 1, 1), params=tuple(b.name for b in kernel.params),
+                        alignment=tuple(sorted(align_d.items())), schedule=sch)
+
+
+def scalar_fallback(schedule: MapReduceSchedule) -> MapReduceSchedule:
+    """The same layout with scalar accesses, re-reading the row (for misaligned data pointers)."""
+    return replace(schedule, vector=1, stage="stream", unroll=8)

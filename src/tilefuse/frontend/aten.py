@@ -1,0 +1,458 @@
+"""aten op -> Graph IR: one small function per op family.
+
+Composite ops (softmax, layer_norm, rms_norm, gelu, silu, var…) are decomposed here into
+Maps and Reduces; that is the "decompose" rewrite, done once at translation. matmul-like
+ops become Contraction nodes, SDPA an Attention node. An op not in `HANDLERS` becomes an
+explicit Extern (shown in `--ir graph`) when its result is one tensor, otherwise an error
+naming the op and the user's line.
+"""
+from __future__ import annotations
+
+import math
+
+from ..graph import ir
+from .builder import Builder
+
+HANDLERS = {}
+
+
+def handles(*names):
+    def deco(fn):
+        for n in names:
+            HANDLERS[n] = fn
+        return fn
+    return deco
+
+
+class Unsupported(Exception):
+    """An op (or an argument of it) tilefuse cannot translate; becomes an Extern or an error."""
+
+
+def _is_tensor(b: Builder, x) -> bool:
+    return isinstance(x, str) and x in b.types
+
+
+def _operand(b: Builder, x, like: str) -> str:
+    return x if _is_tensor(b, x) else b.scalar(x, like)
+
+
+def _binary(op):
+    def handler(b: Builder, args, kwargs, out):
+        x, y = args[0], args[1]
+        alpha = kwargs.get("alpha", 1)
+        like = x if _is_tensor(b, x) else y
+        xs, ys = _operand(b, x, like), _operand(b, y, like)
+        if alpha != 1:
+            ys = b.map("mul", ys, b.scalar(alpha, ys))
+        return b.map(op, xs, ys)
+    return handler
+
+
+for _aten, _op in [("add", "add"), ("sub", "sub"), ("mul", "mul"), ("div", "div"), ("maximum", "max"),
+                   ("minimum", "min"), ("eq", "eq"), ("ne", "ne"), ("lt", "lt"), ("le", "le"),
+                   ("gt", "gt"), ("ge", "ge"), ("logical_and", "and"), ("logical_or", "or"),
+                   ("pow", "pow")]:
+    HANDLERS[_aten] = _binary(_op)
+
+
+@handles("rsub")
+def _rsub(b, args, kwargs, out):
+    return _binary("sub")(b, (args[1], args[0]), kwargs, out)
+
+
+@handles("div")
+def _div(b, args, kwargs, out):
+    if kwargs.get("rounding_mode") is not None:
+        raise Unsupported("div with a rounding_mode")
+    return _binary("div")(b, args, {}, out)
+
+
+@handles("pow")
+def _pow(b, args, kwargs, out):
+    x, e = args
+    if _is_tensor(b, x) and not _is_tensor(b, e):
+        if e == 2:
+            return b.map("mul", x, x)
+        if e == 1:
+            return x
+        if e == 0.5:
+            return b.map("sqrt", x)
+        if e == -0.5:
+            return b.map("rsqrt", x)
+        if e == -1:
+            return b.map("recip", x)
+    return _binary("pow")(b, args, kwargs, out)
+
+
+def _unary(op):
+    def handler(b, args, kwargs, out):
+        return b.map(op, args[0])
+    return handler
+
+
+for _aten, _op in [("neg", "neg"), ("abs", "abs"), ("exp", "exp"), ("exp2", "exp2"), ("log", "log"),
+                   ("log2", "log2"), ("log1p", "log1p"), ("expm1", "expm1"), ("sqrt", "sqrt"),
+                   ("rsqrt", "rsqrt"), ("reciprocal", "recip"), ("tanh", "tanh"), ("sin", "sin"),
+                   ("cos", "cos"), ("erf", "erf"), ("sigmoid", "sigmoid"), ("relu", "relu"),
+                   ("floor", "floor"), ("logical_not", "not"), ("bitwise_not", "not")]:
+    HANDLERS[_aten] = _unary(_op)
+
+
+@handles("silu")
+def _silu(b, args, kwargs, out):
+    x = args[0]
+    return b.map("mul", x, b.map("sigmoid", x))
+
+
+@handles("gelu")
+def _gelu(b, args, kwargs, out):
+    x = args[0]
+    approx = kwargs.get("approximate", args[1] if len(args) > 1 else "none")
+    half = b.scalar(0.5, x)
+    if approx == "tanh":
+        inner = b.map("mul", b.scalar(math.sqrt(2 / math.pi), x),
+                      b.map("add", x, b.map("mul", b.scalar(0.044715, x), b.map("mul", x, b.map("mul", x, x)))))
+        return b.map("mul", b.map("mul", half, x), b.map("add", b.scalar(1.0, x), b.map("tanh", inner)))
+    erf = b.map("erf", b.map("mul", x, b.scalar(1 / math.sqrt(2), x)))
+    return b.map("mul", b.map("mul", half, x), b.map("add", b.scalar(1.0, x), erf))
+
+
+@handles("clamp", "clip", "hardtanh")
+def _clamp(b, args, kwargs, out):
+    x = args[0]
+    lo = kwargs.get("min", args[1] if len(args) > 1 else None)
+    hi = kwargs.get("max", args[2] if len(args) > 2 else None)
+    if lo is not None:
+        x = b.map("max", x, _operand(b, lo, x))
+    if hi is not None:
+        x = b.map("min", x, _operand(b, hi, x))
+    return x
+
+
+@handles("where")
+def _where(b, args, kwargs, out):
+    c, x, y = args
+    like = x if _is_tensor(b, x) else y if _is_tensor(b, y) else c
+    return b.map("where", c, _operand(b, x, like), _operand(b, y, like))
+
+
+@handles("scalar_tensor")
+def _scalar_tensor(b, args, kwargs, out):
+    return b.const(args[0], out.dtype)
+
+
+@handles("full")
+def _full(b, args, kwargs, out):
+    c = b.const(args[1], out.dtype)
+    return b.view("expand", b.reshape(c, (1,) * len(out.shape)), out.shape, out.shape) if out.shape else c
+
+
+@handles("full_like", "zeros_like", "ones_like")
+def _full_like(b, args, kwargs, out):
+    value = {"zeros_like": 0, "ones_like": 1}.get(out.op, args[1] if len(args) > 1 else 0)
+    c = b.const(value, out.dtype)
+    return b.view("expand", b.reshape(c, (1,) * len(out.shape)), out.shape, out.shape) if out.shape else c
+
+
+@handles("arange")
+def _arange(b, args, kwargs, out):
+    nums = [a for a in args if isinstance(a, (int, float))]
+    start, step = (0, 1) if len(nums) == 1 else (nums[0], nums[2] if len(nums) > 2 else 1)
+    if not all(isinstance(v, int) for v in (start, step)):
+        raise Unsupported("arange with float bounds")
+    i = b.add(ir.Iota(b.fresh("iota"), ir.TensorType(out.shape, out.dtype), 0, b.source))
+    if step != 1:
+        i = b.map("mul", i, b.const(step, out.dtype))
+    if start != 0:
+        i = b.map("add", i, b.const(start, out.dtype))
+    return i
+
+
+@handles("_to_copy", "to", "type_as")
+def _to(b, args, kwargs, out):
+    return b.cast(args[0], out.dtype)
+
+
+@handles("clone", "contiguous", "alias", "detach", "lift_fresh_copy", "dropout", "_assert_tensor_metadata")
+def _identity(b, args, kwargs, out):
+    return args[0]
+
+
+# -- reductions ----------------------------------------------------------------------------------
+
+
+def _dims(arg, rank):
+    if arg is None or arg == []:
+        return tuple(range(rank))
+    if isinstance(arg, int):
+        arg = [arg]
+    return tuple(a % rank for a in arg)
+
+
+def _reduction(op):
+    def handler(b, args, kwargs, out):
+        x = args[0]
+        rank = len(b.type(x).shape)
+        dims = _dims(kwargs.get("dim", args[1] if len(args) > 1 else None), rank)
+        keep = kwargs.get("keepdim", args[2] if len(args) > 2 else False)
+        if kwargs.get("dtype") is not None:
+            x = b.cast(x, out.dtype)
+        if op == "sum" and b.type(x).dtype in ("bool", "i32", "i8", "u8"):
+            x = b.cast(x, "i64")
+        return b.reduce(op, x, dims, keep, dtype=out.dtype)
+    return handler
+
+
+HANDLERS["sum"] = _reduction("sum")
+HANDLERS["mean"] = _reduction("mean")
+HANDLERS["amax"] = _reduction("max")
+HANDLERS["amin"] = _reduction("min")
+
+
+@handles("var", "std")
+def _var(b, args, kwargs, out):
+    x = args[0]
+    rank = len(b.type(x).shape)
+    dims = _dims(kwargs.get("dim", args[1] if len(args) > 1 else None), rank)
+    keep = kwargs.get("keepdim", False)
+    corr = kwargs.get("correction", 1 if kwargs.get("unbiased", True) else 0)
+    n = math.prod(b.type(x).shape[d] for d in dims)
+    mean = b.reduce("mean", x, dims, True, dtype=_acc(b, x))
+    d = b.map("sub", b.cast(x, _acc(b, x)), mean)
+    s = b.reduce("sum", b.map("mul", d, d), dims, keep)
+    v = b.map("mul", s, b.scalar(1.0 / max(n - corr, 0) if n - corr > 0 else math.inf, s))
+    if out.op == "std":
+        v = b.map("sqrt", v)
+    return b.cast(v, out.dtype)
+
+
+def _acc(b, x):
+    return "f32" if b.type(x).dtype in ("bf16", "f16") else b.type(x).dtype
+
+
+@handles("_softmax", "softmax", "_safe_softmax")
+def _softmax(b, args, kwargs, out):
+    x = args[0]
+    dim = args[1] if len(args) > 1 else kwargs["dim"]
+    xf = b.cast(x, _acc(b, x))
+    m = b.reduce("max", xf, (dim,), True)
+    e = b.map("exp", b.map("sub", xf, m))
+    s = b.reduce("sum", e, (dim,), True)
+    return b.cast(b.map("div", e, s), out.dtype)
+
+
+@handles("_log_softmax", "log_softmax")
+def _log_softmax(b, args, kwargs, out):
+    x = args[0]
+    dim = args[1] if len(args) > 1 else kwargs["dim"]
+    xf = b.cast(x, _acc(b, x))
+    m = b.reduce("max", xf, (dim,), True)
+    sh = b.map("sub", xf, m)
+    lse = b.map("log", b.reduce("sum", b.map("exp", sh), (dim,), True))
+    return b.cast(b.map("sub", sh, lse), out.dtype)
+
+
+def _norm_dims(b, x, normalized_shape):
+    rank = len(b.type(x).shape)
+    return tuple(range(rank - len(normalized_shape), rank))
+
+
+@handles("rms_norm")
+def _rms_norm(b, args, kwargs, out):
+    x, shape = args[0], args[1]
+    w = args[2] if len(args) > 2 else kwargs.get("weight")
+    eps = args[3] if len(args) > 3 else kwargs.get("eps")
+    if eps is None:
+        # PyTorch takes the epsilon of the type it computes in: f32 for bf16/f16 inputs.
+        eps = 2.220446049250313e-16 if b.type(x).dtype == "f64" else 1.1920928955078125e-07
+    xf = b.cast(x, _acc(b, x))
+    ms = b.reduce("mean", b.map("mul", xf, xf), _norm_dims(b, x, shape), True)
+    y = b.map("mul", xf, b.map("rsqrt", b.map("add", ms, b.scalar(float(eps), ms))))
+    if w is not None:
+        y = b.map("mul", y, w)
+    return b.cast(y, out.dtype)
+
+
+@handles("layer_norm", "native_layer_norm")
+def _layer_norm(b, args, kwargs, out):
+    x, shape = args[0], args[1]
+    w = args[2] if len(args) > 2 else kwargs.get("weight")
+    bias = args[3] if len(args) > 3 else kwargs.get("bias")
+    eps = args[4] if len(args) > 4 else kwargs.get("eps", 1e-5)
+    dims = _norm_dims(b, x, shape)
+    xf = b.cast(x, _acc(b, x))
+    mean = b.reduce("mean", xf, dims, True)
+    d = b.map("sub", xf, mean)
+    var = b.reduce("mean", b.map("mul", d, d), dims, True)
+    y = b.map("mul", d, b.map("rsqrt", b.map("add", var, b.scalar(float(eps), var))))
+    if w is not None:
+        y = b.map("mul", y, w)
+    if bias is not None:
+        y = b.map("add", y, bias)
+    return b.cast(y, out.dtype)
+
+
+# -- views ---------------------------------------------------------------------------------------
+
+
+@handles("view", "_unsafe_view", "reshape", "flatten", "unflatten", "squeeze", "unsqueeze")
+def _reshape(b, args, kwargs, out):
+    return b.reshape(args[0], out.shape)
+
+
+@handles("permute", "transpose", "t", "swapaxes", "movedim")
+def _permute(b, args, kwargs, out):
+    x = args[0]
+    rank = len(b.type(x).shape)
+    name = out.op
+    if name == "permute":
+        perm = [p % rank for p in args[1]]
+    elif name in ("transpose", "swapaxes", "t"):
+        d0, d1 = (args[1] % rank, args[2] % rank) if name != "t" else (0, 1 if rank > 1 else 0)
+        perm = list(range(rank))
+        perm[d0], perm[d1] = perm[d1], perm[d0]
+    else:
+        raise Unsupported(name)
+    if perm == list(range(rank)):
+        return x
+    return b.view("permute", x, out.shape, perm)
+
+
+@handles("expand", "expand_as", "broadcast_to")
+def _expand(b, args, kwargs, out):
+    x = args[0]
+    if b.type(x).shape == tuple(out.shape):
+        return x
+    src = b.type(x).shape
+    src = (1,) * (len(out.shape) - len(src)) + src
+    return b.view("expand", b.reshape(x, src), out.shape, out.shape)
+
+
+@handles("slice")
+def _slice(b, args, kwargs, out):
+    x = args[0]
+    shape = b.type(x).shape
+    dim = (args[1] if len(args) > 1 else 0) % len(shape)
+    start = args[2] if len(args) > 2 and args[2] is not None else 0
+    end = args[3] if len(args) > 3 and args[3] is not None else shape[dim]
+    step = args[4] if len(args) > 4 else 1
+    start, end, _ = slice(start, end, step).indices(shape[dim])
+    if (start, end, step) == (0, shape[dim], 1):
+        return x
+    return b.view("slice", x, out.shape, (dim, start, end, step))
+
+
+@handles("select")
+def _select(b, args, kwargs, out):
+    x, dim, i = args
+    shape = b.type(x).shape
+    dim %= len(shape)
+    i %= shape[dim]
+    s = b.view("slice", x, shape[:dim] + (1,) + shape[dim + 1:], (dim, i, i + 1, 1))
+    return b.reshape(s, out.shape)
+
+
+@handles("gather")
+def _gather(b, args, kwargs, out):
+    x, dim, index = args[0], args[1], args[2]
+    dim %= len(b.type(x).shape)
+    return b.add(ir.Gather(b.fresh("gather"), ir.TensorType(out.shape, b.type(x).dtype), x, index, dim, b.source))
+
+
+# -- contractions and attention ---------------------------------------------------------------------
+
+
+def _matmul(b, x, y, shape, dtype):
+    return b.add(ir.Contraction(b.fresh("matmul"), ir.TensorType(tuple(shape), dtype), x, y, b.source))
+
+
+@handles("matmul", "mm", "bmm")
+def _mm(b, args, kwargs, out):
+    return _matmul(b, args[0], args[1], out.shape, out.dtype)
+
+
+@handles("linear")
+def _linear(b, args, kwargs, out):
+    x, w = args[0], args[1]
+    bias = args[2] if len(args) > 2 else kwargs.get("bias")
+    wt = b.view("permute", w, tuple(reversed(b.type(w).shape)), (1, 0))
+    y = _matmul(b, x, wt, out.shape, out.dtype)
+    return b.map("add", y, bias) if bias is not None else y
+
+
+@handles("addmm")
+def _addmm(b, args, kwargs, out):
+    bias, x, w = args[:3]
+    y = _matmul(b, x, w, out.shape, out.dtype)
+    return b.map("add", y, bias)
+
+
+@handles("scaled_dot_product_attention")
+def _sdpa(b, args, kwargs, out):
+    q, k, v = args[:3]
+    mask = args[3] if len(args) > 3 else kwargs.get("attn_mask")
+    dropout = args[4] if len(args) > 4 else kwargs.get("dropout_p", 0.0)
+    causal = args[5] if len(args) > 5 else kwargs.get("is_causal", False)
+    scale = kwargs.get("scale", args[6] if len(args) > 6 else None)
+    if dropout:
+        raise Unsupported("attention dropout")
+    if kwargs.get("enable_gqa"):
+        raise Unsupported("grouped-query attention through enable_gqa")
+    return b.add(ir.Attention(b.fresh("attention"), ir.TensorType(out.shape, out.dtype), q, k, v,
+                              bool(causal), scale, mask if _is_tensor(b, mask) else None, b.source))
+
+
+# -- losses ----------------------------------------------------------------------------------------
+
+
+def _target_logit(b, xf, target):
+    """x[i, target[i]] as a masked row sum, so it fuses into the row's single pass."""
+    n, c = b.type(xf).shape
+    col = b.add(ir.Iota(b.fresh("iota"), ir.TensorType((c,), "i64"), 0, b.source))
+    hit = b.map("eq", col, b.reshape(target, (n, 1)))
+    return b.reduce("sum", b.map("where", hit, xf, b.scalar(0.0, xf)), (1,), False)
+
+
+def _reduce_loss(b, loss, valid, reduction):
+    if reduction == 0:  # none
+        return loss
+    total = b.reduce("sum", loss, (0,), False)
+    if reduction == 2:  # sum
+        return total
+    count = b.reduce("sum", b.cast(valid, "f32"), (0,), False)
+    return b.map("div", total, count)
+
+
+@handles("cross_entropy_loss")
+def _cross_entropy(b, args, kwargs, out):
+    x, target = args[0], args[1]
+    weight = args[2] if len(args) > 2 else kwargs.get("weight")
+    reduction = args[3] if len(args) > 3 else kwargs.get("reduction", 1)
+    ignore = args[4] if len(args) > 4 else kwargs.get("ignore_index", -100)
+    smoothing = args[5] if len(args) > 5 else kwargs.get("label_smoothing", 0.0)
+    if weight is not None or smoothing:
+        raise Unsupported("class weights or label smoothing")
+    if len(b.type(x).shape) != 2 or b.type(target).dtype not in ("i64", "i32"):
+        raise Unsupported("logits that are not (N, C) with integer class targets")
+    xf = b.cast(x, _acc(b, x))
+    m = b.reduce("max", xf, (1,), True)
+    lse = b.map("add", b.map("log", b.reduce("sum", b.map("exp", b.map("sub", xf, m)), (1,), True)), m)
+    loss = b.map("sub", b.reshape(lse, b.type(target).shape), _target_logit(b, xf, target))
+    valid = b.map("ne", target, b.scalar(ignore, target))
+    loss = b.map("where", valid, loss, b.scalar(0.0, loss))
+    return b.cast(_reduce_loss(b, loss, valid, reduction), out.dtype)
+
+
+@handles("nll_loss")
+def _nll_loss(b, args, kwargs, out):
+    x, target = args[0], args[1]
+    weight = args[2] if len(args) > 2 else kwargs.get("weight")
+    reduction = args[3] if len(args) > 3 else kwargs.get("reduction", 1)
+    ignore = args[4] if len(args) > 4 else kwargs.get("ignore_index", -100)
+    if weight is not None or len(b.type(x).shape) != 2:
+        raise Unsupported("class weights or input that is not (N, C)")
+    xf = b.cast(x, _acc(b, x))
+    loss = b.map("neg", _target_logit(b, xf, target))
+    valid = b.map("ne", target, b.scalar(ignore, target))
+    loss = b.map("where", valid, loss, b.scalar(0.0, loss))
+    return b.cast(_reduce_loss(b, loss, valid, reduction), out.dtype)

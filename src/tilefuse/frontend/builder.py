@@ -1,0 +1,109 @@
+"""A small helper that appends Graph IR nodes with fresh names and broadcasting shapes."""
+from __future__ import annotations
+
+import numpy as np
+
+from .. import dtypes, ops
+from ..graph import ir
+
+
+def broadcast_shapes(*shapes):
+    try:
+        return tuple(int(s) for s in np.broadcast_shapes(*shapes))
+    except ValueError:
+        raise ValueError(f"shapes {' and '.join(map(str, shapes))} do not broadcast") from None
+
+
+def promote(*dts: str) -> str:
+    """Result dtype of mixing these dtypes, PyTorch-style for the types tilefuse knows."""
+    floats = [d for d in dts if dtypes.is_float(d)]
+    if floats:
+        order = ["bf16", "f16", "f32", "f64"]
+        top = max(floats, key=order.index)
+        if set(floats) == {"bf16", "f16"}:
+            return "f32"
+        return top
+    if any(d in dtypes.INTS for d in dts):
+        order = ["u8", "i8", "i32", "i64"]
+        return max((d for d in dts if d in dtypes.INTS), key=order.index)
+    return "bool"
+
+
+class Builder:
+    def __init__(self):
+        self.nodes: list = []
+        self.names: set[str] = set()
+        self.types: dict[str, ir.TensorType] = {}
+        self.source = ""
+
+    def fresh(self, base: str) -> str:
+        base = base.replace(".", "_")
+        name, i = base, 1
+        while name in self.names:
+            name, i = f"{base}_{i}", i + 1
+        self.names.add(name)
+        return name
+
+    def add(self, node):
+        self.nodes.append(node)
+        self.names.add(node.name)
+        self.types[node.name] = node.type
+        return node.name
+
+    def type(self, name: str) -> ir.TensorType:
+        return self.types[name]
+
+    # -- node makers; each returns the new tensor's name --------------------------------
+    def const(self, value, dtype: str, base="c") -> str:
+        return self.add(ir.Constant(self.fresh(base), ir.TensorType((), dtype), value, self.source))
+
+    def map(self, op: str, *args: str, dtype: str | None = None, base=None) -> str:
+        types = [self.type(a) for a in args]
+        shape = broadcast_shapes(*(t.shape for t in types))
+        kind = ops.info(op).kind
+        if kind in ("cmp", "logic"):
+            out = "bool"
+        elif dtype is not None:
+            out = dtype
+        elif op == "where":
+            out = promote(types[1].dtype, types[2].dtype)
+        else:
+            out = promote(*(t.dtype for t in types))
+            if kind == "float" and not dtypes.is_float(out):
+                out = "f32"
+        return self.add(ir.Map(self.fresh(base or op), ir.TensorType(shape, out), op, tuple(args), self.source))
+
+    def cast(self, x: str, dtype: str) -> str:
+        if self.type(x).dtype == dtype:
+            return x
+        return self.map("cast", x, dtype=dtype, base="cast")
+
+    def scalar(self, x, like: str) -> str:
+        """A Python number as a Constant, typed like PyTorch's weak scalars next to tensor `like`."""
+        t = self.type(like).dtype
+        if isinstance(x, bool):
+            return self.const(x, "bool")
+        if isinstance(x, float) and not dtypes.is_float(t):
+            return self.const(x, "f32")
+        return self.const(x, t if dtypes.is_float(t) or isinstance(x, int) else "f32")
+
+    def reduce(self, op: str, x: str, axes, keepdim: bool, dtype: str | None = None) -> str:
+        t = self.type(x)
+        rank = len(t.shape)
+        axes = tuple(sorted({a % rank for a in axes})) if rank else ()
+        if not axes and rank:
+            axes = tuple(range(rank))
+        shape = tuple(1 if i in axes else s for i, s in enumerate(t.shape)) if keepdim else tuple(
+            s for i, s in enumerate(t.shape) if i not in axes)
+        out = dtype or t.dtype
+        return self.add(ir.Reduce(self.fresh(op), ir.TensorType(shape, out), op, x, axes, keepdim, self.source))
+
+    def view(self, op: str, x: str, shape, params=()) -> str:
+        t = self.type(x)
+        return self.add(ir.View(self.fresh(op), ir.TensorType(tuple(shape), t.dtype), op, x, tuple(params), self.source))
+
+    def reshape(self, x: str, shape) -> str:
+        shape = tuple(int(s) for s in shape)
+        if self.type(x).shape == shape:
+            return x
+        return self.view("reshape", x, shape, shape)

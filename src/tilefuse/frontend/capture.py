@@ -1,0 +1,205 @@
+"""Capture a PyTorch program with torch.export and translate its aten graph to Graph IR."""
+from __future__ import annotations
+
+import operator
+import re
+from dataclasses import dataclass
+
+import torch
+
+from .. import dtypes
+from ..graph import ir
+from . import aten
+from .builder import Builder
+
+
+class CaptureError(Exception):
+    """A program tilefuse cannot take: says what and where, in one line."""
+
+
+@dataclass(frozen=True)
+class Out:
+    """What torch.export says an op returns, handed to the translators."""
+
+    shape: tuple[int, ...]
+    dtype: str
+    op: str
+
+
+_FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)\n\s*(.*)')
+
+
+def source_of(node, expr: str | None = None) -> str:
+    """The user's line that made an fx node: the innermost frame outside torch itself."""
+    trace = node.meta.get("stack_trace") or ""
+    frames = _FRAME.findall(trace)
+    user = [f for f in frames if "/torch/" not in f[0] and "/tilefuse/" not in f[0]]
+    if not user:
+        return expr or ""
+    path, line, fn, text = user[-1]
+    if path == "<tilefuse -c>" and expr:
+        return f"-c {expr!r}"
+    return f"{path}:{line} ({text.strip()})"
+
+
+def _as_module(fn) -> torch.nn.Module:
+    if isinstance(fn, torch.nn.Module):
+        return fn
+
+    class Wrapped(torch.nn.Module):
+        def forward(self, *args):
+            return fn(*args)
+
+    return Wrapped()
+
+
+def export(fn, example_inputs, expr: str | None = None):
+    """torch.export the callable; errors become one clear CaptureError line."""
+    module = _as_module(fn)
+    try:
+        return torch.export.export(module, tuple(example_inputs), strict=False)
+    except Exception as e:  # torch raises many kinds; the user needs the first line
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CaptureError(f"torch.export could not capture {expr or getattr(fn, '__name__', 'the program')}: {first}") from e
+
+
+def _meta(node) -> Out | None:
+    val = node.meta.get("val")
+    if isinstance(val, torch.Tensor):
+        name = node.target._schema.name.split("::")[-1] if hasattr(node.target, "_schema") else str(node.target)
+        return Out(tuple(int(s) for s in val.shape), dtypes.from_torch(val.dtype), name)
+    return None
+
+
+def _op_name(target) -> str:
+    if hasattr(target, "_schema"):
+        return target._schema.name.split("::")[-1]
+    return getattr(target, "__name__", str(target))
+
+
+def _target_text(target) -> str:
+    if hasattr(target, "_schema"):
+        ns, name = target._schema.name.split("::")
+        return f"{ns}.{name}.{target._overloadname}"
+    return str(target)
+
+
+def to_graph(ep, expr: str | None = None) -> ir.Graph:
+    """Translate an ExportedProgram's graph into Graph IR."""
+    b = Builder()
+    sig = {s.arg.name: s for s in ep.graph_signature.input_specs}
+    env: dict = {}
+    weights: dict = {}
+    inputs: list[str] = []
+    tuple_outputs: dict = {}
+    outputs: list[str] = []
+    state = dict(ep.state_dict)
+    state.update(getattr(ep, "constants", {}) or {})
+
+    def resolve(a):
+        if isinstance(a, torch.fx.Node):
+            if a in tuple_outputs:
+                raise CaptureError(f"{_op_name(a.target)} returns several tensors; only its first is supported "
+                                   f"({source_of(a, expr)})")
+            return env[a]
+        if isinstance(a, (list, tuple)):
+            return type(a)(resolve(x) for x in a)
+        if isinstance(a, torch.dtype):
+            return a
+        return a
+
+    for node in ep.graph.nodes:
+        b.source = source_of(node, expr) if node.op == "call_function" else ""
+        if node.op == "placeholder":
+            val = node.meta["val"]
+            t = ir.TensorType(tuple(int(s) for s in val.shape), dtypes.from_torch(val.dtype))
+            spec = sig[node.name]
+            name = b.fresh(node.name)
+            if spec.kind.name == "USER_INPUT":
+                b.add(ir.Input(name, t))
+                inputs.append(name)
+            else:
+                target = spec.target
+                weights[name] = state[target].detach()
+                b.add(ir.Weight(name, t, source=target))
+            env[node] = name
+        elif node.op == "call_function":
+            if node.target is operator.getitem:
+                src, idx = node.args
+                if src in tuple_outputs and idx == 0:
+                    env[node] = tuple_outputs[src]
+                    continue
+                raise CaptureError(f"output {idx} of {_op_name(src.target)} is not supported "
+                                   f"({source_of(src, expr)})")
+            _translate(b, node, resolve, env, tuple_outputs, expr)
+        elif node.op == "output":
+            for o in node.args[0]:
+                if o is None or not isinstance(o, torch.fx.Node):
+                    raise CaptureError("the program must return tensors (or a tuple of tensors)")
+                outputs.append(env[o])
+        else:
+            raise CaptureError(f"unexpected fx node {node.op} {node.target}")
+    used = _live(b.nodes, outputs)
+    nodes = tuple(n for n in b.nodes if n.name in used or isinstance(n, ir.Input))
+    return ir.Graph(nodes, tuple(inputs), tuple(outputs), {k: v for k, v in weights.items() if k in used})
+
+
+def _live(nodes, outputs) -> set[str]:
+    by_name = {n.name: n for n in nodes}
+    live, stack = set(), list(outputs)
+    while stack:
+        n = stack.pop()
+        if n in live:
+            continue
+        live.add(n)
+        stack.extend(ir.node_args(by_name[n]))
+    return live
+
+
+def _translate(b: Builder, node, resolve, env, tuple_outputs, expr):
+    name = _op_name(node.target)
+    val = node.meta.get("val")
+    if val is None:
+        if name == "_assert_tensor_metadata" or not node.users:
+            return
+        raise CaptureError(f"{name} returns nothing tilefuse can use ({b.source})")
+    multi = isinstance(val, (tuple, list))
+    first = val[0] if multi else val
+    if not isinstance(first, torch.Tensor):
+        raise CaptureError(f"{name} returns {type(first).__name__}, not a tensor ({b.source})")
+    out = Out(tuple(int(s) for s in first.shape), dtypes.from_torch(first.dtype), name)
+    args = resolve(node.args)
+    kwargs = {k: resolve(v) for k, v in node.kwargs.items()}
+    handler = aten.HANDLERS.get(name)
+    result = None
+    reason = f"tilefuse does not lower aten.{name}"
+    if handler is not None:
+        try:
+            result = handler(b, args, kwargs, out)
+        except aten.Unsupported as e:
+            reason = f"tilefuse does not lower aten.{name} with {e}"
+    if result is None:
+        if multi:
+            raise CaptureError(f"aten.{name} is not supported by tilefuse ({b.source})")
+        result = _extern(b, node, args, kwargs, out, reason)
+    t = b.type(result)
+    if t.shape != out.shape:
+        raise CaptureError(f"internal: aten.{name} translated to shape {t.shape}, torch says {out.shape} ({b.source})")
+    if t.dtype != out.dtype:
+        result = b.cast(result, out.dtype)
+    if multi:
+        tuple_outputs[node] = result
+    env[node] = result
+
+
+def _extern(b, node, args, kwargs, out, reason):
+    def refs(a):
+        if isinstance(a, str) and a in b.types:
+            return ir.Ref(a)
+        if isinstance(a, (list, tuple)):
+            return tuple(refs(x) for x in a)
+        return a
+
+    kw = tuple((k, refs(v)) for k, v in kwargs.items() if k not in ("device", "pin_memory", "layout"))
+    return b.add(ir.Extern(b.fresh(out.op), ir.TensorType(out.shape, out.dtype), _target_text(node.target),
+                           refs(tuple(args)), kw, reason, b.source))

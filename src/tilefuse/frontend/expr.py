@@ -1,0 +1,104 @@
+"""`-c` expressions: `torch.randn(...)` calls become the program's inputs, modules its weights.
+
+"torch.nn.RMSNorm(2048)(torch.randn(1,32,2048))" becomes a module holding the RMSNorm
+whose forward takes one input of shape (1, 32, 2048). Sub-expressions that do not touch
+an input (module constructors, constants) are evaluated once, when the program is built.
+"""
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+FACTORIES = {"randn", "rand", "randint", "ones", "zeros", "empty", "full", "arange", "tensor"}
+
+
+class ExprError(Exception):
+    pass
+
+
+@dataclass
+class InputSpec:
+    """How to make fresh values of one input: the factory call's text, evaluated again."""
+
+    text: str
+
+    def make(self, scope):
+        return eval(self.text, scope)
+
+
+def _scope():
+    return {"torch": torch, "nn": nn, "F": F}
+
+
+def _is_factory(node: ast.AST) -> bool:
+    f = node.func if isinstance(node, ast.Call) else None
+    return (isinstance(f, ast.Attribute) and f.attr in FACTORIES and isinstance(f.value, ast.Name)
+            and f.value.id == "torch")
+
+
+class _Hoist(ast.NodeTransformer):
+    """Replace factory calls with input names and input-free calls with bound constants."""
+
+    def __init__(self, scope, text):
+        self.scope, self.text = scope, text
+        self.inputs: list[InputSpec] = []
+        self.consts: dict[str, object] = {}
+
+    def visit_Call(self, node):
+        if _is_factory(node):
+            name = f"_in{len(self.inputs)}"
+            self.inputs.append(InputSpec(ast.get_source_segment(self.text, node) or ast.unparse(node)))
+            return ast.copy_location(ast.Name(name, ast.Load()), node)
+        node = self.generic_visit(node)
+        if not any(isinstance(n, ast.Name) and n.id.startswith("_in") for n in ast.walk(node)):
+            try:
+                value = eval(compile(ast.Expression(node), "<tilefuse -c>", "eval"), self.scope)
+            except Exception as e:
+                raise ExprError(f"cannot evaluate {ast.unparse(node)!r}: {e}") from None
+            if isinstance(value, nn.Module):
+                name = f"_m{len(self.consts)}"
+                self.consts[name] = value
+                return ast.copy_location(ast.Name(name, ast.Load()), node)
+        return node
+
+
+class ExprModule(nn.Module):
+    """The expression as a module: hoisted modules are submodules, so their tensors are weights."""
+
+    def __init__(self, text: str, body: ast.Expression, modules: dict, n_inputs: int):
+        super().__init__()
+        self.text = text
+        self.mods = nn.ModuleDict(modules)
+        self._code = compile(body, "<tilefuse -c>", "eval")
+        self._n = n_inputs
+
+    def forward(self, *inputs):
+        scope = _scope()
+        scope.update(self.mods)
+        scope.update({f"_in{i}": x for i, x in enumerate(inputs)})
+        return eval(self._code, scope)
+
+
+def parse(text: str, dtype: torch.dtype | None = None):
+    """Return (module, example inputs, input specs) for a `-c` expression."""
+    try:
+        tree = ast.parse(text.strip(), mode="eval")
+    except SyntaxError as e:
+        raise ExprError(f"the expression does not parse: {e.msg} at column {e.offset}") from None
+    hoist = _Hoist(_scope(), text.strip())
+    body = ast.fix_missing_locations(hoist.visit(tree))
+    if not hoist.inputs:
+        raise ExprError("the expression has no inputs: make them with torch.randn(...) inside it")
+    module = ExprModule(text, body, hoist.consts, len(hoist.inputs))
+    try:
+        inputs = [s.make(_scope()) for s in hoist.inputs]
+    except Exception as e:
+        raise ExprError(f"cannot make the inputs: {e}") from None
+    if dtype is not None:
+        module = module.to(dtype)
+        inputs = [x.to(dtype) if x.is_floating_point() else x for x in inputs]
+    return module, inputs, hoist.inputs

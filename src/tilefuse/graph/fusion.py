@@ -1,0 +1,382 @@
+"""The fusion planner: groups Graph IR nodes into kernels of a family, or externs.
+
+A map-reduce kernel works on a row space: leading dims L (the rows) and a row length C.
+Every tensor in the kernel is *aligned* to that space: for each of its dims, the space dim
+it runs along, or None where it has size 1 (broadcast). Maps join the kernel of a producer
+when their shapes align; reductions join when they reduce exactly the row (C) dim, so the
+row stays on chip and every input is read once. Reshapes that only add or drop size-1 dims
+keep their alignment; other reshapes are free aliases between kernels.
+
+The cost model is deliberately small: each kernel's floor is its bytes over the measured
+copy bandwidth (map-reduce is memory bound), and a node joins a kernel only if the row
+it needs still fits on chip (shared memory of a cluster).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from .. import dtypes
+from . import ir
+
+Align = tuple[Optional[int], ...]
+
+# Ceilings used until the tuner measures the device (H100 SXM, measured: see DESIGN.md).
+COPY_BYTES_PER_S = 3.0e12
+MATMUL_FLOPS_PER_S = 7.0e14
+ON_CHIP_BYTES = 16 * 200 * 1024  # a 16-CTA cluster's shared memory
+
+
+@dataclass
+class Step:
+    """One step of the plan: a fused kernel, a free alias, or an extern op."""
+
+    name: str
+    family: str  # "mapreduce" | "alias" | "extern"
+    nodes: list[str]
+    space: tuple[tuple[int, ...], int] | None = None
+    align: dict[str, Align] = field(default_factory=dict)
+    inputs: list[str] = field(default_factory=list)
+    outputs: list[str] = field(default_factory=list)
+    bytes: int = 0
+    flops: int = 0
+    note: str = ""
+
+    @property
+    def floor_s(self) -> float:
+        return max(self.bytes / COPY_BYTES_PER_S, self.flops / MATMUL_FLOPS_PER_S)
+
+
+@dataclass
+class Plan:
+    graph: ir.Graph
+    steps: list[Step]
+
+    def __str__(self):
+        return format_plan(self)
+
+
+def _full(space) -> tuple[int, ...]:
+    L, C = space
+    return tuple(L) + (C,)
+
+
+def right_align(shape, space) -> Align | None:
+    """Alignment of `shape` broadcast against the space's full shape, or None if it does not."""
+    full = _full(space)
+    if len(shape) > len(full):
+        return None
+    off = len(full) - len(shape)
+    out = []
+    for i, s in enumerate(shape):
+        if s == 1:
+            out.append(None)
+        elif s == full[off + i]:
+            out.append(off + i)
+        else:
+            return None
+    return tuple(out)
+
+
+def _arg_align(arg_shape, node_shape, node_align) -> Align:
+    """Alignment of a Map argument from its node's, through NumPy broadcasting."""
+    off = len(node_shape) - len(arg_shape)
+    return tuple(None if s == 1 else node_align[off + i] for i, s in enumerate(arg_shape))
+
+
+def _valid(shape, align, space) -> bool:
+    full = _full(space)
+    dims = [a for a in align if a is not None]
+    if dims != sorted(set(dims)):
+        return False
+    return all((a is None and s == 1) or (a is not None and full[a] == s) for s, a in zip(shape, align))
+
+
+def is_row_level(align: Align, space) -> bool:
+    return len(space[0]) not in align
+
+
+class _Planner:
+    def __init__(self, g: ir.Graph):
+        self.g = g
+        self.users = g.users()
+        self.group_of: dict[str, Step] = {}
+        self.steps: list[Step] = []
+
+    # -- alignment of a node inside a candidate kernel ------------------------------------------
+    def align_in(self, n, step: Step) -> dict[str, Align] | None:
+        """Alignments of n and of its arguments if n joins `step`, or None if it cannot."""
+        g, space = self.g, step.space
+        shape = n.type.shape
+        if isinstance(n, ir.Map):
+            align = [None] * len(shape)
+            for a in n.args:
+                if a in step.align:
+                    aa, ashape = step.align[a], g[a].type.shape
+                    off = len(shape) - len(ashape)
+                    for i, s in enumerate(ashape):
+                        if s != 1:
+                            if align[off + i] not in (None, aa[i]):
+                                return None
+                            align[off + i] = aa[i]
+            fallback = right_align(shape, space)
+            for j, s in enumerate(shape):
+                if align[j] is None and s != 1:
+                    if fallback is None:
+                        return None
+                    align[j] = fallback[j]
+            align = tuple(align)
+            if not _valid(shape, align, space):
+                return None
+            out = {n.name: align}
+            for a in n.args:
+                out.setdefault(a, step.align.get(a) or _arg_align(g[a].type.shape, shape, align))
+                if not _valid(g[a].type.shape, out[a], space):
+                    return None
+            return out
+        if isinstance(n, ir.Reduce):
+            if n.arg not in step.align:
+                return None
+            aa = step.align[n.arg]
+            ashape = g[n.arg].type.shape
+            row_dim = len(space[0])
+            reduced = [aa[x] for x in n.axes if ashape[x] != 1]
+            if reduced != [row_dim] or n.op not in ("sum", "max", "min", "mean"):
+                return None
+            if n.keepdim:
+                align = tuple(None if i in n.axes else a for i, a in enumerate(aa))
+            else:
+                align = tuple(a for i, a in enumerate(aa) if i not in n.axes)
+            return {n.name: align}
+        if isinstance(n, ir.View) and n.arg in step.align:
+            aa, ashape = step.align[n.arg], g[n.arg].type.shape
+            if n.op == "reshape":
+                src = [(s, a) for s, a in zip(ashape, aa) if s != 1]
+                if [s for s, _ in src] != [s for s in shape if s != 1]:
+                    return None
+                it = iter(a for _, a in src)
+                return {n.name: tuple(None if s == 1 else next(it) for s in shape)}
+            if n.op == "expand" and len(ashape) == len(shape):
+                fallback = right_align(shape, space)
+                if fallback is None:
+                    return None
+                align = tuple(a if s0 != 1 else (None if s == 1 else fallback[i])
+                              for i, (s0, s, a) in enumerate(zip(ashape, shape, aa)))
+                return {n.name: align} if _valid(shape, align, space) else None
+        return None
+
+    def start_space(self, n):
+        """The row space a node opens a new kernel with."""
+        if isinstance(n, ir.Map):
+            s = n.type.shape
+            return (tuple(s[:-1]), s[-1]) if s else ((), 1)
+        if isinstance(n, ir.Reduce):
+            s = self.g[n.arg].type.shape
+            if len(n.axes) == 1 and n.axes[0] == len(s) - 1:
+                return (tuple(s[:-1]), s[-1])
+        return None
+
+    def depends_on(self, step: Step, other: Step) -> bool:
+        """Does `step` (transitively) read anything `other` writes?"""
+        seen, stack = set(), [step]
+        while stack:
+            s = stack.pop()
+            if s is other:
+                return True
+            if id(s) in seen:
+                continue
+            seen.add(id(s))
+            for i in s.inputs_all:
+                p = self.group_of.get(i)
+                if p is not None:
+                    stack.append(p)
+        return False
+
+    def fits(self, step: Step, extra: dict[str, Align]) -> bool:
+        L, C = step.space
+        row_tensors = {a for a, al in {**step.align, **extra}.items()
+                       if not is_row_level(al, step.space) and self._outside(a, step)}
+        return len(row_tensors) * C * 4 <= ON_CHIP_BYTES
+
+    def _outside(self, name, step):
+        return name not in step.nodes
+
+    def try_join(self, n) -> Step | None:
+        producers = []
+        for a in ir.node_args(n):
+            s = self.group_of.get(a)
+            if s is not None and s.family == "mapreduce" and s not in producers:
+                producers.append(s)
+        for s in reversed(producers):
+            al = self.align_in(n, s)
+            if al is None or not self.fits(s, al):
+                continue
+            if any(self.depends_on(self.group_of[a], s) for a in ir.node_args(n)
+                   if a in self.group_of and self.group_of[a] is not s):
+                continue
+            return s, al
+        return None
+
+    def join_sibling(self, n, space):
+        """A node none of whose producers it can join may still share a kernel of its row space."""
+        for s in reversed(self.steps):
+            if s.family != "mapreduce" or s.space != space:
+                continue
+            probe = Step(s.name, s.family, list(s.nodes), s.space, dict(s.align))
+            if isinstance(n, ir.Reduce):
+                probe.align.setdefault(n.arg, right_align(self.g[n.arg].type.shape, space))
+                if probe.align[n.arg] is None:
+                    continue
+            al = self.align_in(n, probe)
+            if al is None or not self.fits(s, al):
+                continue
+            if isinstance(n, ir.Reduce):
+                al = {n.arg: probe.align[n.arg], **al}
+            if any(self.depends_on(self.group_of[a], s) for a in ir.node_args(n) if a in self.group_of):
+                continue
+            return s, al
+        return None
+
+    def add_to(self, step: Step, n, al):
+        step.nodes.append(n.name)
+        step.align.update(al)
+        step.inputs_all.update(a for a in ir.node_args(n) if a not in step.nodes)
+        self.group_of[n.name] = step
+
+    def new_step(self, family, n, space=None, align=None, note=""):
+        step = Step(f"k{len(self.steps)}_{n.name}" if family != "alias" else n.name, family, [], space,
+                    {}, note=note)
+        step.inputs_all = set()
+        self.steps.append(step)
+        self.add_to(step, n, align or {})
+        return step
+
+    def plan(self) -> Plan:
+        g = self.g
+        for n in g.nodes:
+            if isinstance(n, (ir.Input, ir.Weight, ir.Constant, ir.Iota)):
+                continue  # inputs are buffers; constants and iotas are generated where used
+            joined = self.try_join(n) if isinstance(n, (ir.Map, ir.Reduce, ir.View)) else None
+            if joined:
+                self.add_to(joined[0], n, joined[1])
+                continue
+            space = self.start_space(n)
+            sibling = self.join_sibling(n, space) if space is not None else None
+            if sibling:
+                self.add_to(sibling[0], n, sibling[1])
+                continue
+            if space is not None:
+                step = Step(f"k{len(self.steps)}_{n.name}", "mapreduce", [], space, {})
+                step.inputs_all = set()
+                if isinstance(n, ir.Reduce):
+                    step.align[n.arg] = right_align(g[n.arg].type.shape, space)
+                al = self.align_in(n, step)
+                if al is not None:
+                    self.steps.append(step)
+                    self.add_to(step, n, al)
+                    continue
+            if isinstance(n, ir.View) and n.op == "reshape":
+                self.new_step("alias", n, note="free: same memory, new shape")
+            elif isinstance(n, ir.Reduce):
+                self.new_step("extern", n, note="reduction over a non-last axis runs in PyTorch")
+            else:
+                self.new_step("extern", n, note=_extern_note(n))
+        return Plan(g, self._finish())
+
+    def _finish(self) -> list[Step]:
+        g = self.g
+        outputs = set(g.outputs)
+        for s in self.steps:
+            members = set(s.nodes)
+            s.inputs = sorted({a for a in s.inputs_all if a not in members and not _generated(g[a])},
+                              key=list(n.name for n in g.nodes).index)
+            s.outputs = [m for m in s.nodes if m in outputs or any(u not in members for u in self.users[m])]
+            if s.family == "mapreduce":
+                s.bytes = sum(g[t].type.nbytes for t in s.inputs + s.outputs)
+            elif s.family == "extern":
+                s.bytes = sum(g[t].type.nbytes for t in s.inputs + s.outputs)
+                n = g[s.nodes[0]]
+                if isinstance(n, ir.Contraction):
+                    a, b = g[n.a].type.shape, g[n.b].type.shape
+                    s.flops = 2 * n.type.numel * a[-1]
+                elif isinstance(n, ir.Attention):
+                    q, k = g[n.q].type.shape, g[n.k].type.shape
+                    s.flops = 4 * q[-2] * k[-2] * q[-1] * int(n.type.numel // (q[-2] * q[-1]))
+        return self._ordered()
+
+    def _ordered(self) -> list[Step]:
+        """Steps in an order where each runs after the steps it reads from (joins can reorder)."""
+        done, order = set(), []
+
+        def visit(s, stack=()):
+            if id(s) in done:
+                return
+            if s in stack:
+                raise RuntimeError(f"internal: fusion made a cycle through {s.name}")
+            for t in s.inputs:
+                p = self.group_of.get(t)
+                if p is not None and p is not s:
+                    visit(p, stack + (s,))
+            done.add(id(s))
+            order.append(s)
+
+        for s in self.steps:
+            visit(s)
+        return order
+
+
+def _generated(n) -> bool:
+    return isinstance(n, (ir.Constant, ir.Iota))
+
+
+def _extern_note(n) -> str:
+    if isinstance(n, ir.Contraction):
+        return "torch.matmul (cuBLAS) until the contraction family lands"
+    if isinstance(n, ir.Attention):
+        return "scaled_dot_product_attention until the attention family lands"
+    if isinstance(n, ir.Extern):
+        return n.reason
+    if isinstance(n, ir.View):
+        return f"{n.op} copy in PyTorch"
+    if isinstance(n, ir.Gather):
+        return "torch.gather"
+    return "runs in PyTorch"
+
+
+def plan(g: ir.Graph) -> Plan:
+    return _Planner(g).plan()
+
+
+def format_plan(p: Plan) -> str:
+    g = p.graph
+    lines = [f"plan: {sum(s.family == 'mapreduce' for s in p.steps)} fused kernel(s), "
+             f"{sum(s.family == 'extern' for s in p.steps)} extern(s), "
+             f"{sum(s.family == 'alias' for s in p.steps)} alias(es)"]
+    for s in p.steps:
+        if s.family == "alias":
+            n = g[s.nodes[0]]
+            lines.append(f"  alias {n.name} = {n.arg} as {n.type}")
+            continue
+        head = f"  {s.family} {s.name}"
+        if s.space:
+            L, C = s.space
+            head += f"  rows={'x'.join(map(str, L)) or 1} row_len={C}"
+        head += f"  bytes={_fmt_bytes(s.bytes)}"
+        if s.flops:
+            head += f" flops={s.flops / 1e9:.3g}G"
+        head += f"  floor={s.floor_s * 1e6:.3g}us"
+        lines.append(head)
+        lines.append(f"    reads  {', '.join(f'{t}: {g[t].type}' for t in s.inputs) or '-'}")
+        lines.append(f"    writes {', '.join(f'{t}: {g[t].type}' for t in s.outputs)}")
+        lines.append(f"    fuses  {', '.join(s.nodes)}")
+        if s.note:
+            lines.append(f"    note   {s.note}")
+    return "\n".join(lines)
+
+
+def _fmt_bytes(n: int) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1000 or unit == "GB":
+            return f"{n:.3g}{unit}" if unit != "B" else f"{n}B"
+        n /= 1000
+    return str(n)

@@ -1,0 +1,159 @@
+"""A NumPy interpreter for the Graph IR: the CPU reference for every rewrite and fusion.
+
+`precision="native"` follows PyTorch: a Map whose result is bf16/f16 computes in f32 and
+rounds once; reductions accumulate in f32. `precision="f64"` computes every float in f64,
+the high-precision reference the 2x error rule compares against.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .. import dtypes, ops
+from ..tensors import to_numpy, to_torch
+from . import ir
+
+
+def _float_type(dtype: str, precision: str) -> np.dtype:
+    if precision == "f64":
+        return np.dtype(np.float64)
+    return np.dtype(np.float64) if dtype == "f64" else np.dtype(np.float32)
+
+
+def _store_type(dtype: str, precision: str) -> np.dtype:
+    if precision == "f64" and dtypes.is_float(dtype):
+        return np.dtype(np.float64)
+    return dtypes.to_numpy(dtype)
+
+
+def eval_map(n: ir.Map, args, precision="native"):
+    kind = ops.info(n.op).kind
+    out = n.type.dtype
+    if n.op == "cast":
+        x = args[0]
+        if dtypes.is_float(out) or not np.issubdtype(x.dtype, np.floating):
+            return x.astype(_store_type(out, precision))
+        return np.trunc(x).astype(_store_type(out, precision))
+    if n.op == "where":
+        c, x, y = args
+        t = _float_type(out, precision) if dtypes.is_float(out) else dtypes.to_numpy(out)
+        return np.where(c.astype(bool), x.astype(t), y.astype(t)).astype(_store_type(out, precision))
+    if kind == "logic":
+        return ops.info(n.op).numpy(*(a.astype(bool) for a in args))
+    if kind == "cmp":
+        if any(np.issubdtype(a.dtype, np.floating) or a.dtype == dtypes.to_numpy("bf16") for a in args):
+            t = np.float64 if precision == "f64" or any(a.dtype == np.float64 for a in args) else np.float32
+            args = [a.astype(t) for a in args]
+        return ops.info(n.op).numpy(*args)
+    if dtypes.is_float(out):
+        t = _float_type(out, precision)
+        with np.errstate(all="ignore"):
+            r = ops.info(n.op).numpy(*(a.astype(t) for a in args))
+        return np.asarray(r).astype(_store_type(out, precision))
+    with np.errstate(all="ignore"):
+        r = ops.info(n.op).numpy(*(a.astype(dtypes.to_numpy(out)) for a in args))
+    return np.asarray(r).astype(dtypes.to_numpy(out))
+
+
+def eval_reduce(n: ir.Reduce, x, precision="native"):
+    out = n.type.dtype
+    t = _float_type(out, precision) if dtypes.is_float(out) else dtypes.to_numpy(out)
+    x = x.astype(t)
+    if n.op == "mean":
+        r = np.sum(x, axis=n.axes, keepdims=n.keepdim) / max(1, int(np.prod([x.shape[a] for a in n.axes])))
+    else:
+        r = ops.REDUCTIONS[n.op][1](x, axis=n.axes, keepdims=n.keepdim)
+    return np.asarray(r).astype(_store_type(out, precision))
+
+
+def eval_view(n: ir.View, x):
+    if n.op == "reshape":
+        return x.reshape(n.type.shape)
+    if n.op == "permute":
+        return np.transpose(x, n.params)
+    if n.op == "expand":
+        return np.broadcast_to(x, n.type.shape)
+    if n.op == "slice":
+        dim, start, end, step = n.params
+        sl = [slice(None)] * x.ndim
+        sl[dim] = slice(start, end, step)
+        return x[tuple(sl)]
+    raise ValueError(f"unknown view {n.op}")
+
+
+def _attention(n: ir.Attention, q, k, v, mask, precision):
+    t = np.float64 if precision == "f64" else np.float32
+    q, k, v = (a.astype(t) for a in (q, k, v))
+    scale = n.scale if n.scale is not None else 1.0 / np.sqrt(q.shape[-1])
+    s = np.matmul(q, np.swapaxes(k, -1, -2)) * scale
+    if n.causal:
+        L, S = s.shape[-2:]
+        s = np.where(np.tril(np.ones((L, S), bool)), s, -np.inf)
+    if mask is not None:
+        s = np.where(mask, s, -np.inf) if mask.dtype == bool else s + mask.astype(t)
+    s = s - s.max(-1, keepdims=True)
+    p = np.exp(s)
+    p /= p.sum(-1, keepdims=True)
+    return np.matmul(p, v)
+
+
+def _extern(n: ir.Extern, env, precision):
+    import torch
+
+    def conv(a):
+        if isinstance(a, ir.Ref):
+            return to_torch(env[a.name])
+        if isinstance(a, tuple):
+            return [conv(x) for x in a]
+        return a
+
+    op = torch.ops
+    for part in n.target.split("."):
+        op = getattr(op, part)
+    kwargs = {k: conv(v) for k, v in n.kwargs}
+    if precision == "f64" and "dtype" in kwargs and kwargs["dtype"] in (torch.bfloat16, torch.float16, torch.float32):
+        kwargs["dtype"] = torch.float64
+    r = op(*conv(n.args), **kwargs)
+    return to_numpy(r)
+
+
+def run_graph(g: ir.Graph, inputs: dict, precision: str = "native") -> list[np.ndarray]:
+    """Evaluate the graph on NumPy (or torch CPU) inputs; returns the outputs in order."""
+    env: dict[str, np.ndarray] = {}
+    for n in g.nodes:
+        if isinstance(n, ir.Input):
+            if n.name not in inputs:
+                raise ValueError(f"missing input {n.name!r}")
+            x = inputs[n.name]
+            x = to_numpy(x) if not isinstance(x, np.ndarray) else x
+            if tuple(x.shape) != n.type.shape:
+                raise ValueError(f"input {n.name}: expected shape {n.type.shape}, got {tuple(x.shape)}")
+            env[n.name] = x.astype(_store_type(n.type.dtype, precision))
+        elif isinstance(n, ir.Weight):
+            w = g.weights[n.name]
+            w = to_numpy(w) if not isinstance(w, np.ndarray) else w
+            env[n.name] = w.astype(_store_type(n.type.dtype, precision))
+        elif isinstance(n, ir.Constant):
+            env[n.name] = np.asarray(n.value, dtype=_store_type(n.type.dtype, precision))
+        elif isinstance(n, ir.Map):
+            env[n.name] = eval_map(n, [env[a] for a in n.args], precision)
+        elif isinstance(n, ir.Reduce):
+            env[n.name] = eval_reduce(n, env[n.arg], precision)
+        elif isinstance(n, ir.View):
+            env[n.name] = eval_view(n, env[n.arg])
+        elif isinstance(n, ir.Iota):
+            shape = n.type.shape
+            idx = np.arange(shape[n.axis]).reshape([-1 if i == n.axis else 1 for i in range(len(shape))])
+            env[n.name] = np.broadcast_to(idx, shape).astype(dtypes.to_numpy(n.type.dtype))
+        elif isinstance(n, ir.Gather):
+            env[n.name] = np.take_along_axis(env[n.arg], env[n.index].astype(np.int64), axis=n.axis)
+        elif isinstance(n, ir.Contraction):
+            t = np.float64 if precision == "f64" else np.float32
+            env[n.name] = np.matmul(env[n.a].astype(t), env[n.b].astype(t)).astype(_store_type(n.type.dtype, precision))
+        elif isinstance(n, ir.Attention):
+            r = _attention(n, env[n.q], env[n.k], env[n.v], env.get(n.mask) if n.mask else None, precision)
+            env[n.name] = r.astype(_store_type(n.type.dtype, precision))
+        elif isinstance(n, ir.Extern):
+            env[n.name] = _extern(n, env, precision)
+        else:
+            raise TypeError(f"unknown node {n!r}")
+    return [np.asarray(env[o]) for o in g.outputs]

@@ -1,0 +1,282 @@
+"""Graph IR: tensors with shape and dtype, and the ops that make them.
+
+Each node defines one tensor named `name`. Nodes are frozen dataclasses; a `Graph` holds
+them in topological order with its inputs, outputs and weight values. `source` is the
+user's line that produced a node (from torch.export's stack traces), for error messages.
+
+Map args broadcast with NumPy rules to the node's shape; a Map computes in f32 when its
+result is bf16/f16 (and in the promoted type otherwise) and rounds once to its dtype.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Union
+
+import numpy as np
+
+from .. import dtypes, ops
+
+
+@dataclass(frozen=True)
+class TensorType:
+    shape: tuple[int, ...]
+    dtype: str
+
+    def __post_init__(self):
+        dtypes.check(self.dtype)
+
+    @property
+    def numel(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * dtypes.itemsize(self.dtype)
+
+    def __str__(self):
+        return f"{self.dtype}[{', '.join(map(str, self.shape))}]"
+
+
+@dataclass(frozen=True)
+class Input:
+    name: str
+    type: TensorType
+    source: str = field(default="", compare=False)
+
+    def describe(self):
+        return "input"
+
+
+@dataclass(frozen=True)
+class Weight:
+    """A parameter or buffer; its value lives in Graph.weights."""
+
+    name: str
+    type: TensorType
+    source: str = field(default="", compare=False)
+
+    def describe(self):
+        return "weight"
+
+
+@dataclass(frozen=True)
+class Constant:
+    """A scalar (shape ()) constant."""
+
+    name: str
+    type: TensorType
+    value: float | int | bool
+    source: str = field(default="", compare=False)
+
+    def describe(self):
+        return f"const {self.value!r}"
+
+
+@dataclass(frozen=True)
+class Map:
+    name: str
+    type: TensorType
+    op: str
+    args: tuple[str, ...]
+    source: str = field(default="", compare=False)
+
+    def __post_init__(self):
+        if len(self.args) != ops.info(self.op).arity:
+            raise ValueError(f"{self.op} takes {ops.info(self.op).arity} args, got {len(self.args)}")
+
+    def describe(self):
+        return f"map {self.op}({', '.join(self.args)})"
+
+
+@dataclass(frozen=True)
+class Reduce:
+    name: str
+    type: TensorType
+    op: str  # sum, max, min, mean
+    arg: str
+    axes: tuple[int, ...]  # non-negative, sorted
+    keepdim: bool
+    source: str = field(default="", compare=False)
+
+    def describe(self):
+        return f"reduce {self.op}({self.arg}, axes={list(self.axes)}, keepdim={self.keepdim})"
+
+
+@dataclass(frozen=True)
+class View:
+    """An index map: reshape (same element order) or permute, expand, slice."""
+
+    name: str
+    type: TensorType
+    op: str  # reshape | permute | expand | slice
+    arg: str
+    params: tuple = ()
+    source: str = field(default="", compare=False)
+
+    def describe(self):
+        return f"view {self.op}({self.arg}{', ' if self.params else ''}{', '.join(map(str, self.params))})"
+
+
+@dataclass(frozen=True)
+class Iota:
+    """Index along `axis` (an integer tensor), for masks and selects."""
+
+    name: str
+    type: TensorType
+    axis: int
+    source: str = field(default="", compare=False)
+
+    def describe(self):
+        return f"iota(axis={self.axis})"
+
+
+@dataclass(frozen=True)
+class Gather:
+    """torch.gather(arg, axis, index)."""
+
+    name: str
+    type: TensorType
+    arg: str
+    index: str
+    axis: int
+    source: str = field(default="", compare=False)
+
+    def describe(self):
+        return f"gather({self.arg}, axis={self.axis}, index={self.index})"
+
+
+@dataclass(frozen=True)
+class Contraction:
+    """a @ b with torch.matmul semantics (batched, broadcast). Runs as extern until the GEMM lands."""
+
+    name: str
+    type: TensorType
+    a: str
+    b: str
+    source: str = field(default="", compare=False)
+
+    def describe(self):
+        return f"contraction {self.a} @ {self.b}"
+
+
+@dataclass(frozen=True)
+class Attention:
+    """scaled_dot_product_attention(q, k, v). Runs as extern until the attention family lands."""
+
+    name: str
+    type: TensorType
+    q: str
+    k: str
+    v: str
+    causal: bool = False
+    scale: float | None = None
+    mask: str | None = None
+    source: str = field(default="", compare=False)
+
+    def describe(self):
+        extra = ", causal" if self.causal else ""
+        return f"attention({self.q}, {self.k}, {self.v}{extra})"
+
+
+@dataclass(frozen=True)
+class Extern:
+    """An aten op tilefuse does not lower, run by PyTorch: visible in the plan, never silent.
+
+    `args` are node names (str wrapped in Ref) or Python literals.
+    """
+
+    name: str
+    type: TensorType
+    target: str  # e.g. "aten.cumsum.default"
+    args: tuple = ()
+    kwargs: tuple = ()  # tuple of (key, value)
+    reason: str = ""
+    source: str = field(default="", compare=False)
+
+    def describe(self):
+        shown = ", ".join(str(a) for a in self.args)
+        return f"extern {self.target}({shown})" + (f"  # {self.reason}" if self.reason else "")
+
+
+@dataclass(frozen=True)
+class Ref:
+    """A reference to a node inside an Extern's args."""
+
+    name: str
+
+    def __str__(self):
+        return self.name
+
+
+Node = Union[Input, Weight, Constant, Map, Reduce, View, Iota, Gather, Contraction, Attention, Extern]
+
+
+def node_args(n) -> tuple[str, ...]:
+    """Names of the tensors a node reads."""
+    if isinstance(n, Map):
+        return n.args
+    if isinstance(n, (Reduce, View)):
+        return (n.arg,)
+    if isinstance(n, Gather):
+        return (n.arg, n.index)
+    if isinstance(n, Contraction):
+        return (n.a, n.b)
+    if isinstance(n, Attention):
+        return (n.q, n.k, n.v) + ((n.mask,) if n.mask else ())
+    if isinstance(n, Extern):
+        found = []
+
+        def visit(x):
+            if isinstance(x, Ref):
+                found.append(x.name)
+            elif isinstance(x, (tuple, list)):
+                for y in x:
+                    visit(y)
+
+        visit(n.args)
+        visit(tuple(v for _, v in n.kwargs))
+        return tuple(found)
+    return ()
+
+
+@dataclass
+class Graph:
+    nodes: tuple
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    weights: dict[str, Any] = field(default_factory=dict)  # name -> torch.Tensor or ndarray
+
+    def __post_init__(self):
+        self._by_name = {n.name: n for n in self.nodes}
+        if len(self._by_name) != len(self.nodes):
+            raise ValueError("graph has two nodes with one name")
+
+    def __getitem__(self, name: str):
+        return self._by_name[name]
+
+    def __contains__(self, name: str):
+        return name in self._by_name
+
+    def users(self) -> dict[str, list[str]]:
+        out: dict[str, list[str]] = {n.name: [] for n in self.nodes}
+        for n in self.nodes:
+            for a in node_args(n):
+                out[a].append(n.name)
+        return out
+
+    def replace(self, nodes=None, outputs=None) -> "Graph":
+        return Graph(tuple(nodes if nodes is not None else self.nodes), self.inputs,
+                     tuple(outputs if outputs is not None else self.outputs), self.weights)
+
+    def __str__(self):
+        return format_graph(self)
+
+
+def format_graph(g: Graph) -> str:
+    lines = [f"graph({', '.join(f'{i}: {g[i].type}' for i in g.inputs)}):"]
+    for n in g.nodes:
+        if isinstance(n, Input):
+            continue
+        lines.append(f"  {n.name}: {n.type} = {n.describe()}")
+    lines.append(f"  return {', '.join(g.outputs)}")
+    return "\n".join(lines)

@@ -1,0 +1,106 @@
+"""Graph rewrites: small pure functions Graph -> Graph, each recorded when it fires.
+
+`run_rewrites` returns the final graph and, for `-vv`, the (rule, before, after) trail.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from . import ir
+
+
+@dataclass(frozen=True)
+class Fired:
+    rule: str
+    before: str
+    after: str
+
+
+def flatten_full_reductions(g: ir.Graph) -> ir.Graph:
+    """A reduction over every axis of a rank>1 tensor becomes one over a flat row.
+
+    The map-reduce family reduces along the last axis of a row space; a full reduction is
+    then a single row of numel elements (reshape of a contiguous tensor is free).
+    """
+    out, changed = [], False
+    names = {n.name for n in g.nodes}
+    for n in g.nodes:
+        if isinstance(n, ir.Reduce):
+            shape = g[n.arg].type.shape
+            if len(shape) > 1 and n.axes == tuple(range(len(shape))):
+                flat = _fresh(names, f"{n.arg}_flat")
+                out.append(ir.View(flat, ir.TensorType((g[n.arg].type.numel,), g[n.arg].type.dtype), "reshape",
+                                   n.arg, (g[n.arg].type.numel,), n.source))
+                red = _fresh(names, f"{n.name}_row")
+                out.append(ir.Reduce(red, ir.TensorType((), n.type.dtype), n.op, flat, (0,), False, n.source))
+                out.append(ir.View(n.name, n.type, "reshape", red, n.type.shape, n.source))
+                changed = True
+                continue
+        out.append(n)
+    return g.replace(nodes=out) if changed else g
+
+
+def drop_identity_casts(g: ir.Graph) -> ir.Graph:
+    """cast(x) to x's own dtype is x."""
+    alias = {n.name: n.args[0] for n in g.nodes
+             if isinstance(n, ir.Map) and n.op == "cast" and g[n.args[0]].type == n.type}
+    if not alias:
+        return g
+    return substitute(g, alias)
+
+
+def substitute(g: ir.Graph, alias: dict[str, str]) -> ir.Graph:
+    def r(name):
+        while name in alias:
+            name = alias[name]
+        return name
+
+    nodes = []
+    for n in g.nodes:
+        if n.name in alias:
+            continue
+        if isinstance(n, ir.Map):
+            n = ir.Map(n.name, n.type, n.op, tuple(r(a) for a in n.args), n.source)
+        elif isinstance(n, (ir.Reduce, ir.View)):
+            n = type(n)(**{**n.__dict__, "arg": r(n.arg)})
+        elif isinstance(n, ir.Gather):
+            n = ir.Gather(n.name, n.type, r(n.arg), r(n.index), n.axis, n.source)
+        elif isinstance(n, ir.Contraction):
+            n = ir.Contraction(n.name, n.type, r(n.a), r(n.b), n.source)
+        elif isinstance(n, ir.Attention):
+            n = ir.Attention(n.name, n.type, r(n.q), r(n.k), r(n.v), n.causal, n.scale,
+                             r(n.mask) if n.mask else None, n.source)
+        elif isinstance(n, ir.Extern):
+            n = ir.Extern(n.name, n.type, n.target, _subst_refs(n.args, r), tuple((k, _subst_refs(v, r)) for k, v in n.kwargs),
+                          n.reason, n.source)
+        nodes.append(n)
+    return g.replace(nodes=nodes, outputs=[r(o) for o in g.outputs])
+
+
+def _subst_refs(x, r):
+    if isinstance(x, ir.Ref):
+        return ir.Ref(r(x.name))
+    if isinstance(x, tuple):
+        return tuple(_subst_refs(y, r) for y in x)
+    return x
+
+
+def _fresh(names: set, base: str) -> str:
+    name, i = base, 1
+    while name in names:
+        name, i = f"{base}_{i}", i + 1
+    names.add(name)
+    return name
+
+
+RULES = (drop_identity_casts, flatten_full_reductions)
+
+
+def run_rewrites(g: ir.Graph, rules=RULES) -> tuple[ir.Graph, list[Fired]]:
+    fired = []
+    for rule in rules:
+        new = rule(g)
+        if new is not g:
+            fired.append(Fired(rule.__name__, str(g), str(new)))
+            g = new
+    return g, fired

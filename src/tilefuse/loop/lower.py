@@ -1,0 +1,248 @@
+"""Lower a planned map-reduce kernel (graph nodes + row-space alignment) to Loop IR.
+
+Shape of the result: one parallel loop over rows r; row-level values (per-row scalars,
+reductions) are statements of the row body; each row reduction is a `Reduce` over the
+row's columns; every tensor the kernel writes along the row is stored by one final
+column loop. Column values are recomputed inside each inner loop that needs them (the
+CUDA printer keeps the row's loads on chip, so recomputing costs arithmetic, not bytes).
+Values are computed in f32 when stored as bf16/f16, and rounded once at the store.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from .. import dtypes
+from ..graph import ir as g_ir
+from ..graph.fusion import Step, is_row_level
+from . import ir as L
+
+
+@dataclass(frozen=True)
+class Binding:
+    """A kernel parameter: which graph tensor it is and the shape the kernel views it in."""
+
+    buffer: str
+    tensor: str
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Lowered:
+    kernel: L.Kernel
+    bindings: tuple[Binding, ...]
+
+
+def _coord(space_dim: int, space, r: L.Index) -> L.Index:
+    """Index expression of a space dim in terms of the row var r (or the column var)."""
+    Ls, C = space
+    stride = math.prod(Ls[space_dim + 1:])
+    e = r if stride == 1 else L.IBin("//", r, L.IConst(stride))
+    outer = math.prod(Ls[:space_dim])
+    return e if outer == 1 else L.IBin("%", e, L.IConst(Ls[space_dim]))
+
+
+def _buffer_view(shape, align, space):
+    """Squeeze size-1 dims and merge a full run of row dims into one: (r, c), (r), (c) patterns."""
+    Ls, C = space
+    dims = [(s, a) for s, a in zip(shape, align) if a is not None]
+    row = [a for _, a in dims if a < len(Ls)]
+    if row and row == [d for d in range(len(Ls)) if Ls[d] != 1] and len(row) > 1:
+        merged = [(math.prod(Ls), "rows")] + [(s, a) for s, a in dims if a == len(Ls)]
+        return merged
+    return dims or [(1, None)]
+
+
+class _Lowerer:
+    def __init__(self, graph: g_ir.Graph, step: Step):
+        self.g, self.step = graph, step
+        self.space = step.space
+        self.row_dim = len(self.space[0])
+        self.counter = 0
+        self.dtype: dict[str, str] = {}
+        self.params: list[L.Buffer] = []
+        self.bindings: list[Binding] = []
+        self.views: dict[str, list] = {}
+
+    def fresh(self, base="v") -> str:
+        self.counter += 1
+        return f"{base}{self.counter}"
+
+    def buffer(self, tensor: str, role: str) -> str:
+        t = self.g[tensor].type
+        view = _buffer_view(t.shape, self.step.align[tensor], self.space)
+        shape = tuple(s for s, _ in view)
+        self.views[tensor] = view
+        self.params.append(L.Buffer(tensor, shape, t.dtype, role))
+        self.bindings.append(Binding(tensor, tensor, shape))
+        return tensor
+
+    def index(self, tensor: str, col: str | None) -> tuple[L.Index, ...]:
+        out = []
+        for _, a in self.views[tensor]:
+            if a is None:
+                out.append(L.IConst(0))
+            elif a == "rows":
+                out.append(L.Var("r"))
+            elif a == self.row_dim:
+                out.append(L.Var(col))
+            else:
+                out.append(_coord(a, self.space, L.Var("r")))
+        return tuple(out)
+
+    # -- emission -------------------------------------------------------------------------------
+    def emit(self, name: str, block: list, memo: dict, col: str | None) -> str:
+        """SSA value of tensor `name` in `block` (the row body when col is None)."""
+        row_level = self.is_row(name)
+        if row_level and col is not None:
+            return self.emit(name, self.row_block, self.row_memo, None)
+        if name in memo:
+            return memo[name]
+        n = self.g[name]
+        if name not in self.step.nodes and not isinstance(n, (g_ir.Constant, g_ir.Iota)):
+            v = self.load(name, block, col)
+        elif isinstance(n, g_ir.Constant):
+            v = self.fresh("k")
+            ct = dtypes.compute_type(n.type.dtype)
+            block.append(L.Const(v, n.value, ct))
+            self.dtype[v] = ct
+        elif isinstance(n, g_ir.Iota):
+            al = self.step.align.get(name) or self.iota_align(name)
+            space_dim = al[n.axis]
+            v = self.fresh("i")
+            expr = L.Var(col) if space_dim == self.row_dim else _coord(space_dim, self.space, L.Var("r"))
+            block.append(L.IndexValue(v, expr, n.type.dtype))
+            self.dtype[v] = n.type.dtype
+        elif isinstance(n, g_ir.Map):
+            v = self.emit_map(n, block, memo, col)
+        elif isinstance(n, g_ir.View):
+            v = self.emit(n.arg, block, memo, col)
+        elif isinstance(n, g_ir.Reduce):
+            v = self.emit_reduce(n)
+        else:
+            raise TypeError(f"cannot lower {n.describe()} into a map-reduce kernel")
+        memo[name] = v
+        return v
+
+    def iota_align(self, name):
+        for m in self.step.nodes:
+            if name in g_ir.node_args(self.g[m]):
+                return self.step.align[name]
+        raise KeyError(name)
+
+    def is_row(self, name: str) -> bool:
+        if isinstance(self.g[name], g_ir.Constant):
+            return True
+        return is_row_level(self.step.align[name], self.space)
+
+    def load(self, name, block, col):
+        t = self.g[name].type
+        raw = self.fresh("x")
+        block.append(L.Load(raw, name, self.index(name, col)))
+        self.dtype[raw] = t.dtype
+        return self.convert(raw, dtypes.compute_type(t.dtype), block)
+
+    def convert(self, v: str, dtype: str, block: list) -> str:
+        if self.dtype[v] == dtype:
+            return v
+        out = self.fresh("c")
+        block.append(L.Op(out, "cast", (v,), dtype))
+        self.dtype[out] = dtype
+        return out
+
+    def emit_map(self, n: g_ir.Map, block, memo, col):
+        args = [self.emit(a, block, memo, col) for a in n.args]
+        out_t = n.type.dtype
+        v = self.fresh()
+        if n.op == "cast":
+            want = dtypes.compute_type(out_t)
+            if dtypes.is_float(self.dtype[args[0]]) and not dtypes.is_float(want) and want != "bool":
+                pass  # C casts truncate toward zero, as torch does
+            block.append(L.Op(v, "cast", (args[0],), want))
+            self.dtype[v] = want
+            return v
+        if n.op in ("eq", "ne", "lt", "le", "gt", "ge"):
+            common = _common([self.dtype[a] for a in args])
+            args = [self.convert(a, common, block) for a in args]
+            block.append(L.Op(v, n.op, tuple(args), "bool"))
+            self.dtype[v] = "bool"
+            return v
+        if n.op in ("and", "or", "not"):
+            args = [self.convert(a, "bool", block) for a in args]
+            block.append(L.Op(v, n.op, tuple(args), "bool"))
+            self.dtype[v] = "bool"
+            return v
+        want = dtypes.compute_type(out_t)
+        if n.op == "where":
+            args = [self.convert(args[0], "bool", block)] + [self.convert(a, want, block) for a in args[1:]]
+        else:
+            args = [self.convert(a, want, block) for a in args]
+        block.append(L.Op(v, n.op, tuple(args), want))
+        self.dtype[v] = want
+        return v
+
+    def emit_reduce(self, n: g_ir.Reduce):
+        col = f"c{self.counter + 1}"
+        self.counter += 1
+        body: list = []
+        x = self.emit(n.arg, body, {}, col)
+        want = dtypes.compute_type(n.type.dtype)
+        x = self.convert(x, want if dtypes.is_float(want) else "i64" if n.op == "sum" else want, body)
+        acc_t = self.dtype[x]
+        v = self.fresh("red")
+        op = "sum" if n.op == "mean" else n.op
+        self.row_block.append(L.Reduce(v, op, col, self.space[1], tuple(body), x, acc_t))
+        self.dtype[v] = acc_t
+        if n.op == "mean":
+            k, m = self.fresh("k"), self.fresh()
+            self.row_block += [L.Const(k, 1.0 / self.space[1], acc_t), L.Op(m, "mul", (v, k), acc_t)]
+            self.dtype[m] = acc_t
+            v = m
+        return v
+
+    def store(self, name, block, memo, col):
+        v = self.emit(name, block, memo, col)
+        v = self.convert(v, self.g[name].type.dtype, block)
+        block.append(L.Store(name, self.index(name, col), v))
+
+    def lower(self, kernel_name: str) -> Lowered:
+        step = self.step
+        for t in step.inputs:
+            self.buffer(t, "in")
+        for t in step.outputs:
+            self.buffer(t, "out")
+        self.row_block, self.row_memo = [], {}
+        col_outputs = []
+        for name in step.nodes:
+            if name in step.outputs and not self.is_row(name):
+                col_outputs.append(name)
+            elif name in step.outputs:
+                self.store(name, self.row_block, self.row_memo, None)
+            elif self.is_row(name):
+                self.emit(name, self.row_block, self.row_memo, None)
+        if col_outputs:
+            col = f"c{self.counter + 1}"
+            self.counter += 1
+            body, memo = [], {}
+            for name in col_outputs:
+                self.store(name, body, memo, col)
+            self.row_block.append(L.Loop(col, self.space[1], tuple(body)))
+        rows = math.prod(self.space[0])
+        kernel = L.Kernel(kernel_name, tuple(self.params),
+                          (L.Loop("r", rows, tuple(self.row_block), parallel=True),), "mapreduce",
+                          notes=tuple(f"{n}: {self.g[n].describe()}" for n in step.nodes))
+        return Lowered(kernel, tuple(self.bindings))
+
+
+def _common(ts: list[str]) -> str:
+    floats = [t for t in ts if dtypes.is_float(t)]
+    if floats:
+        return "f64" if "f64" in floats else "f32"
+    ints = [t for t in ts if t in dtypes.INTS]
+    return "i64" if ints else "bool"
+
+
+def lower_step(graph: g_ir.Graph, step: Step, name: str | None = None) -> Lowered:
+    if step.family != "mapreduce":
+        raise ValueError(f"step {step.name} is {step.family}, not a map-reduce kernel")
+    return _Lowerer(graph, step).lower(name or step.name)
