@@ -226,7 +226,8 @@ def gather_kernel(R: int, C: int, dtype: str = "bf16", V: int = 11) -> Kernel:
             Store("out", (R_, C_), "e"),
         )),
     )
-    params = (Buffer("table", (V, C), dtype, "in"), Buffer("ids", (R,), "i64", "in"), Buffer("out", (R, C), dtype, "out"))
+    params = (Buffer("table", (V, C), dtype, "in"), Buffer("ids", (R,), "i64", "in"),
+              Buffer("out", (R, C), dtype, "out"))
     return _row_kernel("embedding", params, R, row)
 
 
@@ -343,4 +344,5 @@ def check_against_torch(ex: Example, ours: dict, floor: float = 1e-6) -> None:
         torch_err = float(np.max(np.abs(lowp[name] - r), initial=0.0))
         scaled_floor = floor * max(1.0, float(np.max(np.abs(r), initial=0.0)))
         assert ours_err <= 2 * torch_err + scaled_floor, (
-            f"{ex.name}.{name}: error {ours_err:.3g} vs PyTorch's own {torch_err:.3g} (2x rule, floor {scaled_floor:.3g})")
+            f"{ex.name}.{name}: error {ours_err:.3g} vs PyTorch's own {torch_err:.3g} "
+            f"(2x rule, floor {scaled_floor:.3g})")

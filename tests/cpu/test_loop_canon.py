@@ -178,7 +178,8 @@ MUTATIONS = {
     "reduction": lambda k, n: replace_nth(k, lambda s: isinstance(s, Reduce),
                                           lambda s: replace(s, op="max" if s.op == "sum" else "sum"), n),
     "yielded value": lambda k, n: replace_nth(k, lambda s: isinstance(s, Reduce) and _other_yield(s), _other_yield, n),
-    "parallel": lambda k, n: replace_nth(k, lambda s: isinstance(s, Loop), lambda s: replace(s, parallel=not s.parallel), n),
+    "parallel": lambda k, n: replace_nth(k, lambda s: isinstance(s, Loop),
+                                         lambda s: replace(s, parallel=not s.parallel), n),
     "dropped store": lambda k, n: replace_nth(k, lambda s: isinstance(s, Store), lambda s: None, n),
     "family": lambda k, n: replace(k, family="contraction"),
 }

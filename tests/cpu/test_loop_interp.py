@@ -203,6 +203,22 @@ def test_flat_index_arithmetic_transposes(R, C):
     assert np.array_equal(run_kernel(k, {"x": x})["y"], x.reshape(C, R).T)
 
 
+def test_transposed_load_and_store_use_the_right_axes():
+    """y[c, r] = x[c, r] + 10 * z[r, c]: loop variables in swapped dimension order (the view fast path)."""
+    R, C = 3, 5
+    rng = np.random.default_rng(2)
+    x, z = rng.standard_normal((C, R)), rng.standard_normal((R, C))
+    r, c = Var("r"), Var("c")
+    k = kernel(
+        (Buffer("x", (C, R), "f64", "in"), Buffer("z", (R, C), "f64", "in"), Buffer("y", (C, R), "f64", "out")),
+        Loop("r", R, (Const("ten", 10.0, "f64"), Loop("c", C, (
+            Load("a", "x", (c, r)), Load("b", "z", (r, c)), Op("p", "mul", ("b", "ten"), "f64"),
+            Op("q", "add", ("a", "p"), "f64"), Store("y", (c, r), "q"),
+        ))), parallel=True),
+    )
+    assert np.array_equal(run_kernel(k, {"x": x, "z": z})["y"], x + 10.0 * z.T)
+
+
 def test_val_index_gathers_and_scatters():
     """Load table[ids[r], c] gathers rows; Store y[perm[r], c] scatters them to a permutation."""
     R, C, V = 6, 5, 9

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .. import dtypes, ops
-from .ir import IBin, IConst, Index, IndexValue, Kernel, Const, Load, Loop, Op, Reduce, Store, Val, Var, walk
+from .ir import IConst, Index, IndexValue, Kernel, Const, Load, Loop, Op, Reduce, Store, Val, Var
 from .verify import verify
 
 _LOW_PRECISION = ("bf16", "f16")

@@ -25,6 +25,7 @@ class Program:
     kernels: dict[str, Lowered]  # step name -> lowered kernel
     out_spec: object = None
     arch: str | None = None
+    poison: bool = False  # fill outputs with NaN (or -1) before each kernel: unwritten elements show
 
     def __post_init__(self):
         self._compiled: dict = {}
@@ -120,6 +121,8 @@ class Program:
                 args.append(self.value(b.tensor, env, device).contiguous().reshape(b.shape))
             else:
                 t = torch.empty(b.shape, dtype=dtypes.to_torch(buf.dtype), device=device)
+                if self.poison:
+                    t.fill_(float("nan") if t.is_floating_point() else -1)
                 args.append(t)
                 outs.append((b.tensor, t))
         ck(*args)

@@ -1,0 +1,161 @@
+"""Issue 2's map-reduce table: tilefuse vs eager vs torch.compile, bf16, same run.
+
+    python3 bench/mapreduce.py --json bench/results/mapreduce_h100.json [--quick]
+
+Each program is compiled with tilefuse.compile and timed (median, CUDA events, L2 flushed)
+next to PyTorch eager and torch.compile (default mode) on random normal inputs; GB/s count
+each input/weight read once and each output written once; % of copy is against a
+device-to-device copy measured in the same run. Also records the RMSNorm program's compile
+time, cold (empty cubin cache) and warm. Prints a table last.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+
+import torch
+import torch.nn.functional as F
+
+import tilefuse
+from tilefuse.analyze.bench import copy_bandwidth, compare
+
+SHAPES = [(32768, 4096), (16384, 8192), (4096, 65536), (32768, 256)]
+LONG = [(8192, 262144)]
+
+
+class RMSNorm(torch.nn.Module):
+    def __init__(self, n):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(n))
+
+    def forward(self, x):
+        return F.rms_norm(x, (x.shape[-1],), self.weight, 1e-6)
+
+
+class AddRMSNorm(RMSNorm):
+    def forward(self, x, res):
+        h = x + res
+        return h, F.rms_norm(h, (h.shape[-1],), self.weight, 1e-6)
+
+
+class LayerNorm(torch.nn.Module):
+    def __init__(self, n):
+        super().__init__()
+        self.ln = torch.nn.LayerNorm(n)
+        torch.nn.init.normal_(self.ln.weight)
+        torch.nn.init.normal_(self.ln.bias)
+
+    def forward(self, x):
+        return self.ln(x)
+
+
+class Softmax(torch.nn.Module):
+    def __init__(self, n):
+        super().__init__()
+
+    def forward(self, x):
+        return torch.softmax(x, -1)
+
+
+class CrossEntropy(torch.nn.Module):
+    def __init__(self, n):
+        super().__init__()
+
+    def forward(self, logits, target):
+        return F.cross_entropy(logits, target)
+
+
+def inputs_for(name, rows, cols):
+    x = torch.randn(rows, cols, device="cuda", dtype=torch.bfloat16)
+    if name == "add+rmsnorm":
+        return (x, torch.randn_like(x))
+    if name == "cross_entropy":
+        return (x, torch.randint(0, cols, (rows,), device="cuda"))
+    return (x,)
+
+
+PROGRAMS = {"rmsnorm": RMSNorm, "layernorm": LayerNorm, "softmax": Softmax, "add+rmsnorm": AddRMSNorm,
+            "cross_entropy": CrossEntropy}
+
+
+def cases(quick: bool):
+    for name in PROGRAMS:
+        for shape in SHAPES + (LONG if name in ("softmax", "cross_entropy") else []):
+            if quick and shape not in ((32768, 4096), (32768, 256)):
+                continue
+            yield name, shape
+
+
+def compile_times():
+    """RMSNorm compile time with an empty cubin cache, then with a warm one."""
+    with tempfile.TemporaryDirectory() as d:
+        old = os.environ.get("TILEFUSE_CACHE_DIR")
+        os.environ["TILEFUSE_CACHE_DIR"] = d
+        try:
+            m = RMSNorm(4096).cuda().bfloat16()
+            x = torch.randn(32768, 4096, device="cuda", dtype=torch.bfloat16)
+            t0 = time.perf_counter()
+            tilefuse.compile(m, (x,))
+            cold = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            tilefuse.compile(m, (x,))
+            warm = time.perf_counter() - t0
+        finally:
+            if old is None:
+                os.environ.pop("TILEFUSE_CACHE_DIR")
+            else:
+                os.environ["TILEFUSE_CACHE_DIR"] = old
+    return cold, warm
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--quick", action="store_true", help="two shapes only")
+    ap.add_argument("--no-compile-baseline", action="store_true", help="skip torch.compile (it takes a while)")
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    gpu = torch.cuda.get_device_name()
+    copy_bps = copy_bandwidth()
+    results = []
+    for name, (rows, cols) in cases(args.quick):
+        module = PROGRAMS[name](cols).cuda().bfloat16()
+        inputs = inputs_for(name, rows, cols)
+        prog = tilefuse.compile(module, inputs)
+        st = prog.stages
+        nbytes = sum(t.numel() * t.element_size() for t in inputs)
+        nbytes += sum(p.numel() * p.element_size() for p in module.parameters())
+        outs = module(*inputs)
+        outs = outs if isinstance(outs, tuple) else (outs,)
+        nbytes += sum(o.numel() * o.element_size() for o in outs)
+        rows_ = compare(prog, module, inputs, nbytes, copy_bps, with_compile=not args.no_compile_baseline)
+        rec = {"program": name, "shape": [rows, cols], "bytes": nbytes, "kernels": len(st.kernels),
+               "externs": sum(s.family == "extern" for s in st.plan.steps)}
+        for r in rows_:
+            rec[r.name] = {"us": r.ms * 1e3, "GBps": r.gbps, "pct_copy": r.pct_copy}
+        results.append(rec)
+        print(f"{name:14s} {rows}x{cols}: " + "  ".join(f"{r.name} {r.ms * 1e3:.1f}us" for r in rows_), flush=True)
+        del prog, inputs, module
+        torch.cuda.empty_cache()
+    cold, warm = compile_times()
+    out = {"gpu": gpu, "torch": torch.__version__, "copy_TBps": copy_bps / 1e12, "results": results,
+           "rmsnorm_compile_s": {"cold": cold, "warm": warm}}
+    if args.json:
+        os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+    print(f"\n{gpu}, copy {copy_bps / 1e12:.2f} TB/s; RMSNorm compile cold {cold * 1e3:.0f} ms, warm {warm * 1e3:.0f} ms")
+    hdr = f"{'program':14s} {'shape':>12s} {'tf us':>8s} {'TB/s':>5s} {'%copy':>6s} {'eager/tf':>8s} {'compile/tf':>10s}"
+    print(hdr)
+    for r in results:
+        tf = r["tilefuse"]
+        comp = r.get("torch.compile", {}).get("us", float("nan")) / tf["us"]
+        print(f"{r['program']:14s} {'x'.join(map(str, r['shape'])):>12s} {tf['us']:8.1f} {tf['GBps'] / 1e3:5.2f} "
+              f"{tf['pct_copy']:5.0f}% {r['eager']['us'] / tf['us']:8.2f} {comp:10.2f}")
+
+
+if __name__ == "__main__":
+    main()

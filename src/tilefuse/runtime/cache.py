@@ -1,0 +1,106 @@
+"""Content-addressed cubin cache on disk.
+
+key = sha256(source, arch, NVRTC options, NVRTC version): a changed generator, flag or
+compiler is a new key, never a stale hit. One file per entry, written to a temporary name
+and renamed into place (atomic: readers see a whole entry or none). An entry carries a
+checksum; a truncated or corrupted one is ignored and rebuilt.
+
+Directory: $TILEFUSE_CACHE_DIR, else ~/.cache/tilefuse/cubin.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+import tempfile
+from dataclasses import asdict
+from pathlib import Path
+
+from . import nvrtc
+
+_MAGIC = b"TFCUBIN1"
+
+
+def cache_dir() -> Path:
+    env = os.environ.get("TILEFUSE_CACHE_DIR")
+    return Path(env) if env else Path.home() / ".cache" / "tilefuse" / "cubin"
+
+
+def cache_key(source: str, arch: str, options: tuple[str, ...], version: tuple[int, int]) -> str:
+    h = hashlib.sha256()
+    for part in (source, arch, "\0".join(options), ".".join(map(str, version))):
+        h.update(part.encode())
+        h.update(b"\xff")
+    return h.hexdigest()
+
+
+def _encode(cubin: nvrtc.Cubin) -> bytes:
+    meta = json.dumps({"arch": cubin.arch, "info": asdict(cubin.info), "log": cubin.log}).encode()
+    body = _MAGIC + struct.pack("<QQ", len(meta), len(cubin.data)) + meta + cubin.data
+    return body + hashlib.sha256(body).digest()
+
+
+def _decode(blob: bytes) -> nvrtc.Cubin | None:
+    """The entry, or None if it is not a whole, intact entry."""
+    head = len(_MAGIC) + 16
+    if len(blob) < head + 32 or not blob.startswith(_MAGIC):
+        return None
+    body, digest = blob[:-32], blob[-32:]
+    if hashlib.sha256(body).digest() != digest:
+        return None
+    n_meta, n_data = struct.unpack("<QQ", body[len(_MAGIC):head])
+    if head + n_meta + n_data != len(body):
+        return None
+    try:
+        meta = json.loads(body[head:head + n_meta])
+        info = nvrtc.CompileInfo(**meta["info"])
+    except (ValueError, KeyError, TypeError):
+        return None
+    return nvrtc.Cubin(data=body[head + n_meta:], arch=meta["arch"], info=info, log=meta["log"])
+
+
+class CubinCache:
+    def __init__(self, directory: Path | str | None = None):
+        self.dir = Path(directory) if directory is not None else cache_dir()
+
+    def path(self, key: str) -> Path:
+        return self.dir / key[:2] / f"{key}.cubin"
+
+    def get(self, key: str) -> nvrtc.Cubin | None:
+        try:
+            blob = self.path(key).read_bytes()
+        except OSError:
+            return None
+        return _decode(blob)
+
+    def put(self, key: str, cubin: nvrtc.Cubin) -> None:
+        """Store atomically; a cache that cannot be written is not an error (just slower)."""
+        target = self.path(key)
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".tmp-")
+            try:
+                with os.fdopen(fd, "wb") as f:
+                    f.write(_encode(cubin))
+                os.replace(tmp, target)
+            except BaseException:
+                Path(tmp).unlink(missing_ok=True)
+                raise
+        except OSError:
+            pass
+
+
+def compile_cached(source: str, name: str, arch: str, options: tuple[str, ...] | None = None,
+                   cache: CubinCache | None = None) -> tuple[nvrtc.Cubin, bool]:
+    """(cubin, hit): from the cache when an intact entry exists, else compiled and stored."""
+    arch = nvrtc.normalize_arch(arch)
+    opts = options if options is not None else nvrtc.options_for(arch)
+    cache = cache or CubinCache()
+    key = cache_key(source, arch, opts, nvrtc.version())
+    hit = cache.get(key)
+    if hit is not None:
+        return hit, True
+    cubin = nvrtc.compile_cuda(source, name, arch, opts)
+    cache.put(key, cubin)
+    return cubin, False
