@@ -49,14 +49,6 @@ __device__ __forceinline__ double tf_min(double a, double b) { return (a != a ||
 template <class T> __device__ __forceinline__ T tf_max(T a, T b) { return a > b ? a : b; }
 template <class T> __device__ __forceinline__ T tf_min(T a, T b) { return a < b ? a : b; }
 
-// Python's floor division and modulo, for index expressions that may go negative.
-__device__ __forceinline__ long long tf_floordiv(long long a, long long b) {
-  long long q = a / b; return (q * b != a && ((a < 0) != (b < 0))) ? q - 1 : q;
-}
-__device__ __forceinline__ long long tf_mod(long long a, long long b) {
-  long long m = a % b; return (m != 0 && ((m < 0) != (b < 0))) ? m + b : m;
-}
-
 // Element i of a chunk held as 32-bit words (a register array, i a compile-time constant
 // once the loops are unrolled).
 __device__ __forceinline__ float tf_get_bf16(const unsigned* w, int i) {
@@ -329,7 +321,10 @@ def check_all_ops_spelled():
 
 
 def index(e: ir.Index, env: dict[str, str]) -> str:
-    """C++ (long long) for an index expression; `env` maps loop vars and SSA values to C names."""
+    """C++ (long long) for an index expression; `env` maps loop vars and SSA values to C names.
+
+    Index arithmetic is 64-bit with C's truncating `/` and `%` (the interpreter's semantics).
+    """
     if isinstance(e, ir.IConst):
         return f"{e.value}LL" if abs(e.value) >= 2**31 else str(e.value)
     if isinstance(e, ir.Var):
@@ -342,9 +337,8 @@ def index(e: ir.Index, env: dict[str, str]) -> str:
             return f"({a} + {b})"
         if e.op == "*":
             return f"((long long)({a}) * ({b}))"
-        if e.op == "//":
-            return f"tf_floordiv({a}, {b})"
-        return f"tf_mod({a}, {b})"
+        # "//" and "%" are C's (truncating) division and remainder, as in the interpreter
+        return f"({a} {'/' if e.op == '//' else '%'} {b})"
     raise TypeError(f"not an index expression: {e!r}")
 
 

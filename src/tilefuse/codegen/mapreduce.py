@@ -91,7 +91,7 @@ class KernelSource:
     """A rendered kernel: what NVRTC compiles and what the launcher needs."""
 
     name: str                       # extern "C" entry point
-    code: str                       # CUDA C++
+    source: str                     # CUDA C++
     grid: tuple[int, int, int]
     block: tuple[int, int, int]
     smem_bytes: int                 # dynamic shared memory per CTA
@@ -130,13 +130,25 @@ class _Stream:
         return dtypes.itemsize(self.buf.dtype)
 
     @property
+    def values(self) -> frozenset:
+        """Row-level SSA values the base depends on (a gathered row)."""
+        out = frozenset()
+        for e in self.base_index:
+            out |= ir.index_values(e)
+        return out
+
+    @property
     def per_row(self) -> bool:
         """True for a row of a matrix (read once); False for a column vector shared by all rows."""
         return any(ir.index_vars(e) for e in self.base_index)
 
 
-def _contiguous(buf: ir.Buffer, index: tuple, cvar: str, vector: int):
-    """base_index if buf[index] is contiguous in `cvar` and chunk-aligned for `vector`, else None."""
+def _contiguous(buf: ir.Buffer, index: tuple, cvar: str, vector: int, row_values=frozenset()):
+    """base_index if buf[index] is contiguous in `cvar` and chunk-aligned for `vector`, else None.
+
+    A dimension may be indexed by a row-level value (a gather of whole rows, e.g. an
+    embedding lookup): its stride must keep chunks aligned whatever the value is.
+    """
     if len(index) != len(buf.shape) or not buf.shape:
         return None
     strides = []
@@ -155,7 +167,7 @@ def _contiguous(buf: ir.Buffer, index: tuple, cvar: str, vector: int):
     for i, e in enumerate(index):
         if i == c_dims[0]:
             continue
-        if ir.index_values(e):  # a gather: base unknown until a value is loaded
+        if not ir.index_values(e) <= row_values:  # gathered by a value of the column
             return None
         if isinstance(e, ir.IConst):
             const_part += e.value * strides[i]
@@ -178,7 +190,8 @@ def _choose_vector(kernel: ir.Kernel, parts: ir.RowKernel) -> int:
         for s in blk.body:
             if isinstance(s, (ir.Load, ir.Store)):
                 buf = kernel.buffer(s.buf)
-                if _contiguous(buf, s.index, blk.var, 1) is not None:
+                rv = _row_values(parts) if isinstance(s, ir.Load) else frozenset()
+                if _contiguous(buf, s.index, blk.var, 1, rv) is not None:
                     sizes.append(dtypes.itemsize(buf.dtype))
     if not sizes:
         return 1
@@ -196,15 +209,21 @@ class _Analysis:
     store_stream: dict  # id(Store) -> key
 
 
+def _row_values(parts: ir.RowKernel) -> frozenset:
+    return frozenset(s.dst for s in parts.body if isinstance(s, (ir.Load, ir.Op, ir.IndexValue, ir.Const)))
+
+
 def _analyse(kernel: ir.Kernel, parts: ir.RowKernel, vector: int) -> _Analysis:
     ins, outs, lmap, smap = {}, {}, {}, {}
+    row_values = _row_values(parts)
     for blk in _inner_blocks(parts):
         stores_seen = set()
         for s in blk.body:
             if not isinstance(s, (ir.Load, ir.Store)):
                 continue
             buf = kernel.buffer(s.buf)
-            base = _contiguous(buf, s.index, blk.var, vector)
+            base = _contiguous(buf, s.index, blk.var, vector,
+                               row_values if isinstance(s, ir.Load) else frozenset())
             if base is None:
                 continue
             key = (buf.name, tuple(str(e) for e in base))
@@ -252,10 +271,14 @@ STAGE_WORDS = 24   # the most a schedule may spend on them (under a 64-register 
 
 
 def staged_words(kernel: ir.Kernel, vector: int) -> int:
-    """32-bit registers one chunk of every staged (per-row input) stream takes."""
+    """32-bit registers one chunk of the row takes: the staged (per-row input) streams, or,
+    for a kernel with none (a gather, a pure column-vector map), the chunk a pass loads and stores."""
     parts = ir.row_kernel_parts(kernel)
     ana = _analyse(kernel, parts, vector)
-    return sum(_words(s.buf.dtype, vector) for s in ana.in_streams.values() if s.per_row)
+    staged = sum(_words(s.buf.dtype, vector) for s in ana.in_streams.values() if s.per_row)
+    if staged:
+        return staged
+    return sum(_words(s.buf.dtype, vector) for s in list(ana.in_streams.values()) + list(ana.out_streams.values()))
 
 
 def default_schedule(kernel: ir.Kernel, arch: str = "sm_90a") -> MapReduceSchedule:
@@ -468,6 +491,12 @@ def _emit_chunk_load(ctx: _Ctx, em: _Emitter, st: _Stream, dst: str, guard: str)
     calls = _ld_fn(nbytes, stream=st.per_row)
     w = _words(st.buf.dtype, ctx.V)
     ptr = f"{_ident(st.buf.name)} + b_{st.name} + c0"
+    if st.values:  # a gathered row: its base and bounds come from row-level values
+        env = _env(ctx, None)
+        em(f"const long long b_{st.name} = {cexpr.flat_offset(st.buf, st.base_index, env)};")
+        for e, n in zip(st.base_index, st.buf.shape):
+            if ir.index_values(e):
+                guard = f"{guard} && (unsigned long long)({cexpr.index(e, env)}) < {n}ULL"
     body = " ".join(
         f"{fn}({dst} + {off}, {ptr}{'' if off == 0 else f' + {off * 4 // st.itemsize}'});"
         for fn, off in calls)
@@ -645,6 +674,9 @@ def _independent(group: list, r: ir.Reduce) -> bool:
     return r.value not in dsts
 
 
+MAX_STAGED_WORDS = 64  # beyond this an explicit schedule would spill whatever ptxas does
+
+
 def _plan_chunks(C: int, V: int, P: int, sched: MapReduceSchedule):
     chunks = -(-C // V)
     nchunk = -(-chunks // P)
@@ -666,6 +698,10 @@ def render(kernel: ir.Kernel, schedule: MapReduceSchedule | None = None, arch: s
     ana = _analyse(kernel, parts, V) if V > 1 else _analyse(kernel, parts, 1)
     P = sch.group * sch.cluster
     nchunk, full = _plan_chunks(C, V, P, sch)
+    staged_regs = nchunk * sum(_words(st.buf.dtype, V) for st in ana.in_streams.values() if st.per_row)
+    if sch.stage == "regs" and staged_regs > MAX_STAGED_WORDS:
+        raise ValueError(f"kernel {kernel.name}: {sch} would hold {staged_regs} registers of row per thread "
+                         f"(at most {MAX_STAGED_WORDS}); use more threads, a cluster, or stage='stream'")
     ctx = _Ctx(kernel, parts, sch, ana, V, C, P, nchunk, full)
     ctx.store_only_casts = _cast_store_only(kernel, parts.body)
     name = _ident(kernel.name)
@@ -700,7 +736,7 @@ def render(kernel: ir.Kernel, schedule: MapReduceSchedule | None = None, arch: s
 
     # ---- stream bases
     env0 = _env(ctx, None)
-    for st in list(ana.in_streams.values()) + list(ana.out_streams.values()):
+    for st in [x for x in list(ana.in_streams.values()) + list(ana.out_streams.values()) if not x.values]:
         em(f"const long long b_{st.name} = {cexpr.flat_offset(st.buf, st.base_index, env0)};  // {st.buf.name} row base")
 
     # ---- staging
@@ -749,7 +785,7 @@ def render(kernel: ir.Kernel, schedule: MapReduceSchedule | None = None, arch: s
     align_d = {}
     for b, n in align:
         align_d[b] = max(n, align_d.get(b, 0))
-    return KernelSource(name=name, code=code, grid=grid, block=(sch.threads, 1, 1), smem_bytes=0,
+    return KernelSource(name=name, source=code, grid=grid, block=(sch.threads, 1, 1), smem_bytes=0,
                         cluster=(sch.cluster if hw_cluster else 1, 1, 1), params=tuple(b.name for b in kernel.params),
                         alignment=tuple(sorted(align_d.items())), schedule=sch)
 

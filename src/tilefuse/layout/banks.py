@@ -36,6 +36,11 @@ def row_phase_wavefronts(layout, elem_bytes: int, rows: int = 8, segment_bytes: 
     if n_rows % rows or n_cols % per_segment:
         raise ValueError(f"{layout}: the grid {n_rows}x{n_cols} does not split into "
                          f"{rows}-row phases of {per_segment}-element segments")
+    for r in range(n_rows):
+        for c in range(0, n_cols, per_segment):
+            if any(layout(r, c + j) != layout(r, c) + j for j in range(per_segment)):
+                raise ValueError(f"{layout}: row {r} is not contiguous over the "
+                                 f"{segment_bytes}-byte segment at column {c}")
     worst = 0
     for r0 in range(0, n_rows, rows):
         for c in range(0, n_cols, per_segment):

@@ -238,7 +238,10 @@ def composition(a, b):
     """a o b: R(c) == a(b(c)) for every coordinate c of b, and R's shape is compatible with b's.
 
     b may be a tiler (see module doc): a tuple applies mode by mode.
-    Raises ValueError when the stride or shape divisibility condition fails.
+    Raises ValueError naming the condition that fails: stride divisibility (each stride of
+    b steps over whole modes of a, or divides the mode it lands in), shape divisibility
+    (each extent of b covers whole modes of a, or a prefix of one), or mode disjointness
+    (b's modes together must not carry from one mode of a into the next).
     """
     if _is_composed(a):
         return a.compose(b)
@@ -254,62 +257,89 @@ def composition(a, b):
         return ComposedLayout(a, 0, b)
     if not isinstance(b, Layout):
         raise TypeError(f"composition: cannot compose {a} with {b!r}")
-    fa = coalesce(a)
-    shapes, strides = flatten(fa.shape), flatten(fa.stride)
+    shapes, strides = _coalesce_extended(a)
+    used = [0] * len(shapes)  # largest digit the modes of b put into each mode of a
 
     def rec(s, d):
         if is_tuple(s):
             parts = [rec(x, y) for x, y in zip(s, d)]
             return tuple(p[0] for p in parts), tuple(p[1] for p in parts)
-        return _compose_leaf(shapes, strides, s, d, a, b)
+        return _compose_leaf(shapes, strides, s, d, a, b, used)
 
-    return Layout(*rec(b.shape, b.stride))
+    result = Layout(*rec(b.shape, b.stride))
+    for k in range(len(shapes) - 1):  # the last mode of a is unbounded: no carry out of it
+        if used[k] >= shapes[k]:
+            raise ValueError(
+                f"composition {a} o {b}: mode disjointness condition fails: the modes of {b} "
+                f"together reach digit {used[k]} of mode {shapes[k]}:{strides[k]} of "
+                f"coalesce({a}) = {Layout(shapes, strides)}, so their coordinates carry into "
+                f"the next mode (A(B(c)) would not be the sum of A over B's modes)"
+            )
+    return result
 
 
-def _compose_leaf(shapes, strides, s: int, d: int, a, b):
-    """(shape, stride) of a o (s:d) for a coalesced `a` given by its flat modes."""
+def _coalesce_extended(a: Layout) -> tuple[tuple, tuple]:
+    """Flat modes of coalesce(a) that also agree with `a` past its size: there the last
+    leaf takes the overflow, so its stride is kept even when its extent is 1."""
+    leaves = list(zip(flatten(a.shape), flatten(a.stride))) or [(1, 0)]
+    merged = _merge([(s, d) for s, d in leaves[:-1] if s > 1])
+    s, d = leaves[-1]
+    if merged and merged[-1][0] * merged[-1][1] == d:
+        merged[-1] = (merged[-1][0] * s, merged[-1][1])
+    else:
+        merged.append((s, d))
+    return tuple(m[0] for m in merged), tuple(m[1] for m in merged)
+
+
+def _compose_leaf(shapes, strides, s: int, d: int, a, b, used):
+    """(shape, stride) of a o (s:d), `a` given by its coalesced flat modes.
+
+    Adds to used[k] the largest digit this leaf puts into mode k of a.
+    """
     if d == 0 or s == 1:
         return s, 0
     if d < 0:
         raise ValueError(f"composition {a} o {b}: negative stride {d} in the right operand")
+    flat_a = Layout(shapes, strides)
     if len(shapes) == 1:  # a single mode extends past its size: a o s:d == s:(d*stride)
         return s, d * strides[0]
-    # Divide the stride d out of a's modes (all but the last, which is unbounded).
+    # Divide the stride d out of a's modes (all but the last, which is unbounded):
+    # entries (extent left, stride, mode k of a, digit step in mode k).
     rest_d, divided = d, []
-    for sk, dk in zip(shapes[:-1], strides[:-1]):
+    for k, (sk, dk) in enumerate(zip(shapes[:-1], strides[:-1])):
         if rest_d == 1:
-            divided.append((sk, dk))
+            divided.append((sk, dk, k, 1))
         elif rest_d % sk == 0:
             rest_d //= sk  # this whole mode is stepped over
         elif sk % rest_d == 0:
-            divided.append((sk // rest_d, dk * rest_d))
+            divided.append((sk // rest_d, dk * rest_d, k, rest_d))
             rest_d = 1
         else:
             raise ValueError(
                 f"composition {a} o {b}: stride divisibility condition fails: stride {d} of "
-                f"mode {s}:{d} must step over whole modes of coalesce({a}) = {coalesce(a)}, but "
-                f"the remaining stride {rest_d} and mode extent {sk} do not divide one another"
+                f"mode {s}:{d} must step over whole modes of coalesce({a}) = {flat_a}, but the "
+                f"remaining stride {rest_d} and mode extent {sk} do not divide one another"
             )
-    last = (None, strides[-1] * rest_d)
-    # Keep the first s coordinates of what is left.
+    # Keep the first s coordinates of what is left; the rest go to a's last mode.
     rest_s, kept = s, []
-    for tk, ek in divided:
+    for tk, ek, k, step in divided:
         if rest_s == 1:
             break
         if rest_s % tk == 0:
-            kept.append((tk, ek))
-            rest_s //= tk
+            t = tk
         elif tk > rest_s:  # only a prefix of this mode is used: always exact
-            kept.append((rest_s, ek))
-            rest_s = 1
+            t = rest_s
         else:
             raise ValueError(
                 f"composition {a} o {b}: shape divisibility condition fails: mode {s}:{d} "
-                f"needs {rest_s} more coordinates from coalesce({a}) = {coalesce(a)} but "
-                f"the next mode has extent {tk}, which does not divide {rest_s}"
+                f"needs {rest_s} more coordinates from coalesce({a}) = {flat_a} but the next "
+                f"mode has extent {tk}, which does not divide {rest_s}"
             )
+        kept.append((t, ek))
+        used[k] += (t - 1) * step
+        rest_s //= t
     if rest_s > 1:
-        kept.append((rest_s, last[1]))
+        kept.append((rest_s, strides[-1] * rest_d))
     out = _from_modes(_merge(kept))
     return out.shape, out.stride
 
@@ -478,8 +508,8 @@ def _zip_product(block, layout, raked: bool):
     r = max(rank(block), rank(layout))
     lp = logical_product(append(block, r), append(layout, r))
     first, second = modes(lp[0]), modes(lp[1])
-    pairs = [make_layout(y, x) if raked else make_layout(x, y) for x, y in zip(first, second)]
-    return coalesce(make_layout(*pairs), (1,) * r)
+    return make_layout(*[make_layout(y, x) if raked else make_layout(x, y)
+                         for x, y in zip(first, second)])
 
 
 def make_ordered_layout(shape, order=None) -> Layout:

@@ -110,7 +110,12 @@ class _Lowerer:
             al = self.step.align.get(name) or self.iota_align(name)
             space_dim = al[n.axis]
             v = self.fresh("i")
-            expr = L.Var(col) if space_dim == self.row_dim else _coord(space_dim, self.space, L.Var("r"))
+            if space_dim is None:  # a size-1 axis: the index is always 0
+                expr = L.IConst(0)
+            elif space_dim == self.row_dim:
+                expr = L.Var(col)
+            else:
+                expr = _coord(space_dim, self.space, L.Var("r"))
             block.append(L.IndexValue(v, expr, n.type.dtype))
             self.dtype[v] = n.type.dtype
         elif isinstance(n, g_ir.Map):
@@ -156,6 +161,8 @@ class _Lowerer:
         v = self.fresh()
         if n.op == "cast":
             want = dtypes.compute_type(out_t)
+            if self.dtype[args[0]] == want:  # bf16 -> f32 casts vanish: loads already widen
+                return args[0]
             if dtypes.is_float(self.dtype[args[0]]) and not dtypes.is_float(want) and want != "bool":
                 pass  # C casts truncate toward zero, as torch does
             block.append(L.Op(v, "cast", (args[0],), want))

@@ -1,0 +1,234 @@
+"""Compile a Loop IR kernel and launch it on torch tensors, on the current stream.
+
+    ck = compile_kernel(kernel)            # render -> NVRTC (through the cubin cache)
+    ck(x, w, out)                          # tensors in kernel.params order, outputs preallocated
+
+Each call checks every tensor against its buffer (CUDA device, dtype, shape, contiguity)
+and raises ValueError naming the buffer. A buffer the kernel reads or writes with 16-byte
+vectors must be 16-byte aligned; a tensor that is not (a view at an odd offset) runs a
+scalar variant of the kernel, compiled on first need, instead of failing.
+"""
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass, field
+
+from .. import dtypes
+from ..codegen import mapreduce
+from ..loop import ir
+from . import cache, nvrtc
+
+
+class CudaError(RuntimeError):
+    """A CUDA driver call failed; the message names the call and the error."""
+
+
+def _drv(result, what: str):
+    from cuda.bindings import driver
+
+    err = result[0]
+    if err != driver.CUresult.CUDA_SUCCESS:
+        _, name = driver.cuGetErrorName(err)
+        _, desc = driver.cuGetErrorString(err)
+        dec = (lambda b: b.decode() if isinstance(b, bytes) else str(b))
+        raise CudaError(f"{what} failed: {dec(name)} ({dec(desc)})")
+    return result[1] if len(result) == 2 else (result[1:] if len(result) > 2 else None)
+
+
+def _render(kernel: ir.Kernel, arch: str, schedule) -> mapreduce.KernelSource:
+    if kernel.family != "mapreduce":
+        raise ValueError(f"kernel {kernel.name}: no code generator for the {kernel.family!r} family yet")
+    return mapreduce.render(kernel, schedule or mapreduce.default_schedule(kernel, arch), arch)
+
+
+def compile_source_only(kernel: ir.Kernel, arch: str = "sm_90a", schedule=None,
+                        use_cache: bool = True) -> tuple[mapreduce.KernelSource, nvrtc.Cubin]:
+    """Render and compile to a cubin without touching a GPU (CPU tests, `--ir cuda`)."""
+    arch = nvrtc.normalize_arch(arch)
+    src = _render(kernel, arch, schedule)
+    if use_cache:
+        cubin, _ = cache.compile_cached(src.source, src.name, arch)
+    else:
+        cubin = nvrtc.compile_cuda(src.source, src.name, arch)
+    return src, cubin
+
+
+@dataclass
+class _Loaded:
+    """A cubin loaded into one device's primary context, with its launch configuration."""
+
+    module: object
+    function: object
+    config: object
+    stream_handle: int
+    context: object = None
+    switch_context: bool = False  # several GPUs: make this device's context current per launch
+
+
+@dataclass
+class CompiledKernel:
+    kernel: ir.Kernel
+    arch: str
+    source: mapreduce.KernelSource
+    cubin: nvrtc.Cubin
+    cache_hit: bool
+    _loaded: dict = field(default_factory=dict, repr=False)   # device index -> _Loaded
+    _scalar: "CompiledKernel | None" = field(default=None, repr=False)
+
+    def __post_init__(self):
+        n = len(self.source.params)
+        self._vals = (ctypes.c_void_p * max(n, 1))()
+        base = ctypes.addressof(self._vals)
+        self._ptrs = (ctypes.c_void_p * max(n, 1))(*[base + i * ctypes.sizeof(ctypes.c_void_p) for i in range(n)])
+        self._align = dict(self.source.alignment)
+        import torch
+
+        self._expected = tuple((b.name, "input" if b.role == "in" else "output", dtypes.to_torch(b.dtype),
+                                torch.Size(b.shape)) for b in self.kernel.params)
+        self._align_idx = tuple((i, self._align[b.name]) for i, b in enumerate(self.kernel.params)
+                                if b.name in self._align)
+
+    @property
+    def info(self) -> nvrtc.CompileInfo:
+        return self.cubin.info
+
+    @property
+    def schedule(self):
+        return self.source.schedule
+
+    # ---------------------------------------------------------------- checks
+
+    def check(self, tensors) -> int:
+        """Validate the arguments (dtype, shape, layout, then device); return the CUDA device index."""
+        expected = self._expected
+        if len(tensors) != len(expected):
+            raise ValueError(f"kernel {self.kernel.name} takes {len(expected)} tensors "
+                             f"({', '.join(e[0] for e in expected)}), got {len(tensors)}")
+        device = None
+        for (name, role, tdtype, shape), t in zip(expected, tensors):
+            if (getattr(t, "dtype", None) is not tdtype or t.shape != shape or not t.is_contiguous()
+                    or not t.is_cuda):
+                self._explain(name, role, tdtype, shape, t)
+            d = t.get_device()
+            if device is None:
+                device = d
+            elif d != device:
+                raise ValueError(f"kernel {self.kernel.name}: {role} {name!r}: expected it on cuda:{device} "
+                                 f"like the tensors before it, got cuda:{d}")
+        return device
+
+    def _explain(self, name, role, tdtype, shape, t):
+        import torch
+
+        where = f"kernel {self.kernel.name}: {role} {name!r}"
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{where}: expected a torch.Tensor, got {type(t).__name__}")
+        if t.dtype != tdtype:
+            raise ValueError(f"{where}: expected dtype {tdtype}, got {t.dtype}")
+        if tuple(t.shape) != tuple(shape):
+            raise ValueError(f"{where}: expected shape {tuple(shape)}, got {tuple(t.shape)}")
+        if not t.is_contiguous():
+            raise ValueError(f"{where}: expected a contiguous (row-major) tensor, got strides "
+                             f"{tuple(t.stride())}; call .contiguous() first")
+        raise ValueError(f"{where}: expected a CUDA tensor, got one on {t.device}")
+
+    def _aligned(self, tensors) -> bool:
+        for i, a in self._align_idx:
+            if tensors[i].data_ptr() % a:
+                return False
+        return True
+
+    # ---------------------------------------------------------------- launch
+
+    def _load(self, device: int) -> _Loaded:
+        from cuda.bindings import driver
+
+        _drv(driver.cuInit(0), "cuInit")
+        dev = _drv(driver.cuDeviceGet(device), "cuDeviceGet")
+        ctx = _drv(driver.cuDevicePrimaryCtxRetain(dev), "cuDevicePrimaryCtxRetain")
+        _drv(driver.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+        image = ctypes.create_string_buffer(self.cubin.data, len(self.cubin.data))
+        module = _drv(driver.cuModuleLoadData(ctypes.addressof(image)), f"cuModuleLoadData({self.source.name})")
+        func = _drv(driver.cuModuleGetFunction(module, self.source.name.encode()),
+                    f"cuModuleGetFunction({self.source.name})")
+        src = self.source
+        if src.smem_bytes > 48 * 1024:
+            _drv(driver.cuFuncSetAttribute(
+                func, driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                src.smem_bytes), "cuFuncSetAttribute(max dynamic shared memory)")
+        cfg = driver.CUlaunchConfig()
+        cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = src.grid
+        cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = src.block
+        cfg.sharedMemBytes = src.smem_bytes
+        if src.cluster != (1, 1, 1):
+            if src.cluster[0] > 8:
+                _drv(driver.cuFuncSetAttribute(
+                    func, driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1),
+                    "cuFuncSetAttribute(non-portable cluster size)")
+            attr = driver.CUlaunchAttribute()
+            attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+            attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z = src.cluster
+            cfg.attrs = [attr]
+            cfg.numAttrs = 1
+        else:
+            cfg.numAttrs = 0
+        import torch
+
+        loaded = _Loaded(module, func, cfg, -1, ctx, torch.cuda.device_count() > 1)
+        self._loaded[device] = loaded
+        return loaded
+
+    def launch(self, tensors, device: int):
+        """Launch on `device`'s current torch stream; tensors already checked."""
+        from cuda.bindings import driver
+
+        loaded = self._loaded.get(device) or self._load(device)
+        if loaded.switch_context:
+            _drv(driver.cuCtxSetCurrent(loaded.context), "cuCtxSetCurrent")
+        handle = _raw_stream(device)
+        if handle != loaded.stream_handle:
+            loaded.config.hStream = driver.CUstream(handle)
+            loaded.stream_handle = handle
+        for i, t in enumerate(tensors):
+            self._vals[i] = t.data_ptr()
+        _drv(driver.cuLaunchKernelEx(loaded.config, loaded.function, ctypes.addressof(self._ptrs), 0),
+             f"cuLaunchKernelEx({self.source.name})")
+
+    def __call__(self, *tensors):
+        device = self.check(tensors)
+        if not self._aligned(tensors):
+            if self._scalar is None:
+                self._scalar = compile_kernel(self.kernel, self.arch,
+                                              mapreduce.scalar_fallback(self.source.schedule))
+            return self._scalar.launch(tensors, device)
+        self.launch(tensors, device)
+
+    def allocate_outputs(self, device="cuda", poison: bool = True) -> dict:
+        """Fresh output tensors by name; floats poisoned with NaN so unwritten elements show."""
+        import torch
+
+        outs = {}
+        for b in self.kernel.outputs:
+            t = torch.empty(b.shape, dtype=dtypes.to_torch(b.dtype), device=device)
+            if poison:
+                t.fill_(float("nan") if dtypes.is_float(b.dtype) else -12345 if b.dtype not in ("bool", "u8") else 0)
+            outs[b.name] = t
+        return outs
+
+
+def _raw_stream(device: int) -> int:
+    """The current torch stream's CUstream handle (the fast private call, else the public one)."""
+    import torch
+
+    try:
+        return torch._C._cuda_getCurrentRawStream(device)
+    except AttributeError:
+        return torch.cuda.current_stream(device).cuda_stream
+
+
+def compile_kernel(kernel: ir.Kernel, arch: str | None = None, schedule=None) -> CompiledKernel:
+    """Render `kernel` (default schedule for `arch`, the current device's if None) and compile it."""
+    arch = nvrtc.normalize_arch(arch) if arch else nvrtc.current_arch()
+    src = _render(kernel, arch, schedule)
+    cubin, hit = cache.compile_cached(src.source, src.name, arch)
+    return CompiledKernel(kernel=kernel, arch=arch, source=src, cubin=cubin, cache_hit=hit)
