@@ -95,7 +95,7 @@ def _build(args):
 def cmd_compile(args) -> int:
     from rich.console import Console
 
-    console = Console(highlight=False)
+    console = Console(highlight=False, soft_wrap=True)
     _, _, _, st = _build(args)
     if args.verbose >= 2:
         for f in st.fired:
@@ -142,7 +142,7 @@ def cmd_run(args) -> int:
 
     from .check import compare, flatten, float64_reference
 
-    console = Console(highlight=False)
+    console = Console(highlight=False, soft_wrap=True)
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     if device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda, but no CUDA GPU is visible")

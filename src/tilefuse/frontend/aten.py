@@ -100,21 +100,25 @@ for _aten, _op in [("neg", "neg"), ("abs", "abs"), ("exp", "exp"), ("exp2", "exp
 
 @handles("silu")
 def _silu(b, args, kwargs, out):
-    x = args[0]
-    return b.map("mul", x, b.map("sigmoid", x))
+    x = b.cast(args[0], _acc(b, args[0]))  # one rounding at the end, as PyTorch's fused op
+    return b.cast(b.map("mul", x, b.map("sigmoid", x)), out.dtype)
 
 
 @handles("gelu")
 def _gelu(b, args, kwargs, out):
-    x = args[0]
+    x = b.cast(args[0], _acc(b, args[0]))  # one rounding at the end, as PyTorch's fused op
     approx = kwargs.get("approximate", args[1] if len(args) > 1 else "none")
     half = b.scalar(0.5, x)
     if approx == "tanh":
         inner = b.map("mul", b.scalar(math.sqrt(2 / math.pi), x),
                       b.map("add", x, b.map("mul", b.scalar(0.044715, x), b.map("mul", x, b.map("mul", x, x)))))
-        return b.map("mul", b.map("mul", half, x), b.map("add", b.scalar(1.0, x), b.map("tanh", inner)))
-    erf = b.map("erf", b.map("mul", x, b.scalar(1 / math.sqrt(2), x)))
-    return b.map("mul", b.map("mul", half, x), b.map("add", b.scalar(1.0, x), erf))
+        y = b.map("mul", b.map("mul", half, x), b.map("add", b.scalar(1.0, x), b.map("tanh", inner)))
+    elif approx == "none":
+        erf = b.map("erf", b.map("mul", x, b.scalar(1 / math.sqrt(2), x)))
+        y = b.map("mul", b.map("mul", half, x), b.map("add", b.scalar(1.0, x), erf))
+    else:
+        raise Unsupported(f"approximate={approx!r}")
+    return b.cast(y, out.dtype)
 
 
 @handles("clamp", "clip", "hardtanh")
@@ -173,8 +177,17 @@ def _to(b, args, kwargs, out):
     return b.cast(args[0], out.dtype)
 
 
-@handles("clone", "contiguous", "alias", "detach", "lift_fresh_copy", "dropout", "_assert_tensor_metadata")
+@handles("clone", "contiguous", "alias", "detach", "lift_fresh_copy", "_assert_tensor_metadata")
 def _identity(b, args, kwargs, out):
+    return args[0]
+
+
+@handles("dropout")
+def _dropout(b, args, kwargs, out):
+    p = args[1] if len(args) > 1 else kwargs.get("p", 0.5)
+    train = args[2] if len(args) > 2 else kwargs.get("train", True)
+    if train and p > 0:
+        raise Unsupported("dropout in training mode")
     return args[0]
 
 
@@ -211,11 +224,18 @@ HANDLERS["amin"] = _reduction("min")
 
 @handles("var", "std")
 def _var(b, args, kwargs, out):
-    x = args[0]
+    x, rest = args[0], list(args[1:])
     rank = len(b.type(x).shape)
-    dims = _dims(kwargs.get("dim", args[1] if len(args) > 1 else None), rank)
-    keep = kwargs.get("keepdim", False)
-    corr = kwargs.get("correction", 1 if kwargs.get("unbiased", True) else 0)
+    if rest and isinstance(rest[0], bool):  # var.default(x, unbiased)
+        dim, unbiased, keep = None, rest[0], False
+    else:  # var.dim(x, dim, unbiased, keepdim) or var.correction(x, dim, *, correction, keepdim)
+        dim = rest[0] if rest else kwargs.get("dim")
+        unbiased = rest[1] if len(rest) > 1 else kwargs.get("unbiased", True)
+        keep = rest[2] if len(rest) > 2 else kwargs.get("keepdim", False)
+    dims = _dims(dim, rank)
+    corr = kwargs.get("correction")
+    if corr is None:
+        corr = 1 if unbiased else 0
     n = math.prod(b.type(x).shape[d] for d in dims)
     mean = b.reduce("mean", x, dims, True, dtype=_acc(b, x))
     d = b.map("sub", b.cast(x, _acc(b, x)), mean)
@@ -311,6 +331,14 @@ def _permute(b, args, kwargs, out):
         d0, d1 = (args[1] % rank, args[2] % rank) if name != "t" else (0, 1 if rank > 1 else 0)
         perm = list(range(rank))
         perm[d0], perm[d1] = perm[d1], perm[d0]
+    elif name == "movedim":
+        src, dst = args[1], args[2]
+        src = [src] if isinstance(src, int) else list(src)
+        dst = [dst] if isinstance(dst, int) else list(dst)
+        src, dst = [d % rank for d in src], [d % rank for d in dst]
+        rest = iter(d for d in range(rank) if d not in src)
+        placed = dict(zip(dst, src))
+        perm = [placed[i] if i in placed else next(rest) for i in range(rank)]
     else:
         raise Unsupported(name)
     if perm == list(range(rank)):
@@ -443,7 +471,7 @@ def _cross_entropy(b, args, kwargs, out):
     return b.cast(_reduce_loss(b, loss, valid, reduction), out.dtype)
 
 
-@handles("nll_loss")
+@handles("nll_loss", "nll_loss_nd")
 def _nll_loss(b, args, kwargs, out):
     x, target = args[0], args[1]
     weight = args[2] if len(args) > 2 else kwargs.get("weight")

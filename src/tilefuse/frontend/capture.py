@@ -1,6 +1,8 @@
 """Capture a PyTorch program with torch.export and translate its aten graph to Graph IR."""
 from __future__ import annotations
 
+import contextlib
+import logging
 import operator
 import re
 from dataclasses import dataclass
@@ -26,7 +28,7 @@ class Out:
     op: str
 
 
-_FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)\n\s*(.*)')
+_FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)(?:\n(?!\s*File ")\s*(.*))?')
 
 
 def source_of(node, expr: str | None = None) -> str:
@@ -39,12 +41,17 @@ def source_of(node, expr: str | None = None) -> str:
     path, line, fn, text = user[-1]
     if path == "<tilefuse -c>" and expr:
         return f"-c {expr!r}"
-    return f"{path}:{line} ({text.strip()})"
+    return f"{path}:{line} ({text.strip()})" if text.strip() else f"{path}:{line}"
 
 
 def _as_module(fn) -> torch.nn.Module:
     if isinstance(fn, torch.nn.Module):
         return fn
+    # torch.export records stack frames of `forward` methods only; anchoring the user's function
+    # keeps its lines too, so errors and externs can name them (a no-op where torch lacks the hook).
+    anchor = getattr(torch.fx.proxy, "_register_stack_trace_anchor", None)
+    if anchor is not None:
+        anchor(fn)
 
     class Wrapped(torch.nn.Module):
         def forward(self, *args):
@@ -53,11 +60,26 @@ def _as_module(fn) -> torch.nn.Module:
     return Wrapped()
 
 
+@contextlib.contextmanager
+def _quiet(*names):
+    """Silence loggers that print a traceback of their own for errors we report in one line."""
+    loggers = [logging.getLogger(n) for n in names]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+
+
 def export(fn, example_inputs, expr: str | None = None):
     """torch.export the callable; errors become one clear CaptureError line."""
     module = _as_module(fn)
     try:
-        return torch.export.export(module, tuple(example_inputs), strict=False)
+        with _quiet("torch._subclasses.fake_tensor"):  # it logs a traceback for a failed meta kernel
+            return torch.export.export(module, tuple(example_inputs), strict=False)
     except Exception as e:  # torch raises many kinds; the user needs the first line
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise CaptureError(f"torch.export could not capture {expr or getattr(fn, '__name__', 'the program')}: {first}") from e
@@ -112,7 +134,12 @@ def to_graph(ep, expr: str | None = None) -> ir.Graph:
         b.source = source_of(node, expr) if node.op == "call_function" else ""
         if node.op == "placeholder":
             val = node.meta["val"]
-            t = ir.TensorType(tuple(int(s) for s in val.shape), dtypes.from_torch(val.dtype))
+            if not isinstance(val, torch.Tensor):
+                raise CaptureError(f"input {node.name} is a {type(val).__name__}, not a tensor")
+            try:
+                t = ir.TensorType(tuple(int(s) for s in val.shape), dtypes.from_torch(val.dtype))
+            except ValueError as e:
+                raise CaptureError(f"input {node.name}: {e}") from e
             spec = sig[node.name]
             name = b.fresh(node.name)
             if spec.kind.name == "USER_INPUT":
@@ -131,7 +158,10 @@ def to_graph(ep, expr: str | None = None) -> ir.Graph:
                     continue
                 raise CaptureError(f"output {idx} of {_op_name(src.target)} is not supported "
                                    f"({source_of(src, expr)})")
-            _translate(b, node, resolve, env, tuple_outputs, expr)
+            try:
+                _translate(b, node, resolve, env, tuple_outputs, expr)
+            except ValueError as e:  # an unsupported dtype, shapes that do not broadcast...
+                raise CaptureError(f"aten.{_op_name(node.target)}: {e} ({b.source})") from e
         elif node.op == "output":
             for o in node.args[0]:
                 if o is None or not isinstance(o, torch.fx.Node):
@@ -180,7 +210,8 @@ def _translate(b: Builder, node, resolve, env, tuple_outputs, expr):
             reason = f"tilefuse does not lower aten.{name} with {e}"
     if result is None:
         if multi:
-            raise CaptureError(f"aten.{name} is not supported by tilefuse ({b.source})")
+            raise CaptureError(f"aten.{name} returns {len(val)} tensors and is not supported by tilefuse "
+                               f"({b.source})")
         result = _extern(b, node, args, kwargs, out, reason)
     t = b.type(result)
     if t.shape != out.shape:

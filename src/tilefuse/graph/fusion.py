@@ -78,6 +78,14 @@ def right_align(shape, space) -> Align | None:
     return tuple(out)
 
 
+def row_align(shape, space) -> Align | None:
+    """Alignment of `shape` as a per-row tensor (its dims run along the row dims only), or None."""
+    Ls, _ = space
+    if not Ls:
+        return None
+    return right_align(shape, (tuple(Ls[:-1]), Ls[-1]))
+
+
 def _arg_align(arg_shape, node_shape, node_align) -> Align:
     """Alignment of a Map argument from its node's, through NumPy broadcasting."""
     off = len(node_shape) - len(arg_shape)
@@ -119,7 +127,7 @@ class _Planner:
                             if align[off + i] not in (None, aa[i]):
                                 return None
                             align[off + i] = aa[i]
-            fallback = right_align(shape, space)
+            fallback = right_align(shape, space) or row_align(shape, space)
             for j, s in enumerate(shape):
                 if align[j] is None and s != 1:
                     if fallback is None:
@@ -218,9 +226,13 @@ class _Planner:
         return None
 
     def join_sibling(self, n, space):
-        """A node none of whose producers it can join may still share a kernel of its row space."""
+        """A node none of whose producers it can join may still share a kernel of its row space,
+        or, for a map, a kernel whose rows it runs along (a per-row value such as a target mask)."""
         for s in reversed(self.steps):
-            if s.family != "mapreduce" or s.space != space:
+            if s.family != "mapreduce":
+                continue
+            if s.space != space and not (isinstance(n, ir.Map) and row_align(n.type.shape, s.space) is not None
+                                         and right_align(n.type.shape, s.space) is None):
                 continue
             probe = Step(s.name, s.family, list(s.nodes), s.space, dict(s.align))
             if isinstance(n, ir.Reduce):

@@ -96,12 +96,24 @@ def _attention(n: ir.Attention, q, k, v, mask, precision):
     return np.matmul(p, v)
 
 
+def _gather(n: ir.Gather, x, index):
+    """torch.gather: the index may be smaller than x in every dim (not only `axis`); no broadcasting."""
+    index = index.astype(np.int64)
+    if index.ndim != x.ndim or any(i > s for d, (i, s) in enumerate(zip(index.shape, x.shape)) if d != n.axis):
+        raise ValueError(f"gather {n.name}: index shape {index.shape} does not fit input shape {x.shape}")
+    if ((index < 0) | (index >= x.shape[n.axis])).any():
+        raise ValueError(f"gather {n.name}: index out of range for dimension {n.axis} of size {x.shape[n.axis]}")
+    x = x[tuple(slice(None) if d == n.axis else slice(0, i) for d, i in enumerate(index.shape))]
+    return np.take_along_axis(x, index, axis=n.axis)
+
+
 def _extern(n: ir.Extern, env, precision):
     import torch
 
     def conv(a):
         if isinstance(a, ir.Ref):
-            return to_torch(env[a.name])
+            x = env[a.name]
+            return to_torch(x).reshape(x.shape)  # to_torch makes 0-d arrays 1-d
         if isinstance(a, tuple):
             return [conv(x) for x in a]
         return a
@@ -145,7 +157,7 @@ def run_graph(g: ir.Graph, inputs: dict, precision: str = "native") -> list[np.n
             idx = np.arange(shape[n.axis]).reshape([-1 if i == n.axis else 1 for i in range(len(shape))])
             env[n.name] = np.broadcast_to(idx, shape).astype(dtypes.to_numpy(n.type.dtype))
         elif isinstance(n, ir.Gather):
-            env[n.name] = np.take_along_axis(env[n.arg], env[n.index].astype(np.int64), axis=n.axis)
+            env[n.name] = _gather(n, env[n.arg], env[n.index])
         elif isinstance(n, ir.Contraction):
             t = np.float64 if precision == "f64" else np.float32
             env[n.name] = np.matmul(env[n.a].astype(t), env[n.b].astype(t)).astype(_store_type(n.type.dtype, precision))

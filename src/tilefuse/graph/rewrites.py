@@ -40,6 +40,27 @@ def flatten_full_reductions(g: ir.Graph) -> ir.Graph:
     return g.replace(nodes=out) if changed else g
 
 
+def drop_one_element_reductions(g: ir.Graph) -> ir.Graph:
+    """A reduction over axes that all have size 1 reduces one element: it is a reshape (and a cast
+    where the result type differs), so it fuses like a map instead of becoming an extern."""
+    out, changed = [], False
+    names = {n.name for n in g.nodes}
+    for n in g.nodes:
+        if isinstance(n, ir.Reduce) and all(g[n.arg].type.shape[a] == 1 for a in n.axes):
+            arg = g[n.arg].type
+            if arg.dtype == n.type.dtype:
+                out.append(ir.View(n.name, n.type, "reshape", n.arg, n.type.shape, n.source))
+            else:
+                flat = _fresh(names, f"{n.name}_one")
+                out.append(ir.View(flat, ir.TensorType(n.type.shape, arg.dtype), "reshape", n.arg, n.type.shape,
+                                   n.source))
+                out.append(ir.Map(n.name, n.type, "cast", (flat,), n.source))
+            changed = True
+            continue
+        out.append(n)
+    return g.replace(nodes=out) if changed else g
+
+
 def drop_identity_casts(g: ir.Graph) -> ir.Graph:
     """cast(x) to x's own dtype is x."""
     alias = {n.name: n.args[0] for n in g.nodes
@@ -93,7 +114,16 @@ def _fresh(names: set, base: str) -> str:
     return name
 
 
-RULES = (drop_identity_casts, flatten_full_reductions)
+def drop_identity_reshapes(g: ir.Graph) -> ir.Graph:
+    """A reshape to the shape its argument already has is the argument."""
+    alias = {n.name: n.arg for n in g.nodes
+             if isinstance(n, ir.View) and n.op == "reshape" and g[n.arg].type == n.type}
+    if not alias:
+        return g
+    return substitute(g, alias)
+
+
+RULES = (drop_one_element_reductions, drop_identity_reshapes, drop_identity_casts, flatten_full_reductions)
 
 
 def run_rewrites(g: ir.Graph, rules=RULES) -> tuple[ir.Graph, list[Fired]]:

@@ -88,7 +88,7 @@ def render_text(layout, tv=None, label: str | None = None, elem_bytes: int = 2) 
     ncols = len(grid[0])
     width = max([len(t) for row in texts for t in row] + [len(str(ncols - 1))])
     rw = len(str(len(grid) - 1))
-    lines = [" " * (rw + 3) + " ".join(str(c).rjust(width) for c in range(ncols)),
+    lines = [" " * (rw + 4) + " ".join(str(c).rjust(width) for c in range(ncols)),
              " " * (rw + 2) + "+" + "-" * ((width + 1) * ncols)]
     for r, row in enumerate(texts):
         lines.append(f"{str(r).rjust(rw)}  | " + " ".join(t.rjust(width) for t in row))

@@ -158,34 +158,33 @@ def gmma_descriptor(layout, major: str, elem_bits: int, k_bytes: int = 32) -> Gm
     kdim = k_bytes // eb
     if k_extent < kdim:
         raise ValueError(f"{layout}: K extent {k_extent} is less than one wgmma K step ({kdim})")
-    t = 16 // eb  # elements per 16 bytes
 
     def f(m, k):  # pre-swizzle byte offset from the slice origin
         return (inner(m, k) - inner(0, 0)) * eb
 
-    def measured(m, k, extent, unit):
-        return f(m, k) if extent > unit else 16
-
+    # The canonical form: MN in groups of `mn_group`, K in groups of `k_group` elements;
+    # inside a group the hardware assumes fixed steps, between groups it takes LBO or SBO.
+    t = 16 // eb  # elements per 16 bytes
     if major == "K":
         if mn_extent % 8:
             raise ValueError(f"{layout}: K-major MN extent {mn_extent} is not a multiple of 8")
-        sbo = measured(8, 0, mn_extent, 8)
-        if span == 0:
-            lbo = f(0, t)
-            canon = lambda m, k: (m % 8) * 16 + (m // 8) * sbo + (k % t) * eb + (k // t) * lbo  # noqa: E731
-        else:
-            lbo = 16
-            canon = lambda m, k: (m % 8) * span + (m // 8) * sbo + k * eb  # noqa: E731
+        mn_group, mn_step = 8, (span or 16)             # 8 rows, span (or 16) bytes apart
+        k_group, k_step = (t, eb) if span == 0 else (kdim, eb)
+        mn_field, k_field = "sbo", "lbo"
     else:
-        if span == 0:
-            sbo = measured(t, 0, mn_extent, t)
-            lbo = measured(0, 8, kdim, 8)
-            canon = lambda m, k: (m % t) * eb + (m // t) * sbo + (k % 8) * 16 + (k // 8) * lbo  # noqa: E731
-        else:
-            wt = span // eb
-            lbo = measured(wt, 0, mn_extent, wt)
-            sbo = measured(0, 8, kdim, 8)
-            canon = lambda m, k: (m % wt) * eb + (m // wt) * lbo + (k % 8) * span + (k // 8) * sbo  # noqa: E731
+        mn_group, mn_step = (t, eb) if span == 0 else (span // eb, eb)
+        k_group, k_step = 8, (span or 16)
+        mn_field, k_field = ("sbo", "lbo") if span == 0 else ("lbo", "sbo")
+    # measured distances between groups (16 bytes, i.e. "1", where a field is unused)
+    mn_gap = f(mn_group, 0) if mn_extent > mn_group else 16
+    k_gap = f(0, k_group) if kdim > k_group else 16
+    fields = {mn_field: mn_gap, k_field: k_gap}
+    lbo, sbo = fields["lbo"], fields["sbo"]
+
+    def canon(m, k):
+        return ((m % mn_group) * mn_step + (m // mn_group) * mn_gap
+                + (k % k_group) * k_step + (k // k_group) * k_gap)
+
     for m in range(mn_extent):
         for k in range(kdim):
             if f(m, k) != canon(m, k):
@@ -194,18 +193,14 @@ def gmma_descriptor(layout, major: str, elem_bits: int, k_bytes: int = 32) -> Gm
                     f"element ({m},{k}) is at byte {f(m, k)}, the descriptor "
                     f"(lbo={lbo}, sbo={sbo}) would read byte {canon(m, k)}"
                 )
-    for name, value in (("lbo", lbo), ("sbo", sbo)):
+    for name, value in fields.items():
         if value % 16 or not 0 <= value < (1 << 18):
             raise ValueError(f"{layout}: {name} = {value} bytes is not a 14-bit multiple of 16")
-    if span:
-        atom = 8 * span
-        strided = [sbo] if major == "K" else [v for v, e, u in ((lbo, mn_extent, span // eb),
-                                                                 (sbo, kdim, 8)) if e > u]
-        if major == "K" and mn_extent <= 8:
-            strided = []
-        if any(v % atom for v in strided):
-            raise ValueError(f"{layout}: core-matrix groups must start on {atom}-byte swizzle "
-                             f"atoms, but lbo={lbo}, sbo={sbo}")
+    used = [g for g, extent, group in ((mn_gap, mn_extent, mn_group), (k_gap, kdim, k_group))
+            if extent > group]
+    if span and any(g % (8 * span) for g in used):
+        raise ValueError(f"{layout}: core-matrix groups must start on {8 * span}-byte swizzle "
+                         f"atoms, but lbo={lbo}, sbo={sbo}")
     return GmmaDescriptor(layout_type, lbo, sbo)
 
 

@@ -29,6 +29,7 @@ from .inttuple import (
     product,
     product_each,
     to_str,
+    transform,
 )
 
 
@@ -62,8 +63,6 @@ class Layout:
             if i in (0, -1):
                 return self
             raise IndexError(f"mode {i} of rank-1 layout {self}")
-        if isinstance(i, slice):
-            return Layout(self.shape[i], self.stride[i])
         return Layout(self.shape[i], self.stride[i])
 
     def __str__(self):
@@ -216,19 +215,13 @@ def coalesce(layout: Layout, profile=None) -> Layout:
 
 def filter_zeros(layout: Layout) -> Layout:
     """Replace stride-0 modes by 1:0 (the layout's distinct images, same profile)."""
-    shape = _map2(lambda s, d: 1 if d == 0 else s, layout.shape, layout.stride)
+    shape = transform(lambda s, d: 1 if d == 0 else s, layout.shape, layout.stride)
     return Layout(shape, layout.stride)
 
 
 def filter(layout: Layout, profile=None) -> Layout:  # noqa: A001 - CuTe's name
     """coalesce after dropping stride-0 modes: the layout of the distinct indices it hits."""
     return coalesce(filter_zeros(layout), profile)
-
-
-def _map2(f, a, b):
-    if is_tuple(a):
-        return tuple(_map2(f, x, y) for x, y in zip(a, b))
-    return f(a, b)
 
 
 # ------------------------------------------------------------------ composition
@@ -560,7 +553,8 @@ def local_tile(layout, tiler, coord):
     """(tile layout, offset) of tile `coord` when `layout` is cut into tiles of `tiler`.
 
     coord may hold None to keep those tile indices, e.g. local_tile(A, (128, 64), (m, None))
-    gives the (128, 64, k) stack of one row of tiles.
+    gives the (128, 64, k) stack of one row of tiles. A swizzled layout keeps the offset
+    inside its swizzle and returns offset 0.
     """
     z = zipped_divide(layout, tiler)
     inner = z.inner if _is_composed(z) else z
@@ -572,21 +566,22 @@ def local_partition(layout, thr_layout: Layout, thr_idx: int):
     """(layout, offset) of the elements thread thr_idx owns when thr_layout's threads are
     tiled over `layout` (each thread takes one element per tile, CuTe's outer partition)."""
     tile = product_each(thr_layout.shape)
-    z = zipped_divide(layout, tile if is_tuple(tile) else (tile,) if rank(layout) > 1 else tile)
-    crd = idx2crd(thr_idx, thr_layout.shape, thr_layout.stride)
-    if is_tuple(thr_layout.shape):
+    crd = idx2crd(thr_idx, thr_layout.shape, thr_layout.stride)  # where thr_layout sends it
+    if is_tuple(tile):  # one int coordinate per mode of the thread layout
         crd = tuple(crd2idx(c, s, prefix_product(s)) for c, s in zip(crd, thr_layout.shape))
-    elif rank(layout) > 1:
-        crd = (crd,)
+    elif rank(layout) > 1:  # a 1-D thread layout tiles mode 0
+        tile, crd = (tile,), (crd,)
+    z = zipped_divide(layout, tile)
     inner = z.inner if _is_composed(z) else z
     keep = (None,) * rank(inner[1]) if is_tuple(inner[1].shape) else None
     return _slice_any(z, (crd, keep))
 
 
 def _slice_any(layout, crd):
+    """slice_and_offset, except that a swizzled layout takes the offset inside its swizzle
+    (sw(offset + x) is not offset + sw(x)) and returns 0."""
     if _is_composed(layout):
-        sub, off = slice_and_offset(crd, layout.inner)
-        return layout.with_inner(sub), off
+        return layout(crd), 0
     return slice_and_offset(crd, layout)
 
 

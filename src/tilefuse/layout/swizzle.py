@@ -10,8 +10,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from .inttuple import has_none, is_int, is_tuple, shape_div, to_str
-from .layout import Layout, composition, parse_layout, size, slice_and_offset
+from .inttuple import flatten, has_none, is_int, is_tuple, shape_div, to_str
+from .layout import Layout, composition, parse_layout, size, slice_and_offset, unflatten
 
 
 @dataclass(frozen=True)
@@ -48,6 +48,9 @@ class Swizzle:
 
     def __str__(self):
         return f"Sw<{self.bits},{self.base},{self.shift}>"
+
+    def __repr__(self):
+        return f"Swizzle({self.bits}, {self.base}, {self.shift})"
 
 
 @dataclass(frozen=True)
@@ -88,6 +91,9 @@ class ComposedLayout:
         mid = f" o {self.offset}" if self.offset else ""
         return f"{self.outer}{mid} o {self.inner}"
 
+    def __repr__(self):
+        return f"ComposedLayout({self.outer!r}, {self.offset}, {self.inner!r})"
+
 
 def make_swizzled(swizzle: Swizzle, layout: Layout, offset: int = 0) -> ComposedLayout:
     return ComposedLayout(swizzle, offset, layout)
@@ -115,8 +121,8 @@ def upcast(x, n: int):
             raise ValueError(f"upcast {x} by {n}: offset {x.offset} is not a multiple of {n}")
         return ComposedLayout(upcast(x.outer, n), x.offset // n, upcast(x.inner, n))
     if isinstance(x, Layout):
-        pairs = [_upcast_leaf(s, d, n, x) for s, d in zip(_leaves(x.shape), _leaves(x.stride))]
-        return Layout(_rebuild([p[0] for p in pairs], x.shape), _rebuild([p[1] for p in pairs], x.shape))
+        pairs = [_upcast_leaf(s, d, n, x) for s, d in zip(flatten(x.shape), flatten(x.stride))]
+        return _relayout(pairs, x.shape)
     raise TypeError(f"upcast: not a layout: {x!r}")
 
 
@@ -145,8 +151,8 @@ def downcast(x, n: int):
         return ComposedLayout(downcast(x.outer, n), x.offset * n, downcast(x.inner, n))
     if isinstance(x, Layout):
         pairs = [(s * n, d) if abs(d) == 1 else (s, d * n)
-                 for s, d in zip(_leaves(x.shape), _leaves(x.stride))]
-        return Layout(_rebuild([p[0] for p in pairs], x.shape), _rebuild([p[1] for p in pairs], x.shape))
+                 for s, d in zip(flatten(x.shape), flatten(x.stride))]
+        return _relayout(pairs, x.shape)
     raise TypeError(f"downcast: not a layout: {x!r}")
 
 
@@ -163,17 +169,9 @@ def recast(x, old_bits: int, new_bits: int):
     return downcast(x, old_bits // new_bits)
 
 
-def _leaves(x):
-    return tuple(e for v in x for e in _leaves(v)) if is_tuple(x) else (x,)
-
-
-def _rebuild(values, profile):
-    it = iter(values)
-
-    def build(p):
-        return tuple(build(e) for e in p) if is_tuple(p) else next(it)
-
-    return build(profile)
+def _relayout(pairs, profile) -> Layout:
+    """Layout from flat (shape, stride) leaves, nested like `profile`."""
+    return Layout(unflatten([p[0] for p in pairs], profile), unflatten([p[1] for p in pairs], profile))
 
 
 # ------------------------------------------------------------------ text

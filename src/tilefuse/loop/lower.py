@@ -12,6 +12,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
+
 from .. import dtypes
 from ..graph import ir as g_ir
 from ..graph.fusion import Step, is_row_level
@@ -63,6 +65,7 @@ class _Lowerer:
         self.params: list[L.Buffer] = []
         self.bindings: list[Binding] = []
         self.views: dict[str, list] = {}
+        self.casts: dict[tuple, str] = {}  # (id(block), value, dtype) -> the value converted, in that block
 
     def fresh(self, base="v") -> str:
         self.counter += 1
@@ -104,7 +107,10 @@ class _Lowerer:
         elif isinstance(n, g_ir.Constant):
             v = self.fresh("k")
             ct = dtypes.compute_type(n.type.dtype)
-            block.append(L.Const(v, n.value, ct))
+            value = n.value
+            if n.type.dtype in ("bf16", "f16"):  # the constant's value is a bf16/f16 number
+                value = float(np.asarray(value, dtype=np.float64).astype(dtypes.to_numpy(n.type.dtype)))
+            block.append(L.Const(v, value, ct))
             self.dtype[v] = ct
         elif isinstance(n, g_ir.Iota):
             al = self.step.align.get(name) or self.iota_align(name)
@@ -148,11 +154,18 @@ class _Lowerer:
         return self.convert(raw, dtypes.compute_type(t.dtype), block)
 
     def convert(self, v: str, dtype: str, block: list) -> str:
+        """v as `dtype`, reusing a conversion already made in this block."""
         if self.dtype[v] == dtype:
             return v
+        key = (id(block), v, dtype)
+        if key in self.casts:
+            return self.casts[key]
         out = self.fresh("c")
         block.append(L.Op(out, "cast", (v,), dtype))
         self.dtype[out] = dtype
+        self.casts[key] = out
+        if self.dtype[v] in ("bf16", "f16") and dtype == dtypes.compute_type(self.dtype[v]):
+            self.casts[(id(block), out, self.dtype[v])] = v  # an exact widening: rounding undoes it
         return out
 
     def emit_map(self, n: g_ir.Map, block, memo, col):
@@ -160,14 +173,16 @@ class _Lowerer:
         out_t = n.type.dtype
         v = self.fresh()
         if n.op == "cast":
-            want = dtypes.compute_type(out_t)
-            if self.dtype[args[0]] == want:  # bf16 -> f32 casts vanish: loads already widen
-                return args[0]
-            if dtypes.is_float(self.dtype[args[0]]) and not dtypes.is_float(want) and want != "bool":
-                pass  # C casts truncate toward zero, as torch does
-            block.append(L.Op(v, "cast", (args[0],), want))
-            self.dtype[v] = want
-            return v
+            # The kernel holds bf16/f16 values in f32 and does not round between ops, but a value
+            # that passes an explicit cast is exactly a value of its graph dtype, before and after:
+            # x.to(bf16).float() is not x, and a composite op's bf16 result (softmax, a norm) is
+            # rounded where PyTorch rounds it. Loaded values are exact already: no statement then.
+            src, arg_t = args[0], self.g[n.args[0]].type.dtype
+            if arg_t in ("bf16", "f16"):
+                src = self.convert(src, arg_t, block)
+            if out_t in ("bf16", "f16"):
+                return self.convert(src, out_t, block)  # its users widen it where they need to
+            return self.convert(src, dtypes.compute_type(out_t), block)  # float -> int truncates, as in torch
         if n.op in ("eq", "ne", "lt", "le", "gt", "ge"):
             common = _common([self.dtype[a] for a in args])
             args = [self.convert(a, common, block) for a in args]
@@ -202,7 +217,8 @@ class _Lowerer:
         self.dtype[v] = acc_t
         if n.op == "mean":
             k, m = self.fresh("k"), self.fresh()
-            self.row_block += [L.Const(k, 1.0 / self.space[1], acc_t), L.Op(m, "mul", (v, k), acc_t)]
+            # divide (not multiply by 1/C): exact where PyTorch's mean is, e.g. for a row of equal values
+            self.row_block += [L.Const(k, float(self.space[1]), acc_t), L.Op(m, "div", (v, k), acc_t)]
             self.dtype[m] = acc_t
             v = m
         return v

@@ -105,32 +105,43 @@ class CompiledKernel:
             raise ValueError(f"kernel {self.kernel.name} takes {len(expected)} tensors "
                              f"({', '.join(e[0] for e in expected)}), got {len(tensors)}")
         device = None
-        for (name, role, tdtype, shape), t in zip(expected, tensors):
+        for t, (_, _, tdtype, shape) in zip(tensors, expected):
             if (getattr(t, "dtype", None) is not tdtype or t.shape != shape or not t.is_contiguous()
                     or not t.is_cuda):
-                self._explain(name, role, tdtype, shape, t)
+                self._explain(tensors)
             d = t.get_device()
             if device is None:
                 device = d
             elif d != device:
-                raise ValueError(f"kernel {self.kernel.name}: {role} {name!r}: expected it on cuda:{device} "
-                                 f"like the tensors before it, got cuda:{d}")
+                self._explain(tensors)
         return device
 
-    def _explain(self, name, role, tdtype, shape, t):
+    def _explain(self, tensors):
+        """Raise the clearest error: wrong type, dtype, shape or layout first, then the device."""
         import torch
 
-        where = f"kernel {self.kernel.name}: {role} {name!r}"
-        if not isinstance(t, torch.Tensor):
-            raise ValueError(f"{where}: expected a torch.Tensor, got {type(t).__name__}")
-        if t.dtype != tdtype:
-            raise ValueError(f"{where}: expected dtype {tdtype}, got {t.dtype}")
-        if tuple(t.shape) != tuple(shape):
-            raise ValueError(f"{where}: expected shape {tuple(shape)}, got {tuple(t.shape)}")
-        if not t.is_contiguous():
-            raise ValueError(f"{where}: expected a contiguous (row-major) tensor, got strides "
-                             f"{tuple(t.stride())}; call .contiguous() first")
-        raise ValueError(f"{where}: expected a CUDA tensor, got one on {t.device}")
+        expected = list(zip(self._expected, tensors))
+        for (name, role, tdtype, shape), t in expected:
+            where = f"kernel {self.kernel.name}: {role} {name!r}"
+            if not isinstance(t, torch.Tensor):
+                raise ValueError(f"{where}: expected a torch.Tensor, got {type(t).__name__}")
+            if t.dtype != tdtype:
+                raise ValueError(f"{where}: expected dtype {tdtype}, got {t.dtype}")
+            if tuple(t.shape) != tuple(shape):
+                raise ValueError(f"{where}: expected shape {tuple(shape)}, got {tuple(t.shape)}")
+            if not t.is_contiguous():
+                raise ValueError(f"{where}: expected a contiguous (row-major) tensor, got strides "
+                                 f"{tuple(t.stride())}; call .contiguous() first")
+        first = None
+        for (name, role, _, _), t in expected:
+            where = f"kernel {self.kernel.name}: {role} {name!r}"
+            if not t.is_cuda:
+                raise ValueError(f"{where}: expected a CUDA tensor, got one on {t.device}")
+            if first is None:
+                first = t.device
+            elif t.device != first:
+                raise ValueError(f"{where}: expected it on {first} like the tensors before it, got {t.device}")
+        raise AssertionError("unreachable: arguments passed every check")
 
     def _aligned(self, tensors) -> bool:
         for i, a in self._align_idx:
@@ -148,7 +159,11 @@ class CompiledKernel:
         ctx = _drv(driver.cuDevicePrimaryCtxRetain(dev), "cuDevicePrimaryCtxRetain")
         _drv(driver.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
         image = ctypes.create_string_buffer(self.cubin.data, len(self.cubin.data))
-        module = _drv(driver.cuModuleLoadData(ctypes.addressof(image)), f"cuModuleLoadData({self.source.name})")
+        try:
+            loaded_module = driver.cuModuleLoadData(ctypes.addressof(image))
+        except TypeError:  # bindings that want the bytes themselves
+            loaded_module = driver.cuModuleLoadData(self.cubin.data)
+        module = _drv(loaded_module, f"cuModuleLoadData({self.source.name})")
         func = _drv(driver.cuModuleGetFunction(module, self.source.name.encode()),
                     f"cuModuleGetFunction({self.source.name})")
         src = self.source

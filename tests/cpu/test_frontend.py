@@ -1,0 +1,235 @@
+"""The frontend: `-c` expressions, torch.export capture, and aten -> Graph IR translation.
+
+Properties checked: factory calls in an expression become the program's inputs (re-made fresh
+on demand) and modules its weights; the Graph IR has one Input per user input and one Weight
+per parameter (with its value); dead nodes are dropped; nodes remember the user's source line;
+dtype promotion agrees with PyTorch; and every program tilefuse cannot take is refused with one
+line naming what and where (a CaptureError / ExprError), or becomes a visible Extern node.
+"""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tilefuse import dtypes
+from tilefuse.frontend.builder import Builder, broadcast_shapes, promote
+from tilefuse.frontend.capture import CaptureError, export, source_of, to_graph
+from tilefuse.frontend.expr import ExprError, parse
+from tilefuse.graph import ir
+
+HERE = __file__
+
+
+def graph_of(fn, *inputs, expr=None):
+    return to_graph(export(fn, inputs, expr=expr), expr=expr)
+
+
+def one_line(e: Exception) -> str:
+    text = str(e)
+    assert "\n" not in text, f"error message spans several lines: {text!r}"
+    return text
+
+
+# -- `-c` expressions ---------------------------------------------------------------------------------
+
+
+def test_expression_factories_become_inputs_and_modules_weights():
+    """Each torch.randn/randint call is an input (in order); a module built in the expression is a
+    submodule whose parameters are the program's weights."""
+    m, inputs, specs = parse("nn.Linear(8, 3)(torch.randn(2, 8)) + torch.randint(0, 4, (2, 3))")
+    assert [s.text for s in specs] == ["torch.randn(2, 8)", "torch.randint(0, 4, (2, 3))"]
+    assert [tuple(x.shape) for x in inputs] == [(2, 8), (2, 3)]
+    assert sorted(n for n, _ in m.named_parameters()) == ["mods._m0.bias", "mods._m0.weight"]
+    g = graph_of(m, *inputs, expr="...")
+    assert len(g.inputs) == 2 and len(g.weights) == 2
+    assert {g[w].source for w in g.weights} == {"mods._m0.weight", "mods._m0.bias"}
+    torch.testing.assert_close(m(*inputs), m.mods._m0(inputs[0]) + inputs[1])
+
+
+def test_expression_inputs_are_fresh_each_time_they_are_made():
+    """InputSpec.make evaluates the factory again: same shape and dtype, new values."""
+    _, inputs, specs = parse("torch.randn(4, 5) * 2")
+    again = specs[0].make({"torch": torch})
+    assert again.shape == inputs[0].shape and again.dtype == inputs[0].dtype
+    assert not torch.equal(again, inputs[0])
+
+
+def test_expression_dtype_casts_float_inputs_and_weights_only():
+    """parse(dtype=bf16) casts floating inputs and the module's weights; integer inputs stay integers."""
+    m, inputs, _ = parse("F.cross_entropy(nn.Linear(4, 6)(torch.randn(3, 4)), torch.randint(0, 6, (3,)))",
+                         torch.bfloat16)
+    assert [x.dtype for x in inputs] == [torch.bfloat16, torch.int64]
+    assert {p.dtype for p in m.parameters()} == {torch.bfloat16}
+
+
+@pytest.mark.parametrize("text, message", [
+    ("torch.randn(3, 4 +", "the expression does not parse"),
+    ("1 + 2", "the expression has no inputs"),
+    ("nn.NoSuchModule(3)(torch.randn(3))", "cannot evaluate 'nn.NoSuchModule(3)'"),
+    ("torch.randn(-1) * 2", "cannot make the inputs"),
+])
+def test_bad_expressions_raise_one_line_expr_errors(text, message):
+    with pytest.raises(ExprError) as e:
+        parse(text)
+    assert message in one_line(e.value)
+
+
+# -- capture and translation ------------------------------------------------------------------------
+
+
+def test_graph_has_user_inputs_in_order_and_module_weights_with_values():
+    """Inputs keep the forward's order and types; each parameter is a Weight whose value is the module's."""
+    m = torch.nn.LayerNorm(6)
+    with torch.no_grad():
+        m.weight.copy_(torch.randn(6))
+
+    class Two(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm = m
+
+        def forward(self, a, b):
+            return self.norm(a) * b
+
+    a, b = torch.randn(2, 6), torch.randn(6).to(torch.bfloat16)
+    g = graph_of(Two(), a, b)
+    assert [g[i].type for i in g.inputs] == [ir.TensorType((2, 6), "f32"), ir.TensorType((6,), "bf16")]
+    weights = {g[w].source: g.weights[w] for w in g.weights}
+    assert set(weights) == {"norm.weight", "norm.bias"}
+    torch.testing.assert_close(weights["norm.weight"], m.weight.detach())
+    assert all(isinstance(g[w], ir.Weight) for w in g.weights)
+
+
+def test_dead_nodes_are_dropped_but_unused_inputs_are_kept():
+    """Only nodes the outputs need remain; an input the program ignores is still an Input."""
+    def fn(x, unused):
+        _ = torch.exp(x)  # dead
+        return x * 2
+    g = graph_of(fn, torch.randn(3), torch.randn(3))
+    assert len(g.inputs) == 2
+    assert not any(isinstance(n, ir.Map) and n.op == "exp" for n in g.nodes)
+
+
+def test_translated_types_match_torch_for_mixed_dtypes():
+    """Every output's dtype and shape is what PyTorch says (int/bool/bf16/f32 mixes, scalars)."""
+    def fn(x, i, h):
+        return (x + i, i * 2, i / 2, (x > 0).sum(-1), h + 1.5, h * x, i + True, (i > 1) & (i < 3))
+    x, i, h = torch.randn(3, 4), torch.randint(-5, 5, (3, 4)), torch.randn(3, 4).to(torch.bfloat16)
+    g = graph_of(fn, x, i, h)
+    want = fn(x, i, h)
+    got = [g[o].type for o in g.outputs]
+    assert got == [ir.TensorType(tuple(w.shape), dtypes.from_torch(w.dtype)) for w in want]
+
+
+def test_nodes_remember_the_users_source_line():
+    """Nodes made by a plain Python function name its file and line (not tilefuse's wrapper)."""
+    def fn(x):
+        y = x * 3  # the line
+        return torch.cumsum(y, -1)
+    g = graph_of(fn, torch.randn(2, 5))
+    mul = next(n for n in g.nodes if isinstance(n, ir.Map) and n.op == "mul")
+    assert mul.source.startswith(f"{HERE}:") and "y = x * 3" in mul.source
+    ext = next(n for n in g.nodes if isinstance(n, ir.Extern))
+    assert "torch.cumsum(y, -1)" in ext.source
+
+
+def test_unsupported_single_output_op_is_a_visible_extern():
+    """cumsum is not lowered: it becomes an Extern naming aten.cumsum and why, shown by the graph printer."""
+    g = graph_of(lambda x: torch.cumsum(x, 0) + 1, torch.randn(4, 3))
+    (ext,) = [n for n in g.nodes if isinstance(n, ir.Extern)]
+    assert ext.target == "aten.cumsum.default"
+    assert "tilefuse does not lower aten.cumsum" in ext.reason
+    assert "extern aten.cumsum.default" in str(g)
+
+
+def test_unsupported_argument_becomes_an_extern_naming_it():
+    """A handled op with an argument tilefuse cannot take (div rounding_mode) is an Extern saying so."""
+    g = graph_of(lambda x: torch.div(x, 2, rounding_mode="floor"), torch.randn(4))
+    (ext,) = [n for n in g.nodes if isinstance(n, ir.Extern)]
+    assert "rounding_mode" in ext.reason
+
+
+@pytest.mark.parametrize("fn, op", [
+    (lambda x: torch.sort(x, -1)[0], "aten.sort"),
+    (lambda x: torch.max(x, 1).values, "aten.max"),
+    (lambda x: torch.max(x, 1), "aten.max"),
+    (lambda x: torch.topk(x, 2).indices, "aten.topk"),
+    (lambda x: torch.var_mean(x, -1)[0], "aten.var_mean"),
+])
+def test_several_output_ops_are_refused_naming_the_op_and_line(fn, op):
+    """An op tilefuse cannot take that returns several tensors is a one-line CaptureError naming it
+    and the user's line (this file)."""
+    with pytest.raises(CaptureError) as e:
+        graph_of(fn, torch.randn(3, 5))
+    msg = one_line(e.value)
+    assert msg.startswith(f"{op} returns 2 tensors and is not supported by tilefuse")
+    assert HERE in msg
+
+
+def test_mismatched_shapes_are_one_capture_error_and_log_nothing(capfd):
+    """(3,4) + (5,6) fails in torch.export: one CaptureError line, and torch's logger prints no traceback."""
+    with pytest.raises(CaptureError) as e:
+        graph_of(lambda a, b: a + b, torch.randn(3, 4), torch.randn(5, 6))
+    assert "torch.export could not capture" in one_line(e.value) and "broadcast" in str(e.value)
+    out, err = capfd.readouterr()
+    assert "Traceback" not in out + err
+
+
+def test_unsupported_dtype_names_the_dtype_and_op():
+    with pytest.raises(CaptureError) as e:
+        graph_of(lambda x: x.to(torch.complex64) * 2, torch.randn(3))
+    assert "complex64" in one_line(e.value) and "aten.to" in str(e.value)
+    with pytest.raises(CaptureError, match="input .*complex64"):
+        graph_of(lambda x: x * 2, torch.randn(3, dtype=torch.complex64))
+
+
+def test_non_tensor_results_are_refused():
+    with pytest.raises(CaptureError, match="not a tensor"):
+        graph_of(lambda x: x.sum().item(), torch.randn(3))
+
+
+def test_source_of_without_a_trace_falls_back_to_the_expression():
+    class Node:
+        meta = {}
+    assert source_of(Node(), "torch.randn(3) * 2") == "torch.randn(3) * 2"
+    assert source_of(Node()) == ""
+
+
+# -- builder ----------------------------------------------------------------------------------------
+
+
+def test_promote_agrees_with_torch_promote_types():
+    """For every pair of tilefuse dtypes whose PyTorch promotion is a tilefuse dtype, promote agrees."""
+    for a, b in itertools.product(dtypes.ALL, repeat=2):
+        want = torch.promote_types(dtypes.to_torch(a), dtypes.to_torch(b))
+        try:
+            want = dtypes.from_torch(want)
+        except ValueError:
+            continue  # e.g. u8 + i8 -> i16, which tilefuse does not have
+        assert promote(a, b) == want, (a, b)
+
+
+def test_broadcast_error_names_both_shapes():
+    with pytest.raises(ValueError, match=r"shapes \(3, 4\) and \(5, 6\) do not broadcast"):
+        broadcast_shapes((3, 4), (5, 6))
+
+
+def test_builder_names_are_fresh_and_reshape_to_same_shape_is_free():
+    b = Builder()
+    x = b.add(ir.Input("x", ir.TensorType((2, 3), "f32")))
+    y1, y2 = b.map("exp", x), b.map("exp", x)
+    assert y1 != y2 and len(set(b.names)) == len(b.names)
+    assert b.reshape(x, (2, 3)) == x and b.cast(x, "f32") == x
+    assert b.type(b.map("gt", x, b.scalar(0.5, x))).dtype == "bool"
+    assert b.type(b.reduce("sum", x, (-1,), True)).shape == (2, 1)
+
+
+def test_rms_norm_default_eps_is_the_compute_types_epsilon():
+    """F.rms_norm without eps uses torch.finfo(compute type).eps: f32's for f32 and bf16 inputs."""
+    for dt in (torch.float32, torch.bfloat16):
+        g = graph_of(lambda x: F.rms_norm(x, (8,)), torch.randn(2, 8).to(dt))
+        consts = [n.value for n in g.nodes if isinstance(n, ir.Constant)]
+        assert torch.finfo(torch.float32).eps in consts

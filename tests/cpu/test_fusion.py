@@ -1,0 +1,264 @@
+"""The fusion planner's plans: the kernel counts issue 2 promises, and invariants every plan keeps.
+
+Counts: residual add + RMSNorm + cast, softmax, LayerNorm and per-row cross-entropy are each ONE
+map-reduce kernel; cross-entropy with a mean reads the logits in a single kernel, once.
+Invariants (on those programs and on hypothesis-generated chains of maps and row reductions):
+every computing node is in exactly one step, steps come in dependency order, every value a
+step reads from another step is one that step writes, and ops the map-reduce family cannot
+take are visible extern steps that name them.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tilefuse.frontend.capture import export, to_graph
+from tilefuse.graph import ir
+from tilefuse.graph.fusion import plan
+from tilefuse.graph.rewrites import run_rewrites
+
+GENERATED = (ir.Input, ir.Weight, ir.Constant, ir.Iota)
+
+
+class Fn(torch.nn.Module):
+    def __init__(self, f):
+        super().__init__()
+        self.f = f
+
+    def forward(self, *args):
+        return self.f(*args)
+
+
+class AddRMSNormCast(torch.nn.Module):
+    def __init__(self, n):
+        super().__init__()
+        self.norm = torch.nn.RMSNorm(n, eps=1e-6)
+
+    def forward(self, x, residual):
+        return self.norm(x + residual).to(torch.bfloat16)
+
+
+def planned(fn, inputs):
+    if not isinstance(fn, torch.nn.Module):
+        fn = Fn(fn)
+    g, _ = run_rewrites(to_graph(export(fn, inputs)))
+    return g, plan(g)
+
+
+def kernels(p):
+    return [s for s in p.steps if s.family == "mapreduce"]
+
+
+def check_invariants(g, p):
+    """Each computing node in exactly one step; steps in dependency order; reads are writes."""
+    placed = [n for s in p.steps for n in s.nodes]
+    computing = [n.name for n in g.nodes if not isinstance(n, GENERATED)]
+    assert sorted(placed) == sorted(computing), "every computing node is in exactly one step"
+    made_by = {n: s.name for s in p.steps for n in s.nodes}
+    written = set()
+    for s in p.steps:
+        for t in s.inputs:
+            if t in made_by:
+                assert t in written, f"step {s.name} reads {t} before step {made_by[t]} writes it"
+            else:
+                assert isinstance(g[t], (ir.Input, ir.Weight)), f"step {s.name} reads {t}, which nothing makes"
+        assert set(s.outputs) <= set(s.nodes)
+        written.update(s.outputs)
+    for o in g.outputs:
+        assert o in written or isinstance(g[o], GENERATED), f"output {o} is never written"
+    # a map-reduce step's members read only its inputs, its own members and generated values
+    for s in kernels(p):
+        for n in s.nodes:
+            for a in ir.node_args(g[n]):
+                assert a in s.nodes or a in s.inputs or isinstance(g[a], (ir.Constant, ir.Iota)), (s.name, n, a)
+
+
+# -- the promised fusions ---------------------------------------------------------------------------
+
+
+def test_residual_add_rmsnorm_cast_is_one_kernel():
+    """x + residual -> RMSNorm (with weight) -> bf16 is one map-reduce kernel reading x, residual and the
+    weight and writing only the bf16 result."""
+    m = AddRMSNormCast(96)
+    x, r = torch.randn(2, 5, 96), torch.randn(2, 5, 96)
+    g, p = planned(m, [x, r])
+    check_invariants(g, p)
+    assert [s.family for s in p.steps] == ["mapreduce"]
+    (k,) = p.steps
+    assert set(k.inputs) == set(g.inputs) | set(g.weights)
+    assert k.outputs == list(g.outputs) and g[g.outputs[0]].type.dtype == "bf16"
+    assert k.space == ((2, 5), 96)
+
+
+def test_softmax_is_one_kernel():
+    """softmax over the last dim (bf16 in, bf16 out) is one map-reduce kernel."""
+    g, p = planned(lambda x: torch.softmax(x, -1), [torch.randn(3, 7, 50).bfloat16()])
+    check_invariants(g, p)
+    assert [s.family for s in p.steps] == ["mapreduce"]
+    assert p.steps[0].inputs == list(g.inputs)
+
+
+def test_log_softmax_is_one_kernel():
+    g, p = planned(lambda x: F.log_softmax(x, -1), [torch.randn(9, 33)])
+    check_invariants(g, p)
+    assert [s.family for s in p.steps] == ["mapreduce"]
+
+
+def test_layernorm_is_one_kernel():
+    """nn.LayerNorm (weight and bias) is one map-reduce kernel reading x, weight and bias."""
+    m = torch.nn.LayerNorm(40).bfloat16()
+    g, p = planned(m, [torch.randn(6, 40).bfloat16()])
+    check_invariants(g, p)
+    assert [s.family for s in p.steps] == ["mapreduce"]
+    assert set(p.steps[0].inputs) == set(g.inputs) | set(g.weights)
+
+
+def test_cross_entropy_per_row_is_one_kernel():
+    """cross_entropy(reduction='none') -- log-sum-exp, target select and the ignore mask -- is one
+    map-reduce kernel over the rows (aliases are free reshapes, not kernels)."""
+    x, t = torch.randn(7, 1000), torch.randint(0, 1000, (7,))
+    g, p = planned(lambda x, t: F.cross_entropy(x, t, reduction="none"), [x, t])
+    check_invariants(g, p)
+    assert [s.family for s in p.steps if s.family != "alias"] == ["mapreduce"]
+    (k,) = kernels(p)
+    assert k.space == ((7,), 1000)
+    assert k.outputs == list(g.outputs)
+
+
+def test_cross_entropy_mean_reads_the_logits_once_in_one_kernel():
+    """With reduction='mean' the logits pass (max, sum-exp, target select) is one kernel and the only
+    step that reads the logits; what is left is a tiny finishing kernel over the per-row losses.
+    Today that makes 2 map-reduce kernels and no extern."""
+    n, c = 7, 1000
+    x, t = torch.randn(n, c).bfloat16(), torch.randint(0, c, (n,))
+    g, p = planned(lambda x, t: F.cross_entropy(x, t), [x, t])
+    check_invariants(g, p)
+    logits = g.inputs[0]
+    readers = [s for s in p.steps if logits in s.inputs]
+    assert len(readers) == 1 and readers[0].family == "mapreduce"
+    row = readers[0]
+    assert row.space == ((n,), c)
+    row_reductions = [m for m in row.nodes if isinstance(g[m], ir.Reduce)]
+    assert len(row_reductions) == 3, row_reductions  # max, sum of exp, target-logit select
+    assert all(g[o].type.numel <= n for o in row.outputs), "only per-row values leave the logits kernel"
+    assert row.bytes < g[logits].type.nbytes + 64 * n, "the logits are counted once"
+    assert [s.family for s in p.steps if s.family != "alias"] == ["mapreduce", "mapreduce"]
+    assert not any(s.family == "extern" for s in p.steps)
+
+
+def test_gelu_chain_is_one_kernel():
+    """An elementwise chain with a broadcast bias and a GELU is one kernel."""
+    g, p = planned(lambda x, b: F.gelu(x * 2 + b) * torch.sigmoid(x), [torch.randn(4, 64), torch.randn(64)])
+    check_invariants(g, p)
+    assert [s.family for s in p.steps] == ["mapreduce"]
+
+
+# -- externs are visible ------------------------------------------------------------------------------
+
+
+def test_unsupported_op_and_matmul_are_visible_extern_steps():
+    """cumsum (not lowered) and a matmul (a Contraction) are extern steps whose notes name them; the
+    softmax after them is still one fused kernel."""
+    x, w = torch.randn(2, 5, 64), torch.randn(64, 32)
+    g, p = planned(lambda x, w: torch.softmax(torch.cumsum(x, -1) @ w, -1), [x, w])
+    check_invariants(g, p)
+    assert [s.family for s in p.steps] == ["extern", "extern", "mapreduce"]
+    cumsum, mm, _ = p.steps
+    assert isinstance(g[cumsum.nodes[0]], ir.Extern) and "cumsum" in cumsum.note
+    assert isinstance(g[mm.nodes[0]], ir.Contraction) and "matmul" in mm.note
+    assert mm.flops == 2 * 2 * 5 * 32 * 64
+    text = str(p)
+    assert "1 fused kernel(s), 2 extern(s)" in text
+    assert "tilefuse does not lower aten.cumsum" in text and "torch.matmul" in text
+
+
+def test_attention_is_an_extern_step():
+    q = torch.randn(1, 2, 8, 16)
+    g, p = planned(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True), [q, q, q])
+    check_invariants(g, p)
+    assert [s.family for s in p.steps] == ["extern"]
+    assert "scaled_dot_product_attention" in p.steps[0].note and p.steps[0].flops > 0
+
+
+def test_plan_text_names_each_kernels_fused_ops():
+    """str(plan) lists, for every step, the ops it fuses, what it reads and writes, and its row space."""
+    m = AddRMSNormCast(64)
+    g, p = planned(m, [torch.randn(3, 64), torch.randn(3, 64)])
+    text = str(p)
+    for s in p.steps:
+        assert f"fuses  {', '.join(s.nodes)}" in text
+        assert f"writes {', '.join(f'{t}: {g[t].type}' for t in s.outputs)}" in text
+    assert "rows=3 row_len=64" in text
+    for op in ("add", "mean", "rsqrt", "cast"):
+        assert any(g[n].describe().startswith(("map " + op, "reduce " + op)) for n in p.steps[0].nodes)
+
+
+def test_non_last_axis_reduction_is_a_visible_extern():
+    """A reduction over a leading axis is not a row reduction: it runs as an extern that says so."""
+    g, p = planned(lambda x: x.sum(0) * 2, [torch.randn(6, 10)])
+    check_invariants(g, p)
+    ext = [s for s in p.steps if s.family == "extern"]
+    assert len(ext) == 1 and "non-last axis" in ext[0].note
+
+
+def test_size_one_rows_do_not_fall_back_to_externs():
+    """Softmax, LayerNorm and cross-entropy on rows of length 1 (a one-element reduction) still fuse:
+    no extern step."""
+    x, t = torch.randn(5, 1), torch.zeros(5, dtype=torch.long)
+    for fn, inputs in [(lambda x: torch.softmax(x, -1), [x]), (torch.nn.LayerNorm(1), [x]),
+                       (lambda x, t: F.cross_entropy(x, t, reduction="none"), [x, t])]:
+        g, p = planned(fn, inputs)
+        check_invariants(g, p)
+        assert not [s for s in p.steps if s.family == "extern"], str(p)
+
+
+# -- invariants on generated programs ------------------------------------------------------------------
+
+UNARY = [torch.exp, torch.tanh, torch.sigmoid, torch.relu, lambda x: x * 0.5, lambda x: -x, F.silu]
+
+
+@st.composite
+def programs(draw):
+    """A random chain over x[R, C]: maps, row reductions (keepdim and not), broadcasts of (C,) and
+    (R, 1) inputs, softmax / layer-norm-like steps; returns (fn, inputs)."""
+    R, C = draw(st.integers(1, 6)), draw(st.sampled_from([1, 3, 8, 17]))
+    steps = draw(st.lists(st.sampled_from(["unary", "bias", "rowscale", "rowsum", "softmax", "norm", "center",
+                                           "rowvec"]), min_size=1, max_size=6))
+    fns = draw(st.lists(st.sampled_from(UNARY), min_size=len(steps), max_size=len(steps)))
+
+    def fn(x, b, s):
+        outs = []
+        for kind, f in zip(steps, fns):
+            if kind == "unary":
+                x = f(x)
+            elif kind == "bias":
+                x = x + b
+            elif kind == "rowscale":
+                x = x * s
+            elif kind == "rowsum":
+                x = x - x.sum(-1, keepdim=True)
+            elif kind == "softmax":
+                x = torch.softmax(x, -1)
+            elif kind == "norm":
+                x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5)
+            elif kind == "center":
+                x = x - x.amax(-1, keepdim=True)
+            else:  # a per-row vector output
+                outs.append(x.amin(-1) * 2)
+        return (x, *outs)
+
+    return fn, [torch.randn(R, C), torch.randn(C), torch.randn(R, 1)]
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(programs())
+def test_generated_programs_keep_the_plan_invariants(prog):
+    """On random chains of maps and row reductions over one row space (outputs per element and per
+    row): the plan invariants hold, nothing is an extern, and the whole chain is one kernel."""
+    fn, inputs = prog
+    g, p = planned(fn, inputs)
+    check_invariants(g, p)
+    assert not [s for s in p.steps if s.family == "extern"], str(p)
+    assert len(kernels(p)) == 1, str(p)
