@@ -94,13 +94,14 @@ def copy_bandwidth() -> float:
     return 2 * src.numel() * 2 / (median_ms(lambda: dst.copy_(src)) * 1e-3)
 
 
-def variants(kernel, base: MapReduceSchedule) -> list[MapReduceSchedule]:
-    """Neighbours of the default schedule: row group x2 / /2, cluster x2 / /2, streaming."""
+def variants(kernel, base: MapReduceSchedule, arch: str) -> list[MapReduceSchedule]:
+    """Neighbours of the default schedule (row group x2 and /2, cluster x2 and /2, a looser
+    register cap) and the other stages' heuristics, to check the default against."""
     out = []
 
-    def add(**kw):
+    def add(s=None, **kw):
         try:
-            s = replace(base, **kw)
+            s = s or replace(base, **kw)
         except ValueError:
             return
         if s != base and s not in out:
@@ -110,15 +111,18 @@ def variants(kernel, base: MapReduceSchedule) -> list[MapReduceSchedule]:
     if g <= 32:
         add(group=g * 2)
         add(group=max(1, g // 2))
-    else:
-        if g == t:
-            add(group=g * 2, threads=t * 2, min_blocks=max(1, base.min_blocks // 2))
-            add(group=g // 2, threads=t // 2, min_blocks=min(32, base.min_blocks * 2))
-        add(min_blocks=max(1, base.min_blocks // 2))
+    elif g == t:
+        add(group=g * 2, threads=t * 2, min_blocks=max(1, base.min_blocks // 2))
+        add(group=g // 2, threads=t // 2, min_blocks=min(32, base.min_blocks * 2))
+    add(min_blocks=max(1, base.min_blocks // 2))
     if base.cluster > 1:
         add(cluster=base.cluster * 2)
         add(cluster=base.cluster // 2)
-    add(stage="stream")
+    for stage in ("regs", "smem"):
+        try:
+            add(default_schedule(kernel, arch, stage=stage))
+        except ValueError:
+            pass
     return out
 
 
@@ -145,8 +149,9 @@ def bench_one(name: str, R: int, C: int, copy_bps: float, args) -> dict:
     torch_args = [inputs[b.name] for b in kernel.inputs]
     row = {"kernel": name, "shape": [R, C], "bytes": nbytes}
 
-    sched = default_schedule(kernel, "sm_90a" if torch.cuda.get_device_capability()[0] == 9 else "sm_80")
-    candidates = [sched] + ([] if args.no_variants else variants(kernel, sched))
+    arch = "sm_90a" if torch.cuda.get_device_capability()[0] == 9 else "sm_80"
+    sched = default_schedule(kernel, arch)
+    candidates = [sched] + ([] if args.no_variants else variants(kernel, sched, arch))
     timed = []
     for s in candidates:
         try:
@@ -167,7 +172,10 @@ def bench_one(name: str, R: int, C: int, copy_bps: float, args) -> dict:
             continue
         err = outputs_close(kernel, outs, fn(*torch_args))
         ms = median_ms(lambda: ck(*call_args))
-        timed.append({"schedule": str(s), "ms": ms, "registers": ck.info.registers, "err_vs_eager": err})
+        timed.append({"schedule": str(s), "ms": ms, "registers": ck.info.registers, "err_vs_eager": err,
+                      "smem": ck.source.smem_bytes})
+        if ck.info.registers < 0:
+            timed[-1]["log"] = ck.cubin.log
     row["schedules"] = timed
     ok = [t for t in timed if "ms" in t]
     default = timed[0]
@@ -179,13 +187,28 @@ def bench_one(name: str, R: int, C: int, copy_bps: float, args) -> dict:
 
     with torch.no_grad():
         row["eager_ms"] = median_ms(lambda: fn(*torch_args))
+        compiled = None
         if not args.no_compile:
             compiled = torch.compile(fn, dynamic=False)
             compiled(*torch_args)
             row["compile_ms"] = median_ms(lambda: compiled(*torch_args))
-            torch._dynamo.reset()
         else:
             row["compile_ms"] = float("nan")
+        if nbytes < (256 << 20):  # short kernels: GPU time alone, launch overhead taken out
+            from triton.testing import do_bench_cudagraph
+
+            ck = compile_kernel(kernel, schedule=sched)
+            ck(*call_args)  # load the module outside the capture
+            torch.cuda.synchronize()
+            graph = {"tilefuse": lambda: ck(*call_args), "eager": lambda: fn(*torch_args)}
+            if compiled is not None:
+                graph["compile"] = lambda: compiled(*torch_args)
+            for k, f in graph.items():
+                try:
+                    row[f"graph_{k}_ms"] = float(do_bench_cudagraph(f, rep=100, return_mode="median"))
+                except Exception as e:  # noqa: BLE001 - report, keep benchmarking
+                    row[f"graph_{k}_error"] = f"{type(e).__name__}: {e}"[:300]
+        torch._dynamo.reset()
     for k in ("tilefuse", "best", "eager", "compile"):
         ms = row[f"{k}_ms"]
         row[f"{k}_gbps"] = nbytes / (ms * 1e-3) / 1e9
@@ -244,10 +267,15 @@ def main(argv=None) -> int:
     print(f"{result['gpu']}, bf16, copy {copy_bps / 1e12:.2f} TB/s (read+write); GB/s and % of copy; x = time ratio")
     head = f"{'kernel':<14}{'shape':>14}{'tilefuse':>16}{'best variant':>16}{'eager':>16}{'compile':>16}{'vs eager':>9}{'vs compile':>11}"
     print(head)
+    graphs = []
     for r in result["rows"]:
+        if "graph_tilefuse_ms" in r:
+            graphs.append(f"  {r['kernel']} {r['shape']}: CUDA-graph replay (no launch overhead) us: " + ", ".join(
+                f"{k} {r[f'graph_{k}_ms'] * 1e3:.1f}" for k in ("tilefuse", "eager", "compile") if f"graph_{k}_ms" in r))
         cell = lambda k: f"{r[k + '_gbps']:6.0f} {r[k + '_pct_copy']:5.1f}%"  # noqa: E731
         print(f"{r['kernel']:<14}{'x'.join(map(str, r['shape'])):>14}{cell('tilefuse'):>16}{cell('best'):>16}"
               f"{cell('eager'):>16}{cell('compile'):>16}{r['vs_eager']:8.2f}x{r['vs_compile']:10.2f}x")
+    print("\n".join(graphs))
     return 0
 
 

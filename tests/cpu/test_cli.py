@@ -22,10 +22,10 @@ from tilefuse.frontend.expr import ExprError, parse
 RMSNORM = "torch.nn.RMSNorm(64)(torch.randn(1, 3, 64))"
 
 
-@pytest.fixture
-def wide(monkeypatch):
-    """A wide terminal, so that rich does not wrap the printed IR (see the xfail test below)."""
-    monkeypatch.setenv("COLUMNS", "400")
+@pytest.fixture(autouse=True)
+def narrow(monkeypatch):
+    """An 80-column terminal: printed IR must still come out verbatim (rich must not wrap it)."""
+    monkeypatch.setenv("COLUMNS", "80")
 
 
 def stages_of(expr):
@@ -66,7 +66,7 @@ def test_verbose_lets_the_exception_propagate(expr, _, exc):
 # -- printing the stages -------------------------------------------------------------------------------
 
 
-def test_compile_ir_graph_prints_the_graph_and_the_plan(capsys, wide):
+def test_compile_ir_graph_prints_the_graph_and_the_plan(capsys):
     st = stages_of(RMSNORM)
     assert main(["compile", "-c", RMSNORM, "--ir", "graph"]) == 0
     out = capsys.readouterr().out
@@ -75,12 +75,12 @@ def test_compile_ir_graph_prints_the_graph_and_the_plan(capsys, wide):
     assert "plan: 1 fused kernel(s), 0 extern(s)" in out
 
 
-def test_compile_default_stage_is_graph(capsys, wide):
+def test_compile_default_stage_is_graph(capsys):
     assert main(["compile", "-c", RMSNORM]) == 0
     assert "plan: 1 fused kernel(s)" in capsys.readouterr().out
 
 
-def test_compile_ir_loop_prints_each_kernels_loop_ir(capsys, wide):
+def test_compile_ir_loop_prints_each_kernels_loop_ir(capsys):
     expr = "F.cross_entropy(torch.randn(6, 100), torch.randint(0, 100, (6,)))"
     st = stages_of(expr)
     assert main(["compile", "-c", expr, "--ir", "loop"]) == 0
@@ -91,7 +91,7 @@ def test_compile_ir_loop_prints_each_kernels_loop_ir(capsys, wide):
     assert "plan:" not in out  # only the stage asked for
 
 
-def test_compile_vv_prints_a_diff_for_each_rewrite_that_fired(capsys, wide):
+def test_compile_vv_prints_a_diff_for_each_rewrite_that_fired(capsys):
     expr = "torch.randn(4, 8).exp().sum()"
     st = stages_of(expr)
     assert st.fired, "this program makes a rewrite fire"
@@ -110,6 +110,7 @@ def test_compile_vv_prints_a_diff_for_each_rewrite_that_fired(capsys, wide):
 
 
 def test_loop_ir_is_printed_verbatim_on_a_narrow_terminal(capsys, monkeypatch):
+    """Lines longer than the terminal (the kernel header) are not wrapped, even with no COLUMNS set."""
     monkeypatch.delenv("COLUMNS", raising=False)
     st = stages_of(RMSNORM)
     assert main(["compile", "-c", RMSNORM, "--ir", "loop"]) == 0
@@ -128,7 +129,7 @@ def test_loop_ir_is_printed_verbatim_on_a_narrow_terminal(capsys, monkeypatch):
     "F.cross_entropy(torch.randn(6, 1000), torch.randint(0, 1000, (6,)))",
     "F.cross_entropy(torch.randn(6, 77), torch.randint(0, 77, (6,)), reduction='none')",
 ], ids=["rmsnorm", "softmax", "layernorm", "cross_entropy", "cross_entropy_none"])
-def test_run_bf16_on_cpu_passes(capsys, wide, expr):
+def test_run_bf16_on_cpu_passes(capsys, expr):
     """`tilefuse run -c EXPR --dtype bf16` runs through the Loop IR interpreter and every output passes."""
     assert main(["run", "-c", expr, "--dtype", "bf16", "--device", "cpu"]) == 0
     out = capsys.readouterr().out
@@ -148,6 +149,14 @@ def test_program_refuses_wrong_shape_dtype_and_count_naming_the_input():
         prog(torch.randn(4, 16).bfloat16())
     with pytest.raises(ValueError, match="expected 1 tensor inputs, got 2"):
         prog(torch.randn(4, 16), torch.randn(4, 16))
+
+
+def test_program_never_returns_the_callers_tensor():
+    """x.clone() captures as x itself; the program still returns a copy, not the input object."""
+    prog = compile_stages(lambda x: x.clone(), [torch.randn(5)]).program
+    x = torch.randn(5)
+    y = prog(x)
+    assert torch.equal(y, x) and y.data_ptr() != x.data_ptr()
 
 
 def test_python_api_returns_a_callable_like_the_module():

@@ -65,6 +65,9 @@ def test_scalar_fallback_compiles(name):
     (MapReduceSchedule(threads=512, group=512, vector=8, stage="stream", unroll=2, min_blocks=2), (33, 4096)),
     (MapReduceSchedule(threads=256, group=256, vector=4, cluster=2, min_blocks=4), (33, 4096)),
     (MapReduceSchedule(threads=128, group=128, vector=1, cluster=4, stage="stream"), (33, 4097)),
+    (MapReduceSchedule(threads=256, group=8, vector=8, stage="smem", min_blocks=4), (33, 256)),
+    (MapReduceSchedule(threads=1024, group=1024, vector=8, stage="smem"), (33, 32768)),
+    (MapReduceSchedule(threads=256, group=256, vector=8, cluster=8, stage="smem", min_blocks=6), (33, 65536)),
 ], ids=str)
 def test_explicit_schedules_compile(sched, shape):
     for name in ("layernorm", "cross_entropy", "add_rmsnorm"):
@@ -85,13 +88,25 @@ def _body(src):
 
 
 def test_rows_are_read_once_with_16_byte_loads():
-    src = render(fx.rmsnorm_kernel(32768, 4096, "bf16"), arch="sm_90a")
+    k = fx.rmsnorm_kernel(32768, 4096, "bf16")
+    src = render(k, arch="sm_90a")  # default: the row staged in shared memory
     body = _body(src)
-    # one load site for the row of x (staged in registers), one for the weight vector
-    assert body.count("tf_ld16_stream(x_s[j]") == 1
-    assert body.count("tf_ld16(w_c") == 1
+    # one copy site for the row of x (16-byte cp.async), one load site for the weight vector
+    assert src.schedule.stage == "smem" and body.count("tf_cp_async16(") == 1
+    assert src.smem_bytes == 4096 * 2
+    assert body.count("tf_ld16(w_c") == 1 and "tf_ld16_stream" not in body
     assert body.count("tf_st16(y") == 1
     assert dict(src.alignment) == {"x": 16, "w": 16, "y": 16}
+    regs = _body(render(k, default_schedule(k, "sm_90a", stage="regs")))
+    assert regs.count("tf_ld16_stream(x_s[j]") == 1 and "tf_cp_async16(" not in regs
+
+
+def test_shared_memory_staging_needs_16_byte_chunks():
+    k = fx.softmax_kernel(8, 1000, "bf16")
+    with pytest.raises(ValueError, match="16-byte"):
+        render(k, MapReduceSchedule(threads=256, group=32, vector=4, stage="smem"))
+    with pytest.raises(ValueError, match="16-byte"):
+        default_schedule(fx.softmax_kernel(8, 1001, "bf16"), stage="smem")
 
 
 def test_odd_row_length_uses_masked_scalar_accesses():
@@ -108,7 +123,7 @@ def test_short_rows_share_a_warp_and_long_rows_span_a_cluster():
     for name in ("softmax", "cross_entropy"):
         k = fx.BUILDERS[name](8192, 262144, "bf16")
         long = default_schedule(k, "sm_90a")
-        assert long.cluster > 1 and long.stage == "regs", long
+        assert long.cluster > 1 and long.stage == "smem", long
         src = render(k, long, "sm_90a")
         assert src.cluster == (long.cluster, 1, 1) and src.grid[0] == 8192 * long.cluster
         assert "mapa.shared::cluster" in src.source and "tf_cluster_sync();" in _body(src)

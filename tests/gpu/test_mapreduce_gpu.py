@@ -66,6 +66,9 @@ SCHEDULES = [
     MapReduceSchedule(threads=256, group=256, vector=8, stage="stream", unroll=2),
     MapReduceSchedule(threads=128, group=128, vector=8, cluster=2),
     MapReduceSchedule(threads=128, group=128, vector=4, cluster=8, stage="stream"),
+    MapReduceSchedule(threads=256, group=8, vector=8, stage="smem", min_blocks=4),
+    MapReduceSchedule(threads=128, group=128, vector=8, stage="smem", min_blocks=12),
+    MapReduceSchedule(threads=64, group=64, vector=8, cluster=4, stage="smem"),
 ]
 
 
@@ -73,6 +76,13 @@ SCHEDULES = [
 @pytest.mark.parametrize("name", ["rmsnorm", "softmax", "cross_entropy", "layernorm", "add_rmsnorm"])
 def test_schedules_agree(name, sched):
     ex = fx.example(name, 9, 136 if sched.group <= 32 else 4000, "bf16", seed=_seed(name, str(sched)))
+    fx.check_against_torch(ex, _run(ex, sched))
+
+
+@pytest.mark.parametrize("name", ["softmax", "add_rmsnorm"])
+def test_more_than_48k_of_shared_memory(name):
+    sched = MapReduceSchedule(threads=1024, group=1024, vector=8, stage="smem")
+    ex = fx.example(name, 5, 32768, "bf16", seed=_seed(name, "big smem"))
     fx.check_against_torch(ex, _run(ex, sched))
 
 

@@ -103,6 +103,17 @@ __device__ __forceinline__ void tf_st16(void* p, const unsigned* w) {
 __device__ __forceinline__ void tf_st8(void* p, const unsigned* w) {
   asm volatile("st.global.v2.u32 [%0], {%1, %2};" :: "l"(p), "r"(w[0]), "r"(w[1]) : "memory");
 }
+// Shared-memory staging (sm_80+): async 16-byte copies global -> shared, then 16-byte reads.
+__device__ __forceinline__ unsigned tf_smem_addr(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
+__device__ __forceinline__ void tf_cp_async16(unsigned dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(dst), "l"(src) : "memory");
+}
+__device__ __forceinline__ void tf_cp_async_wait_all() {
+  asm volatile("cp.async.commit_group;\n\tcp.async.wait_group 0;" ::: "memory");
+}
+__device__ __forceinline__ void tf_lds16(unsigned* w, unsigned src) {
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3]) : "r"(src) : "memory");
+}
 __device__ __forceinline__ void tf_st4(void* p, const unsigned* w) { *(unsigned*)p = w[0]; }
 __device__ __forceinline__ void tf_st2(void* p, const unsigned* w) { *(unsigned short*)p = (unsigned short)w[0]; }
 __device__ __forceinline__ void tf_st1(void* p, const unsigned* w) { *(unsigned char*)p = (unsigned char)w[0]; }

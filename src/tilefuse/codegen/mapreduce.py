@@ -42,8 +42,10 @@ class MapReduceSchedule:
                 divides `threads` (warps combine through shared memory).
     vector:     elements per chunk (8 for bf16 = one 16-byte access).
     cluster:    CTAs per row (> 1: sm_90 thread-block cluster; one row per cluster).
-    stage:      "regs" (the row's chunks stay in registers, read once from memory) or
-                "stream" (each pass over the row re-reads it; for rows too long for regs).
+    stage:      "regs" (the row's chunks stay in registers, read once from memory),
+                "smem" (they stay in shared memory, copied there with cp.async: few
+                registers, so many CTAs per SM; needs 16-byte chunks), or "stream" (each
+                pass over the row re-reads it; any row, any alignment).
     unroll:     stream mode: chunks per unrolled iteration (loads in flight per thread).
     min_blocks: __launch_bounds__ minimum CTAs per SM (caps registers per thread).
     """
@@ -73,8 +75,8 @@ class MapReduceSchedule:
             raise ValueError(f"cluster size must be 1, 2, 4, 8 or 16, not {self.cluster}")
         if self.cluster > 1 and self.group != self.threads:
             raise ValueError("a clustered schedule has one row per cluster: group must equal threads")
-        if self.stage not in ("regs", "stream"):
-            raise ValueError(f"stage must be 'regs' or 'stream', not {self.stage!r}")
+        if self.stage not in ("regs", "smem", "stream"):
+            raise ValueError(f"stage must be 'regs', 'smem' or 'stream', not {self.stage!r}")
 
     @property
     def rows_per_cta(self) -> int:
@@ -281,17 +283,95 @@ def staged_words(kernel: ir.Kernel, vector: int) -> int:
     return sum(_words(s.buf.dtype, vector) for s in list(ana.in_streams.values()) + list(ana.out_streams.values()))
 
 
-def default_schedule(kernel: ir.Kernel, arch: str = "sm_90a") -> MapReduceSchedule:
-    """A schedule from the row length, the staged bytes per element and the target.
+def _smem_eligible(kernel: ir.Kernel, vector: int) -> bool:
+    """Every staged stream comes in whole 16-byte pieces (what cp.async copies)."""
+    parts = ir.row_kernel_parts(kernel)
+    staged = [s for s in _analyse(kernel, parts, vector).in_streams.values() if s.per_row]
+    return bool(staged) and all((vector * s.itemsize) % 16 == 0 for s in staged)
 
-    Aim: about TARGET_WORDS registers (64 bytes) of row chunks in flight per thread, at
-    most STAGE_WORDS, under a 64-register cap so that at least 1024 threads fit an SM.
-    Short rows share a warp or a CTA; long rows get their own CTA; rows too long for one
-    CTA's registers get a cluster (sm_90) or, without clusters, the streaming stage.
+
+def default_schedule(kernel: ir.Kernel, arch: str = "sm_90a", stage: str | None = None) -> MapReduceSchedule:
+    """A schedule from the row length, the kernel's kind, the staged bytes and the target.
+
+    stage=None picks "smem" where the rows come in 16-byte chunks (except a map over short
+    rows: "regs"), else "regs"; naming a stage gives that stage's heuristic. The choices
+    are the fastest of the neighbours bench/mapreduce_kernels.py timed on an H100 (bf16).
     """
     parts = ir.row_kernel_parts(kernel)
-    C = parts.col_extent
     v = _choose_vector(kernel, parts)
+    if stage is None:
+        short = -(-parts.col_extent // v) <= 32 * 4
+        is_map = _kind(parts) == "map"
+        stage = "smem" if _smem_eligible(kernel, v) and not (is_map and short) else "regs"
+    if stage == "smem":
+        if not _smem_eligible(kernel, v):
+            raise ValueError(f"kernel {kernel.name}: stage='smem' needs 16-byte row chunks")
+        return _smem_schedule(kernel, parts, v, arch)
+    return _regs_schedule(kernel, parts, v, arch)
+
+
+def _kind(parts: ir.RowKernel) -> str:
+    """'map' (no reduction), 'reduce' (reductions, per-row outputs only, e.g. a loss) or
+    'norm' (reductions and per-element outputs: norms, softmax)."""
+    if not any(isinstance(s, ir.Reduce) for s in parts.body):
+        return "map"
+    if any(isinstance(x, ir.Store) for s in parts.body if isinstance(s, ir.Loop) for x in s.body):
+        return "norm"
+    return "reduce"
+
+
+SMEM_PER_CTA = 96 * 1024   # keep at least two CTAs' staging in an SM's shared memory
+
+
+def max_smem(arch: str) -> int:
+    """Dynamic shared memory one CTA may have on `arch`."""
+    n = _arch_number(arch)
+    return {90: 227 * 1024, 80: 163 * 1024, 87: 163 * 1024}.get(n, 99 * 1024 if n >= 86 else 48 * 1024)
+
+
+def _smem_schedule(kernel, parts, v, arch) -> MapReduceSchedule:
+    """Rows staged in shared memory (cp.async): registers stay few (a ~40-register cap), so
+    an SM holds 1536+ threads and their copies in flight.
+
+    Chunks per thread: 4 (64 bytes per stream), 8 for a reduction-only kernel such as a
+    loss (it has less work per element, so fewer, longer-lived threads per row pay fewer
+    exchanges). Short rows: a sub-warp or warp per row. Rows up to ~16k elements: one CTA,
+    at least 256 threads for a norm. Longer rows: a cluster of CTAs (sm_90) with up to 8
+    (16 for a reduction-only kernel) chunks per thread, or, without clusters, one large CTA,
+    then the streaming stage.
+    """
+    C = parts.col_extent
+    kind = _kind(parts)
+    chunk_bytes = sum(v * s.itemsize for s in _analyse(kernel, parts, v).in_streams.values() if s.per_row)
+    chunks = -(-C // v)
+    if -(-chunks // 4) <= 32:  # a row per warp or sub-warp, several rows per CTA
+        return MapReduceSchedule(threads=256, group=_pow2ceil(-(-chunks // 4)), vector=v, stage="smem",
+                                 min_blocks=4)
+    k = 8 if kind == "reduce" else 4
+    t = max(_pow2ceil(-(-chunks // k)), 256 if kind == "norm" else 64)
+    if t <= 512:  # a row per CTA
+        return MapReduceSchedule(threads=t, group=t, vector=v, stage="smem", min_blocks=max(1, 1536 // t))
+    clusters = (1, 2, 4, 8) if supports_clusters(arch) else (1,)
+    threads, k_max = ((128, 256, 512), 16) if kind == "reduce" else ((256, 512, 1024), 8)
+    for t in threads:
+        for cl in clusters:
+            k = -(-chunks // (t * cl))
+            if k <= k_max and k * t * chunk_bytes <= SMEM_PER_CTA:
+                return MapReduceSchedule(threads=t, group=t, vector=v, cluster=cl, stage="smem",
+                                         min_blocks=max(1, 1536 // t))
+    cl = clusters[-1]
+    k = -(-chunks // (1024 * cl))
+    if k * 1024 * chunk_bytes <= max_smem(arch):
+        return MapReduceSchedule(threads=1024, group=1024, vector=v, cluster=cl, stage="smem")
+    return MapReduceSchedule(threads=512, group=512, vector=v, stage="stream", unroll=4, min_blocks=2)
+
+
+def _regs_schedule(kernel, parts, v, arch) -> MapReduceSchedule:
+    """Rows staged in registers: about TARGET_WORDS registers (64 bytes) of row chunks per
+    thread, at most STAGE_WORDS, under a 64-register cap so that 1024 threads fit an SM.
+    Short rows share a warp or a CTA; long rows get their own CTA; rows too long for one
+    CTA's registers get a cluster (sm_90) or, without clusters, the streaming stage."""
+    C = parts.col_extent
     words = max(1, staged_words(kernel, v))
     k_target = max(1, min(16, TARGET_WORDS // words))
     k_max = max(1, min(32, STAGE_WORDS // words))
@@ -351,6 +431,7 @@ class _Ctx:
     names: dict = field(default_factory=dict)     # SSA name -> C identifier
     dtype_of: dict = field(default_factory=dict)  # SSA name -> IR dtype
     store_only_casts: set = field(default_factory=set)
+    smem_offset: dict = field(default_factory=dict)  # stream key -> byte offset (stage="smem")
     rgroup: int = 0  # reduce groups emitted so far
 
     def c(self, ssa: str) -> str:
@@ -507,6 +588,14 @@ def _emit_chunk_load(ctx: _Ctx, em: _Emitter, st: _Stream, dst: str, guard: str)
         em(body)
 
 
+def _smem_chunk(ctx: _Ctx, st: _Stream, i: int) -> str:
+    """Shared-memory address of 16-byte piece i of this thread's chunk j of stream st.
+
+    Pieces are laid out [j][i][thread] so a warp's 16-byte accesses are contiguous."""
+    w16 = _words(st.buf.dtype, ctx.V) // 4
+    return f"smem0 + {ctx.smem_offset[st.key]}u + (unsigned)(((j * {w16} + {i}) * {ctx.sched.threads} + threadIdx.x) * 16)"
+
+
 def _chunk_header(ctx: _Ctx, em: _Emitter, regs: bool):
     """Opens the loop over this thread's chunks and the column c0 of the current one."""
     if regs:
@@ -514,7 +603,7 @@ def _chunk_header(ctx: _Ctx, em: _Emitter, regs: bool):
     elif ctx.sched.unroll > 1:
         em(f"#pragma unroll {ctx.sched.unroll}")
     em.open(f"for (int j = 0; j < {ctx.nchunk}; ++j)")
-    em(f"const long long c0 = (long long)(j * {ctx.P} + p) * {ctx.V};")
+    em(f"const int c0 = (j * {ctx.P} + p) * {ctx.V};  // first column of chunk j")
     if not ctx.full:
         em.open(f"if (c0 < {ctx.C})")
 
@@ -540,11 +629,15 @@ def _emit_pass(ctx: _Ctx, em: _Emitter, blocks: list, cvar_of: list, accs: list)
     `accs[i]` is the accumulator of blocks[i] when it is a Reduce (None for a Loop).
     """
     regs = ctx.sched.stage == "regs"
-    _chunk_header(ctx, em, regs)
+    _chunk_header(ctx, em, ctx.sched.stage != "stream")
     all_body = [s for b in blocks for s in b.body]
     staged = {k for k, st in ctx.ana.in_streams.items() if regs and st.per_row}
     for st in _streams_used(ctx, all_body, ctx.ana.in_streams, ctx.ana.load_stream):
-        if st.key not in staged:  # not held in registers: this pass loads the chunk it reads
+        if st.key in ctx.smem_offset:  # staged in shared memory: this thread's own chunk
+            w = _words(st.buf.dtype, ctx.V)
+            em(f"unsigned {st.name}_c[{w}];")
+            em(" ".join(f"tf_lds16({st.name}_c + {4 * i}, {_smem_chunk(ctx, st, i)});" for i in range(w // 4)))
+        elif st.key not in staged:  # not held in registers: this pass loads the chunk it reads
             em(f"unsigned {st.name}_c[{_words(st.buf.dtype, ctx.V)}];")
             _emit_chunk_load(ctx, em, st, f"{st.name}_c", "row_ok")
 
@@ -559,7 +652,7 @@ def _emit_pass(ctx: _Ctx, em: _Emitter, blocks: list, cvar_of: list, accs: list)
     out_chunk = lambda key: f"{ctx.ana.out_streams[key].name}_o"  # noqa: E731
     em("#pragma unroll")
     em.open(f"for (int v = 0; v < {ctx.V}; ++v)")
-    em("const long long c = c0 + v; (void)c;")
+    em("const int c = c0 + v; (void)c;")
     saved = dict(ctx.names), dict(ctx.dtype_of)
     for blk, acc in zip(blocks, accs):
         env = _env(ctx, None)
@@ -698,12 +791,27 @@ def render(kernel: ir.Kernel, schedule: MapReduceSchedule | None = None, arch: s
     ana = _analyse(kernel, parts, V) if V > 1 else _analyse(kernel, parts, 1)
     P = sch.group * sch.cluster
     nchunk, full = _plan_chunks(C, V, P, sch)
+    if C + P * V >= 2**31:
+        raise ValueError(f"kernel {kernel.name}: rows of {C} elements are too long (column indices are 32-bit)")
     staged_regs = nchunk * sum(_words(st.buf.dtype, V) for st in ana.in_streams.values() if st.per_row)
     if sch.stage == "regs" and staged_regs > MAX_STAGED_WORDS:
         raise ValueError(f"kernel {kernel.name}: {sch} would hold {staged_regs} registers of row per thread "
                          f"(at most {MAX_STAGED_WORDS}); use more threads, a cluster, or stage='stream'")
     ctx = _Ctx(kernel, parts, sch, ana, V, C, P, nchunk, full)
     ctx.store_only_casts = _cast_store_only(kernel, parts.body)
+    smem_bytes = 0
+    if sch.stage == "smem":
+        for st in ana.in_streams.values():
+            if not st.per_row:
+                continue
+            if (V * st.itemsize) % 16:
+                raise ValueError(f"kernel {kernel.name}: stage='smem' needs 16-byte chunks; {st.buf.name} "
+                                 f"has {V * st.itemsize}-byte chunks (vector={V})")
+            ctx.smem_offset[st.key] = smem_bytes
+            smem_bytes += nchunk * sch.threads * V * st.itemsize
+        if smem_bytes > max_smem(arch):
+            raise ValueError(f"kernel {kernel.name}: {sch} would stage {smem_bytes} bytes of shared memory "
+                             f"per CTA ({arch} allows {max_smem(arch)}); use more CTAs per row or stage='stream'")
     name = _ident(kernel.name)
     em = _Emitter()
 
@@ -747,11 +855,28 @@ def render(kernel: ir.Kernel, schedule: MapReduceSchedule | None = None, arch: s
             em(f"unsigned {st.name}_s[{nchunk}][{_words(st.buf.dtype, V)}];")
         em("#pragma unroll")
         em.open(f"for (int j = 0; j < {nchunk}; ++j)")
-        em(f"const long long c0 = (long long)(j * {P} + p) * {V};")
+        em(f"const int c0 = (j * {P} + p) * {V};")
         guard = "row_ok" if full else f"row_ok && c0 < {C}"
         for st in staged:
             _emit_chunk_load(ctx, em, st, f"{st.name}_s[j]", guard)
         em.close()
+
+    if ctx.smem_offset:
+        em(f"// ---- copy this thread's {nchunk} chunk(s) of each input row to shared memory, all in flight")
+        em("extern __shared__ __align__(16) unsigned char tf_smem[];")
+        em("const unsigned smem0 = tf_smem_addr(tf_smem);")
+        em("#pragma unroll")
+        em.open(f"for (int j = 0; j < {nchunk}; ++j)")
+        em(f"const int c0 = (j * {P} + p) * {V};")
+        em.open("if (row_ok" + ("" if full else f" && c0 < {C}") + ")")
+        for st in ana.in_streams.values():
+            if st.key in ctx.smem_offset:
+                for i in range(_words(st.buf.dtype, V) // 4):
+                    off = "" if i == 0 else f" + {16 * i // st.itemsize}"
+                    em(f"tf_cp_async16({_smem_chunk(ctx, st, i)}, {_ident(st.buf.name)} + b_{st.name} + c0{off});")
+        em.close()
+        em.close()
+        em("tf_cp_async_wait_all();  // each thread reads back only its own chunks: no barrier needed")
 
     # ---- the row body, in order
     body = list(parts.body)
@@ -785,7 +910,7 @@ def render(kernel: ir.Kernel, schedule: MapReduceSchedule | None = None, arch: s
     align_d = {}
     for b, n in align:
         align_d[b] = max(n, align_d.get(b, 0))
-    return KernelSource(name=name, source=code, grid=grid, block=(sch.threads, 1, 1), smem_bytes=0,
+    return KernelSource(name=name, source=code, grid=grid, block=(sch.threads, 1, 1), smem_bytes=smem_bytes,
                         cluster=(sch.cluster if hw_cluster else 1, 1, 1), params=tuple(b.name for b in kernel.params),
                         alignment=tuple(sorted(align_d.items())), schedule=sch)
 

@@ -63,6 +63,8 @@ class _Loaded:
     stream_handle: int
     context: object = None
     switch_context: bool = False  # several GPUs: make this device's context current per launch
+    plain: bool = True            # no cluster attribute: cuLaunchKernel suffices
+    stream: object = None
 
 
 @dataclass
@@ -80,6 +82,7 @@ class CompiledKernel:
         self._vals = (ctypes.c_void_p * max(n, 1))()
         base = ctypes.addressof(self._vals)
         self._ptrs = (ctypes.c_void_p * max(n, 1))(*[base + i * ctypes.sizeof(ctypes.c_void_p) for i in range(n)])
+        self._ptrs_addr = ctypes.addressof(self._ptrs)
         self._align = dict(self.source.alignment)
         import torch
 
@@ -143,12 +146,6 @@ class CompiledKernel:
                 raise ValueError(f"{where}: expected it on {first} like the tensors before it, got {t.device}")
         raise AssertionError("unreachable: arguments passed every check")
 
-    def _aligned(self, tensors) -> bool:
-        for i, a in self._align_idx:
-            if tensors[i].data_ptr() % a:
-                return False
-        return True
-
     # ---------------------------------------------------------------- launch
 
     def _load(self, device: int) -> _Loaded:
@@ -189,11 +186,11 @@ class CompiledKernel:
             cfg.numAttrs = 0
         import torch
 
-        loaded = _Loaded(module, func, cfg, -1, ctx, torch.cuda.device_count() > 1)
+        loaded = _Loaded(module, func, cfg, -1, ctx, torch.cuda.device_count() > 1, src.cluster == (1, 1, 1))
         self._loaded[device] = loaded
         return loaded
 
-    def launch(self, tensors, device: int):
+    def launch(self, tensors, device: int, ptrs=None):
         """Launch on `device`'s current torch stream; tensors already checked."""
         from cuda.bindings import driver
 
@@ -202,21 +199,31 @@ class CompiledKernel:
             _drv(driver.cuCtxSetCurrent(loaded.context), "cuCtxSetCurrent")
         handle = _raw_stream(device)
         if handle != loaded.stream_handle:
-            loaded.config.hStream = driver.CUstream(handle)
+            loaded.stream = driver.CUstream(handle)
+            loaded.config.hStream = loaded.stream
             loaded.stream_handle = handle
-        for i, t in enumerate(tensors):
-            self._vals[i] = t.data_ptr()
-        _drv(driver.cuLaunchKernelEx(loaded.config, loaded.function, ctypes.addressof(self._ptrs), 0),
-             f"cuLaunchKernelEx({self.source.name})")
+        vals = self._vals
+        for i, ptr in enumerate(ptrs if ptrs is not None else [t.data_ptr() for t in tensors]):
+            vals[i] = ptr
+        if loaded.plain:  # no launch attributes: the plain call converts fewer arguments
+            src = self.source
+            err = driver.cuLaunchKernel(loaded.function, *src.grid, *src.block, src.smem_bytes, loaded.stream,
+                                        self._ptrs_addr, 0)
+        else:
+            err = driver.cuLaunchKernelEx(loaded.config, loaded.function, self._ptrs_addr, 0)
+        if err[0] != driver.CUresult.CUDA_SUCCESS:
+            _drv(err, f"launch of {self.source.name}")
 
     def __call__(self, *tensors):
         device = self.check(tensors)
-        if not self._aligned(tensors):
-            if self._scalar is None:
-                self._scalar = compile_kernel(self.kernel, self.arch,
-                                              mapreduce.scalar_fallback(self.source.schedule))
-            return self._scalar.launch(tensors, device)
-        self.launch(tensors, device)
+        ptrs = [t.data_ptr() for t in tensors]
+        for i, a in self._align_idx:
+            if ptrs[i] % a:
+                if self._scalar is None:
+                    self._scalar = compile_kernel(self.kernel, self.arch,
+                                                  mapreduce.scalar_fallback(self.source.schedule))
+                return self._scalar.launch(tensors, device, ptrs)
+        self.launch(tensors, device, ptrs)
 
     def allocate_outputs(self, device="cuda", poison: bool = True) -> dict:
         """Fresh output tensors by name; floats poisoned with NaN so unwritten elements show."""

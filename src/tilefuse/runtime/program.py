@@ -50,7 +50,11 @@ class Program:
         env.update(self.weights_on(device))
         for step in self.plan.steps:
             self.run_step(step, env, device)
-        outs = [self.value(o, env, device) for o in self.graph.outputs]
+        # an output that is an input or a weight (x.clone() after capture is x) is returned as a copy,
+        # never as the caller's tensor or the program's cached weight
+        given = set(self.graph.inputs) | set(self.graph.weights)
+        outs = [self.value(o, env, device).clone() if o in given else self.value(o, env, device)
+                for o in self.graph.outputs]
         if self.out_spec is not None:
             return torch.utils._pytree.tree_unflatten(outs, self.out_spec)
         return outs[0] if len(outs) == 1 else tuple(outs)
