@@ -119,7 +119,7 @@ def cmd_compile(args) -> int:
                 if stage == "schedule":
                     console.print(f"{lk.kernel.name}: {sched}  (source: heuristic default)", markup=False)
                 else:
-                    src = render(lk.kernel, sched)
+                    src = render(lk.kernel, sched, arch=args.arch or _default_arch())
                     console.print(f"// ---- {lk.kernel.name}: grid {src.grid} block {src.block} "
                                   f"smem {src.smem_bytes}B cluster {src.cluster}", markup=False)
                     console.print(src.source, markup=False)

@@ -6,7 +6,6 @@ the properties the design promises (16-byte row loads issued once per row, clust
 very long rows on Hopper only); the cubin cache hits, and rebuilds corrupted entries; bad
 inputs get clear errors.
 """
-import os
 import time
 
 import pytest

@@ -9,7 +9,6 @@ import sys
 import zlib
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 

@@ -1,27 +1,30 @@
 """CUDA C++ for the map-reduce family: one row of the Loop IR kernel per group of threads.
 
 The row stays on chip. Every input read in the column loops at a contiguous (r, c)-like
-index is a *stream*: each thread loads its chunks of the row once, with 16-byte vector
-loads, into registers (`stage="regs"`), and every Reduce and Loop over the row reads them
-from there. A chunk is `vector` consecutive elements; chunk q of a row belongs to thread
-`q % P` of the row's P threads, so a warp's accesses are contiguous.
+index is a *stream*: each thread copies its chunks of the row once, with 16-byte
+accesses, into shared memory (`stage="smem"`, cp.async: no registers held, so many CTAs
+per SM keep many bytes in flight) or into registers (`stage="regs"`), and every Reduce
+and Loop over the row reads them from there. A chunk is `vector` consecutive elements;
+chunk q of a row belongs to thread `q % P` of the row's P threads, so a warp's accesses
+are contiguous, and each thread reads back only the chunks it copied (no barrier).
 
     rows --> row groups of `group` threads (several rows per CTA, one row per warp, or
              one row per CTA; a row of >= 32k elements spans a cluster of `cluster` CTAs)
-    per row:  loads of every stream (all in flight before the first use)
+    per row:  copies of every stream (all in flight before the first use)
               row-scalar statements, in order
               Reduce: thread-local -> warp shuffles -> shared memory across warps
                       -> distributed shared memory across the cluster's CTAs
+                      (independent Reduces share one pass and one exchange)
               Loop:   element-wise math, stores packed into 16-byte vector stores
 
-Rows too long to keep in registers (without a cluster, e.g. on sm_80) use
-`stage="stream"`: each pass re-reads its chunks from global memory (L2 catches part).
-Loads the vector path cannot serve (gathers, strided or misaligned indices, odd row
-lengths) are scalar loads at the element's own index; tails are masked, any length works.
+Rows too long to stage on chip (without a cluster, e.g. on sm_80) use `stage="stream"`:
+each pass re-reads its chunks from global memory (L2 catches part). Loads the vector path
+cannot serve (gathers of single elements, strided or misaligned indices, odd row lengths)
+are scalar loads at the element's own index; tails are masked, any length works. Buffers
+must not alias (inputs are read through the non-coherent path, pointers are __restrict__).
 """
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import dataclass, field, replace
 
@@ -623,7 +626,7 @@ def _streams_used(ctx: _Ctx, body, table: dict, key_map: dict):
     return [table[k] for k in keys]
 
 
-def _emit_pass(ctx: _Ctx, em: _Emitter, blocks: list, cvar_of: list, accs: list):
+def _emit_pass(ctx: _Ctx, em: _Emitter, blocks: list, accs: list):
     """One pass over this thread's chunks, running the bodies of `blocks` per element.
 
     `accs[i]` is the accumulator of blocks[i] when it is a Reduce (None for a Loop).
@@ -701,7 +704,7 @@ def _emit_reduce_group(ctx: _Ctx, em: _Emitter, group: list):
         acc = f"acc_{_ident(r.dst)}"
         accs.append(acc)
         em(f"{cexpr.ctype(acc_t)} {acc} = {cexpr.identity(r.op, acc_t)};")
-    _emit_pass(ctx, em, group, [r.var for r in group], accs)
+    _emit_pass(ctx, em, group, accs)
     g = sch.group
     if g > 1:
         em(f"// across the {min(g, 32)} threads of the {'warp' if g >= 32 else 'row group'} (butterfly: all lanes agree)")
@@ -770,7 +773,8 @@ def _independent(group: list, r: ir.Reduce) -> bool:
 MAX_STAGED_WORDS = 64  # beyond this an explicit schedule would spill whatever ptxas does
 
 
-def _plan_chunks(C: int, V: int, P: int, sched: MapReduceSchedule):
+def _plan_chunks(C: int, V: int, P: int):
+    """(chunks per thread, whether every chunk of every thread lies inside the row)."""
     chunks = -(-C // V)
     nchunk = -(-chunks // P)
     return nchunk, (C == nchunk * P * V)
@@ -790,7 +794,7 @@ def render(kernel: ir.Kernel, schedule: MapReduceSchedule | None = None, arch: s
         raise ValueError(f"kernel {kernel.name}: vector width {V} does not divide the row length {C}")
     ana = _analyse(kernel, parts, V) if V > 1 else _analyse(kernel, parts, 1)
     P = sch.group * sch.cluster
-    nchunk, full = _plan_chunks(C, V, P, sch)
+    nchunk, full = _plan_chunks(C, V, P)
     if C + P * V >= 2**31:
         raise ValueError(f"kernel {kernel.name}: rows of {C} elements are too long (column indices are 32-bit)")
     staged_regs = nchunk * sum(_words(st.buf.dtype, V) for st in ana.in_streams.values() if st.per_row)
@@ -891,7 +895,7 @@ def render(kernel: ir.Kernel, schedule: MapReduceSchedule | None = None, arch: s
             _emit_reduce_group(ctx, em, group)
         elif isinstance(s, ir.Loop):
             em(f"// ---- map over the row: {s.header()}")
-            _emit_pass(ctx, em, [s], [s.var], [None])
+            _emit_pass(ctx, em, [s], [None])
         else:
             _emit_stmt(ctx, em, s, _env(ctx, None), inner=False)
         i += 1
