@@ -118,9 +118,7 @@ def _extern(n: ir.Extern, env, precision):
             return [conv(x) for x in a]
         return a
 
-    op = torch.ops
-    for part in n.target.split("."):
-        op = getattr(op, part)
+    op = n.torch_op()
     kwargs = {k: conv(v) for k, v in n.kwargs}
     if precision == "f64" and "dtype" in kwargs and kwargs["dtype"] in (torch.bfloat16, torch.float16, torch.float32):
         kwargs["dtype"] = torch.float64

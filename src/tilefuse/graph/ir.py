@@ -193,6 +193,15 @@ class Extern:
     reason: str = ""
     source: str = field(default="", compare=False)
 
+    def torch_op(self):
+        """The torch.ops overload this extern runs."""
+        import torch
+
+        op = torch.ops
+        for part in self.target.split("."):
+            op = getattr(op, part)
+        return op
+
     def describe(self):
         shown = ", ".join(str(a) for a in self.args)
         return f"extern {self.target}({shown})" + (f"  # {self.reason}" if self.reason else "")

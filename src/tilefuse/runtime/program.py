@@ -168,9 +168,7 @@ def run_extern(n, get) -> torch.Tensor:
     if isinstance(n, ir.Map):
         raise TypeError(f"map {n.name} has no kernel")
     if isinstance(n, ir.Extern):
-        op = torch.ops
-        for part in n.target.split("."):
-            op = getattr(op, part)
+        op = n.torch_op()
 
         def conv(a):
             if isinstance(a, ir.Ref):
