@@ -1,0 +1,158 @@
+"""GEMM epilogue programs: small Loop IR kernels run on the accumulator tile while it is
+still in registers.
+
+An epilogue is a Loop IR `Kernel` (family "epilogue") whose body is
+
+    Loop(m, M, parallel) { Loop(n, N, parallel) { ... Store out[..., m, n] ... } }
+
+reading the fp32 accumulator as the buffer `acc` [B, M, N] (or [M, N]) and any other
+operand by index: a row vector `v[m]`, a column vector `v[n]`, a tile `r[m, n]`. The NumPy
+Loop IR interpreter runs it as is (with `acc` = A @ B), which is how CPU tests check an
+epilogue; the GEMM template renders the inner body once per accumulator register, with
+`m` and `n` bound to that register's row and column (from the wgmma fragment layout).
+
+The builders below make the common epilogues; `EpilogueBuilder` makes any other.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..loop import ir
+
+ACC = "acc"
+
+
+@dataclass
+class EpilogueBuilder:
+    """Builds an epilogue kernel statement by statement (SSA names are made up here)."""
+
+    m: int
+    n: int
+    batch: int = 1
+    params: list = field(default_factory=list)
+    body: list = field(default_factory=list)
+    _count: int = 0
+
+    def __post_init__(self):
+        self.params.append(ir.Buffer(ACC, self._shape(), "f32", "in"))
+
+    def _shape(self, kind: str = "tile"):
+        lead = (self.batch,) if self.batch > 1 else ()
+        return {"tile": lead + (self.m, self.n), "row": (self.m,), "col": (self.n,)}[kind]
+
+    def _index(self, kind: str = "tile"):
+        lead = (ir.Var("b"),) if self.batch > 1 else ()
+        return {"tile": lead + (ir.Var("m"), ir.Var("n")), "row": (ir.Var("m"),),
+                "col": (ir.Var("n"),)}[kind]
+
+    def _name(self, hint: str) -> str:
+        self._count += 1
+        return f"{hint}{self._count}"
+
+    def acc(self) -> str:
+        dst = self._name("a")
+        self.body.append(ir.Load(dst, ACC, self._index()))
+        return dst
+
+    def load(self, name: str, kind: str, dtype: str) -> str:
+        """Read operand `name`: kind "row" ([M]), "col" ([N]) or "tile" (like the output)."""
+        if not any(p.name == name for p in self.params):
+            self.params.append(ir.Buffer(name, self._shape(kind), dtype, "in"))
+        dst = self._name("x")
+        self.body.append(ir.Load(dst, name, self._index(kind)))
+        if dtype != "f32":
+            return self.op("cast", dst, dtype="f32")
+        return dst
+
+    def const(self, value: float) -> str:
+        dst = self._name("k")
+        self.body.append(ir.Const(dst, value, "f32"))
+        return dst
+
+    def op(self, name: str, *args: str, dtype: str = "f32") -> str:
+        dst = self._name("t")
+        self.body.append(ir.Op(dst, name, tuple(args), dtype))
+        return dst
+
+    def store(self, name: str, value: str, dtype: str):
+        self.params.append(ir.Buffer(name, self._shape(), dtype, "out"))
+        if dtype != "f32":
+            value = self.op("cast", value, dtype=dtype)
+        self.body.append(ir.Store(name, self._index(), value))
+
+    def kernel(self, name: str = "epilogue") -> ir.Kernel:
+        inner = ir.Loop("n", self.n, tuple(self.body), parallel=True)
+        loop = ir.Loop("m", self.m, (inner,), parallel=True)
+        if self.batch > 1:
+            loop = ir.Loop("b", self.batch, (loop,), parallel=True)
+        return ir.Kernel(name, tuple(self.params), (loop,), family="epilogue")
+
+
+ACTIVATIONS = ("none", "relu", "gelu", "gelu_tanh", "silu", "sigmoid")
+
+
+def _activate(e: EpilogueBuilder, x: str, act: str) -> str:
+    if act == "none":
+        return x
+    if act in ("relu", "sigmoid"):
+        return e.op(act, x)
+    if act == "silu":
+        return e.op("mul", x, e.op("sigmoid", x))
+    if act == "gelu":  # x * 0.5 * (1 + erf(x / sqrt 2))
+        t = e.op("erf", e.op("mul", x, e.const(0.7071067811865476)))
+        return e.op("mul", e.op("mul", x, e.const(0.5)), e.op("add", t, e.const(1.0)))
+    if act == "gelu_tanh":  # 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))
+        x3 = e.op("mul", e.op("mul", x, x), x)
+        inner = e.op("mul", e.op("add", x, e.op("mul", x3, e.const(0.044715))), e.const(0.7978845608028654))
+        return e.op("mul", e.op("mul", x, e.const(0.5)), e.op("add", e.op("tanh", inner), e.const(1.0)))
+    raise ValueError(f"unknown activation {act!r}; known: {', '.join(ACTIVATIONS)}")
+
+
+def standard(m: int, n: int, out_dtype: str, *, batch: int = 1, alpha: float | None = None,
+             bias: str | None = None, row_scale: bool = False, activation: str = "none",
+             residual: bool = False, operand_dtype: str | None = None) -> ir.Kernel:
+    """out = act(alpha * acc * row_scale[m] + bias[n]) + residual[m, n], cast to out_dtype.
+
+    bias: None, "col" (per output column, nn.Linear's) or "row". Operands are read in
+    `operand_dtype` (default: out_dtype).
+    """
+    od = operand_dtype or out_dtype
+    e = EpilogueBuilder(m, n, batch)
+    x = e.acc()
+    if alpha is not None:
+        x = e.op("mul", x, e.const(float(alpha)))
+    if row_scale:
+        x = e.op("mul", x, e.load("row_scale", "row", "f32"))
+    if bias is not None:
+        if bias not in ("row", "col"):
+            raise ValueError(f"bias must be 'row' or 'col', not {bias!r}")
+        x = e.op("add", x, e.load("bias", bias, od))
+    x = _activate(e, x, activation)
+    if residual:
+        x = e.op("add", x, e.load("residual", "tile", od))
+    e.store("out", x, out_dtype)
+    return e.kernel()
+
+
+def inner_body(kernel: ir.Kernel) -> tuple:
+    """The per-element statements of an epilogue kernel (inside its m and n loops)."""
+    body = kernel.body
+    vars_seen = []
+    while len(body) == 1 and isinstance(body[0], ir.Loop):
+        vars_seen.append(body[0].var)
+        body = body[0].body
+    if kernel.family != "epilogue" or vars_seen[-2:] != ["m", "n"]:
+        raise ValueError(f"kernel {kernel.name}: not an epilogue (want loops ..., m, n around the body)")
+    for s in ir.walk(body):
+        if isinstance(s, (ir.Loop, ir.Reduce)):
+            raise ValueError(f"epilogue {kernel.name}: nested loops and reductions are not supported yet")
+    return body
+
+
+def outputs(kernel: ir.Kernel) -> tuple[ir.Buffer, ...]:
+    return kernel.outputs
+
+
+def operands(kernel: ir.Kernel) -> tuple[ir.Buffer, ...]:
+    """Buffers the epilogue reads besides the accumulator, in parameter order."""
+    return tuple(b for b in kernel.inputs if b.name != ACC)

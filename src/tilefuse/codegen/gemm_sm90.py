@@ -1,0 +1,526 @@
+"""The Hopper (sm_90a) GEMM template: TMA -> swizzled shared memory -> wgmma, warp
+specialized and persistent, with a Loop IR epilogue run on the accumulator registers.
+
+    C[b, m, n] = epilogue(sum_k A[b, m, k] * B[b, n, k])      (B "K-major": x @ W.T)
+    C[b, m, n] = epilogue(sum_k A[b, m, k] * B[b, k, n])      (B "N-major": x @ W)
+
+One CTA of (consumers + 1) warpgroups runs on each SM and walks the output tiles in a
+grouped order (GROUP_M tile rows at a time, so the B tiles stay in L2):
+- warpgroup 0, one thread: the producer. For each K step it waits until a stage is empty,
+  then has TMA copy the A and B tiles into it, completing on the stage's `full` barrier.
+- warpgroups 1..consumers: each owns BM/consumers rows of the tile, issues wgmma
+  m64nBNk16 on descriptors into the stage, keeps one wgmma group in flight and releases
+  the previous stage through its `empty` barrier; then runs the epilogue on its
+  registers and stores straight to global memory.
+`setmaxnreg` moves registers from the producer to the consumers.
+
+Everything layout-shaped comes from `tilefuse.layout`: the shared-memory tile layouts
+(`gmma_smem_layout`), the TMA box and swizzle mode, the wgmma descriptor fields and K-step
+offsets, and the accumulator's (thread, value) -> (row, col) map (`sm90_64xN_c`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .. import dtypes
+from ..layout import cgen, hopper, mma
+from ..layout.layout import Layout
+from ..loop import ir
+from . import cexpr, epilogue as epi
+
+SMEM_LIMIT = 227 * 1024   # H100 dynamic shared memory per block
+OPERAND_DTYPES = ("bf16", "f16")
+_WGMMA_TYPE = {"bf16": "bf16", "f16": "f16"}
+
+
+class GemmError(ValueError):
+    """The problem or the schedule is outside what this template can run."""
+
+
+@dataclass(frozen=True)
+class GemmProblem:
+    """What to compute: shapes, operand dtype and layouts, the epilogue program."""
+
+    m: int
+    n: int
+    k: int
+    dtype: str = "bf16"
+    b_major: str = "K"           # "K": B is [N, K] (nn.Linear's weight); "N": B is [K, N]
+    batch: int = 1
+    epilogue: ir.Kernel | None = field(default=None, compare=False)
+
+    def __post_init__(self):
+        if self.dtype not in OPERAND_DTYPES:
+            raise GemmError(f"GEMM operands must be one of {OPERAND_DTYPES}, not {self.dtype}")
+        if min(self.m, self.n, self.k, self.batch) < 1:
+            raise GemmError(f"GEMM sizes must be positive: m={self.m} n={self.n} k={self.k} batch={self.batch}")
+        if self.b_major not in ("K", "N"):
+            raise GemmError(f"b_major must be 'K' or 'N', not {self.b_major!r}")
+
+    @property
+    def out_epilogue(self) -> ir.Kernel:
+        return self.epilogue if self.epilogue is not None else epi.standard(
+            self.m, self.n, self.dtype, batch=self.batch)
+
+    def tma_ok(self) -> str | None:
+        """Why TMA cannot read these operands (row strides must be multiples of 16 bytes)."""
+        if self.k * 2 % 16:
+            return f"K={self.k}: A's rows ({self.k * 2} bytes) are not a multiple of 16 bytes"
+        if self.b_major == "N" and self.n * 2 % 16:
+            return f"N={self.n}: B's rows ({self.n * 2} bytes) are not a multiple of 16 bytes"
+        return None
+
+
+@dataclass(frozen=True)
+class GemmSchedule:
+    """The knobs. BM = 64 * rows_per_wg * consumers."""
+
+    bm: int = 128
+    bn: int = 256
+    bk: int = 64
+    stages: int = 4
+    consumers: int = 2
+    group_m: int = 8
+    producer_regs: int = 40
+    consumer_regs: int = 232
+
+    def __post_init__(self):
+        if self.consumers not in (1, 2):
+            raise GemmError(f"consumers must be 1 or 2 warpgroups, not {self.consumers}")
+        if self.bm % (64 * self.consumers) or self.bm // self.consumers > 128:
+            raise GemmError(f"bm={self.bm} must be 64 or 128 rows per consumer warpgroup "
+                            f"({self.consumers} consumers)")
+        if self.bn % 8 or not 8 <= self.bn <= 256:
+            raise GemmError(f"bn={self.bn} must be a multiple of 8 in [8, 256] (wgmma N)")
+        if self.bk != 64:
+            raise GemmError(f"bk={self.bk}: this template reads K in 64-element (128-byte) swizzle spans")
+        if not 2 <= self.stages <= 8:
+            raise GemmError(f"stages={self.stages} must be in [2, 8]")
+        if self.acc_regs > 160:
+            raise GemmError(f"bm={self.bm} x bn={self.bn} needs {self.acc_regs} accumulator registers "
+                            f"per thread; at most 160 fit")
+
+    @property
+    def threads(self) -> int:
+        return 128 * (self.consumers + 1)
+
+    @property
+    def rows_per_wg(self) -> int:
+        return self.bm // self.consumers
+
+    @property
+    def acc_regs(self) -> int:
+        return self.rows_per_wg // 64 * self.bn // 2
+
+    def smem_bytes(self, elem_bytes: int = 2) -> int:
+        stage = (self.bm + self.bn) * self.bk * elem_bytes
+        return self.stages * stage + 2 * self.stages * 8 + 1024  # + barriers + alignment slack
+
+    def __str__(self):
+        return (f"GemmSchedule(tile {self.bm}x{self.bn}x{self.bk}, {self.stages} stages, "
+                f"{self.consumers} consumer warpgroups, group_m {self.group_m})")
+
+
+def default_schedule(problem: GemmProblem, sms: int = 132) -> GemmSchedule:
+    """A heuristic pick until the tuner has one: the biggest tile that still fills the GPU."""
+    m, n = problem.m, problem.n
+    candidates = [GemmSchedule(128, 256, stages=4), GemmSchedule(128, 128, stages=6),
+                  GemmSchedule(128, 64, stages=8, consumers=2), GemmSchedule(64, 128, stages=8, consumers=1),
+                  GemmSchedule(64, 64, stages=8, consumers=1)]
+
+    def waves(s):
+        tiles = -(-m // s.bm) * -(-n // s.bn) * problem.batch
+        return tiles / sms
+
+    for s in candidates:
+        if waves(s) >= 0.9 or s is candidates[-1]:
+            return s
+    return candidates[-1]
+
+
+@dataclass(frozen=True)
+class GemmSource:
+    name: str
+    source: str
+    grid_tiles: int                   # output tiles; the launcher runs min(tiles, SMs) CTAs
+    block: tuple[int, int, int]
+    smem_bytes: int
+    params: tuple[str, ...]           # launch order after the two tensor maps
+    problem: GemmProblem
+    schedule: GemmSchedule
+    a_box: tuple[int, int]            # TMA boxes (contiguous dim first)
+    b_box: tuple[int, int]
+    swizzle: hopper.TmaSwizzle
+    notes: tuple[str, ...] = ()
+
+
+# ---------------------------------------------------------------- layouts
+
+
+@dataclass(frozen=True)
+class _Operand:
+    """One operand's shared-memory tile and what TMA and wgmma need to know about it."""
+
+    layout: object          # (MN, K) -> element offset, swizzled
+    major: str              # "K" or "MN"
+    box: tuple[int, int]    # TMA box, contiguous dimension first
+    boxes: int              # TMA copies per stage
+    box_step: int           # bytes between consecutive boxes in shared memory
+    desc: hopper.GmmaDescriptor
+    k_offsets: tuple[int, ...]   # byte offset of each 16-wide K slice (pre-swizzle)
+    mn_stride: int          # bytes between 64-row (MN) blocks
+
+    @property
+    def bytes(self) -> int:
+        return hopper.smem_bytes(self.layout, 16)
+
+
+def _operand(mn: int, bk: int, major: str) -> _Operand:
+    if major == "K":
+        layout = hopper.gmma_smem_layout("K", 128, 16, (mn, bk))
+        box = hopper.tma_box(layout, "K", 16)
+        boxes, step = 1, 0
+    else:
+        if mn % 64:
+            raise GemmError(f"an MN-major operand tile must be a multiple of 64 wide (one 128-byte "
+                            f"swizzle span), not {mn}")
+        # MN-major: one TMA box is 64 MN-elements (one 128-byte span) by all bk K rows, so
+        # the atoms go K first inside a box, boxes side by side along MN.
+        atom = hopper.gmma_atom("MN", 128, 16)
+        span = 64
+        inner = Layout(((span, mn // span), (8, bk // 8)), ((1, span * bk), (span, span * 8)))
+        layout = type(atom)(atom.outer, atom.offset, inner)
+        box = (span, bk)
+        boxes, step = mn // span, span * bk * 2
+    desc = hopper.gmma_descriptor(layout, major, 16)
+    inner = layout.inner
+
+    def byte(m, k):
+        return (inner(m, k) - inner(0, 0)) * 2
+
+    k_offsets = tuple(byte(0, 16 * j) for j in range(bk // 16))
+    mn_stride = byte(64, 0) if mn > 64 else 0
+    return _Operand(layout, major, box, boxes, step, desc, k_offsets, mn_stride)
+
+
+# ---------------------------------------------------------------- the source
+
+
+PRELUDE = r"""// ---- sm_90a GEMM primitives: mbarrier, TMA, wgmma
+typedef unsigned long long tf_u64;
+struct __align__(64) tf_tmap { tf_u64 v[16]; };
+
+__device__ __forceinline__ void tf_bar_init(unsigned bar, unsigned count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void tf_bar_expect(unsigned bar, unsigned bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void tf_bar_arrive(unsigned bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(bar) : "memory");
+}
+__device__ __forceinline__ void tf_bar_wait(unsigned bar, unsigned parity) {
+  unsigned ok = 0;
+  do {
+    asm volatile("{\n\t.reg .pred p;\n\tmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n\t"
+                 "selp.u32 %0, 1, 0, p;\n\t}" : "=r"(ok) : "r"(bar), "r"(parity) : "memory");
+  } while (!ok);
+}
+__device__ __forceinline__ void tf_tma_load(unsigned dst, const tf_tmap* map, int c0, int c1, int c2, unsigned bar) {
+  asm volatile("cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];"
+               :: "r"(dst), "l"((tf_u64)map), "r"(c0), "r"(c1), "r"(c2), "r"(bar) : "memory");
+}
+__device__ __forceinline__ void tf_wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void tf_wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+template <int N> __device__ __forceinline__ void tf_wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;" :: "n"(N) : "memory");
+}
+"""
+
+
+def _wgmma_fn(n: int, dtype: str, trans_b: int) -> str:
+    """The wgmma m64nNk16 call with N/2 fp32 accumulators, as an inline function."""
+    regs = n // 2
+    outs = ", ".join(f"%{i}" for i in range(regs))
+    args = ", ".join(f'"+f"(d[{i}])' for i in range(regs))
+    t = _WGMMA_TYPE[dtype]
+    return (
+        f"__device__ __forceinline__ void tf_wgmma(float* d, tf_u64 da, tf_u64 db) {{\n"
+        f"  asm volatile(\"{{\\n\\t.reg .pred p;\\n\\tsetp.ne.b32 p, 1, 0;\\n\\t\"\n"
+        f"    \"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{t}.{t} {{{outs}}}, %{regs}, %{regs + 1}, "
+        f"p, 1, 1, 0, {trans_b};\\n\\t}}\"\n"
+        f"    : {args}\n"
+        f"    : \"l\"(da), \"l\"(db) : \"memory\");\n}}\n")
+
+
+def _ident(name: str) -> str:
+    return "".join(c if c.isalnum() else "_" for c in name)
+
+
+def _epilogue_code(problem: GemmProblem, sched: GemmSchedule, kernel: ir.Kernel) -> list[str]:
+    """Per accumulator register: bind (b, m, n), run the epilogue body, store.
+
+    The (thread, value) -> (row, col) map is the wgmma accumulator fragment's; each value's
+    column offset is a constant, so every index below folds at compile time except the
+    thread's own row/col base.
+    """
+    body = epi.inner_body(kernel)
+    frag = mma.sm90_64xN_c(sched.bn)
+    lines = []
+    mb_count = sched.rows_per_wg // 64
+    row0, _ = cgen.c_tv_coords(frag, "tid", 0)  # row of value 0 (values 2,3 are 8 rows down)
+    lines.append(f"const int frag_row = {row0};")
+    lines.append(f"const int frag_col = {cgen.c_tv_coords(frag, 'tid', 0)[1]};")
+    full_tiles = problem.m % sched.bm == 0 and problem.n % sched.bn == 0
+    packs = _pair_store(kernel, body)
+    for mb in range(mb_count):
+        for v in range(0, frag.values, 2 if packs else 1):
+            r, c = frag(0, v)  # offsets relative to thread 0's element
+            lines.append("{")
+            lines.append(f"  const int m = row_base + {mb * 64} + frag_row + {r};")
+            lines.append(f"  const int n = col_base + frag_col + {c};")
+            if packs:
+                guard = "" if full_tiles else f"if (m < {problem.m} && n < {problem.n}) "
+                vals = []
+                for e in (0, 1):
+                    vals.append(_render_element(kernel, body, f"acc[{mb}][{v + e}]", f"n + {e}", lines,
+                                                f"_{e}", store=False))
+                (buf, off), (x0, x1) = vals[0][0], (vals[0][1], vals[1][1])
+                lines.append(f"  {guard}*(unsigned*)({buf} + {off}) = "
+                             f"(unsigned){cexpr.to_storage(packs, x0)} | ((unsigned){cexpr.to_storage(packs, x1)} << 16);")
+            else:
+                lines.append(f"  if (m < {problem.m} && n < {problem.n}) {{")
+                _render_element(kernel, body, f"acc[{mb}][{v}]", "n", lines, "", store=True)
+                lines.append("  }")
+            lines.append("}")
+    return lines
+
+
+def _pair_store(kernel: ir.Kernel, body) -> str | None:
+    """The 16-bit dtype when the epilogue has one output that two adjacent columns can
+    share a 4-byte store to (N even, so every pair starts 4-byte aligned); else None."""
+    outs = kernel.outputs
+    stores = [s for s in body if isinstance(s, ir.Store)]
+    if len(outs) != 1 or len(stores) != 1 or outs[0].dtype not in ("bf16", "f16"):
+        return None
+    if outs[0].shape[-1] % 2:
+        return None
+    return outs[0].dtype
+
+
+def _render_element(kernel, body, acc_expr, n_expr, lines, suffix, *, store: bool):
+    """Emit one element's statements; return ((out name, offset), value) of its store."""
+    env = {"m": "m", "n": f"({n_expr})", "b": "batch"}
+    names: dict[str, str] = {}
+    dts: dict[str, str] = {}
+    cast_of: dict[str, str] = {}  # SSA name of a cast -> its argument
+    result = None
+    for s in body:
+        if isinstance(s, ir.Load):
+            buf = kernel.buffer(s.buf)
+            name = f"{_ident(s.dst)}{suffix}"
+            if buf.name == epi.ACC:
+                expr = acc_expr
+            else:
+                off = cexpr.flat_offset(buf, s.index, env)
+                expr = cexpr.from_storage(buf.dtype, f"{_ident(buf.name)}[{off}]")
+            lines.append(f"  const {cexpr.ctype(buf.dtype)} {name} = {expr};")
+            names[s.dst], dts[s.dst] = name, buf.dtype
+        elif isinstance(s, ir.Const):
+            name = f"{_ident(s.dst)}{suffix}"
+            lines.append(f"  const {cexpr.ctype(s.dtype)} {name} = {cexpr.const(s.value, s.dtype)};")
+            names[s.dst], dts[s.dst] = name, s.dtype
+        elif isinstance(s, ir.Op):
+            name = f"{_ident(s.dst)}{suffix}"
+            expr = cexpr.op(s.op, [names[a] for a in s.args], [dts[a] for a in s.args], s.dtype)
+            if s.op == "cast":
+                cast_of[s.dst] = s.args[0]
+            lines.append(f"  const {cexpr.ctype(s.dtype)} {name} = {expr};")
+            names[s.dst], dts[s.dst] = name, s.dtype
+        elif isinstance(s, ir.IndexValue):
+            name = f"{_ident(s.dst)}{suffix}"
+            lines.append(f"  const {cexpr.ctype(s.dtype)} {name} = ({cexpr.ctype(s.dtype)})({cexpr.index(s.expr, env)});")
+            names[s.dst], dts[s.dst] = name, s.dtype
+        elif isinstance(s, ir.Store):
+            buf = kernel.buffer(s.buf)
+            off = cexpr.flat_offset(buf, s.index, env)
+            val, vdt = names[s.value], dts[s.value]
+            if store:
+                if vdt != buf.dtype:
+                    val = cexpr.cast(val, vdt, buf.dtype)
+                lines.append(f"    {_ident(buf.name)}[{off}] = {cexpr.to_storage(buf.dtype, val)};")
+            else:
+                # the pair store converts: skip a cast that only rounds to the stored type
+                src_name = cast_of.get(s.value)
+                if vdt == buf.dtype and src_name is not None and dts[src_name] == "f32":
+                    val = names[src_name]
+                result = ((_ident(buf.name), off), val)
+        else:
+            raise GemmError(f"epilogue {kernel.name}: unsupported statement {s}")
+    return result
+
+
+def _check_epilogue(problem: GemmProblem, kernel: ir.Kernel):
+    acc = [b for b in kernel.params if b.name == epi.ACC]
+    want = ((problem.batch,) if problem.batch > 1 else ()) + (problem.m, problem.n)
+    if not acc or acc[0].shape != want or acc[0].dtype != "f32":
+        raise GemmError(f"epilogue {kernel.name}: needs an f32 input 'acc' of shape {want}")
+    for b in kernel.outputs:
+        if b.shape != want:
+            raise GemmError(f"epilogue {kernel.name}: output {b.name} has shape {b.shape}, want {want}")
+    epi.inner_body(kernel)
+
+
+def kernel_name(problem: GemmProblem, sched: GemmSchedule, kernel: ir.Kernel) -> str:
+    from ..loop.canon import structural_hash
+
+    h = structural_hash(kernel)[:10]
+    return (f"tf_gemm_sm90_{problem.batch}x{problem.m}x{problem.n}x{problem.k}_{problem.dtype}_b{problem.b_major}"
+            f"_{sched.bm}x{sched.bn}x{sched.bk}s{sched.stages}c{sched.consumers}g{sched.group_m}_{h}")
+
+
+def render(problem: GemmProblem, sched: GemmSchedule | None = None) -> GemmSource:
+    """CUDA C++ for one GEMM (+ epilogue) at fixed shapes."""
+    sched = sched or default_schedule(problem)
+    why = problem.tma_ok()
+    if why:
+        raise GemmError(f"the sm_90 GEMM reads operands with TMA, which cannot take this problem: {why}")
+    kernel = problem.out_epilogue
+    _check_epilogue(problem, kernel)
+    smem = sched.smem_bytes()
+    if smem > SMEM_LIMIT:
+        raise GemmError(f"{sched} needs {smem} bytes of shared memory; the limit is {SMEM_LIMIT}")
+
+    a = _operand(sched.bm, sched.bk, "K")
+    b = _operand(sched.bn, sched.bk, "K" if problem.b_major == "K" else "MN")
+    name = kernel_name(problem, sched, kernel)
+    P, S = problem, sched
+    tiles_m, tiles_n = -(-P.m // S.bm), -(-P.n // S.bn)
+    tiles = tiles_m * tiles_n * P.batch
+    k_iters = -(-P.k // S.bk)
+    stage_bytes = a.bytes + b.bytes
+    trans_b = 1 if problem.b_major == "N" else 0
+    ops_params = epi.operands(kernel)
+    out_params = kernel.outputs
+    cparams = ["const __grid_constant__ tf_tmap a_map", "const __grid_constant__ tf_tmap b_map"]
+    cparams += [f"{cexpr.storage_ctype(p.dtype)}* __restrict__ {_ident(p.name)}" for p in out_params]
+    cparams += [f"const {cexpr.storage_ctype(p.dtype)}* __restrict__ {_ident(p.name)}" for p in ops_params]
+    mb_count = S.rows_per_wg // 64
+    # B coordinates of a (k, n) tile: K-major reads box (k, n); N-major reads box (n, k) per 64-wide span
+    if problem.b_major == "K":
+        b_loads = ["tf_tma_load(sb, &b_map, kt * BK, tn * BN, batch, full);"]
+    else:
+        b_loads = [f"tf_tma_load(sb + {j * b.box_step}, &b_map, tn * BN + {j * 64}, kt * BK, batch, full);"
+                   for j in range(b.boxes)]
+
+    b_load_lines = "\n".join("          " + x for x in b_loads)
+    src = []
+    w = src.append
+    w(f"// {name}\n// {P.batch} x ({P.m} x {P.k}) @ ({P.n} x {P.k} {'K-major' if P.b_major == 'K' else 'N-major'}) {P.dtype}, {S}")
+    w(f"// A smem tile {a.layout}, wgmma {a.desc}, TMA box {a.box}")
+    w(f"// B smem tile {b.layout}, wgmma {b.desc}, TMA box {b.box} x {b.boxes}")
+    w(f"// epilogue {kernel.name}: " + "; ".join(str(s) for s in epi.inner_body(kernel)))
+    w(cexpr.PRELUDE)
+    w(PRELUDE)
+    w(_wgmma_fn(S.bn, P.dtype, trans_b))
+    w(f"""
+#define BM {S.bm}
+#define BN {S.bn}
+#define BK {S.bk}
+#define STAGES {S.stages}
+#define TILES_M {tiles_m}
+#define TILES_N {tiles_n}
+#define TILES {tiles}
+#define K_ITERS {k_iters}
+#define GROUP_M {S.group_m}
+#define A_BYTES {a.bytes}
+#define STAGE_BYTES {stage_bytes}
+#define DESC_A {a.desc.encode()}ULL
+#define DESC_B {b.desc.encode()}ULL
+
+__device__ __forceinline__ void tf_tile_coords(int t, int& batch, int& tm, int& tn) {{
+  batch = t / (TILES_M * TILES_N);
+  t -= batch * (TILES_M * TILES_N);
+  const int per_group = GROUP_M * TILES_N;
+  const int first_m = (t / per_group) * GROUP_M;
+  const int rows = min(TILES_M - first_m, GROUP_M);
+  tm = first_m + (t % per_group) % rows;
+  tn = (t % per_group) / rows;
+}}
+
+extern "C" __global__ void __launch_bounds__({S.threads}, 1)
+{name}({", ".join(cparams)}) {{
+  extern __shared__ __align__(1024) unsigned char tf_smem_raw[];
+  const unsigned base = (tf_smem_addr(tf_smem_raw) + 1023u) & ~1023u;
+  const unsigned bars = base + STAGES * STAGE_BYTES;   // full[s] at bars + 8s, empty[s] at bars + 8(STAGES + s)
+  const int wg = threadIdx.x / 128;
+  if (threadIdx.x == 0) {{
+    for (int s = 0; s < STAGES; ++s) {{
+      tf_bar_init(bars + 8 * s, 1);
+      tf_bar_init(bars + 8 * (STAGES + s), {S.consumers});
+    }}
+    asm volatile("fence.mbarrier_init.release.cluster;\\n\\tfence.proxy.async.shared::cta;" ::: "memory");
+  }}
+  __syncthreads();
+  int stage = 0;
+  unsigned phase = 0;
+  if (wg == 0) {{
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 {S.producer_regs};");
+    if (threadIdx.x == 0) {{
+      for (int t = blockIdx.x; t < TILES; t += gridDim.x) {{
+        int batch, tm, tn;
+        tf_tile_coords(t, batch, tm, tn);
+        for (int kt = 0; kt < K_ITERS; ++kt) {{
+          tf_bar_wait(bars + 8 * (STAGES + stage), phase ^ 1);
+          const unsigned full = bars + 8 * stage;
+          tf_bar_expect(full, STAGE_BYTES);
+          const unsigned sa = base + stage * STAGE_BYTES, sb = sa + A_BYTES;
+          tf_tma_load(sa, &a_map, kt * BK, tm * BM, batch, full);
+{b_load_lines}
+          if (++stage == STAGES) {{ stage = 0; phase ^= 1; }}
+        }}
+      }}
+    }}
+  }} else {{
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 {S.consumer_regs};");
+    const int c = wg - 1;
+    const int tid = threadIdx.x % 128;
+    for (int t = blockIdx.x; t < TILES; t += gridDim.x) {{
+      int batch, tm, tn;
+      tf_tile_coords(t, batch, tm, tn);
+      float acc[{mb_count}][{S.bn // 2}];
+      #pragma unroll
+      for (int i = 0; i < {mb_count}; ++i)
+        #pragma unroll
+        for (int j = 0; j < {S.bn // 2}; ++j) acc[i][j] = 0.f;
+      int prev = -1;
+      for (int kt = 0; kt < K_ITERS; ++kt) {{
+        tf_bar_wait(bars + 8 * stage, phase);
+        const unsigned sa = base + stage * STAGE_BYTES + c * {S.rows_per_wg * 128}, sb = base + stage * STAGE_BYTES + A_BYTES;
+        tf_wgmma_fence();
+""")
+    for kk, (ka, kb) in enumerate(zip(a.k_offsets, b.k_offsets)):
+        for mb in range(mb_count):
+            w(f"        tf_wgmma(acc[{mb}], DESC_A | ((tf_u64)((sa + {mb * a.mn_stride + ka}) & 0x3FFFF) >> 4), "
+              f"DESC_B | ((tf_u64)((sb + {kb}) & 0x3FFFF) >> 4));")
+    w(f"""        tf_wgmma_commit();
+        tf_wgmma_wait<1>();
+        if (prev >= 0 && tid == 0) tf_bar_arrive(bars + 8 * (STAGES + prev));
+        prev = stage;
+        if (++stage == STAGES) {{ stage = 0; phase ^= 1; }}
+      }}
+      tf_wgmma_wait<0>();
+      if (prev >= 0 && tid == 0) tf_bar_arrive(bars + 8 * (STAGES + prev));
+      const int row_base = tm * BM + c * {S.rows_per_wg};
+      const int col_base = tn * BN;""")
+    for line in _epilogue_code(problem, sched, kernel):
+        w("      " + line)
+    w("""    }
+  }
+}
+""")
+    params = tuple(p.name for p in out_params) + tuple(p.name for p in ops_params)
+    notes = ()
+    return GemmSource(name=name, source="\n".join(src), grid_tiles=tiles, block=(S.threads, 1, 1),
+                      smem_bytes=smem, params=params, problem=problem, schedule=sched,
+                      a_box=a.box, b_box=b.box, swizzle=hopper.tma_swizzle(a.layout, 16), notes=notes)

@@ -1,0 +1,188 @@
+"""Compile and launch the generated sm_90a GEMM on torch tensors.
+
+    g = compile_gemm(GemmProblem(m, n, k, "bf16", b_major="K"))
+    out = g(a, b)                          # a [M, K], b [N, K] (or [K, N]); returns the epilogue's output
+    g(a, b, out=out, bias=bias)            # preallocated outputs and epilogue operands by name
+
+The tensor maps (TMA descriptors) are encoded on the host from the operands' pointers and
+cached per pointer pair, so a steady-state call encodes nothing.
+"""
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass, field
+
+from .. import dtypes
+from ..codegen import gemm_sm90
+from ..codegen.gemm_sm90 import GemmError, GemmProblem, GemmSchedule
+from . import cache, nvrtc
+from .launch import _drv, _raw_stream
+
+
+def _sm_count(device: int) -> int:
+    import torch
+
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def encode_tma(ptr: int, dtype: str, dims: tuple[int, ...], strides: tuple[int, ...],
+               box: tuple[int, ...], swizzle: int) -> bytes:
+    """A CUtensorMap (128 bytes) for a tiled TMA copy; dims and box innermost first,
+    strides in bytes for dims 1.. ."""
+    from cuda.bindings import driver as d
+
+    dt = {"bf16": d.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+          "f16": d.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT16}[dtype]
+    sw = [d.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_NONE, d.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_32B,
+          d.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_64B, d.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B][swizzle]
+    tmap = _drv(d.cuTensorMapEncodeTiled(
+        dt, len(dims), ptr, [d.cuuint64_t(x) for x in dims], [d.cuuint64_t(x) for x in strides],
+        [d.cuuint32_t(x) for x in box], [d.cuuint32_t(1)] * len(dims),
+        d.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE, sw,
+        d.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+        d.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE), "cuTensorMapEncodeTiled")
+    import struct
+
+    return struct.pack("<16Q", *[int(x) for x in tmap.opaque])
+
+
+@dataclass
+class GemmKernel:
+    source: gemm_sm90.GemmSource
+    cubin: nvrtc.Cubin
+    cache_hit: bool
+    _loaded: dict = field(default_factory=dict, repr=False)
+    _maps: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def problem(self) -> GemmProblem:
+        return self.source.problem
+
+    @property
+    def schedule(self) -> GemmSchedule:
+        return self.source.schedule
+
+    @property
+    def info(self) -> nvrtc.CompileInfo:
+        return self.cubin.info
+
+    def operand_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        p = self.problem
+        lead = (p.batch,) if p.batch > 1 else ()
+        b = (p.n, p.k) if p.b_major == "K" else (p.k, p.n)
+        return lead + (p.m, p.k), lead + b
+
+    def _check(self, name: str, t, shape, dtype: str):
+        import torch
+
+        where = f"GEMM {self.source.name}: {name!r}"
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{where}: expected a torch.Tensor, got {type(t).__name__}")
+        if t.dtype != dtypes.to_torch(dtype):
+            raise ValueError(f"{where}: expected dtype {dtypes.to_torch(dtype)}, got {t.dtype}")
+        if tuple(t.shape) != tuple(shape):
+            raise ValueError(f"{where}: expected shape {tuple(shape)}, got {tuple(t.shape)}")
+        if not t.is_contiguous():
+            raise ValueError(f"{where}: expected a contiguous tensor, got strides {tuple(t.stride())}")
+        if not t.is_cuda:
+            raise ValueError(f"{where}: expected a CUDA tensor, got one on {t.device}")
+        if name in ("a", "b") and t.data_ptr() % 16:
+            raise ValueError(f"{where}: TMA needs 16-byte aligned operands; this one starts at "
+                             f"{t.data_ptr() % 16} bytes past a boundary (use .clone())")
+
+    def _tensor_maps(self, a, b) -> tuple[bytes, bytes]:
+        key = (a.data_ptr(), b.data_ptr())
+        hit = self._maps.get(key)
+        if hit is not None:
+            return hit
+        p, s, src = self.problem, self.schedule, self.source
+        e = 2
+        amap = encode_tma(a.data_ptr(), p.dtype, (p.k, p.m, p.batch), (p.k * e, p.m * p.k * e),
+                          (src.a_box[0], src.a_box[1], 1), int(src.swizzle))
+        if p.b_major == "K":
+            bdims, bstr = (p.k, p.n, p.batch), (p.k * e, p.n * p.k * e)
+        else:
+            bdims, bstr = (p.n, p.k, p.batch), (p.n * e, p.k * p.n * e)
+        bmap = encode_tma(b.data_ptr(), p.dtype, bdims, bstr, (src.b_box[0], src.b_box[1], 1), int(src.swizzle))
+        if len(self._maps) > 64:
+            self._maps.clear()
+        self._maps[key] = (amap, bmap)
+        return amap, bmap
+
+    def _load(self, device: int):
+        from cuda.bindings import driver
+
+        _drv(driver.cuInit(0), "cuInit")
+        dev = _drv(driver.cuDeviceGet(device), "cuDeviceGet")
+        ctx = _drv(driver.cuDevicePrimaryCtxRetain(dev), "cuDevicePrimaryCtxRetain")
+        _drv(driver.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+        module = _drv(driver.cuModuleLoadData(self.cubin.data), f"cuModuleLoadData({self.source.name})")
+        func = _drv(driver.cuModuleGetFunction(module, self.source.name.encode()), "cuModuleGetFunction")
+        _drv(driver.cuFuncSetAttribute(
+            func, driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            self.source.smem_bytes), "cuFuncSetAttribute(max dynamic shared memory)")
+        grid = min(self.source.grid_tiles, _sm_count(device))
+        self._loaded[device] = (module, func, grid)
+        return self._loaded[device]
+
+    def allocate_outputs(self, device="cuda", poison: bool = True) -> dict:
+        import torch
+
+        outs = {}
+        for buf in self.problem.out_epilogue.outputs:
+            t = torch.empty(buf.shape, dtype=dtypes.to_torch(buf.dtype), device=device)
+            if poison:
+                t.fill_(float("nan"))
+            outs[buf.name] = t
+        return outs
+
+    def __call__(self, a, b, **tensors):
+        """Run; outputs not passed are allocated. Returns the output, or a dict of outputs."""
+        from cuda.bindings import driver
+
+        sa, sb = self.operand_shapes()
+        self._check("a", a, sa, self.problem.dtype)
+        self._check("b", b, sb, self.problem.dtype)
+        ep = self.problem.out_epilogue
+        outs = {}
+        for buf in ep.outputs:
+            if buf.name not in tensors:
+                import torch
+
+                tensors[buf.name] = torch.empty(buf.shape, dtype=dtypes.to_torch(buf.dtype), device=a.device)
+            outs[buf.name] = tensors[buf.name]
+        unknown = set(tensors) - set(self.source.params)
+        if unknown:
+            raise ValueError(f"GEMM {self.source.name}: unknown tensors {sorted(unknown)}; "
+                             f"it takes {', '.join(self.source.params)}")
+        ptrs = []
+        for name in self.source.params:
+            if name not in tensors:
+                raise ValueError(f"GEMM {self.source.name}: missing epilogue operand {name!r}")
+            buf = ep.buffer(name)
+            self._check(name, tensors[name], buf.shape, buf.dtype)
+            if tensors[name].device != a.device or b.device != a.device:
+                raise ValueError(f"GEMM {self.source.name}: all tensors must be on {a.device}")
+            ptrs.append(tensors[name].data_ptr())
+        device = a.get_device()
+        module, func, grid = self._loaded.get(device) or self._load(device)
+        amap, bmap = self._tensor_maps(a, b)
+        bufs = [ctypes.create_string_buffer(amap, 128), ctypes.create_string_buffer(bmap, 128)]
+        vals = [ctypes.c_void_p(p) for p in ptrs]
+        addrs = [ctypes.addressof(x) for x in bufs + vals]
+        params = (ctypes.c_void_p * len(addrs))(*addrs)
+        stream = driver.CUstream(_raw_stream(device))
+        err = driver.cuLaunchKernel(func, grid, 1, 1, *self.source.block, self.source.smem_bytes, stream,
+                                    ctypes.addressof(params), 0)
+        if err[0] != driver.CUresult.CUDA_SUCCESS:
+            _drv(err, f"launch of {self.source.name}")
+        return next(iter(outs.values())) if len(outs) == 1 else outs
+
+
+def compile_gemm(problem: GemmProblem, schedule: GemmSchedule | None = None, arch: str = "sm_90a") -> GemmKernel:
+    arch = nvrtc.normalize_arch(arch)
+    if arch != "sm_90a":
+        raise GemmError(f"the TMA/wgmma GEMM needs sm_90a, not {arch}")
+    src = gemm_sm90.render(problem, schedule)
+    cubin, hit = cache.compile_cached(src.source, src.name, arch)
+    return GemmKernel(src, cubin, hit)

@@ -1,0 +1,109 @@
+"""The generated sm_90a GEMM on an H100 vs a float32 reference (DESIGN.md's 2x rule).
+
+Fresh random normal inputs per case; outputs poisoned with NaN first, so an unwritten
+element fails. Odd shapes (tails in M, N and K), both B layouts, batches, every schedule
+shape the heuristics pick, and each epilogue kind.
+"""
+import pytest
+import torch
+
+from tilefuse.check import rel_error
+from tilefuse.codegen import epilogue as epi
+from tilefuse.codegen.gemm_sm90 import GemmError, GemmProblem, GemmSchedule
+from tilefuse.runtime.gemm import compile_gemm
+
+pytestmark = pytest.mark.gpu
+
+if torch.cuda.is_available() and torch.cuda.get_device_capability() < (9, 0):
+    pytest.skip("the sm_90a GEMM needs a Hopper GPU", allow_module_level=True)
+
+
+def _operands(m, n, k, b_major, batch=1, dtype=torch.bfloat16):
+    lead = (batch,) if batch > 1 else ()
+    a = torch.randn(*lead, m, k, device="cuda", dtype=dtype)
+    b = torch.randn(*lead, *((n, k) if b_major == "K" else (k, n)), device="cuda", dtype=dtype)
+    bt = b.transpose(-1, -2) if b_major == "K" else b
+    return a, b, bt
+
+
+def _passes(out, ref, lowp):
+    """2x rule: our error at most twice torch's own low-precision error (+1e-5)."""
+    assert torch.isfinite(out).all(), "NaN/inf in the output: an element was not written"
+    err, base = rel_error(out.float(), ref), rel_error(lowp.float(), ref)
+    assert err <= 2 * base + 1e-5, f"error {err:.3e} vs torch's {base:.3e}"
+
+
+SCHEDULES = [GemmSchedule(128, 256, stages=4), GemmSchedule(128, 128, stages=6),
+             GemmSchedule(64, 128, stages=8, consumers=1), GemmSchedule(256, 128, stages=4),
+             GemmSchedule(64, 64, stages=4, consumers=1)]
+
+
+@pytest.mark.parametrize("sched", SCHEDULES, ids=str)
+@pytest.mark.parametrize("shape", [(1, 1, 8), (17, 33, 72), (300, 520, 136), (1000, 777, 1024)])
+@pytest.mark.parametrize("b_major", ["K", "N"])
+def test_plain_gemm_matches_float32(shape, sched, b_major):
+    m, n, k = shape
+    if b_major == "N" and n % 8:
+        n += 8 - n % 8  # TMA needs 16-byte rows of B
+    a, b, bt = _operands(m, n, k, b_major)
+    g = compile_gemm(GemmProblem(m, n, k, "bf16", b_major=b_major), sched)
+    assert g.info.clean, g.info
+    out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+    g(a, b, out=out)
+    torch.cuda.synchronize()
+    _passes(out, a.float() @ bt.float(), a @ bt)
+
+
+@pytest.mark.parametrize("shape", [(4095, 4097, 4104), (2048, 2048, 8192)])
+def test_large_gemm_matches_float32(shape):
+    m, n, k = shape
+    a, b, bt = _operands(m, n, k, "K")
+    g = compile_gemm(GemmProblem(m, n, k, "bf16"))
+    out = g(a, b)
+    torch.cuda.synchronize()
+    _passes(out, a.float() @ bt.float(), a @ bt)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "f16"])
+def test_batched_and_f16(dtype):
+    tdt = torch.bfloat16 if dtype == "bf16" else torch.float16
+    a, b, bt = _operands(130, 200, 96, "K", batch=3, dtype=tdt)
+    g = compile_gemm(GemmProblem(130, 200, 96, dtype, batch=3), GemmSchedule(128, 128, stages=4))
+    out = torch.full((3, 130, 200), float("nan"), device="cuda", dtype=tdt)
+    g(a, b, out=out)
+    torch.cuda.synchronize()
+    _passes(out, a.float() @ bt.float(), a @ bt)
+
+
+@pytest.mark.parametrize("act", epi.ACTIVATIONS)
+def test_epilogue_bias_activation_residual_rowscale(act):
+    m, n, k = 257, 384, 192
+    a, b, bt = _operands(m, n, k, "K")
+    bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    res = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+    scale = torch.rand(m, device="cuda", dtype=torch.float32) + 0.5
+    ep = epi.standard(m, n, "bf16", bias="col", activation=act, residual=True, row_scale=True)
+    g = compile_gemm(GemmProblem(m, n, k, "bf16", epilogue=ep), GemmSchedule(128, 128, stages=4))
+    out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+    g(a, b, out=out, bias=bias, residual=res, row_scale=scale)
+    torch.cuda.synchronize()
+    f = {"none": lambda x: x, "relu": torch.relu, "gelu": torch.nn.functional.gelu,
+         "gelu_tanh": lambda x: torch.nn.functional.gelu(x, approximate="tanh"),
+         "silu": torch.nn.functional.silu, "sigmoid": torch.sigmoid}[act]
+    ref = f((a.float() @ bt.float()) * scale[:, None] + bias.float()) + res.float()
+    lowp = f((a @ bt) * scale[:, None].bfloat16() + bias) + res
+    _passes(out, ref, lowp)
+
+
+def test_misaligned_operand_is_a_clear_error():
+    g = compile_gemm(GemmProblem(64, 64, 64, "bf16"))
+    spare = torch.randn(64 * 64 + 1, device="cuda", dtype=torch.bfloat16)
+    a = spare[1:].view(64, 64)
+    b = torch.randn(64, 64, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        g(a, b)
+
+
+def test_unaligned_k_is_refused_with_reason():
+    with pytest.raises(GemmError, match="multiple of 16 bytes"):
+        compile_gemm(GemmProblem(64, 64, 70, "bf16"))
