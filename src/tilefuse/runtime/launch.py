@@ -4,9 +4,14 @@
     ck(x, w, out)                          # tensors in kernel.params order, outputs preallocated
 
 Each call checks every tensor against its buffer (CUDA device, dtype, shape, contiguity)
-and raises ValueError naming the buffer. A buffer the kernel reads or writes with 16-byte
-vectors must be 16-byte aligned; a tensor that is not (a view at an odd offset) runs a
-scalar variant of the kernel, compiled on first need, instead of failing.
+and raises ValueError naming the buffer; the check is one comparison per tensor, and the
+detailed message is built only when it fails. A buffer the kernel reads or writes with
+16-byte vectors must be 16-byte aligned; a tensor that is not (a view at an odd offset) runs
+a scalar variant of the kernel, compiled on first need, instead of failing.
+
+A compiled program launches through `launch_ptrs` (raw pointers of tensors it allocated or
+already checked): the launch arguments that never change are bound once per device, and the
+pointers are written into a parameter array built once per kernel.
 """
 from __future__ import annotations
 
@@ -65,6 +70,8 @@ class _Loaded:
     switch_context: bool = False  # several GPUs: make this device's context current per launch
     plain: bool = True            # no cluster attribute: cuLaunchKernel suffices
     stream: object = None
+    prefix: tuple = ()            # cuLaunchKernel's leading arguments: function, grid, block, smem
+    driver: object = None         # cuda.bindings.driver, bound once
 
 
 @dataclass
@@ -186,15 +193,15 @@ class CompiledKernel:
             cfg.numAttrs = 0
         import torch
 
-        loaded = _Loaded(module, func, cfg, -1, ctx, torch.cuda.device_count() > 1, src.cluster == (1, 1, 1))
+        loaded = _Loaded(module, func, cfg, -1, ctx, torch.cuda.device_count() > 1, src.cluster == (1, 1, 1),
+                         prefix=(func, *src.grid, *src.block, src.smem_bytes), driver=driver)
         self._loaded[device] = loaded
         return loaded
 
     def launch(self, tensors, device: int, ptrs=None):
         """Launch on `device`'s current torch stream; tensors already checked."""
-        from cuda.bindings import driver
-
         loaded = self._loaded.get(device) or self._load(device)
+        driver = loaded.driver
         if loaded.switch_context:
             _drv(driver.cuCtxSetCurrent(loaded.context), "cuCtxSetCurrent")
         handle = _raw_stream(device)
@@ -202,28 +209,33 @@ class CompiledKernel:
             loaded.stream = driver.CUstream(handle)
             loaded.config.hStream = loaded.stream
             loaded.stream_handle = handle
-        vals = self._vals
-        for i, ptr in enumerate(ptrs if ptrs is not None else [t.data_ptr() for t in tensors]):
-            vals[i] = ptr
+        if ptrs is None:
+            ptrs = [t.data_ptr() for t in tensors]
+        self._vals[:len(ptrs)] = ptrs
         if loaded.plain:  # no launch attributes: the plain call converts fewer arguments
-            src = self.source
-            err = driver.cuLaunchKernel(loaded.function, *src.grid, *src.block, src.smem_bytes, loaded.stream,
-                                        self._ptrs_addr, 0)
+            err = driver.cuLaunchKernel(*loaded.prefix, loaded.stream, self._ptrs_addr, 0)
         else:
             err = driver.cuLaunchKernelEx(loaded.config, loaded.function, self._ptrs_addr, 0)
         if err[0] != driver.CUresult.CUDA_SUCCESS:
             _drv(err, f"launch of {self.source.name}")
 
-    def __call__(self, *tensors):
-        device = self.check(tensors)
-        ptrs = [t.data_ptr() for t in tensors]
+    def launch_ptrs(self, device: int, ptrs) -> None:
+        """Launch on raw pointers in parameter order, for a caller that allocated or checked the
+        tensors itself (a compiled program): only the 16-byte alignment is checked here."""
         for i, a in self._align_idx:
             if ptrs[i] % a:
-                if self._scalar is None:
-                    self._scalar = compile_kernel(self.kernel, self.arch,
-                                                  mapreduce.scalar_fallback(self.source.schedule))
-                return self._scalar.launch(tensors, device, ptrs)
-        self.launch(tensors, device, ptrs)
+                return self.scalar_variant().launch(None, device, ptrs)
+        self.launch(None, device, ptrs)
+
+    def scalar_variant(self) -> "CompiledKernel":
+        """The same kernel without vector accesses, for misaligned tensors (compiled on first need)."""
+        if self._scalar is None:
+            self._scalar = compile_kernel(self.kernel, self.arch, mapreduce.scalar_fallback(self.source.schedule))
+        return self._scalar
+
+    def __call__(self, *tensors):
+        device = self.check(tensors)
+        self.launch_ptrs(device, [t.data_ptr() for t in tensors])
 
     def allocate_outputs(self, device="cuda", poison: bool = True) -> dict:
         """Fresh output tensors by name; floats poisoned with NaN so unwritten elements show."""

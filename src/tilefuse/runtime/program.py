@@ -3,6 +3,12 @@
 On CUDA tensors each map-reduce kernel runs as a generated CUDA kernel; on CPU tensors it
 runs through the Loop IR interpreter (so everything but the kernels' speed is real without
 a GPU). Externs run in PyTorch; aliases are free reshapes of contiguous memory.
+
+A call costs little host time. Its tensors' (dtype, shape, device) tuple is the key to a
+`Runner` built for that device on first sight (runner.py: weights, constants and kernel
+parameters prepared once); only an unseen key gets the detailed check and its clear error.
+On CUDA the runner sits behind CUDA-graph slots (graphs.py): after one warm-up call the
+program is captured and replayed, and a result the caller still holds is never overwritten.
 """
 from __future__ import annotations
 
@@ -13,9 +19,10 @@ import torch.nn.functional as F
 
 from .. import dtypes
 from ..graph import ir
-from ..graph.fusion import Plan, Step
+from ..graph.fusion import Plan
 from ..loop.lower import Lowered
-from ..tensors import to_numpy, to_torch
+from . import graphs as cuda_graphs
+from .runner import Runner, check_inputs, signature
 
 
 @dataclass
@@ -26,86 +33,64 @@ class Program:
     out_spec: object = None
     arch: str | None = None
     poison: bool = False  # fill outputs with NaN (or -1) before each kernel: unwritten elements show
+    graphs: bool | None = None  # CUDA-graph replay; None: on unless TILEFUSE_CUDA_GRAPHS=0
+    graph_slots: int = 2  # captures per input signature (results the caller may hold at once, plus one)
+    graph_clone: bool = False  # return clones of the graph's outputs instead of tracking what the caller holds
 
     def __post_init__(self):
         self._compiled: dict = {}
         self._weights: dict = {}
+        self._runners: dict = {}   # (device, poison) -> Runner
+        self._entries: dict = {}   # (signature, poison, graphs) -> callable(tensors) -> flat outputs
+        self._graphed: dict = {}   # (signature, poison) -> graphs.Graphed
+        if self.graphs is None:
+            self.graphs = cuda_graphs.enabled_by_env()
+        self._pack = _packer(self.out_spec, len(self.graph.outputs))
 
     # -- running -------------------------------------------------------------------------------
     def __call__(self, *args):
-        flat = torch.utils._pytree.tree_leaves(args)
-        tensors = [a for a in flat if isinstance(a, torch.Tensor)]
-        if len(tensors) != len(self.graph.inputs):
-            raise ValueError(f"expected {len(self.graph.inputs)} tensor inputs, got {len(tensors)}")
-        env = {}
-        for name, t in zip(self.graph.inputs, tensors):
-            want = self.graph[name].type
-            if tuple(t.shape) != want.shape or dtypes.from_torch(t.dtype) != want.dtype:
-                raise ValueError(f"input {name}: compiled for {want}, got "
-                                 f"{dtypes.from_torch(t.dtype)}[{', '.join(map(str, t.shape))}]")
-            env[name] = t
-        device = tensors[0].device if tensors else torch.device("cpu")
-        if any(t.device != device for t in tensors):
-            raise ValueError("all inputs must be on one device")
-        env.update(self.weights_on(device))
-        for step in self.plan.steps:
-            self.run_step(step, env, device)
-        # an output that is an input or a weight (x.clone() after capture is x) is returned as a copy,
-        # never as the caller's tensor or the program's cached weight
-        given = set(self.graph.inputs) | set(self.graph.weights)
-        outs = [self.value(o, env, device).clone() if o in given else self.value(o, env, device)
-                for o in self.graph.outputs]
-        if self.out_spec is not None:
-            return torch.utils._pytree.tree_unflatten(outs, self.out_spec)
-        return outs[0] if len(outs) == 1 else tuple(outs)
+        tensors = args if all([type(a) is torch.Tensor for a in args]) else _tensor_leaves(args)
+        key = (signature(tensors), self.poison, self.graphs)
+        run = self._entries.get(key)
+        if run is None:
+            run = self._entry(tensors, key)
+        return self._pack(run(tensors))
+
+    def _entry(self, tensors, key):
+        """First call with this signature: check the arguments (clear errors), build the runner."""
+        device = check_inputs(self.graph, tensors)
+        runner = self.runner(device)
+        run = runner.run
+        if self.graphs:
+            notes = cuda_graphs.blockers(self, device)
+            g = cuda_graphs.Graphed(runner, self.graph_slots, self.graph_clone)
+            if notes:
+                g.off = "; ".join(notes)
+            else:
+                run = g
+            self._graphed[key[:2]] = g
+        self._entries[key] = run
+        return run
+
+    def runner(self, device) -> Runner:
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        key = (device, self.poison)
+        if key not in self._runners:
+            self._runners[key] = Runner(self, device)
+        return self._runners[key]
+
+    def graph_info(self) -> list[dict]:
+        """Per input signature seen with graphs on: whether they run, why not, and call counts."""
+        return [{"device": str(g.runner.device), "graphs": g.off is None, "reason": g.off,
+                 "slots": len(g.slots), **g.stats} for g in self._graphed.values()]
 
     def weights_on(self, device) -> dict:
         key = str(device)
         if key not in self._weights:
             self._weights[key] = {k: torch.as_tensor(v).to(device).contiguous() for k, v in self.graph.weights.items()}
         return self._weights[key]
-
-    def value(self, name, env, device):
-        if name in env:
-            return env[name]
-        n = self.graph[name]
-        if isinstance(n, ir.Constant):
-            return torch.tensor(n.value, dtype=dtypes.to_torch(n.type.dtype), device=device)
-        if isinstance(n, ir.Iota):
-            shape = n.type.shape
-            idx = torch.arange(shape[n.axis], device=device, dtype=dtypes.to_torch(n.type.dtype))
-            view = [-1 if i == n.axis else 1 for i in range(len(shape))]
-            return idx.reshape(view).expand(shape).contiguous()
-        raise KeyError(f"value {name} was not computed")
-
-    def run_step(self, step: Step, env, device):
-        g = self.graph
-        if step.family == "alias":
-            n = g[step.nodes[0]]
-            env[n.name] = self.value(n.arg, env, device).reshape(n.type.shape)
-        elif step.family == "extern":
-            n = g[step.nodes[0]]
-            out = run_extern(n, lambda a: self.value(a, env, device))
-            env[n.name] = out.to(dtypes.to_torch(n.type.dtype)).reshape(n.type.shape)
-        else:
-            lowered = self.kernels[step.name]
-            if device.type == "cuda":
-                self.run_cuda(lowered, env, device)
-            else:
-                self.run_interpreted(lowered, env, device)
-
-    def run_interpreted(self, lowered: Lowered, env, device):
-        from ..loop.interp import run_kernel
-
-        k = lowered.kernel
-        inputs = {}
-        for b in lowered.bindings:
-            if k.buffer(b.buffer).role == "in":
-                inputs[b.buffer] = to_numpy(self.value(b.tensor, env, device).reshape(b.shape))
-        outs = run_kernel(k, inputs)
-        for b in lowered.bindings:
-            if k.buffer(b.buffer).role == "out":
-                env[b.tensor] = to_torch(outs[b.buffer]).reshape(self.graph[b.tensor].type.shape)
 
     def compiled(self, lowered: Lowered, device):
         key = (lowered.kernel.name, str(device))
@@ -115,29 +100,32 @@ class Program:
             self._compiled[key] = compile_kernel(lowered.kernel, arch=self.arch)
         return self._compiled[key]
 
-    def run_cuda(self, lowered: Lowered, env, device):
-        ck = self.compiled(lowered, device)
-        k = lowered.kernel
-        args, outs = [], []
-        for b in lowered.bindings:
-            buf = k.buffer(b.buffer)
-            if buf.role == "in":
-                args.append(self.value(b.tensor, env, device).contiguous().reshape(b.shape))
-            else:
-                t = torch.empty(b.shape, dtype=dtypes.to_torch(buf.dtype), device=device)
-                if self.poison:
-                    t.fill_(float("nan") if t.is_floating_point() else -1)
-                args.append(t)
-                outs.append((b.tensor, t))
-        ck(*args)
-        for name, t in outs:
-            env[name] = t.reshape(self.graph[name].type.shape)
-
     def prepare(self, device="cuda"):
         """Compile every kernel for `device` now rather than at the first call."""
         for step in self.plan.steps:
             if step.family == "mapreduce":
                 self.compiled(self.kernels[step.name], torch.device(device))
+
+
+def _tensor_leaves(args) -> tuple:
+    return tuple(a for a in torch.utils._pytree.tree_leaves(args) if isinstance(a, torch.Tensor))
+
+
+def _packer(spec, n: int):
+    """How to hand the flat outputs back: found once by unflattening placeholders."""
+    if spec is None:
+        return (lambda outs: outs[0]) if n == 1 else tuple
+    try:
+        probe = torch.utils._pytree.tree_unflatten(list(range(n)), spec)
+    except Exception:  # noqa: BLE001 - an unusual spec: unflatten every call
+        probe = None
+    if n == 1 and type(probe) is int:
+        return lambda outs: outs[0]
+    if type(probe) is tuple and probe == tuple(range(n)):
+        return tuple
+    if type(probe) is list and probe == list(range(n)):
+        return list
+    return lambda outs: torch.utils._pytree.tree_unflatten(list(outs), spec)
 
 
 def run_extern(n, get) -> torch.Tensor:

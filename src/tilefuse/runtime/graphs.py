@@ -1,0 +1,209 @@
+"""CUDA-graph replay of a compiled program: one host call per program call.
+
+A program's shapes are static, so after a warm-up call its kernel launches and extern
+torch ops are captured once in a `torch.cuda.CUDAGraph` and each later call replays it
+(a few microseconds of host time, however many kernels). A captured graph reads fixed
+input addresses and writes fixed output buffers; a *slot* is one capture, in one of two
+modes:
+
+- direct: captured on the caller's own input tensors, because the caller passed the same
+  storages twice in a row (a benchmark loop, static decode buffers). It is replayed only
+  for inputs at exactly those addresses (contiguous), so no input is copied.
+- copy: captured on private input buffers; each call copies its inputs into them.
+
+Outputs. A slot's output buffers are returned as fresh tensors that alias them, and a slot
+is replayed only while the caller holds none of its previous outputs (the storage's use
+count is back to what the slot itself holds). So a result the caller keeps is never
+overwritten: `y = prog(x)` in a loop alternates between two slots, a caller keeping more
+results gets another slot (up to `max_slots`), and past that the call takes the thin path
+into fresh memory. Nothing is copied for this, unlike returning clones (which costs an extra
+read and write of every output, measured in bench/LOG.md); `clone=True` selects that policy.
+
+Graphs are off on CPU devices, for programs with a step that cannot be captured (an extern
+that syncs with the host), with `Program(graphs=False)`, or with TILEFUSE_CUDA_GRAPHS=0.
+A capture that fails turns them off for that program, with a warning naming why.
+"""
+from __future__ import annotations
+
+import os
+import warnings
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+ENV = "TILEFUSE_CUDA_GRAPHS"
+
+# aten ops that read a value back to the host or make a shape from data: not capturable
+_HOST_SYNC = ("nonzero", "masked_select", "unique", "_local_scalar_dense", "item", "repeat_interleave",
+              "bincount", "histc", "_assert_async", "equal", "is_nonzero")
+
+_use_count = getattr(torch._C, "_storage_Use_Count", None)
+
+
+def enabled_by_env(environ=None) -> bool:
+    """TILEFUSE_CUDA_GRAPHS=0 (or false/off/no) turns CUDA graphs off; anything else leaves them on."""
+    value = (os.environ if environ is None else environ).get(ENV, "1")
+    return value.strip().lower() not in ("0", "false", "off", "no")
+
+
+def blockers(program, device: torch.device) -> list[str]:
+    """Why this program cannot run as a CUDA graph on `device` (empty when it can)."""
+    reasons = []
+    if device.type != "cuda":
+        reasons.append(f"its inputs are on {device}, not a CUDA device")
+    for step in program.plan.steps:
+        if step.family != "extern":
+            continue
+        n = program.graph[step.nodes[0]]
+        target = getattr(n, "target", "")
+        op = target.split(".")[1] if target.count(".") >= 1 else target
+        if op in _HOST_SYNC:
+            reasons.append(f"extern {target} ({n.name}) syncs with the host or has a data-dependent shape")
+    return reasons
+
+
+@dataclass
+class Slot:
+    """One captured graph with the buffers it reads and writes."""
+
+    replay: Callable[[], None]
+    outs: list                  # the program's outputs as captured (its flat output order)
+    private: tuple              # per output: lives in the graph's memory (else a weight or constant)
+    inputs: list | None         # copy mode: the private input buffers; direct mode: None
+    ptrs: tuple | None          # direct mode: the input addresses it reads
+    storages: list = field(default_factory=list)  # distinct storages of the private outputs
+    base: list = field(default_factory=list)      # their use counts with no caller holding one
+
+    def settle(self):
+        """Record the use counts of the output storages while only the slot holds them."""
+        self.base = [_use_count(s._cdata) for s in self.storages] if _use_count else []
+
+    def free(self) -> bool:
+        """True when the caller holds no tensor on any of this slot's output storages."""
+        if _use_count is None:
+            return True
+        for s, b in zip(self.storages, self.base):
+            if _use_count(s._cdata) != b:
+                return False
+        return True
+
+    def results(self, clone: bool) -> list:
+        if clone:
+            return [t.clone() if p else t for t, p in zip(self.outs, self.private)]
+        return [t.detach() if p else t for t, p in zip(self.outs, self.private)]
+
+
+class NotGraphable(RuntimeError):
+    """A program whose captured outputs cannot be returned safely (one views an input)."""
+
+
+def capture_cuda(runner, tensors, direct: bool):
+    """Warm up on a side stream, then capture `runner.run`; returns (replay, outs, static inputs)."""
+    device = runner.device
+    with torch.cuda.device(device):
+        static = None
+        if not direct:
+            static = [torch.empty(t.shape, dtype=t.dtype, device=device) for t in tensors]
+            for s, t in zip(static, tensors):
+                s.copy_(t)
+        inputs = list(tensors) if direct else static
+        side = torch.cuda.Stream(device)
+        current = torch.cuda.current_stream(device)
+        side.wait_stream(current)
+        with torch.cuda.stream(side):
+            runner.run(inputs)  # first use of cuBLAS workspaces etc. on this stream happens outside the capture
+        current.wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=side):
+            outs = runner.run(inputs)
+    return graph.replay, outs, static
+
+
+def _storage_key(t) -> int:
+    return t.untyped_storage()._cdata
+
+
+class Graphed:
+    """A runner behind CUDA-graph slots: the first call warms up, later calls replay."""
+
+    def __init__(self, runner, max_slots: int = 2, clone: bool = False, capture=capture_cuda):
+        self.runner = runner
+        self.max_slots = max_slots
+        self.clone = clone or _use_count is None
+        self.capture = capture
+        self.slots: list[Slot] = []
+        self.last = None          # input addresses of the previous call
+        self.warm = False
+        self.off: str | None = None
+        self.stats = {"warmup": 0, "captures": 0, "replays": 0, "copies": 0, "thin": 0}
+
+    def __call__(self, tensors) -> list:
+        if self.off is not None:
+            self.stats["thin"] += 1
+            return self.runner.run(tensors)
+        ptrs = tuple([t.data_ptr() for t in tensors]) if all([t.is_contiguous() for t in tensors]) else None
+        if not self.warm:
+            self.warm, self.last = True, ptrs
+            self.stats["warmup"] += 1
+            return self.runner.run(tensors)
+        slot = self._find(ptrs)
+        if slot is not None and slot.inputs is not None:
+            for s, t in zip(slot.inputs, tensors):
+                s.copy_(t)
+            self.stats["copies"] += 1
+        elif slot is None:
+            if len(self.slots) >= self.max_slots:
+                self.last = ptrs
+                self.stats["thin"] += 1
+                return self.runner.run(tensors)
+            slot = self._capture(tensors, direct=ptrs is not None and ptrs == self.last)
+            if slot is None:
+                return self.runner.run(tensors)
+        self.last = ptrs
+        slot.replay()
+        self.stats["replays"] += 1
+        return slot.results(self.clone)
+
+    def _find(self, ptrs) -> Slot | None:
+        """A free slot for these inputs: a direct one on exactly these addresses first, else a copy one."""
+        spare = None
+        for s in self.slots:
+            if s.ptrs is not None:
+                if s.ptrs == ptrs and s.free():
+                    return s
+            elif spare is None and s.free():
+                spare = s
+        return spare
+
+    def _capture(self, tensors, direct: bool) -> Slot | None:
+        try:
+            replay, outs, static = self.capture(self.runner, tensors, direct)
+            slot = self._slot(replay, outs, static, tuple(t.data_ptr() for t in tensors) if direct else None,
+                              tensors)
+        except NotGraphable as e:
+            self.off = str(e)
+            return None
+        except Exception as e:  # noqa: BLE001 - any failure means: run without graphs, and say why
+            self.off = f"capture failed: {type(e).__name__}: {e}"
+            warnings.warn(f"tilefuse: CUDA graphs off for this program ({self.off})", RuntimeWarning, stacklevel=3)
+            return None
+        self.slots.append(slot)
+        self.stats["captures"] += 1
+        return slot
+
+    def _slot(self, replay, outs, static, ptrs, tensors) -> Slot:
+        read = {_storage_key(t) for t in (static if static is not None else tensors)}
+        fixed = {_storage_key(t) for t in self.runner.prefilled()}
+        private, storages, seen = [], [], set()
+        for o in outs:
+            key = _storage_key(o)
+            if key in read:
+                raise NotGraphable("an output views an input, so a replay would return the capture's buffer")
+            private.append(key not in fixed)
+            if key not in fixed and key not in seen:
+                seen.add(key)
+                storages.append(o.untyped_storage())
+        slot = Slot(replay, list(outs), tuple(private), static, ptrs, storages)
+        slot.settle()
+        return slot

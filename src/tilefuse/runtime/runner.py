@@ -1,0 +1,220 @@
+"""The thin launch path: a program specialised once to a device, run with no per-call lookups.
+
+A `Runner` turns the plan's named steps into a list of small ops over an environment
+*list* (inputs first, then weights, constants and every step's outputs, each at a fixed
+index). Everything that does not change between calls is computed when it is built:
+weights and constants on the device, each kernel's parameter order, output shapes and
+dtypes, which outputs must be returned as copies. A call then does only what it must:
+allocate outputs, collect pointers, launch.
+
+`check_inputs` gives the clear error for arguments that do not fit the program; the
+program calls it only when a call's cheap signature (dtype, shape, device of each tensor)
+is one it has not seen.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .. import dtypes
+from ..graph import ir
+
+_GIVEN = (ir.Input, ir.Weight, ir.Constant, ir.Iota)
+
+
+def signature(tensors) -> tuple:
+    """The cheap per-call key: (dtype, shape, device index) of each tensor (-1 for the CPU)."""
+    return tuple([(t.dtype, t.shape, t.get_device()) for t in tensors])
+
+
+def check_inputs(graph: ir.Graph, tensors) -> torch.device:
+    """Raise ValueError naming the first argument that does not fit; return the common device."""
+    if len(tensors) != len(graph.inputs):
+        raise ValueError(f"expected {len(graph.inputs)} tensor inputs, got {len(tensors)}")
+    for name, t in zip(graph.inputs, tensors):
+        want = graph[name].type
+        try:
+            got = dtypes.from_torch(t.dtype)
+        except Exception:  # a dtype tilefuse has no name for
+            got = str(t.dtype)
+        if tuple(t.shape) != want.shape or got != want.dtype:
+            raise ValueError(f"input {name}: compiled for {want}, got {got}[{', '.join(map(str, t.shape))}]")
+    device = tensors[0].device if tensors else torch.device("cpu")
+    if any(t.device != device for t in tensors):
+        raise ValueError("all inputs must be on one device; got "
+                         + ", ".join(f"{n} on {t.device}" for n, t in zip(graph.inputs, tensors)))
+    return device
+
+
+def alias_root(plan, name: str) -> str:
+    """Follow alias steps (free reshapes) back to the tensor whose memory `name` views."""
+    src = {}
+    for step in plan.steps:
+        if step.family == "alias":
+            n = plan.graph[step.nodes[0]]
+            src[n.name] = n.arg
+    while name in src:
+        name = src[name]
+    return name
+
+
+def cloned_outputs(graph: ir.Graph, plan) -> tuple[bool, ...]:
+    """Which outputs are returned as copies: an input itself (never the caller's tensor), or
+    anything viewing a weight, constant or iota (never the program's cached value)."""
+    out = []
+    for o in graph.outputs:
+        root = graph[alias_root(plan, o)]
+        out.append(o in graph.inputs or (isinstance(root, _GIVEN) and not isinstance(root, ir.Input)))
+    return tuple(out)
+
+
+class Runner:
+    """One program on one device: `run(tensors)` returns the flat list of outputs."""
+
+    def __init__(self, program, device: torch.device):
+        g, plan = program.graph, program.plan
+        self.device = device
+        self.poison = program.poison
+        index: dict[str, int] = {}
+        for name in g.inputs:
+            index[name] = len(index)
+        base: list = [None] * len(index)
+
+        def slot(name: str) -> int:
+            if name not in index:
+                index[name] = len(base)
+                base.append(None)
+            return index[name]
+
+        for name, w in program.weights_on(device).items():
+            base[slot(name)] = w
+        for n in g.nodes:
+            if isinstance(n, (ir.Constant, ir.Iota)):
+                base[slot(n.name)] = _constant(n, device)
+        self.ops = []
+        for step in plan.steps:
+            if step.family == "alias":
+                n = g[step.nodes[0]]
+                self.ops.append(_Alias(slot(n.arg), slot(n.name), n.type.shape))
+            elif step.family == "extern":
+                n = g[step.nodes[0]]
+                self.ops.append(_Extern(n, {a: slot(a) for a in ir.node_args(n)}, slot(n.name)))
+            else:
+                lowered = program.kernels[step.name]
+                if device.type == "cuda":
+                    self.ops.append(_Launch(program.compiled(lowered, device), lowered, g, slot, device,
+                                            program.poison))
+                else:
+                    self.ops.append(_Interpret(lowered, g, slot))
+        self.base = base
+        self.n_inputs = len(g.inputs)
+        self.outputs = tuple((slot(o), c) for o, c in zip(g.outputs, cloned_outputs(g, plan)))
+        self.has_externs = any(s.family == "extern" for s in plan.steps)
+
+    def run(self, tensors) -> list:
+        env = self.base.copy()
+        env[:self.n_inputs] = tensors
+        for op in self.ops:
+            op(env)
+        return [env[i].clone() if c else env[i] for i, c in self.outputs]
+
+    def prefilled(self) -> list:
+        """The device tensors the runner holds (weights, constants): never a call's own memory."""
+        return [t for t in self.base if t is not None]
+
+
+def _constant(n, device) -> torch.Tensor:
+    tdtype = dtypes.to_torch(n.type.dtype)
+    if isinstance(n, ir.Constant):
+        return torch.tensor(n.value, dtype=tdtype, device=device)
+    shape = n.type.shape
+    idx = torch.arange(shape[n.axis], device=device, dtype=tdtype)
+    view = [-1 if i == n.axis else 1 for i in range(len(shape))]
+    return idx.reshape(view).expand(shape).contiguous()
+
+
+class _Alias:
+    __slots__ = ("src", "dst", "shape")
+
+    def __init__(self, src, dst, shape):
+        self.src, self.dst, self.shape = src, dst, shape
+
+    def __call__(self, env):
+        env[self.dst] = env[self.src].reshape(self.shape)
+
+
+class _Extern:
+    __slots__ = ("node", "index", "dst", "dtype", "shape")
+
+    def __init__(self, node, index, dst):
+        self.node, self.index, self.dst = node, index, dst
+        self.dtype, self.shape = dtypes.to_torch(node.type.dtype), node.type.shape
+
+    def __call__(self, env):
+        from .program import run_extern
+
+        out = run_extern(self.node, lambda a: env[self.index[a]])
+        env[self.dst] = out.to(self.dtype).reshape(self.shape)
+
+
+_IN, _OUT = 0, 1
+
+
+class _Launch:
+    """One generated kernel: parameters in the kernel's order, outputs allocated per call."""
+
+    __slots__ = ("ck", "params", "device", "index", "poison")
+
+    def __init__(self, ck, lowered, g: ir.Graph, slot, device: torch.device, poison: bool):
+        k = lowered.kernel
+        params = []
+        for b in lowered.bindings:
+            buf = k.buffer(b.buffer)
+            gshape = g[b.tensor].type.shape
+            if math.prod(b.shape) != math.prod(gshape):
+                raise AssertionError(f"kernel {k.name}: binding {b.buffer} views {b.tensor}{gshape} as {b.shape}")
+            if buf.role == "in":
+                params.append((_IN, slot(b.tensor), None, None, 0.0))
+            else:
+                fill = float("nan") if dtypes.is_float(buf.dtype) else -1
+                params.append((_OUT, slot(b.tensor), gshape, dtypes.to_torch(buf.dtype), fill))
+        if [b.buffer for b in lowered.bindings] != [b.name for b in k.params]:
+            raise AssertionError(f"kernel {k.name}: bindings are not in parameter order")
+        self.ck, self.params, self.device, self.poison = ck, tuple(params), device, poison
+        self.index = device.index if device.index is not None else torch.cuda.current_device()
+
+    def __call__(self, env):
+        ptrs, keep = [], []
+        for kind, i, shape, dtype, fill in self.params:
+            if kind == _IN:
+                t = env[i]
+                if not t.is_contiguous():
+                    t = t.contiguous()
+                    keep.append(t)  # alive until the launch is enqueued; the allocator is stream-ordered
+            else:
+                t = torch.empty(shape, dtype=dtype, device=self.device)
+                if self.poison:
+                    t.fill_(fill)
+                env[i] = t
+            ptrs.append(t.data_ptr())
+        self.ck.launch_ptrs(self.index, ptrs)
+
+
+class _Interpret:
+    """One kernel through the Loop IR interpreter (CPU tensors)."""
+
+    def __init__(self, lowered, g: ir.Graph, slot):
+        k = lowered.kernel
+        self.kernel = k
+        self.ins = [(b.buffer, slot(b.tensor), b.shape) for b in lowered.bindings if k.buffer(b.buffer).role == "in"]
+        self.outs = [(b.buffer, slot(b.tensor), g[b.tensor].type.shape) for b in lowered.bindings
+                     if k.buffer(b.buffer).role == "out"]
+
+    def __call__(self, env):
+        from ..loop.interp import run_kernel
+        from ..tensors import to_numpy, to_torch
+
+        outs = run_kernel(self.kernel, {buf: to_numpy(env[i].reshape(shape)) for buf, i, shape in self.ins})
+        for buf, i, shape in self.outs:
+            env[i] = to_torch(outs[buf]).reshape(shape)
