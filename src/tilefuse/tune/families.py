@@ -1,0 +1,77 @@
+"""Kernel families the tuner knows: each brings its knob space and how knobs become a schedule.
+
+    register_family("gemm_sm90", space_fn, build_fn, compile_fn=..., problem_fn=...)
+
+space_fn(kernel, arch) -> Space           the knobs, the heuristic default among them
+build_fn(kernel, knobs, arch) -> schedule the family's schedule object (ValueError: invalid)
+compile_fn(kernel, schedule, arch) -> f   f(*tensors in kernel.params order) launches it
+problem_fn(kernel, seed) -> Problem       inputs and reference outputs to check a candidate
+knobs_fn(schedule) -> dict                the knobs of a schedule (to print a cached pick)
+version                                   bump it when the space or the generator changes
+                                          meaning: tuned entries of other versions are ignored
+
+The map-reduce family is registered here; the compile and problem functions default to
+the Loop IR path (codegen render + NVRTC; the Loop IR interpreter as the reference).
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, is_dataclass
+from typing import Callable
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    space: Callable
+    build: Callable
+    compile: Callable
+    problem: Callable
+    knobs: Callable
+    version: str = "1"
+
+
+_FAMILIES: dict[str, Family] = {}
+
+
+def _compile_loop_kernel(kernel, schedule, arch):
+    from ..runtime.launch import compile_kernel
+
+    return compile_kernel(kernel, arch=arch, schedule=schedule)
+
+
+def _loop_problem(kernel, seed):
+    from .reference import loop_problem
+
+    return loop_problem(kernel, seed)
+
+
+def _dataclass_knobs(schedule) -> dict:
+    return asdict(schedule) if is_dataclass(schedule) else dict(schedule)
+
+
+def register_family(name: str, space_fn: Callable, build_fn: Callable, *, compile_fn: Callable = _compile_loop_kernel,
+                    problem_fn: Callable = _loop_problem, knobs_fn: Callable = _dataclass_knobs,
+                    version: str = "1") -> Family:
+    fam = Family(name, space_fn, build_fn, compile_fn, problem_fn, knobs_fn, version)
+    _FAMILIES[name] = fam
+    return fam
+
+
+def get_family(name: str) -> Family:
+    if name not in _FAMILIES:
+        raise ValueError(f"the tuner has no knob space for the {name!r} kernel family "
+                         f"(known: {', '.join(sorted(_FAMILIES)) or 'none'})")
+    return _FAMILIES[name]
+
+
+def families() -> tuple[str, ...]:
+    return tuple(sorted(_FAMILIES))
+
+
+def _register_builtin():
+    from . import mapreduce
+
+    register_family("mapreduce", mapreduce.space, mapreduce.build, knobs_fn=mapreduce.knobs_of, version="1")
+
+
+_register_builtin()
