@@ -38,14 +38,15 @@ def median_ms(fn) -> float:
 
 
 def parse_schedule(text: str) -> GemmSchedule:
-    """'128x256s4c2' -> bm 128, bn 256, 4 stages, 2 consumers (g<G> sets group_m)."""
+    """'128x256s4c2' -> bm 128, bn 256, 4 stages, 2 consumers (g<G>: group_m, m2: cluster)."""
     import re
 
-    m = re.fullmatch(r"(\d+)x(\d+)s(\d+)c(\d+)(?:g(\d+))?", text)
+    m = re.fullmatch(r"(\d+)x(\d+)s(\d+)c(\d+)(?:g(\d+))?(?:m(\d))?", text)
     if not m:
-        raise SystemExit(f"bad schedule {text!r}; want like 128x256s4c2")
-    bm, bn, s, c, g = m.groups()
-    return GemmSchedule(int(bm), int(bn), stages=int(s), consumers=int(c), group_m=int(g or 8))
+        raise SystemExit(f"bad schedule {text!r}; want like 128x256s4c2 (g8: group_m, m2: 2-CTA cluster)")
+    bm, bn, s, c, g, cl = m.groups()
+    return GemmSchedule(int(bm), int(bn), stages=int(s), consumers=int(c), group_m=int(g or 8),
+                        cluster_m=int(cl or 1))
 
 
 def check(out, a, b, b_major):

@@ -35,7 +35,8 @@ def _passes(out, ref, lowp):
 
 SCHEDULES = [GemmSchedule(128, 256, stages=4), GemmSchedule(128, 128, stages=6),
              GemmSchedule(64, 128, stages=8, consumers=1), GemmSchedule(256, 128, stages=4),
-             GemmSchedule(64, 64, stages=4, consumers=1)]
+             GemmSchedule(64, 64, stages=4, consumers=1), GemmSchedule(128, 256, stages=4, cluster_m=2),
+             GemmSchedule(128, 128, stages=6, cluster_m=2)]
 
 
 @pytest.mark.parametrize("sched", SCHEDULES, ids=str)

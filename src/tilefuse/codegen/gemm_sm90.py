@@ -81,6 +81,7 @@ class GemmSchedule:
     stages: int = 4
     consumers: int = 2
     group_m: int = 8
+    cluster_m: int = 1          # 2: CTA pairs along M share each B tile through TMA multicast
     producer_regs: int = 40
     consumer_regs: int = 232
 
@@ -94,6 +95,10 @@ class GemmSchedule:
             raise GemmError(f"bn={self.bn} must be a multiple of 8 in [8, 256] (wgmma N)")
         if self.bk != 64:
             raise GemmError(f"bk={self.bk}: this template reads K in 64-element (128-byte) swizzle spans")
+        if self.cluster_m not in (1, 2):
+            raise GemmError(f"cluster_m must be 1 or 2, not {self.cluster_m}")
+        if self.cluster_m == 2 and self.bn % 16:
+            raise GemmError(f"bn={self.bn}: a 2-CTA cluster splits the B tile in halves of whole 8-row atoms")
         if not 2 <= self.stages <= 8:
             raise GemmError(f"stages={self.stages} must be in [2, 8]")
         if self.acc_regs > 160:
@@ -117,8 +122,9 @@ class GemmSchedule:
         return self.stages * stage + 2 * self.stages * 8 + 1024  # + barriers + alignment slack
 
     def __str__(self):
+        cluster = f", cluster {self.cluster_m}x1 (B multicast)" if self.cluster_m > 1 else ""
         return (f"GemmSchedule(tile {self.bm}x{self.bn}x{self.bk}, {self.stages} stages, "
-                f"{self.consumers} consumer warpgroups, group_m {self.group_m})")
+                f"{self.consumers} consumer warpgroups, group_m {self.group_m}{cluster})")
 
 
 def default_schedule(problem: GemmProblem, sms: int = 132) -> GemmSchedule:
@@ -142,7 +148,7 @@ def default_schedule(problem: GemmProblem, sms: int = 132) -> GemmSchedule:
 class GemmSource:
     name: str
     source: str
-    grid_tiles: int                   # output tiles; the launcher runs min(tiles, SMs) CTAs
+    grid_tiles: int                   # output tiles (pairs, with a cluster); the launcher runs min(tiles, SMs/cluster) clusters
     block: tuple[int, int, int]
     smem_bytes: int
     params: tuple[str, ...]           # launch order after the two tensor maps
@@ -151,6 +157,7 @@ class GemmSource:
     a_box: tuple[int, int]            # TMA boxes (contiguous dim first)
     b_box: tuple[int, int]
     swizzle: hopper.TmaSwizzle
+    cluster: int = 1
     notes: tuple[str, ...] = ()
 
 
@@ -230,6 +237,19 @@ __device__ __forceinline__ void tf_tma_load(unsigned dst, const tf_tmap* map, in
   asm volatile("cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];"
                :: "r"(dst), "l"((tf_u64)map), "r"(c0), "r"(c1), "r"(c2), "r"(bar) : "memory");
 }
+__device__ __forceinline__ void tf_tma_load_mc(unsigned dst, const tf_tmap* map, int c0, int c1, int c2, unsigned bar,
+                                               unsigned short mask) {
+  asm volatile("cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
+               " [%0], [%1, {%2, %3, %4}], [%5], %6;"
+               :: "r"(dst), "l"((tf_u64)map), "r"(c0), "r"(c1), "r"(c2), "r"(bar), "h"(mask) : "memory");
+}
+__device__ __forceinline__ void tf_bar_arrive_cta(unsigned bar, unsigned rank) {
+  asm volatile("{\n\t.reg .b32 r;\n\tmapa.shared::cluster.u32 r, %0, %1;\n\t"
+               "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [r];\n\t}" :: "r"(bar), "r"(rank) : "memory");
+}
+__device__ __forceinline__ void tf_cluster_sync_all() {
+  asm volatile("barrier.cluster.arrive.release;\n\tbarrier.cluster.wait.acquire;" ::: "memory");
+}
 __device__ __forceinline__ void tf_wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void tf_wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
 template <int N> __device__ __forceinline__ void tf_wgmma_wait() {
@@ -271,7 +291,7 @@ def _epilogue_code(problem: GemmProblem, sched: GemmSchedule, kernel: ir.Kernel)
     row0, _ = cgen.c_tv_coords(frag, "tid", 0)  # row of value 0 (values 2,3 are 8 rows down)
     lines.append(f"const int frag_row = {row0};")
     lines.append(f"const int frag_col = {cgen.c_tv_coords(frag, 'tid', 0)[1]};")
-    full_tiles = problem.m % sched.bm == 0 and problem.n % sched.bn == 0
+    full_tiles = problem.m % (sched.bm * sched.cluster_m) == 0 and problem.n % sched.bn == 0
     packs = _pair_store(kernel, body)
     for mb in range(mb_count):
         for v in range(0, frag.values, 2 if packs else 1):
@@ -395,7 +415,10 @@ def render(problem: GemmProblem, sched: GemmSchedule | None = None) -> GemmSourc
     b = _operand(sched.bn, sched.bk, "K" if problem.b_major == "K" else "MN")
     name = kernel_name(problem, sched, kernel)
     P, S = problem, sched
-    tiles_m, tiles_n = -(-P.m // S.bm), -(-P.n // S.bn)
+    CL = S.cluster_m
+    # with a cluster, tiles are counted in CTA pairs along M (an odd last row of tiles is
+    # computed on zeros past M and not stored)
+    tiles_m, tiles_n = -(-P.m // (S.bm * CL)), -(-P.n // S.bn)
     tiles = tiles_m * tiles_n * P.batch
     k_iters = -(-P.k // S.bk)
     stage_bytes = a.bytes + b.bytes
@@ -407,11 +430,26 @@ def render(problem: GemmProblem, sched: GemmSchedule | None = None) -> GemmSourc
     cparams += [f"const {cexpr.storage_ctype(p.dtype)}* __restrict__ {_ident(p.name)}" for p in ops_params]
     mb_count = S.rows_per_wg // 64
     # B coordinates of a (k, n) tile: K-major reads box (k, n); N-major reads box (n, k) per 64-wide span
+    # With a cluster, each CTA loads half of B and multicasts it to both.
+    b_box = b.box
     if problem.b_major == "K":
-        b_loads = ["tf_tma_load(sb, &b_map, kt * BK, tn * BN, batch, full);"]
+        if CL == 1:
+            b_loads = ["tf_tma_load(sb, &b_map, kt * BK, tn * BN, batch, full);"]
+        else:
+            half = S.bn // 2
+            b_box = (b.box[0], half)
+            b_loads = [f"tf_tma_load_mc(sb + rank * {half * 128}, &b_map, kt * BK, tn * BN + rank * {half}, "
+                       f"batch, full, 3);"]
     else:
-        b_loads = [f"tf_tma_load(sb + {j * b.box_step}, &b_map, tn * BN + {j * 64}, kt * BK, batch, full);"
-                   for j in range(b.boxes)]
+        if CL == 1:
+            b_loads = [f"tf_tma_load(sb + {j * b.box_step}, &b_map, tn * BN + {j * 64}, kt * BK, batch, full);"
+                       for j in range(b.boxes)]
+        else:
+            if b.boxes % 2:
+                raise GemmError(f"bn={S.bn}: a 2-CTA cluster with N-major B needs bn a multiple of 128")
+            per = b.boxes // 2
+            b_loads = [f"tf_tma_load_mc(sb + (rank * {per} + {j}) * {b.box_step}, &b_map, "
+                       f"tn * BN + (rank * {per} + {j}) * 64, kt * BK, batch, full, 3);" for j in range(per)]
 
     b_load_lines = "\n".join("          " + x for x in b_loads)
     src = []
@@ -433,6 +471,7 @@ def render(problem: GemmProblem, sched: GemmSchedule | None = None) -> GemmSourc
 #define TILES {tiles}
 #define K_ITERS {k_iters}
 #define GROUP_M {S.group_m}
+#define CLUSTER {CL}
 #define A_BYTES {a.bytes}
 #define STAGE_BYTES {stage_bytes}
 #define DESC_A {a.desc.encode()}ULL
@@ -454,22 +493,25 @@ extern "C" __global__ void __launch_bounds__({S.threads}, 1)
   const unsigned base = (tf_smem_addr(tf_smem_raw) + 1023u) & ~1023u;
   const unsigned bars = base + STAGES * STAGE_BYTES;   // full[s] at bars + 8s, empty[s] at bars + 8(STAGES + s)
   const int wg = threadIdx.x / 128;
+  const int rank = {"blockIdx.x % CLUSTER" if CL > 1 else "0"};
+  const int first = blockIdx.x / CLUSTER, step = gridDim.x / CLUSTER;
   if (threadIdx.x == 0) {{
     for (int s = 0; s < STAGES; ++s) {{
       tf_bar_init(bars + 8 * s, 1);
-      tf_bar_init(bars + 8 * (STAGES + s), {S.consumers});
+      tf_bar_init(bars + 8 * (STAGES + s), {S.consumers * CL});
     }}
     asm volatile("fence.mbarrier_init.release.cluster;\\n\\tfence.proxy.async.shared::cta;" ::: "memory");
   }}
-  __syncthreads();
+  {"tf_cluster_sync_all();" if CL > 1 else "__syncthreads();"}
   int stage = 0;
   unsigned phase = 0;
   if (wg == 0) {{
     asm volatile("setmaxnreg.dec.sync.aligned.u32 {S.producer_regs};");
     if (threadIdx.x == 0) {{
-      for (int t = blockIdx.x; t < TILES; t += gridDim.x) {{
+      for (int t = first; t < TILES; t += step) {{
         int batch, tm, tn;
         tf_tile_coords(t, batch, tm, tn);
+        tm = tm * CLUSTER + rank;
         for (int kt = 0; kt < K_ITERS; ++kt) {{
           tf_bar_wait(bars + 8 * (STAGES + stage), phase ^ 1);
           const unsigned full = bars + 8 * stage;
@@ -485,9 +527,10 @@ extern "C" __global__ void __launch_bounds__({S.threads}, 1)
     asm volatile("setmaxnreg.inc.sync.aligned.u32 {S.consumer_regs};");
     const int c = wg - 1;
     const int tid = threadIdx.x % 128;
-    for (int t = blockIdx.x; t < TILES; t += gridDim.x) {{
+    for (int t = first; t < TILES; t += step) {{
       int batch, tm, tn;
       tf_tile_coords(t, batch, tm, tn);
+      tm = tm * CLUSTER + rank;
       float acc[{mb_count}][{S.bn // 2}];
       #pragma unroll
       for (int i = 0; i < {mb_count}; ++i)
@@ -503,24 +546,30 @@ extern "C" __global__ void __launch_bounds__({S.threads}, 1)
         for mb in range(mb_count):
             w(f"        tf_wgmma(acc[{mb}], DESC_A | ((tf_u64)((sa + {mb * a.mn_stride + ka}) & 0x3FFFF) >> 4), "
               f"DESC_B | ((tf_u64)((sb + {kb}) & 0x3FFFF) >> 4));")
+    if CL == 1:
+        release = "if (prev >= 0 && tid == 0) tf_bar_arrive(bars + 8 * (STAGES + prev));"
+    else:  # the stage is refilled by multicast from both CTAs: release it in both
+        release = ("if (prev >= 0 && tid < CLUSTER) tf_bar_arrive_cta(bars + 8 * (STAGES + prev), tid);")
     w(f"""        tf_wgmma_commit();
         tf_wgmma_wait<1>();
-        if (prev >= 0 && tid == 0) tf_bar_arrive(bars + 8 * (STAGES + prev));
+        {release}
         prev = stage;
         if (++stage == STAGES) {{ stage = 0; phase ^= 1; }}
       }}
       tf_wgmma_wait<0>();
-      if (prev >= 0 && tid == 0) tf_bar_arrive(bars + 8 * (STAGES + prev));
+      {release}
       const int row_base = tm * BM + c * {S.rows_per_wg};
       const int col_base = tn * BN;""")
     for line in _epilogue_code(problem, sched, kernel):
         w("      " + line)
     w("""    }
-  }
+  }""" + ("""
+  tf_cluster_sync_all();  // no CTA leaves while its peer may still signal its barriers""" if CL > 1 else "") + """
 }
 """)
     params = tuple(p.name for p in out_params) + tuple(p.name for p in ops_params)
     notes = ()
     return GemmSource(name=name, source="\n".join(src), grid_tiles=tiles, block=(S.threads, 1, 1),
                       smem_bytes=smem, params=params, problem=problem, schedule=sched,
-                      a_box=a.box, b_box=b.box, swizzle=hopper.tma_swizzle(a.layout, 16), notes=notes)
+                      a_box=a.box, b_box=b_box, swizzle=hopper.tma_swizzle(a.layout, 16), cluster=CL,
+                      notes=notes)

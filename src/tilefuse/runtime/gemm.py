@@ -121,8 +121,20 @@ class GemmKernel:
         _drv(driver.cuFuncSetAttribute(
             func, driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
             self.source.smem_bytes), "cuFuncSetAttribute(max dynamic shared memory)")
-        grid = min(self.source.grid_tiles, _sm_count(device))
-        self._loaded[device] = (module, func, grid)
+        cl = self.source.cluster
+        grid = min(self.source.grid_tiles, _sm_count(device) // cl) * cl
+        cfg = None
+        if cl > 1:
+            cfg = driver.CUlaunchConfig()
+            cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = grid, 1, 1
+            cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = self.source.block
+            cfg.sharedMemBytes = self.source.smem_bytes
+            attr = driver.CUlaunchAttribute()
+            attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+            attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z = cl, 1, 1
+            cfg.attrs = [attr]
+            cfg.numAttrs = 1
+        self._loaded[device] = (module, func, grid, cfg)
         return self._loaded[device]
 
     def allocate_outputs(self, device="cuda", poison: bool = True) -> dict:
@@ -165,15 +177,19 @@ class GemmKernel:
                 raise ValueError(f"GEMM {self.source.name}: all tensors must be on {a.device}")
             ptrs.append(tensors[name].data_ptr())
         device = a.get_device()
-        module, func, grid = self._loaded.get(device) or self._load(device)
+        module, func, grid, cfg = self._loaded.get(device) or self._load(device)
         amap, bmap = self._tensor_maps(a, b)
         bufs = [ctypes.create_string_buffer(amap, 128), ctypes.create_string_buffer(bmap, 128)]
         vals = [ctypes.c_void_p(p) for p in ptrs]
         addrs = [ctypes.addressof(x) for x in bufs + vals]
         params = (ctypes.c_void_p * len(addrs))(*addrs)
         stream = driver.CUstream(_raw_stream(device))
-        err = driver.cuLaunchKernel(func, grid, 1, 1, *self.source.block, self.source.smem_bytes, stream,
-                                    ctypes.addressof(params), 0)
+        if cfg is None:
+            err = driver.cuLaunchKernel(func, grid, 1, 1, *self.source.block, self.source.smem_bytes, stream,
+                                        ctypes.addressof(params), 0)
+        else:
+            cfg.hStream = stream
+            err = driver.cuLaunchKernelEx(cfg, func, ctypes.addressof(params), 0)
         if err[0] != driver.CUresult.CUDA_SUCCESS:
             _drv(err, f"launch of {self.source.name}")
         return next(iter(outs.values())) if len(outs) == 1 else outs
