@@ -1,0 +1,163 @@
+"""The sm_90a GEMM template without a GPU: epilogue programs through the Loop IR
+interpreter, index maps covering the tile, layouts taken from tilefuse.layout, knob
+instantiations compiling cleanly, and clear errors for problems it cannot take."""
+import re
+
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+
+from tilefuse.codegen import epilogue as epi
+from tilefuse.codegen import gemm_sm90 as g
+from tilefuse.layout import hopper, mma
+from tilefuse.loop.interp import run_kernel
+from tilefuse.runtime import nvrtc
+
+BF16 = ml_dtypes.bfloat16
+
+
+def _torch_act(act):
+    F = torch.nn.functional
+    return {"none": lambda x: x, "relu": torch.relu, "gelu": F.gelu,
+            "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"), "silu": F.silu,
+            "sigmoid": torch.sigmoid}[act]
+
+
+@pytest.mark.parametrize("act", epi.ACTIVATIONS)
+@pytest.mark.parametrize("bias", [None, "row", "col"])
+def test_standard_epilogue_computes_what_it_says(act, bias):
+    """act(acc * row_scale + bias) + residual, evaluated by the interpreter, equals torch in f32."""
+    m, n = 7, 10
+    rng = np.random.default_rng(0)
+    ins = {"acc": rng.standard_normal((m, n)).astype(np.float32),
+           "row_scale": rng.random(m).astype(np.float32) + 0.5,
+           "residual": rng.standard_normal((m, n)).astype(BF16)}
+    if bias:
+        ins["bias"] = rng.standard_normal(m if bias == "row" else n).astype(BF16)
+    k = epi.standard(m, n, "f32", bias=bias, activation=act, residual=True, row_scale=True, operand_dtype="bf16")
+    out = run_kernel(k, {b.name: ins[b.name] for b in k.inputs})["out"]
+    x = torch.from_numpy(ins["acc"]) * torch.from_numpy(ins["row_scale"])[:, None]
+    if bias == "col":
+        x = x + torch.from_numpy(ins["bias"].astype(np.float32))
+    elif bias == "row":
+        x = x + torch.from_numpy(ins["bias"].astype(np.float32))[:, None]
+    ref = _torch_act(act)(x) + torch.from_numpy(ins["residual"].astype(np.float32))
+    np.testing.assert_allclose(out, ref.numpy(), rtol=2e-6, atol=2e-6)
+
+
+def test_batched_epilogue_indexes_the_batch():
+    k = epi.standard(3, 4, "f32", batch=2, residual=True)
+    acc = np.arange(24, dtype=np.float32).reshape(2, 3, 4)
+    res = np.ones((2, 3, 4), dtype=np.float32)
+    out = run_kernel(k, {"acc": acc, "residual": res})["out"]
+    np.testing.assert_array_equal(out, acc + 1)
+
+
+def test_unknown_activation_is_refused():
+    with pytest.raises(ValueError, match="unknown activation"):
+        epi.standard(4, 4, "bf16", activation="swish2")
+
+
+def _coords(source: str, name: str):
+    """The C expression assigned to `name` in the source, as a Python function of tid."""
+    expr = re.search(rf"const int {name} = (.*?);", source).group(1).replace("/", "//")
+    return lambda tid: eval(expr, {"tid": tid})
+
+
+@pytest.mark.parametrize("sched", [g.GemmSchedule(128, 256), g.GemmSchedule(128, 128, stages=6),
+                                   g.GemmSchedule(64, 64, consumers=1), g.GemmSchedule(256, 128)], ids=str)
+def test_epilogue_registers_cover_the_tile_exactly_once(sched):
+    """Each (warpgroup, thread, register) of the rendered epilogue names a distinct element,
+    and together they are the whole BM x BN tile: rows/cols come from the wgmma fragment."""
+    src = g.render(g.GemmProblem(4 * sched.bm, 4 * sched.bn, 64), sched).source
+    frag_row, frag_col = _coords(src, "frag_row"), _coords(src, "frag_col")
+    frag = mma.sm90_64xN_c(sched.bn)
+    seen = {}
+    for c in range(sched.consumers):
+        for mb in range(sched.rows_per_wg // 64):
+            for tid in range(128):
+                for v in range(frag.values):
+                    r0, c0 = frag(0, v)
+                    rc = (c * sched.rows_per_wg + mb * 64 + frag_row(tid) + r0, frag_col(tid) + c0)
+                    assert rc not in seen, f"{rc} written twice"
+                    seen[rc] = (c, mb, tid, v)
+                    assert (frag_row(tid) + r0, frag_col(tid) + c0) == frag(tid, v)
+    assert set(seen) == {(r, col) for r in range(sched.bm) for col in range(sched.bn)}
+
+
+def test_shared_memory_layouts_and_descriptors_come_from_the_layout_algebra():
+    """The descriptor constants in the source are GmmaDescriptor.encode() of the layouts
+    tilefuse.layout builds, and the TMA boxes are tma_box of those layouts."""
+    sched = g.GemmSchedule(128, 256)
+    src = g.render(g.GemmProblem(1024, 1024, 1024), sched)
+    la = hopper.gmma_smem_layout("K", 128, 16, (128, 64))
+    lb = hopper.gmma_smem_layout("K", 128, 16, (256, 64))
+    da, db = hopper.gmma_descriptor(la, "K", 16), hopper.gmma_descriptor(lb, "K", 16)
+    assert da.sbo == 1024 and da.layout_type == hopper.GmmaLayoutType.B128
+    assert f"#define DESC_A {da.encode()}ULL" in src.source
+    assert f"#define DESC_B {db.encode()}ULL" in src.source
+    assert src.a_box == hopper.tma_box(la, "K", 16) == (64, 128)
+    assert src.b_box == hopper.tma_box(lb, "K", 16)
+    assert src.swizzle == hopper.TmaSwizzle.B128
+
+
+def test_n_major_b_operand_gets_a_canonical_mn_major_descriptor():
+    op = g._operand(256, 64, "MN")
+    assert op.desc.layout_type == hopper.GmmaLayoutType.B128
+    assert op.box == (64, 64) and op.boxes == 4
+    # each 16-deep K slice starts two 8-row (1024-byte) groups further on; 64-wide spans of N
+    # are one TMA box (64 x 64 x 2 bytes) apart
+    assert op.desc.sbo == 1024 and op.desc.lbo == op.box_step == 8192
+    assert op.k_offsets == (0, 2048, 4096, 6144)
+
+
+KNOBS = [g.GemmSchedule(128, 256, stages=4), g.GemmSchedule(128, 128, stages=6),
+         g.GemmSchedule(64, 128, stages=8, consumers=1), g.GemmSchedule(256, 128, stages=4),
+         g.GemmSchedule(128, 256, stages=4, cluster_m=2)]
+
+
+@pytest.mark.parametrize("sched", KNOBS, ids=str)
+@pytest.mark.parametrize("b_major", ["K", "N"])
+def test_knob_instantiations_compile_for_sm90a_without_spills(sched, b_major):
+    ep = epi.standard(1000, 1024, "bf16", bias="col", activation="gelu", residual=True)
+    src = g.render(g.GemmProblem(1000, 1024, 520, "bf16", b_major=b_major, epilogue=ep), sched)
+    cubin = nvrtc.compile_cuda(src.source, src.name, "sm_90a")
+    assert cubin.info.clean, cubin.info
+    assert "C7508" not in cubin.log, "setmaxnreg ignored"
+    assert src.smem_bytes <= g.SMEM_LIMIT
+
+
+def test_problems_tma_cannot_read_are_refused_with_the_reason():
+    with pytest.raises(g.GemmError, match="K=70"):
+        g.render(g.GemmProblem(64, 64, 70))
+    with pytest.raises(g.GemmError, match="N=100"):
+        g.render(g.GemmProblem(64, 100, 64, b_major="N"))
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(consumers=3), "consumers"), (dict(bm=96), "bm=96"), (dict(bn=12), "bn=12"),
+    (dict(bk=32), "bk=32"), (dict(stages=1), "stages"), (dict(bm=256, bn=256), "accumulator"),
+    (dict(cluster_m=4), "cluster_m"),
+])
+def test_bad_knobs_are_refused(kwargs, match):
+    with pytest.raises(g.GemmError, match=match):
+        g.GemmSchedule(**kwargs)
+
+
+def test_too_much_shared_memory_is_refused():
+    with pytest.raises(g.GemmError, match="shared memory"):
+        g.render(g.GemmProblem(512, 512, 512), g.GemmSchedule(128, 256, stages=6))
+
+
+def test_epilogue_shape_mismatch_is_refused():
+    ep = epi.standard(64, 32, "bf16")
+    with pytest.raises(g.GemmError, match="acc"):
+        g.render(g.GemmProblem(64, 64, 64, epilogue=ep))
+
+
+def test_default_schedule_fills_the_gpu():
+    """Large problems take the big tile; a short M takes a smaller tile so more SMs work."""
+    assert g.default_schedule(g.GemmProblem(8192, 8192, 8192)).bn == 256
+    small = g.default_schedule(g.GemmProblem(512, 4096, 4096))
+    assert (512 // small.bm) * (4096 // small.bn) >= 0.9 * 132
