@@ -11,6 +11,7 @@ from .graph.fusion import Plan, plan
 from .graph.rewrites import Fired, run_rewrites
 from .loop.lower import Lowered, lower_step
 from .runtime.program import Program
+from .tune.lookup import tuned_schedule
 
 
 @dataclass
@@ -40,7 +41,7 @@ def compile_stages(fn, example_inputs, *, expr: str | None = None, arch: str | N
         if step.family == "mapreduce":
             kernels[step.name] = lower_step(graph, step, f"tf_{step.name}")
     t2 = time.perf_counter()
-    program = Program(graph, p, kernels, out_spec=ep.call_spec.out_spec, arch=arch)
+    program = Program(graph, p, kernels, out_spec=ep.call_spec.out_spec, arch=arch, schedules=tuned_schedule)
     return Compiled(captured, graph, fired, p, kernels, program,
                     {"export_s": t1 - t0, "lower_s": t2 - t1})
 

@@ -36,6 +36,7 @@ class Program:
     graphs: bool | None = None  # CUDA-graph replay; None: on unless TILEFUSE_CUDA_GRAPHS=0
     graph_slots: int = 2  # captures per input signature (results the caller may hold at once, plus one)
     graph_clone: bool = False  # return clones of the graph's outputs instead of tracking what the caller holds
+    schedules: object = None  # (kernel, arch, device) -> schedule or None (tune.lookup.tuned_schedule); None: defaults
 
     def __post_init__(self):
         self._compiled: dict = {}
@@ -97,7 +98,8 @@ class Program:
         if key not in self._compiled:
             from .launch import compile_kernel
 
-            self._compiled[key] = compile_kernel(lowered.kernel, arch=self.arch)
+            sched = self.schedules(lowered.kernel, self.arch, device) if self.schedules else None
+            self._compiled[key] = compile_kernel(lowered.kernel, arch=self.arch, schedule=sched)
         return self._compiled[key]
 
     def prepare(self, device="cuda"):
