@@ -1,7 +1,8 @@
 """tilefuse's sm_90a GEMM vs cuBLAS (torch.matmul), bf16, issue 4's shapes.
 
     python3 bench/gemm.py [--json bench/results/gemm_h100.json] [--shapes 4096,4096,4096 ...]
-        [--schedules 128x256s4c2,128x128s6c2] [--fused]
+        [--schedules 128x256s4c2,128x128s6c2]
+    python3 bench/gemm.py --fused [--json bench/results/gemm_fused_h100.json]
 
 Random normal inputs; each tilefuse result is checked against a float32 reference (the 2x
 rule of tilefuse.check, against cuBLAS's own bf16 error) before it is timed. Times are
@@ -83,13 +84,94 @@ def run_shape(m, n, k, schedules, b_major="K"):
     return rows
 
 
+FUSED_SHAPES = [(8192, 4096, 4096), (8192, 11008, 4096)]
+
+
+def _baseline(fn, *args):
+    """The faster of eager and torch.compile (default) for the same function, in ms."""
+    eager = median_ms(lambda: fn(*args))
+    compiled = torch.compile(fn)
+    for _ in range(3):
+        compiled(*args)
+    comp = median_ms(lambda: compiled(*args))
+    return min(eager, comp), eager, comp
+
+
+def run_fused(m, n, k, sched=None):
+    """Each epilogue kind fused into the GEMM vs cuBLAS + the best of eager / torch.compile."""
+    import torch.nn.functional as F
+
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    rows = []
+    cases = {
+        "bias+gelu": (n, epi.standard(m, n, "bf16", bias="col", activation="gelu"),
+                      lambda x, w, b, r, s: F.gelu(F.linear(x, w, b)), ("bias",)),
+        "swiglu": (2 * n, epi.glu(m, 2 * n, "bf16"), None, ()),
+        "residual": (n, epi.standard(m, n, "bf16", residual=True),
+                     lambda x, w, b, r, s: F.linear(x, w) + r, ("residual",)),
+        "row-scale": (n, epi.standard(m, n, "bf16", row_scale=True),
+                      lambda x, w, b, r, s: F.linear(x, w) * s[:, None], ("row_scale",)),
+    }
+    for kind, (nn_, ep, ref_fn, extra) in cases.items():
+        w = torch.randn(nn_, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
+        b = torch.randn(nn_, device="cuda", dtype=torch.bfloat16)
+        r = torch.randn(m, nn_, device="cuda", dtype=torch.bfloat16)
+        s = torch.rand(m, device="cuda", dtype=torch.float32) + 0.5
+        plain = compile_gemm(GemmProblem(m, nn_, k, "bf16"), sched)
+        g = compile_gemm(GemmProblem(m, nn_, k, "bf16", epilogue=ep), sched)
+        named = {"bias": b, "residual": r, "row_scale": s}
+        args = {name: named[name] for name in extra}
+        if kind == "swiglu":
+            # tilefuse: gate/up rows interleaved once; baseline: the usual [gate; up] weight
+            w_std = w
+            w_il = torch.stack([w_std[: nn_ // 2], w_std[nn_ // 2:]], dim=1).reshape(nn_, k).contiguous()
+
+            def ref_fn(x, w, b, r, s):
+                gate, up = F.linear(x, w).chunk(2, dim=-1)
+                return F.silu(gate) * up
+            out = g(x, w_il)
+            base_args = (x, w_std, b, r, s)
+        else:
+            out = g(x, w, **args)
+            base_args = (x, w, b, r, s)
+        torch.cuda.synchronize()
+        ref32 = ref_fn(*(t.float() if t.dtype == torch.bfloat16 else t for t in base_args))
+        lowp = ref_fn(*base_args)
+        err, base_err = rel_error(out.float(), ref32), rel_error(lowp.float(), ref32)
+        ok = bool(torch.isfinite(out).all()) and err <= 2 * base_err + 1e-5
+        if kind == "swiglu":
+            t = median_ms(lambda: g(x, w_il))
+        else:
+            t = median_ms(lambda: g(x, w, **args))
+        t_plain = median_ms(lambda: plain(x, w))
+        best, eager, comp = _baseline(ref_fn, *base_args)
+        rows.append(dict(kind=kind, m=m, n=nn_, k=k, ok=ok, err=err, torch_err=base_err, ms=t, plain_ms=t_plain,
+                         eager_ms=eager, compile_ms=comp, speedup=best / t, vs_plain=t / t_plain))
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json")
     ap.add_argument("--shapes", nargs="*", help="M,N,K triples")
     ap.add_argument("--schedules", default="", help="comma-separated, e.g. 128x256s4c2,128x128s6c2")
     ap.add_argument("--b-major", default="K", choices=["K", "N"])
+    ap.add_argument("--fused", action="store_true", help="the fused-epilogue table instead")
     args = ap.parse_args(argv)
+    if args.fused:
+        rows = [r for m, n, k in FUSED_SHAPES for r in run_fused(m, n, k)]
+        if args.json:
+            Path(args.json).write_text(json.dumps(dict(gpu=torch.cuda.get_device_name(), rows=rows), indent=1))
+        print(f"\n{torch.cuda.get_device_name()}, bf16; speedup = best of (eager, torch.compile) / fused GEMM")
+        print(f"{'epilogue':>10} {'M x N x K':>18} {'ok':>3} {'ms':>7} {'plain':>7} {'eager':>7} {'compile':>7} "
+              f"{'speedup':>8} {'vs plain':>8}")
+        for r in rows:
+            shape = f"{r['m']}x{r['n']}x{r['k']}"
+            print(f"{r['kind']:>10} {shape:>18} {'y' if r['ok'] else 'N':>3} "
+                  f"{r['ms']:7.3f} {r['plain_ms']:7.3f} {r['eager_ms']:7.3f} {r['compile_ms']:7.3f} "
+                  f"{r['speedup']:8.3f} {r['vs_plain']:8.3f}")
+        return
     shapes = [tuple(int(x) for x in s.split(",")) for s in args.shapes] if args.shapes else SHAPES
     scheds = [parse_schedule(s) for s in args.schedules.split(",") if s]
     rows = []

@@ -161,3 +161,20 @@ def test_default_schedule_fills_the_gpu():
     assert g.default_schedule(g.GemmProblem(8192, 8192, 8192)).bn == 256
     small = g.default_schedule(g.GemmProblem(512, 4096, 4096))
     assert (512 // small.bm) * (4096 // small.bn) >= 0.9 * 132
+
+
+def test_glu_epilogue_pairs_adjacent_columns():
+    """glu(): out[m, j] = silu(acc[m, 2j]) * acc[m, 2j + 1], half as wide as the accumulator."""
+    rng = np.random.default_rng(1)
+    acc = rng.standard_normal((5, 8)).astype(np.float32)
+    k = epi.glu(5, 8, "f32")
+    assert epi.is_pairwise(k) and not epi.is_pairwise(epi.standard(5, 8, "f32"))
+    out = run_kernel(k, {"acc": acc})["out"]
+    t = torch.from_numpy(acc)
+    np.testing.assert_allclose(out, (torch.nn.functional.silu(t[:, 0::2]) * t[:, 1::2]).numpy(), rtol=1e-6)
+
+
+def test_glu_gemm_compiles_and_stores_half_width():
+    src = g.render(g.GemmProblem(100, 256, 64, epilogue=epi.glu(100, 256, "bf16")))
+    assert "out[(m) * 128LL + (n)]" in src.source
+    assert nvrtc.compile_cuda(src.source, src.name, "sm_90a").info.clean

@@ -29,16 +29,24 @@ class EpilogueBuilder:
     m: int
     n: int
     batch: int = 1
+    pairwise: bool = False      # outputs are n // 2 wide, each from columns (2j, 2j + 1)
     params: list = field(default_factory=list)
     body: list = field(default_factory=list)
     _count: int = 0
 
     def __post_init__(self):
-        self.params.append(ir.Buffer(ACC, self._shape(), "f32", "in"))
+        if self.pairwise and self.n % 2:
+            raise ValueError(f"a pairwise epilogue needs an even N, not {self.n}")
+        lead = (self.batch,) if self.batch > 1 else ()
+        self.params.append(ir.Buffer(ACC, lead + (self.m, self.n), "f32", "in"))
+
+    @property
+    def out_n(self) -> int:
+        return self.n // 2 if self.pairwise else self.n
 
     def _shape(self, kind: str = "tile"):
         lead = (self.batch,) if self.batch > 1 else ()
-        return {"tile": lead + (self.m, self.n), "row": (self.m,), "col": (self.n,)}[kind]
+        return {"tile": lead + (self.m, self.out_n), "row": (self.m,), "col": (self.out_n,)}[kind]
 
     def _index(self, kind: str = "tile"):
         lead = (ir.Var("b"),) if self.batch > 1 else ()
@@ -49,9 +57,16 @@ class EpilogueBuilder:
         self._count += 1
         return f"{hint}{self._count}"
 
-    def acc(self) -> str:
+    def acc(self, pair: int | None = None) -> str:
+        """The accumulator at (m, n); in a pairwise epilogue (`pairwise=True`), column
+        2n + pair: the two adjacent accumulator columns one output element is made of."""
         dst = self._name("a")
-        self.body.append(ir.Load(dst, ACC, self._index()))
+        index = self._index()
+        if self.pairwise:
+            if pair not in (0, 1):
+                raise ValueError("a pairwise epilogue reads acc(0) or acc(1)")
+            index = index[:-1] + (ir.idx(ir.IBin("+", ir.IBin("*", ir.IConst(2), ir.Var("n")), ir.IConst(pair))),)
+        self.body.append(ir.Load(dst, ACC, index))
         return dst
 
     def load(self, name: str, kind: str, dtype: str) -> str:
@@ -81,7 +96,7 @@ class EpilogueBuilder:
         self.body.append(ir.Store(name, self._index(), value))
 
     def kernel(self, name: str = "epilogue") -> ir.Kernel:
-        inner = ir.Loop("n", self.n, tuple(self.body), parallel=True)
+        inner = ir.Loop("n", self.out_n, tuple(self.body), parallel=True)
         loop = ir.Loop("m", self.m, (inner,), parallel=True)
         if self.batch > 1:
             loop = ir.Loop("b", self.batch, (loop,), parallel=True)
@@ -132,6 +147,27 @@ def standard(m: int, n: int, out_dtype: str, *, batch: int = 1, alpha: float | N
         x = e.op("add", x, e.load("residual", "tile", od))
     e.store("out", x, out_dtype)
     return e.kernel()
+
+
+def glu(m: int, n: int, out_dtype: str, *, activation: str = "silu", batch: int = 1) -> ir.Kernel:
+    """SwiGLU / GeGLU on interleaved gate/up columns: out[m, j] = act(acc[m, 2j]) * acc[m, 2j+1].
+
+    The weight's rows are interleaved once at compile time (gate row j at 2j, up row j at
+    2j + 1), so each output element's two inputs sit in one thread's adjacent registers.
+    """
+    e = EpilogueBuilder(m, n, batch, pairwise=True)
+    gate, up = e.acc(0), e.acc(1)
+    e.store("out", e.op("mul", _activate(e, gate, activation), up), out_dtype)
+    return e.kernel("glu_epilogue")
+
+
+def is_pairwise(kernel: ir.Kernel) -> bool:
+    """Its n loop runs over half the accumulator's columns."""
+    acc = kernel.buffer(ACC)
+    body = kernel.body
+    while len(body) == 1 and isinstance(body[0], ir.Loop) and body[0].var != "n":
+        body = body[0].body
+    return bool(body) and isinstance(body[0], ir.Loop) and body[0].extent * 2 == acc.shape[-1]
 
 
 def inner_body(kernel: ir.Kernel) -> tuple:

@@ -292,6 +292,19 @@ def _epilogue_code(problem: GemmProblem, sched: GemmSchedule, kernel: ir.Kernel)
     lines.append(f"const int frag_row = {row0};")
     lines.append(f"const int frag_col = {cgen.c_tv_coords(frag, 'tid', 0)[1]};")
     full_tiles = problem.m % (sched.bm * sched.cluster_m) == 0 and problem.n % sched.bn == 0
+    if epi.is_pairwise(kernel):  # one output element per register pair (v, v + 1)
+        for mb in range(mb_count):
+            for v in range(0, frag.values, 2):
+                r, c = frag(0, v)
+                lines.append("{")
+                lines.append(f"  const int m = row_base + {mb * 64} + frag_row + {r};")
+                lines.append(f"  const int n = (col_base + frag_col + {c}) >> 1;")
+                lines.append(f"  if (m < {problem.m} && 2 * n < {problem.n}) {{")
+                _render_element(kernel, body, [f"acc[{mb}][{v}]", f"acc[{mb}][{v + 1}]"], "n", lines, "",
+                                store=True)
+                lines.append("  }")
+                lines.append("}")
+        return lines
     packs = _pair_store(kernel, body)
     for mb in range(mb_count):
         for v in range(0, frag.values, 2 if packs else 1):
@@ -328,6 +341,31 @@ def _pair_store(kernel: ir.Kernel, body) -> str | None:
     return outs[0].dtype
 
 
+def _column_parity(e) -> int:
+    """0 or 1: which of the pair (2n, 2n + 1) an accumulator column index names."""
+    def ev(x, n):
+        if isinstance(x, ir.IConst):
+            return x.value
+        if isinstance(x, ir.Var):
+            if x.name != "n":
+                raise GemmError(f"pairwise epilogue: acc column index uses {x.name}")
+            return n
+        if isinstance(x, ir.IBin):
+            a, b = ev(x.a, n), ev(x.b, n)
+            if x.op == "+":
+                return a + b
+            if x.op == "*":
+                return a * b
+            if b == 0:
+                raise GemmError(f"pairwise epilogue: division by zero in {x}")
+            return a // b if x.op == "//" else a % b
+        raise GemmError(f"pairwise epilogue: unsupported acc column index {x}")
+
+    if any(ev(e, n) != 2 * n + ev(e, 0) for n in range(4)) or ev(e, 0) not in (0, 1):
+        raise GemmError(f"pairwise epilogue: acc column {e} is not 2n or 2n + 1")
+    return ev(e, 0)
+
+
 def _render_element(kernel, body, acc_expr, n_expr, lines, suffix, *, store: bool):
     """Emit one element's statements; return ((out name, offset), value) of its store."""
     env = {"m": "m", "n": f"({n_expr})", "b": "batch"}
@@ -340,7 +378,11 @@ def _render_element(kernel, body, acc_expr, n_expr, lines, suffix, *, store: boo
             buf = kernel.buffer(s.buf)
             name = f"{_ident(s.dst)}{suffix}"
             if buf.name == epi.ACC:
-                expr = acc_expr
+                if isinstance(acc_expr, list):  # pairwise: which of the two columns
+                    pair = _column_parity(s.index[-1])
+                    expr = acc_expr[pair]
+                else:
+                    expr = acc_expr
             else:
                 off = cexpr.flat_offset(buf, s.index, env)
                 expr = cexpr.from_storage(buf.dtype, f"{_ident(buf.name)}[{off}]")
@@ -385,6 +427,8 @@ def _check_epilogue(problem: GemmProblem, kernel: ir.Kernel):
     want = ((problem.batch,) if problem.batch > 1 else ()) + (problem.m, problem.n)
     if not acc or acc[0].shape != want or acc[0].dtype != "f32":
         raise GemmError(f"epilogue {kernel.name}: needs an f32 input 'acc' of shape {want}")
+    if epi.is_pairwise(kernel):
+        want = want[:-1] + (problem.n // 2,)
     for b in kernel.outputs:
         if b.shape != want:
             raise GemmError(f"epilogue {kernel.name}: output {b.name} has shape {b.shape}, want {want}")
