@@ -34,6 +34,19 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--bench", action="store_true", help="on a GPU: time it against eager and torch.compile")
     r.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
     r.add_argument("--seed", type=int, default=0)
+    t = sub.add_parser("tune", help="tune each kernel's schedule on this GPU; later runs use the picks",
+                       description="Search each distinct kernel's schedule knobs (SP-MCTS, or every candidate "
+                                   "when few), measuring candidates in isolated worker processes; the picks go "
+                                   "to the tuning cache that run, compile and tilefuse.compile read.")
+    program_args(t)
+    t.add_argument("--budget", type=int, default=64, help="candidates measured per kernel (default 64)")
+    t.add_argument("--gpus", type=int, default=1, help="benchmark workers, one per local GPU (default 1)")
+    t.add_argument("--exhaustive", action="store_true", help="measure every candidate")
+    t.add_argument("--threshold", type=int, default=48,
+                   help="measure every candidate when a kernel has at most this many (default 48)")
+    t.add_argument("--force", action="store_true", help="re-tune kernels the cache already has")
+    t.add_argument("--timeout", type=float, default=60.0, help="seconds before a candidate counts as hung")
+    t.add_argument("--seed", type=int, default=0)
     lay = sub.add_parser("layout", help="print or draw a CuTe layout", add_help=False)
     lay.add_argument("rest", nargs=argparse.REMAINDER)
     return p
@@ -55,6 +68,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "compile":
             return cmd_compile(args)
+        if args.command == "tune":
+            from .tune.command import run as cmd_tune
+
+            return cmd_tune(args, _build)
         return cmd_run(args)
     except KeyboardInterrupt:
         return 130
@@ -112,12 +129,14 @@ def cmd_compile(args) -> int:
                 console.print(str(lk.kernel), markup=False)
                 console.print()
         else:
-            from .codegen.mapreduce import default_schedule, render
+            from .codegen.mapreduce import render
+            from .tune.lookup import choose
 
             for lk in st.kernels.values():
-                sched = default_schedule(lk.kernel, args.arch or _default_arch())
+                choice = choose(lk.kernel, args.arch or _default_arch())  # tuned (cache hit) or heuristic default
+                sched = choice.schedule
                 if stage == "schedule":
-                    console.print(f"{lk.kernel.name}: {sched}  (source: heuristic default)", markup=False)
+                    console.print(f"{lk.kernel.name}: {sched}  (source: {choice.note})", markup=False)
                 else:
                     src = render(lk.kernel, sched, arch=args.arch or _default_arch())
                     console.print(f"// ---- {lk.kernel.name}: grid {src.grid} block {src.block} "

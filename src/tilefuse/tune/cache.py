@@ -60,10 +60,8 @@ class Key:
 
 def key_for(kernel, device, family) -> Key:
     """The cache key of `kernel` on `device` (a tune.device.Device) for `family` (a Family)."""
-    from ..loop.canon import structural_hash
-
-    return Key(device.name, device.capability, device.toolkit, family.name, family.version,
-               structural_hash(kernel), signature(kernel))
+    khash, sig = family.describe(kernel)
+    return Key(device.name, device.capability, device.toolkit, family.name, family.version, khash, sig)
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,8 @@ build_fn(kernel, knobs, arch) -> schedule the family's schedule object (ValueErr
 compile_fn(kernel, schedule, arch) -> f   f(*tensors in kernel.params order) launches it
 problem_fn(kernel, seed) -> Problem       inputs and reference outputs to check a candidate
 knobs_fn(schedule) -> dict                the knobs of a schedule (to print a cached pick)
+describe_fn(kernel) -> (hash, signature)  the cache key's kernel part: a structural hash
+                                          (names must not change it) and the shapes/dtypes
 version                                   bump it when the space or the generator changes
                                           meaning: tuned entries of other versions are ignored
 
@@ -27,6 +29,7 @@ class Family:
     compile: Callable
     problem: Callable
     knobs: Callable
+    describe: Callable
     version: str = "1"
 
 
@@ -45,14 +48,21 @@ def _loop_problem(kernel, seed):
     return loop_problem(kernel, seed)
 
 
+def _describe_loop_kernel(kernel) -> tuple[str, str]:
+    from ..loop.canon import structural_hash
+    from .cache import signature
+
+    return structural_hash(kernel), signature(kernel)
+
+
 def _dataclass_knobs(schedule) -> dict:
     return asdict(schedule) if is_dataclass(schedule) else dict(schedule)
 
 
 def register_family(name: str, space_fn: Callable, build_fn: Callable, *, compile_fn: Callable = _compile_loop_kernel,
                     problem_fn: Callable = _loop_problem, knobs_fn: Callable = _dataclass_knobs,
-                    version: str = "1") -> Family:
-    fam = Family(name, space_fn, build_fn, compile_fn, problem_fn, knobs_fn, version)
+                    describe_fn: Callable = _describe_loop_kernel, version: str = "1") -> Family:
+    fam = Family(name, space_fn, build_fn, compile_fn, problem_fn, knobs_fn, describe_fn, version)
     _FAMILIES[name] = fam
     return fam
 

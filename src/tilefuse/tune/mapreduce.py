@@ -1,20 +1,28 @@
 """The map-reduce family's knob space, derived from MapReduceSchedule and default_schedule.
 
-Dimensions, most influential first (the search tree branches in this order):
-stage (regs | smem | stream), vector (the widest chunk and half of it), threads per CTA,
-group (threads per row), cluster (CTAs per row, sm_90), min_blocks (__launch_bounds__'s
-CTAs per SM, i.e. the register cap), unroll (stream stage only).
+Dimensions, most influential first (the search tree branches in this order): stage
+(smem | regs | stream), vector (the widest chunk, and half of it for the regs stage),
+threads per CTA, group (threads per row), cluster (CTAs per row, sm_90), min_blocks
+(__launch_bounds__'s CTAs per SM, i.e. the register cap), unroll (stream stage only).
 
 `admits` prunes what cannot help: more threads per row than the row has chunks, more
-than 32 chunks per thread, more rows per CTA than the kernel has rows, a register cap
-that does not fit 2048 threads per SM, unroll away from its default outside the stream
-stage (it changes nothing there). `valid` is the codegen's own word: the schedule
-constructs and the kernel renders for the target (staged registers, shared memory,
-16-byte chunks for smem, clusters only on sm_90).
+than 16 chunks per thread, more rows per CTA than the kernel has rows, a register cap
+other than none / 1024 / 2048 resident threads per SM (or the heuristic's own), unroll
+away from its default where it changes nothing. `valid` is the codegen's own word: the
+schedule constructs and the kernel renders for the target (staged registers, shared
+memory, 16-byte chunks for smem, clusters only on sm_90); a config that renders exactly
+the kernel another config already did is a duplicate, not a new candidate.
+
+Fields of MapReduceSchedule this module does not name get candidates by their type: a
+bool knob both values, anything else the heuristic's value only; so a new codegen knob is
+searched (or at least carried) without touching this file. The heuristic default is
+always a candidate.
 """
 from __future__ import annotations
 
-from dataclasses import asdict
+import hashlib
+import re
+from dataclasses import asdict, fields
 from typing import Mapping
 
 from ..codegen import mapreduce as mr
@@ -45,30 +53,27 @@ def space(kernel: ir.Kernel, arch: str = "sm_90a") -> Space:
     clusters = CLUSTERS if mr.supports_clusters(arch) else (1,)
 
     def occupancies(t: int) -> set:
-        """__launch_bounds__ minima worth trying for t threads: none, 1024 or 2048 resident
-        threads per SM, and the heuristic's own choice."""
         return {1, max(1, 1024 // t), SM_THREADS // t} | ({d.min_blocks} if t == d.threads else set())
 
-    def chunks_per_thread(k: Mapping) -> int:
-        return -(-(-(-C // k["vector"])) // (k["group"] * k["cluster"]))
+    def row_chunks(k: Mapping) -> int:
+        return -(-C // k["vector"])
 
     def admits(k: Mapping) -> bool:
         if all(knobs[n] == v for n, v in k.items()):
-            return True  # the heuristic's pick is always a candidate
+            return True  # the heuristic's pick and everything on the way to it
         if "vector" in k and k["vector"] != d.vector and k["stage"] != "regs":
             return False  # narrower chunks only to ease register pressure; smem needs 16 bytes
         if "group" in k:
             t, g = k["threads"], k["group"]
             if g > t or t % g or (g > 32 and g % 32) or t // g > _pow2ceil(R):
                 return False
-            if g > _pow2ceil(-(-C // k["vector"])):  # idle threads in every row
+            if g > _pow2ceil(row_chunks(k)):  # threads that would idle in every row
                 return False
         if "cluster" in k:
+            p = k["group"] * k["cluster"]
             if k["cluster"] > 1 and k["group"] != k["threads"]:
                 return False
-            if k["group"] * k["cluster"] > _pow2ceil(-(-C // k["vector"])):
-                return False
-            if chunks_per_thread(k) > MAX_CHUNKS_PER_THREAD:
+            if p > _pow2ceil(row_chunks(k)) or -(-row_chunks(k) // p) > MAX_CHUNKS_PER_THREAD:
                 return False
         if "min_blocks" in k:
             mb = k["min_blocks"]
@@ -76,27 +81,37 @@ def space(kernel: ir.Kernel, arch: str = "sm_90a") -> Space:
                 return False
         if "unroll" in k and k["unroll"] != d.unroll:
             # unroll shapes only the stream stage's chunk loop, and only up to its trip count
-            if k["stage"] != "stream" or k["unroll"] > chunks_per_thread(k):
+            if k["stage"] != "stream" or k["unroll"] > -(-row_chunks(k) // (k["group"] * k["cluster"])):
                 return False
         return True
 
+    rendered: dict = {}  # what a config renders to -> the first config that did
+
     def valid(k: Mapping) -> bool:
         try:
-            mr.render(kernel, mr.MapReduceSchedule(**k), arch)
-        except ValueError:
+            src = mr.render(kernel, mr.MapReduceSchedule(**k), arch)
+        except (ValueError, TypeError):
             return False
-        return True
+        code = re.sub(r"//[^\n]*", "", src.source)  # the header comment names every knob
+        fp = (hashlib.sha256(code.encode()).hexdigest(), src.grid, src.block, src.smem_bytes, src.cluster)
+        return rendered.setdefault(fp, dict(k)) == dict(k)
 
+    valid(knobs)  # the default claims its kernel first
     candidates = {"stage": STAGES, "vector": vectors, "threads": THREADS, "group": GROUPS, "cluster": clusters,
                   "min_blocks": MIN_BLOCKS, "unroll": UNROLLS}
-    dims = tuple(Dim(n, vals if knobs[n] in vals else tuple(sorted(vals + (knobs[n],))))
-                 for n, vals in candidates.items())
+    for f in fields(mr.MapReduceSchedule):
+        if f.name not in candidates:
+            candidates[f.name] = (False, True) if isinstance(knobs[f.name], bool) else (knobs[f.name],)
+    dims = tuple(Dim(n, vals if knobs[n] in vals else tuple(vals) + (knobs[n],)) for n, vals in candidates.items())
     return Space("mapreduce", dims, valid=valid, admits=admits, default=tuple(knobs[x.name] for x in dims))
 
 
 def build(kernel: ir.Kernel, knobs: Mapping, arch: str = "sm_90a") -> mr.MapReduceSchedule:
     """The schedule these knobs name; ValueError if MapReduceSchedule rejects them."""
-    return mr.MapReduceSchedule(**dict(knobs))
+    try:
+        return mr.MapReduceSchedule(**dict(knobs))
+    except TypeError as e:  # a knob this MapReduceSchedule does not have
+        raise ValueError(str(e)) from None
 
 
 def knobs_of(schedule: mr.MapReduceSchedule) -> dict:

@@ -85,7 +85,8 @@ class Exhaustive(_Base):
     def __init__(self, space: Space, budget: int | None = None):
         super().__init__(space, budget, None, 0.0)
         first = [space.default] if space.default is not None and space.is_valid(space.default) else []
-        self._it = iter(first + [c for c in space.configs() if c != space.default])
+        self.configs = first + [c for c in space.configs() if c != space.default]
+        self._it = iter(self.configs)
 
     def _propose(self):
         return next(self._it, None)

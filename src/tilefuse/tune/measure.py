@@ -1,0 +1,181 @@
+"""What a benchmark worker does with one candidate: build, compile, check, time.
+
+Runs inside a worker process (worker.py) on the GPU that process was given. Per kernel it
+keeps one `_State` (inputs on the GPU, the references) while candidates of that kernel
+arrive, so only the first candidate pays for inputs and references.
+
+A candidate fails (raises; the worker reports the reason) when its knobs do not build a
+schedule, NVRTC rejects it, it leaves an output element unwritten or differs between two
+launches (outputs are poisoned with two different values before two launches, which must
+agree bit for bit), or it breaks the 2x rule on the checked rows (reference.py). A CUDA
+error raises `Fatal`: the context is unusable, the worker exits and is replaced.
+
+Timing, as DESIGN.md says: triton's do_bench (CUDA events, warm-up, L2 flushed before each
+repetition), the median and spread of the repetitions. When all the kernel's buffers fit
+in L2 several copies of them are rotated as well, so no launch finds its data in L2.
+"""
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from dataclasses import dataclass, field
+
+from .worker import Fatal
+
+ROTATE_MAX = 64  # buffer copies at most (small kernels)
+
+
+class NoReference(RuntimeError):
+    """The kernel's inputs or references could not be built: no candidate can be checked."""
+
+
+@dataclass(frozen=True)
+class MeasureJob:
+    family: str
+    kernel: object        # the family's kernel object (a Loop IR Kernel for map-reduce)
+    knobs: dict
+    arch: str
+    seed: int = 0
+    warmup_ms: float = 10.0
+    rep_ms: float = 40.0
+    check: bool = True
+
+
+@dataclass(frozen=True)
+class Measurement:
+    median_us: float
+    stats: dict = field(default_factory=dict)   # min_us, p20_us, p80_us, reps, copies
+    registers: int = -1
+    spill_bytes: int = 0
+    compile_s: float = 0.0
+    cubin_cached: bool = False
+
+
+_STATE: dict = {}  # (family, kernel hash, signature, seed) -> _State; one kernel at a time
+
+
+@dataclass
+class _State:
+    problem: object
+    inputs: dict    # name -> CUDA tensor
+    outputs: dict   # name -> (shape, torch dtype)
+
+
+def _state(job: MeasureJob, fam) -> _State:
+    import torch
+
+    from .. import dtypes
+    from ..tensors import to_torch
+
+    key = (job.family, *fam.describe(job.kernel), job.seed)
+    if key not in _STATE:
+        _STATE.clear()
+        try:
+            problem = fam.problem(job.kernel, job.seed)
+        except Exception as e:
+            raise NoReference(f"no reference to check against: {type(e).__name__}: {e}") from None
+        inputs = {n: to_torch(a).cuda() for n, a in problem.inputs.items()}
+        outputs = {b.name: (tuple(b.shape), dtypes.to_torch(b.dtype)) for b in job.kernel.outputs}
+        torch.cuda.synchronize()
+        _STATE[key] = _State(problem, inputs, outputs)
+    return _STATE[key]
+
+
+def _poisoned(spec, which: int):
+    import torch
+
+    shape, dt = spec
+    if dt.is_floating_point:
+        fill = (float("nan"), 7.25)[which]
+    elif dt == torch.bool:
+        fill = bool(which)
+    else:
+        fill = (-12345, 12345)[which] if dt.is_signed else (7, 201)[which]
+    return torch.full(shape, fill, dtype=dt, device="cuda")
+
+
+def _same(a, b) -> bool:
+    import torch
+
+    if a.is_floating_point():
+        return bool(((a == b) | (torch.isnan(a) & torch.isnan(b))).all())
+    return torch.equal(a, b)
+
+
+def _sync(what: str):
+    import torch
+
+    try:
+        torch.cuda.synchronize()
+    except Exception as e:  # a launch error surfaces here: the context is gone
+        raise Fatal(f"{what}: {str(e).strip().splitlines()[0]}") from e
+
+
+def measure(job: MeasureJob) -> Measurement:
+    """Compile, check and time one candidate; raise with a one-line reason if it fails."""
+    import torch
+
+    from .families import get_family
+
+    fam = get_family(job.family)
+    try:
+        schedule = fam.build(job.kernel, job.knobs, job.arch)
+    except ValueError as e:
+        raise ValueError(f"invalid knobs: {e}") from None
+    t0 = time.perf_counter()
+    fn = fam.compile(job.kernel, schedule, job.arch)
+    compile_s = time.perf_counter() - t0
+    st = _state(job, fam)
+    runs = []
+    for which in (0, 1):
+        tensors = dict(st.inputs)
+        outs = {n: _poisoned(spec, which) for n, spec in st.outputs.items()}
+        tensors.update(outs)
+        try:
+            st.problem.call(fn, tensors)
+        except Exception as e:
+            if "CUDA" in str(e) or "launch" in str(e):
+                raise Fatal(f"launch failed: {str(e).strip().splitlines()[0]}") from e
+            raise
+        _sync("the kernel failed")
+        runs.append(outs)
+    for n in st.outputs:
+        if not _same(runs[0][n], runs[1][n]):
+            raise ValueError(f"output {n} differs between two launches (an element left unwritten, or a race)")
+    if job.check:
+        why = st.problem.check(runs[0])
+        if why:
+            raise ValueError(why)
+    med, stats = _time(fn, st, job)
+    info = getattr(fn, "info", None)
+    return Measurement(med, stats, registers=getattr(info, "registers", -1),
+                       spill_bytes=getattr(info, "spill_stores", 0) + getattr(info, "spill_loads", 0),
+                       compile_s=compile_s, cubin_cached=bool(getattr(fn, "cache_hit", False)))
+
+
+def _time(fn, st: _State, job: MeasureJob):
+    import torch
+    from triton.testing import do_bench
+
+    nbytes = sum(t.numel() * t.element_size() for t in st.inputs.values())
+    nbytes += sum(math.prod(s) * torch.empty((), dtype=d).element_size() for s, d in st.outputs.values())
+    l2 = torch.cuda.get_device_properties(torch.cuda.current_device()).L2_cache_size
+    copies = 1 if nbytes >= l2 else min(ROTATE_MAX, math.ceil(3 * l2 / max(nbytes, 1)))
+    sets = []
+    for i in range(copies):
+        t = {n: (x if i == 0 else x.clone()) for n, x in st.inputs.items()}
+        t.update({n: torch.empty(s, dtype=d, device="cuda") for n, (s, d) in st.outputs.items()})
+        sets.append(t)
+    state = {"i": 0}
+
+    def run():
+        state["i"] = (state["i"] + 1) % copies
+        st.problem.call(fn, sets[state["i"]])
+
+    times = sorted(do_bench(run, warmup=job.warmup_ms, rep=job.rep_ms, return_mode="all"))
+    _sync("the kernel failed while being timed")
+    q = lambda p: times[min(len(times) - 1, int(p * len(times)))] * 1e3  # noqa: E731
+    med = statistics.median(times) * 1e3
+    return med, {"median_us": med, "min_us": times[0] * 1e3, "p20_us": q(0.2), "p80_us": q(0.8),
+                 "reps": len(times), "copies": copies}

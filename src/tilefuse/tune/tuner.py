@@ -1,0 +1,183 @@
+"""Tuning kernels: a search per kernel, candidates measured by the workers, picks cached.
+
+    tuner = Tuner(pool, device, cache, TuneOptions(budget=64))
+    results = tuner.tune({"k0": kernel0, "k1": kernel1})
+
+For each distinct kernel (kernels with one cache key are tuned once): a cache hit ends it
+(unless `force`); otherwise the family's space is searched (exhaustive at or under
+`threshold` admitted configs, SP-MCTS otherwise; the heuristic default is always measured
+first), up to `pool.size` candidates at once. Then the best few and the default are timed
+again, longer, side by side, and the fastest is stored with its statistics and the
+failures met on the way. `on_event(kind, **info)` reports progress ("start", "trial",
+"done") for a progress bar.
+"""
+from __future__ import annotations
+
+import time
+from concurrent.futures import FIRST_COMPLETED, wait
+from dataclasses import dataclass, field
+from typing import Callable
+
+from .cache import Entry, Key, TuneCache, key_for
+from .families import get_family
+from .measure import MeasureJob, measure
+from .search import Exhaustive, make_searcher
+
+
+@dataclass(frozen=True)
+class TuneOptions:
+    budget: int = 64             # candidates measured per kernel (SP-MCTS)
+    exhaustive: bool = False     # measure every valid candidate
+    threshold: int = 48          # spaces this small are measured exhaustively anyway
+    patience: int | None = 24    # stop after this many results without a 0.5% gain
+    seed: int = 0
+    timeout: float = 60.0        # watchdog per candidate, seconds
+    warmup_ms: float = 10.0
+    rep_ms: float = 40.0
+    confirm: int = 3             # best candidates re-timed against the default at the end
+    confirm_rep_ms: float = 120.0
+    force: bool = False          # re-tune kernels the cache already has
+
+
+@dataclass
+class KernelResult:
+    name: str
+    key: Key
+    status: str                  # "tuned", "cached", "same-as" (another kernel's key), "failed"
+    knobs: dict | None = None
+    default_knobs: dict | None = None
+    best_us: float | None = None
+    default_us: float | None = None
+    evaluated: int = 0
+    failed: int = 0
+    failures: list = field(default_factory=list)   # [{"knobs": ..., "reason": ...}]
+    method: str = ""
+    wall_s: float = 0.0
+    note: str = ""
+
+    @property
+    def speedup(self) -> float | None:
+        if self.best_us and self.default_us:
+            return self.default_us / self.best_us
+        return None
+
+
+class Tuner:
+    def __init__(self, pool, device, cache: TuneCache | None = None, options: TuneOptions = TuneOptions(),
+                 on_event: Callable | None = None, measure_fn: Callable = measure, arch: str | None = None):
+        self.pool = pool
+        self.device = device
+        self.cache = cache or TuneCache()
+        self.options = options
+        self.on_event = on_event or (lambda kind, **info: None)
+        self.measure_fn = measure_fn
+        self.arch = arch or device.arch
+
+    def tune(self, kernels: dict) -> list[KernelResult]:
+        """Tune each kernel (name -> kernel); kernels sharing a cache key are measured once."""
+        results, first = [], {}
+        for name, kernel in kernels.items():
+            key = key_for(kernel, self.device, get_family(kernel.family))
+            if key.digest in first:
+                prev = first[key.digest]
+                r = KernelResult(name, key, "same-as", prev.knobs, prev.default_knobs, prev.best_us, prev.default_us,
+                                 note=f"same kernel as {prev.name} (one cache entry)")
+                self.on_event("done", name=name, result=r)
+            else:
+                r = self.tune_kernel(name, kernel, key)
+                first[key.digest] = r
+            results.append(r)
+        return results
+
+    # ---------------------------------------------------------------- one kernel
+    def _job(self, kernel, knobs: dict, rep_ms: float) -> MeasureJob:
+        o = self.options
+        return MeasureJob(kernel.family, kernel, knobs, self.arch, o.seed, o.warmup_ms, rep_ms)
+
+    def tune_kernel(self, name: str, kernel, key: Key | None = None) -> KernelResult:
+        o = self.options
+        fam = get_family(kernel.family)
+        key = key or key_for(kernel, self.device, fam)
+        t0 = time.perf_counter()
+        if not o.force:
+            hit = self.cache.get(key)
+            if hit is not None:
+                r = KernelResult(name, key, "cached", hit.knobs, hit.stats.get("default_knobs"),
+                                 hit.stats.get("median_us"), hit.stats.get("default_us"),
+                                 evaluated=hit.stats.get("evaluated", 0), method=hit.stats.get("method", ""),
+                                 wall_s=time.perf_counter() - t0, note="cache hit")
+                self.on_event("done", name=name, result=r)
+                return r
+        space = fam.space(kernel, self.arch)
+        default = space.as_dict(space.default)
+        searcher = make_searcher(space, o.budget, exhaustive=o.exhaustive, threshold=o.threshold, seed=o.seed,
+                                 patience=o.patience)
+        method = "exhaustive" if isinstance(searcher, Exhaustive) else "sp-mcts"
+        total = len(searcher.configs) if method == "exhaustive" else o.budget
+        self.on_event("start", name=name, total=total, method=method)
+        measured: dict = {}   # config -> Measurement
+        failures: list = []
+        pending: dict = {}
+        abort = ""
+        while True:
+            while not abort and len(pending) < self.pool.size:
+                config = searcher.ask()
+                if config is None:
+                    break
+                fut = self.pool.submit(self.measure_fn, self._job(kernel, space.as_dict(config), o.rep_ms), o.timeout)
+                pending[fut] = config
+            if not pending:
+                break
+            done, _ = wait(pending, return_when=FIRST_COMPLETED)
+            for fut in done:
+                config = pending.pop(fut)
+                out = fut.result()
+                if out.ok:
+                    measured[config] = out.value
+                    searcher.tell(config, out.value.median_us)
+                else:
+                    failures.append({"knobs": space.as_dict(config), "reason": out.reason})
+                    searcher.tell(config, None)
+                    if out.reason.startswith("NoReference"):
+                        abort = out.reason
+                self.on_event("trial", name=name, done=len(searcher.history), total=total, ok=out.ok,
+                              knobs=space.as_dict(config), us=out.value.median_us if out.ok else None,
+                              reason=out.reason, best_us=searcher.best_cost,
+                              default_us=measured[space.default].median_us if space.default in measured else None)
+        wall = time.perf_counter() - t0
+        base = dict(name=name, key=key, default_knobs=default, evaluated=len(searcher.history),
+                    failed=len(failures), failures=failures, method=method)
+        if not measured:
+            why = abort or (failures[0]["reason"] if failures else "no candidate to measure")
+            r = KernelResult(status="failed", wall_s=wall, note=why, **base)
+            self.on_event("done", name=name, result=r)
+            return r
+        best, best_m, default_m = self._confirm(kernel, space, measured)
+        wall = time.perf_counter() - t0
+        stats = {"median_us": best_m.median_us, **{k: v for k, v in best_m.stats.items() if k != "median_us"},
+                 "default_us": default_m.median_us if default_m else None, "default_knobs": default,
+                 "evaluated": len(searcher.history), "failed": len(failures), "method": method, "wall_s": wall,
+                 "budget": o.budget, "seed": o.seed, "registers": best_m.registers, "spill_bytes": best_m.spill_bytes}
+        self.cache.put(Entry(key, space.as_dict(best), stats, tuple(failures), time.time()))
+        r = KernelResult(status="tuned", knobs=space.as_dict(best), best_us=best_m.median_us,
+                         default_us=stats["default_us"], wall_s=wall, **base)
+        self.on_event("done", name=name, result=r)
+        return r
+
+    def _confirm(self, kernel, space, measured: dict):
+        """Re-time the best few and the default, longer and one after another; the fastest wins."""
+        o = self.options
+        ranked = sorted(measured, key=lambda c: measured[c].median_us)
+        finalists = ranked[:max(1, o.confirm)]
+        if space.default in measured and space.default not in finalists:
+            finalists.append(space.default)
+        again = {}
+        for c in finalists:
+            out = self.pool.submit(self.measure_fn, self._job(kernel, space.as_dict(c), o.confirm_rep_ms),
+                                   o.timeout).result()
+            if out.ok:
+                again[c] = out.value
+        if not again:  # the finalists failed the second time: keep the first measurements
+            again = {c: measured[c] for c in finalists}
+        best = min(again, key=lambda c: again[c].median_us)
+        return best, again[best], again.get(space.default)
