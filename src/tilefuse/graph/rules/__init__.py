@@ -1,0 +1,28 @@
+"""CODA's graph rewrites: transformer glue moved into the epilogues of the matmuls around it.
+
+One rule per file, each a pure Graph -> Graph function returning its input unchanged when it
+does not fire. The order matters: gate/up interleaving first (so RMSNorm folds γ into the
+interleaved weight once), then the norms into the matmuls they feed, then residual adds into
+the matmuls that produce their other operand.
+
+Not in the default rewrite list yet: they pay off once the contraction family runs these
+epilogues; until then run them with `run_coda`.
+"""
+from __future__ import annotations
+
+from ..rewrites import Fired, run_rewrites
+from .glu_interleave import interleave_glu
+from .layernorm_matmul import layernorm_into_matmul
+from .residual_epilogue import residual_into_epilogue
+from .rmsnorm_matmul import rmsnorm_into_matmul
+
+CODA_RULES = (interleave_glu, rmsnorm_into_matmul, layernorm_into_matmul, residual_into_epilogue)
+
+
+def run_coda(g, rules=CODA_RULES) -> tuple[object, list[Fired]]:
+    """Apply the CODA rules in order; returns the graph and the (rule, before, after) trail."""
+    return run_rewrites(g, rules)
+
+
+__all__ = ["CODA_RULES", "run_coda", "interleave_glu", "rmsnorm_into_matmul", "layernorm_into_matmul",
+           "residual_into_epilogue"]

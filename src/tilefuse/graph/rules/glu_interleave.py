@@ -1,0 +1,112 @@
+"""SwiGLU / GeGLU: gate and up projections as one matmul with interleaved weight columns.
+
+    act(x @ Wg) ⊙ (x @ Wu)  →  y = x @ W,  W[:, 2j] = Wg[:, j],  W[:, 2j+1] = Wu[:, j]
+                               g = y[..., 0::2],  u = y[..., 1::2]
+
+W is built once, here. Each gate value then sits next to its up value in the same output
+tile, so act(g)·u is a pairwise epilogue on adjacent accumulator columns, and the matmul
+reads x once instead of twice. The rule fires for any activation: act is whatever chain of
+elementwise ops leads from the gate to the product (silu, gelu, gelu-tanh, relu...).
+"""
+from __future__ import annotations
+
+import torch
+
+from .. import ir
+from .match import Editor, weight_operand
+
+
+def elementwise_of(g: ir.Graph, name: str, root: str) -> bool:
+    """Is `name` computed from `root` alone, through Maps and constants (and does it use root)?"""
+    seen, stack, uses = set(), [name], False
+    while stack:
+        n = stack.pop()
+        if n == root:
+            uses = True
+            continue
+        if n in seen:
+            continue
+        seen.add(n)
+        node = g[n]
+        if isinstance(node, ir.Constant):
+            continue
+        if not isinstance(node, ir.Map):
+            return False
+        stack.extend(node.args)
+    return uses
+
+
+def _glu_pairs(g: ir.Graph):
+    """(gate, up) contraction pairs: mul(act(gate), up), both of one operand with same-shaped weights."""
+    found = []
+    for n in g.nodes:
+        if not (isinstance(n, ir.Map) and n.op == "mul"):
+            continue
+        for f, u in (n.args, n.args[::-1]):
+            up = g[_under_casts(g, u)]
+            if not isinstance(up, ir.Contraction):
+                continue
+            gate = _gate_of(g, f, up)
+            if gate is not None and gate.name != up.name:
+                found.append((gate, up))
+                break
+    return found
+
+
+def _under_casts(g, name):
+    while isinstance(g[name], ir.Map) and g[name].op == "cast":
+        name = g[name].args[0]
+    return name
+
+
+def _gate_of(g, f, up):
+    """The contraction that `f` is an elementwise function of, if it pairs with `up`."""
+    stack, seen = [f], set()
+    while stack:  # the first contraction under f's maps
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        node = g[n]
+        if isinstance(node, ir.Contraction):
+            if node.a != up.a or not elementwise_of(g, f, n):
+                return None
+            wg, wu = weight_operand(g, node.b), weight_operand(g, up.b)
+            ok = (wg is not None and wu is not None and wg.transposed == wu.transposed
+                  and g[node.b].type == g[up.b].type and node.type == up.type)
+            return node if ok else None
+        if isinstance(node, ir.Map):
+            stack.extend(node.args)
+    return None
+
+
+def interleave_glu(g: ir.Graph) -> ir.Graph:
+    """Each gate/up pair becomes one contraction with interleaved weights and two strided views."""
+    pairs = _glu_pairs(g)
+    if not pairs:
+        return g
+    ed = Editor(g)
+    order = {n.name: i for i, n in enumerate(g.nodes)}
+    emit: dict[str, list] = {}  # node name -> what replaces it
+    for gate, up in pairs:
+        if gate.name in emit or up.name in emit:
+            continue
+        first, second = sorted((gate, up), key=lambda n: order[n.name])
+        wg, wu = weight_operand(g, gate.b), weight_operand(g, up.b)
+        mg, mu = wg.matrix(g), wu.matrix(g)  # (K, N) each
+        k, n = mg.shape
+        both = torch.stack((mg, mu), dim=-1).reshape(k, 2 * n)  # columns g0 u0 g1 u1 ...
+        note = f"{g[wg.weight].source or wg.weight} and {g[wu.weight].source or wu.weight} interleaved by column"
+        nodes, b = ed.operand(f"{wg.weight}_glu", both, wg, g[wg.weight].type.dtype, note, gate.source)
+        shape = gate.type.shape[:-1] + (2 * n,)
+        fused = ir.Contraction(ed.fresh(f"{gate.name}_glu"), ir.TensorType(shape, gate.type.dtype), gate.a, b,
+                               gate.source)
+        last = len(shape) - 1
+        views = [ir.View(c.name, c.type, "slice", fused.name, (last, i, 2 * n, 2), c.source)
+                 for i, c in enumerate((gate, up))]
+        emit[first.name] = nodes + [fused] + views
+        emit[second.name] = []
+    out = []
+    for node in g.nodes:
+        out.extend(emit.get(node.name, [node]))
+    return ed.graph(out)

@@ -1,0 +1,142 @@
+"""Small helpers the CODA rules share: peeling casts, recognising weight operands, naming
+new nodes, computing folded weight values, and pruning what a rewrite left unused."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ... import dtypes
+from ...tensors import to_torch
+from .. import ir
+
+
+def peel_casts(g: ir.Graph, name: str) -> str:
+    """The tensor under any chain of casts (x for cast(cast(x)))."""
+    while isinstance(g[name], ir.Map) and g[name].op == "cast":
+        name = g[name].args[0]
+    return name
+
+
+def is_map(g: ir.Graph, name: str, op: str) -> bool:
+    return isinstance(g[name], ir.Map) and g[name].op == op
+
+
+def split_pair(g: ir.Graph, name: str, op: str, pick) -> tuple[str, str] | None:
+    """For name = op(a, b) (either order): (the arg that `pick` accepts, the other), else None."""
+    n = g[name]
+    if not (isinstance(n, ir.Map) and n.op == op):
+        return None
+    a, b = n.args
+    if pick(a):
+        return a, b
+    if pick(b):
+        return b, a
+    return None
+
+
+def row_vector(g: ir.Graph, name: str, width: int) -> bool:
+    """A weight (through casts) that broadcasts along the last dim only: shape (..1.., width)."""
+    w = g[peel_casts(g, name)]
+    s = w.type.shape
+    return isinstance(w, ir.Weight) and len(s) >= 1 and s[-1] == width and all(d == 1 for d in s[:-1])
+
+
+@dataclass(frozen=True)
+class WeightOperand:
+    """The right operand of a contraction as a weight: `b` is the Weight itself, (K, N), or a
+    permute of a Weight stored (N, K) (how `linear` is captured)."""
+
+    weight: str
+    transposed: bool  # True: the Weight is stored (N, K) and viewed (K, N)
+
+    def matrix(self, g: ir.Graph) -> torch.Tensor:
+        """The operand's value as a (K, N) float64 matrix."""
+        w = value(g, self.weight).double()
+        return w.t() if self.transposed else w
+
+
+def weight_operand(g: ir.Graph, b: str) -> WeightOperand | None:
+    n = g[b]
+    if isinstance(n, ir.Weight) and len(n.type.shape) == 2:
+        return WeightOperand(b, False)
+    if (isinstance(n, ir.View) and n.op == "permute" and tuple(n.params) == (1, 0)
+            and isinstance(g[n.arg], ir.Weight)):
+        return WeightOperand(n.arg, True)
+    return None
+
+
+def value(g: ir.Graph, name: str) -> torch.Tensor:
+    v = g.weights[name]
+    return v if isinstance(v, torch.Tensor) else to_torch(v)
+
+
+class Editor:
+    """Builds a rewritten graph: new nodes with fresh names, new weight values, kept pure
+    (the input graph and its weights dict are never changed)."""
+
+    def __init__(self, g: ir.Graph):
+        self.g = g
+        self.names = {n.name for n in g.nodes}
+        self.weights = dict(g.weights)
+
+    def fresh(self, base: str) -> str:
+        name, i = base, 1
+        while name in self.names:
+            name, i = f"{base}_{i}", i + 1
+        self.names.add(name)
+        return name
+
+    def weight(self, base: str, matrix: torch.Tensor, dtype: str, source: str) -> ir.Weight:
+        """A new Weight holding `matrix` (computed in float64) rounded once to `dtype`."""
+        name = self.fresh(base)
+        self.weights[name] = matrix.to(dtypes.to_torch(dtype)).contiguous()
+        return ir.Weight(name, ir.TensorType(tuple(matrix.shape), dtype), source)
+
+    def operand(self, base: str, matrix_kn: torch.Tensor, like: WeightOperand, dtype: str, source: str,
+                src_line: str) -> tuple[list, str]:
+        """Nodes making a (K, N) contraction operand from a new value, stored as `like` is."""
+        if like.transposed:
+            w = self.weight(base, matrix_kn.t(), dtype, source)
+            k, n = matrix_kn.shape
+            v = ir.View(self.fresh(f"{base}_t"), ir.TensorType((k, n), dtype), "permute", w.name, (1, 0), src_line)
+            return [w, v], v.name
+        w = self.weight(base, matrix_kn, dtype, source)
+        return [w], w.name
+
+    def graph(self, nodes, outputs=None) -> ir.Graph:
+        g = ir.Graph(tuple(nodes), self.g.inputs, tuple(outputs or self.g.outputs), self.weights)
+        return prune(g)
+
+
+def prune(g: ir.Graph) -> ir.Graph:
+    """Drop nodes (and weight values) nothing reaches from the outputs; inputs stay."""
+    live, stack = set(), list(g.outputs)
+    while stack:
+        n = stack.pop()
+        if n not in live:
+            live.add(n)
+            stack.extend(ir.node_args(g[n]))
+    nodes = tuple(n for n in g.nodes if n.name in live or isinstance(n, ir.Input))
+    if len(nodes) == len(g.nodes):
+        return g
+    return ir.Graph(nodes, g.inputs, g.outputs, {k: v for k, v in g.weights.items() if k in live})
+
+
+def ancestors(g: ir.Graph, name: str) -> set[str]:
+    seen, stack = set(), [name]
+    while stack:
+        n = stack.pop()
+        if n not in seen:
+            seen.add(n)
+            stack.extend(ir.node_args(g[n]))
+    return seen
+
+
+def retype(n, dtype: str):
+    """The same node with its result dtype changed."""
+    return type(n)(**{**n.__dict__, "type": ir.TensorType(n.type.shape, dtype)})
+
+
+def low_precision(dtype: str) -> bool:
+    return dtype in ("bf16", "f16")

@@ -1,0 +1,115 @@
+"""RMSNorm before a matmul: RMSNorm(x) @ W = r ⊙ (x @ (γ ⊙ W)), r = rsqrt(mean(x²) + ε) per row.
+
+CODA's reparameterisation. γ folds into the weight once, here, at compile time; the matmul
+reads x itself, so the normalised tensor is never written; r becomes a row scale applied to
+the fp32 accumulator (the matmul's epilogue). mean(x²) stays a row reduction of x: the
+planner may compute it as a partial sum in the epilogue of whatever produced x.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .. import ir
+from .match import Editor, low_precision, peel_casts, row_vector, split_pair, value, weight_operand
+
+
+@dataclass(frozen=True)
+class RMSNormMatch:
+    x: str  # the tensor being normalised (under its casts)
+    r: str  # rsqrt(mean(x²) + ε), per row, keepdim
+    gamma: str | None  # a weight along the last dim, or None (no affine)
+
+
+def rsqrt_mean_square(g: ir.Graph, r: str) -> str | None:
+    """x when r = rsqrt(mean(x·x over the last axis, keepdim) + ε) (x under casts), else None."""
+    n = g[r]
+    if not (isinstance(n, ir.Map) and n.op == "rsqrt"):
+        return None
+    pair = split_pair(g, n.args[0], "add", lambda a: isinstance(g[a], ir.Constant))
+    if pair is None:
+        return None
+    ms = g[pair[1]]
+    if not (isinstance(ms, ir.Reduce) and ms.op == "mean" and ms.keepdim):
+        return None
+    sq = g[ms.arg]
+    rank = len(sq.type.shape)
+    if ms.axes != (rank - 1,) or not (isinstance(sq, ir.Map) and sq.op == "mul" and sq.args[0] == sq.args[1]):
+        return None
+    return peel_casts(g, sq.args[0])
+
+
+def match(g: ir.Graph, z: str) -> RMSNormMatch | None:
+    """z = [cast](γ ⊙ [cast](x ⊙ r)) or [cast](x ⊙ r), with r over x's own rows."""
+    shape = g[z].type.shape
+    if not shape:
+        return None
+    p = peel_casts(g, z)
+    gamma = None
+    pair = split_pair(g, p, "mul", lambda a: row_vector(g, a, shape[-1]))
+    if pair is not None:
+        gamma, p = pair[0], peel_casts(g, pair[1])
+    pair = split_pair(g, p, "mul", lambda a: rsqrt_mean_square(g, a) is not None)
+    if pair is None:
+        return None
+    r, xs = pair
+    x = peel_casts(g, xs)
+    if rsqrt_mean_square(g, r) != x or g[x].type.shape != shape:
+        return None
+    return RMSNormMatch(x, r, gamma)
+
+
+def normalised_operand(g: ir.Graph, a: str):
+    """(z, shape) for a contraction operand that is z, or a reshape of z keeping the last dim."""
+    n = g[a]
+    if isinstance(n, ir.View) and n.op == "reshape" and n.type.shape[-1:] == g[n.arg].type.shape[-1:]:
+        return n.arg, n.type.shape
+    return a, n.type.shape
+
+
+def rmsnorm_into_matmul(g: ir.Graph) -> ir.Graph:
+    """Every contraction of an RMSNorm output with a weight: fold γ, scale rows after."""
+    ed, out, changed = Editor(g), [], False
+    for n in g.nodes:
+        new = _rewrite(g, ed, n) if isinstance(n, ir.Contraction) else None
+        if new is None:
+            out.append(n)
+        else:
+            out.extend(new)
+            changed = True
+    return ed.graph(out) if changed else g
+
+
+def _rewrite(g: ir.Graph, ed: Editor, n: ir.Contraction):
+    z, a_shape = normalised_operand(g, n.a)
+    m = match(g, z)
+    wb = weight_operand(g, n.b)
+    if m is None or wb is None or len(a_shape) < 2 or g[n.b].type.shape[0] != a_shape[-1]:
+        return None
+    src, a_dtype = n.source, g[n.a].type.dtype
+    nodes = []
+    x = m.x
+    if g[x].type.dtype != a_dtype:
+        x = _add(nodes, ir.Map(ed.fresh(f"{x}_{a_dtype}"), ir.TensorType(g[x].type.shape, a_dtype), "cast", (x,), src))
+    if g[x].type.shape != a_shape:
+        x = _add(nodes, ir.View(ed.fresh(f"{x}_rows"), ir.TensorType(a_shape, a_dtype), "reshape", x, a_shape, src))
+    r = m.r
+    r_shape = tuple(a_shape[:-1]) + (1,)
+    if g[r].type.shape != r_shape:
+        r = _add(nodes, ir.View(ed.fresh(f"{r}_rows"), ir.TensorType(r_shape, g[r].type.dtype), "reshape", r,
+                                r_shape, src))
+    w = wb.matrix(g)
+    note = g[wb.weight].source or wb.weight
+    if m.gamma is not None:
+        w = w * value(g, peel_casts(g, m.gamma)).double().reshape(-1, 1)
+        note = f"{note} with RMSNorm weight {g[peel_casts(g, m.gamma)].source or m.gamma} folded in"
+    wnodes, b = ed.operand(f"{wb.weight}_rms", w, wb, g[wb.weight].type.dtype, note, src)
+    nodes.extend(wnodes)
+    acc_dtype = "f32" if low_precision(n.type.dtype) else n.type.dtype
+    acc = _add(nodes, ir.Contraction(ed.fresh(f"{n.name}_acc"), ir.TensorType(n.type.shape, acc_dtype), x, b, src))
+    nodes.append(ir.Map(n.name, n.type, "mul", (acc, r), src))
+    return nodes
+
+
+def _add(nodes: list, node) -> str:
+    nodes.append(node)
+    return node.name

@@ -1,0 +1,71 @@
+"""Shared by the CODA rule tests: capture a module to Graph IR, run graphs on the interpreter,
+and the two equivalence checks every rule must pass.
+
+- exact: on a float64 module the rewritten graph computes the same function as the
+  original, to float64 rounding (relative error <= 1e-12), through graph/interp.py;
+- bf16: on a bf16 module the rewritten graph, run at its own precision, is within
+  DESIGN.md's 2x rule (`tilefuse.check.compare`) of a float64 reference.
+"""
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from tilefuse.check import compare, float64_reference, rel_error
+from tilefuse.frontend.capture import export, to_graph
+from tilefuse.graph import ir
+from tilefuse.graph.interp import run_graph
+from tilefuse.tensors import to_torch
+
+EXACT = 1e-12
+
+
+def capture(module: torch.nn.Module, *inputs) -> ir.Graph:
+    return to_graph(export(module, inputs))
+
+
+def run(g: ir.Graph, inputs, precision: str = "native") -> torch.Tensor:
+    outs = run_graph(g, dict(zip(g.inputs, inputs)), precision)
+    return to_torch(outs[0]).reshape(outs[0].shape)
+
+
+def randomise_norms(module: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
+    """Norm weights (and biases) away from their 1 / 0 init, so folding them is really tested."""
+    g = torch.Generator().manual_seed(seed)
+    for m in module.modules():
+        if isinstance(m, (torch.nn.RMSNorm, torch.nn.LayerNorm)):
+            with torch.no_grad():
+                if m.weight is not None:
+                    m.weight.copy_(1 + 0.3 * torch.randn(m.weight.shape, generator=g))
+                if getattr(m, "bias", None) is not None:
+                    m.bias.copy_(0.3 * torch.randn(m.bias.shape, generator=g))
+    return module
+
+
+def assert_exact(module: torch.nn.Module, rule, *inputs, fires: bool = True) -> tuple[ir.Graph, ir.Graph]:
+    """The rule (fired or not, as expected) leaves the f64 function unchanged."""
+    m64 = copy.deepcopy(module).double().eval()
+    x64 = [x.double() if x.is_floating_point() else x for x in inputs]
+    g = capture(m64, *x64)
+    g2 = rule(g)
+    assert (g2 is not g) == fires, f"{rule.__name__} {'did not fire' if fires else 'fired'}"
+    err = rel_error(run(g2, x64, "f64"), run(g, x64, "f64"))
+    assert err <= EXACT, f"{rule.__name__}: rewritten graph differs by {err:.3g}"
+    return g, g2
+
+
+def assert_bf16(module: torch.nn.Module, rule, *inputs) -> ir.Graph:
+    """On a bf16 module, the rewritten graph passes the 2x rule against float64."""
+    mb = copy.deepcopy(module).to(torch.bfloat16).eval()
+    xb = [x.to(torch.bfloat16) if x.is_floating_point() else x for x in inputs]
+    g2 = rule(capture(mb, *xb))
+    with torch.no_grad():
+        eager = mb(*xb)
+    c = compare(rule.__name__, run(g2, xb), float64_reference(mb, xb), eager)
+    assert c.ok, c
+    return g2
+
+
+def nodes_of(g: ir.Graph, kind) -> list:
+    return [n for n in g.nodes if isinstance(n, kind)]

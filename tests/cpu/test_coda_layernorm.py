@@ -1,0 +1,88 @@
+"""layernorm_into_matmul: LayerNorm(x) @ W = s ⊙ (x @ W') − (s·μ) ⊗ 1ᵀW' + βᵀW, W' = γ ⊙ W.
+
+Properties: the rewritten graph computes the same function (exact in f64, 2x rule in bf16,
+also for rows whose mean is far from 0); γ and β are folded into compile-time weights and
+vectors; the matmul reads x itself; the statistics are two row reductions of x (Σx, Σx²);
+GPT-2's Conv1D form (flatten rows, addmm with a (K, N) weight and bias) is covered.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from coda_fixtures import assert_bf16, assert_exact, nodes_of, randomise_norms
+from tilefuse.graph import ir
+from tilefuse.graph.rules import layernorm_into_matmul
+from tilefuse.graph.rules.match import peel_casts
+
+
+class NormLinear(nn.Module):
+    def __init__(self, d=24, n=40, affine=True, bias=True):
+        super().__init__()
+        self.norm = nn.LayerNorm(d, elementwise_affine=affine)
+        self.proj = nn.Linear(d, n, bias=bias)
+
+    def forward(self, x):
+        return self.proj(self.norm(x))
+
+
+class Conv1DForm(nn.Module):
+    """GPT-2: ln, view(-1, C), addmm(b, x, W) with W stored (K, N), view back."""
+
+    def __init__(self, d=16, n=48):
+        super().__init__()
+        self.ln = nn.LayerNorm(d)
+        self.weight, self.bias = nn.Parameter(0.2 * torch.randn(d, n)), nn.Parameter(torch.randn(n))
+
+    def forward(self, x):
+        h = self.ln(x)
+        y = torch.addmm(self.bias, h.view(-1, h.shape[-1]), self.weight)
+        return y.view(*x.shape[:-1], -1)
+
+
+def test_same_function_folded_and_reading_x():
+    torch.manual_seed(0)
+    m = randomise_norms(NormLinear())
+    x = torch.randn(3, 5, 24)
+    g, g2 = assert_exact(m, layernorm_into_matmul, x)
+    (mm,) = nodes_of(g2, ir.Contraction)
+    assert g2[peel_casts(g2, mm.a)].name == g2.inputs[0], "the matmul reads x itself"
+    small = [n.name for n in nodes_of(g, ir.Weight) if n.type.shape == (24,)]
+    assert len(small) == 2 and not any(w in g2 for w in small), "γ and β are folded at compile time"
+    sums = [n for n in nodes_of(g2, ir.Reduce) if n.axes == (2,)]
+    assert len(sums) == 2, "two row reductions of x: the mean and the mean of squares"
+    assert_bf16(m, layernorm_into_matmul, x)
+
+
+def test_rows_with_a_large_mean_bf16_within_2x():
+    torch.manual_seed(1)
+    m = randomise_norms(NormLinear(d=32, n=16))
+    assert_bf16(m, layernorm_into_matmul, torch.randn(64, 32) * 0.5 + 4.0)
+
+
+def test_without_affine_and_without_matmul_bias():
+    torch.manual_seed(2)
+    assert_exact(NormLinear(affine=False, bias=False), layernorm_into_matmul, torch.randn(7, 24))
+
+
+def test_gpt2_conv1d_form():
+    torch.manual_seed(3)
+    m = randomise_norms(Conv1DForm())
+    x = torch.randn(2, 6, 16)
+    _, g2 = assert_exact(m, layernorm_into_matmul, x)
+    (mm,) = nodes_of(g2, ir.Contraction)
+    assert g2[mm.a].type.shape == (12, 16) and g2[mm.b].type.shape == (16, 48)
+    assert_bf16(m, layernorm_into_matmul, x)
+
+
+def test_does_not_fire_on_a_norm_that_feeds_no_weight():
+    class Plain(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ln = nn.LayerNorm(8)
+
+        def forward(self, x, y):
+            return self.ln(x) @ y
+
+    torch.manual_seed(4)
+    assert_exact(Plain(), layernorm_into_matmul, torch.randn(3, 8), torch.randn(8, 2), fires=False)
