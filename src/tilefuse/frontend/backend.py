@@ -1,0 +1,344 @@
+"""torch.compile(model, backend="tilefuse"): dynamo's FX graphs through tilefuse's pipeline.
+
+Dynamo hands a backend one GraphModule per captured region (each graph break makes
+another) with example inputs: the user's tensors, the module's parameters and buffers
+(lifted to inputs), and SymInts where a size is dynamic. Here parameters and buffers
+become Graph IR weights, prepared once per compilation; a different tensor or an in-place
+update of one (its version counter moves) compiles again, so a weight folded at compile
+time never goes stale. Dynamic sizes are specialised: each concrete size compiles once.
+
+What tilefuse cannot take runs in eager, visibly: a graph it cannot compile at all runs as
+the GraphModule's own forward, with the reason logged; inside a compiled graph, every op
+without a tilefuse kernel is an explicit extern step. `TILEFUSE_LOG=summary` prints, per
+graph, the fused kernels, the externs grouped by reason and every fallback.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+import weakref
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+
+NAME = "tilefuse"
+MAX_VARIANTS = 64  # compiled variants (sizes x weight sets) kept per graph before new ones run in eager
+
+
+# -- reports --------------------------------------------------------------------------------------
+
+
+@dataclass
+class GraphReport:
+    """What happened to one dynamo graph: compiled variants, what runs where, fallbacks."""
+
+    index: int
+    fx_ops: int
+    status: str = "pending"  # "tilefuse" | "eager" | "pending" (dynamic sizes compile at the first call)
+    reason: str = ""
+    kernels: int = 0  # fused tilefuse kernels of the last compiled variant
+    fused_ops: int = 0  # Graph IR ops inside those kernels
+    externs: Counter = field(default_factory=Counter)  # (what, why) -> count
+    aliases: int = 0
+    compile_s: float = 0.0
+    variants: int = 0
+    calls_tilefuse: int = 0
+    calls_eager: int = 0
+    events: list[str] = field(default_factory=list)
+
+    def line(self) -> str:
+        head = f"graph {self.index} ({self.fx_ops} fx ops)"
+        if self.status == "eager" and not self.variants:
+            return f"{head}: eager fallback: {self.reason}"
+        if self.status == "pending":
+            return f"{head}: compiles at the first call of each size ({self.reason})"
+        ext = sum(self.externs.values())
+        text = (f"{head}: {self.kernels} tilefuse kernel(s) fusing {self.fused_ops} op(s), "
+                f"{ext} extern(s), {self.aliases} alias(es); compiled in {self.compile_s:.2f} s")
+        for (what, why), n in sorted(self.externs.items(), key=lambda kv: -kv[1]):
+            text += f"\n    extern {n}x {what}: {why}"
+        return text
+
+
+REPORTS: list[GraphReport] = []
+_seen_breaks: Counter = Counter()
+
+
+def reports() -> list[GraphReport]:
+    """Every graph the backend has seen in this process, in order."""
+    return list(REPORTS)
+
+
+def reset() -> None:
+    """Forget the reports (dynamo's own caches are reset with torch._dynamo.reset())."""
+    REPORTS.clear()
+    _seen_breaks.clear()
+
+
+def summary() -> str:
+    """All graphs so far: kernels, externs, fallbacks, and dynamo's graph breaks."""
+    lines = [f"tilefuse backend: {len(REPORTS)} graph(s), "
+             f"{sum(r.status == 'tilefuse' for r in REPORTS)} compiled, "
+             f"{sum(r.status == 'eager' for r in REPORTS)} in eager"]
+    lines += ["  " + r.line().replace("\n", "\n  ") for r in REPORTS]
+    lines += [f"  {e}" for r in REPORTS for e in r.events]
+    breaks = _graph_breaks()
+    if breaks:
+        lines.append(f"  dynamo graph breaks: {sum(breaks.values())}")
+        lines += [f"    {n}x {why}" for why, n in breaks.items()]
+    return "\n".join(lines)
+
+
+def _logging() -> bool:
+    return "summary" in os.environ.get("TILEFUSE_LOG", "").lower().split(",")
+
+
+def _log(msg: str) -> None:
+    if _logging():
+        print(f"tilefuse: {msg}", file=sys.stderr, flush=True)
+
+
+def _graph_breaks() -> Counter:
+    """dynamo's graph-break reasons (first line each); the regions between graphs run in eager."""
+    try:
+        from torch._dynamo.utils import counters
+    except ImportError:
+        return Counter()
+    out: Counter = Counter()
+    for why, n in counters.get("graph_break", {}).items():
+        out[str(why).strip().splitlines()[0] if str(why).strip() else "?"] += n
+    return out
+
+
+def _log_new_breaks() -> None:
+    breaks = _graph_breaks()
+    new = breaks - _seen_breaks
+    _seen_breaks.update(new)
+    for why, n in new.items():
+        _log(f"dynamo graph break ({n}x, the code around it runs in eager): {why}")
+
+
+# -- the backend ----------------------------------------------------------------------------------
+
+
+def tilefuse_backend(gm: torch.fx.GraphModule, example_inputs, mode=None, options=None):
+    """The torch.compile backend: returns a callable with the GraphModule's signature.
+
+    `options` (torch.compile(..., options={...})): "arch" picks the GPU architecture.
+    """
+    options = dict(options or {})
+    unknown = set(options) - {"arch"}
+    if unknown:
+        raise ValueError(f"tilefuse backend: unknown option(s) {sorted(unknown)}; known: ['arch']")
+    _log_new_breaks()
+    return GraphRunner(gm, list(example_inputs), arch=options.get("arch"))
+
+
+def register() -> None:
+    """Make backend="tilefuse" known to torch.compile; idempotent.
+
+    An installed tilefuse does it through its `torch_dynamo_backends` entry point (no import
+    needed); from a source tree (PYTHONPATH) call this once. It never registers twice: dynamo
+    refuses a second registration of a name whose entry point it loads later.
+    """
+    from importlib.metadata import entry_points
+
+    from torch._dynamo.backends import registry
+
+    if NAME in registry._COMPILER_FNS:
+        return
+    if NAME in entry_points(group="torch_dynamo_backends").names:
+        return  # dynamo loads it on first lookup
+    registry.register_backend(tilefuse_backend, name=NAME)
+
+
+def _is_weight(node, value) -> bool:
+    """A parameter or buffer that dynamo lifted to a graph input."""
+    if isinstance(value, torch.nn.Parameter):
+        return True
+    source = getattr(node.meta.get("grapharg"), "source", None)
+    text = repr(source) if source is not None else ""
+    return "_buffers" in text or "_parameters" in text or "ParamBuffer" in text
+
+
+def _version(t: torch.Tensor) -> int:
+    try:
+        return t._version
+    except RuntimeError:  # inference tensors keep no version counter; identity is all we can check
+        return -1
+
+
+@dataclass
+class _Variant:
+    """One compiled program: for one set of sizes and one set of weight tensors."""
+
+    program: object | None  # tilefuse Program, or None when this variant runs in eager
+    weights: list  # weakrefs to the weight tensors it was compiled with
+    versions: list[int]
+    reason: str = ""
+
+    def fresh(self, weights) -> bool:
+        return all(r() is w and v == _version(w) for r, v, w in zip(self.weights, self.versions, weights))
+
+
+class _Lifted(torch.nn.Module):
+    """The GraphModule with its lifted weights put back as buffers (Graph IR Weights) and its
+    dynamic sizes fixed, so torch.export sees only the user's tensors as inputs."""
+
+    def __init__(self, gm, kinds, ints, weights):
+        super().__init__()
+        self.gm = gm
+        self.kinds = kinds
+        self.ints = ints
+        for i, w in enumerate(weights):
+            self.register_buffer(f"w{i}", w.detach())
+
+    def forward(self, *inputs):
+        ints, inputs, weights = iter(self.ints), iter(inputs), iter(self.buffers(recurse=False))
+        args = [next(ints) if k == "int" else next(weights) if k == "weight" else next(inputs) for k in self.kinds]
+        return self.gm(*args)
+
+
+class GraphRunner:
+    """What the backend returns for one dynamo graph."""
+
+    def __init__(self, gm: torch.fx.GraphModule, example_inputs: list, arch: str | None = None):
+        self.gm = gm
+        self.arch = arch
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        self.kinds = []
+        for node, value in zip(placeholders, example_inputs):
+            if not isinstance(value, torch.Tensor):
+                self.kinds.append("int")
+            else:
+                self.kinds.append("weight" if _is_weight(node, value) else "input")
+        fx_ops = sum(n.op in ("call_function", "call_method", "call_module") for n in gm.graph.nodes)
+        self.report = GraphReport(len(REPORTS), fx_ops)
+        REPORTS.append(self.report)
+        self.variants: dict = {}
+        self.fallback = self._why_eager(example_inputs, placeholders)
+        if self.fallback:
+            self.report.status, self.report.reason = "eager", self.fallback
+            _log(self.report.line())
+        elif "int" in self.kinds:
+            self.report.reason = "dynamic sizes are specialised"
+            _log(self.report.line())
+        else:
+            self._variant(example_inputs)  # compile now: errors and the summary show at compile time
+
+    def _why_eager(self, example_inputs, placeholders) -> str:
+        if len(placeholders) != len(example_inputs):
+            return f"dynamo gave {len(example_inputs)} inputs for {len(placeholders)} placeholders"
+        tensors = [x for x in example_inputs if isinstance(x, torch.Tensor)]
+        if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+            return ("training graph (grad mode on and inputs that require grad): tilefuse has no backward "
+                    "yet; run inference under torch.no_grad() or torch.inference_mode()")
+        if any(t.is_sparse or t.is_quantized or t.is_nested for t in tensors):
+            return "sparse, quantized or nested tensor inputs"
+        if len({t.device for t in tensors}) > 1:
+            return f"inputs on several devices: {sorted({str(t.device) for t in tensors})}"
+        if not any(k == "input" for k in self.kinds) and not tensors:
+            return "no tensor inputs"
+        return ""
+
+    # -- calling ---------------------------------------------------------------------------------
+    def __call__(self, *args):
+        if self.fallback:
+            self.report.calls_eager += 1
+            return self.gm(*args)
+        v = self._variant(args)
+        if v.program is None:
+            self.report.calls_eager += 1
+            return self.gm(*args)
+        user = [a for a, k in zip(args, self.kinds) if k == "input"]
+        try:
+            out = v.program(*user)
+        except Exception as e:  # a kernel that fails to build or launch: eager from now on, said once
+            v.program, v.reason = None, f"runtime error, now in eager: {_first_line(e)}"
+            self._event(v.reason)
+            self.report.calls_eager += 1
+            return self.gm(*args)
+        self.report.calls_tilefuse += 1
+        return out
+
+    def _key(self, args):
+        ints = tuple(int(a) if isinstance(a, (int, torch.SymInt)) else a for a, k in zip(args, self.kinds)
+                     if k == "int")
+        shapes = tuple(tuple(a.shape) for a, k in zip(args, self.kinds) if k == "input")
+        wids = tuple(id(a) for a, k in zip(args, self.kinds) if k == "weight")
+        return ints, shapes, wids
+
+    def _variant(self, args) -> _Variant:
+        weights = [a for a, k in zip(args, self.kinds) if k == "weight"]
+        key = self._key(args)
+        v = self.variants.get(key)
+        if v is not None and v.fresh(weights):
+            return v
+        if v is not None:
+            self._event("a weight changed in place since compiling: compiling again")
+        elif len(self.variants) >= MAX_VARIANTS:
+            return _Variant(None, [], [], f"more than {MAX_VARIANTS} variants")
+        v = self._compile(args, weights)
+        self.variants[key] = v
+        return v
+
+    def _compile(self, args, weights) -> _Variant:
+        from ..compiler import compile_stages
+
+        refs, versions = [weakref.ref(w) for w in weights], [_version(w) for w in weights]
+        ints = [a for a, k in zip(args, self.kinds) if k == "int"]
+        user = [a for a, k in zip(args, self.kinds) if k == "input"]
+        t0 = time.perf_counter()
+        try:
+            with torch.no_grad():
+                c = compile_stages(_Lifted(self.gm, self.kinds, ints, weights), tuple(user), arch=self.arch)
+            prog = c.program
+            n_out = prog.out_spec.num_leaves if prog.out_spec is not None else len(c.graph.outputs)
+            if n_out != len(c.graph.outputs):
+                raise _Unsupported("the graph mutates an input or a buffer in place")
+            if any(t.is_cuda for t in user):
+                prog.prepare("cuda")
+        except Exception as e:  # never a crash: the graph runs as its own forward, and says why
+            reason = _first_line(e)
+            self._event(f"eager fallback: {reason}")
+            if not self.report.variants:
+                self.report.status, self.report.reason = "eager", reason
+            return _Variant(None, refs, versions, reason)
+        self._record(c, time.perf_counter() - t0)
+        return _Variant(prog, refs, versions)
+
+    def _record(self, c, seconds: float) -> None:
+        from ..graph import ir
+
+        r = self.report
+        r.status, r.reason = "tilefuse", ""
+        r.variants += 1
+        r.compile_s = seconds
+        steps = c.plan.steps
+        r.kernels = sum(s.family == "mapreduce" for s in steps)
+        r.fused_ops = sum(len(s.nodes) for s in steps if s.family == "mapreduce")
+        r.aliases = sum(s.family == "alias" for s in steps)
+        r.externs = Counter()
+        for s in steps:
+            if s.family == "extern":
+                n = c.graph[s.nodes[0]]
+                what = n.target if isinstance(n, ir.Extern) else type(n).__name__.lower()
+                if isinstance(n, ir.View):
+                    what = f"view {n.op}"
+                r.externs[(what, s.note)] += 1
+        _log(r.line())
+
+    def _event(self, text: str) -> None:
+        self.report.events.append(f"graph {self.report.index}: {text}")
+        _log(f"graph {self.report.index}: {text}")
+
+
+class _Unsupported(Exception):
+    pass
+
+
+def _first_line(e: Exception) -> str:
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
