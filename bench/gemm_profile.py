@@ -1,0 +1,40 @@
+"""Run one tilefuse GEMM per schedule, once, for a profiler to capture (Nsight Compute):
+
+    ncu --section SpeedOfLight --section WarpStateStats python3 bench/gemm_profile.py \
+        --shape 8192,8192,8192 --schedules 128x256s4c2,128x256s4c2m2
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from gemm import parse_schedule  # noqa: E402
+from tilefuse.codegen.gemm_sm90 import GemmProblem  # noqa: E402
+from tilefuse.runtime.gemm import compile_gemm  # noqa: E402
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shape", default="8192,8192,8192")
+    ap.add_argument("--schedules", default="128x256s4c2")
+    ap.add_argument("--cublas", action="store_true", help="also run torch.matmul once")
+    args = ap.parse_args()
+    m, n, k = (int(x) for x in args.shape.split(","))
+    a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+    for text in args.schedules.split(","):
+        g = compile_gemm(GemmProblem(m, n, k, "bf16"), parse_schedule(text))
+        g(a, b)
+    if args.cublas:
+        torch.matmul(a, b.t())
+    torch.cuda.synchronize()
+
+
+if __name__ == "__main__":
+    main()
