@@ -1,12 +1,16 @@
 """Issue 2's map-reduce table: tilefuse vs eager vs torch.compile, bf16, same run.
 
     python3 bench/mapreduce.py --json bench/results/mapreduce_h100.json [--quick]
+    python3 bench/mapreduce.py --overhead [--json FILE]   # host time per call: graphs, clone, thin
 
 Each program is compiled with tilefuse.compile and timed (median, CUDA events, L2 flushed)
 next to PyTorch eager and torch.compile (default mode) on random normal inputs; GB/s count
 each input/weight read once and each output written once; % of copy is against a
-device-to-device copy measured in the same run. Also records the RMSNorm program's compile
-time, cold (empty cubin cache) and warm. Prints a table last.
+device-to-device copy measured in the same run. tilefuse runs as it does by default (CUDA
+graph replay after a warm-up call). Each implementation's host time per call (the GPU
+idle) is recorded beside its GPU time. Also records the RMSNorm program's compile time,
+cold (empty cubin cache) and warm. The JSON is rewritten after every case, so a run cut
+short keeps what it measured. Prints a table last.
 """
 from __future__ import annotations
 
@@ -20,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 import tilefuse
-from tilefuse.analyze.bench import copy_bandwidth, compare
+from tilefuse.analyze.bench import compare, copy_bandwidth
 
 SHAPES = [(32768, 4096), (16384, 8192), (4096, 65536), (32768, 256)]
 LONG = [(8192, 262144)]
@@ -111,50 +115,109 @@ def compile_times():
     return cold, warm
 
 
+def program_bytes(module, inputs) -> int:
+    nbytes = sum(t.numel() * t.element_size() for t in inputs)
+    nbytes += sum(p.numel() * p.element_size() for p in module.parameters())
+    with torch.no_grad():
+        outs = module(*inputs)
+    outs = outs if isinstance(outs, tuple) else (outs,)
+    return nbytes + sum(o.numel() * o.element_size() for o in outs)
+
+
+def _save(path, out):
+    if path:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+def _record(name, rows, cols, rows_, prog, nbytes, seconds):
+    st = prog.stages
+    rec = {"program": name, "shape": [rows, cols], "bytes": nbytes, "kernels": len(st.kernels),
+           "externs": sum(s.family == "extern" for s in st.plan.steps), "graph": prog.graph_info(),
+           "case_s": seconds}
+    for r in rows_:
+        rec[r.name] = {"us": r.ms * 1e3, "GBps": r.gbps, "pct_copy": r.pct_copy, "host_us": r.host_us}
+    return rec
+
+
+def run_table(args):
+    gpu = torch.cuda.get_device_name()
+    copy_bps = copy_bandwidth()
+    out = {"gpu": gpu, "torch": torch.__version__, "copy_TBps": copy_bps / 1e12, "cuda_graphs": True,
+           "results": []}
+    for name, (rows, cols) in cases(args.quick):
+        t0 = time.perf_counter()
+        module = PROGRAMS[name](cols).cuda().bfloat16()
+        inputs = inputs_for(name, rows, cols)
+        prog = tilefuse.compile(module, inputs)
+        nbytes = program_bytes(module, inputs)
+        rows_ = compare(prog, module, inputs, nbytes, copy_bps, with_compile=not args.no_compile_baseline)
+        out["results"].append(_record(name, rows, cols, rows_, prog, nbytes, time.perf_counter() - t0))
+        _save(args.json, out)
+        print(f"{name:14s} {rows}x{cols}: " + "  ".join(f"{r.name} {r.ms * 1e3:.1f}us/{r.host_us:.0f}us host"
+                                                         for r in rows_), flush=True)
+        del prog, inputs, module, rows_
+        torch.cuda.empty_cache()
+    cold, warm = compile_times()
+    out["rmsnorm_compile_s"] = {"cold": cold, "warm": warm}
+    _save(args.json, out)
+    print(f"\n{gpu}, copy {copy_bps / 1e12:.2f} TB/s; RMSNorm compile cold {cold * 1e3:.0f} ms, warm {warm * 1e3:.0f} ms")
+    print(f"{'program':14s} {'shape':>12s} {'tf us':>8s} {'TB/s':>5s} {'%copy':>6s} {'eager/tf':>8s} {'compile/tf':>10s}"
+          f" {'host us tf/eager/compile':>26s}")
+    for r in out["results"]:
+        tf = r["tilefuse"]
+        comp = r.get("torch.compile", {}).get("us", float("nan")) / tf["us"]
+        hosts = "/".join(f"{r[k]['host_us']:.0f}" for k in ("tilefuse", "eager", "torch.compile") if k in r)
+        print(f"{r['program']:14s} {'x'.join(map(str, r['shape'])):>12s} {tf['us']:8.1f} {tf['GBps'] / 1e3:5.2f} "
+              f"{tf['pct_copy']:5.0f}% {r['eager']['us'] / tf['us']:8.2f} {comp:10.2f} {hosts:>26s}")
+
+
+OVERHEAD_CASES = [("rmsnorm", (32768, 256)), ("add+rmsnorm", (32768, 256)), ("cross_entropy", (32768, 256)),
+                  ("softmax", (32768, 256)), ("layernorm", (32768, 256)), ("rmsnorm", (32768, 4096)),
+                  ("add+rmsnorm", (32768, 4096))]
+
+
+def run_overhead(args):
+    """GPU and host time per call of the three ways a program can run: graph replay (results
+    tracked), graph replay returning clones, and the thin launch path, next to the baselines."""
+    gpu = torch.cuda.get_device_name()
+    copy_bps = copy_bandwidth()
+    out = {"gpu": gpu, "torch": torch.__version__, "copy_TBps": copy_bps / 1e12, "results": []}
+    for name, (rows, cols) in OVERHEAD_CASES:
+        t0 = time.perf_counter()
+        module = PROGRAMS[name](cols).cuda().bfloat16()
+        inputs = inputs_for(name, rows, cols)
+        prog = tilefuse.compile(module, inputs)
+        clone = tilefuse.compile(module, inputs)
+        clone.graph_clone = True
+        thin = tilefuse.compile(module, inputs)
+        thin.graphs = False
+        extra = {"tilefuse clone": lambda: clone(*inputs), "tilefuse thin": lambda: thin(*inputs)}
+        nbytes = program_bytes(module, inputs)
+        rows_ = compare(prog, module, inputs, nbytes, copy_bps, with_compile=not args.no_compile_baseline,
+                        extra=extra)
+        out["results"].append(_record(name, rows, cols, rows_, prog, nbytes, time.perf_counter() - t0))
+        _save(args.json, out)
+        del prog, clone, thin, extra, inputs, module
+        torch.cuda.empty_cache()
+    print(f"\n{gpu}: GPU us (CUDA events, median) / host us per call (GPU idle, median)")
+    impls = ["tilefuse", "tilefuse clone", "tilefuse thin", "eager", "torch.compile"]
+    print(f"{'program':14s} {'shape':>11s} " + " ".join(f"{i:>17s}" for i in impls))
+    for r in out["results"]:
+        cells = [f"{r[i]['us']:7.1f}/{r[i]['host_us']:6.1f}" if i in r else "-" for i in impls]
+        print(f"{r['program']:14s} {'x'.join(map(str, r['shape'])):>11s} " + " ".join(f"{c:>17s}" for c in cells))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--quick", action="store_true", help="two shapes only")
+    ap.add_argument("--overhead", action="store_true", help="host overhead per call: graphs, clones, thin path")
     ap.add_argument("--no-compile-baseline", action="store_true", help="skip torch.compile (it takes a while)")
     args = ap.parse_args()
     torch.manual_seed(0)
-    gpu = torch.cuda.get_device_name()
-    copy_bps = copy_bandwidth()
-    results = []
-    for name, (rows, cols) in cases(args.quick):
-        module = PROGRAMS[name](cols).cuda().bfloat16()
-        inputs = inputs_for(name, rows, cols)
-        prog = tilefuse.compile(module, inputs)
-        st = prog.stages
-        nbytes = sum(t.numel() * t.element_size() for t in inputs)
-        nbytes += sum(p.numel() * p.element_size() for p in module.parameters())
-        outs = module(*inputs)
-        outs = outs if isinstance(outs, tuple) else (outs,)
-        nbytes += sum(o.numel() * o.element_size() for o in outs)
-        rows_ = compare(prog, module, inputs, nbytes, copy_bps, with_compile=not args.no_compile_baseline)
-        rec = {"program": name, "shape": [rows, cols], "bytes": nbytes, "kernels": len(st.kernels),
-               "externs": sum(s.family == "extern" for s in st.plan.steps)}
-        for r in rows_:
-            rec[r.name] = {"us": r.ms * 1e3, "GBps": r.gbps, "pct_copy": r.pct_copy}
-        results.append(rec)
-        print(f"{name:14s} {rows}x{cols}: " + "  ".join(f"{r.name} {r.ms * 1e3:.1f}us" for r in rows_), flush=True)
-        del prog, inputs, module
-        torch.cuda.empty_cache()
-    cold, warm = compile_times()
-    out = {"gpu": gpu, "torch": torch.__version__, "copy_TBps": copy_bps / 1e12, "results": results,
-           "rmsnorm_compile_s": {"cold": cold, "warm": warm}}
-    if args.json:
-        os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
-    print(f"\n{gpu}, copy {copy_bps / 1e12:.2f} TB/s; RMSNorm compile cold {cold * 1e3:.0f} ms, warm {warm * 1e3:.0f} ms")
-    hdr = f"{'program':14s} {'shape':>12s} {'tf us':>8s} {'TB/s':>5s} {'%copy':>6s} {'eager/tf':>8s} {'compile/tf':>10s}"
-    print(hdr)
-    for r in results:
-        tf = r["tilefuse"]
-        comp = r.get("torch.compile", {}).get("us", float("nan")) / tf["us"]
-        print(f"{r['program']:14s} {'x'.join(map(str, r['shape'])):>12s} {tf['us']:8.1f} {tf['GBps'] / 1e3:5.2f} "
-              f"{tf['pct_copy']:5.0f}% {r['eager']['us'] / tf['us']:8.2f} {comp:10.2f}")
+    (run_overhead if args.overhead else run_table)(args)
 
 
 if __name__ == "__main__":

@@ -55,15 +55,19 @@ SHAPES = [(1, 1), (3, 5), (7, 4097), (33, 1000), (256, 4096), (8, 40000)]
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
 def test_program_matches_float64_reference(shape, dtype):
-    """Each program's outputs, written over NaN-poisoned buffers, pass the 2x rule on fresh inputs."""
+    """Each program's outputs, written over NaN-poisoned buffers, pass the 2x rule on fresh inputs,
+    both on the first call (the thin launch path) and the second (captured and replayed as a CUDA graph)."""
     for name, fn, make in _programs(*shape, dtype):
         prog = tilefuse.compile(fn, make())
         prog.poison = True
-        inputs = make()  # fresh inputs, not the ones it was compiled with
-        out = flatten(prog(*inputs))
-        with torch.no_grad():
-            eager = flatten(fn(*inputs))
-        ref = flatten(float64_reference(fn, inputs))
-        for i, (o, r, e) in enumerate(zip(out, ref, eager)):
-            c = compare(f"{name}[{i}]", o, r, e)
-            assert c.ok, f"{name} {shape} {dtype}: {c}"
+        for call in ("thin", "graph"):
+            inputs = make()  # fresh inputs, not the ones it was compiled with
+            out = flatten(prog(*inputs))
+            with torch.no_grad():
+                eager = flatten(fn(*inputs))
+            ref = flatten(float64_reference(fn, inputs))
+            for i, (o, r, e) in enumerate(zip(out, ref, eager)):
+                c = compare(f"{name}[{i}]", o, r, e)
+                assert c.ok, f"{name} {shape} {dtype} ({call} call): {c}"
+        (info,) = prog.graph_info()
+        assert info["graphs"] and info["replays"] == 1, f"{name}: {info}"

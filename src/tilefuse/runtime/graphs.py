@@ -26,6 +26,7 @@ A capture that fails turns them off for that program, with a warning naming why.
 from __future__ import annotations
 
 import os
+import sys
 import warnings
 from dataclasses import dataclass, field
 from typing import Callable
@@ -76,22 +77,25 @@ class Slot:
     base: list = field(default_factory=list)      # their use counts with no caller holding one
 
     def settle(self):
-        """Record the use counts of the output storages while only the slot holds them."""
-        self.base = [_use_count(s._cdata) for s in self.storages] if _use_count else []
+        """Record how the output storages are held while only the slot holds them."""
+        self.base = [_holds(s) for s in self.storages] if _use_count else []
 
     def free(self) -> bool:
-        """True when the caller holds no tensor on any of this slot's output storages."""
+        """True when the caller holds nothing on any of this slot's output storages."""
         if _use_count is None:
             return True
-        for s, b in zip(self.storages, self.base):
-            if _use_count(s._cdata) != b:
-                return False
-        return True
+        return [_holds(s) for s in self.storages] == self.base  # the same expression as settle's
 
     def results(self, clone: bool) -> list:
         if clone:
             return [t.clone() if p else t for t, p in zip(self.outs, self.private)]
         return [t.detach() if p else t for t, p in zip(self.outs, self.private)]
+
+
+def _holds(storage) -> tuple[int, int]:
+    """Tensors on a storage (its use count) and references to its Python object, which torch
+    hands back again from `tensor.untyped_storage()`, so a caller keeping only that shows here."""
+    return _use_count(storage._cdata), sys.getrefcount(storage)
 
 
 class NotGraphable(RuntimeError):

@@ -24,8 +24,8 @@ _GIVEN = (ir.Input, ir.Weight, ir.Constant, ir.Iota)
 
 
 def signature(tensors) -> tuple:
-    """The cheap per-call key: (dtype, shape, device index) of each tensor (-1 for the CPU)."""
-    return tuple([(t.dtype, t.shape, t.get_device()) for t in tensors])
+    """The cheap per-call key: (dtype, shape, device) of each tensor."""
+    return tuple([(t.dtype, t.shape, t.device) for t in tensors])
 
 
 def check_inputs(graph: ir.Graph, tensors) -> torch.device:

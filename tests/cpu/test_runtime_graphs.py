@@ -1,0 +1,228 @@
+"""CUDA-graph slot policy (runtime/graphs.py), exercised on the CPU with an emulated capture.
+
+The emulated graph behaves like a real one where it matters here: it reads the inputs it
+was captured on (the caller's tensors in direct mode, private copies in copy mode) and
+each replay overwrites the same output buffers. With it we check the properties the policy
+promises: a result the caller still holds is never overwritten, the same input storages
+are never copied, a slot is reused as soon as its results are dropped, and anything that
+cannot be captured falls back to the thin path with the reason recorded.
+"""
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tilefuse.compiler import compile_stages
+from tilefuse.graph import ir
+from tilefuse.graph.fusion import Plan, Step
+from tilefuse.runtime import graphs
+from tilefuse.runtime.graphs import Graphed
+
+
+def emulated_capture(runner, tensors, direct):
+    """A stand-in for capture_cuda: replay recomputes from the captured inputs into the captured outputs."""
+    static = None if direct else [t.clone() for t in tensors]
+    inputs = list(tensors) if direct else static
+    outs = runner.run(inputs)
+
+    def replay():
+        for o, new in zip(outs, runner.run(inputs)):
+            o.copy_(new)
+
+    return replay, outs, static
+
+
+def _fn(x, w):
+    h = x * 2 + 1
+    return h, F.rms_norm(h, (h.shape[-1],), w, 1e-6)
+
+
+def _ref(x, w):
+    return [t.clone() for t in _fn(x, w)]
+
+
+W = torch.randn(16)
+
+
+def _graphed(fn=_fn, example=None, **kw):
+    example = example or (torch.randn(4, 16), W)
+    prog = compile_stages(fn, list(example)).program
+    return Graphed(prog.runner("cpu"), capture=emulated_capture, **kw)
+
+
+def _close(got, want):
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
+
+
+def test_results_the_caller_keeps_are_never_overwritten():
+    """Keeping every result: each still equals the reference for its own inputs at the end."""
+    g = _graphed(max_slots=2)
+    kept = []
+    for _ in range(6):
+        x = torch.randn(4, 16)
+        kept.append((g([x, W]), _ref(x, W)))
+    for got, want in kept:
+        _close(got, want)
+    assert g.stats["captures"] == 2 and g.stats["thin"] == 3  # two slots fill, the rest go thin
+
+
+def test_a_rebinding_loop_alternates_two_slots_without_falling_back():
+    """`y = prog(x)` holds the previous result during the call, so two slots serve it forever."""
+    g = _graphed(max_slots=2)
+    y = None
+    for _ in range(8):
+        x = torch.randn(4, 16)
+        y = g([x, W])
+        _close(y, _ref(x, W))
+    assert g.stats["captures"] == 2 and g.stats["thin"] == 0 and g.stats["replays"] == 7
+
+
+def test_the_same_input_storages_are_replayed_in_place_without_a_copy():
+    """A caller passing the same tensors (mutated in place) gets a direct slot: no input copy, fresh values."""
+    g = _graphed()
+    x = torch.randn(4, 16)
+    for _ in range(5):
+        x.normal_()
+        out = g([x, W])
+        _close(out, _ref(x, W))
+        del out
+    assert g.stats["captures"] == 1 and g.stats["copies"] == 0 and g.slots[0].ptrs is not None
+
+
+def test_new_inputs_each_call_use_one_copy_slot():
+    g = _graphed()
+    for _ in range(5):
+        x = torch.randn(4, 16)
+        _close(g([x, W]), _ref(x, W))
+    assert g.stats["captures"] == 1 and g.slots[0].ptrs is None and g.stats["copies"] == 3
+
+
+def test_a_direct_slot_is_not_replayed_for_other_addresses():
+    g = _graphed(max_slots=2)
+    x = torch.randn(4, 16)
+    g([x, W])
+    g([x, W])  # captured direct on x
+    other = torch.randn(4, 16)
+    _close(g([other, W]), _ref(other, W))
+    assert len(g.slots) == 2 and g.slots[1].ptrs is None
+
+
+def test_non_contiguous_inputs_never_match_a_direct_slot():
+    g = _graphed()
+    base = torch.randn(16, 4)
+    xt = base.t()
+    for _ in range(3):
+        base.normal_()
+        _close(g([xt, W]), _ref(xt, W))
+    assert all(s.ptrs is None for s in g.slots)
+
+
+@pytest.mark.parametrize("hold", ["view", "inference_view", "storage", "detached"])
+def test_any_hold_on_an_output_storage_keeps_the_slot_busy(hold):
+    """Views (even without a _base under inference_mode), storages and detached aliases all count."""
+    g = _graphed(max_slots=1)
+    g([torch.randn(4, 16), W])
+    h = g([torch.randn(4, 16), W])[0]  # the other output is dropped at once
+    if hold == "view":
+        kept = h[1]
+    elif hold == "inference_view":
+        with torch.inference_mode():
+            kept = h.view(-1)
+    elif hold == "storage":
+        kept = h.untyped_storage()
+    else:
+        kept = h.detach()
+    del h
+    assert not g.slots[0].free()
+    del kept
+    assert g.slots[0].free()
+
+
+def test_clone_policy_reuses_one_slot_and_returns_private_copies():
+    g = _graphed(clone=True)
+    kept = []
+    for _ in range(4):
+        x = torch.randn(4, 16)
+        kept.append((g([x, W]), _ref(x, W)))
+    for got, want in kept:
+        _close(got, want)
+        assert all(t.data_ptr() != o.data_ptr() for t, o in zip(got, g.slots[0].outs))
+    assert g.stats["captures"] == 1 and g.stats["thin"] == 0
+
+
+def test_a_failed_capture_turns_graphs_off_with_a_warning_and_results_stay_right():
+    def broken(runner, tensors, direct):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    g = _graphed(fn=_fn)
+    g.capture = broken
+    g([torch.randn(4, 16), W])
+    x = torch.randn(4, 16)
+    with pytest.warns(RuntimeWarning, match="CUDA graphs off.*not permitted"):
+        out = g([x, W])
+    _close(out, _ref(x, W))
+    assert g.off and "capture failed" in g.off
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _close(g([x, W]), _ref(x, W))  # later calls: quietly thin
+    assert g.stats["thin"] == 1
+
+
+def test_an_output_that_views_an_input_is_not_graphed():
+    """A reshaped input as output would hand out the capture's input buffer: thin path instead."""
+    g = _graphed(fn=lambda x: (x.reshape(8, 8), x * 2), example=(torch.randn(4, 16),))
+    x = torch.randn(4, 16)
+    g([x])
+    y, _ = g([x])
+    assert g.off and "views an input" in g.off
+    assert y.data_ptr() == x.data_ptr()  # the thin path's view of the caller's own tensor, as in eager
+
+
+def test_env_switch():
+    assert graphs.enabled_by_env({})
+    assert graphs.enabled_by_env({"TILEFUSE_CUDA_GRAPHS": "1"})
+    for off in ("0", "false", "OFF", " no "):
+        assert not graphs.enabled_by_env({"TILEFUSE_CUDA_GRAPHS": off})
+
+
+def test_programs_read_the_env_switch_when_built_and_an_explicit_choice_wins(monkeypatch):
+    monkeypatch.setenv("TILEFUSE_CUDA_GRAPHS", "0")
+    st = compile_stages(_fn, [torch.randn(4, 16), W])
+    assert st.program.graphs is False
+    monkeypatch.setenv("TILEFUSE_CUDA_GRAPHS", "1")
+    assert compile_stages(_fn, [torch.randn(4, 16), W]).program.graphs is True
+    from tilefuse.runtime.program import Program
+
+    p = st.program
+    assert Program(p.graph, p.plan, p.kernels, graphs=False).graphs is False
+
+
+def test_cpu_programs_report_why_they_run_without_graphs():
+    p = compile_stages(_fn, [torch.randn(4, 16), W]).program
+    p.graphs = True
+    x = torch.randn(4, 16)
+    _close(p(x, W), _ref(x, W))
+    (info,) = p.graph_info()
+    assert not info["graphs"] and "not a CUDA device" in info["reason"]
+
+
+def _extern_program(target):
+    t = ir.TensorType((4,), "f32")
+    x = ir.Input("x", t)
+    e = ir.Extern("e", t, target, (ir.Ref("x"),))
+    g = ir.Graph((x, e), ("x",), ("e",))
+
+    class P:
+        graph = g
+        plan = Plan(g, [Step("s0", "extern", ["e"])])
+
+    return P
+
+
+def test_host_syncing_externs_block_graphs_and_ordinary_ones_do_not():
+    cuda = torch.device("cuda", 0)
+    assert graphs.blockers(_extern_program("aten.cumsum.default"), cuda) == []
+    (why,) = graphs.blockers(_extern_program("aten.nonzero.default"), cuda)
+    assert "aten.nonzero.default" in why and "host" in why

@@ -1,0 +1,188 @@
+"""The thin call path of a compiled program (runtime/program.py, runtime/runner.py), on the CPU.
+
+What is checked: a call's arguments are validated in full only for a signature not seen
+before (the steady state is one tuple comparison), wrong arguments still get a clear error
+naming what is wrong, results are the same as PyTorch's, outputs come back in the user's
+structure, and the program never hands out the caller's tensor or its own cached values.
+"""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import tilefuse.runtime.program as program_mod
+from tilefuse.compiler import compile_stages
+from tilefuse.runtime.program import _packer
+from tilefuse.runtime.runner import Runner, alias_root, cloned_outputs, signature
+
+
+def _prog(fn, *inputs):
+    return compile_stages(fn, list(inputs)).program
+
+
+def _rms(x, w):
+    return F.rms_norm(x, (x.shape[-1],), w, 1e-6)
+
+
+def test_arguments_are_checked_in_full_only_for_an_unseen_signature(monkeypatch):
+    """Repeated calls with the same (dtype, shape, device) run the detailed check once."""
+    calls = []
+    real = program_mod.check_inputs
+    monkeypatch.setattr(program_mod, "check_inputs", lambda g, t: calls.append(1) or real(g, t))
+    x, w = torch.randn(4, 16), torch.randn(16)
+    p = _prog(_rms, x, w)
+    for _ in range(5):
+        p(torch.randn(4, 16), torch.randn(16))
+    assert len(calls) == 1
+    p(torch.randn(4, 16, dtype=torch.float64).float(), torch.randn(16))  # same signature again
+    assert len(calls) == 1
+
+
+def test_runner_is_built_once_per_device():
+    x = torch.randn(3, 8)
+    p = _prog(lambda a: torch.softmax(a, -1), x)
+    for _ in range(3):
+        p(torch.randn(3, 8))
+    assert len(p._runners) == 1 and len(p._entries) == 1
+
+
+@pytest.mark.parametrize("bad, message", [
+    (lambda: (torch.randn(4, 16, dtype=torch.float64), torch.randn(16)), "input .*compiled for f32\\[4, 16\\], got f64"),
+    (lambda: (torch.randn(4, 17), torch.randn(16)), "compiled for f32\\[4, 16\\], got f32\\[4, 17\\]"),
+    (lambda: (torch.randn(4, 16),), "expected 2 tensor inputs, got 1"),
+    (lambda: (torch.randn(4, 16), torch.empty(16, device="meta")), "all inputs must be on one device"),
+])
+def test_wrong_arguments_get_a_clear_error_even_after_a_good_call(bad, message):
+    p = _prog(_rms, torch.randn(4, 16), torch.randn(16))
+    p(torch.randn(4, 16), torch.randn(16))  # the steady state is in place
+    with pytest.raises(ValueError, match=message):
+        p(*bad())
+
+
+def test_non_contiguous_inputs_give_the_same_result():
+    """The program takes any strides (it makes a contiguous copy where a kernel needs one)."""
+    p = _prog(lambda a: torch.softmax(a, -1) * 2, torch.randn(6, 10))
+    base = torch.randn(10, 6)
+    xt = base.t()
+    assert not xt.is_contiguous()
+    torch.testing.assert_close(p(xt), torch.softmax(xt, -1) * 2)
+
+
+def test_results_match_pytorch_on_fresh_inputs_every_call():
+    p = _prog(lambda a, b: (a + b, F.layer_norm(a + b, (12,))), torch.randn(5, 12), torch.randn(5, 12))
+    for _ in range(3):
+        a, b = torch.randn(5, 12), torch.randn(5, 12)
+        h, y = p(a, b)
+        torch.testing.assert_close(h, a + b)
+        torch.testing.assert_close(y, F.layer_norm(a + b, (12,)), atol=1e-5, rtol=1e-5)
+
+
+def test_outputs_keep_the_users_structure():
+    p = _prog(lambda a: {"s": torch.softmax(a, -1), "pair": (a * 2, a + 1)}, torch.randn(2, 4))
+    x = torch.randn(2, 4)
+    out = p(x)
+    assert set(out) == {"s", "pair"} and isinstance(out["pair"], tuple)
+    torch.testing.assert_close(out["pair"][1], x + 1)
+
+
+@pytest.mark.parametrize("tree", [7, (1, 2), [1, 2, 3], {"a": 1, "b": (2, 3)}, (1,), ((1, 2),)])
+def test_packer_rebuilds_any_output_structure(tree):
+    """The packer chosen once (plain tuple, single value, or general unflatten) equals unflatten."""
+    leaves, spec = torch.utils._pytree.tree_flatten(tree)
+    pack = _packer(spec, len(leaves))
+    got = pack([10 * v for v in leaves])
+    want = torch.utils._pytree.tree_unflatten([10 * v for v in leaves], spec)
+    assert got == want and type(got) is type(want)
+
+
+def test_packer_without_a_spec_returns_one_value_or_a_tuple():
+    assert _packer(None, 1)(["a"]) == "a"
+    assert _packer(None, 2)(["a", "b"]) == ("a", "b")
+
+
+def test_an_input_returned_as_is_comes_back_as_a_copy():
+    """x.clone() captures as x; the caller must get a new tensor each call, not its own."""
+    p = _prog(lambda a: (a.clone(), a * 2), torch.randn(3))
+    x = torch.randn(3)
+    c, _ = p(x)
+    assert c is not x and c.data_ptr() != x.data_ptr()
+    torch.testing.assert_close(c, x)
+
+
+def test_weights_returned_through_aliases_are_copies_of_the_cached_weight():
+    """An output viewing a weight must not be the program's cached weight (mutating it would change later calls)."""
+
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(2, 3))
+
+        def forward(self, x):
+            return x * 2, self.w.reshape(6)
+
+    m = M()
+    st = compile_stages(m, [torch.randn(4)])
+    g, plan = st.program.graph, st.program.plan
+    flags = cloned_outputs(g, plan)
+    roots = [alias_root(plan, o) for o in g.outputs]
+    assert [r in g.weights for r in roots] == [False, True]
+    assert flags == (False, True)
+    _, w1 = st.program(torch.randn(4))
+    w1.fill_(0)
+    _, w2 = st.program(torch.randn(4))
+    torch.testing.assert_close(w2, m.w.detach().reshape(6))
+
+
+def test_signature_distinguishes_dtype_shape_and_device():
+    a = torch.randn(2, 3)
+    assert signature([a]) == signature([torch.randn(2, 3)])
+    assert signature([a]) != signature([a.double()])
+    assert signature([a]) != signature([torch.randn(3, 2)])
+    assert signature([a]) != signature([torch.empty(2, 3, device="meta")])
+
+
+def test_runner_holds_weights_and_constants_once_per_device():
+    p = _prog(_rms, torch.randn(4, 16), torch.randn(16))
+    r = p.runner("cpu")
+    assert r is p.runner(torch.device("cpu"))
+    assert isinstance(r, Runner) and all(isinstance(t, torch.Tensor) for t in r.prefilled())
+
+
+class _RecordingKernel:
+    """Stands in for a CompiledKernel: records what the launch glue hands it."""
+
+    def __init__(self):
+        self.launches = []
+
+    def launch_ptrs(self, device, ptrs):
+        self.launches.append((device, list(ptrs)))
+
+
+def test_launch_glue_passes_pointers_in_parameter_order_and_allocates_graph_shaped_outputs():
+    """Inputs by their data pointers (a contiguous copy for strided ones), outputs fresh, poisoned when asked."""
+    from tilefuse.runtime.runner import _Launch
+
+    st = compile_stages(lambda a, b: (a + b, F.rms_norm(a + b, (8,), eps=1e-6)), [torch.randn(3, 8), torch.randn(3, 8)])
+    g = st.program.graph
+    (step,) = [s for s in st.plan.steps if s.family == "mapreduce"]
+    lowered = st.kernels[step.name]
+    slots = {name: i for i, name in enumerate(g.inputs)}
+
+    def slot(name):
+        return slots.setdefault(name, len(slots))
+
+    ck = _RecordingKernel()
+    op = _Launch(ck, lowered, g, slot, torch.device("cpu", 0), poison=True)
+    a, b = torch.randn(3, 8), torch.randn(8, 3).t()
+    env = [a, b] + [None] * 8
+    op(env)
+    (device, ptrs), = ck.launches
+    assert device == 0 and len(ptrs) == len(lowered.kernel.params)
+    for bnd, ptr in zip(lowered.bindings, ptrs):
+        t = env[slots[bnd.tensor]]
+        if lowered.kernel.buffer(bnd.buffer).role == "out":
+            assert ptr == t.data_ptr() and tuple(t.shape) == g[bnd.tensor].type.shape
+            assert torch.isnan(t).all()  # poisoned, and the recording kernel wrote nothing
+        elif t is a:
+            assert ptr == a.data_ptr()
+        else:
+            assert ptr != b.data_ptr()  # the strided input went through a contiguous copy
