@@ -7,6 +7,7 @@ very long rows on Hopper only); the cubin cache hits, and rebuilds corrupted ent
 inputs get clear errors.
 """
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -143,10 +144,55 @@ def test_a_map_splits_long_rows_without_a_cluster_launch():
     assert src.cluster == (1, 1, 1) and "tf_cluster_sync" not in _body(src)
 
 
-def test_independent_reductions_share_one_exchange():
-    # cross-entropy: max first; sum(exp(x - max)) and the target logit in one pass
-    body = _body(render(fx.cross_entropy_kernel(64, 4096, "bf16"), arch="sm_90a"))
-    assert body.count("__syncthreads();") == 2
+def test_cross_entropy_is_one_pass_one_exchange_and_one_target_load():
+    """max and sum(exp(x - max)) come out of one online pass and one exchange; the target
+    logit is a single load at column t, hoisted above the pass (no per-element compare)."""
+    k = fx.cross_entropy_kernel(64, 4096, "bf16")
+    body = _body(render(k, arch="sm_90a"))
+    assert body.count("__syncthreads();") == 1
+    assert body.count("for (int j = 0;") == 2  # the copy, then the one pass
+    assert "tf_lse_merge(" in body and body.count("expf(") == 2  # rescale + one exp per element
+    assert "(long long)(c)" not in body, "no per-element index compare"
+    target_load = body.index("x[(r) * 4096LL + sel_xt]")
+    assert target_load < body.index("tf_cp_async_wait_pending("), "the target logit is loaded before the pass"
+    for C, sched in [(136, MapReduceSchedule(threads=256, group=4, vector=8)),
+                     (4096, MapReduceSchedule(threads=128, group=128, vector=8, cluster=2)),
+                     (4096, MapReduceSchedule(threads=256, group=256, vector=8, stage="stream", unroll=2))]:
+        src = _body(render(fx.cross_entropy_kernel(64, C, "bf16"), sched, "sm_90a"))
+        assert "tf_lse_merge(" in src and "sel_xt" in src and "(long long)(c)" not in src
+
+
+def test_softmax_reads_the_staged_row_twice_and_exchanges_once():
+    for shape, sched in [((64, 4096), None),
+                         ((8, 262144), None),
+                         ((64, 136), MapReduceSchedule(threads=256, group=4, vector=8))]:
+        src = render(fx.softmax_kernel(*shape, "bf16"), sched, "sm_90a")
+        body = _body(src)
+        exchanges = "tf_cluster_sync();" if src.cluster != (1, 1, 1) else "__syncthreads();"
+        assert body.count(exchanges) == (1 if src.schedule.group > 32 else 0)
+        assert "tf_lse_merge(" in body
+        assert body.count("for (int j = 0;") == 2 + (src.schedule.stage != "stream")  # (+ the staging loop)
+
+
+def test_a_cluster_arrives_after_its_last_remote_read_and_waits_before_exit():
+    src = render(fx.layernorm_kernel(4, 65536, "bf16"), arch="sm_90a")
+    body = _body(src)
+    assert src.cluster[0] > 1
+    assert body.count("tf_cluster_sync();") == 2 and body.count("tf_cluster_arrive();") == 1
+    assert body.rindex("tf_remote_ld(") < body.index("tf_cluster_arrive();") < body.index("tf_st16(")
+    assert body.rstrip().endswith("tf_cluster_wait();\n}") or body.rstrip().splitlines()[-2].strip() == "tf_cluster_wait();"
+
+
+def test_pipelined_staging_waits_per_chunk_in_the_first_pass_only():
+    k = fx.rmsnorm_kernel(64, 8192, "bf16")
+    sched = default_schedule(k, "sm_90a")
+    assert sched.pipeline and sched.stage == "smem"
+    body = _body(render(k, sched, "sm_90a"))
+    assert body.count("tf_cp_async_commit();") == 1 and "tf_cp_async_wait_all" not in body
+    first, second = body.split("// ---- map over the row")
+    assert first.count("tf_cp_async_wait_pending(") == 1 and "tf_cp_async_wait_pending(" not in second
+    plain = _body(render(k, replace(sched, pipeline=False), "sm_90a"))
+    assert "tf_cp_async_wait_all();" in plain and "tf_cp_async_wait_pending(" not in plain
 
 
 def test_generated_source_is_deterministic():
@@ -282,3 +328,80 @@ def test_bad_schedules_and_kernels_are_refused():
         render(flat)
     with pytest.raises(ValueError, match="family"):
         compile_source_only(ir.Kernel("g", (), (), family="contraction"))
+
+
+# ---------------------------------------------------------------- row patterns (codegen/patterns.py)
+
+
+def _lowered(fn, *inputs):
+    from tilefuse.compiler import compile_stages
+
+    c = compile_stages(fn, inputs)
+    return [lw.kernel for lw in c.kernels.values()]
+
+
+def _row_reduces(k):
+    return [s for s in ir.row_kernel_parts(k).body if isinstance(s, ir.Reduce)]
+
+
+def test_online_lse_and_target_select_match_what_the_lowering_produces():
+    """The patterns are found in the kernels PyTorch's softmax, log_softmax and
+    cross_entropy lower to, not only in the hand-written fixtures."""
+    import torch.nn.functional as F
+
+    from tilefuse.codegen import patterns
+
+    x, t = torch.randn(6, 64, dtype=torch.bfloat16), torch.randint(0, 64, (6,))
+    for fn, args, n_select in [(lambda x: torch.softmax(x, -1), (x,), 0),
+                               (lambda x: F.log_softmax(x.float(), -1), (x,), 0),
+                               (lambda x, t: F.cross_entropy(x, t), (x, t), 1),
+                               (lambda x, t: F.cross_entropy(x, t, reduction="none"), (x, t), 1)]:
+        k = _lowered(fn, *args)[0]
+        reds = _row_reduces(k)
+        assert patterns.online_lse(reds[0], reds[1]) is not None, k
+        body = ir.row_kernel_parts(k).body
+        consts = {s.dst: s for s in body if isinstance(s, ir.Const)}
+        dts = {s.dst: (k.buffer(s.buf).dtype if isinstance(s, ir.Load) else s.dtype)
+               for s in body if hasattr(s, "dst") and not isinstance(s, ir.Store)}
+        assert sum(patterns.target_select(r, consts, dts) is not None for r in reds) == n_select
+    for name in ("softmax", "cross_entropy"):
+        reds = _row_reduces(fx.BUILDERS[name](4, 64, "bf16"))
+        assert patterns.online_lse(reds[0], reds[1]) is not None
+
+
+def test_patterns_refuse_look_alikes():
+    """A sum of exp over other values than the max's, a max fed elsewhere, a compare with a
+    column-dependent value, a where whose other branch is not 0: no rewrite."""
+    from tilefuse.codegen import patterns
+    from tilefuse.loop.ir import Const, IndexValue, Load, Op, Reduce, Var
+
+    c = Var("c")
+    mx = Reduce("m", "max", "c", 8, (Load("a", "x", (Var("r"), c)),), "a", "f32")
+    ok = Reduce("s", "sum", "c", 8, (Load("b", "x", (Var("r"), c)), Op("d", "sub", ("b", "m"), "f32"),
+                                    Op("e", "exp", ("d",), "f32")), "e", "f32")
+    assert patterns.online_lse(mx, ok) is not None
+    other_buf = Reduce("s", "sum", "c", 8, (Load("b", "z", (Var("r"), c)), Op("d", "sub", ("b", "m"), "f32"),
+                                           Op("e", "exp", ("d",), "f32")), "e", "f32")
+    scaled = Reduce("s", "sum", "c", 8, (Load("b", "x", (Var("r"), c)), Op("b2", "add", ("b", "b"), "f32"),
+                                        Op("d", "sub", ("b2", "m"), "f32"), Op("e", "exp", ("d",), "f32")),
+                    "e", "f32")
+    m_twice = Reduce("s", "sum", "c", 8, (Load("b", "x", (Var("r"), c)), Op("d", "sub", ("b", "m"), "f32"),
+                                         Op("e", "exp", ("d",), "f32"), Op("f", "mul", ("e", "m"), "f32")),
+                     "f", "f32")
+    min_not_max = Reduce("m", "min", "c", 8, mx.body, "a", "f32")
+    for a, b in [(mx, other_buf), (mx, scaled), (mx, m_twice), (min_not_max, ok)]:
+        assert patterns.online_lse(a, b) is None
+    zero = {"z": Const("z", 0.0, "f32")}
+    dts = {"t": "i64", "u": "f32", "z": "f32"}
+
+    def sel(eq_arg, other="z", iv_dtype="i64"):
+        return Reduce("xt", "sum", "c", 8, (IndexValue("i", c, iv_dtype), Load("b", "x", (Var("r"), c)),
+                                           Op("h", "eq", ("i", eq_arg), "bool"),
+                                           Op("w", "where", ("h", "b", other), "f32")), "w", "f32")
+    assert patterns.target_select(sel("t"), zero, dts) is not None
+    assert patterns.target_select(sel("u"), zero, dts) is None          # a float, not an index
+    assert patterns.target_select(sel("b"), zero, dts) is None          # varies along the row
+    assert patterns.target_select(sel("t", other="b"), zero, dts) is None
+    assert patterns.target_select(sel("t", iv_dtype="u8"), zero, dts) is None  # wraps past 255
+    one = {"z": Const("z", 1.0, "f32")}
+    assert patterns.target_select(sel("t"), one, dts) is None

@@ -48,6 +48,18 @@ __device__ __forceinline__ double tf_max(double a, double b) { return (a != a ||
 __device__ __forceinline__ double tf_min(double a, double b) { return (a != a || a < b) ? a : b; }
 template <class T> __device__ __forceinline__ T tf_max(T a, T b) { return a > b ? a : b; }
 template <class T> __device__ __forceinline__ T tf_min(T a, T b) { return a < b ? a : b; }
+// Merge two partial log-sum-exp states (max m, sum of exp(x - m)): the larger max wins and
+// the other sum is rescaled to it. Equal maxima (-inf included) need no exp; NaN propagates.
+__device__ __forceinline__ void tf_lse_merge(float& m, float& s, float m2, float s2) {
+  const float mn = tf_max(m, m2);
+  s = (m == mn ? s : s * expf(m - mn)) + (m2 == mn ? s2 : s2 * expf(m2 - mn));
+  m = mn;
+}
+__device__ __forceinline__ void tf_lse_merge(double& m, double& s, double m2, double s2) {
+  const double mn = tf_max(m, m2);
+  s = (m == mn ? s : s * exp(m - mn)) + (m2 == mn ? s2 : s2 * exp(m2 - mn));
+  m = mn;
+}
 
 // Element i of a chunk held as 32-bit words (a register array, i a compile-time constant
 // once the loops are unrolled).
@@ -111,6 +123,29 @@ __device__ __forceinline__ void tf_cp_async16(unsigned dst, const void* src) {
 __device__ __forceinline__ void tf_cp_async_wait_all() {
   asm volatile("cp.async.commit_group;\n\tcp.async.wait_group 0;" ::: "memory");
 }
+__device__ __forceinline__ void tf_cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+// Wait until at most n of this thread's cp.async groups are in flight (n: a constant once
+// the caller's loop is unrolled, so the switch folds to one instruction; beyond 15: all).
+__device__ __forceinline__ void tf_cp_async_wait_pending(int n) {
+  switch (n) {
+    case 1: asm volatile("cp.async.wait_group 1;" ::: "memory"); break;
+    case 2: asm volatile("cp.async.wait_group 2;" ::: "memory"); break;
+    case 3: asm volatile("cp.async.wait_group 3;" ::: "memory"); break;
+    case 4: asm volatile("cp.async.wait_group 4;" ::: "memory"); break;
+    case 5: asm volatile("cp.async.wait_group 5;" ::: "memory"); break;
+    case 6: asm volatile("cp.async.wait_group 6;" ::: "memory"); break;
+    case 7: asm volatile("cp.async.wait_group 7;" ::: "memory"); break;
+    case 8: asm volatile("cp.async.wait_group 8;" ::: "memory"); break;
+    case 9: asm volatile("cp.async.wait_group 9;" ::: "memory"); break;
+    case 10: asm volatile("cp.async.wait_group 10;" ::: "memory"); break;
+    case 11: asm volatile("cp.async.wait_group 11;" ::: "memory"); break;
+    case 12: asm volatile("cp.async.wait_group 12;" ::: "memory"); break;
+    case 13: asm volatile("cp.async.wait_group 13;" ::: "memory"); break;
+    case 14: asm volatile("cp.async.wait_group 14;" ::: "memory"); break;
+    case 15: asm volatile("cp.async.wait_group 15;" ::: "memory"); break;
+    default: asm volatile("cp.async.wait_group 0;" ::: "memory");
+  }
+}
 __device__ __forceinline__ void tf_lds16(unsigned* w, unsigned src) {
   asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3]) : "r"(src) : "memory");
 }
@@ -125,6 +160,10 @@ __device__ __forceinline__ unsigned tf_cluster_rank() { unsigned r; asm volatile
 __device__ __forceinline__ void tf_cluster_sync() {
   asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
 }
+// The two halves of tf_cluster_sync, apart: arrive when done with the other CTAs' shared
+// memory, wait (for every CTA's arrival) only before exiting.
+__device__ __forceinline__ void tf_cluster_arrive() { asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory"); }
+__device__ __forceinline__ void tf_cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory"); }
 __device__ __forceinline__ unsigned tf_remote_addr(const void* local, unsigned rank) {
   unsigned a = (unsigned)__cvta_generic_to_shared(local), r;
   asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(rank)); return r;

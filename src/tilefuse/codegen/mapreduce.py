@@ -30,7 +30,9 @@ from dataclasses import dataclass, field, replace
 
 from .. import dtypes
 from ..loop import ir
-from . import cexpr
+from . import cexpr, patterns
+from .patterns import OnlineLse, TargetSelect
+from .rowlayout import RowLayouts, row_layouts
 
 # ---------------------------------------------------------------- schedule and source
 
@@ -51,6 +53,8 @@ class MapReduceSchedule:
                 pass over the row re-reads it; any row, any alignment).
     unroll:     stream mode: chunks per unrolled iteration (loads in flight per thread).
     min_blocks: __launch_bounds__ minimum CTAs per SM (caps registers per thread).
+    pipeline:   smem stage: one cp.async group per chunk, and the first pass over the row
+                takes chunk j as soon as its copies land (not when the whole row has).
     """
 
     threads: int = 256
@@ -60,6 +64,7 @@ class MapReduceSchedule:
     stage: str = "regs"
     unroll: int = 4
     min_blocks: int = 1
+    pipeline: bool = False
 
     def __post_init__(self):
         if not 1 <= self.threads <= 1024 or self.threads % 32:
@@ -88,7 +93,8 @@ class MapReduceSchedule:
     def __str__(self):
         return (f"mapreduce(threads={self.threads}, group={self.group}, rows/cta={self.rows_per_cta}, "
                 f"vector={self.vector}, cluster={self.cluster}, stage={self.stage}, "
-                f"unroll={self.unroll}, min_blocks={self.min_blocks})")
+                f"unroll={self.unroll}, min_blocks={self.min_blocks}"
+                + (", pipeline" if self.pipeline else "") + ")")
 
 
 @dataclass(frozen=True)
@@ -347,13 +353,14 @@ def _smem_schedule(kernel, parts, v, arch) -> MapReduceSchedule:
     kind = _kind(parts)
     chunk_bytes = sum(v * s.itemsize for s in _analyse(kernel, parts, v).in_streams.values() if s.per_row)
     chunks = -(-C // v)
-    if -(-chunks // 4) <= 32:  # a row per warp or sub-warp, several rows per CTA
+    if -(-chunks // 4) <= 32:  # a row per warp or sub-warp, several rows per CTA (few chunks: no pipeline)
         return MapReduceSchedule(threads=256, group=_pow2ceil(-(-chunks // 4)), vector=v, stage="smem",
                                  min_blocks=4)
     k = 8 if kind == "reduce" else 4
     t = max(_pow2ceil(-(-chunks // k)), 256 if kind == "norm" else 64)
     if t <= 512:  # a row per CTA
-        return MapReduceSchedule(threads=t, group=t, vector=v, stage="smem", min_blocks=max(1, 1536 // t))
+        return MapReduceSchedule(threads=t, group=t, vector=v, stage="smem", min_blocks=max(1, 1536 // t),
+                                 pipeline=True)
     clusters = (1, 2, 4, 8) if supports_clusters(arch) else (1,)
     threads, k_max = ((128, 256, 512), 16) if kind == "reduce" else ((256, 512, 1024), 8)
     for t in threads:
@@ -361,11 +368,11 @@ def _smem_schedule(kernel, parts, v, arch) -> MapReduceSchedule:
             k = -(-chunks // (t * cl))
             if k <= k_max and k * t * chunk_bytes <= SMEM_PER_CTA:
                 return MapReduceSchedule(threads=t, group=t, vector=v, cluster=cl, stage="smem",
-                                         min_blocks=max(1, 1536 // t))
+                                         min_blocks=max(1, 1536 // t), pipeline=True)
     cl = clusters[-1]
     k = -(-chunks // (1024 * cl))
     if k * 1024 * chunk_bytes <= max_smem(arch):
-        return MapReduceSchedule(threads=1024, group=1024, vector=v, cluster=cl, stage="smem")
+        return MapReduceSchedule(threads=1024, group=1024, vector=v, cluster=cl, stage="smem", pipeline=True)
     return MapReduceSchedule(threads=512, group=512, vector=v, stage="stream", unroll=4, min_blocks=2)
 
 
@@ -436,6 +443,9 @@ class _Ctx:
     store_only_casts: set = field(default_factory=set)
     smem_offset: dict = field(default_factory=dict)  # stream key -> byte offset (stage="smem")
     rgroup: int = 0  # reduce groups emitted so far
+    lay: RowLayouts | None = None  # every thread -> element index map (codegen/rowlayout.py)
+    pending_wait: bool = False     # the next pass waits for chunk j's copies (pipelined smem stage)
+    cluster_done: int | None = None  # line after the last cluster exchange's remote reads
 
     def c(self, ssa: str) -> str:
         return self.names[ssa]
@@ -592,21 +602,24 @@ def _emit_chunk_load(ctx: _Ctx, em: _Emitter, st: _Stream, dst: str, guard: str)
 
 
 def _smem_chunk(ctx: _Ctx, st: _Stream, i: int) -> str:
-    """Shared-memory address of 16-byte piece i of this thread's chunk j of stream st.
-
-    Pieces are laid out [j][i][thread] so a warp's 16-byte accesses are contiguous."""
-    w16 = _words(st.buf.dtype, ctx.V) // 4
-    return f"smem0 + {ctx.smem_offset[st.key]}u + (unsigned)(((j * {w16} + {i}) * {ctx.sched.threads} + threadIdx.x) * 16)"
+    """Shared-memory address of 16-byte piece i of this thread's chunk j of stream st
+    (the staging layout of rowlayout: pieces [j][i][thread], a warp's accesses contiguous)."""
+    return f"smem0 + {ctx.smem_offset[st.key]}u + (unsigned)({ctx.lay.c_smem(i)})"
 
 
 def _chunk_header(ctx: _Ctx, em: _Emitter, regs: bool):
-    """Opens the loop over this thread's chunks and the column c0 of the current one."""
+    """Opens the loop over this thread's chunks and the column c0 of the current one.
+
+    The first pass after a pipelined copy waits, per chunk, until that chunk's copies landed
+    (at most nchunk-1-j groups still in flight: a constant once the loop is unrolled)."""
     if regs:
         em("#pragma unroll")
     elif ctx.sched.unroll > 1:
         em(f"#pragma unroll {ctx.sched.unroll}")
     em.open(f"for (int j = 0; j < {ctx.nchunk}; ++j)")
-    em(f"const int c0 = (j * {ctx.P} + p) * {ctx.V};  // first column of chunk j")
+    if ctx.pending_wait:
+        em(f"tf_cp_async_wait_pending({ctx.nchunk - 1} - j);  // chunk j's copies have landed")
+    em(f"const int c0 = {ctx.lay.c_column(0)};  // first column of chunk j")
     if not ctx.full:
         em.open(f"if (c0 < {ctx.C})")
 
@@ -626,14 +639,24 @@ def _streams_used(ctx: _Ctx, body, table: dict, key_map: dict):
     return [table[k] for k in keys]
 
 
+def _block_body(blk) -> tuple:
+    return blk.y_body if isinstance(blk, OnlineLse) else blk.body
+
+
+def _block_var(blk) -> str:
+    return blk.sm.var if isinstance(blk, OnlineLse) else blk.var
+
+
 def _emit_pass(ctx: _Ctx, em: _Emitter, blocks: list, accs: list):
     """One pass over this thread's chunks, running the bodies of `blocks` per element.
 
-    `accs[i]` is the accumulator of blocks[i] when it is a Reduce (None for a Loop).
+    `accs[i]` is the accumulator of blocks[i] when it is a Reduce, the pair (max, sum) of
+    an OnlineLse, None for a Loop.
     """
     regs = ctx.sched.stage == "regs"
     _chunk_header(ctx, em, ctx.sched.stage != "stream")
-    all_body = [s for b in blocks for s in b.body]
+    ctx.pending_wait = False
+    all_body = [s for b in blocks for s in _block_body(b)]
     staged = {k for k, st in ctx.ana.in_streams.items() if regs and st.per_row}
     for st in _streams_used(ctx, all_body, ctx.ana.in_streams, ctx.ana.load_stream):
         if st.key in ctx.smem_offset:  # staged in shared memory: this thread's own chunk
@@ -653,19 +676,24 @@ def _emit_pass(ctx: _Ctx, em: _Emitter, blocks: list, accs: list):
         w = _words(st.buf.dtype, ctx.V)
         em(f"unsigned {st.name}_o[{w}] = {{{', '.join(['0u'] * w)}}};")
     out_chunk = lambda key: f"{ctx.ana.out_streams[key].name}_o"  # noqa: E731
+    for blk, acc in zip(blocks, accs):
+        if isinstance(blk, OnlineLse):
+            em(f"{cexpr.ctype(blk.dtype)} {acc[0]}_y[{ctx.V}];  // this chunk's values of the row")
     em("#pragma unroll")
     em.open(f"for (int v = 0; v < {ctx.V}; ++v)")
-    em("const int c = c0 + v; (void)c;")
+    em(f"const int c = c0 + {ctx.lay.c_column('v', 0, 0)}; (void)c;  // a layout is affine: L(v,q) = L(0,q) + L(v,0)")
     saved = dict(ctx.names), dict(ctx.dtype_of)
     for blk, acc in zip(blocks, accs):
         env = _env(ctx, None)
-        env[blk.var] = "c"
+        env[_block_var(blk)] = "c"
         if len(blocks) > 1:
-            em(f"// {blk.header()}")
+            em(f"// {blk.sm.header() if isinstance(blk, OnlineLse) else blk.header()}")
             em.open("")
-        for s in blk.body:
+        for s in _block_body(blk):
             _emit_stmt(ctx, em, s, env, inner=True, src_chunk=src_chunk, out_chunk=out_chunk)
-        if isinstance(blk, ir.Reduce):
+        if isinstance(blk, OnlineLse):
+            em(f"{acc[0]}_y[v] = {ctx.c(blk.y)};")
+        elif isinstance(blk, ir.Reduce):
             val = ctx.c(blk.value)
             vdt = ctx.dtype_of[blk.value]
             acc_t = dtypes.compute_type(blk.dtype)
@@ -676,6 +704,9 @@ def _emit_pass(ctx: _Ctx, em: _Emitter, blocks: list, accs: list):
             em.close()
         ctx.names, ctx.dtype_of = dict(saved[0]), dict(saved[1])  # body values die here
     em.close()
+    for blk, acc in zip(blocks, accs):
+        if isinstance(blk, OnlineLse):
+            _emit_online_chunk(ctx, em, blk, acc)
     for st in outs:
         nbytes = ctx.V * st.itemsize
         ptr = f"{_ident(st.buf.name)} + b_{st.name} + c0"
@@ -686,88 +717,224 @@ def _emit_pass(ctx: _Ctx, em: _Emitter, blocks: list, accs: list):
     _chunk_footer(ctx, em)
 
 
+def _emit_online_chunk(ctx: _Ctx, em: _Emitter, blk: OnlineLse, acc):
+    """Fold this chunk's values into the running (max, sum of exp(y - max)): the sum is
+    rescaled once per chunk when the max grows, then gets exp(y - max) of each value."""
+    m, s = acc
+    ct, dt = cexpr.ctype(blk.dtype), blk.dtype
+    y = f"{m}_y"
+    ninf = cexpr.const(float("-inf"), dt)
+    em(f"// {blk.mx.header()} and {blk.sm.header()}, online")
+    em(f"{ct} {m}_c = {y}[0];")
+    if ctx.V > 1:
+        em(f"#pragma unroll")
+        em(f"for (int v = 1; v < {ctx.V}; ++v) {m}_c = tf_max({m}_c, {y}[v]);")
+    em(f"const {ct} {m}_n = tf_max({m}, {m}_c);")
+    grow = cexpr.op("exp", [cexpr.op("sub", [m, f"{m}_n"], [dt, dt], dt)], [dt], dt)
+    em(f"{s} = ({m} == {m}_n) ? {s} : {s} * {grow};")
+    em(f"{m} = {m}_n;")
+    em(f"const {ct} {m}_z = ({m}_n == {ninf}) ? {cexpr.const(0, dt)} : {m}_n;  // a chunk of -inf adds 0, not NaN")
+    term = cexpr.op("exp", [cexpr.op("sub", [f"{y}[v]", f"{m}_z"], [dt, dt], dt)], [dt], dt)
+    em("#pragma unroll")
+    em(f"for (int v = 0; v < {ctx.V}; ++v) {s} = {s} + {term};")
+
+
 def _shfl(acc: str, ctype: str, off: int) -> str:
     if ctype in ("float", "double", "int", "long long", "unsigned", "unsigned long long"):
         return f"__shfl_xor_sync(0xffffffffu, {acc}, {off})"
     return f"({ctype})__shfl_xor_sync(0xffffffffu, (int){acc}, {off})"
 
 
+def _group_items(group: list, gi: int):
+    """(C name stem, Reduce-or-OnlineLse, accumulator(s), reduction dtype) of each member."""
+    out = []
+    for r in group:
+        if isinstance(r, OnlineLse):
+            out.append((r, (f"acc_{_ident(r.mx.dst)}", f"acc_{_ident(r.sm.dst)}")))
+        else:
+            out.append((r, f"acc_{_ident(r.dst)}"))
+    return out
+
+
+def _emit_combine(em: _Emitter, r, acc, other):
+    """acc (op)= other, where `other(i)` names the i-th value of the other side."""
+    if isinstance(r, OnlineLse):
+        em(f"tf_lse_merge({acc[0]}, {acc[1]}, {other(0)}, {other(1)});")
+    else:
+        em(f"{acc} = {cexpr.combine(r.op, acc, other(0))};")
+
+
+def _parts(r, acc):
+    """[(accumulator, its C type, name suffix)] of a member: one value, or the (max, sum) pair."""
+    if isinstance(r, OnlineLse):
+        ct = cexpr.ctype(r.dtype)
+        return [(acc[0], ct, _ident(r.mx.dst)), (acc[1], ct, _ident(r.sm.dst))]
+    return [(acc, cexpr.ctype(r.dtype), _ident(r.dst))]
+
+
 def _emit_reduce_group(ctx: _Ctx, em: _Emitter, group: list):
-    """A run of mutually independent Reduces: one pass, one exchange."""
+    """A run of mutually independent Reduces (an OnlineLse counts as one): one pass, one exchange."""
     sch = ctx.sched
     gi = ctx.rgroup
     ctx.rgroup += 1
-    accs = []
-    em(f"// ---- reduce {', '.join('%' + r.dst for r in group)} over the row")
-    for r in group:
-        acc_t = dtypes.compute_type(r.dtype)
-        acc = f"acc_{_ident(r.dst)}"
-        accs.append(acc)
-        em(f"{cexpr.ctype(acc_t)} {acc} = {cexpr.identity(r.op, acc_t)};")
-    _emit_pass(ctx, em, group, accs)
+    items = _group_items(group, gi)
+    dsts = [d for r in group for d in ((r.mx.dst, r.sm.dst) if isinstance(r, OnlineLse) else (r.dst,))]
+    em(f"// ---- reduce {', '.join('%' + d for d in dsts)} over the row")
+    for r, acc in items:
+        if isinstance(r, OnlineLse):
+            ct = cexpr.ctype(r.dtype)
+            em(f"{ct} {acc[0]} = {cexpr.identity('max', r.dtype)};  // running max")
+            em(f"{ct} {acc[1]} = {cexpr.identity('sum', r.dtype)};  // running sum of exp(y - max)")
+        else:
+            acc_t = dtypes.compute_type(r.dtype)
+            em(f"{cexpr.ctype(acc_t)} {acc} = {cexpr.identity(r.op, acc_t)};")
+    _emit_pass(ctx, em, group, [acc for _, acc in items])
     g = sch.group
     if g > 1:
         em(f"// across the {min(g, 32)} threads of the {'warp' if g >= 32 else 'row group'} (butterfly: all lanes agree)")
         em("#pragma unroll")
         em.open(f"for (int o = {min(g, 32) // 2}; o > 0; o >>= 1)")
-        for r, acc in zip(group, accs):
-            em(f"{acc} = {cexpr.combine(r.op, acc, _shfl(acc, cexpr.ctype(r.dtype if dtypes.compute_type(r.dtype) == r.dtype else 'f32'), 'o'))};")
+        for r, acc in items:
+            if isinstance(r, OnlineLse):
+                ct = cexpr.ctype(r.dtype)
+                em(f"const {ct} {acc[0]}_o = {_shfl(acc[0], ct, 'o')}, {acc[1]}_o = {_shfl(acc[1], ct, 'o')};")
+                _emit_combine(em, r, acc, lambda i, a=acc: f"{a[i]}_o")
+            else:
+                ct = cexpr.ctype(r.dtype if dtypes.compute_type(r.dtype) == r.dtype else "f32")
+                _emit_combine(em, r, acc, lambda i, a=acc, c=ct: _shfl(a, c, "o"))
         em.close()
     if g > 32:
         wpr = g // 32
         em(f"// across the {wpr} warps of the row, through shared memory")
-        for r, acc in zip(group, accs):
-            ct = cexpr.ctype(r.dtype)
-            em(f"__shared__ {ct} red{gi}_{_ident(r.dst)}[{sch.rows_per_cta}][{wpr}];")
+        for r, acc in items:
+            for a, ct, nm in _parts(r, acc):
+                em(f"__shared__ {ct} red{gi}_{nm}[{sch.rows_per_cta}][{wpr}];")
         em.open("if ((lane & 31) == 0)")
-        for r, acc in zip(group, accs):
-            em(f"red{gi}_{_ident(r.dst)}[slot][lane >> 5] = {acc};")
+        for r, acc in items:
+            for a, ct, nm in _parts(r, acc):
+                em(f"red{gi}_{nm}[slot][{ctx.lay.c_warp('lane')}] = {a};")
         em.close()
         em("__syncthreads();")
-        for r, acc in zip(group, accs):
-            arr = f"red{gi}_{_ident(r.dst)}[slot]"
-            em(f"{acc} = {arr}[0];")
-            em(f"#pragma unroll")
-            em(f"for (int w = 1; w < {wpr}; ++w) {acc} = {cexpr.combine(r.op, acc, arr + '[w]')};")
+        for r, acc in items:
+            ps = _parts(r, acc)
+            for a, ct, nm in ps:
+                em(f"{a} = red{gi}_{nm}[slot][0];")
+            em("#pragma unroll")
+            em.open(f"for (int w = 1; w < {wpr}; ++w)")
+            _emit_combine(em, r, acc, lambda i, ps=ps: f"red{gi}_{ps[i][2]}[slot][w]")
+            em.close()
     if sch.cluster > 1:
         em(f"// across the {sch.cluster} CTAs of the cluster, through distributed shared memory (rank order: all CTAs agree)")
-        for r, acc in zip(group, accs):
-            ct = cexpr.ctype(r.dtype)
-            em(f"__shared__ {ct} cl{gi}_{_ident(r.dst)};")
+        for r, acc in items:
+            for a, ct, nm in _parts(r, acc):
+                em(f"__shared__ {ct} cl{gi}_{nm};")
         em.open("if (threadIdx.x == 0)")
-        for r, acc in zip(group, accs):
-            em(f"cl{gi}_{_ident(r.dst)} = {acc};")
+        for r, acc in items:
+            for a, ct, nm in _parts(r, acc):
+                em(f"cl{gi}_{nm} = {a};")
         em.close()
-        em("tf_cluster_sync();")
-        for r, acc in zip(group, accs):
-            var = f"cl{gi}_{_ident(r.dst)}"
-            em(f"{acc} = tf_remote_ld(&{var}, 0);")
+        em("tf_cluster_sync();  // every CTA's value is written")
+        for r, acc in items:
+            ps = _parts(r, acc)
+            for a, ct, nm in ps:
+                em(f"{a} = tf_remote_ld(&cl{gi}_{nm}, 0);")
             em("#pragma unroll")
-            em(f"for (unsigned k = 1; k < {sch.cluster}; ++k) {acc} = "
-               f"{cexpr.combine(r.op, acc, f'tf_remote_ld(&{var}, k)')};")
-    for r, acc in zip(group, accs):
+            em.open(f"for (unsigned k = 1; k < {sch.cluster}; ++k)")
+            _emit_combine(em, r, acc, lambda i, ps=ps: f"tf_remote_ld(&cl{gi}_{ps[i][2]}, k)")
+            em.close()
+        ctx.cluster_done = len(em.lines)
+    for r, acc in items:
+        if isinstance(r, OnlineLse):
+            ct, dt = cexpr.ctype(r.dtype), r.dtype
+            m = ctx.define(r.mx.dst, dt)
+            em(f"const {ct} {m} = {acc[0]};")
+            s = ctx.define(r.sm.dst, dt)
+            nan, ninf = cexpr.const(float("nan"), dt), cexpr.const(float("-inf"), dt)
+            em(f"const {ct} {s} = ({acc[0]} == {ninf}) ? {nan} : {acc[1]};  // exp(-inf - -inf) is NaN")
+            continue
         name = ctx.define(r.dst, r.dtype)
         val = acc if dtypes.compute_type(r.dtype) == r.dtype else cexpr.round_to(r.dtype, acc)
         em(f"const {cexpr.ctype(r.dtype)} {name} = {val};")
 
 
-def _independent(group: list, r: ir.Reduce) -> bool:
-    """r's body reads none of group's results."""
-    dsts = {g.dst for g in group}
-    for s in ir.walk(r.body):
-        reads = set()
-        if isinstance(s, ir.Op):
-            reads |= set(s.args)
-        if isinstance(s, (ir.Load, ir.Store)):
-            for e in s.index:
+def _emit_select(ctx: _Ctx, em: _Emitter, sel: TargetSelect):
+    """sum over c of where(c == t, v(c), 0), as v at one column: t if 0 <= t < C, else a
+    column (0) where the select's own compare is false, so the where gives its 0."""
+    r = sel.red
+    t = ctx.c(sel.target)
+    cvar = f"sel_{_ident(r.dst)}"
+    em(f"// {r.header()}: where(index == %{sel.target}, ...) is non-zero at one column only")
+    em(f"const long long {cvar} = ({t} >= 0 && {t} < {r.extent}) ? (long long)({t}) : 0LL;")
+    saved = dict(ctx.names), dict(ctx.dtype_of)
+    env = _env(ctx, None)
+    env[r.var] = cvar
+    for s in r.body:
+        _emit_stmt(ctx, em, s, env, inner=False)
+    val = ctx.c(r.value)
+    ctx.names, ctx.dtype_of = dict(saved[0]), dict(saved[1])
+    name = ctx.define(r.dst, r.dtype)
+    em(f"const {cexpr.ctype(r.dtype)} {name} = {cexpr.combine('sum', cexpr.identity('sum', r.dtype), val)};")
+
+
+def _reads(s) -> set:
+    """Values a statement (a whole Reduce or Loop included) reads from outside itself."""
+    inner = set()
+    reads = set()
+    for x in ir.walk([s]):
+        if isinstance(x, ir.Op):
+            reads |= set(x.args)
+        elif isinstance(x, (ir.Load, ir.Store)):
+            for e in x.index:
                 reads |= ir.index_values(e)
-            if isinstance(s, ir.Store):
-                reads.add(s.value)
-        if isinstance(s, ir.IndexValue):
-            reads |= ir.index_values(s.expr)
-        if reads & dsts:
-            return False
-    return r.value not in dsts
+            if isinstance(x, ir.Store):
+                reads.add(x.value)
+        elif isinstance(x, ir.IndexValue):
+            reads |= ir.index_values(x.expr)
+        elif isinstance(x, ir.Reduce):
+            reads.add(x.value)
+        if isinstance(x, (ir.Load, ir.Op, ir.IndexValue, ir.Const)) and x is not s:
+            inner.add(x.dst)
+    return reads - inner
+
+
+def _independent(dsts: set, r) -> bool:
+    """r (a Reduce or an OnlineLse) reads none of `dsts`."""
+    stmts = [r.mx, r.sm] if isinstance(r, OnlineLse) else [r]
+    return not any(_reads(s) & dsts for s in stmts)
+
+
+def _dsts(r) -> set:
+    return {r.mx.dst, r.sm.dst} if isinstance(r, OnlineLse) else {r.dst}
+
+
+def _row_plan(kernel: ir.Kernel, body: list):
+    """(statements hoisted to the top of the row, the rest in order, target selects by id).
+
+    A row statement that depends on no reduction (a row load, a constant, a target select)
+    is emitted before the first pass over the row, so its memory latency overlaps the row's.
+    Stores, loops and other reductions keep their place."""
+    consts = {s.dst: s for s in body if isinstance(s, ir.Const)}
+    dtype_of = {}
+    for s in body:
+        if isinstance(s, ir.Load):
+            dtype_of[s.dst] = kernel.buffer(s.buf).dtype
+        elif isinstance(s, (ir.Const, ir.Op, ir.IndexValue, ir.Reduce)):
+            dtype_of[s.dst] = s.dtype
+    selects = {}
+    for s in body:
+        sel = patterns.target_select(s, consts, dtype_of)
+        if sel is not None:
+            selects[id(s)] = sel
+    late, early, rest = set(), [], []
+    for s in body:
+        movable = isinstance(s, (ir.Load, ir.Const, ir.Op, ir.IndexValue)) or id(s) in selects
+        if movable and not (_reads(s) & late):
+            early.append(s)
+            continue
+        rest.append(s)
+        if isinstance(s, (ir.Load, ir.Const, ir.Op, ir.IndexValue, ir.Reduce)):
+            late.add(s.dst)
+    return early, rest, selects
 
 
 MAX_STAGED_WORDS = 64  # beyond this an explicit schedule would spill whatever ptxas does
@@ -795,8 +962,9 @@ def render(kernel: ir.Kernel, schedule: MapReduceSchedule | None = None, arch: s
     ana = _analyse(kernel, parts, V) if V > 1 else _analyse(kernel, parts, 1)
     P = sch.group * sch.cluster
     nchunk, full = _plan_chunks(C, V, P)
-    if C + P * V >= 2**31:
-        raise ValueError(f"kernel {kernel.name}: rows of {C} elements are too long (column indices are 32-bit)")
+    if C + P * V >= 2**31 or R + sch.rows_per_cta >= 2**31:
+        raise ValueError(f"kernel {kernel.name}: {R} rows of {C} elements are too many "
+                         f"(row and column indices are 32-bit)")
     staged_regs = nchunk * sum(_words(st.buf.dtype, V) for st in ana.in_streams.values() if st.per_row)
     if sch.stage == "regs" and staged_regs > MAX_STAGED_WORDS:
         raise ValueError(f"kernel {kernel.name}: {sch} would hold {staged_regs} registers of row per thread "
@@ -816,6 +984,11 @@ def render(kernel: ir.Kernel, schedule: MapReduceSchedule | None = None, arch: s
         if smem_bytes > max_smem(arch):
             raise ValueError(f"kernel {kernel.name}: {sch} would stage {smem_bytes} bytes of shared memory "
                              f"per CTA ({arch} allows {max_smem(arch)}); use more CTAs per row or stage='stream'")
+    pieces = max([_words(st.buf.dtype, V) // 4 for st in ana.in_streams.values() if st.key in ctx.smem_offset],
+                 default=1)
+    ctx.lay = row_layouts(threads=sch.threads, group=sch.group, cluster=sch.cluster, vector=V, nchunk=nchunk,
+                          pieces=pieces, rows=R)
+    lay = ctx.lay
     name = _ident(kernel.name)
     em = _Emitter()
 
@@ -830,21 +1003,20 @@ def render(kernel: ir.Kernel, schedule: MapReduceSchedule | None = None, arch: s
     em(f'extern "C" __global__ void __launch_bounds__({sch.threads}, {sch.min_blocks})')
     em.open(f"{name}({', '.join(params)})")
 
-    # ---- which row, which part of it
-    em("// ---- which row this thread works on, and its place in the row")
-    rpc = sch.rows_per_cta
-    em(f"const int slot = {'threadIdx.x / ' + str(sch.group) if rpc > 1 else '0'};  // row within the CTA")
-    em(f"const int lane = {'threadIdx.x % ' + str(sch.group) if rpc > 1 else 'threadIdx.x'};  // thread within the row's group")
+    # ---- which row, which part of it: digits of threadIdx.x and blockIdx.x (codegen/rowlayout.py)
+    em("// ---- which row this thread works on, and its place in the row (layouts: codegen/rowlayout.py)")
+    em(f"const int slot = {lay.c_slot()};  // row within the CTA: {lay.slot}")
+    em(f"const int lane = {lay.c_lane()};  // thread within the row's group: {lay.lane}")
     if sch.cluster > 1:
-        rank = "tf_cluster_rank()" if hw_cluster else f"blockIdx.x % {sch.cluster}"
-        em(f"const unsigned rank = {rank};  // this CTA's part of the row")
-        em(f"const long long r = (long long)(blockIdx.x / {sch.cluster});")
-        em(f"const int p = (int)rank * {sch.group} + lane;  // thread within the row (cluster-wide)")
+        em(f"const unsigned rank = {lay.c_rank()};  // this CTA's part of the row (its cluster rank): {lay.rank}")
+        em(f"const int rowblock = {lay.c_rowblock()};  // {lay.rowblock}")
+        em(f"const long long r = {lay.c_row('slot', 'rowblock')};  // {lay.row}")
+        em(f"const int p = {lay.c_p('lane', 'rank')};  // thread within the row (cluster-wide): {lay.p}")
     else:
-        em(f"const long long r = (long long)blockIdx.x * {rpc} + slot;")
-        em("const int p = lane;")
+        em(f"const long long r = {lay.c_row('slot', 'blockIdx.x')};  // {lay.row}")
+        em(f"const int p = {lay.c_p('lane', 0)};")
     em(f"const bool row_ok = r < {R};")
-    em("(void)slot; (void)p;")
+    em(f"(void)slot; (void)lane; (void)p;  // chunk j of thread p covers columns {lay.column} (v, (p, j))")
 
     # ---- stream bases
     env0 = _env(ctx, None)
@@ -859,19 +1031,23 @@ def render(kernel: ir.Kernel, schedule: MapReduceSchedule | None = None, arch: s
             em(f"unsigned {st.name}_s[{nchunk}][{_words(st.buf.dtype, V)}];")
         em("#pragma unroll")
         em.open(f"for (int j = 0; j < {nchunk}; ++j)")
-        em(f"const int c0 = (j * {P} + p) * {V};")
+        em(f"const int c0 = {lay.c_column(0)};")
         guard = "row_ok" if full else f"row_ok && c0 < {C}"
         for st in staged:
             _emit_chunk_load(ctx, em, st, f"{st.name}_s[j]", guard)
         em.close()
 
+    pipelined = False
     if ctx.smem_offset:
-        em(f"// ---- copy this thread's {nchunk} chunk(s) of each input row to shared memory, all in flight")
+        pipelined = sch.pipeline
+        em(f"// ---- copy this thread's {nchunk} chunk(s) of each input row to shared memory, all in flight"
+           + (" (one group per chunk)" if pipelined else ""))
+        em(f"// staging layout (thread, 16-byte piece, chunk) -> byte: {lay.smem}")
         em("extern __shared__ __align__(16) unsigned char tf_smem[];")
         em("const unsigned smem0 = tf_smem_addr(tf_smem);")
         em("#pragma unroll")
         em.open(f"for (int j = 0; j < {nchunk}; ++j)")
-        em(f"const int c0 = (j * {P} + p) * {V};")
+        em(f"const int c0 = {lay.c_column(0)};")
         em.open("if (row_ok" + ("" if full else f" && c0 < {C}") + ")")
         for st in ana.in_streams.values():
             if st.key in ctx.smem_offset:
@@ -879,33 +1055,56 @@ def render(kernel: ir.Kernel, schedule: MapReduceSchedule | None = None, arch: s
                     off = "" if i == 0 else f" + {16 * i // st.itemsize}"
                     em(f"tf_cp_async16({_smem_chunk(ctx, st, i)}, {_ident(st.buf.name)} + b_{st.name} + c0{off});")
         em.close()
+        if pipelined:
+            em("tf_cp_async_commit();")
         em.close()
-        em("tf_cp_async_wait_all();  // each thread reads back only its own chunks: no barrier needed")
 
-    # ---- the row body, in order
-    body = list(parts.body)
+    # ---- the row body: statements that need no reduction first (their loads overlap the row's)
+    early, rest, selects = _row_plan(kernel, list(parts.body))
+    if early:
+        em("// ---- row values that depend on no reduction")
+    for s in early:
+        if id(s) in selects:
+            _emit_select(ctx, em, selects[id(s)])
+        else:
+            _emit_stmt(ctx, em, s, _env(ctx, None), inner=False)
+    if ctx.smem_offset:
+        if pipelined:
+            ctx.pending_wait = True
+        else:
+            em("tf_cp_async_wait_all();  // each thread reads back only its own chunks: no barrier needed")
     i = 0
-    while i < len(body):
-        s = body[i]
-        if isinstance(s, ir.Reduce):
-            group = [s]
-            while i + 1 < len(body) and isinstance(body[i + 1], ir.Reduce) and _independent(group, body[i + 1]):
-                group.append(body[i + 1])
-                i += 1
+    while i < len(rest):
+        s = rest[i]
+        if id(s) in selects:  # a target select that waited for a value it reads
+            _emit_select(ctx, em, selects[id(s)])
+        elif isinstance(s, ir.Reduce):
+            group, dsts = [], set()
+            while i < len(rest) and isinstance(rest[i], ir.Reduce) and id(rest[i]) not in selects:
+                pair = patterns.online_lse(rest[i], rest[i + 1]) if i + 1 < len(rest) else None
+                item = pair or rest[i]
+                if group and not _independent(dsts, item):
+                    break
+                group.append(item)
+                dsts |= _dsts(item)
+                i += 2 if pair else 1
             _emit_reduce_group(ctx, em, group)
+            continue
         elif isinstance(s, ir.Loop):
             em(f"// ---- map over the row: {s.header()}")
             _emit_pass(ctx, em, [s], [None])
         else:
             _emit_stmt(ctx, em, s, _env(ctx, None), inner=False)
         i += 1
-    if hw_cluster:
+    if ctx.cluster_done is not None:  # done reading the other CTAs: say so early, wait at the end
+        em.lines.insert(ctx.cluster_done, "  tf_cluster_arrive();  // done reading the other CTAs' "
+                        "shared memory (each waits for every arrival before it exits)")
         em("// keep this CTA's shared memory alive until every CTA of the cluster has read it")
-        em("tf_cluster_sync();")
+        em("tf_cluster_wait();")
     em.close()
 
     code = cexpr.PRELUDE + (cexpr.CLUSTER_PRELUDE if hw_cluster else "") + "\n" + em.text()
-    grid = (-(-R // rpc) * sch.cluster, 1, 1)
+    grid = (-(-R // sch.rows_per_cta) * sch.cluster, 1, 1)
     align = []
     for st in list(ana.in_streams.values()) + list(ana.out_streams.values()):
         need = min(16, V * st.itemsize)
