@@ -124,6 +124,24 @@ def program_bytes(module, inputs) -> int:
     return nbytes + sum(o.numel() * o.element_size() for o in outs)
 
 
+def err_vs_eager(prog, module, inputs) -> float:
+    """Worst relative Frobenius error of tilefuse's outputs against eager's, from one more call
+    after the timing (so the replayed path is the one checked); a sanity check, not the 2x rule."""
+    with torch.no_grad():
+        got, want = prog(*inputs), module(*inputs)
+    got, want = (got if isinstance(got, tuple) else (got,)), (want if isinstance(want, tuple) else (want,))
+    worst = 0.0
+    for g, w in zip(got, want):
+        g, w = g.reshape(-1), w.reshape(-1)
+        num = den = 0.0
+        for i in range(0, g.numel(), 1 << 26):  # in chunks: the largest outputs are 4 GB
+            a, b = g[i:i + (1 << 26)].double(), w[i:i + (1 << 26)].double()
+            num += float((a - b).square().sum())
+            den += float(b.square().sum())
+        worst = max(worst, (num / den) ** 0.5 if den else num ** 0.5)
+    return worst
+
+
 def _save(path, out):
     if path:
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
@@ -154,6 +172,7 @@ def run_table(args):
         nbytes = program_bytes(module, inputs)
         rows_ = compare(prog, module, inputs, nbytes, copy_bps, with_compile=not args.no_compile_baseline)
         out["results"].append(_record(name, rows, cols, rows_, prog, nbytes, time.perf_counter() - t0))
+        out["results"][-1]["err_vs_eager"] = err_vs_eager(prog, module, inputs)
         _save(args.json, out)
         print(f"{name:14s} {rows}x{cols}: " + "  ".join(f"{r.name} {r.ms * 1e3:.1f}us/{r.host_us:.0f}us host"
                                                          for r in rows_), flush=True)

@@ -103,8 +103,8 @@ class Runner:
             else:
                 lowered = program.kernels[step.name]
                 if device.type == "cuda":
-                    self.ops.append(_Launch(program.compiled(lowered, device), lowered, g, slot, device,
-                                            program.poison))
+                    ck = program.compiled(lowered, torch.device("cuda"))  # one compile serves every GPU
+                    self.ops.append(_Launch(ck, lowered, g, slot, device, program.poison))
                 else:
                     self.ops.append(_Interpret(lowered, g, slot))
         self.base = base
