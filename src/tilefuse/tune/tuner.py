@@ -29,7 +29,7 @@ class TuneOptions:
     budget: int = 64             # candidates measured per kernel (SP-MCTS)
     exhaustive: bool = False     # measure every valid candidate
     threshold: int = 48          # spaces this small are measured exhaustively anyway
-    patience: int | None = 24    # stop after this many results without a 0.5% gain
+    patience: int | None = 32    # stop after this many results without a 0.5% gain
     seed: int = 0
     timeout: float = 60.0        # watchdog per candidate, seconds
     warmup_ms: float = 10.0
