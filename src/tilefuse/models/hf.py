@@ -44,7 +44,8 @@ def config(name: str, layers: int, hidden: int, *, seq: int = 2048, vocab: int =
     """The transformers config of a random model (SDPA attention, no KV cache)."""
     t = _transformers()
     heads = heads or default_heads(hidden)
-    common = dict(vocab_size=vocab, attn_implementation="sdpa", use_cache=False, tie_word_embeddings=False)
+    common = dict(vocab_size=vocab, attn_implementation="sdpa", use_cache=False, tie_word_embeddings=False,
+                  bos_token_id=0, eos_token_id=vocab - 1)
     if name == "llama":
         return t.LlamaConfig(hidden_size=hidden, intermediate_size=ffn or llama_ffn(hidden), num_hidden_layers=layers,
                              num_attention_heads=heads, num_key_value_heads=kv_heads or heads,
@@ -64,7 +65,11 @@ def config(name: str, layers: int, hidden: int, *, seq: int = 2048, vocab: int =
 def causal_lm(cfg) -> nn.Module:
     t = _transformers()
     cls = {"llama": t.LlamaForCausalLM, "qwen2": t.Qwen2ForCausalLM, "gpt2": t.GPT2LMHeadModel}[cfg.model_type]
-    return cls(cfg)
+    model = cls(cfg)
+    # GPT2LMHeadModel's name does not tell transformers its loss; saying it avoids a warning that
+    # would also break dynamo's graph
+    model.loss_type = "ForCausalLM"
+    return model
 
 
 class CausalLM(nn.Module):

@@ -1,0 +1,183 @@
+"""torch.compile(model, backend="tilefuse") on the CPU (kernels run in the Loop IR interpreter).
+
+Properties: the name is registered (entry point or `register()`); compiled outputs equal
+eager's within DESIGN.md's 2x rule; what cannot be compiled runs in eager with the reason
+recorded and logged (training graphs, a graph capture refuses, a kernel failing at run time)
+and still gives eager's answer; graph breaks give several graphs, each compiled; dynamic
+sizes compile once per size; an in-place weight update or another module's weights are
+never served from a stale compilation; TILEFUSE_LOG=summary prints kernels and externs.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tilefuse.check import compare, float64_reference
+from tilefuse.frontend import backend as tb
+
+
+@pytest.fixture(autouse=True)
+def fresh():
+    tb.register()
+    torch._dynamo.reset()
+    tb.reset()
+    yield
+    torch._dynamo.reset()
+
+
+class NormMLP(nn.Module):
+    def __init__(self, d=16):
+        super().__init__()
+        self.norm, self.up, self.down = nn.RMSNorm(d), nn.Linear(d, 2 * d), nn.Linear(2 * d, d)
+
+    def forward(self, x):
+        return x + self.down(F.gelu(self.up(self.norm(x))))
+
+
+def _check(module, out, *inputs):
+    with torch.no_grad():
+        eager = module(*inputs)
+    c = compare("out", out, float64_reference(module, inputs), eager)
+    assert c.ok, c
+
+
+def test_registered_by_name():
+    assert "tilefuse" in torch._dynamo.list_backends()
+    tb.register()  # idempotent
+    assert torch._dynamo.backends.registry.lookup_backend("tilefuse") is tb.tilefuse_backend
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_module_matches_eager_and_runs_kernels(dtype):
+    torch.manual_seed(0)
+    m = NormMLP().to(dtype).eval()
+    x = torch.randn(3, 5, 16, dtype=dtype)
+    with torch.no_grad():
+        out = torch.compile(m, backend="tilefuse")(x)
+    _check(m, out, x)
+    (r,) = tb.reports()
+    assert r.status == "tilefuse" and r.kernels >= 2 and r.calls_tilefuse == 1
+    assert r.externs[("contraction", "torch.matmul (cuBLAS) until the contraction family lands")] == 2
+
+
+def test_summary_is_printed_when_asked(monkeypatch, capsys):
+    monkeypatch.setenv("TILEFUSE_LOG", "summary")
+    m = NormMLP().eval()
+    with torch.no_grad():
+        torch.compile(m, backend="tilefuse")(torch.randn(4, 16))
+    err = capsys.readouterr().err
+    assert "tilefuse: graph 0 (" in err and "tilefuse kernel(s)" in err and "extern 2x contraction" in err
+    assert "tilefuse kernel(s)" in tb.summary()
+
+
+def test_silent_without_the_variable(monkeypatch, capsys):
+    monkeypatch.delenv("TILEFUSE_LOG", raising=False)
+    with torch.no_grad():
+        torch.compile(NormMLP().eval(), backend="tilefuse")(torch.randn(4, 16))
+    assert "tilefuse:" not in capsys.readouterr().err
+
+
+def test_training_graph_falls_back_and_backward_works():
+    torch.manual_seed(1)
+    m = NormMLP()
+    x = torch.randn(4, 16)
+    out = torch.compile(m, backend="tilefuse")(x)
+    out.sum().backward()
+    assert m.up.weight.grad is not None and torch.allclose(out, m(x))
+    (r,) = tb.reports()
+    assert r.status == "eager" and "training" in r.reason and r.calls_eager == 1
+
+
+def test_graph_breaks_compile_each_graph(monkeypatch, capsys):
+    monkeypatch.setenv("TILEFUSE_LOG", "summary")
+
+    def f(x):
+        y = torch.softmax(x, -1) * 2
+        print("a graph break")
+        return torch.tanh(y) + x
+
+    x = torch.randn(3, 7)
+    with torch.no_grad():
+        out = torch.compile(f, backend="tilefuse")(x)
+    assert torch.allclose(out, f(x), atol=1e-6)
+    rs = tb.reports()
+    assert len(rs) == 2 and all(r.status == "tilefuse" and r.kernels >= 1 for r in rs)
+    assert "graph break" in capsys.readouterr().err
+
+
+def test_dynamic_sizes_compile_once_per_size():
+    torch.manual_seed(2)
+    m = NormMLP().eval()
+    f = torch.compile(m, backend="tilefuse", dynamic=True)
+    with torch.no_grad():
+        for n in (3, 5, 3):
+            x = torch.randn(n, 16)
+            _check(m, f(x), x)
+    (r,) = tb.reports()
+    assert r.variants == 2 and r.calls_tilefuse == 3
+
+
+def test_in_place_weight_update_recompiles():
+    torch.manual_seed(3)
+    m = NormMLP().eval()
+    f = torch.compile(m, backend="tilefuse")
+    x = torch.randn(4, 16)
+    with torch.no_grad():
+        f(x)
+        m.down.weight.mul_(-2)
+        m.norm.weight.add_(0.5)
+        out = f(x)
+    _check(m, out, x)
+    (r,) = tb.reports()
+    assert r.variants == 2 and any("changed in place" in e for e in r.events)
+
+
+def test_one_graph_serves_two_modules_with_their_own_weights():
+    torch.manual_seed(4)
+    a, b = NormMLP().eval(), NormMLP().eval()
+    fa, fb = torch.compile(a, backend="tilefuse"), torch.compile(b, backend="tilefuse")
+    x = torch.randn(2, 16)
+    with torch.no_grad():
+        oa, ob = fa(x), fb(x)
+    _check(a, oa, x)
+    _check(b, ob, x)
+    (r,) = tb.reports()  # dynamo reuses one graph for both: tilefuse compiles it per set of weights
+    assert r.variants == 2
+
+
+def test_capture_failure_falls_back_with_its_reason():
+    def f(x):
+        a, b = torch.topk(x, 2, dim=-1)  # two outputs: tilefuse's capture refuses it
+        return a * 2 + b
+
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        out = torch.compile(f, backend="tilefuse")(x)
+    assert torch.equal(out, f(x))
+    (r,) = tb.reports()
+    assert r.status == "eager" and "topk" in r.reason and r.calls_eager == 1
+
+
+def test_run_time_failure_falls_back_once(monkeypatch):
+    from tilefuse.runtime.program import Program
+
+    def broken(self, *args):
+        raise RuntimeError("simulated launch failure")
+
+    monkeypatch.setattr(Program, "__call__", broken)
+    m = NormMLP().eval()
+    f = torch.compile(m, backend="tilefuse")
+    x = torch.randn(2, 16)
+    with torch.no_grad():
+        assert torch.equal(f(x), m(x)) and torch.equal(f(x), m(x))
+    (r,) = tb.reports()
+    assert r.calls_eager == 2 and r.calls_tilefuse == 0
+    assert [e for e in r.events if "simulated launch failure" in e] == [r.events[0]]
+
+
+def test_unknown_option_is_an_error():
+    with pytest.raises(Exception, match="unknown option"):
+        with torch.no_grad():
+            torch.compile(NormMLP().eval(), backend="tilefuse", options={"fast": True})(torch.randn(2, 16))
