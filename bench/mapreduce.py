@@ -194,7 +194,31 @@ def run_table(args):
 
 OVERHEAD_CASES = [("rmsnorm", (32768, 256)), ("add+rmsnorm", (32768, 256)), ("cross_entropy", (32768, 256)),
                   ("softmax", (32768, 256)), ("layernorm", (32768, 256)), ("rmsnorm", (32768, 4096)),
-                  ("add+rmsnorm", (32768, 4096))]
+                  ("add+rmsnorm", (32768, 4096)), ("softmax", (32768, 4096))]
+
+
+def run_profile(args, calls: int = 3000):
+    """Where the thin path's host time goes: cProfile of repeated calls, GPU idle at the start."""
+    import cProfile
+    import pstats
+
+    module = PROGRAMS["cross_entropy"](256).cuda().bfloat16()
+    inputs = inputs_for("cross_entropy", 4096, 256)
+    prog = tilefuse.compile(module, inputs)
+    prog.graphs = False
+    for _ in range(10):
+        prog(*inputs)
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        prog(*inputs)
+    prof.disable()
+    torch.cuda.synchronize()
+    stats = pstats.Stats(prof)
+    print(f"thin path, cross_entropy 4096x256, {len(prog.stages.kernels)} kernels: "
+          f"{stats.total_tt / calls * 1e6:.1f} us/call under the profiler")
+    stats.sort_stats("tottime").print_stats(14)
 
 
 def run_overhead(args):
@@ -233,10 +257,11 @@ def main():
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--quick", action="store_true", help="two shapes only")
     ap.add_argument("--overhead", action="store_true", help="host overhead per call: graphs, clones, thin path")
+    ap.add_argument("--profile", action="store_true", help="cProfile the thin launch path of one program")
     ap.add_argument("--no-compile-baseline", action="store_true", help="skip torch.compile (it takes a while)")
     args = ap.parse_args()
     torch.manual_seed(0)
-    (run_overhead if args.overhead else run_table)(args)
+    (run_profile if args.profile else run_overhead if args.overhead else run_table)(args)
 
 
 if __name__ == "__main__":
