@@ -47,6 +47,7 @@ class GraphReport:
     calls_tilefuse: int = 0
     calls_eager: int = 0
     events: list[str] = field(default_factory=list)
+    stages: object = field(default=None, repr=False)  # the last variant's tilefuse.compiler.Compiled
 
     def line(self) -> str:
         head = f"graph {self.index} ({self.fx_ops} fx ops)"
@@ -313,7 +314,7 @@ class GraphRunner:
         from ..graph import ir
 
         r = self.report
-        r.status, r.reason = "tilefuse", ""
+        r.status, r.reason, r.stages = "tilefuse", "", c
         r.variants += 1
         r.compile_s = seconds
         steps = c.plan.steps

@@ -117,9 +117,8 @@ def _rewrite(g: ir.Graph, ed: Editor, n: ir.Contraction):
     shift = new(f"{m.x}_shift", row_shape, stat, "mul", rstd, m.mean)  # s·μ
     r_shape = tuple(a_shape[:-1]) + (1,)
     if row_shape != r_shape:
-        rstd = _add(nodes, ir.View(ed.fresh(f"{rstd}_rows"), ir.TensorType(r_shape, stat), "reshape", rstd, r_shape, src))
-        shift = _add(nodes, ir.View(ed.fresh(f"{shift}_rows"), ir.TensorType(r_shape, stat), "reshape", shift, r_shape,
-                                    src))
+        rstd, shift = (_add(nodes, ir.View(ed.fresh(f"{v}_rows"), ir.TensorType(r_shape, stat), "reshape", v, r_shape,
+                                           src)) for v in (rstd, shift))
     # the matmul of x itself with W' = γ ⊙ W, and the two column vectors
     x = m.x
     if g[x].type.dtype != a_dtype:

@@ -57,7 +57,9 @@ def residual_into_epilogue(g: ir.Graph) -> ir.Graph:
             acc = "f32" if low_precision(g[mm].type.dtype) else g[mm].type.dtype
             if tip == a and all(g[x].type.dtype == acc for x in (mm, *maps)):
                 break  # already an add on the accumulator's chain: nothing to move
-            if g[a].type.shape != h.type.shape or g[res].type.shape != h.type.shape or ancestors(g, res) & ({mm, *maps, tip}):
+            if g[a].type.shape != h.type.shape or g[res].type.shape != h.type.shape:
+                continue
+            if ancestors(g, res) & {mm, *maps, tip}:  # a residual computed from the matmul is no tile load
                 continue
             if mm in retyped or any(m in retyped for m in maps):
                 continue
