@@ -151,7 +151,7 @@ def test_cross_entropy_is_one_pass_one_exchange_and_one_target_load():
     body = _body(render(k, arch="sm_90a"))
     assert body.count("__syncthreads();") == 1
     assert body.count("for (int j = 0;") == 2  # the copy, then the one pass
-    assert "tf_lse_merge(" in body and body.count("expf(") == 2  # rescale + one exp per element
+    assert "tf_lse_merge(" in body and body.count("exp2f(") == 2  # rescale + one exp per element
     assert "(long long)(c)" not in body, "no per-element index compare"
     target_load = body.index("x[(r) * 4096LL + sel_xt]")
     assert target_load < body.index("tf_cp_async_wait_pending("), "the target logit is loaded before the pass"
