@@ -132,7 +132,7 @@ def variants(kernel, base: MapReduceSchedule, arch: str) -> list[MapReduceSchedu
 
 
 def sweep(kernel, base: MapReduceSchedule, arch: str) -> list[MapReduceSchedule]:
-    """Long rows: one CTA shape per (threads, cluster) with 2 to 16 chunks per thread, staged
+    """Long rows: one CTA shape per (threads, cluster) with 4 to 16 chunks per thread, staged
     in shared memory within the CTA limit, pipelined, min_blocks from 1536 threads per SM."""
     from tilefuse.codegen.mapreduce import max_smem
     from tilefuse.loop import ir
@@ -143,12 +143,12 @@ def sweep(kernel, base: MapReduceSchedule, arch: str) -> list[MapReduceSchedule]
     v = base.vector
     chunks = parts.col_extent // v
     row_bytes = sum(dtypes.itemsize(b.dtype) for b in kernel.inputs if len(b.shape) == 2) * v
-    clusters = (1, 2, 4, 8, 16) if arch == "sm_90a" else (1,)
+    clusters = (2, 4, 8, 16) if arch == "sm_90a" else (1,)
     out = []
-    for t in (128, 256, 512, 1024):
+    for t in (128, 256, 512):
         for cl in clusters:
             k = chunks // (t * cl)
-            if not 2 <= k <= 16 or k * t * cl * v != parts.col_extent or k * t * row_bytes > max_smem(arch):
+            if not 4 <= k <= 16 or k * t * cl * v != parts.col_extent or k * t * row_bytes > max_smem(arch):
                 continue
             s = MapReduceSchedule(threads=t, group=t, vector=v, cluster=cl, stage="smem",
                                   min_blocks=max(1, 1536 // t), pipeline=True)
