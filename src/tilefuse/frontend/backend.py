@@ -240,8 +240,8 @@ class GraphRunner:
             return "sparse, quantized or nested tensor inputs"
         if len({t.device for t in tensors}) > 1:
             return f"inputs on several devices: {sorted({str(t.device) for t in tensors})}"
-        if not any(k == "input" for k in self.kinds) and not tensors:
-            return "no tensor inputs"
+        if "input" not in self.kinds:  # a program of weights alone would not know its device
+            return "the graph reads no tensors of the caller's, only weights and sizes"
         return ""
 
     # -- calling ---------------------------------------------------------------------------------
