@@ -181,3 +181,19 @@ def test_unknown_option_is_an_error():
     with pytest.raises(Exception, match="unknown option"):
         with torch.no_grad():
             torch.compile(NormMLP().eval(), backend="tilefuse", options={"fast": True})(torch.randn(2, 16))
+
+
+def test_graph_of_weights_alone_runs_in_eager():
+    class Table(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(4))
+
+        def forward(self, n: int):
+            return self.w.sin() * n
+
+    m = Table()
+    with torch.no_grad():
+        assert torch.equal(torch.compile(m, backend="tilefuse")(3), m(3))
+    (r,) = tb.reports()
+    assert r.status == "eager" and "only weights" in r.reason
