@@ -83,7 +83,10 @@ def summary() -> str:
     lines = [f"tilefuse backend: {len(REPORTS)} graph(s), "
              f"{sum(r.status == 'tilefuse' for r in REPORTS)} compiled, "
              f"{sum(r.status == 'eager' for r in REPORTS)} in eager"]
-    lines += ["  " + r.line().replace("\n", "\n  ") for r in REPORTS]
+    for r in REPORTS:
+        lines.append("  " + r.line().replace("\n", "\n  "))
+        lines.append(f"    calls: {r.calls_tilefuse} through tilefuse, {r.calls_eager} in eager"
+                     + (f"; {r.variants} compiled variant(s)" if r.variants > 1 else ""))
     lines += [f"  {e}" for r in REPORTS for e in r.events]
     breaks = _graph_breaks()
     if breaks:
@@ -280,7 +283,10 @@ class GraphRunner:
         if v is not None:
             self._event("a weight changed in place since compiling: compiling again")
         elif len(self.variants) >= MAX_VARIANTS:
-            return _Variant(None, [], [], f"more than {MAX_VARIANTS} variants")
+            reason = f"more than {MAX_VARIANTS} sizes or weight sets: new ones run in eager"
+            if reason not in (e.split(": ", 1)[-1] for e in self.report.events):
+                self._event(reason)
+            return _Variant(None, [], [], reason)
         v = self._compile(args, weights)
         self.variants[key] = v
         return v
