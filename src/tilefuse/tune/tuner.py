@@ -37,6 +37,7 @@ class TuneOptions:
     confirm: int = 3             # best candidates re-timed against the default at the end
     confirm_rep_ms: float = 120.0
     force: bool = False          # re-tune kernels the cache already has
+    give_up: int = 8             # stop a kernel whose first this-many candidates all failed
 
 
 @dataclass
@@ -109,7 +110,7 @@ class Tuner:
                 self.on_event("done", name=name, result=r)
                 return r
         space = fam.space(kernel, self.arch)
-        default = space.as_dict(space.default)
+        default = space.as_dict(space.default) if space.default is not None else None
         searcher = make_searcher(space, o.budget, exhaustive=o.exhaustive, threshold=o.threshold, seed=o.seed,
                                  patience=o.patience)
         method = "exhaustive" if isinstance(searcher, Exhaustive) else "sp-mcts"
@@ -140,6 +141,8 @@ class Tuner:
                     searcher.tell(config, None)
                     if out.reason.startswith("NoReference"):
                         abort = out.reason
+                    elif not measured and len(failures) >= o.give_up:
+                        abort = f"the first {len(failures)} candidates failed, the first with: {failures[0]['reason']}"
                 self.on_event("trial", name=name, done=len(searcher.history), total=total, ok=out.ok,
                               knobs=space.as_dict(config), us=out.value.median_us if out.ok else None,
                               reason=out.reason, best_us=searcher.best_cost,

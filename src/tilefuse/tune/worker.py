@@ -17,6 +17,7 @@ function plus one picklable payload; the function runs in the child.
 """
 from __future__ import annotations
 
+import importlib
 import multiprocessing as mp
 import os
 import queue
@@ -26,6 +27,9 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable
+
+
+PRELOAD = ("tilefuse.loop.ir", "tilefuse.tune.measure")  # what every job's payload needs
 
 
 class Fatal(RuntimeError):
@@ -50,9 +54,11 @@ def _one_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {first}"[:500]
 
 
-def _serve(conn, env: dict):
+def _serve(conn, env: dict, preload: tuple = ()):
     """The child's loop: run (fn, payload) jobs until told to stop (None) or a fatal error."""
     os.environ.update(env)
+    for module in preload:  # imports before "ready": the watchdog times jobs, not start-up
+        importlib.import_module(module)
     conn.send(("ready", os.getpid()))
     while True:
         try:
@@ -90,8 +96,9 @@ class Worker:
     """One child process; `run` is synchronous and never raises for a bad job."""
 
     def __init__(self, gpu: int | None = None, *, timeout: float = 60.0, start_timeout: float = 120.0,
-                 env: dict | None = None):
+                 env: dict | None = None, preload: tuple = PRELOAD):
         self.gpu = gpu
+        self.preload = tuple(preload)
         self.timeout = timeout
         self.start_timeout = start_timeout
         self.env = dict(env or {})
@@ -109,7 +116,7 @@ class Worker:
         """Start a child; an error line if it did not come up."""
         ctx = mp.get_context("spawn")
         parent, child = ctx.Pipe()
-        proc = ctx.Process(target=_serve, args=(child, self.env), daemon=True,
+        proc = ctx.Process(target=_serve, args=(child, self.env, self.preload), daemon=True,
                            name=f"tilefuse-bench-{'cpu' if self.gpu is None else self.gpu}")
         if self._proc is not None:
             self.restarts += 1
