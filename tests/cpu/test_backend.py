@@ -197,3 +197,32 @@ def test_graph_of_weights_alone_runs_in_eager():
         assert torch.equal(torch.compile(m, backend="tilefuse")(3), m(3))
     (r,) = tb.reports()
     assert r.status == "eager" and "only weights" in r.reason
+
+
+def test_in_place_writes_run_in_eager():
+    """A write through a view, or into a buffer, must not be lost: such graphs run in eager."""
+
+    class Running(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("mean", torch.zeros(4))
+
+        def forward(self, x):
+            self.mean.mul_(0.9).add_(0.1 * x.mean(0))
+            return x * 2
+
+    def through_view(x):
+        y = x * 1
+        y.view(2, 2)[0] += 1
+        return y * 2
+
+    x = torch.randn(4)
+    with torch.no_grad():
+        assert torch.equal(torch.compile(through_view, backend="tilefuse")(x), through_view(x))
+        m, ref = Running(), Running()
+        xs = torch.randn(3, 4)
+        torch.compile(m, backend="tilefuse")(xs)
+        ref(xs)
+    assert torch.equal(m.mean, ref.mean)
+    rs = tb.reports()
+    assert len(rs) == 2 and all(r.status == "eager" and "in-place" in r.reason for r in rs)
