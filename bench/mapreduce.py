@@ -2,6 +2,7 @@
 
     python3 bench/mapreduce.py --json bench/results/mapreduce_h100.json [--quick]
     python3 bench/mapreduce.py --overhead [--json FILE]   # host time per call: graphs, clone, thin
+    python3 bench/mapreduce.py --profile                   # cProfile of the thin launch path
 
 Each program is compiled with tilefuse.compile and timed (median, CUDA events, L2 flushed)
 next to PyTorch eager and torch.compile (default mode) on random normal inputs; GB/s count
