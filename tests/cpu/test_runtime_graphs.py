@@ -226,3 +226,19 @@ def test_host_syncing_externs_block_graphs_and_ordinary_ones_do_not():
     assert graphs.blockers(_extern_program("aten.cumsum.default"), cuda) == []
     (why,) = graphs.blockers(_extern_program("aten.nonzero.default"), cuda)
     assert "aten.nonzero.default" in why and "host" in why
+
+
+def test_a_caller_capturing_its_own_graph_gets_the_thin_path():
+    """Inside someone else's capture nothing is warmed up, captured or replayed: launches go to their graph."""
+    capturing = [True]
+    g = _graphed()
+    g.capturing = lambda: capturing[0]
+    for _ in range(3):
+        x = torch.randn(4, 16)
+        _close(g([x, W]), _ref(x, W))
+    assert g.stats["thin"] == 3 and not g.warm and not g.slots
+    capturing[0] = False
+    for _ in range(3):
+        x = torch.randn(4, 16)
+        _close(g([x, W]), _ref(x, W))
+    assert g.stats["warmup"] == 1 and g.stats["captures"] == 1

@@ -19,7 +19,8 @@ results gets another slot (up to `max_slots`), and past that the call takes the 
 into fresh memory. Nothing is copied for this, unlike returning clones (which costs an extra
 read and write of every output, measured in bench/LOG.md); `clone=True` selects that policy.
 
-Graphs are off on CPU devices, for programs with a step that cannot be captured (an extern
+A call made while the caller is capturing a CUDA graph of its own runs the thin path, so
+its launches land in the caller's graph. Graphs are off on CPU devices, for programs with a step that cannot be captured (an extern
 that syncs with the host), with `Program(graphs=False)`, or with TILEFUSE_CUDA_GRAPHS=0.
 A capture that fails turns them off for that program, with a warning naming why.
 """
@@ -131,8 +132,11 @@ def _storage_key(t) -> int:
 class Graphed:
     """A runner behind CUDA-graph slots: the first call warms up, later calls replay."""
 
-    def __init__(self, runner, max_slots: int = 2, clone: bool = False, capture=capture_cuda):
+    def __init__(self, runner, max_slots: int = 2, clone: bool = False, capture=capture_cuda, capturing=None):
         self.runner = runner
+        # a caller capturing its own CUDA graph gets the thin path, recorded into its graph
+        self.capturing = capturing or (torch.cuda.is_current_stream_capturing if capture is capture_cuda
+                                       else (lambda: False))
         self.max_slots = max_slots
         self.clone = clone or _use_count is None
         self.capture = capture
@@ -143,7 +147,7 @@ class Graphed:
         self.stats = {"warmup": 0, "captures": 0, "replays": 0, "copies": 0, "thin": 0}
 
     def __call__(self, tensors) -> list:
-        if self.off is not None:
+        if self.off is not None or self.capturing():
             self.stats["thin"] += 1
             return self.runner.run(tensors)
         ptrs = tuple([t.data_ptr() for t in tensors]) if all([t.is_contiguous() for t in tensors]) else None
