@@ -9,6 +9,7 @@ inputs get clear errors.
 import time
 from dataclasses import replace
 
+import numpy as np
 import pytest
 import torch
 
@@ -148,10 +149,13 @@ def test_cross_entropy_is_one_pass_one_exchange_and_one_target_load():
     """max and sum(exp(x - max)) come out of one online pass and one exchange; the target
     logit is a single load at column t, hoisted above the pass (no per-element compare)."""
     k = fx.cross_entropy_kernel(64, 4096, "bf16")
-    body = _body(render(k, arch="sm_90a"))
-    assert body.count("__syncthreads();") == 1
+    assert mapreduce.exchanges(k) == (1, True)
+    body = _body(render(k, arch="sm_90a"))  # one warp per row: the butterfly is the exchange
+    assert default_schedule(k, "sm_90a").group == 32 and "__syncthreads();" not in body
+    assert _body(render(k, MapReduceSchedule(threads=128, group=128, vector=8, stage="smem"))).count(
+        "__syncthreads();") == 1
     assert body.count("for (int j = 0;") == 2  # the copy, then the one pass
-    assert "tf_lse_merge(" in body and body.count("exp2f(") == 2  # rescale + one exp per element
+    assert "tf_lse_scale(" in body and body.count("exp2f(") == 2  # rescale + one exp per element
     assert "(long long)(c)" not in body, "no per-element index compare"
     target_load = body.index("x[(r) * 4096LL + sel_xt]")
     assert target_load < body.index("tf_cp_async_wait_pending("), "the target logit is loaded before the pass"
@@ -159,7 +163,7 @@ def test_cross_entropy_is_one_pass_one_exchange_and_one_target_load():
                      (4096, MapReduceSchedule(threads=128, group=128, vector=8, cluster=2)),
                      (4096, MapReduceSchedule(threads=256, group=256, vector=8, stage="stream", unroll=2))]:
         src = _body(render(fx.cross_entropy_kernel(64, C, "bf16"), sched, "sm_90a"))
-        assert "tf_lse_merge(" in src and "sel_xt" in src and "(long long)(c)" not in src
+        assert "tf_lse_scale(" in src and "sel_xt" in src and "(long long)(c)" not in src
 
 
 def test_softmax_reads_the_staged_row_twice_and_exchanges_once():
@@ -170,7 +174,7 @@ def test_softmax_reads_the_staged_row_twice_and_exchanges_once():
         body = _body(src)
         exchanges = "tf_cluster_sync();" if src.cluster != (1, 1, 1) else "__syncthreads();"
         assert body.count(exchanges) == (1 if src.schedule.group > 32 else 0)
-        assert "tf_lse_merge(" in body
+        assert "tf_lse_scale(" in body
         assert body.count("for (int j = 0;") == 2 + (src.schedule.stage != "stream")  # (+ the staging loop)
 
 
@@ -405,3 +409,109 @@ def test_patterns_refuse_look_alikes():
     assert patterns.target_select(sel("t", iv_dtype="u8"), zero, dts) is None  # wraps past 255
     one = {"z": Const("z", 1.0, "f32")}
     assert patterns.target_select(sel("t"), one, dts) is None
+
+
+def _online_row(x, threads, V, warps, ctas):
+    """The printed algorithm, step for step, in float32: each thread folds its chunks
+    (chunk max, rescale by exp2((m - m_new) log2 e), add exp2((y - m) log2 e));
+    a butterfly takes the max, each thread rescales once, a butterfly adds; warps, then CTAs,
+    gather their partials: max of the maxima, then the rescaled sums, in order."""
+    f = np.float32
+    L2E = f(1.44269504)
+
+    def scale(s, m, M):  # tf_lse_scale
+        return s if m == M else f(s * f(np.exp(f(m - M))))
+
+    def fmax(a, b):  # max.NaN
+        return f(np.nan) if np.isnan(a) or np.isnan(b) else max(a, b)
+
+    P = threads * warps * ctas
+    m, s = [f(-np.inf)] * P, [f(0)] * P
+    with np.errstate(invalid="ignore", over="ignore"):
+        for p in range(P):
+            for j in range(0, len(x), P * V):
+                c0 = j + p * V
+                if c0 >= len(x):
+                    continue
+                y = x[c0:c0 + V].astype(f)
+                cm = y[0]
+                for v in y[1:]:
+                    cm = fmax(cm, v)
+                mn = fmax(m[p], cm)
+                s[p] = s[p] if m[p] == mn else f(s[p] * f(np.exp2(f(f(m[p] - mn) * L2E))))
+                m[p] = mn
+                mz = f(0) if mn == -np.inf else mn
+                for v in y:
+                    s[p] = f(s[p] + f(np.exp2(f(f(v - mz) * L2E))))
+        # butterfly within each group of `threads`: max, rescale, sum (all lanes agree)
+        for g in range(0, P, threads):
+            lanes = range(g, g + threads)
+            mt = [m[i] for i in lanes]
+            o = threads // 2
+            while o:
+                m[g:g + threads] = [fmax(m[i], m[g + ((i - g) ^ o)]) for i in lanes]
+                o //= 2
+            for k, i in enumerate(lanes):
+                s[i] = scale(s[i], mt[k], m[i])
+            o = threads // 2
+            while o:
+                s[g:g + threads] = [f(s[i] + s[g + ((i - g) ^ o)]) for i in lanes]
+                o //= 2
+
+        def gather(ms, ss):
+            M = ms[0]
+            for v in ms[1:]:
+                M = fmax(M, v)
+            S = scale(ss[0], ms[0], M)
+            for a, b in zip(ss[1:], ms[1:]):
+                S = f(S + scale(a, b, M))
+            return M, S
+
+        per_cta = []
+        for c in range(ctas):
+            ws = [(m[(c * warps + w) * threads], s[(c * warps + w) * threads]) for w in range(warps)]
+            per_cta.append(gather([a for a, _ in ws], [b for _, b in ws]))
+        M, S = gather([a for a, _ in per_cta], [b for _, b in per_cta])
+    return M, (f(np.nan) if M == -np.inf else S)
+
+
+@pytest.mark.parametrize("case", ["normal", "some -inf", "all -inf", "nan", "+inf", "tail", "huge"])
+def test_online_log_sum_exp_algorithm_matches_two_passes(case):
+    """The merge order of the printed kernels (per chunk, butterfly, warps, CTAs) gives the
+    max exactly and sum(exp(x - max)) to a few f32 ulps, with the two-pass special values."""
+    rng = np.random.default_rng(7)
+    n = 8 * 32 * 2 * 2 * 3 + (5 * 8 if case == "tail" else 0)
+    x = (rng.standard_normal(n) * 4).astype(np.float32)
+    if case == "some -inf":
+        x[rng.integers(0, n, 200)] = -np.inf
+        x[:64] = -np.inf  # whole chunks of -inf, folded first
+    elif case == "all -inf":
+        x[:] = -np.inf
+    elif case == "nan":
+        x[1234 % n] = np.nan
+    elif case == "+inf":
+        x[77] = np.inf
+    elif case == "huge":
+        x = x * np.float32(30) + np.float32(500)
+    M, S = _online_row(x, threads=32, V=8, warps=2, ctas=2)
+    with np.errstate(invalid="ignore"):
+        m_ref = np.float64(np.max(x)) if not np.isnan(x).any() else np.nan
+        s_ref = np.sum(np.exp(x.astype(np.float64) - m_ref))
+    if np.isnan(m_ref):
+        assert np.isnan(M) and np.isnan(S)
+        return
+    assert M == m_ref
+    if np.isnan(s_ref):
+        assert np.isnan(S)
+    else:
+        assert abs(np.float64(S) - s_ref) <= 1e-5 * s_ref, (S, s_ref)
+
+
+def test_cluster_exchange_gathers_partials_max_first():
+    """What the printed exchange does for a (max, sum) pair: one max butterfly, one
+    rescale, one sum butterfly; across warps and CTAs no chain of exps."""
+    body = _body(render(fx.softmax_kernel(8, 65536, "bf16"), arch="sm_90a"))
+    exchange = body[body.index("// across the 32"):body.index("tf_cluster_arrive();")]
+    assert exchange.count("tf_lse_scale(") == 1 + 2 + 2  # the lane's own, then warps and CTAs (first + loop)
+    assert exchange.count("for (int o = 16;") == 2
+    assert "tf_remote_ld(&cl0_m, i)" in exchange and "tf_remote_ld(&cl0_s, i)" in exchange

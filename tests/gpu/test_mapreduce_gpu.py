@@ -118,3 +118,63 @@ def test_default_schedules_for_the_issue_shapes_cluster_on_hopper():
         pytest.skip("clusters need sm_90")
     k = fx.softmax_kernel(8192, 262144, "bf16")
     assert default_schedule(k, "sm_90a").cluster > 1
+
+
+# ---------------------------------------------------------------- online log-sum-exp and target select
+
+
+def _launch(kernel, inputs: dict, schedule=None) -> dict:
+    ck = compile_kernel(kernel, schedule=schedule)
+    outs = ck.allocate_outputs()
+    ck(*[inputs[b.name] if b.role == "in" else outs[b.name] for b in kernel.params])
+    torch.cuda.synchronize()
+    return outs
+
+
+LONG_SCHEDULES = [None,  # the defaults: 128 x 8 (rmsnorm-like), 512 x 2 (softmax, LayerNorm, loss)
+                  MapReduceSchedule(threads=256, group=256, vector=8, cluster=8, stage="smem", min_blocks=6, pipeline=True),
+                  MapReduceSchedule(threads=512, group=512, vector=8, cluster=2, stage="smem", min_blocks=3, pipeline=True)]
+
+
+@pytest.mark.parametrize("sched", LONG_SCHEDULES, ids=str)
+@pytest.mark.parametrize("name", ["softmax", "cross_entropy", "layernorm", "rmsnorm"])
+def test_long_rows_on_cluster_shapes(name, sched):
+    ex = fx.example(name, 5, 65536, "bf16", seed=_seed(name, str(sched), "long"))
+    fx.check_against_torch(ex, _run(ex, sched))
+
+
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+@pytest.mark.parametrize("shape", [(6, 4096), (6, 65536)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_online_softmax_keeps_special_values(dtype, shape):
+    """Rows with -inf chunks (first, so the running max starts at -inf), a row of -inf
+    (NaN, as exp(-inf - -inf) is), a NaN (its row NaN), a +inf, and logits near 600 (f32:
+    the 2x rule on a row whose max is large)."""
+    R, C = shape
+    tdt = dtypes.to_torch(dtype)
+    x = torch.randn(R, C, device="cuda").to(tdt) * 3
+    x[0, :512] = float("-inf")
+    x[1] = float("-inf")
+    x[2, C // 3] = float("nan")
+    x[3, 5] = float("inf")
+    x[5] = x[5] * 30 + 600
+    y = _launch(fx.softmax_kernel(R, C, dtype), {"x": x})["y"]
+    ref = torch.softmax(x.double(), -1)
+    assert torch.equal(torch.isnan(y), torch.isnan(ref)), "NaN exactly where PyTorch has it"
+    ok = ~torch.isnan(ref).any(-1)
+    lowp = torch.softmax(x, -1).double()
+    err = (y.double() - ref)[ok].abs().max().item()
+    torch_err = (lowp - ref)[ok].abs().max().item()
+    assert err <= 2 * torch_err + 1e-6, (err, torch_err)
+
+
+def test_cross_entropy_target_outside_the_row_selects_nothing():
+    """loss = logsumexp(x) - x[t] for 0 <= t < C, and logsumexp(x) for any other t (the
+    sum of where(c == t, x, 0) is 0): -100, C, -1 and a huge index."""
+    R, C = 8, 8192
+    x = torch.randn(R, C, device="cuda", dtype=torch.bfloat16) * 3
+    t = torch.tensor([0, C - 1, 17, -100, C, -1, 2**40, 4095], device="cuda")
+    loss = _launch(fx.cross_entropy_kernel(R, C, "bf16"), {"x": x, "target": t})["loss"]
+    lse = torch.logsumexp(x.double(), -1)
+    inside = (t >= 0) & (t < C)
+    picked = torch.where(inside, x.double().gather(1, t.clamp(0, C - 1)[:, None])[:, 0], torch.zeros_like(lse))
+    assert torch.allclose(loss.double(), lse - picked, rtol=0, atol=1e-5 * lse.abs().max().item())

@@ -48,18 +48,11 @@ __device__ __forceinline__ double tf_max(double a, double b) { return (a != a ||
 __device__ __forceinline__ double tf_min(double a, double b) { return (a != a || a < b) ? a : b; }
 template <class T> __device__ __forceinline__ T tf_max(T a, T b) { return a > b ? a : b; }
 template <class T> __device__ __forceinline__ T tf_min(T a, T b) { return a < b ? a : b; }
-// Merge two partial log-sum-exp states (max m, sum of exp(x - m)): the larger max wins and
-// the other sum is rescaled to it. Equal maxima (-inf included) need no exp; NaN propagates.
-__device__ __forceinline__ void tf_lse_merge(float& m, float& s, float m2, float s2) {
-  const float mn = tf_max(m, m2);
-  s = (m == mn ? s : s * expf(m - mn)) + (m2 == mn ? s2 : s2 * expf(m2 - mn));
-  m = mn;
-}
-__device__ __forceinline__ void tf_lse_merge(double& m, double& s, double m2, double s2) {
-  const double mn = tf_max(m, m2);
-  s = (m == mn ? s : s * exp(m - mn)) + (m2 == mn ? s2 : s2 * exp(m2 - mn));
-  m = mn;
-}
+// A partial sum of exp(x - m) rescaled to a larger max M (partial log-sum-exp states merge
+// max first: M = max of the maxima, then the sum of the rescaled sums). Equal maxima (-inf
+// included) need no exp; a NaN max propagates.
+__device__ __forceinline__ float tf_lse_scale(float s, float m, float M) { return m == M ? s : s * expf(m - M); }
+__device__ __forceinline__ double tf_lse_scale(double s, double m, double M) { return m == M ? s : s * exp(m - M); }
 
 // Element i of a chunk held as 32-bit words (a register array, i a compile-time constant
 // once the loops are unrolled).

@@ -311,7 +311,10 @@ def default_schedule(kernel: ir.Kernel, arch: str = "sm_90a", stage: str | None 
     if stage is None:
         short = -(-parts.col_extent // v) <= 32 * 4
         is_map = _kind(parts) == "map"
-        stage = "smem" if _smem_eligible(kernel, v) and not (is_map and short) else "regs"
+        # short rows of a map, or of a kernel with several exchanges (LayerNorm: 64.4% of copy
+        # in registers, 59.9% staged, H100 32768 x 256 bf16), stay in registers
+        regs = short and (is_map or exchanges(kernel)[0] >= 2)
+        stage = "smem" if _smem_eligible(kernel, v) and not regs else "regs"
     if stage == "smem":
         if not _smem_eligible(kernel, v):
             raise ValueError(f"kernel {kernel.name}: stage='smem' needs 16-byte row chunks")
@@ -342,25 +345,53 @@ def _smem_schedule(kernel, parts, v, arch) -> MapReduceSchedule:
     """Rows staged in shared memory (cp.async): registers stay few (a ~40-register cap), so
     an SM holds 1536+ threads and their copies in flight.
 
-    Chunks per thread: 4 (64 bytes per stream), 8 for a reduction-only kernel such as a
-    loss (it has less work per element, so fewer, longer-lived threads per row pay fewer
-    exchanges). Short rows: a sub-warp or warp per row. Rows up to ~16k elements: one CTA,
-    at least 256 threads for a norm. Longer rows: a cluster of CTAs (sm_90) with up to 8
-    (16 for a reduction-only kernel) chunks per thread, or, without clusters, one large CTA,
-    then the streaming stage.
+    Short rows: a sub-warp or warp per row, 4 chunks per thread. Rows up to ~16k elements:
+    one CTA per row, 4 chunks per thread (at least 256 threads for a norm); a loss (a
+    reduction-only kernel: less work per element, and only an exchange to amortise) takes
+    8 or 16 chunks per thread, one warp per row where 16 suffice. Longer rows: a cluster
+    (sm_90), 8 chunks per thread, shaped by the row's exchanges (each costs a cluster
+    barrier and a gather over the CTAs): one cheap exchange (a norm's sum) takes small CTAs
+    in a large cluster, 128 x 8; several exchanges or a (max, sum-exp) one take large CTAs
+    in a small cluster, 512 x 2 (x 8 for 256k rows); a loss too, unless that needs a
+    cluster over 2, where 256 threads with 16 chunks each did better. Without clusters: one
+    large CTA, then the streaming stage.
+
+    Measured on an H100 (bf16, bench/mapreduce_kernels.py --sweep, % of copy bandwidth):
+    at 4096 x 65536, rmsnorm 93.9 and add+rmsnorm 96.7 with 128 x 8 (88.0 / 88.6 with
+    256 x 4); layernorm 87.9 and softmax 86.4 with 512 x 2 (78.1 / 81.2 with 128 x 8);
+    cross-entropy 82.2 with 512 x 2 (77.4 with 128 x 4); at 8192 x 262144 softmax 87.0
+    with 512 x 8, cross-entropy 72.7 with 256 x 8 (68.9 with 512 x 8); cross-entropy
+    32768 x 4096 88.1 with one warp per row (83.2 with 64 threads).
     """
     C = parts.col_extent
     kind = _kind(parts)
     chunk_bytes = sum(v * s.itemsize for s in _analyse(kernel, parts, v).in_streams.values() if s.per_row)
     chunks = -(-C // v)
-    if -(-chunks // 4) <= 32:  # a row per warp or sub-warp, several rows per CTA (few chunks: no pipeline)
+    if -(-chunks // 4) <= 32:  # a row per warp or sub-warp, several rows per CTA
         return MapReduceSchedule(threads=256, group=_pow2ceil(-(-chunks // 4)), vector=v, stage="smem",
                                  min_blocks=4)
-    k = 8 if kind == "reduce" else 4
-    t = max(_pow2ceil(-(-chunks // k)), 256 if kind == "norm" else 64)
+    if kind == "reduce":
+        t = _pow2ceil(-(-chunks // 8))
+        if t <= 64:  # one warp per row, up to 16 chunks per lane: no exchange across warps
+            t = max(32, _pow2ceil(-(-chunks // 16)))
+    else:
+        t = max(_pow2ceil(-(-chunks // 4)), 256 if kind == "norm" else 64)
     if t <= 512:  # a row per CTA
-        return MapReduceSchedule(threads=t, group=t, vector=v, stage="smem", min_blocks=max(1, 1536 // t),
+        return MapReduceSchedule(threads=t, group=t, vector=v, stage="smem", min_blocks=max(1, min(32, 1536 // t)),
                                  pipeline=True)
+    if supports_clusters(arch):
+        n_ex, online = exchanges(kernel)
+        if kind == "norm" and n_ex == 1 and not online:
+            shapes, cl_max = (128, 256, 512), 8
+        elif kind == "norm":
+            shapes, cl_max = (512,), 8
+        else:
+            shapes, cl_max = (512,), 2
+        for t in shapes:
+            cl = -(-chunks // (t * 8))
+            if cl <= cl_max and cl & (cl - 1) == 0 and 8 * t * chunk_bytes <= SMEM_PER_CTA:
+                return MapReduceSchedule(threads=t, group=t, vector=v, cluster=cl, stage="smem",
+                                         min_blocks=max(1, 1536 // t), pipeline=True)
     clusters = (1, 2, 4, 8) if supports_clusters(arch) else (1,)
     threads, k_max = ((128, 256, 512), 16) if kind == "reduce" else ((256, 512, 1024), 8)
     for t in threads:
@@ -724,12 +755,12 @@ def _emit_online_chunk(ctx: _Ctx, em: _Emitter, blk: OnlineLse, acc):
     """Fold this chunk's values into the running (max, sum of exp(y - max)): the sum is
     rescaled once per chunk when the max grows, then gets exp(y - max) of each value.
 
-    In f32, exp(d) is exp2f(d * log2 e) with the scaling fused into one FMA per element
-    (exp2f, like expf, is within 2 ulp). Every exponent here is <= 0, so what the scaling
-    adds is at most |d| 2^-24 relative on a term of size e^d: under 2^-24/e of the sum,
-    against the 2 ulp of expf, for 3 instead of about 8 instructions per element. (A
-    common shift of |max| 2^-24 in the exponents cancels in softmax and adds under one
-    ulp to a log-sum-exp.)"""
+    In f32, exp(d) is exp2f(d * log2 e), d = y - max as the two-pass form computes it
+    (exp2f, like expf, is within 2 ulp). Every d here is <= 0, so the rounding of
+    d * log2 e adds at most |d| 2^-24 relative to a term of size e^d: under 2^-24/e of the
+    sum, for 4 instead of about 8 instructions per element. (Fusing the scale into one FMA
+    with a pre-scaled max would shift every exponent by the rounding of max * log2 e:
+    2e-5 relative for logits near 600, measured in the CPU mirror of this algorithm.)"""
     m, s = acc
     ct, dt = cexpr.ctype(blk.dtype), blk.dtype
     y = f"{m}_y"
@@ -748,8 +779,7 @@ def _emit_online_chunk(ctx: _Ctx, em: _Emitter, blk: OnlineLse, acc):
     em(f"{m} = {m}_n;")
     em(f"const {ct} {m}_z = ({m}_n == {ninf}) ? {cexpr.const(0, dt)} : {m}_n;  // a chunk of -inf adds 0, not NaN")
     if dt == "f32":
-        em(f"const float {m}_l = {m}_z * {LOG2E_F32};")
-        term = f"exp2f(fmaf({y}[v], {LOG2E_F32}, -{m}_l))"
+        term = f"exp2f(({y}[v] - {m}_z) * {LOG2E_F32})"
     else:
         term = cexpr.op("exp", [cexpr.op("sub", [f"{y}[v]", f"{m}_z"], [dt, dt], dt)], [dt], dt)
     em("#pragma unroll")
@@ -762,8 +792,8 @@ def _shfl(acc: str, ctype: str, off: int) -> str:
     return f"({ctype})__shfl_xor_sync(0xffffffffu, (int){acc}, {off})"
 
 
-def _group_items(group: list, gi: int):
-    """(C name stem, Reduce-or-OnlineLse, accumulator(s), reduction dtype) of each member."""
+def _group_items(group: list):
+    """(Reduce-or-OnlineLse, accumulator or (max, sum) accumulators) of each member."""
     out = []
     for r in group:
         if isinstance(r, OnlineLse):
@@ -771,14 +801,6 @@ def _group_items(group: list, gi: int):
         else:
             out.append((r, f"acc_{_ident(r.dst)}"))
     return out
-
-
-def _emit_combine(em: _Emitter, r, acc, other):
-    """acc (op)= other, where `other(i)` names the i-th value of the other side."""
-    if isinstance(r, OnlineLse):
-        em(f"tf_lse_merge({acc[0]}, {acc[1]}, {other(0)}, {other(1)});")
-    else:
-        em(f"{acc} = {cexpr.combine(r.op, acc, other(0))};")
 
 
 def _parts(r, acc):
@@ -789,12 +811,41 @@ def _parts(r, acc):
     return [(acc, cexpr.ctype(r.dtype), _ident(r.dst))]
 
 
+def _emit_gather_combine(em: _Emitter, items, n: int, load, head: str):
+    """acc = the combination of n partial values, load(part, i) naming partial i of a part.
+
+    A sum or max folds left to right. A (max, sum) pair takes the max of the maxima first,
+    then adds each partial sum rescaled to it: n independent exps, not a chain of n merges.
+    Every thread reads the partials in the same order, so all agree on the result."""
+    for r, acc in items:
+        ps = _parts(r, acc)
+        if isinstance(r, OnlineLse):
+            (m, ct, nm), (s, _, ns) = ps
+            em(f"// the {n} partial (max, sum) pairs{head}: the max of the maxima, then the rescaled sums")
+            em(f"{m} = {load(nm, 0)};")
+            em("#pragma unroll")
+            em(f"for (int i = 1; i < {n}; ++i) {m} = tf_max({m}, {load(nm, 'i')});")
+            em(f"{s} = tf_lse_scale({load(ns, 0)}, {load(nm, 0)}, {m});")
+            em("#pragma unroll")
+            em(f"for (int i = 1; i < {n}; ++i) {s} = {s} + tf_lse_scale({load(ns, 'i')}, {load(nm, 'i')}, {m});")
+        else:
+            a, ct, nm = ps[0]
+            em(f"{a} = {load(nm, 0)};")
+            em("#pragma unroll")
+            em(f"for (int i = 1; i < {n}; ++i) {a} = {cexpr.combine(r.op, a, load(nm, 'i'))};")
+
+
 def _emit_reduce_group(ctx: _Ctx, em: _Emitter, group: list):
-    """A run of mutually independent Reduces (an OnlineLse counts as one): one pass, one exchange."""
+    """A run of mutually independent Reduces (an OnlineLse counts as one): one pass, one exchange.
+
+    An OnlineLse's (max, sum) crosses each level max first: the warp's butterfly takes the
+    max, each thread rescales its sum once, a second butterfly adds the sums; across warps
+    and CTAs the partials are gathered, their max taken, and the sums rescaled to it."""
     sch = ctx.sched
     gi = ctx.rgroup
     ctx.rgroup += 1
-    items = _group_items(group, gi)
+    items = _group_items(group)
+    online = [(r, acc) for r, acc in items if isinstance(r, OnlineLse)]
     dsts = [d for r in group for d in ((r.mx.dst, r.sm.dst) if isinstance(r, OnlineLse) else (r.dst,))]
     em(f"// ---- reduce {', '.join('%' + d for d in dsts)} over the row")
     for r, acc in items:
@@ -809,17 +860,26 @@ def _emit_reduce_group(ctx: _Ctx, em: _Emitter, group: list):
     g = sch.group
     if g > 1:
         em(f"// across the {min(g, 32)} threads of the {'warp' if g >= 32 else 'row group'} (butterfly: all lanes agree)")
+        for r, acc in online:
+            em(f"const {cexpr.ctype(r.dtype)} {acc[0]}_t = {acc[0]};  // this thread's max")
         em("#pragma unroll")
         em.open(f"for (int o = {min(g, 32) // 2}; o > 0; o >>= 1)")
         for r, acc in items:
             if isinstance(r, OnlineLse):
                 ct = cexpr.ctype(r.dtype)
-                em(f"const {ct} {acc[0]}_o = {_shfl(acc[0], ct, 'o')}, {acc[1]}_o = {_shfl(acc[1], ct, 'o')};")
-                _emit_combine(em, r, acc, lambda i, a=acc: f"{a[i]}_o")
+                em(f"{acc[0]} = tf_max({acc[0]}, {_shfl(acc[0], ct, 'o')});")
             else:
                 ct = cexpr.ctype(r.dtype if dtypes.compute_type(r.dtype) == r.dtype else "f32")
-                _emit_combine(em, r, acc, lambda i, a=acc, c=ct: _shfl(a, c, "o"))
+                em(f"{acc} = {cexpr.combine(r.op, acc, _shfl(acc, ct, 'o'))};")
         em.close()
+        if online:
+            for r, acc in online:
+                em(f"{acc[1]} = tf_lse_scale({acc[1]}, {acc[0]}_t, {acc[0]});  // to the group's max")
+            em("#pragma unroll")
+            em.open(f"for (int o = {min(g, 32) // 2}; o > 0; o >>= 1)")
+            for r, acc in online:
+                em(f"{acc[1]} = {acc[1]} + {_shfl(acc[1], cexpr.ctype(r.dtype), 'o')};")
+            em.close()
     if g > 32:
         wpr = g // 32
         em(f"// across the {wpr} warps of the row, through shared memory")
@@ -832,14 +892,7 @@ def _emit_reduce_group(ctx: _Ctx, em: _Emitter, group: list):
                 em(f"red{gi}_{nm}[slot][{ctx.lay.c_warp('lane')}] = {a};")
         em.close()
         em("__syncthreads();")
-        for r, acc in items:
-            ps = _parts(r, acc)
-            for a, ct, nm in ps:
-                em(f"{a} = red{gi}_{nm}[slot][0];")
-            em("#pragma unroll")
-            em.open(f"for (int w = 1; w < {wpr}; ++w)")
-            _emit_combine(em, r, acc, lambda i, ps=ps: f"red{gi}_{ps[i][2]}[slot][w]")
-            em.close()
+        _emit_gather_combine(em, items, wpr, lambda nm, i: f"red{gi}_{nm}[slot][{i}]", " of the warps")
     if sch.cluster > 1:
         em(f"// across the {sch.cluster} CTAs of the cluster, through distributed shared memory (rank order: all CTAs agree)")
         for r, acc in items:
@@ -851,14 +904,8 @@ def _emit_reduce_group(ctx: _Ctx, em: _Emitter, group: list):
                 em(f"cl{gi}_{nm} = {a};")
         em.close()
         em("tf_cluster_sync();  // every CTA's value is written")
-        for r, acc in items:
-            ps = _parts(r, acc)
-            for a, ct, nm in ps:
-                em(f"{a} = tf_remote_ld(&cl{gi}_{nm}, 0);")
-            em("#pragma unroll")
-            em.open(f"for (unsigned k = 1; k < {sch.cluster}; ++k)")
-            _emit_combine(em, r, acc, lambda i, ps=ps: f"tf_remote_ld(&cl{gi}_{ps[i][2]}, k)")
-            em.close()
+        _emit_gather_combine(em, items, sch.cluster, lambda nm, i: f"tf_remote_ld(&cl{gi}_{nm}, {i})",
+                             " of the CTAs")
         ctx.cluster_done = len(em.lines)
     for r, acc in items:
         if isinstance(r, OnlineLse):
@@ -952,6 +999,45 @@ def _row_plan(kernel: ir.Kernel, body: list):
         if isinstance(s, (ir.Load, ir.Const, ir.Op, ir.IndexValue, ir.Reduce)):
             late.add(s.dst)
     return early, rest, selects
+
+
+def _row_steps(rest: list, selects: dict):
+    """The row statements after the hoisted ones, as steps: ("select", TargetSelect),
+    ("reduce", [Reduce or OnlineLse, ...]: one pass and one exchange), ("loop", Loop) or
+    ("stmt", statement). Consecutive mutually independent reductions share a step; a max
+    followed by a sum of exp(y - max) becomes one OnlineLse."""
+    out, i = [], 0
+    while i < len(rest):
+        s = rest[i]
+        if id(s) in selects:
+            out.append(("select", selects[id(s)]))
+        elif isinstance(s, ir.Reduce):
+            group, dsts = [], set()
+            while i < len(rest) and isinstance(rest[i], ir.Reduce) and id(rest[i]) not in selects:
+                pair = patterns.online_lse(rest[i], rest[i + 1]) if i + 1 < len(rest) else None
+                item = pair or rest[i]
+                if group and not _independent(dsts, item):
+                    break
+                group.append(item)
+                dsts |= _dsts(item)
+                i += 2 if pair else 1
+            out.append(("reduce", group))
+            continue
+        elif isinstance(s, ir.Loop):
+            out.append(("loop", s))
+        else:
+            out.append(("stmt", s))
+        i += 1
+    return out
+
+
+def exchanges(kernel: ir.Kernel) -> tuple[int, bool]:
+    """(exchanges across the row's threads, whether one carries a (max, sum-exp) pair): the
+    reductions left after target selects become loads and independent ones share a pass."""
+    parts = ir.row_kernel_parts(kernel)
+    _, rest, selects = _row_plan(kernel, list(parts.body))
+    groups = [x for kind, x in _row_steps(rest, selects) if kind == "reduce"]
+    return len(groups), any(isinstance(r, OnlineLse) for g in groups for r in g)
 
 
 MAX_STAGED_WORDS = 64  # beyond this an explicit schedule would spill whatever ptxas does
@@ -1090,29 +1176,16 @@ def render(kernel: ir.Kernel, schedule: MapReduceSchedule | None = None, arch: s
             ctx.pending_wait = True
         else:
             em("tf_cp_async_wait_all();  // each thread reads back only its own chunks: no barrier needed")
-    i = 0
-    while i < len(rest):
-        s = rest[i]
-        if id(s) in selects:  # a target select that waited for a value it reads
-            _emit_select(ctx, em, selects[id(s)])
-        elif isinstance(s, ir.Reduce):
-            group, dsts = [], set()
-            while i < len(rest) and isinstance(rest[i], ir.Reduce) and id(rest[i]) not in selects:
-                pair = patterns.online_lse(rest[i], rest[i + 1]) if i + 1 < len(rest) else None
-                item = pair or rest[i]
-                if group and not _independent(dsts, item):
-                    break
-                group.append(item)
-                dsts |= _dsts(item)
-                i += 2 if pair else 1
-            _emit_reduce_group(ctx, em, group)
-            continue
-        elif isinstance(s, ir.Loop):
-            em(f"// ---- map over the row: {s.header()}")
-            _emit_pass(ctx, em, [s], [None])
+    for kind, x in _row_steps(rest, selects):
+        if kind == "select":  # a target select that waited for a value it reads
+            _emit_select(ctx, em, x)
+        elif kind == "reduce":
+            _emit_reduce_group(ctx, em, x)
+        elif kind == "loop":
+            em(f"// ---- map over the row: {x.header()}")
+            _emit_pass(ctx, em, [x], [None])
         else:
-            _emit_stmt(ctx, em, s, _env(ctx, None), inner=False)
-        i += 1
+            _emit_stmt(ctx, em, x, _env(ctx, None), inner=False)
     if ctx.cluster_done is not None:  # done reading the other CTAs: say so early, wait at the end
         em.lines.insert(ctx.cluster_done, "  tf_cluster_arrive();  // done reading the other CTAs' "
                         "shared memory (each waits for every arrival before it exits)")
