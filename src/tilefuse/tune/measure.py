@@ -114,8 +114,6 @@ def _sync(what: str):
 
 def measure(job: MeasureJob) -> Measurement:
     """Compile, check and time one candidate; raise with a one-line reason if it fails."""
-    import torch
-
     from .families import get_family
 
     fam = get_family(job.family)

@@ -38,6 +38,7 @@ class TuneOptions:
     confirm_rep_ms: float = 120.0
     force: bool = False          # re-tune kernels the cache already has
     give_up: int = 8             # stop a kernel whose first this-many candidates all failed
+    jobs: int = 0                # CPU processes compiling an exhaustive search's candidates first
 
 
 @dataclass
@@ -115,6 +116,10 @@ class Tuner:
                                  patience=o.patience)
         method = "exhaustive" if isinstance(searcher, Exhaustive) else "sp-mcts"
         total = len(searcher.configs) if method == "exhaustive" else o.budget
+        if method == "exhaustive" and o.jobs > 0:
+            from .precompile import precompile
+
+            precompile(kernel, [space.as_dict(c) for c in searcher.configs], self.arch, o.jobs)
         self.on_event("start", name=name, total=total, method=method)
         measured: dict = {}   # config -> Measurement
         failures: list = []
