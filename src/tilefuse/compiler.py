@@ -46,15 +46,19 @@ def compile_stages(fn, example_inputs, *, expr: str | None = None, arch: str | N
                     {"export_s": t1 - t0, "lower_s": t2 - t1})
 
 
-def compile(fn, example_inputs, *, arch: str | None = None):
+def compile(fn, example_inputs, *, arch: str | None = None, graphs: bool | None = None):
     """Compile a callable or nn.Module for these example inputs; returns a callable like it.
 
     The result runs generated CUDA kernels on CUDA tensors and the Loop IR interpreter on
-    CPU tensors. Shapes and dtypes are fixed to the examples'.
+    CPU tensors. Shapes and dtypes are fixed to the examples'. On CUDA, calls replay a
+    captured CUDA graph after the first (`graphs=False` or TILEFUSE_CUDA_GRAPHS=0 turns
+    that off); a result you still hold is never overwritten by a later call.
     """
     if isinstance(example_inputs, torch.Tensor):
         example_inputs = (example_inputs,)
     c = compile_stages(fn, tuple(example_inputs), arch=arch)
+    if graphs is not None:
+        c.program.graphs = graphs
     if any(isinstance(x, torch.Tensor) and x.is_cuda for x in example_inputs):
         c.program.prepare("cuda")
     c.program.stages = c
