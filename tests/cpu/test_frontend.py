@@ -248,3 +248,19 @@ def test_module_forward_lines_are_sources():
     g = graph_of(M(), torch.randn(3))
     exp = next(n for n in g.nodes if isinstance(n, ir.Map) and n.op == "exp")
     assert exp.source.startswith(f"{HERE}:") and "# module line" in exp.source
+
+
+def test_in_place_write_through_a_view_is_refused_not_lost():
+    import tilefuse
+
+    """The Graph IR is pure; an in-place add through a view must be an error naming the op
+    and the line, never a silently dropped write."""
+    from tilefuse.frontend.capture import CaptureError
+
+    def g(x):
+        y = x * 1
+        y.view(2, 2).add_(1)
+        return y * 2
+
+    with pytest.raises(CaptureError, match=r"aten\.add_.*in place.*test_frontend\.py"):
+        tilefuse.compile(g, (torch.randn(4),))

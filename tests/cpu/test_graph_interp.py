@@ -399,6 +399,23 @@ def _(draw, dtype):
     return (lambda x: (x[sl] * 2, x[i] + 1, x.select(-1, -1) - 1, x[..., -2:] * 3)), [randn(s, dtype)]
 
 
+@case("split_chunk_unbind", "split", "split_with_sizes", "chunk", "unbind")
+def _(draw, dtype):
+    s = draw(shapes(1, 3))
+    d = draw(st.integers(-len(s), len(s) - 1))
+    n = s[d]
+    size = draw(st.integers(1, n))
+    cut = draw(st.integers(0, n))
+    sizes = [cut, n - cut] if 0 < cut < n else [n]
+    chunks = draw(st.integers(1, n))
+
+    def fn(x):
+        a, b, c = x.split(size, d), x.split(sizes, d), x.chunk(chunks, d)
+        return a[0] * 2, a[-1] - 1, b[0] * 3, b[-1] + 2, c[-1] * 4, x.unbind(d)[-1] + 1
+
+    return fn, [randn(s, dtype)]
+
+
 @case("gather", "gather")
 def _(draw, dtype):
     s = draw(shapes(1, 3))

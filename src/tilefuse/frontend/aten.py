@@ -380,6 +380,31 @@ def _select(b, args, kwargs, out):
     return b.reshape(s, out.shape)
 
 
+@handles("split", "split_with_sizes", "chunk", "unbind")
+def _split(b, args, kwargs, out):
+    """Every output as a slice of the input: a tuple, one name per output."""
+    x = args[0]
+    shape = b.type(x).shape
+    if out.op == "unbind":
+        dim = (args[1] if len(args) > 1 else kwargs.get("dim", 0)) % len(shape)
+        rest = shape[:dim] + shape[dim + 1:]
+        return tuple(b.reshape(_part(b, x, dim, i, i + 1), rest) for i in range(shape[dim]))
+    dim = (args[2] if len(args) > 2 else kwargs.get("dim", 0)) % len(shape)
+    n, arg = shape[dim], args[1]
+    if out.op == "chunk":
+        arg = -(-n // arg)
+    sizes = [min(arg, n - s) for s in range(0, n, arg)] if isinstance(arg, int) else list(arg)
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    return tuple(_part(b, x, dim, s, s + k) for s, k in zip(starts, sizes))
+
+
+def _part(b, x, dim, start, end):
+    shape = b.type(x).shape
+    if (start, end) == (0, shape[dim]):
+        return x
+    return b.view("slice", x, shape[:dim] + (end - start,) + shape[dim + 1:], (dim, start, end, 1))
+
+
 @handles("gather")
 def _gather(b, args, kwargs, out):
     x, dim, index = args[0], args[1], args[2]

@@ -153,8 +153,12 @@ def to_graph(ep, expr: str | None = None) -> ir.Graph:
         elif node.op == "call_function":
             if node.target is operator.getitem:
                 src, idx = node.args
-                if src in tuple_outputs and idx == 0:
-                    env[node] = tuple_outputs[src]
+                outs = tuple_outputs.get(src)
+                if isinstance(outs, tuple):  # every output was translated (split, chunk, unbind)
+                    env[node] = outs[idx]
+                    continue
+                if outs is not None and idx == 0:
+                    env[node] = outs
                     continue
                 raise CaptureError(f"output {idx} of {_op_name(src.target)} is not supported "
                                    f"({source_of(src, expr)})")
@@ -186,8 +190,20 @@ def _live(nodes, outputs) -> set[str]:
     return live
 
 
+def _mutates(target) -> bool:
+    """An aten op that writes one of its arguments (add_, copy_, index_put_, ...)."""
+    schema = getattr(target, "_schema", None)
+    return schema is not None and any(a.alias_info is not None and a.alias_info.is_write
+                                      for a in schema.arguments)
+
+
 def _translate(b: Builder, node, resolve, env, tuple_outputs, expr):
     name = _op_name(node.target)
+    if _mutates(node.target):
+        # The Graph IR is pure: an in-place write (perhaps through a view) would be lost,
+        # which would be a wrong answer. Refuse instead.
+        raise CaptureError(f"aten.{name} writes to a tensor in place, which tilefuse does not support; "
+                           f"write it out of place ({source_of(node, expr)})")
     val = node.meta.get("val")
     if val is None:
         if name == "_assert_tensor_metadata" or not node.users:
@@ -208,6 +224,13 @@ def _translate(b: Builder, node, resolve, env, tuple_outputs, expr):
             result = handler(b, args, kwargs, out)
         except aten.Unsupported as e:
             reason = f"tilefuse does not lower aten.{name} with {e}"
+    if isinstance(result, tuple):  # a translator that returns every output
+        shapes = [tuple(int(s) for s in v.shape) for v in val]
+        if [b.type(r).shape for r in result] != shapes:
+            raise CaptureError(f"internal: aten.{name} translated to shapes {[b.type(r).shape for r in result]}, "
+                               f"torch says {shapes} ({b.source})")
+        tuple_outputs[node] = result
+        return
     if result is None:
         if multi:
             raise CaptureError(f"aten.{name} returns {len(val)} tensors and is not supported by tilefuse "

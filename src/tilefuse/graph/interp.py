@@ -157,7 +157,7 @@ def run_graph(g: ir.Graph, inputs: dict, precision: str = "native") -> list[np.n
         elif isinstance(n, ir.Gather):
             env[n.name] = _gather(n, env[n.arg], env[n.index])
         elif isinstance(n, ir.Contraction):
-            t = np.float64 if precision == "f64" else np.float32
+            t = _float_type(n.type.dtype, precision)
             env[n.name] = np.matmul(env[n.a].astype(t), env[n.b].astype(t)).astype(_store_type(n.type.dtype, precision))
         elif isinstance(n, ir.Attention):
             r = _attention(n, env[n.q], env[n.k], env[n.v], env.get(n.mask) if n.mask else None, precision)
