@@ -168,6 +168,22 @@ def test_real_workers_survive_crashing_and_hanging_candidates(cache):
     assert r.best_us == min(fake_time(space.as_dict(c)) for c in picks if space.as_dict(c)["threads"] == 512)
 
 
+def test_the_real_measure_path_checks_candidates_in_worker_processes(cache):
+    """measure() in a worker, on the CPU: the Loop IR interpreter plays the compiled kernel;
+    candidates that leave an element unwritten or compute 1% off are failed with reasons."""
+    from tilefuse.tune.measure import measure
+
+    k = replace(fx.rmsnorm_kernel(100, 8, "bf16"), family="interp-cpu")  # 40 candidates
+    with WorkerPool([None], timeout=30, preload=("tune_fakes",)) as pool:
+        opts = dict(exhaustive=True, device="cpu", rep_ms=2.0, confirm_rep_ms=4.0)
+        r = tuner(cache, fn=measure, pool=pool, **opts).tune({"k": k})[0]
+    assert r.status == "tuned" and r.knobs["group"] != 2 and r.knobs["stage"] != "stream"
+    reasons = {(f["knobs"]["group"] == 2, f["knobs"]["stage"] == "stream"): f["reason"] for f in r.failures}
+    assert "differs between two launches" in reasons[(True, False)]
+    assert "wrong result" in reasons[(False, True)] and "2x the interpreter" in reasons[(False, True)]
+    assert r.evaluated - r.failed > 0 and r.best_us > 0
+
+
 def test_a_kernel_whose_every_candidate_fails_gives_up_early(cache):
     def broken(job):
         raise RuntimeError("triton is not installed")

@@ -40,6 +40,7 @@ class MeasureJob:
     warmup_ms: float = 10.0
     rep_ms: float = 40.0
     check: bool = True
+    device: str = "cuda"  # "cpu": the whole path but the timing method (tests, no GPU)
 
 
 @dataclass(frozen=True)
@@ -58,8 +59,9 @@ _STATE: dict = {}  # (family, kernel hash, signature, seed) -> _State; one kerne
 @dataclass
 class _State:
     problem: object
-    inputs: dict    # name -> CUDA tensor
+    inputs: dict    # name -> tensor on the job's device
     outputs: dict   # name -> (shape, torch dtype)
+    device: str
 
 
 def _state(job: MeasureJob, fam) -> _State:
@@ -68,21 +70,22 @@ def _state(job: MeasureJob, fam) -> _State:
     from .. import dtypes
     from ..tensors import to_torch
 
-    key = (job.family, *fam.describe(job.kernel), job.seed)
+    key = (job.family, *fam.describe(job.kernel), job.seed, job.device)
     if key not in _STATE:
         _STATE.clear()
         try:
             problem = fam.problem(job.kernel, job.seed)
         except Exception as e:
             raise NoReference(f"no reference to check against: {type(e).__name__}: {e}") from None
-        inputs = {n: to_torch(a).cuda() for n, a in problem.inputs.items()}
-        outputs = {b.name: (tuple(b.shape), dtypes.to_torch(b.dtype)) for b in job.kernel.outputs}
-        torch.cuda.synchronize()
-        _STATE[key] = _State(problem, inputs, outputs)
+        inputs = {n: to_torch(a).to(job.device) for n, a in problem.inputs.items()}
+        outputs = {n: (tuple(shape), dtypes.to_torch(dt)) for n, (shape, dt) in problem.outputs.items()}
+        if job.device == "cuda":
+            torch.cuda.synchronize()
+        _STATE[key] = _State(problem, inputs, outputs, job.device)
     return _STATE[key]
 
 
-def _poisoned(spec, which: int):
+def _poisoned(spec, which: int, device: str):
     import torch
 
     shape, dt = spec
@@ -92,7 +95,7 @@ def _poisoned(spec, which: int):
         fill = bool(which)
     else:
         fill = (-12345, 12345)[which] if dt.is_signed else (7, 201)[which]
-    return torch.full(shape, fill, dtype=dt, device="cuda")
+    return torch.full(shape, fill, dtype=dt, device=device)
 
 
 def _same(a, b) -> bool:
@@ -103,9 +106,11 @@ def _same(a, b) -> bool:
     return torch.equal(a, b)
 
 
-def _sync(what: str):
+def _sync(what: str, device: str = "cuda"):
     import torch
 
+    if device != "cuda":
+        return
     try:
         torch.cuda.synchronize()
     except Exception as e:  # a launch error surfaces here: the context is gone
@@ -128,7 +133,7 @@ def measure(job: MeasureJob) -> Measurement:
     runs = []
     for which in (0, 1):
         tensors = dict(st.inputs)
-        outs = {n: _poisoned(spec, which) for n, spec in st.outputs.items()}
+        outs = {n: _poisoned(spec, which, st.device) for n, spec in st.outputs.items()}
         tensors.update(outs)
         try:
             st.problem.call(fn, tensors)
@@ -136,7 +141,7 @@ def measure(job: MeasureJob) -> Measurement:
             if "CUDA" in str(e) or "launch" in str(e):
                 raise Fatal(f"launch failed: {str(e).strip().splitlines()[0]}") from e
             raise
-        _sync("the kernel failed")
+        _sync("the kernel failed", st.device)
         runs.append(outs)
     for n in st.outputs:
         if not _same(runs[0][n], runs[1][n]):
@@ -145,7 +150,7 @@ def measure(job: MeasureJob) -> Measurement:
         why = st.problem.check(runs[0])
         if why:
             raise ValueError(why)
-    med, stats = _time(fn, st, job)
+    med, stats = _time(fn, st, job) if st.device == "cuda" else _time_host(fn, st, job)
     info = getattr(fn, "info", None)
     return Measurement(med, stats, registers=getattr(info, "registers", -1),
                        spill_bytes=getattr(info, "spill_stores", 0) + getattr(info, "spill_loads", 0),
@@ -177,3 +182,22 @@ def _time(fn, st: _State, job: MeasureJob):
     med = statistics.median(times) * 1e3
     return med, {"median_us": med, "min_us": times[0] * 1e3, "p20_us": q(0.2), "p80_us": q(0.8),
                  "reps": len(times), "copies": copies}
+
+
+def _time_host(fn, st: _State, job: MeasureJob):
+    """Wall-clock median of repeated calls: the timing for a non-CUDA device (tests)."""
+    t = dict(st.inputs)
+    t.update({n: torch_empty(s, d, st.device) for n, (s, d) in st.outputs.items()})
+    times, end = [], time.perf_counter() + job.rep_ms / 1e3
+    while not times or (time.perf_counter() < end and len(times) < 1000):
+        t0 = time.perf_counter()
+        st.problem.call(fn, t)
+        times.append((time.perf_counter() - t0) * 1e6)
+    med = statistics.median(times)
+    return med, {"median_us": med, "min_us": min(times), "reps": len(times), "copies": 1}
+
+
+def torch_empty(shape, dtype, device):
+    import torch
+
+    return torch.empty(shape, dtype=dtype, device=device)

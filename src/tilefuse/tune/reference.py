@@ -162,6 +162,11 @@ class LoopProblem:
     ref64: dict           # output name -> float64 reference (of the rows checked)
     low: dict             # output name -> the interpreter in the kernel's own dtypes
 
+    @property
+    def outputs(self) -> dict:
+        """Output name -> (shape, dtype) of the whole kernel."""
+        return {b.name: (tuple(b.shape), b.dtype) for b in self.kernel.outputs}
+
     def call(self, fn, tensors: dict) -> None:
         """Launch `fn` (a compiled kernel) on tensors by buffer name, in parameter order."""
         fn(*[tensors[b.name] for b in self.kernel.params])

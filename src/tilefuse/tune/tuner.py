@@ -39,6 +39,7 @@ class TuneOptions:
     force: bool = False          # re-tune kernels the cache already has
     give_up: int = 8             # stop a kernel whose first this-many candidates all failed
     jobs: int = 0                # CPU processes compiling an exhaustive search's candidates first
+    device: str = "cuda"         # where candidates run ("cpu" only for tests of the whole path)
 
 
 @dataclass
@@ -94,7 +95,7 @@ class Tuner:
     # ---------------------------------------------------------------- one kernel
     def _job(self, kernel, knobs: dict, rep_ms: float) -> MeasureJob:
         o = self.options
-        return MeasureJob(kernel.family, kernel, knobs, self.arch, o.seed, o.warmup_ms, rep_ms)
+        return MeasureJob(kernel.family, kernel, knobs, self.arch, o.seed, o.warmup_ms, rep_ms, device=o.device)
 
     def tune_kernel(self, name: str, kernel, key: Key | None = None) -> KernelResult:
         o = self.options
