@@ -19,7 +19,7 @@ from tilefuse.codegen import mapreduce as mr  # noqa: E402
 from tilefuse.tune import mapreduce as mrs  # noqa: E402
 from tilefuse.tune.families import get_family, register_family  # noqa: E402
 
-CASES = [("rmsnorm", 64, 1024, "sm_90a"), ("softmax", 300, 256, "sm_80"), ("cross_entropy", 16, 65536, "sm_80"),
+CASES = [("rmsnorm", 64, 1024, "sm_90a"), ("softmax", 300, 256, "sm_80"),
          ("gather", 33, 1000, "sm_90a"), ("map", 3, 1, "sm_90a"), ("add_rmsnorm", 5, 300001, "sm_90a")]
 
 

@@ -131,7 +131,10 @@ def test_kernels_equal_up_to_names_are_tuned_once(cache):
     twin = replace(canonicalize(k, rename_buffers=True), name="other")
     rs = tuner(cache, budget=6).tune({"a": k, "b": twin})
     assert [r.status for r in rs] == ["tuned", "same-as"] and rs[1].knobs == rs[0].knobs
-    assert len(CALLS) == 6 + 2  # the search, then the confirmation of the best two... of which one is the default
+    search = CALLS[:6]
+    top2 = sorted(search, key=fake_time)[:2]
+    confirm = top2 + ([] if search[0] in top2 else [search[0]])  # the best two and the default
+    assert CALLS[6:] == confirm  # nothing measured for the twin
 
 
 def test_failing_candidates_are_recorded_and_the_search_goes_on(cache):
