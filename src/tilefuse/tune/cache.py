@@ -213,7 +213,7 @@ class TuneCache:
             con.execute("BEGIN IMMEDIATE")
             con.execute("INSERT OR REPLACE INTO tuned VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
                         (k.digest, k.device, k.capability, k.toolkit, k.family, k.family_version, k.khash,
-                         k.signature, json.dumps(entry.knobs, sort_keys=True), json.dumps(entry.stats, sort_keys=True),
+                         k.signature, json.dumps(entry.knobs), json.dumps(entry.stats, sort_keys=True),
                          json.dumps(list(entry.failures)), entry.created or time.time()))
             con.execute("COMMIT")
 
