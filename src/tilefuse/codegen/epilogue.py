@@ -185,10 +185,6 @@ def inner_body(kernel: ir.Kernel) -> tuple:
     return body
 
 
-def outputs(kernel: ir.Kernel) -> tuple[ir.Buffer, ...]:
-    return kernel.outputs
-
-
 def operands(kernel: ir.Kernel) -> tuple[ir.Buffer, ...]:
     """Buffers the epilogue reads besides the accumulator, in parameter order."""
     return tuple(b for b in kernel.inputs if b.name != ACC)

@@ -612,8 +612,6 @@ extern "C" __global__ void __launch_bounds__({S.threads}, 1)
 }
 """)
     params = tuple(p.name for p in out_params) + tuple(p.name for p in ops_params)
-    notes = ()
     return GemmSource(name=name, source="\n".join(src), grid_tiles=tiles, block=(S.threads, 1, 1),
                       smem_bytes=smem, params=params, problem=problem, schedule=sched,
-                      a_box=a.box, b_box=b_box, swizzle=hopper.tma_swizzle(a.layout, 16), cluster=CL,
-                      notes=notes)
+                      a_box=a.box, b_box=b_box, swizzle=hopper.tma_swizzle(a.layout, 16), cluster=CL)
