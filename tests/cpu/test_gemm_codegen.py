@@ -114,7 +114,8 @@ def test_n_major_b_operand_gets_a_canonical_mn_major_descriptor():
 
 KNOBS = [g.GemmSchedule(128, 256, stages=4), g.GemmSchedule(128, 128, stages=6),
          g.GemmSchedule(64, 128, stages=8, consumers=1), g.GemmSchedule(256, 128, stages=4),
-         g.GemmSchedule(128, 256, stages=4, cluster_m=2)]
+         g.GemmSchedule(128, 256, stages=4, cluster_m=2), g.GemmSchedule(128, 256, stages=4, tma_store=False),
+         g.GemmSchedule(64, 128, stages=8, consumers=1, cluster_m=2)]
 
 
 @pytest.mark.parametrize("sched", KNOBS, ids=str)
@@ -178,3 +179,67 @@ def test_glu_gemm_compiles_and_stores_half_width():
     src = g.render(g.GemmProblem(100, 256, 64, epilogue=epi.glu(100, 256, "bf16")))
     assert "out[(m) * 128LL + (n)]" in src.source
     assert nvrtc.compile_cuda(src.source, src.name, "sm_90a").info.clean
+
+
+def _store_offsets(source: str):
+    """(row, col) -> shared-memory element offset of every tf_sts32 in a TMA-store epilogue,
+    for thread `tid`, evaluated from the C expressions in the source."""
+    frag_row, frag_col = _coords(source, "frag_row"), _coords(source, "frag_col")
+    stores = re.findall(r"const int m = row_base \+ (\d+) \+ frag_row \+ (\d+);\n"
+                        r"\s*const int n = col_base \+ frag_col \+ (\d+);.*?"
+                        r"tf_sts32\(slot \+ 2 \* \((.*?)\), packed\);", source, re.S)
+    return frag_row, frag_col, stores
+
+
+@pytest.mark.parametrize("sched", [g.GemmSchedule(128, 256), g.GemmSchedule(128, 128, stages=6),
+                                   g.GemmSchedule(64, 64, consumers=1), g.GemmSchedule(256, 128)], ids=str)
+def test_tma_store_slots_hold_each_element_once_where_tma_reads_it(sched):
+    """The TMA-store epilogue: every (thread, pair) writes a distinct 4-byte word of its
+    64x64 slot, the words of one slot cover it exactly, and each element lands where the
+    slot's swizzled layout (the one TMA reads the (64, 64) box from) puts its (row, col)."""
+    src = g.render(g.GemmProblem(4 * sched.bm, 4 * sched.bn, 64), sched)
+    assert src.c_box == (64, 64) and "tf_tma_store(&c_map" in src.source
+    lay = hopper.gmma_smem_layout("K", 128, 16, (64, 64))
+    frag_row, frag_col, stores = _store_offsets(src.source)
+    assert len(stores) == sched.rows_per_wg // 64 * sched.bn // 4   # one store per register pair
+    slots = {}
+    for mb, r, col, off in stores:
+        mb, r, col = int(mb) // 64, int(r), int(col)
+        span = col // 64
+        for tid in range(128):
+            row_t, col_t = frag_row(tid) + r, frag_col(tid) + col
+            offset = eval(off.replace("/", "//"), {"frag_row": frag_row(tid), "frag_col": frag_col(tid)})
+            assert offset == lay(row_t, col_t - 64 * span)   # from the layout algebra
+            words = slots.setdefault((mb, span), set())
+            assert offset % 2 == 0 and offset // 2 not in words, "a word written twice"
+            words.add(offset // 2)
+    for words in slots.values():
+        assert words == set(range(64 * 64 // 2))
+    # thread 0 of each warpgroup stores each slot with TMA, at the slot's tile coordinates
+    assert src.source.count("tf_tma_store(&c_map") == len(slots)
+
+
+def test_tma_store_is_used_only_where_it_can_be():
+    """Pairwise epilogues, odd row pitches (TMA's 16-byte rule), narrow tiles and the
+    direct-store knob keep storing from registers; the shared memory fits either way."""
+    def store(problem, sched):
+        src = g.render(problem, sched)
+        assert src.smem_bytes <= g.SMEM_LIMIT
+        return src.c_box is not None
+    s = g.GemmSchedule(128, 128, stages=6)
+    assert store(g.GemmProblem(256, 256, 64), s)
+    assert store(g.GemmProblem(257, 264, 64, epilogue=g.epi.standard(257, 264, "bf16", bias="col", residual=True)), s)
+    assert not store(g.GemmProblem(256, 250, 64), s)                      # 500-byte rows
+    assert not store(g.GemmProblem(256, 256, 64, epilogue=epi.glu(256, 256, "bf16")), s)
+    assert not store(g.GemmProblem(256, 256, 64), g.GemmSchedule(128, 96, stages=6))
+    assert not store(g.GemmProblem(256, 256, 64), g.GemmSchedule(128, 128, stages=6, tma_store=False))
+    assert not store(g.GemmProblem(256, 256, 64, epilogue=epi.standard(256, 256, "f32")), s)
+
+
+def test_cluster_release_is_not_a_gpu_wide_fence():
+    """The consumer's per-K-step release of a stage in the peer CTA is a plain remote
+    mbarrier arrive: `.release.cluster` on it compiled to MEMBAR.ALL.GPU in the main loop,
+    which made the 2-CTA multicast kernel 20-40% slower than no cluster."""
+    src = g.render(g.GemmProblem(1024, 1024, 1024), g.GemmSchedule(128, 256, cluster_m=2)).source
+    assert "mbarrier.arrive.shared::cluster.b64" in src
+    assert "arrive.release.cluster" not in src

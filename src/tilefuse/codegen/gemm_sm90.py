@@ -84,6 +84,7 @@ class GemmSchedule:
     cluster_m: int = 1          # 2: CTA pairs along M share each B tile through TMA multicast
     producer_regs: int = 40
     consumer_regs: int = 232
+    tma_store: bool = True      # registers -> swizzled shared memory -> TMA store, where the epilogue allows
 
     def __post_init__(self):
         if self.consumers not in (1, 2):
@@ -123,8 +124,9 @@ class GemmSchedule:
 
     def __str__(self):
         cluster = f", cluster {self.cluster_m}x1 (B multicast)" if self.cluster_m > 1 else ""
+        store = "" if self.tma_store else ", direct stores"
         return (f"GemmSchedule(tile {self.bm}x{self.bn}x{self.bk}, {self.stages} stages, "
-                f"{self.consumers} consumer warpgroups, group_m {self.group_m}{cluster})")
+                f"{self.consumers} consumer warpgroups, group_m {self.group_m}{cluster}{store})")
 
 
 def default_schedule(problem: GemmProblem, sms: int = 132) -> GemmSchedule:
@@ -159,6 +161,7 @@ class GemmSource:
     swizzle: hopper.TmaSwizzle
     cluster: int = 1
     notes: tuple[str, ...] = ()
+    c_box: tuple[int, int] | None = None   # TMA store box of the output (contiguous dim first); None: direct stores
 
 
 # ---------------------------------------------------------------- layouts
@@ -245,10 +248,25 @@ __device__ __forceinline__ void tf_tma_load_mc(unsigned dst, const tf_tmap* map,
 }
 __device__ __forceinline__ void tf_bar_arrive_cta(unsigned bar, unsigned rank) {
   asm volatile("{\n\t.reg .b32 r;\n\tmapa.shared::cluster.u32 r, %0, %1;\n\t"
-               "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [r];\n\t}" :: "r"(bar), "r"(rank) : "memory");
+               "mbarrier.arrive.shared::cluster.b64 _, [r];\n\t}" :: "r"(bar), "r"(rank) : "memory");
 }
 __device__ __forceinline__ void tf_cluster_sync_all() {
   asm volatile("barrier.cluster.arrive.release;\n\tbarrier.cluster.wait.acquire;" ::: "memory");
+}
+__device__ __forceinline__ void tf_sts32(unsigned addr, unsigned v) {
+  asm volatile("st.shared.b32 [%0], %1;" :: "r"(addr), "r"(v) : "memory");
+}
+__device__ __forceinline__ void tf_fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+__device__ __forceinline__ void tf_named_bar(unsigned id, unsigned count) {
+  asm volatile("bar.sync %0, %1;" :: "r"(id), "r"(count) : "memory");
+}
+__device__ __forceinline__ void tf_tma_store(const tf_tmap* map, unsigned src, int c0, int c1, int c2) {
+  asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%2, %3, %4}], [%1];"
+               :: "l"((tf_u64)map), "r"(src), "r"(c0), "r"(c1), "r"(c2) : "memory");
+}
+__device__ __forceinline__ void tf_bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
+template <int N> __device__ __forceinline__ void tf_bulk_wait_read() {
+  asm volatile("cp.async.bulk.wait_group.read %0;" :: "n"(N) : "memory");
 }
 __device__ __forceinline__ void tf_wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void tf_wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
@@ -325,6 +343,105 @@ def _epilogue_code(problem: GemmProblem, sched: GemmSchedule, kernel: ir.Kernel)
                 lines.append(f"  if (m < {problem.m} && n < {problem.n}) {{")
                 _render_element(kernel, body, f"acc[{mb}][{v}]", "n", lines, "", store=True)
                 lines.append("  }")
+            lines.append("}")
+    return lines
+
+
+# The TMA-store epilogue: each consumer warpgroup writes its accumulators, 64 rows x 64
+# columns at a time, into one of two swizzled shared-memory slots (the layout TMA reads a
+# (64, 64) box from), then one thread has TMA store the slot. Out-of-range rows and columns
+# are clipped by TMA, and the store runs while the warpgroup goes on to its next tile.
+STORE_SPAN = 64          # output columns per slot: one 128-byte swizzle span of 16-bit values
+STORE_SLOTS = 2          # slots per consumer warpgroup
+
+
+def _store_layout():
+    """The shared-memory layout of one store slot: (64 rows, 64 cols) of 16-bit values, SW128."""
+    return hopper.gmma_smem_layout("K", 128, 16, (64, STORE_SPAN))
+
+
+STORE_SWIZZLE = hopper.tma_swizzle(_store_layout(), 16)   # the output tensor map's swizzle mode
+
+
+def _tma_store_dtype(problem: GemmProblem, sched: GemmSchedule, kernel: ir.Kernel) -> str | None:
+    """The output dtype when this GEMM can store through shared memory and TMA, else None:
+    one 16-bit output stored at out[(b,) m, n] (not pairwise), rows a multiple of 16 bytes
+    (TMA's rule), whole 64-column slots in a tile."""
+    if not sched.tma_store or epi.is_pairwise(kernel) or sched.bn % STORE_SPAN:
+        return None
+    body = epi.inner_body(kernel)
+    dt = _pair_store(kernel, body)
+    if dt is None:
+        return None
+    out = kernel.outputs[0]
+    store = next(x for x in body if isinstance(x, ir.Store))
+    want = ((ir.Var("b"),) if problem.batch > 1 else ()) + (ir.Var("m"), ir.Var("n"))
+    lead = (problem.batch,) if problem.batch > 1 else ()
+    if tuple(store.index) != want or out.shape != lead + (problem.m, problem.n):
+        return None
+    if problem.n * 2 % 16:
+        return None
+    return dt
+
+
+def _store_staging_bytes(sched: GemmSchedule) -> int:
+    return sched.consumers * STORE_SLOTS * hopper.smem_bytes(_store_layout(), 16)
+
+
+def _epilogue_code_tma(problem: GemmProblem, sched: GemmSchedule, kernel: ir.Kernel, dtype: str) -> list[str]:
+    """The TMA-store epilogue of one consumer warpgroup (see STORE_SPAN above).
+
+    Per slot: thread 0 waits until the TMA store that last read the slot is done reading;
+    a warpgroup barrier; every thread writes its packed pairs (each pair's (row, col) from
+    the wgmma accumulator fragment, its shared-memory offset from the slot's swizzled
+    layout); a proxy fence and a barrier; thread 0 issues the TMA store of the slot.
+    Expects in scope: tid, c (warpgroup), row_base, col_base, batch, stage_out (slot
+    base address of this warpgroup), ep_slot (running slot index).
+    """
+    body = epi.inner_body(kernel)
+    frag = mma.sm90_64xN_c(sched.bn)
+    lay = _store_layout()
+    slot_bytes = hopper.smem_bytes(lay, 16)
+    mb_count = sched.rows_per_wg // 64
+    full_tiles = problem.m % (sched.bm * sched.cluster_m) == 0 and problem.n % sched.bn == 0
+    # loads of epilogue operands must stay inside their tensors on tail tiles
+    guarded = not full_tiles and any(isinstance(x, ir.Load) and x.buf != epi.ACC for x in body)
+    row0, col0 = cgen.c_tv_coords(frag, "tid", 0)
+    lines = [f"const int frag_row = {row0};", f"const int frag_col = {col0};"]
+    bar = "tf_named_bar(1 + c, 128);"
+    for mb in range(mb_count):
+        for j in range(sched.bn // STORE_SPAN):
+            lines.append("{")
+            lines.append(f"  const unsigned slot = stage_out + ep_slot * {slot_bytes};")
+            lines.append(f"  if (tid == 0) tf_bulk_wait_read<{STORE_SLOTS - 1}>();")
+            lines.append(f"  {bar}")
+            for v in range(0, frag.values, 2):
+                r, cc = frag(0, v)  # offsets relative to thread 0's element
+                if not j * STORE_SPAN <= cc < (j + 1) * STORE_SPAN:
+                    continue
+                lines.append("  {")
+                lines.append(f"    const int m = row_base + {mb * 64} + frag_row + {r};")
+                lines.append(f"    const int n = col_base + frag_col + {cc};")
+                lines.append("    unsigned packed = 0u;")
+                if guarded:
+                    lines.append(f"    if (m < {problem.m} && n < {problem.n}) {{")
+                vals = []
+                for e in (0, 1):
+                    vals.append(_render_element(kernel, body, f"acc[{mb}][{v + e}]", f"n + {e}", lines,
+                                                f"_{e}", store=False))
+                x0, x1 = vals[0][1], vals[1][1]
+                lines.append(f"    packed = (unsigned){cexpr.to_storage(dtype, x0)} | "
+                             f"((unsigned){cexpr.to_storage(dtype, x1)} << 16);")
+                if guarded:
+                    lines.append("    }")
+                off = cgen.c_index(lay, (f"frag_row + {r}", f"frag_col + {cc - j * STORE_SPAN}"), shifts=True)
+                lines.append(f"    tf_sts32(slot + 2 * ({off}), packed);")
+                lines.append("  }")
+            lines.append("  tf_fence_async_smem();")
+            lines.append(f"  {bar}")
+            lines.append(f"  if (tid == 0) {{ tf_tma_store(&c_map, slot, col_base + {j * STORE_SPAN}, "
+                         f"row_base + {mb * 64}, batch); tf_bulk_commit(); }}")
+            lines.append(f"  ep_slot ^= 1;")
             lines.append("}")
     return lines
 
@@ -440,7 +557,8 @@ def kernel_name(problem: GemmProblem, sched: GemmSchedule, kernel: ir.Kernel) ->
 
     h = structural_hash(kernel)[:10]
     return (f"tf_gemm_sm90_{problem.batch}x{problem.m}x{problem.n}x{problem.k}_{problem.dtype}_b{problem.b_major}"
-            f"_{sched.bm}x{sched.bn}x{sched.bk}s{sched.stages}c{sched.consumers}g{sched.group_m}_{h}")
+            f"_{sched.bm}x{sched.bn}x{sched.bk}s{sched.stages}c{sched.consumers}g{sched.group_m}"
+            f"{f'm{sched.cluster_m}' if sched.cluster_m > 1 else ''}{'' if sched.tma_store else 'd'}_{h}")
 
 
 def render(problem: GemmProblem, sched: GemmSchedule | None = None) -> GemmSource:
@@ -454,6 +572,11 @@ def render(problem: GemmProblem, sched: GemmSchedule | None = None) -> GemmSourc
     smem = sched.smem_bytes()
     if smem > SMEM_LIMIT:
         raise GemmError(f"{sched} needs {smem} bytes of shared memory; the limit is {SMEM_LIMIT}")
+    store_dt = _tma_store_dtype(problem, sched, kernel)
+    staging = _store_staging_bytes(sched) if store_dt else 0
+    if smem + staging > SMEM_LIMIT:  # no room for the store slots: store straight from registers
+        store_dt, staging = None, 0
+    smem += staging
 
     a = _operand(sched.bm, sched.bk, "K")
     b = _operand(sched.bn, sched.bk, "K" if problem.b_major == "K" else "MN")
@@ -470,6 +593,8 @@ def render(problem: GemmProblem, sched: GemmSchedule | None = None) -> GemmSourc
     ops_params = epi.operands(kernel)
     out_params = kernel.outputs
     cparams = ["const __grid_constant__ tf_tmap a_map", "const __grid_constant__ tf_tmap b_map"]
+    if store_dt:
+        cparams.append("const __grid_constant__ tf_tmap c_map")
     cparams += [f"{cexpr.storage_ctype(p.dtype)}* __restrict__ {_ident(p.name)}" for p in out_params]
     cparams += [f"const {cexpr.storage_ctype(p.dtype)}* __restrict__ {_ident(p.name)}" for p in ops_params]
     mb_count = S.rows_per_wg // 64
@@ -535,7 +660,8 @@ extern "C" __global__ void __launch_bounds__({S.threads}, 1)
 {name}({", ".join(cparams)}) {{
   extern __shared__ __align__(1024) unsigned char tf_smem_raw[];
   const unsigned base = (tf_smem_addr(tf_smem_raw) + 1023u) & ~1023u;
-  const unsigned bars = base + STAGES * STAGE_BYTES;   // full[s] at bars + 8s, empty[s] at bars + 8(STAGES + s)
+  const unsigned staging = base + STAGES * STAGE_BYTES;   // TMA-store slots ({staging} bytes)
+  const unsigned bars = staging + {staging};   // full[s] at bars + 8s, empty[s] at bars + 8(STAGES + s)
   const int wg = threadIdx.x / 128;
   const int rank = {"blockIdx.x % CLUSTER" if CL > 1 else "0"};
   const int first = blockIdx.x / CLUSTER, step = gridDim.x / CLUSTER;
@@ -571,6 +697,8 @@ extern "C" __global__ void __launch_bounds__({S.threads}, 1)
     asm volatile("setmaxnreg.inc.sync.aligned.u32 {S.consumer_regs};");
     const int c = wg - 1;
     const int tid = threadIdx.x % 128;
+    const unsigned stage_out = staging + c * {staging // S.consumers};
+    unsigned ep_slot = 0;
     for (int t = first; t < TILES; t += step) {{
       int batch, tm, tn;
       tf_tile_coords(t, batch, tm, tn);
@@ -604,9 +732,13 @@ extern "C" __global__ void __launch_bounds__({S.threads}, 1)
       {release}
       const int row_base = tm * BM + c * {S.rows_per_wg};
       const int col_base = tn * BN;""")
-    for line in _epilogue_code(problem, sched, kernel):
+    lines = (_epilogue_code_tma(problem, sched, kernel, store_dt) if store_dt
+             else _epilogue_code(problem, sched, kernel))
+    for line in lines:
         w("      " + line)
-    w("""    }
+    w("""    }""" + ("""
+    if (tid == 0) tf_bulk_wait_read<0>();  // the slots must outlive the stores that read them""" if store_dt else "")
+      + """
   }""" + ("""
   tf_cluster_sync_all();  // no CTA leaves while its peer may still signal its barriers""" if CL > 1 else "") + """
 }
@@ -614,4 +746,5 @@ extern "C" __global__ void __launch_bounds__({S.threads}, 1)
     params = tuple(p.name for p in out_params) + tuple(p.name for p in ops_params)
     return GemmSource(name=name, source="\n".join(src), grid_tiles=tiles, block=(S.threads, 1, 1),
                       smem_bytes=smem, params=params, problem=problem, schedule=sched,
-                      a_box=a.box, b_box=b_box, swizzle=hopper.tma_swizzle(a.layout, 16), cluster=CL)
+                      a_box=a.box, b_box=b_box, swizzle=hopper.tma_swizzle(a.layout, 16), cluster=CL,
+                      c_box=hopper.tma_box(_store_layout(), "K", 16) if store_dt else None)

@@ -4,8 +4,9 @@
     out = g(a, b)                          # a [M, K], b [N, K] (or [K, N]); returns the epilogue's output
     g(a, b, out=out, bias=bias)            # preallocated outputs and epilogue operands by name
 
-The tensor maps (TMA descriptors) are encoded on the host from the operands' pointers and
-cached per pointer pair, so a steady-state call encodes nothing.
+The tensor maps (TMA descriptors) are encoded on the host from the operands' pointers (and
+the output's, where the kernel stores through TMA) and cached per pointer set, so a
+steady-state call with the same tensors encodes nothing.
 """
 from __future__ import annotations
 
@@ -86,12 +87,19 @@ class GemmKernel:
             raise ValueError(f"{where}: expected a contiguous tensor, got strides {tuple(t.stride())}")
         if not t.is_cuda:
             raise ValueError(f"{where}: expected a CUDA tensor, got one on {t.device}")
-        if name in ("a", "b") and t.data_ptr() % 16:
+        if (name in ("a", "b") or name in self._tma_outputs) and t.data_ptr() % 16:
             raise ValueError(f"{where}: TMA needs 16-byte aligned operands; this one starts at "
                              f"{t.data_ptr() % 16} bytes past a boundary (use .clone())")
 
-    def _tensor_maps(self, a, b) -> tuple[bytes, bytes]:
-        key = (a.data_ptr(), b.data_ptr())
+    @property
+    def _tma_outputs(self) -> tuple[str, ...]:
+        """Outputs the kernel writes through a TMA tensor map (they need 16-byte alignment)."""
+        if self.source.c_box is None:
+            return ()
+        return (self.problem.out_epilogue.outputs[0].name,)
+
+    def _tensor_maps(self, a, b, out=None) -> tuple[bytes, ...]:
+        key = (a.data_ptr(), b.data_ptr(), None if out is None else out.data_ptr())
         hit = self._maps.get(key)
         if hit is not None:
             return hit
@@ -104,10 +112,19 @@ class GemmKernel:
         else:
             bdims, bstr = (p.n, p.k, p.batch), (p.n * e, p.k * p.n * e)
         bmap = encode_tma(b.data_ptr(), p.dtype, bdims, bstr, (src.b_box[0], src.b_box[1], 1), int(src.swizzle))
+        maps = (amap, bmap)
+        if src.c_box is not None:
+            # the output tile: [batch, M, N] of the epilogue's one 16-bit output, stored in
+            # (64 x 64) boxes from 128-byte swizzled slots; TMA clips rows/columns past the end
+            buf = p.out_epilogue.outputs[0]
+            oe = dtypes.itemsize(buf.dtype)
+            n_out = buf.shape[-1]
+            maps += (encode_tma(out.data_ptr(), buf.dtype, (n_out, p.m, p.batch), (n_out * oe, p.m * n_out * oe),
+                                (src.c_box[0], src.c_box[1], 1), int(gemm_sm90.STORE_SWIZZLE)),)
         if len(self._maps) > 64:
             self._maps.clear()
-        self._maps[key] = (amap, bmap)
-        return amap, bmap
+        self._maps[key] = maps
+        return maps
 
     def _load(self, device: int):
         from cuda.bindings import driver
@@ -178,8 +195,9 @@ class GemmKernel:
             ptrs.append(tensors[name].data_ptr())
         device = a.get_device()
         module, func, grid, cfg = self._loaded.get(device) or self._load(device)
-        amap, bmap = self._tensor_maps(a, b)
-        bufs = [ctypes.create_string_buffer(amap, 128), ctypes.create_string_buffer(bmap, 128)]
+        tma_out = tensors[self._tma_outputs[0]] if self._tma_outputs else None
+        maps = self._tensor_maps(a, b, tma_out)
+        bufs = [ctypes.create_string_buffer(m, 128) for m in maps]
         vals = [ctypes.c_void_p(p) for p in ptrs]
         addrs = [ctypes.addressof(x) for x in bufs + vals]
         params = (ctypes.c_void_p * len(addrs))(*addrs)
