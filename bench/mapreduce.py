@@ -3,6 +3,8 @@
     python3 bench/mapreduce.py --json bench/results/mapreduce_h100.json [--quick]
     python3 bench/mapreduce.py --overhead [--json FILE]   # host time per call: graphs, clone, thin
     python3 bench/mapreduce.py --profile                   # cProfile of the thin launch path
+    python3 bench/mapreduce.py --cases softmax:32768x4096,cross_entropy:32768x4096 \
+        --no-compile-baseline --kernel-times                # a few cases, GPU time of each kernel
 
 Each program is compiled with tilefuse.compile and timed (median, CUDA events, L2 flushed)
 next to PyTorch eager and torch.compile (default mode) on random normal inputs; GB/s count
@@ -86,12 +88,38 @@ PROGRAMS = {"rmsnorm": RMSNorm, "layernorm": LayerNorm, "softmax": Softmax, "add
             "cross_entropy": CrossEntropy}
 
 
-def cases(quick: bool):
+def cases(quick: bool, only: str | None = None):
+    """The issue's (program, shape) cases; `only`: "name:RxC,..." picks some, in that order."""
+    if only:
+        for c in only.split(","):
+            name, shape = c.split(":")
+            yield name, tuple(int(x) for x in shape.split("x"))
+        return
     for name in PROGRAMS:
         for shape in SHAPES + (LONG if name in ("softmax", "cross_entropy") else []):
             if quick and shape not in ((32768, 4096), (32768, 256)):
                 continue
             yield name, shape
+
+
+def kernel_times(prog, inputs, calls: int = 20) -> dict:
+    """Mean GPU time of each kernel the program launches (torch.profiler, CUDA activity), us:
+    which kernel of a program the time goes to, and what the gaps between them cost."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with torch.no_grad():
+        for _ in range(3):
+            prog(*inputs)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as p:
+            for _ in range(calls):
+                prog(*inputs)
+            torch.cuda.synchronize()
+    out = {}
+    for e in p.key_averages():
+        if e.device_type.name == "CUDA" and e.count >= calls:
+            out[e.key] = {"us": e.device_time_total / e.count, "count": e.count // calls}
+    return out
 
 
 def compile_times():
@@ -165,7 +193,7 @@ def run_table(args):
     copy_bps = copy_bandwidth()
     out = {"gpu": gpu, "torch": torch.__version__, "copy_TBps": copy_bps / 1e12, "cuda_graphs": True,
            "results": []}
-    for name, (rows, cols) in cases(args.quick):
+    for name, (rows, cols) in cases(args.quick, args.cases):
         t0 = time.perf_counter()
         module = PROGRAMS[name](cols).cuda().bfloat16()
         inputs = inputs_for(name, rows, cols)
@@ -173,6 +201,11 @@ def run_table(args):
         nbytes = program_bytes(module, inputs)
         rows_ = compare(prog, module, inputs, nbytes, copy_bps, with_compile=not args.no_compile_baseline)
         out["results"].append(_record(name, rows, cols, rows_, prog, nbytes, time.perf_counter() - t0))
+        out["results"][-1]["schedules"] = {k[0]: str(ck.source.schedule) for k, ck in prog._compiled.items()
+                                           if getattr(getattr(ck, "source", None), "schedule", None) is not None}
+        if args.kernel_times:
+            out["results"][-1]["kernel_us"] = kt = kernel_times(prog, inputs)
+            print(f"  kernels of {name} {rows}x{cols}: " + ", ".join(f"{k} {v['us']:.1f}us" for k, v in kt.items()))
         out["results"][-1]["err_vs_eager"] = err_vs_eager(prog, module, inputs)
         _save(args.json, out)
         print(f"{name:14s} {rows}x{cols}: " + "  ".join(f"{r.name} {r.ms * 1e3:.1f}us/{r.host_us:.0f}us host"
@@ -260,6 +293,8 @@ def main():
     ap.add_argument("--overhead", action="store_true", help="host overhead per call: graphs, clones, thin path")
     ap.add_argument("--profile", action="store_true", help="cProfile the thin launch path of one program")
     ap.add_argument("--no-compile-baseline", action="store_true", help="skip torch.compile (it takes a while)")
+    ap.add_argument("--cases", help="only these program:RxC cases, comma-separated (e.g. softmax:4096x65536)")
+    ap.add_argument("--kernel-times", action="store_true", help="GPU time of each kernel (torch.profiler)")
     args = ap.parse_args()
     torch.manual_seed(0)
     (run_profile if args.profile else run_overhead if args.overhead else run_table)(args)

@@ -99,7 +99,8 @@ def copy_bandwidth() -> float:
 
 def variants(kernel, base: MapReduceSchedule, arch: str) -> list[MapReduceSchedule]:
     """Neighbours of the default schedule (row group x2 and /2, cluster x2 and /2, a looser
-    register cap) and the other stages' heuristics, to check the default against."""
+    and a tighter register cap, for short rows CTAs of half and twice the rows) and the other
+    stages' heuristics, to check the default against."""
     out = []
 
     def add(s=None, **kw):
@@ -118,6 +119,10 @@ def variants(kernel, base: MapReduceSchedule, arch: str) -> list[MapReduceSchedu
         add(group=g * 2, threads=t * 2, min_blocks=max(1, base.min_blocks // 2))
         add(group=g // 2, threads=t // 2, min_blocks=min(32, base.min_blocks * 2))
     add(min_blocks=max(1, base.min_blocks // 2))
+    add(min_blocks=min(32, base.min_blocks * 2))  # a tighter register cap, more CTAs per SM
+    if g <= 32:  # short rows: CTAs of half and twice as many rows
+        add(threads=t // 2, min_blocks=min(32, base.min_blocks * 2))
+        add(threads=t * 2, min_blocks=max(1, base.min_blocks // 2))
     if base.cluster > 1:
         add(cluster=base.cluster * 2)
         add(cluster=base.cluster // 2)

@@ -155,7 +155,7 @@ def test_cross_entropy_is_one_pass_one_exchange_and_one_target_load():
     assert _body(render(k, MapReduceSchedule(threads=128, group=128, vector=8, stage="smem"))).count(
         "__syncthreads();") == 1
     assert body.count("for (int j = 0;") == 2  # the copy, then the one pass
-    assert "tf_lse_scale(" in body and body.count("exp2f(") == 2  # rescale + one exp per element
+    assert "tf_lse_scale(" in body and body.count("tf_ex2_ftz(") == 2  # rescale + one exp per element
     assert "(long long)(c)" not in body, "no per-element index compare"
     target_load = body.index("x[(r) * 4096LL + sel_xt]")
     assert target_load < body.index("tf_cp_async_wait_pending("), "the target logit is loaded before the pass"
@@ -176,6 +176,36 @@ def test_softmax_reads_the_staged_row_twice_and_exchanges_once():
         assert body.count(exchanges) == (1 if src.schedule.group > 32 else 0)
         assert "tf_lse_scale(" in body
         assert body.count("for (int j = 0;") == 2 + (src.schedule.stage != "stream")  # (+ the staging loop)
+
+
+def test_special_function_unit_math_only_where_results_are_16_bit():
+    """A bf16 softmax's output pass takes exp (and a division: the program's softmax divides
+    by the sum) on the special-function unit, its results being rounded to bf16; an f32
+    softmax keeps expf and IEEE division; a loss
+    with an f32 output keeps them too, except in the sum of exp(y - max), which is always fast
+    (y <= max bounds its error). The fast kernel is also far shorter in SASS terms: no
+    library-call bodies, no division slow path."""
+    bf = _body(render(fx.softmax_kernel(64, 4096, "bf16"), arch="sm_90a"))
+    f32 = _body(render(fx.softmax_kernel(64, 4096, "f32"), arch="sm_90a"))
+    assert mapreduce.fast_math(fx.softmax_kernel(64, 4096, "bf16"))
+    assert mapreduce.fast_math(fx.softmax_kernel(64, 4096, "f16"))
+    assert not mapreduce.fast_math(fx.softmax_kernel(64, 4096, "f32"))
+    assert "tf_exp_fast(" in bf and "expf(" not in bf
+    assert "tf_exp_fast(" not in f32 and "expf(" in f32
+    ce = fx.cross_entropy_kernel(64, 4096, "bf16")
+    assert not mapreduce.fast_math(ce)  # its per-row loss is f32
+    body = _body(render(ce, arch="sm_90a"))
+    assert "tf_ex2_ftz(" in body and "logf(" in body and "tf_exp_fast(" not in body
+    from tilefuse.compiler import compile_stages
+    st = compile_stages(lambda x: torch.softmax(x, -1), (torch.randn(4, 4096, dtype=torch.bfloat16),), arch="sm_90a")
+    (low,) = st.kernels.values()
+    prog = _body(render(low.kernel, arch="sm_90a"))
+    assert "tf_div_fast(" in prog and "tf_exp_fast(" in prog and " / " not in prog
+    # the accurate and the fast spelling of the same ops
+    assert cexpr.op("exp", ["a"], ["f32"], "f32") == "expf(a)"
+    assert cexpr.op("exp", ["a"], ["f32"], "f32", fast=True) == "tf_exp_fast(a)"
+    assert cexpr.op("div", ["a", "b"], ["f32", "f32"], "bf16", fast=True) == "tf_round_bf16(tf_div_fast(a, b))"
+    assert cexpr.op("exp", ["a"], ["f64"], "f64", fast=True) == "exp(a)"  # doubles stay accurate
 
 
 def test_a_cluster_arrives_after_its_last_remote_read_and_waits_before_exit():
@@ -415,12 +445,18 @@ def _online_row(x, threads, V, warps, ctas):
     """The printed algorithm, step for step, in float32: each thread folds its chunks
     (chunk max, rescale by exp2((m - m_new) log2 e), add exp2((y - m) log2 e));
     a butterfly takes the max, each thread rescales once, a butterfly adds; warps, then CTAs,
-    gather their partials: max of the maxima, then the rescaled sums, in order."""
+    gather their partials: max of the maxima, then the rescaled sums, in order. Every exp
+    is the kernels' tf_ex2_ftz of (d log2 e): 2^z, flushed to 0 under 2^-126 (the GPU's
+    ex2.approx adds up to 2 ulp, inside the tolerance below)."""
     f = np.float32
     L2E = f(1.44269504)
 
+    def ex2(z):  # tf_ex2_ftz
+        r = f(np.exp2(z))
+        return f(0) if r < f(2.0 ** -126) else r
+
     def scale(s, m, M):  # tf_lse_scale
-        return s if m == M else f(s * f(np.exp(f(m - M))))
+        return s if m == M else f(s * ex2(f(f(m - M) * L2E)))
 
     def fmax(a, b):  # max.NaN
         return f(np.nan) if np.isnan(a) or np.isnan(b) else max(a, b)
@@ -438,11 +474,11 @@ def _online_row(x, threads, V, warps, ctas):
                 for v in y[1:]:
                     cm = fmax(cm, v)
                 mn = fmax(m[p], cm)
-                s[p] = s[p] if m[p] == mn else f(s[p] * f(np.exp2(f(f(m[p] - mn) * L2E))))
+                s[p] = s[p] if m[p] == mn else f(s[p] * ex2(f(f(m[p] - mn) * L2E)))
                 m[p] = mn
                 mz = f(0) if mn == -np.inf else mn
                 for v in y:
-                    s[p] = f(s[p] + f(np.exp2(f(f(v - mz) * L2E))))
+                    s[p] = f(s[p] + ex2(f(f(v - mz) * L2E)))
         # butterfly within each group of `threads`: max, rescale, sum (all lanes agree)
         for g in range(0, P, threads):
             lanes = range(g, g + threads)

@@ -10,8 +10,12 @@ needs in inline PTX (sm_80+), so NVRTC compiles it on a machine with no CUDA too
 `nvidia-cuda-nvrtc` wheel ships no cuda_bf16.h) and a cold compile stays fast.
 
 Math: IEEE-accurate library calls (`expf`, `logf`, `erff`, `tanhf`, ...) rather than the
-`__expf` family, whose error grows with |x|; `rsqrtf` (2 ulp) for rsqrt. max/min on floats
-propagate NaN like NumPy (PTX `max.NaN`), so a NaN input can never vanish in a reduction.
+`__expf` family, whose error grows with |x|; `rsqrtf` (2 ulp) for rsqrt. Two exceptions use
+the special-function unit (one instruction instead of about ten): sums of exp(y - max)
+(y <= max bounds the error), and, with `op(..., fast=True)`, exp and division in a kernel
+whose every float result is rounded to bf16/f16 (mapreduce.fast_math says why that is
+safe). max/min on floats propagate NaN like NumPy (PTX `max.NaN`), so a NaN input can never
+vanish in a reduction.
 """
 from __future__ import annotations
 
@@ -48,10 +52,18 @@ __device__ __forceinline__ double tf_max(double a, double b) { return (a != a ||
 __device__ __forceinline__ double tf_min(double a, double b) { return (a != a || a < b) ? a : b; }
 template <class T> __device__ __forceinline__ T tf_max(T a, T b) { return a > b ? a : b; }
 template <class T> __device__ __forceinline__ T tf_min(T a, T b) { return a < b ? a : b; }
+// Special-function-unit math, one instruction each (PTX ISA: ex2.approx within 2 ulp, rcp.approx
+// within 1 ulp). tf_ex2_ftz flushes results under 2^-126 to 0. Used where the argument
+// bounds the error (sums of exp(y - max), y <= max) or the result is rounded to 16 bits
+// (mapreduce.fast_math); everywhere else the IEEE-accurate library calls are used.
+__device__ __forceinline__ float tf_ex2_ftz(float x) { float r; asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x)); return r; }
+__device__ __forceinline__ float tf_exp_fast(float x) { return tf_ex2_ftz(x * 1.44269504f); }
+__device__ __forceinline__ float tf_rcp_fast(float x) { float r; asm("rcp.approx.f32 %0, %1;" : "=f"(r) : "f"(x)); return r; }
+__device__ __forceinline__ float tf_div_fast(float a, float b) { return a * tf_rcp_fast(b); }
 // A partial sum of exp(x - m) rescaled to a larger max M (partial log-sum-exp states merge
 // max first: M = max of the maxima, then the sum of the rescaled sums). Equal maxima (-inf
 // included) need no exp; a NaN max propagates.
-__device__ __forceinline__ float tf_lse_scale(float s, float m, float M) { return m == M ? s : s * expf(m - M); }
+__device__ __forceinline__ float tf_lse_scale(float s, float m, float M) { return m == M ? s : s * tf_ex2_ftz((m - M) * 1.44269504f); }
 __device__ __forceinline__ double tf_lse_scale(double s, double m, double M) { return m == M ? s : s * exp(m - M); }
 
 // Element i of a chunk held as 32-bit words (a register array, i a compile-time constant
@@ -296,10 +308,13 @@ _CMP = {"eq": "==", "ne": "!=", "lt": "<", "le": "<=", "gt": ">", "ge": ">="}
 _ARITH = {"add": "+", "sub": "-", "mul": "*", "div": "/"}
 
 
-def op(name: str, args: list[str], arg_dtypes: list[str], dtype: str) -> str:
+def op(name: str, args: list[str], arg_dtypes: list[str], dtype: str, fast: bool = False) -> str:
     """C++ expression for `dtype = name(args)`; args are compute-type expressions.
 
     The result is rounded to `dtype` when it is bf16/f16 (compute in f32, then round).
+    fast=True spells an f32 exp as tf_exp_fast (ex2.approx of x log2 e) and an f32 division
+    as tf_div_fast (a times rcp.approx of b: a row-constant divisor's reciprocal is then
+    computed once per row, the asm being pure).
     """
     info = ops.info(name)
     if len(args) != info.arity:
@@ -320,7 +335,12 @@ def op(name: str, args: list[str], arg_dtypes: list[str], dtype: str) -> str:
 
     f64 = dtypes.compute_type(dtype) == "f64"
     is_float = dtypes.is_float(dtype)
-    if name in _FLOAT_FN:
+    fast = fast and ct == "float"
+    if fast and name == "exp":
+        e = f"tf_exp_fast({conv(0)})"
+    elif fast and name == "div":
+        e = f"tf_div_fast({conv(0)}, {conv(1)})"
+    elif name in _FLOAT_FN:
         fn = _FLOAT_FN[name][1 if f64 else 0]
         e = f"{fn}({', '.join(conv(i) for i in range(info.arity))})"
     elif name == "recip":

@@ -476,6 +476,7 @@ class _Ctx:
     rgroup: int = 0  # reduce groups emitted so far
     lay: RowLayouts | None = None  # every thread -> element index map (codegen/rowlayout.py)
     pending_wait: bool = False     # the next pass waits for chunk j's copies (pipelined smem stage)
+    fast: bool = False             # exp and division on the special-function unit (fast_math)
     cluster_done: int | None = None  # line after the last cluster exchange's remote reads
 
     def c(self, ssa: str) -> str:
@@ -558,7 +559,7 @@ def _emit_stmt(ctx: _Ctx, em: _Emitter, s, env: dict, *, inner: bool, src_chunk=
         if s.dst in ctx.store_only_casts:  # the store's conversion rounds it
             expr = cexpr.cast(args[0], arg_dtypes[0], "f32")
         else:
-            expr = cexpr.op(s.op, args, arg_dtypes, s.dtype)
+            expr = cexpr.op(s.op, args, arg_dtypes, s.dtype, fast=ctx.fast)
         name = ctx.define(s.dst, s.dtype)
         em(f"const {cexpr.ctype(s.dtype)} {name} = {expr};")
         env[s.dst] = name
@@ -755,10 +756,12 @@ def _emit_online_chunk(ctx: _Ctx, em: _Emitter, blk: OnlineLse, acc):
     """Fold this chunk's values into the running (max, sum of exp(y - max)): the sum is
     rescaled once per chunk when the max grows, then gets exp(y - max) of each value.
 
-    In f32, exp(d) is exp2f(d * log2 e), d = y - max as the two-pass form computes it
-    (exp2f, like expf, is within 2 ulp). Every d here is <= 0, so the rounding of
+    In f32, exp(d) is ex2.approx.ftz(d * log2 e), d = y - max as the two-pass form computes
+    it (ex2.approx, like expf, is within 2 ulp). Every d here is <= 0, so the rounding of
     d * log2 e adds at most |d| 2^-24 relative to a term of size e^d: under 2^-24/e of the
-    sum, for 4 instead of about 8 instructions per element. (Fusing the scale into one FMA
+    sum; a term flushed to 0 (d < -87.3) is under 2^-126 of the max's own term, 1. That is
+    3 instructions per element where exp2f's subnormal handling takes 6 and expf about 10
+    (at 4096 columns the softmax kernel was issue-bound, H100). (Fusing the scale into one FMA
     with a pre-scaled max would shift every exponent by the rounding of max * log2 e:
     2e-5 relative for logits near 600, measured in the CPU mirror of this algorithm.)"""
     m, s = acc
@@ -772,14 +775,14 @@ def _emit_online_chunk(ctx: _Ctx, em: _Emitter, blk: OnlineLse, acc):
         em(f"for (int v = 1; v < {ctx.V}; ++v) {m}_c = tf_max({m}_c, {y}[v]);")
     em(f"const {ct} {m}_n = tf_max({m}, {m}_c);")
     if dt == "f32":
-        grow = f"exp2f(({m} - {m}_n) * {LOG2E_F32})"
+        grow = f"tf_ex2_ftz(({m} - {m}_n) * {LOG2E_F32})"
     else:
         grow = cexpr.op("exp", [cexpr.op("sub", [m, f"{m}_n"], [dt, dt], dt)], [dt], dt)
     em(f"{s} = ({m} == {m}_n) ? {s} : {s} * {grow};")
     em(f"{m} = {m}_n;")
     em(f"const {ct} {m}_z = ({m}_n == {ninf}) ? {cexpr.const(0, dt)} : {m}_n;  // a chunk of -inf adds 0, not NaN")
     if dt == "f32":
-        term = f"exp2f(({y}[v] - {m}_z) * {LOG2E_F32})"
+        term = f"tf_ex2_ftz(({y}[v] - {m}_z) * {LOG2E_F32})"
     else:
         term = cexpr.op("exp", [cexpr.op("sub", [f"{y}[v]", f"{m}_z"], [dt, dt], dt)], [dt], dt)
     em("#pragma unroll")
@@ -1040,6 +1043,23 @@ def exchanges(kernel: ir.Kernel) -> tuple[int, bool]:
     return len(groups), any(isinstance(r, OnlineLse) for g in groups for r in g)
 
 
+def fast_math(kernel: ir.Kernel) -> bool:
+    """Whether the kernel's f32 exp and division may use the special-function unit
+    (ex2.approx of x log2 e, a times rcp.approx of b): when every output is bf16 or f16.
+
+    Each such result is rounded to 8 (bf16) or 11 (f16) significant bits, a relative step of
+    2^-9 or 2^-12. ex2.approx is within 2 ulp (2^-22) of 2^x, rcp.approx within 1 ulp, and
+    rounding x log2 e moves the exponent by at most |x| 2^-24, under 2^-17.5 relative for the
+    |x| <= 88 where exp(x) is a normal float: the result differs from the IEEE-accurate one by
+    a 30th of its final rounding step at most, so it rounds the same but in rare ties. Results
+    under 2^-126 (exp of x < -87.3) become 0: an absolute error under 1.2e-38. That makes a
+    softmax's two exps and its division one instruction each instead of about 25 (at 4096
+    columns the accurate form was issue-bound: 255 us for 179 us of memory traffic, H100).
+    An f32 (or integer, or bool) output keeps the accurate library calls."""
+    outs = [b for b in kernel.params if b.role == "out"]
+    return bool(outs) and all(b.dtype in ("bf16", "f16") for b in outs)
+
+
 MAX_STAGED_WORDS = 64  # beyond this an explicit schedule would spill whatever ptxas does
 
 
@@ -1074,6 +1094,7 @@ def render(kernel: ir.Kernel, schedule: MapReduceSchedule | None = None, arch: s
                          f"(at most {MAX_STAGED_WORDS}); use more threads, a cluster, or stage='stream'")
     ctx = _Ctx(kernel, parts, sch, ana, V, C, P, nchunk, full)
     ctx.store_only_casts = _cast_store_only(kernel, parts.body)
+    ctx.fast = fast_math(kernel)
     smem_bytes = 0
     if sch.stage == "smem":
         for st in ana.in_streams.values():
