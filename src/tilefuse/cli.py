@@ -128,6 +128,10 @@ def cmd_compile(args) -> int:
             for lk in st.kernels.values():
                 console.print(str(lk.kernel), markup=False)
                 console.print()
+            for lg in st.gemms.values():
+                console.print(f"// GEMM {_gemm_shape(lg)}: its epilogue (acc = A @ B in fp32)", markup=False)
+                console.print(str(lg.epilogue), markup=False)
+                console.print()
         else:
             from .codegen.mapreduce import render
             from .tune.lookup import choose
@@ -142,7 +146,29 @@ def cmd_compile(args) -> int:
                     console.print(f"// ---- {lk.kernel.name}: grid {src.grid} block {src.block} "
                                   f"smem {src.smem_bytes}B cluster {src.cluster}", markup=False)
                     console.print(src.source, markup=False)
+            _print_gemms(console, st, stage)
     return 0
+
+
+def _gemm_shape(lg) -> str:
+    s = lg.spec
+    return f"{s.batch}x{s.m}x{s.n}x{s.k}" if s.batch > 1 else f"{s.m}x{s.n}x{s.k}"
+
+
+def _print_gemms(console, st, stage: str):
+    from .codegen import gemm_sm90
+
+    for lg in st.gemms.values():
+        problem = lg.problem()
+        sched = gemm_sm90.default_schedule(problem)
+        if stage == "schedule":
+            console.print(f"{lg.epilogue.name} (GEMM {_gemm_shape(lg)}): {sched}  (source: heuristic default)",
+                          markup=False)
+            continue
+        src = gemm_sm90.render(problem, sched)
+        console.print(f"// ---- {src.name}: GEMM {_gemm_shape(lg)}, block {src.block} smem {src.smem_bytes}B "
+                      f"cluster {src.cluster}", markup=False)
+        console.print(src.source, markup=False)
 
 
 def _default_arch() -> str:
@@ -193,7 +219,7 @@ def cmd_run(args) -> int:
         table.add_row(c.name, str(tuple(o.shape)), f"{c.error:.2e}", f"{c.torch_error:.2e}", f"{c.bound:.2e}",
                       ("[green]pass[/green]" if c.ok else "[red]FAIL[/red]") + (f" {c.note}" if c.note else ""))
     console.print(table)
-    console.print(f"compile: {compile_s * 1e3:.0f} ms; {len(st.kernels)} fused kernel(s), "
+    console.print(f"compile: {compile_s * 1e3:.0f} ms; {len(st.kernels)} fused kernel(s), {len(st.gemms)} GEMM(s), "
                   f"{sum(s.family == 'extern' for s in st.plan.steps)} extern(s)")
     if args.bench:
         if device != "cuda":

@@ -10,6 +10,7 @@ from .graph import ir
 from .graph.fusion import Plan, plan
 from .graph.rewrites import Fired, run_rewrites
 from .loop.lower import Lowered, lower_step
+from .loop.lower_gemm import LoweredGemm, lower_gemm_step
 from .runtime.program import Program
 from .tune.lookup import tuned_schedule
 
@@ -25,6 +26,34 @@ class Compiled:
     kernels: dict[str, Lowered]
     program: Program
     timings: dict = field(default_factory=dict)
+    gemms: dict[str, LoweredGemm] = field(default_factory=dict)
+
+
+def gemm_enabled(arch: str | None) -> bool:
+    """Generated GEMMs are planned for sm_90a targets (and for the CPU interpreter);
+    TILEFUSE_GEMM=0 leaves every matmul to cuBLAS."""
+    import os
+
+    if os.environ.get("TILEFUSE_GEMM", "1") == "0":
+        return False
+    if arch is None:
+        if torch.cuda.is_available():
+            return torch.cuda.get_device_capability() == (9, 0)
+        return True
+    from .runtime.nvrtc import normalize_arch
+
+    return normalize_arch(arch) == "sm_90a"
+
+
+def lower_plan(graph: ir.Graph, p: Plan) -> tuple[dict[str, Lowered], dict[str, LoweredGemm]]:
+    """Loop IR for every generated kernel of a plan: map-reduce kernels and GEMM epilogues."""
+    kernels, gemms = {}, {}
+    for step in p.steps:
+        if step.family == "mapreduce":
+            kernels[step.name] = lower_step(graph, step, f"tf_{step.name}")
+        elif step.family == "gemm":
+            gemms[step.name] = lower_gemm_step(graph, step, f"tf_{step.name}_epilogue")
+    return kernels, gemms
 
 
 def compile_stages(fn, example_inputs, *, expr: str | None = None, arch: str | None = None) -> Compiled:
@@ -35,15 +64,19 @@ def compile_stages(fn, example_inputs, *, expr: str | None = None, arch: str | N
     t1 = time.perf_counter()
     captured = to_graph(ep, expr=expr)
     graph, fired = run_rewrites(captured)
-    p = plan(graph)
-    kernels = {}
-    for i, step in enumerate(p.steps):
-        if step.family == "mapreduce":
-            kernels[step.name] = lower_step(graph, step, f"tf_{step.name}")
+    gemm = gemm_enabled(arch)
+    if gemm:  # the transformer glue moves into GEMM epilogues (weights folded here, once)
+        from .graph.rules import run_coda
+
+        graph, more = run_coda(graph)
+        fired = fired + more
+    p = plan(graph, gemm=gemm)
+    kernels, gemms = lower_plan(graph, p)
     t2 = time.perf_counter()
-    program = Program(graph, p, kernels, out_spec=ep.call_spec.out_spec, arch=arch, schedules=tuned_schedule)
+    program = Program(graph, p, kernels, out_spec=ep.call_spec.out_spec, arch=arch, schedules=tuned_schedule,
+                      gemms=gemms)
     return Compiled(captured, graph, fired, p, kernels, program,
-                    {"export_s": t1 - t0, "lower_s": t2 - t1})
+                    {"export_s": t1 - t0, "lower_s": t2 - t1}, gemms)
 
 
 def compile(fn, example_inputs, *, arch: str | None = None, graphs: bool | None = None):

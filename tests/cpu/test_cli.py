@@ -72,7 +72,7 @@ def test_compile_ir_graph_prints_the_graph_and_the_plan(capsys):
     out = capsys.readouterr().out
     assert str(st.graph) in out
     assert str(st.plan) in out
-    assert "plan: 1 fused kernel(s), 0 extern(s)" in out
+    assert "plan: 1 fused kernel(s), 0 GEMM(s), 0 extern(s)" in out
 
 
 def test_compile_default_stage_is_graph(capsys):

@@ -16,6 +16,7 @@ from coda_fixtures import assert_bf16, assert_exact, capture, nodes_of, randomis
 from tilefuse import models
 from tilefuse.check import compare, float64_reference, rel_error
 from tilefuse.graph import ir
+from tilefuse.compiler import lower_plan
 from tilefuse.graph.fusion import plan
 from tilefuse.graph.rewrites import run_rewrites
 from tilefuse.graph.rules import run_coda
@@ -51,8 +52,12 @@ def test_rewritten_block_runs_through_the_pipeline():
     x = torch.randn(2, 6, 32, dtype=torch.bfloat16)
     g, _ = run_rewrites(coda(capture(block, x)))
     p = plan(g)
-    kernels = {s.name: lower_step(g, s, f"tf_{s.name}") for s in p.steps if s.family == "mapreduce"}
-    out = Program(g, p, kernels)(x)
+    kernels, gemms = lower_plan(g, p)
+    specs = [s.gemm for s in p.steps if s.family == "gemm"]
+    assert len(specs) == 6, "q, k, v, o, the interleaved gate/up and down run as generated GEMMs"
+    glu = [sp for sp in specs if sp.pairwise]
+    assert len(glu) == 1 and [k for _, k in glu[0].operands] == ["row"], "SwiGLU pairs columns after the row scale"
+    out = Program(g, p, kernels, gemms=gemms)(x)
     with torch.no_grad():
         eager = block(x)
     c = compare("block", out, float64_reference(block, (x,)), eager)

@@ -212,7 +212,7 @@ def test_unsupported_op_and_matmul_are_visible_extern_steps():
     assert isinstance(g[mm.nodes[0]], ir.Contraction) and "matmul" in mm.note
     assert mm.flops == 2 * 2 * 5 * 32 * 64
     text = str(p)
-    assert "1 fused kernel(s), 2 extern(s)" in text
+    assert "1 fused kernel(s), 0 GEMM(s), 2 extern(s)" in text
     assert "tilefuse does not lower aten.cumsum" in text and "torch.matmul" in text
 
 

@@ -356,8 +356,8 @@ class GraphRunner:
         r.variants += 1
         r.compile_s = seconds
         steps = c.plan.steps
-        r.kernels = sum(s.family == "mapreduce" for s in steps)
-        r.fused_ops = sum(len(s.nodes) for s in steps if s.family == "mapreduce")
+        r.kernels = sum(s.family in ("mapreduce", "gemm") for s in steps)
+        r.fused_ops = sum(len(s.nodes) for s in steps if s.family in ("mapreduce", "gemm"))
         r.aliases = sum(s.family == "alias" for s in steps)
         r.externs = Counter()
         for s in steps:

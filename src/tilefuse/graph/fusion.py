@@ -18,6 +18,7 @@ from typing import Optional
 
 from .. import dtypes
 from . import ir
+from .contraction import GemmSpec, match as match_gemm
 
 Align = tuple[Optional[int], ...]
 
@@ -32,7 +33,7 @@ class Step:
     """One step of the plan: a fused kernel, a free alias, or an extern op."""
 
     name: str
-    family: str  # "mapreduce" | "alias" | "extern"
+    family: str  # "mapreduce" | "gemm" | "alias" | "extern"
     nodes: list[str]
     space: tuple[tuple[int, ...], int] | None = None
     align: dict[str, Align] = field(default_factory=dict)
@@ -41,6 +42,7 @@ class Step:
     bytes: int = 0
     flops: int = 0
     note: str = ""
+    gemm: GemmSpec | None = None  # family "gemm": the contraction, its B operand and its epilogue
 
     @property
     def floor_s(self) -> float:
@@ -105,11 +107,37 @@ def is_row_level(align: Align, space) -> bool:
 
 
 class _Planner:
-    def __init__(self, g: ir.Graph):
+    def __init__(self, g: ir.Graph, gemm: bool = True):
         self.g = g
         self.users = g.users()
         self.group_of: dict[str, Step] = {}
         self.steps: list[Step] = []
+        self.gemm_specs: dict[str, GemmSpec] = {}   # contraction -> its GEMM
+        self.gemm_member: dict[str, str] = {}       # epilogue map or view -> its contraction
+        self.gemm_skip: set[str] = set()            # views no step computes (read through by GEMMs)
+        self.gemm_notes: dict[str, str] = {}        # contraction -> why it stays torch.matmul
+        if gemm:
+            self.plan_gemms()
+
+    def plan_gemms(self):
+        """Decide every GEMM (and its epilogue) before the map-reduce grouping sees the maps."""
+        g = self.g
+        for n in g.nodes:
+            if not isinstance(n, ir.Contraction):
+                continue
+            spec = match_gemm(g, n, self.users)
+            if isinstance(spec, str):
+                self.gemm_notes[n.name] = spec
+                continue
+            self.gemm_specs[n.name] = spec
+            for m in spec.maps + (spec.pairwise or ()):
+                self.gemm_member[m] = n.name
+        for spec in self.gemm_specs.values():
+            for v in spec.absorbed:
+                if v in self.gemm_member or v in g.outputs:
+                    continue
+                if all(u in self.gemm_specs and v in self.gemm_specs[u].absorbed for u in self.users[v]):
+                    self.gemm_skip.add(v)  # only GEMMs read it, each through the stored matrix
 
     # -- alignment of a node inside a candidate kernel ------------------------------------------
     def align_in(self, n, step: Step) -> dict[str, Align] | None:
@@ -268,6 +296,19 @@ class _Planner:
         for n in g.nodes:
             if isinstance(n, (ir.Input, ir.Weight, ir.Constant, ir.Iota)):
                 continue  # inputs are buffers; constants and iotas are generated where used
+            if n.name in self.gemm_skip:
+                continue  # added to the first GEMM that reads through it
+            if n.name in self.gemm_specs:
+                spec = self.gemm_specs[n.name]
+                step = self.new_step("gemm", n, note="sm_90a GEMM (TMA, wgmma)")
+                step.gemm = spec
+                for v in spec.absorbed:
+                    if v in self.gemm_skip and v not in self.group_of:
+                        self.add_to(step, g[v], {})
+                continue
+            if n.name in self.gemm_member:
+                self.add_to(self.group_of[self.gemm_member[n.name]], n, {})
+                continue
             joined = self.try_join(n) if isinstance(n, (ir.Map, ir.Reduce, ir.View)) else None
             if joined:
                 self.add_to(joined[0], n, joined[1])
@@ -291,6 +332,8 @@ class _Planner:
                 self.new_step("alias", n, note="free: same memory, new shape")
             elif isinstance(n, ir.Reduce):
                 self.new_step("extern", n, note="reduction over a non-last axis runs in PyTorch")
+            elif n.name in self.gemm_notes:
+                self.new_step("extern", n, note=f"torch.matmul (cuBLAS): {self.gemm_notes[n.name]}")
             else:
                 self.new_step("extern", n, note=_extern_note(n))
         return Plan(g, self._finish())
@@ -303,7 +346,13 @@ class _Planner:
             s.inputs = sorted({a for a in s.inputs_all if a not in members and not _generated(g[a])},
                               key=list(n.name for n in g.nodes).index)
             s.outputs = [m for m in s.nodes if m in outputs or any(u not in members for u in self.users[m])]
-            if s.family == "mapreduce":
+            if s.family == "gemm":
+                spec = s.gemm
+                s.inputs = list(dict.fromkeys([spec.a, spec.b] + [t for t, _ in spec.operands]))
+                s.outputs = [spec.out]
+                s.bytes = sum(g[t].type.nbytes for t in s.inputs + s.outputs)
+                s.flops = spec.flops
+            elif s.family == "mapreduce":
                 s.bytes = sum(g[t].type.nbytes for t in s.inputs + s.outputs)
             elif s.family == "extern":
                 s.bytes = sum(g[t].type.nbytes for t in s.inputs + s.outputs)
@@ -343,7 +392,7 @@ def _generated(n) -> bool:
 
 def _extern_note(n) -> str:
     if isinstance(n, ir.Contraction):
-        return "torch.matmul (cuBLAS) until the contraction family lands"
+        return "torch.matmul (cuBLAS): generated GEMMs are off"
     if isinstance(n, ir.Attention):
         return "scaled_dot_product_attention until the attention family lands"
     if isinstance(n, ir.Extern):
@@ -355,13 +404,15 @@ def _extern_note(n) -> str:
     return "runs in PyTorch"
 
 
-def plan(g: ir.Graph) -> Plan:
-    return _Planner(g).plan()
+def plan(g: ir.Graph, gemm: bool = True) -> Plan:
+    """Group the graph into kernels. `gemm=False` leaves every contraction to torch.matmul."""
+    return _Planner(g, gemm).plan()
 
 
 def format_plan(p: Plan) -> str:
     g = p.graph
     lines = [f"plan: {sum(s.family == 'mapreduce' for s in p.steps)} fused kernel(s), "
+             f"{sum(s.family == 'gemm' for s in p.steps)} GEMM(s), "
              f"{sum(s.family == 'extern' for s in p.steps)} extern(s), "
              f"{sum(s.family == 'alias' for s in p.steps)} alias(es)"]
     for s in p.steps:
@@ -373,6 +424,10 @@ def format_plan(p: Plan) -> str:
         if s.space:
             L, C = s.space
             head += f"  rows={'x'.join(map(str, L)) or 1} row_len={C}"
+        if s.gemm:
+            sp = s.gemm
+            head += (f"  {'%dx' % sp.batch if sp.batch > 1 else ''}{sp.m}x{sp.n}x{sp.k}"
+                     f" B {'[N,K]' if sp.b_major == 'K' else '[K,N]'}")
         head += f"  bytes={_fmt_bytes(s.bytes)}"
         if s.flops:
             head += f" flops={s.flops / 1e9:.3g}G"
@@ -381,6 +436,11 @@ def format_plan(p: Plan) -> str:
         lines.append(f"    reads  {', '.join(f'{t}: {g[t].type}' for t in s.inputs) or '-'}")
         lines.append(f"    writes {', '.join(f'{t}: {g[t].type}' for t in s.outputs)}")
         lines.append(f"    fuses  {', '.join(s.nodes)}")
+        if s.gemm and (s.gemm.maps or s.gemm.pairwise):
+            sp = s.gemm
+            ops = ", ".join(f"{g[m].op}" for m in sp.maps)
+            lines.append(f"    epilogue {'pairwise on columns (2j, 2j+1): ' if sp.pairwise else ''}{ops}"
+                         + (f"; reads {', '.join(f'{t} ({k})' for t, k in sp.operands)}" if sp.operands else ""))
         if s.note:
             lines.append(f"    note   {s.note}")
     return "\n".join(lines)

@@ -37,6 +37,7 @@ class Program:
     graph_slots: int = 2  # captures per input signature (results the caller may hold at once, plus one)
     graph_clone: bool = False  # return clones of the graph's outputs instead of tracking what the caller holds
     schedules: object = None  # (kernel, arch, device) -> schedule or None (tune.lookup.tuned_schedule); None: defaults
+    gemms: dict = None  # step name -> loop.lower_gemm.LoweredGemm
 
     def __post_init__(self):
         self._compiled: dict = {}
@@ -44,6 +45,8 @@ class Program:
         self._runners: dict = {}   # (device, poison) -> Runner
         self._entries: dict = {}   # (signature, poison, graphs) -> callable(tensors) -> flat outputs
         self._graphed: dict = {}   # (signature, poison) -> graphs.Graphed
+        if self.gemms is None:
+            self.gemms = {}
         if self.graphs is None:
             self.graphs = cuda_graphs.enabled_by_env()
         self._pack = _packer(self.out_spec, len(self.graph.outputs))
@@ -102,11 +105,29 @@ class Program:
             self._compiled[key] = compile_kernel(lowered.kernel, arch=self.arch, schedule=sched)
         return self._compiled[key]
 
+    def compiled_gemm(self, lowered, device):
+        """The generated GEMM for a planned step, compiled once per device."""
+        key = (lowered.epilogue.name, str(device))
+        if key not in self._compiled:
+            from ..codegen.gemm_sm90 import GemmError
+            from .gemm import compile_gemm
+
+            device = torch.device(device)
+            cap = torch.cuda.get_device_capability(device)
+            if cap != (9, 0):
+                raise GemmError(f"{lowered.epilogue.name}: the generated GEMM needs an sm_90a GPU (H100/H200); "
+                                f"{torch.cuda.get_device_name(device)} is sm_{cap[0]}{cap[1]}. Compile with "
+                                f"arch='sm_{cap[0]}{cap[1]}' or TILEFUSE_GEMM=0 to run matmuls in cuBLAS")
+            self._compiled[key] = compile_gemm(lowered.problem(), None, "sm_90a")
+        return self._compiled[key]
+
     def prepare(self, device="cuda"):
         """Compile every kernel for `device` now rather than at the first call."""
         for step in self.plan.steps:
             if step.family == "mapreduce":
                 self.compiled(self.kernels[step.name], torch.device(device))
+            elif step.family == "gemm":
+                self.compiled_gemm(self.gemms[step.name], torch.device(device))
 
 
 def _tensor_leaves(args) -> tuple:

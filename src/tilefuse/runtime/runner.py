@@ -100,6 +100,13 @@ class Runner:
             elif step.family == "extern":
                 n = g[step.nodes[0]]
                 self.ops.append(_Extern(n, {a: slot(a) for a in ir.node_args(n)}, slot(n.name)))
+            elif step.family == "gemm":
+                lowered = program.gemms[step.name]
+                if device.type == "cuda":
+                    gk = program.compiled_gemm(lowered, device)
+                    self.ops.append(_Gemm(gk, lowered, g, slot, device, program.poison))
+                else:
+                    self.ops.append(_InterpretGemm(lowered, g, slot))
             else:
                 lowered = program.kernels[step.name]
                 if device.type == "cuda":
@@ -199,6 +206,64 @@ class _Launch:
                 env[i] = t
             ptrs.append(t.data_ptr())
         self.ck.launch_ptrs(self.index, ptrs)
+
+
+class _Gemm:
+    """One generated GEMM: A and B viewed as the GEMM reads them, the epilogue's operands by name."""
+
+    __slots__ = ("gk", "a", "b", "ashape", "bshape", "operands", "out", "oshape", "oview", "odtype", "device",
+                 "poison")
+
+    def __init__(self, gk, lowered, g: ir.Graph, slot, device: torch.device, poison: bool):
+        s = lowered.spec
+        self.gk, self.device, self.poison = gk, device, poison
+        self.a, self.b = slot(s.a), slot(s.b)
+        self.ashape, self.bshape = lowered.operand_shapes()
+        self.operands = tuple((b.buffer, slot(b.tensor), b.shape) for b in lowered.bindings if b.buffer != "out")
+        self.out, self.oshape = slot(s.out), g[s.out].type.shape
+        self.oview = lowered.epilogue.buffer("out").shape
+        self.odtype = dtypes.to_torch(lowered.out_dtype)
+
+    @staticmethod
+    def _operand(t, shape):
+        t = t.reshape(shape)
+        if not t.is_contiguous() or t.data_ptr() % 16:
+            t = t.contiguous() if not t.is_contiguous() else t.clone()
+        return t
+
+    def __call__(self, env):
+        out = torch.empty(self.oshape, dtype=self.odtype, device=self.device)
+        if self.poison:
+            out.fill_(float("nan"))
+        kw = {name: self._operand(env[i], shape) for name, i, shape in self.operands}
+        self.gk(self._operand(env[self.a], self.ashape), self._operand(env[self.b], self.bshape),
+                out=out.view(self.oview), **kw)
+        env[self.out] = out
+
+
+class _InterpretGemm:
+    """A GEMM on CPU tensors: the product in float32 by torch, the epilogue by the Loop IR interpreter."""
+
+    def __init__(self, lowered, g: ir.Graph, slot):
+        s = lowered.spec
+        self.lowered = lowered
+        self.a, self.b = slot(s.a), slot(s.b)
+        self.operands = [(b.buffer, slot(b.tensor), b.shape) for b in lowered.bindings if b.buffer != "out"]
+        self.out, self.oshape = slot(s.out), g[s.out].type.shape
+
+    def __call__(self, env):
+        from ..loop.interp import run_kernel
+        from ..tensors import to_numpy, to_torch
+
+        lw = self.lowered
+        ashape, bshape = lw.operand_shapes()
+        a = env[self.a].reshape(ashape).float()
+        b = env[self.b].reshape(bshape).float()
+        acc = a @ (b.transpose(-1, -2) if lw.spec.b_major == "K" else b)
+        ins = {"acc": acc.numpy()}
+        ins.update({buf: to_numpy(env[i].reshape(shape)) for buf, i, shape in self.operands})
+        outs = run_kernel(lw.epilogue, ins)
+        env[self.out] = to_torch(outs["out"]).reshape(self.oshape)
 
 
 class _Interpret:

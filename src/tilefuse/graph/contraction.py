@@ -1,0 +1,224 @@
+"""Which contractions run as generated GEMMs, and which maps ride in their epilogues.
+
+A contraction `a @ b` becomes a GEMM when its operands are bf16 or fp16 (the sm_90a template's
+inputs; the result may be typed f32, as the CODA rules make it) and TMA can read them: K a
+multiple of 8, and for a row-major B, N too. `b` that is a transpose of a stored [N, K]
+matrix (how `linear` is captured) is read as it is stored (K-major B): no transpose copy
+ever runs.
+
+Its epilogue is the longest run of maps after it that (1) read the accumulator or earlier
+members, with every other operand a tile of the output's shape, a per-row vector, a
+per-column vector or a scalar constant, none of them computed from the contraction; (2) are
+float arithmetic; (3) leave exactly one tensor that anything outside reads. That tensor is
+the GEMM's only output: the intermediate values never touch memory.
+
+A contraction read only through the two stride-2 slices of its last dim (the CODA gate/up
+interleaving) gets a pairwise epilogue: each output element is made of two adjacent
+accumulator columns.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from .. import ops
+from . import ir
+
+GEMM_DTYPES = ("bf16", "f16")
+FLOATS = ("bf16", "f16", "f32")
+
+
+@dataclass(frozen=True)
+class GemmSpec:
+    """A planned GEMM: out[b, m, n] = epilogue(sum_k a[b, m, k] * B[b, k, n])."""
+
+    contraction: str
+    a: str
+    b: str                # the tensor read as B: stored [N, K] when b_major == "K", else [K, N]
+    b_major: str
+    m: int
+    n: int
+    k: int
+    batch: int
+    dtype: str            # operand dtype
+    pairwise: tuple[str, str] | None  # the (even, odd) column slices, when the epilogue pairs columns
+    maps: tuple[str, ...]  # the epilogue's members, in graph order
+    operands: tuple[tuple[str, str], ...]  # (tensor, "tile" | "row" | "col") the epilogue reads
+    out: str              # the one tensor it writes
+    absorbed: tuple[str, ...] = ()  # views it reads through (b's transpose, the pair slices)
+
+    @property
+    def out_n(self) -> int:
+        return self.n // 2 if self.pairwise else self.n
+
+    @property
+    def flops(self) -> int:
+        return 2 * self.batch * self.m * self.n * self.k
+
+
+def operand_kind(shape: tuple[int, ...], out: tuple[int, ...], batch: int) -> str | None:
+    """How an epilogue reads a tensor broadcast against the output: the whole tile, one value
+    per row, one per column; None when it is some other broadcast."""
+    if len(shape) > len(out):
+        return None
+    s = (1,) * (len(out) - len(shape)) + tuple(shape)
+    if s == tuple(out):
+        return "tile"
+    if all(d == 1 for d in s[:-1]) and s[-1] == out[-1] and out[-1] > 1:
+        return "col"
+    rows = out[:-1] if batch == 1 else out[1:-1]
+    if batch == 1 and s[-1] == 1 and s[:-1] == tuple(out[:-1]) and math.prod(rows) > 1:
+        return "row"
+    return None
+
+
+def _transposed_source(g: ir.Graph, b: str) -> str | None:
+    """The stored matrix behind b = transpose(last two dims) of it, if b is one."""
+    n = g[b]
+    if not (isinstance(n, ir.View) and n.op == "permute"):
+        return None
+    r = len(n.type.shape)
+    want = tuple(range(r - 2)) + (r - 1, r - 2)
+    return n.arg if r >= 2 and tuple(n.params) == want else None
+
+
+def _pair_slices(g: ir.Graph, users, c: str) -> tuple[str, str] | None:
+    """(even, odd) when c is read only by the slices [..., 0::2] and [..., 1::2]."""
+    n = g[c]
+    last, width = len(n.type.shape) - 1, n.type.shape[-1]
+    found = {}
+    for u in users[c]:
+        v = g[u]
+        if not (isinstance(v, ir.View) and v.op == "slice"):
+            return None
+        dim, start, end, step = v.params
+        if dim % len(n.type.shape) != last or step != 2 or end < width or start not in (0, 1) or start in found:
+            return None
+        found[start] = u
+    return (found[0], found[1]) if len(found) == 2 else None
+
+
+def _descendants(g: ir.Graph, users, root: str) -> set[str]:
+    out, stack = set(), [root]
+    while stack:
+        for u in users[stack.pop()]:
+            if u not in out:
+                out.add(u)
+                stack.append(u)
+    return out
+
+
+def _epilogue_op(n) -> bool:
+    if not isinstance(n, ir.Map) or n.type.dtype not in FLOATS:
+        return False
+    if n.op == "cast":
+        return True
+    info = ops.OPS.get(n.op)
+    return info is not None and info.kind in ("float", "any")
+
+
+def why_not(g: ir.Graph, c: ir.Contraction) -> str | None:
+    """Why contraction c cannot run as the generated GEMM (None: it can)."""
+    a, b = g[c.a].type, g[c.b].type
+    if a.dtype not in GEMM_DTYPES or b.dtype != a.dtype:
+        return f"{a.dtype} @ {b.dtype}: the generated GEMM takes bf16 or fp16 operands"
+    if c.type.dtype not in FLOATS:
+        return f"result type {c.type.dtype}"
+    if len(b.shape) == 2 and len(a.shape) >= 2:
+        pass
+    elif len(b.shape) == 3 and len(a.shape) == 3 and a.shape[0] == b.shape[0]:
+        pass
+    else:
+        return f"operand shapes {list(a.shape)} @ {list(b.shape)}: broadcast batching runs in torch.matmul"
+    k = a.shape[-1]
+    if k % 8:
+        return f"K={k}: TMA needs rows that are a multiple of 16 bytes (K a multiple of 8)"
+    if _transposed_source(g, c.b) is None and b.shape[-1] % 8:
+        return f"N={b.shape[-1]}: a row-major B needs N a multiple of 8 for TMA"
+    return None
+
+
+def match(g: ir.Graph, c: ir.Contraction, users=None) -> GemmSpec | str:
+    """The GEMM (with its epilogue) contraction c runs as, or why it cannot."""
+    reason = why_not(g, c)
+    if reason:
+        return reason
+    users = users or g.users()
+    a, bt = g[c.a].type, g[c.b].type
+    src = _transposed_source(g, c.b)
+    b, b_major, absorbed = (src, "K", (c.b,)) if src is not None else (c.b, "N", ())
+    if len(bt.shape) == 2:
+        batch, m = 1, math.prod(a.shape[:-1])
+    else:
+        batch, m = a.shape[0], a.shape[1]
+    k, n = a.shape[-1], bt.shape[-1]
+
+    full = tuple(c.type.shape)
+    half = full[:-1] + (n // 2,) if n % 2 == 0 else None
+    level = {c.name: "full"}  # member -> the width it runs at
+    below = _descendants(g, users, c.name)
+    order = {x.name: i for i, x in enumerate(g.nodes)}
+    pair_src, slices = None, {}
+    candidates: list[tuple[str, dict]] = []  # (member, its operands), in graph order
+    for x in g.nodes[order[c.name] + 1:]:
+        if isinstance(x, ir.View) and x.op == "slice" and half and level.get(x.arg) == "full":
+            pair = _pair_slices(g, users, x.arg)
+            if pair and pair_src in (None, x.arg):
+                pair_src, slices = x.arg, dict(zip(pair, (0, 1)))
+                level[x.name] = "half"
+                candidates.append((x.name, {}))
+            continue
+        if not _epilogue_op(x):
+            continue
+        width = "full" if x.type.shape == full else "half" if half and x.type.shape == half else None
+        mine = [a for a in x.args if a in level]
+        if width is None or not mine or any(level[a] != width for a in mine):
+            continue
+        new: dict[str, str] = {}
+        for arg in x.args:
+            if arg in level or isinstance(g[arg], ir.Constant):
+                continue
+            kind = operand_kind(g[arg].type.shape, full if width == "full" else half, batch)
+            if arg in below or kind is None or g[arg].type.dtype not in FLOATS:
+                break
+            new[arg] = kind
+        else:
+            level[x.name] = width
+            candidates.append((x.name, new))
+
+    # The longest prefix that leaves one tensor read from outside is the epilogue. With the
+    # column pair split in it, the full-width part may read only per-row operands (a column
+    # operand would need the accumulator's column, 2j or 2j + 1, not the output's).
+    outputs = set(g.outputs)
+
+    def escapes(names: set[str]) -> list[str]:
+        return [x for x in names if x in outputs or any(u not in names for u in users[x])]
+
+    def valid(prefix) -> str | None:
+        names = {c.name} | {x for x, _ in prefix}
+        esc = escapes(names)
+        if len(esc) != 1 or esc[0] in slices:
+            return None
+        split = [x for x, _ in prefix if x in slices]
+        if not split:
+            return esc[0] if level[esc[0]] == "full" else None
+        if len(split) != 2 or level[esc[0]] != "half":
+            return None
+        if any(k != "row" for x, ops_ in prefix if level[x] == "full" for k in ops_.values()):
+            return None
+        return esc[0]
+
+    best, out = 0, c.name
+    for i in range(1, len(candidates) + 1):
+        o = valid(candidates[:i])
+        if o is not None:
+            best, out = i, o
+    chosen = candidates[:best]
+    paired = any(x in slices for x, _ in chosen)
+    maps = tuple(x for x, _ in chosen if x not in slices)
+    operands: dict[str, str] = {}
+    for _, new in chosen:
+        operands.update(new)
+    pairwise = tuple(slices) if paired else None
+    return GemmSpec(c.name, c.a, b, b_major, m, n, k, batch, a.dtype, pairwise, maps,
+                    tuple(operands.items()), out, absorbed + (pairwise or ()))

@@ -1,0 +1,105 @@
+"""Lower a planned GEMM step to its epilogue program (Loop IR) and the GEMM problem it runs as.
+
+The epilogue reads the fp32 accumulator as `acc` and computes every fused map in fp32, as the
+map-reduce lowering does for bf16/f16 values: a value is rounded to a narrower float only
+where the graph casts it explicitly, and once where it is stored. Operands are renamed `x0`,
+`x1`, ... and the output `out`, so the kernel's text does not depend on the graph's names
+(equal programs share a cubin and a tuning entry).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .. import dtypes
+from ..codegen.epilogue import EpilogueBuilder
+from ..graph import ir as g_ir
+from ..graph.contraction import GemmSpec
+from ..graph.fusion import Step
+from . import ir as L
+from .lower import Binding
+
+
+@dataclass(frozen=True)
+class LoweredGemm:
+    spec: GemmSpec
+    epilogue: L.Kernel
+    bindings: tuple[Binding, ...]  # the epilogue's operands and output (not acc)
+
+    @property
+    def out_dtype(self) -> str:
+        return self.epilogue.buffer("out").dtype
+
+    def problem(self):
+        """The GemmProblem the sm_90a template renders."""
+        from ..codegen.gemm_sm90 import GemmProblem
+
+        s = self.spec
+        return GemmProblem(s.m, s.n, s.k, s.dtype, s.b_major, s.batch, self.epilogue)
+
+    def operand_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """a and B as the GEMM reads them: [batch,] M x K and [batch,] N x K or K x N."""
+        s = self.spec
+        lead = (s.batch,) if s.batch > 1 else ()
+        b = (s.n, s.k) if s.b_major == "K" else (s.k, s.n)
+        return lead + (s.m, s.k), lead + b
+
+
+def _const(n: g_ir.Constant) -> float:
+    value = float(n.value)
+    if n.type.dtype in ("bf16", "f16"):  # the constant is a bf16/f16 number
+        value = float(np.asarray(value, dtype=np.float64).astype(dtypes.to_numpy(n.type.dtype)))
+    return value
+
+
+def lower_gemm_step(graph: g_ir.Graph, step: Step, name: str | None = None) -> LoweredGemm:
+    if step.family != "gemm" or step.gemm is None:
+        raise ValueError(f"step {step.name} is {step.family}, not a GEMM")
+    s = step.gemm
+    e = EpilogueBuilder(s.m, s.n, s.batch, pairwise=s.pairwise is not None)
+    # In a pairwise epilogue each full-width value exists twice per output element, once for
+    # each accumulator column of the pair: its values are keyed by (name, 0) and (name, 1).
+    parity = {x: p for p, x in enumerate(s.pairwise or ())}
+    values: dict[tuple, str] = {}
+    kinds = dict(s.operands)
+    bufs = {t: f"x{i}" for i, t in enumerate(kinds)}
+    bindings = []
+
+    def value(arg: str, p) -> str:
+        key = (arg, p)
+        if key in values:
+            return values[key]
+        n = graph[arg]
+        if arg == s.contraction:
+            v = e.acc(p)
+        elif arg in parity:
+            v = value(n.arg, parity[arg])
+        elif isinstance(n, g_ir.Constant):
+            v = e.const(_const(n))
+        elif arg in kinds:
+            v = e.load(bufs[arg], kinds[arg], n.type.dtype)
+        else:
+            v = emit(n, p)
+        values[key] = v
+        return v
+
+    def emit(n, p) -> str:
+        args = [value(a, p) for a in n.args]
+        if n.op == "cast":
+            v = args[0]
+            if n.type.dtype in ("bf16", "f16") and n.name != s.out:  # an explicit rounding inside the chain
+                v = e.op("cast", e.op("cast", v, dtype=n.type.dtype), dtype="f32")
+            return v
+        return e.op(n.op, *args)
+
+    result = value(s.out, None)  # the output is half-width in a pairwise epilogue: parity None
+    out_t = graph[s.out].type
+    e.store("out", result, out_t.dtype)
+    kernel = e.kernel(name or f"epilogue_{step.name}")
+    for t, b in bufs.items():
+        bindings.append(Binding(b, t, kernel.buffer(b).shape))
+    bindings.append(Binding("out", s.out, kernel.buffer("out").shape))
+    notes = tuple(f"{m}: {graph[m].describe()}" for m in (s.contraction,) + s.maps)
+    kernel = L.Kernel(kernel.name, kernel.params, kernel.body, kernel.family, notes=notes)
+    return LoweredGemm(s, kernel, tuple(bindings))
