@@ -242,3 +242,60 @@ def test_a_caller_capturing_its_own_graph_gets_the_thin_path():
         x = torch.randn(4, 16)
         _close(g([x, W]), _ref(x, W))
     assert g.stats["warmup"] == 1 and g.stats["captures"] == 1
+
+
+class TwoStreams:
+    """Fake stream bookkeeping: the test picks the current stream; each wait is logged with what
+    the slot's private input buffer held at that moment (so the log shows it came before the copy)."""
+
+    def __init__(self):
+        self.now = "a"
+        self.waits = []
+        self.graphed = None
+
+    def current(self):
+        return self.now
+
+    def wait(self, handle):
+        inputs = [s for s in self.graphed.slots if s.stream == handle][0].inputs
+        self.waits.append((self.now, handle, inputs[0].clone()))
+
+
+def test_a_slot_reused_on_another_stream_first_waits_for_the_stream_of_its_last_replay():
+    """Slot reuse across streams: the current stream waits for the one the slot last ran on (its
+    replay and any reader of its results queued there), before the inputs are copied into it;
+    reuse on the same stream never waits."""
+    streams = TwoStreams()
+    g = _graphed(max_slots=1, streams=streams)
+    streams.graphed = g
+    x = torch.randn(4, 16)
+    g([x, W])
+    _close(g([x.clone(), W]), _ref(x, W))  # captured on stream a, replayed there
+    assert g.slots[0].stream == "a" and not streams.waits
+    last_stream, prev = "a", x
+    for now in ("a", "b", "b", "a", "b"):
+        streams.now = now
+        x = torch.randn(4, 16)
+        before = len(streams.waits)
+        _close(g([x, W]), _ref(x, W))
+        if now == last_stream:
+            assert len(streams.waits) == before, "a wait on the same stream"
+        else:
+            (cur, waited_for, held) = streams.waits[-1]
+            assert (cur, waited_for) == (now, last_stream) and len(streams.waits) == before + 1
+            assert torch.equal(held, prev), "the inputs were copied before the wait"
+        assert g.slots[0].stream == now
+        last_stream, prev = now, x
+    assert g.stats["stream_waits"] == 3 and g.stats["captures"] == 1 and g.stats["thin"] == 0
+
+
+def test_a_rebinding_loop_on_one_stream_never_waits():
+    streams = TwoStreams()
+    g = _graphed(max_slots=2, streams=streams)
+    streams.graphed = g
+    y = None
+    for _ in range(8):
+        x = torch.randn(4, 16)
+        y = g([x, W])
+        _close(y, _ref(x, W))
+    assert g.stats["replays"] == 7 and not streams.waits

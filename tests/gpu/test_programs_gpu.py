@@ -1,22 +1,44 @@
-"""Whole programs on the GPU: generated kernels vs a float64 PyTorch reference (the 2x rule)."""
+"""Whole programs on the GPU: generated kernels vs a float64 PyTorch reference (the 2x rule).
+
+The reference is the program's math in float64, unrounded: a program that ends in a cast to a
+narrower float (AddRMSNorm's bf16 output) keeps that output in float64 in its reference. A
+reference rounded to bf16 itself is what eager's fp32 result usually rounds to exactly (error 0,
+so the bound is the 1e-5 floor), and a kernel whose fp32 sum differs in the last bit rounds the
+odd element the other way: one element one bf16 ulp off is about 4e-5 at 33x1000, a failure
+that depends only on the random inputs: measured on an H100 at 33x1000 float32, 1 in 200 thin
+calls and 1 in 200 replays failed so (eager matched the rounded reference exactly in 146 of 200),
+while the replays equalled the thin path bit for bit in all 200; the CPU interpreter fails 2 in 100.
+"""
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 import tilefuse
 from tilefuse.check import compare, flatten, float64_reference
+from tilefuse.runtime.graphs import enabled_by_env
 
 pytestmark = pytest.mark.gpu
 
 
 class AddRMSNorm(torch.nn.Module):
-    def __init__(self, n):
+    def __init__(self, n, out_dtype=torch.bfloat16):
         super().__init__()
         self.weight = torch.nn.Parameter(torch.randn(n))
+        self.out_dtype = out_dtype  # the normalised output's dtype; float64 in the reference
 
     def forward(self, x, res):
         h = x + res
-        return h, F.rms_norm(h, (h.shape[-1],), self.weight, 1e-6).to(torch.bfloat16)
+        return h, F.rms_norm(h, (h.shape[-1],), self.weight, 1e-6).to(self.out_dtype)
+
+
+def reference(fn, inputs) -> list[torch.Tensor]:
+    """The float64 reference, with a final cast to a narrower float left out (see the module doc)."""
+    if getattr(fn, "out_dtype", None) is not None:
+        fn = copy.deepcopy(fn)
+        fn.out_dtype = torch.float64
+    return flatten(float64_reference(fn, inputs))
 
 
 def _softmax(x):
@@ -56,18 +78,63 @@ SHAPES = [(1, 1), (3, 5), (7, 4097), (33, 1000), (256, 4096), (8, 40000)]
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
 def test_program_matches_float64_reference(shape, dtype):
     """Each program's outputs, written over NaN-poisoned buffers, pass the 2x rule on fresh inputs,
-    both on the first call (the thin launch path) and the second (captured and replayed as a CUDA graph)."""
+    both on the first call (the thin launch path) and the second (captured and replayed as a CUDA
+    graph; with TILEFUSE_CUDA_GRAPHS=0 the thin path again, and no graph is made)."""
+    graphs = enabled_by_env()
     for name, fn, make in _programs(*shape, dtype):
         prog = tilefuse.compile(fn, make())
         prog.poison = True
-        for call in ("thin", "graph"):
+        assert prog.graphs is graphs
+        for call in ("thin", "graph" if graphs else "thin again"):
             inputs = make()  # fresh inputs, not the ones it was compiled with
             out = flatten(prog(*inputs))
             with torch.no_grad():
                 eager = flatten(fn(*inputs))
-            ref = flatten(float64_reference(fn, inputs))
+            ref = reference(fn, inputs)
             for i, (o, r, e) in enumerate(zip(out, ref, eager)):
                 c = compare(f"{name}[{i}]", o, r, e)
                 assert c.ok, f"{name} {shape} {dtype} ({call} call): {c}"
+        if graphs:
+            (info,) = prog.graph_info()
+            assert info["graphs"] and info["replays"] == 1, f"{name}: {info}"
+        else:
+            assert prog.graph_info() == [], f"{name}: graphs ran with TILEFUSE_CUDA_GRAPHS=0"
+
+
+def _bf16_ulp(x: torch.Tensor) -> torch.Tensor:
+    """The spacing of bf16 numbers (8 significant bits) at |x|: 2**(e - 8) for |x| in [2**(e-1), 2**e)."""
+    _, e = torch.frexp(x.double())
+    return torch.ldexp(torch.ones_like(x, dtype=torch.float64), e - 8)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_add_rmsnorm_cast_on_many_fresh_inputs(dtype):
+    """200 calls of add+RMSNorm+cast at 33x1000 (the case of the flaky failure), each on fresh
+    inputs, nearly all of them replays: every call passes the 2x rule against the unrounded float64
+    reference, and with float32 inputs every bf16 element is a faithful rounding of the float64
+    value (within one bf16 ulp of it: the result is right to the last bit the format can say).
+    Against a bf16-rounded reference about one call in 200 fails (see the module doc)."""
+    rows, cols = 33, 1000
+    fn = AddRMSNorm(cols).cuda().to(dtype)
+    make = lambda: (torch.randn(rows, cols, device="cuda", dtype=dtype),
+                    torch.randn(rows, cols, device="cuda", dtype=dtype))
+    prog = tilefuse.compile(fn, make())
+    prog.poison = True
+    worst = 0.0
+    for call in range(200):
+        inputs = make()
+        out = flatten(prog(*inputs))
+        with torch.no_grad():
+            eager = flatten(fn(*inputs))
+        ref = reference(fn, inputs)
+        for i, (o, r, e) in enumerate(zip(out, ref, eager)):
+            c = compare(f"add_rmsnorm[{i}]", o, r, e)
+            assert c.ok, f"call {call}, {dtype}: {c}"
+        if dtype == torch.float32:
+            o, r = out[1].double(), ref[1]
+            off = (o - r).abs() / _bf16_ulp(torch.maximum(o.abs(), r.abs()))
+            worst = max(worst, off.max().item())
+            assert off.max().item() <= 1.0, f"call {call}: a bf16 element {off.max().item():.2f} ulp from float64"
+    if enabled_by_env():
         (info,) = prog.graph_info()
-        assert info["graphs"] and info["replays"] == 1, f"{name}: {info}"
+        assert info["graphs"] and info["replays"] == 199, info

@@ -19,6 +19,15 @@ results gets another slot (up to `max_slots`), and past that the call takes the 
 into fresh memory. Nothing is copied for this, unlike returning clones (which costs an extra
 read and write of every output, measured in bench/LOG.md); `clone=True` selects that policy.
 
+Streams. A replay runs on the caller's current stream (the capture itself is made on a side
+stream, as torch requires). CUDA orders the launches of one graph behind each other, but not
+behind the copy into a slot's inputs, nor behind work the caller queued after a replay that
+reads its results (`y = prog(x); z = f(y); del y`): on one stream all of that is in order, and
+a slot whose results are dropped may be replayed at once. When a slot was last replayed on
+another stream, the call first makes the current stream wait for everything queued on that one,
+the same guarantee the caching allocator gives a tensor freed with work still queued on it;
+without the wait the next call's copy and replay overwrite buffers the other stream still reads.
+
 A call made while the caller is capturing a CUDA graph of its own runs the thin path, so
 its launches land in the caller's graph. Graphs are off on CPU devices, for programs with a step that cannot be captured (an extern
 that syncs with the host), with `Program(graphs=False)`, or with TILEFUSE_CUDA_GRAPHS=0.
@@ -76,6 +85,7 @@ class Slot:
     ptrs: tuple | None          # direct mode: the input addresses it reads
     storages: list = field(default_factory=list)  # distinct storages of the private outputs
     base: list = field(default_factory=list)      # their use counts with no caller holding one
+    stream: int | None = None   # the stream of its last replay (a raw handle); None before the first
 
     def settle(self):
         """Record how the output storages are held while only the slot holds them."""
@@ -125,6 +135,35 @@ def capture_cuda(runner, tensors, direct: bool):
     return graph.replay, outs, static
 
 
+class CudaStreams:
+    """The caller's current stream on one device, as a raw handle (cheap, read every call), and a
+    wait for the work queued so far on another stream seen before (rare: only on a switch)."""
+
+    def __init__(self, device: torch.device):
+        self.index = device.index if device.index is not None else torch.cuda.current_device()
+        self.seen: dict[int, torch.cuda.Stream] = {}  # raw handle -> the torch stream behind it
+        self.raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+    def current(self) -> int:
+        handle = self.raw(self.index) if self.raw else torch.cuda.current_stream(self.index).cuda_stream
+        if handle not in self.seen:
+            self.seen[handle] = torch.cuda.current_stream(self.index)
+        return handle
+
+    def wait(self, handle: int) -> None:
+        torch.cuda.current_stream(self.index).wait_stream(self.seen[handle])
+
+
+class OneStream:
+    """Stream bookkeeping for an emulated capture (CPU tests): everything runs in order."""
+
+    def current(self) -> int:
+        return 0
+
+    def wait(self, handle: int) -> None:
+        raise AssertionError("one stream never waits for another")
+
+
 def _storage_key(t) -> int:
     return t.untyped_storage()._cdata
 
@@ -132,8 +171,11 @@ def _storage_key(t) -> int:
 class Graphed:
     """A runner behind CUDA-graph slots: the first call warms up, later calls replay."""
 
-    def __init__(self, runner, max_slots: int = 2, clone: bool = False, capture=capture_cuda, capturing=None):
+    def __init__(self, runner, max_slots: int = 2, clone: bool = False, capture=capture_cuda, capturing=None,
+                 streams=None):
         self.runner = runner
+        cuda = capture is capture_cuda and runner.device.type == "cuda"
+        self.streams = streams or (CudaStreams(runner.device) if cuda else OneStream())
         # a caller capturing its own CUDA graph gets the thin path, recorded into its graph
         self.capturing = capturing or (torch.cuda.is_current_stream_capturing if capture is capture_cuda
                                        else (lambda: False))
@@ -144,7 +186,8 @@ class Graphed:
         self.last = None          # input addresses of the previous call
         self.warm = False
         self.off: str | None = None
-        self.stats = {"warmup": 0, "captures": 0, "replays": 0, "copies": 0, "thin": 0}
+        self.stats = {"warmup": 0, "captures": 0, "replays": 0, "copies": 0, "thin": 0,
+                      "stream_waits": 0}
 
     def __call__(self, tensors) -> list:
         if self.off is not None or self.capturing():
@@ -155,7 +198,11 @@ class Graphed:
             self.warm, self.last = True, ptrs
             self.stats["warmup"] += 1
             return self.runner.run(tensors)
+        stream = self.streams.current()
         slot = self._find(ptrs)
+        if slot is not None and slot.stream is not None and slot.stream != stream:
+            self.streams.wait(slot.stream)  # its last replay, and what read its results there, come first
+            self.stats["stream_waits"] += 1
         if slot is not None and slot.inputs is not None:
             for s, t in zip(slot.inputs, tensors):
                 s.copy_(t)
@@ -170,6 +217,7 @@ class Graphed:
                 return self.runner.run(tensors)
         self.last = ptrs
         slot.replay()
+        slot.stream = stream
         self.stats["replays"] += 1
         return slot.results(self.clone)
 
