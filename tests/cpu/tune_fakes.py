@@ -59,3 +59,65 @@ def _register():
 
 
 _register()
+
+
+# ---------------------------------------------------------------- compile-ahead and GEMM fakes
+
+MADE_IN: list = []   # pids of the processes that compiled the kernels a measurement ran
+
+
+class AheadKernel(InterpKernel):
+    """An InterpKernel that remembers the process that compiled it."""
+
+    def __init__(self, kernel, schedule):
+        super().__init__(kernel, schedule)
+        self.pid = os.getpid()
+
+    def __call__(self, *tensors):
+        MADE_IN.append(self.pid)
+        return super().__call__(*tensors)
+
+
+def ahead_compile(kernel, schedule, arch):
+    """Fails to 'compile' 64-thread schedules, as NVRTC would a kernel over its resources."""
+    if schedule.threads == 64:
+        raise RuntimeError("NVRTC: too many resources requested for launch\nsecond line")
+    return AheadKernel(kernel, schedule)
+
+
+class FakeGemm:
+    """A 'compiled' GEMM on CPU tensors (plain epilogue): A @ B in float32, with bugs on
+    purpose: bn=96 schedules scale one 64x64 block by 1.05, 5-stage ones leave the last row
+    of the output unwritten."""
+
+    def __init__(self, problem, schedule):
+        self.problem, self.schedule = problem, schedule
+
+    def __call__(self, a, b, **tensors):
+        (name,) = [o.name for o in self.problem.out_epilogue.outputs]
+        out = tensors[name]
+        bt = b.transpose(-1, -2) if self.problem.b_major == "K" else b
+        y = (a.float() @ bt.float()).to(out.dtype)
+        if self.schedule.bn == 96:
+            y[..., :64, :64] = (y[..., :64, :64].float() * 1.05).to(out.dtype)
+        if self.schedule.stages == 5:
+            out[..., :-1, :].copy_(y[..., :-1, :])
+        else:
+            out.copy_(y)
+        return out
+
+
+def fake_gemm_compile(task, schedule, arch):
+    return FakeGemm(task.problem, schedule)
+
+
+def _register_more():
+    from tilefuse.tune import gemm, mapreduce
+    from tilefuse.tune.families import register_family
+
+    register_family("interp-cpu-ahead", mapreduce.space, mapreduce.build, compile_fn=ahead_compile, version="test")
+    register_family("gemm-cpu", gemm.space, gemm.build, compile_fn=fake_gemm_compile, problem_fn=gemm.gemm_check,
+                    knobs_fn=gemm.knobs_of, describe_fn=gemm.describe, version="test")
+
+
+_register_more()

@@ -7,12 +7,21 @@ where `tilefuse run`, `tilefuse.compile` and `--ir schedule` find them.
 """
 from __future__ import annotations
 
+import os
+
 from .measure import measure
 from .tuner import KernelResult, TuneOptions, Tuner
 from .worker import WorkerPool
 
 MEASURE = measure   # what a worker runs per candidate (tests substitute a fake)
 POOL = WorkerPool   # gpus -> pool of workers
+JOBS = None         # CPU processes compiling candidates ahead (None: the cores but one, at most 8)
+
+
+def compile_jobs() -> int:
+    if JOBS is not None:
+        return JOBS
+    return max(0, min(8, (os.cpu_count() or 1) - 1))
 
 
 def check_gpus(n: int):
@@ -111,13 +120,14 @@ def run(args, build) -> int:
         console.print("no fused kernels in this program: nothing to tune")
         return 0
     options = TuneOptions(budget=args.budget, exhaustive=args.exhaustive, threshold=args.threshold,
-                          seed=args.seed, timeout=args.timeout, force=args.force)
+                          seed=args.seed, timeout=args.timeout, force=args.force, jobs=compile_jobs())
     cache = TuneCache()
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   TextColumn("{task.fields[best]}"), console=console) as progress:
         view = ProgressView(progress, len(kernels))
         with POOL(list(range(args.gpus)), timeout=args.timeout) as pool:
-            results = Tuner(pool, devices[0], cache, options, on_event=view, measure_fn=MEASURE).tune(kernels)
+            with Tuner(pool, devices[0], cache, options, on_event=view, measure_fn=MEASURE) as tuner:
+                results = tuner.tune(kernels)
     table = Table(title=f"tilefuse tune on {devices[0]}: cache {cache.path}")
     for col in ("kernel", "result", "default us", "tuned us", "speedup", "tried", "failed", "seconds", "knobs"):
         table.add_column(col)

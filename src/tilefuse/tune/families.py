@@ -5,15 +5,18 @@
 space_fn(kernel, arch) -> Space           the knobs, the heuristic default among them
 build_fn(kernel, knobs, arch) -> schedule the family's schedule object (ValueError: invalid)
 compile_fn(kernel, schedule, arch) -> f   f(*tensors in kernel.params order) launches it
-problem_fn(kernel, seed) -> Problem       inputs and reference outputs to check a candidate
+problem_fn(kernel, seed, device) -> Problem
+                                          inputs (NumPy arrays or tensors; moved to `device`)
+                                          and references to check a candidate
 knobs_fn(schedule) -> dict                the knobs of a schedule (to print a cached pick)
 describe_fn(kernel) -> (hash, signature)  the cache key's kernel part: a structural hash
                                           (names must not change it) and the shapes/dtypes
 version                                   bump it when the space or the generator changes
                                           meaning: tuned entries of other versions are ignored
 
-The map-reduce family is registered here; the compile and problem functions default to
-the Loop IR path (codegen render + NVRTC; the Loop IR interpreter as the reference).
+The map-reduce family (tune/mapreduce.py) and the sm_90a GEMM (tune/gemm.py) are
+registered here; the compile and problem functions default to the Loop IR path (codegen
+render + NVRTC; the Loop IR interpreter as the reference).
 """
 from __future__ import annotations
 
@@ -42,10 +45,10 @@ def _compile_loop_kernel(kernel, schedule, arch):
     return compile_kernel(kernel, arch=arch, schedule=schedule)
 
 
-def _loop_problem(kernel, seed):
+def _loop_problem(kernel, seed, device="cpu"):
     from .reference import loop_problem
 
-    return loop_problem(kernel, seed)
+    return loop_problem(kernel, seed)  # NumPy inputs and references: the device is measure's business
 
 
 def _describe_loop_kernel(kernel) -> tuple[str, str]:
@@ -79,9 +82,11 @@ def families() -> tuple[str, ...]:
 
 
 def _register_builtin():
-    from . import mapreduce
+    from . import gemm, mapreduce
 
     register_family("mapreduce", mapreduce.space, mapreduce.build, knobs_fn=mapreduce.knobs_of, version="1")
+    register_family(gemm.FAMILY, gemm.space, gemm.build, compile_fn=gemm.compile_task, problem_fn=gemm.gemm_check,
+                    knobs_fn=gemm.knobs_of, describe_fn=gemm.describe, version="1")
 
 
 _register_builtin()

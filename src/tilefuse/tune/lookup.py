@@ -64,3 +64,27 @@ def tuned_schedule(kernel, arch, device):
     index = getattr(device, "index", None)
     choice = choose(kernel, arch, index)
     return choice.schedule if choice.tuned else None
+
+
+def choose_gemm(problem, arch: str | None = None, device_index: int | None = None, cache=None) -> Choice:
+    """`choose` for a GEMM (codegen.gemm_sm90.GemmProblem, epilogue included): the tuned
+    GemmSchedule or `default_schedule`'s, with a note saying which and why."""
+    from .gemm import GemmTask
+
+    return choose(GemmTask(problem), arch, device_index, cache)
+
+
+def tuned_gemm_schedule(problem, arch: str | None = None, device=None):
+    """For the fusion planner: the tuned GemmSchedule of `problem` on `device` (a
+    torch.device, a CUDA index, or None for device 0), or None when there is none (not
+    tuned on this GPU model and toolkit, another `arch`, no GPU, TILEFUSE_TUNED=0, or
+    knobs the current template rejects); then use `default_schedule(problem)`.
+
+        sched = tuned_gemm_schedule(problem, "sm_90a", x.device) or default_schedule(problem)
+        gemm = compile_gemm(problem, sched)
+
+    Problems equal up to names (the epilogue's buffers and values) share one entry. A
+    lookup reads one SQLite row (well under a millisecond warm) and never raises."""
+    index = device if isinstance(device, int) else getattr(device, "index", None)
+    choice = choose_gemm(problem, arch, index)
+    return choice.schedule if choice.tuned else None

@@ -41,6 +41,7 @@ class MeasureJob:
     rep_ms: float = 40.0
     check: bool = True
     device: str = "cuda"  # "cpu": the whole path but the timing method (tests, no GPU)
+    compiled: object = None  # the candidate compiled ahead in another process (precompile.py), or None
 
 
 @dataclass(frozen=True)
@@ -74,10 +75,11 @@ def _state(job: MeasureJob, fam) -> _State:
     if key not in _STATE:
         _STATE.clear()
         try:
-            problem = fam.problem(job.kernel, job.seed)
+            problem = fam.problem(job.kernel, job.seed, job.device)
         except Exception as e:
             raise NoReference(f"no reference to check against: {type(e).__name__}: {e}") from None
-        inputs = {n: to_torch(a).to(job.device) for n, a in problem.inputs.items()}
+        inputs = {n: (a if isinstance(a, torch.Tensor) else to_torch(a)).to(job.device)
+                  for n, a in problem.inputs.items()}
         outputs = {n: (tuple(shape), dtypes.to_torch(dt)) for n, (shape, dt) in problem.outputs.items()}
         if job.device == "cuda":
             torch.cuda.synchronize()
@@ -127,7 +129,7 @@ def measure(job: MeasureJob) -> Measurement:
     except ValueError as e:
         raise ValueError(f"invalid knobs: {e}") from None
     t0 = time.perf_counter()
-    fn = fam.compile(job.kernel, schedule, job.arch)
+    fn = job.compiled if job.compiled is not None else fam.compile(job.kernel, schedule, job.arch)
     compile_s = time.perf_counter() - t0
     st = _state(job, fam)
     runs = []

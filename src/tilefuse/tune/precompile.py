@@ -1,32 +1,37 @@
-"""Compile candidates ahead of the benchmark worker, on every CPU core.
+"""Compile candidates ahead of the benchmark worker, in parallel CPU processes.
 
-NVRTC takes a few hundred milliseconds per kernel and needs no GPU. When the candidates
-are known in advance (an exhaustive search), compiling them all in parallel processes
-first fills the on-disk cubin cache, and the worker's compile becomes a cache hit.
-A candidate that fails to compile here fails again, with its reason, in the worker.
+Rendering and NVRTC take a few hundred milliseconds per candidate and need no GPU, while
+the worker has one GPU to keep busy. So the tuner (with `jobs` > 0) hands each proposed
+candidate to a pool of CPU processes first: `prepare` builds the schedule and compiles it,
+which fills the on-disk cubin cache, and returns the compiled kernel itself when it can be
+pickled (a GemmKernel can: the worker then neither renders nor compiles). A compile error
+comes back as the candidate's failure reason, without spending the worker's time.
 """
 from __future__ import annotations
 
 import multiprocessing as mp
+import pickle
 from concurrent.futures import ProcessPoolExecutor
 
 
-def _compile_one(job) -> bool:
-    family, kernel, knobs, arch = job
-    from .families import get_family
-
-    fam = get_family(family)
+def prepare(job) -> tuple[str, object]:
+    """("ok", compiled kernel or None when it cannot travel) or ("error", one-line reason).
+    `job` is (Family, kernel, knobs, arch): the family travels itself (its functions by
+    reference), so families registered outside tilefuse work in these processes too."""
+    fam, kernel, knobs, arch = job
     try:
-        fam.compile(kernel, fam.build(kernel, knobs, arch), arch)
-    except Exception:  # reported by the worker, which compiles it again
-        return False
-    return True
+        fn = fam.compile(kernel, fam.build(kernel, knobs, arch), arch)
+    except Exception as e:  # the candidate's failure, reported by the tuner
+        first = (str(e).strip().splitlines() or [""])[0]
+        return "error", f"{type(e).__name__}: {first}"[:500]
+    try:
+        pickle.dumps(fn)
+    except Exception:  # e.g. ctypes state: the worker compiles it again (a cubin cache hit)
+        return "ok", None
+    return "ok", fn
 
 
-def precompile(kernel, knob_list: list[dict], arch: str, jobs: int) -> int:
-    """Compile every knob set for `kernel` into the cubin cache; returns how many compiled."""
-    if jobs <= 0 or not knob_list:
-        return 0
-    work = [(kernel.family, kernel, k, arch) for k in knob_list]
-    with ProcessPoolExecutor(max_workers=jobs, mp_context=mp.get_context("spawn")) as ex:
-        return sum(ex.map(_compile_one, work, chunksize=max(1, len(work) // (4 * jobs))))
+def compiler_pool(jobs: int) -> ProcessPoolExecutor:
+    """`jobs` spawned processes (no CUDA state is inherited or created: NVRTC needs no GPU)."""
+    return ProcessPoolExecutor(max_workers=jobs, mp_context=mp.get_context("spawn"))
+

@@ -8,7 +8,7 @@ may cost a millisecond, so it is only ever asked about configurations a search r
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Iterator, Mapping
 
 
@@ -88,3 +88,21 @@ class Space:
         for d in self.dims:
             n *= len(d.values)
         return n
+
+    def restrict(self, **allowed) -> "Space":
+        """The sub-space where each named knob takes only the given values (a tuple, or one
+        value); the default stays when it is inside, else there is none. For measuring the
+        exhaustive best over a neighbourhood when the whole space costs too much."""
+        unknown = set(allowed) - set(self.names)
+        if unknown:
+            raise ValueError(f"space {self.name}: no knob {sorted(unknown)}")
+        dims = []
+        for d in self.dims:
+            if d.name in allowed:
+                want = allowed[d.name] if isinstance(allowed[d.name], tuple) else (allowed[d.name],)
+                d = Dim(d.name, tuple(v for v in d.values if v in want))
+            dims.append(d)
+        default = self.default
+        if default is not None and any(v not in d.values for d, v in zip(dims, default)):
+            default = None
+        return replace(self, dims=tuple(dims), default=default)

@@ -6,7 +6,11 @@
 For each distinct kernel (kernels with one cache key are tuned once): a cache hit ends it
 (unless `force`); otherwise the family's space is searched (exhaustive at or under
 `threshold` admitted configs, SP-MCTS otherwise; the heuristic default is always measured
-first), up to `pool.size` candidates at once. Then the best few and the default are timed
+first), up to `pool.size` candidates at once. With `jobs` > 0, candidates are compiled
+ahead in that many CPU processes (precompile.py) while the workers measure others: an
+exhaustive search as far ahead as there are processes, SP-MCTS only `lookahead` beyond one
+per worker, so that its proposals still learn from the latest results. A candidate that
+does not compile fails there, with the compiler's reason. Then the best few and the default are timed
 again, longer, side by side, and the fastest is stored with its statistics and the
 failures met on the way. `on_event(kind, **info)` reports progress ("start", "trial",
 "done") for a progress bar.
@@ -14,6 +18,7 @@ failures met on the way. `on_event(kind, **info)` reports progress ("start", "tr
 from __future__ import annotations
 
 import time
+from collections import deque
 from concurrent.futures import FIRST_COMPLETED, wait
 from dataclasses import dataclass, field
 from typing import Callable
@@ -21,6 +26,7 @@ from typing import Callable
 from .cache import Entry, Key, TuneCache, key_for
 from .families import get_family
 from .measure import MeasureJob, measure
+from .precompile import compiler_pool, prepare
 from .search import Exhaustive, make_searcher
 
 
@@ -38,7 +44,8 @@ class TuneOptions:
     confirm_rep_ms: float = 120.0
     force: bool = False          # re-tune kernels the cache already has
     give_up: int = 8             # stop a kernel whose first this-many candidates all failed
-    jobs: int = 0                # CPU processes compiling an exhaustive search's candidates first
+    jobs: int = 0                # CPU processes compiling candidates ahead of the workers (0: workers compile)
+    lookahead: int = 2           # SP-MCTS: candidates compiled ahead beyond one per worker
     device: str = "cuda"         # where candidates run ("cpu" only for tests of the whole path)
 
 
@@ -75,6 +82,7 @@ class Tuner:
         self.on_event = on_event or (lambda kind, **info: None)
         self.measure_fn = measure_fn
         self.arch = arch or device.arch
+        self._pool = None  # compile-ahead processes (TuneOptions.jobs)
 
     def tune(self, kernels: dict) -> list[KernelResult]:
         """Tune each kernel (name -> kernel); kernels sharing a cache key are measured once."""
@@ -93,9 +101,29 @@ class Tuner:
         return results
 
     # ---------------------------------------------------------------- one kernel
-    def _job(self, kernel, knobs: dict, rep_ms: float) -> MeasureJob:
+    def _job(self, kernel, knobs: dict, rep_ms: float, compiled=None) -> MeasureJob:
         o = self.options
-        return MeasureJob(kernel.family, kernel, knobs, self.arch, o.seed, o.warmup_ms, rep_ms, device=o.device)
+        return MeasureJob(kernel.family, kernel, knobs, self.arch, o.seed, o.warmup_ms, rep_ms, device=o.device,
+                          compiled=compiled)
+
+    def _compiler(self):
+        """The compile-ahead process pool (created on first use, kept until `close`), or None."""
+        if self.options.jobs <= 0:
+            return None
+        if self._pool is None:
+            self._pool = compiler_pool(self.options.jobs)
+        return self._pool
+
+    def close(self):
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
 
     def tune_kernel(self, name: str, kernel, key: Key | None = None) -> KernelResult:
         o = self.options
@@ -117,42 +145,77 @@ class Tuner:
                                  patience=o.patience)
         method = "exhaustive" if isinstance(searcher, Exhaustive) else "sp-mcts"
         total = len(searcher.configs) if method == "exhaustive" else o.budget
-        if method == "exhaustive" and o.jobs > 0:
-            from .precompile import precompile
-
-            precompile(kernel, [space.as_dict(c) for c in searcher.configs], self.arch, o.jobs)
         self.on_event("start", name=name, total=total, method=method)
         measured: dict = {}   # config -> Measurement
         failures: list = []
-        pending: dict = {}
+        pending: dict = {}    # measurement future -> config
+        compiling: dict = {}  # compile-ahead future -> config
+        ready: deque = deque()  # (config, compiled kernel or None), waiting for a worker
         abort = ""
+        compiler = self._compiler()
+        # candidates compiled ahead: enough to keep the workers busy; an exhaustive search
+        # may run further ahead (its order does not learn from results), SP-MCTS not much
+        ahead = 0 if compiler is None else (o.jobs if method == "exhaustive" else min(o.jobs, o.lookahead + self.pool.size))
+
+        def report(config, ok, reason="", us=None):
+            self.on_event("trial", name=name, done=len(searcher.history), total=total, ok=ok,
+                          knobs=space.as_dict(config), us=us, reason=reason, best_us=searcher.best_cost,
+                          default_us=measured[space.default].median_us if space.default in measured else None)
+
+        def failed(config, reason):
+            nonlocal abort
+            failures.append({"knobs": space.as_dict(config), "reason": reason})
+            searcher.tell(config, None)
+            if reason.startswith("NoReference"):
+                abort = reason
+            elif not measured and len(failures) >= o.give_up:
+                abort = f"the first {len(failures)} candidates failed, the first with: {failures[0]['reason']}"
+            report(config, False, reason)
+
         while True:
-            while not abort and len(pending) < self.pool.size:
+            while not abort:
+                if compiler is None and len(pending) >= self.pool.size:
+                    break
+                if compiler is not None and len(compiling) + len(ready) + len(pending) >= ahead:
+                    break
                 config = searcher.ask()
                 if config is None:
                     break
-                fut = self.pool.submit(self.measure_fn, self._job(kernel, space.as_dict(config), o.rep_ms), o.timeout)
-                pending[fut] = config
-            if not pending:
+                if compiler is None:
+                    job = self._job(kernel, space.as_dict(config), o.rep_ms)
+                    pending[self.pool.submit(self.measure_fn, job, o.timeout)] = config
+                else:
+                    work = (fam, kernel, space.as_dict(config), self.arch)
+                    compiling[compiler.submit(prepare, work)] = config
+            while ready and not abort and len(pending) < self.pool.size:
+                config, compiled = ready.popleft()
+                job = self._job(kernel, space.as_dict(config), o.rep_ms, compiled)
+                pending[self.pool.submit(self.measure_fn, job, o.timeout)] = config
+            if not pending and not (compiling and not abort) and not (ready and not abort):
                 break
-            done, _ = wait(pending, return_when=FIRST_COMPLETED)
+            done, _ = wait(list(pending) + (list(compiling) if not abort else []), return_when=FIRST_COMPLETED)
             for fut in done:
+                if fut in compiling:
+                    config = compiling.pop(fut)
+                    try:
+                        tag, value = fut.result()
+                    except Exception:  # the compiled kernel could not travel back: the worker compiles it
+                        tag, value = "ok", None
+                    if tag == "ok":
+                        ready.append((config, value))
+                    else:
+                        failed(config, f"compile failed: {value}")
+                    continue
                 config = pending.pop(fut)
                 out = fut.result()
                 if out.ok:
                     measured[config] = out.value
                     searcher.tell(config, out.value.median_us)
+                    report(config, True, us=out.value.median_us)
                 else:
-                    failures.append({"knobs": space.as_dict(config), "reason": out.reason})
-                    searcher.tell(config, None)
-                    if out.reason.startswith("NoReference"):
-                        abort = out.reason
-                    elif not measured and len(failures) >= o.give_up:
-                        abort = f"the first {len(failures)} candidates failed, the first with: {failures[0]['reason']}"
-                self.on_event("trial", name=name, done=len(searcher.history), total=total, ok=out.ok,
-                              knobs=space.as_dict(config), us=out.value.median_us if out.ok else None,
-                              reason=out.reason, best_us=searcher.best_cost,
-                              default_us=measured[space.default].median_us if space.default in measured else None)
+                    failed(config, out.reason)
+        for fut in compiling:
+            fut.cancel()
         wall = time.perf_counter() - t0
         base = dict(name=name, key=key, default_knobs=default, evaluated=len(searcher.history),
                     failed=len(failures), failures=failures, method=method)
