@@ -7,6 +7,7 @@ import torch
 
 from .frontend.capture import export, to_graph
 from .graph import ir
+from .graph.fold import fold_weights
 from .graph.fusion import Plan, plan
 from .graph.rewrites import Fired, run_rewrites
 from .loop.lower import Lowered, lower_step
@@ -70,6 +71,8 @@ def compile_stages(fn, example_inputs, *, expr: str | None = None, arch: str | N
 
         graph, more = run_coda(graph)
         fired = fired + more
+    graph, more = run_rewrites(graph, (fold_weights,))  # after CODA: it folds what the rules built, too
+    fired = fired + more
     p = plan(graph, gemm=gemm)
     kernels, gemms = lower_plan(graph, p)
     t2 = time.perf_counter()

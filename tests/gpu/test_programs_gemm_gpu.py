@@ -1,0 +1,126 @@
+"""Whole programs whose matmuls the planner turns into generated GEMMs with fused epilogues:
+outputs (written over NaN-poisoned buffers) against a float64 reference under the 2x rule."""
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import tilefuse
+from tilefuse import models
+from tilefuse.check import compare, flatten, float64_reference
+
+pytestmark = pytest.mark.gpu
+
+
+class LinearAct(nn.Module):
+    def __init__(self, k, n, act, bias=True):
+        super().__init__()
+        self.lin, self.act = nn.Linear(k, n, bias=bias), act
+
+    def forward(self, x, r):
+        y = self.lin(x)
+        if self.act == "gelu":
+            y = F.gelu(y)
+        elif self.act == "gelu_tanh":
+            y = F.gelu(y, approximate="tanh")
+        elif self.act == "silu":
+            y = F.silu(y)
+        elif self.act == "relu":
+            y = torch.relu(y)
+        return y + r
+
+
+class SwiGLU(nn.Module):
+    """RMSNorm -> gate/up -> silu(g) * u -> down -> + residual: the Llama MLP."""
+
+    def __init__(self, d, f):
+        super().__init__()
+        self.norm = nn.RMSNorm(d, eps=1e-6)
+        self.gate, self.up, self.down = nn.Linear(d, f, bias=False), nn.Linear(d, f, bias=False), nn.Linear(f, d, bias=False)
+        with torch.no_grad():
+            self.norm.weight.copy_(1 + 0.3 * torch.randn(d))
+
+    def forward(self, x):
+        h = self.norm(x)
+        return x + self.down(F.silu(self.gate(h)) * self.up(h))
+
+
+def _run(module, inputs, dtype):
+    module = module.cuda().to(dtype).eval()
+    inputs = [t.cuda().to(dtype) for t in inputs]
+    prog = tilefuse.compile(module, inputs)
+    prog.poison = True
+    families = [s.family for s in prog.plan.steps]
+    outs = []
+    for _ in range(2):  # the thin path, then the CUDA-graph replay
+        outs.append(flatten(prog(*inputs)))
+    with torch.no_grad():
+        eager = flatten(module(*inputs))
+    ref = flatten(float64_reference(module, inputs))
+    for call, out in enumerate(outs):
+        for i, (o, r, e) in enumerate(zip(out, ref, eager)):
+            c = compare(f"call{call}.out{i}", o, r, e)
+            assert c.ok, c
+    return prog, families
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("act", ["none", "gelu", "gelu_tanh", "silu", "relu"])
+@pytest.mark.parametrize("shape", [(1, 8, 8), (17, 72, 40), (300, 136, 520), (2048, 1024, 768)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_linear_activation_residual_is_one_gemm(shape, act, dtype):
+    """y = act(x @ W.T + b) + r runs as one GEMM (bias, activation and residual in its epilogue)."""
+    m, k, n = shape
+    torch.manual_seed(0)
+    prog, families = _run(LinearAct(k, n, act), [torch.randn(m, k), torch.randn(m, n)], dtype)
+    assert families == ["gemm"]
+
+
+def test_llama_mlp_runs_as_two_gemms_and_a_norm():
+    """The Llama MLP: gate/up interleaved into one pairwise-SwiGLU GEMM with the RMSNorm row scale
+    in its epilogue, the down GEMM with the residual in its epilogue, and one kernel for the norm."""
+    torch.manual_seed(0)
+    prog, families = _run(SwiGLU(256, 688), [torch.randn(2, 100, 256)], torch.bfloat16)
+    gemms = [s.gemm for s in prog.plan.steps if s.family == "gemm"]
+    assert len(gemms) == 2 and sum(bool(g.pairwise) for g in gemms) == 1
+    assert families.count("extern") == 0
+
+
+def test_llama_block_through_tilefuse_compile():
+    """A whole decoder block (attention through SDPA) matches the reference, projections as GEMMs."""
+    torch.manual_seed(0)
+    block = models.llama_block(256, 512, 4, 2, max_seq=64)
+    with torch.no_grad():
+        for mod in block.modules():
+            if isinstance(mod, nn.RMSNorm):
+                mod.weight.copy_(1 + 0.3 * torch.randn(mod.weight.shape))
+    prog, families = _run(block, [torch.randn(2, 64, 256)], torch.bfloat16)
+    assert families.count("gemm") >= 5
+
+
+def test_batched_matmul_with_scale_is_one_gemm():
+    """bmm with a scalar scale and a column bias: one batched GEMM."""
+    torch.manual_seed(0)
+    bias = torch.randn(96)
+
+    def f(a, b):
+        return torch.bmm(a, b) * 0.5 + bias.to(a.device, a.dtype)
+
+    prog, families = _run_fn(f, [torch.randn(3, 70, 64), torch.randn(3, 64, 96)], torch.bfloat16)
+    assert families == ["gemm"] and prog.plan.steps[0].gemm.batch == 3
+
+
+def _run_fn(f, inputs, dtype):
+    class M(nn.Module):
+        def forward(self, *xs):
+            return f(*xs)
+
+    return _run(M(), inputs, dtype)
+
+
+def test_matmul_tma_cannot_read_stays_in_cublas():
+    """K = 36 (rows of 72 bytes) is not TMA-readable: torch.matmul, and the plan says why."""
+    torch.manual_seed(0)
+    prog, families = _run(LinearAct(36, 64, "gelu"), [torch.randn(40, 36), torch.randn(40, 64)], torch.bfloat16)
+    mm = [s for s in prog.plan.steps if s.family == "extern"]
+    assert len(mm) == 1 and "K=36" in mm[0].note
