@@ -1,0 +1,182 @@
+"""The planner's GEMM steps: which matmuls become generated GEMMs, which maps join their
+epilogues, and that the planned program (GEMM product by torch in fp32, epilogue by the Loop
+IR interpreter) computes what PyTorch computes, within the 2x rule of DESIGN.md."""
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import tilefuse
+from tilefuse.check import compare, flatten, float64_reference
+from tilefuse.compiler import compile_stages
+from tilefuse.graph import ir
+from tilefuse.graph.contraction import operand_kind
+from tilefuse.graph.fold import fold_weights
+
+BF = torch.bfloat16
+
+
+class Fn(nn.Module):
+    def __init__(self, f, **params):
+        super().__init__()
+        self.f = f
+        for k, v in params.items():
+            setattr(self, k, nn.Parameter(v))
+
+    def forward(self, *xs):
+        return self.f(self, *xs)
+
+
+def _gemms(st):
+    return [s for s in st.plan.steps if s.family == "gemm"]
+
+
+def _check(module, inputs):
+    """Runs the compiled program on CPU and checks every output against float64 under the 2x rule."""
+    prog = tilefuse.compile(module, inputs)
+    out = flatten(prog(*inputs))
+    with torch.no_grad():
+        eager = flatten(module(*inputs))
+    ref = flatten(float64_reference(module, inputs))
+    for i, (o, r, e) in enumerate(zip(out, ref, eager)):
+        c = compare(f"out{i}", o, r, e)
+        assert c.ok, c
+    return prog.stages
+
+
+def test_operand_kinds_follow_broadcasting():
+    out = (4, 6, 32)
+    assert operand_kind((4, 6, 32), out, 1) == "tile"
+    assert operand_kind((32,), out, 1) == "col"
+    assert operand_kind((1, 1, 32), out, 1) == "col"
+    assert operand_kind((4, 6, 1), out, 1) == "row"
+    assert operand_kind((6, 1), out, 1) is None, "a row vector broadcast over the batch is not per-row"
+    assert operand_kind((1, 6, 32), out, 1) is None
+    assert operand_kind((4, 6, 1), out, 4) is None, "batched GEMMs take no per-row operands"
+
+
+def test_linear_bias_gelu_residual_is_one_gemm_reading_the_weight_as_stored():
+    """linear(x) is x @ W.T: the GEMM reads W [N, K] as a K-major B (no transpose step), and the
+    bias, the GELU and the residual are its epilogue; the result matches PyTorch."""
+    torch.manual_seed(0)
+    lin = nn.Linear(64, 48).to(BF)
+    m = Fn(lambda s, x, r: F.gelu(s.lin(x)) + r)
+    m.lin = lin
+    st = _check(m, [torch.randn(3, 5, 64, dtype=BF), torch.randn(3, 5, 48, dtype=BF)])
+    (g,) = _gemms(st)
+    assert [s.family for s in st.plan.steps] == ["gemm"]
+    sp = g.gemm
+    assert (sp.m, sp.n, sp.k, sp.batch, sp.b_major) == (15, 48, 64, 1, "K")
+    assert st.graph[sp.b].type.shape == (48, 64) and isinstance(st.graph[sp.b], ir.Weight)
+    assert sorted(k for _, k in sp.operands) == ["col", "tile"]
+    assert "epilogue" in str(st.plan) and "(col)" in str(st.plan)
+
+
+def test_a_value_read_twice_outside_stops_the_epilogue_there():
+    """y = x @ W is also returned: the epilogue cannot swallow the maps after it, since y must
+    be written; the maps then run in a map-reduce kernel."""
+    torch.manual_seed(0)
+    m = Fn(lambda s, x: (lambda y: (y, torch.relu(y) * 2))(x @ s.w), w=torch.randn(64, 32, dtype=BF))
+    st = _check(m, [torch.randn(16, 64, dtype=BF)])
+    (g,) = _gemms(st)
+    assert g.gemm.maps == () and g.gemm.out == g.gemm.contraction
+    assert [s.family for s in st.plan.steps] == ["gemm", "mapreduce"]
+
+
+def test_silu_reads_the_accumulator_twice_and_still_fuses():
+    torch.manual_seed(0)
+    m = Fn(lambda s, x: F.silu(x @ s.w), w=torch.randn(64, 40, dtype=BF))
+    st = _check(m, [torch.randn(9, 64, dtype=BF)])
+    (g,) = _gemms(st)
+    assert [st.graph[x].op for x in g.gemm.maps if st.graph[x].op != "cast"] == ["sigmoid", "mul"]
+
+
+def test_an_operand_computed_from_the_product_is_not_an_epilogue_operand():
+    """y + rowmax(y) needs all of y before any element: the add cannot run in y's epilogue."""
+    torch.manual_seed(0)
+    m = Fn(lambda s, x: (lambda y: y + y.amax(-1, keepdim=True))(x @ s.w), w=torch.randn(64, 32, dtype=BF))
+    st = _check(m, [torch.randn(8, 64, dtype=BF)])
+    (g,) = _gemms(st)
+    assert g.gemm.maps == ()
+
+
+def test_row_scale_and_pairwise_glu_after_coda():
+    """The Llama MLP: after the CODA rules the gate/up matmul is one GEMM whose epilogue scales rows
+    (the RMSNorm) and then pairs columns (SwiGLU); the down matmul takes the residual."""
+    torch.manual_seed(0)
+
+    class MLP(nn.Module):
+        def __init__(self, d=32, f=48):
+            super().__init__()
+            self.norm = nn.RMSNorm(d)
+            self.gate, self.up, self.down = (nn.Linear(d, f, bias=False), nn.Linear(d, f, bias=False),
+                                             nn.Linear(f, d, bias=False))
+            with torch.no_grad():
+                self.norm.weight.copy_(1 + 0.3 * torch.randn(d))
+
+        def forward(self, x):
+            h = self.norm(x)
+            return x + self.down(F.silu(self.gate(h)) * self.up(h))
+
+    st = _check(MLP().to(BF), [torch.randn(2, 7, 32, dtype=BF)])
+    glu, down = _gemms(st)
+    assert glu.gemm.pairwise and glu.gemm.n == 96 and [k for _, k in glu.gemm.operands] == ["row"]
+    assert st.gemms[glu.name].epilogue.buffer("out").shape == (14, 48)
+    assert [k for _, k in down.gemm.operands] == ["tile"]
+    assert [s.family for s in st.plan.steps].count("mapreduce") == 1
+
+
+def test_batched_matmul_with_column_bias():
+    torch.manual_seed(0)
+    bias = torch.randn(24, dtype=BF)
+    m = Fn(lambda s, a, b: torch.bmm(a, b) * 0.5 + s.bias, bias=bias)
+    st = _check(m, [torch.randn(3, 10, 16, dtype=BF), torch.randn(3, 16, 24, dtype=BF)])
+    (g,) = _gemms(st)
+    assert (g.gemm.batch, g.gemm.m, g.gemm.b_major) == (3, 10, "N")
+
+
+@pytest.mark.parametrize("why, make", [
+    ("f32", lambda: ([torch.randn(8, 64), torch.randn(64, 32)], "bf16 or fp16")),
+    ("K", lambda: ([torch.randn(8, 36, dtype=BF), torch.randn(36, 32, dtype=BF)], "K=36")),
+    ("N", lambda: ([torch.randn(8, 64, dtype=BF), torch.randn(64, 30, dtype=BF)], "N=30")),
+])
+def test_matmuls_the_gemm_cannot_take_stay_in_cublas_and_say_why(why, make):
+    inputs, reason = make()
+    st = _check(Fn(lambda s, a, b: a @ b), inputs)
+    (mm,) = [s for s in st.plan.steps if s.family == "extern"]
+    assert reason in mm.note and not _gemms(st)
+
+
+def test_tilefuse_gemm_off_keeps_every_matmul_in_cublas(monkeypatch):
+    monkeypatch.setenv("TILEFUSE_GEMM", "0")
+    st = compile_stages(Fn(lambda s, a: a @ s.w, w=torch.randn(64, 32, dtype=BF)), (torch.randn(8, 64, dtype=BF),))
+    assert not _gemms(st) and any(s.family == "extern" for s in st.plan.steps)
+
+
+def test_weight_only_work_is_folded_once():
+    """A cast and a scale of a parameter run when compiling, not per call; the folded graph computes
+    the same values (checked by running both through the graph interpreter)."""
+    from tilefuse.graph.interp import run_graph
+
+    torch.manual_seed(0)
+    m = Fn(lambda s, x: x * (s.g.to(torch.float32) * 2.0), g=torch.randn(16, dtype=BF))
+    st = compile_stages(m, (torch.randn(4, 16),))
+    folded = fold_weights(st.captured)
+    assert folded is not st.captured
+    assert not any(isinstance(n, ir.Map) and n.op == "cast" for n in folded.nodes)
+    x = torch.randn(4, 16).numpy()
+    (a,) = run_graph(st.captured, {st.captured.inputs[0]: x})
+    (b,) = run_graph(folded, {folded.inputs[0]: x})
+    assert (a == b).all()
+
+
+def test_transposes_the_gemm_reads_through_are_not_folded():
+    """W.T feeding a generated GEMM stays a view (the GEMM reads W as stored); feeding a matmul
+    the GEMM cannot take (fp32) it is folded into a transposed weight, once."""
+    lin16 = Fn(lambda s, x: F.linear(x, s.w), w=torch.randn(32, 64, dtype=BF))
+    g16 = compile_stages(lin16, (torch.randn(4, 64, dtype=BF),)).graph
+    assert any(isinstance(n, ir.View) and n.op == "permute" for n in g16.nodes)
+    lin32 = Fn(lambda s, x: F.linear(x, s.w), w=torch.randn(32, 64))
+    st = compile_stages(lin32, (torch.randn(4, 64),))
+    assert not any(isinstance(n, ir.View) and n.op == "permute" for n in st.graph.nodes)
+    assert [s.family for s in st.plan.steps] == ["extern"]
