@@ -1,21 +1,33 @@
-"""The autotuner's evaluation (issue 6) on the map-reduce shapes of bench/mapreduce.py.
+"""The autotuner's evaluation (issue 6): GEMM shapes of issue 4, map-reduce shapes of issue 2.
 
-    python3 bench/tune_eval.py --json bench/results/tune_eval_h100.json [--quick] [--budget 64]
+    python3 bench/tune_eval.py --json bench/results/tune_eval_h100.json \\
+        [--gemm 4096x4096x4096,128x4096x4096] [--mapreduce rmsnorm:32768x4096] [--budget 64]
+        [--time-limit 300]
 
-For every distinct kernel of each program (bf16), in a fresh tuning cache:
-- SP-MCTS with `--budget` candidates (the default `tilefuse tune`): its pick and wall time;
-- exhaustive search over the same space (candidates compiled on all CPU cores first): the
-  best any candidate reaches, and its wall time (`--no-exhaustive` skips it);
+For each kernel (bf16), in a fresh tuning cache and a fresh cubin cache:
+- `tilefuse tune`'s search: SP-MCTS with `--budget` candidates over the whole knob space,
+  candidates compiled ahead on `--jobs` CPU processes; its pick and wall-clock time (cold:
+  every candidate rendered and compiled inside that time);
+- the exhaustive best over a *restricted neighbourhood* (the whole spaces hold 500-1000
+  candidates, too many to measure all in this run's GPU budget): GEMM: every tile shape
+  (bm, bn, consumers) at its deepest shared-memory ring, with group_m (or, where the grid has
+  fewer tile rows than it, the group covering them all), cluster_m and the other knobs at the
+  heuristic's values; map-reduce: every stage, threads, group and
+  cluster, with vector, unroll at the heuristic's values and min_blocks at none or the
+  heuristic's. So "SP-MCTS / exhaustive" below 1.00 means the search found something the
+  neighbourhood does not hold;
 - the heuristic default, the SP-MCTS pick and the exhaustive pick re-timed side by side in
   one worker, `--rounds` times each (min of medians), so the ratios compare like with like;
-- a second tuning run on the warm cache: every kernel a hit, its wall time per kernel.
+  for GEMMs, cuBLAS (torch.matmul) timed the same way in this process;
+- a second tuning run on the warm cache: the kernel is a hit; its wall time.
 Times are kernel times (do_bench median, L2 flushed, buffers rotated when they fit in L2).
-Prints a table last; writes JSON with the GPU's name.
+Writes JSON after every kernel (a run cut short keeps what it measured); prints a table last.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import tempfile
@@ -25,15 +37,49 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from mapreduce import PROGRAMS, cases, inputs_for  # noqa: E402
 
-from tilefuse.compiler import compile_stages  # noqa: E402
-from tilefuse.tune.cache import TuneCache, key_for  # noqa: E402
+from tilefuse.codegen.gemm_sm90 import GemmProblem  # noqa: E402
+from tilefuse.tune.cache import TuneCache  # noqa: E402
 from tilefuse.tune.device import cuda_device  # noqa: E402
 from tilefuse.tune.families import get_family  # noqa: E402
+from tilefuse.tune.gemm import GROUP_M, STAGES, GemmTask  # noqa: E402
 from tilefuse.tune.measure import MeasureJob, measure  # noqa: E402
 from tilefuse.tune.tuner import TuneOptions, Tuner  # noqa: E402
 from tilefuse.tune.worker import WorkerPool  # noqa: E402
+
+GEMM_SHAPES = "4096x4096x4096,8192x11008x4096,512x4096x4096,128x4096x4096,8192x8192x8192"
+ALL_GEMM = ("4096x4096x4096,6144x6144x6144,8192x8192x8192,8192x4096x4096,8192x11008x4096,8192x4096x11008,"
+            "16384x6144x4096,8192x14336x4096,8192x4096x14336,512x4096x4096,128x4096x4096")
+MR_CASES = "rmsnorm:32768x4096,softmax:4096x65536"
+
+
+def neighbourhood(space, family: str):
+    """The restricted sub-space measured exhaustively (see the module docstring)."""
+    d = space.as_dict(space.default)
+    if family == "gemm_sm90":
+        fixed = {n: d[n] for n in space.names if n not in ("bm", "bn", "consumers", "stages", "group_m")}
+        sub = space.restrict(**fixed)
+        ok = sub.admits
+
+        def deepest(k, knob, values):  # no admitted value of `knob` above k's
+            return not any(ok({**k, knob: v}) for v in values if v > k[knob])
+
+        def admits(k):
+            if not ok(k):
+                return False
+            if k == {n: d[n] for n in k}:
+                return True
+            if "stages" in k and "group_m" not in k:
+                return deepest(k, "stages", STAGES)  # the deepest ring per tile
+            if "group_m" in k:  # the heuristic's group; where it is pruned (few tile rows), the covering one
+                return k["group_m"] == d["group_m"] or (not ok({**k, "group_m": d["group_m"]})
+                                                        and deepest(k, "group_m", GROUP_M))
+            return True
+
+        from dataclasses import replace
+
+        return replace(sub, admits=admits)
+    return space.restrict(vector=d["vector"], unroll=d["unroll"], min_blocks=tuple({1, d["min_blocks"]}))
 
 
 def retime(pool, kernel, knob_sets: dict, arch: str, rounds: int, rep_ms: float) -> dict:
@@ -44,84 +90,136 @@ def retime(pool, kernel, knob_sets: dict, arch: str, rounds: int, rep_ms: float)
             out = pool.submit(measure, MeasureJob(kernel.family, kernel, knobs, arch, rep_ms=rep_ms)).result()
             if out.ok:
                 best[name] = min(best.get(name, float("inf")), out.value.median_us)
+            else:
+                print(f"  re-timing {name} failed: {out.reason}", flush=True)
     return best
+
+
+def cublas_us(problem: GemmProblem, rounds: int, rep_ms: float) -> float:
+    """torch.matmul on the same shapes (x @ W.T), do_bench median with L2 flushed, min of rounds."""
+    from triton.testing import do_bench
+
+    a = torch.randn(problem.m, problem.k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(problem.n, problem.k, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty(problem.m, problem.n, device="cuda", dtype=torch.bfloat16)
+    t = min(do_bench(lambda: torch.matmul(a, w.t(), out=out), warmup=10, rep=rep_ms, return_mode="median")
+            for _ in range(rounds))
+    del a, w, out
+    torch.cuda.empty_cache()
+    return t * 1e3
+
+
+def evaluate(pool, device, tmp: Path, name: str, kernel, args) -> dict:
+    fam = get_family(kernel.family)
+    space = fam.space(kernel, device.arch)
+    rec = {"family": kernel.family, "kernel": name, "admitted": sum(1 for _ in space.admitted())}
+    opts = TuneOptions(budget=args.budget, jobs=args.jobs)
+    t0 = time.perf_counter()
+    with Tuner(pool, device, TuneCache(tmp / "mcts.sqlite"), opts) as tuner:
+        r = tuner.tune({name: kernel})[0]
+    rec["mcts"] = {"wall_s": time.perf_counter() - t0, "evaluated": r.evaluated, "failed": r.failed,
+                   "knobs": r.knobs, "status": r.status, "note": r.note, "method": r.method,
+                   "failures": r.failures[:5]}
+    picks = {"default": space.as_dict(space.default)}
+    if r.knobs:
+        picks["mcts"] = r.knobs
+    if not args.no_exhaustive:
+        nb = neighbourhood(space, kernel.family)
+        t0 = time.perf_counter()
+        with Tuner(pool, device, TuneCache(tmp / "exhaustive.sqlite"), TuneOptions(exhaustive=True, jobs=args.jobs)) as ex:
+            e = ex.tune_kernel(name, kernel, space=nb)
+        rec["exhaustive"] = {"wall_s": time.perf_counter() - t0, "evaluated": e.evaluated, "failed": e.failed,
+                             "knobs": e.knobs, "status": e.status, "note": e.note, "failures": e.failures[:5]}
+        if e.knobs:
+            picks["exhaustive"] = e.knobs
+        rec["mcts_pick_in_neighbourhood"] = bool(r.knobs) and all(
+            r.knobs.get(n) in d.values for n, d in zip(nb.names, nb.dims)) and bool(nb.admits(r.knobs))
+    rec["us"] = retime(pool, kernel, picks, device.arch, args.rounds, args.rep_ms)
+    if kernel.family == "gemm_sm90":
+        rec["us"]["cublas"] = cublas_us(kernel.problem, args.rounds, args.rep_ms)
+    t0 = time.perf_counter()
+    again = Tuner(pool, device, TuneCache(tmp / "mcts.sqlite"), opts).tune({name: kernel})[0]
+    rec["cache_hit_s"] = time.perf_counter() - t0
+    rec["cache_hit"] = again.status == "cached"
+    return rec
+
+
+def mapreduce_kernels(spec: str):
+    from mapreduce import PROGRAMS, cases, inputs_for
+
+    from tilefuse.compiler import compile_stages
+
+    for prog, (rows, cols) in cases(False, spec):
+        module = PROGRAMS[prog](cols).cuda().bfloat16()
+        st = compile_stages(module, inputs_for(prog, rows, cols))
+        for kname, lk in st.kernels.items():
+            yield f"{prog} {rows}x{cols} {kname}", lk.kernel
+        del module, st
+        torch.cuda.empty_cache()
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", help="write the results here")
-    ap.add_argument("--quick", action="store_true", help="two shapes per program (as bench/mapreduce.py --quick)")
-    ap.add_argument("--programs", nargs="*", choices=sorted(PROGRAMS), help="only these programs")
+    ap.add_argument("--gemm", default=GEMM_SHAPES, help=f"MxNxK,... ('all': {ALL_GEMM}; '': none)")
+    ap.add_argument("--mapreduce", default=MR_CASES, help="program:RxC,... as bench/mapreduce.py --cases ('': none)")
     ap.add_argument("--budget", type=int, default=64)
-    ap.add_argument("--no-exhaustive", action="store_true", help="skip the exhaustive search")
-    ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="CPU processes compiling ahead")
+    ap.add_argument("--no-exhaustive", action="store_true", help="skip the neighbourhood's exhaustive search")
+    ap.add_argument("--jobs", type=int, default=max(1, (os.cpu_count() or 2) - 1), help="compile-ahead processes")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--rep-ms", type=float, default=100.0, help="do_bench time per re-timing")
+    ap.add_argument("--time-limit", type=float, default=float("inf"), help="start no kernel after this many s")
     args = ap.parse_args()
+    start = time.perf_counter()
     torch.manual_seed(0)
+    tmp = Path(tempfile.mkdtemp(prefix="tune_eval_"))
+    os.environ["TILEFUSE_CACHE_DIR"] = str(tmp)  # a cold tuning cache (and cubin cache) for this run
     device = cuda_device(0)
-    fam = get_family("mapreduce")
-    results, seen = [], set()
-    tmp = tempfile.mkdtemp(prefix="tune_eval_")
-    os.environ["TILEFUSE_CACHE_DIR"] = tmp  # a cold tuning cache (and cubin cache) for this run
-    with WorkerPool([0], timeout=120) as pool:
-        for prog, (rows, cols) in cases(args.quick):
-            if args.programs and prog not in args.programs:
-                continue
-            module = PROGRAMS[prog](cols).cuda().bfloat16()
-            st = compile_stages(module, inputs_for(prog, rows, cols))
-            for kname, lk in st.kernels.items():
-                k = lk.kernel
-                key = key_for(k, device, fam)
-                if key.digest in seen:
-                    continue
-                seen.add(key.digest)
-                rec = {"program": prog, "shape": [rows, cols], "kernel": kname, "rows": k.body[0].extent}
-                space = fam.space(k, device.arch)
-                rec["space"] = sum(1 for _ in space.configs())
-                mcts = Tuner(pool, device, TuneCache(Path(tmp) / "mcts.sqlite"), TuneOptions(budget=args.budget))
-                t0 = time.perf_counter()
-                r = mcts.tune({kname: k})[0]
-                rec["mcts"] = {"wall_s": time.perf_counter() - t0, "evaluated": r.evaluated, "failed": r.failed,
-                               "knobs": r.knobs, "status": r.status, "note": r.note}
-                picks = {"default": space.as_dict(space.default)}
-                if r.knobs:
-                    picks["mcts"] = r.knobs
-                if not args.no_exhaustive:
-                    ex = Tuner(pool, device, TuneCache(Path(tmp) / "exhaustive.sqlite"),
-                               TuneOptions(exhaustive=True, jobs=args.jobs))
-                    t0 = time.perf_counter()
-                    e = ex.tune({kname: k})[0]
-                    rec["exhaustive"] = {"wall_s": time.perf_counter() - t0, "evaluated": e.evaluated,
-                                         "failed": e.failed, "knobs": e.knobs, "status": e.status}
-                    if e.knobs:
-                        picks["exhaustive"] = e.knobs
-                rec["us"] = retime(pool, k, picks, device.arch, args.rounds, args.rep_ms)
-                t0 = time.perf_counter()
-                again = mcts.tune({kname: k})[0]
-                rec["cache_hit_s"] = time.perf_counter() - t0
-                rec["cache_hit"] = again.status == "cached"
-                results.append(rec)
-                us = rec["us"]
-                print(f"{prog:14s} {rows}x{cols} {kname}: " + "  ".join(f"{n} {v:.1f}us" for n, v in us.items())
-                      + f"  mcts {rec['mcts']['wall_s']:.1f}s", flush=True)
-            del module, st
-            torch.cuda.empty_cache()
     out = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "device": str(device),
-           "budget": args.budget, "results": results}
-    if args.json:
-        os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
-    print(f"\n{out['gpu']}: SP-MCTS budget {args.budget}; times are kernel medians (us), re-timed side by side")
-    print(f"{'program':13s} {'shape':>12s} {'space':>5s} {'default':>8s} {'mcts':>8s} {'exh':>8s} {'def/mcts':>8s} "
+           "budget": args.budget, "jobs": args.jobs, "cpus": os.cpu_count(), "results": [], "skipped": []}
+
+    def save():
+        if args.json:
+            os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
+            with open(args.json, "w") as f:
+                json.dump(out, f, indent=1)
+
+    gemm = ALL_GEMM if args.gemm == "all" else args.gemm
+    work = [(f"gemm {s}", GemmTask(GemmProblem(*map(int, s.split("x")), "bf16"), name=f"gemm_{s}"))
+            for s in gemm.split(",") if s]
+    with WorkerPool([0], timeout=120) as pool:
+        todo = work + ([("mapreduce", args.mapreduce)] if args.mapreduce else [])
+        for label, item in todo:
+            kernels = mapreduce_kernels(item) if label == "mapreduce" else [(label, item)]
+            for name, kernel in kernels:
+                if time.perf_counter() - start > args.time_limit:
+                    out["skipped"].append(name)
+                    continue
+                rec = evaluate(pool, device, tmp, name, kernel, args)
+                out["results"].append(rec)
+                save()
+                us = rec["us"]
+                print(f"{name}: " + "  ".join(f"{n} {v:.1f}us" for n, v in us.items())
+                      + f"  mcts {rec['mcts']['wall_s']:.1f}s ({rec['mcts']['evaluated']} tried)"
+                      + (f"  exh {rec['exhaustive']['wall_s']:.1f}s ({rec['exhaustive']['evaluated']})"
+                         if "exhaustive" in rec else "") + f"  hit {rec['cache_hit_s'] * 1e3:.0f}ms", flush=True)
+    out["wall_s"] = time.perf_counter() - start
+    save()
+    nan = float("nan")
+    print(f"\n{out['gpu']}: SP-MCTS budget {args.budget}, {args.jobs} compile processes; kernel medians (us), "
+          f"re-timed side by side; exh = exhaustive over the restricted neighbourhood")
+    print(f"{'kernel':44s} {'cand':>5s} {'default':>8s} {'mcts':>8s} {'exh':>8s} {'cublas':>8s} {'def/mcts':>8s} "
           f"{'mcts/exh':>8s} {'tune s':>6s} {'exh s':>6s} {'hit ms':>6s}")
-    for r in results:
+    for r in out["results"]:
         us = r["us"]
-        d, m, x = us.get("default", float("nan")), us.get("mcts", float("nan")), us.get("exhaustive", float("nan"))
-        print(f"{r['program']:13s} {'x'.join(map(str, r['shape'])):>12s} {r['space']:5d} {d:8.1f} {m:8.1f} {x:8.1f} "
-              f"{d / m:8.2f} {m / x:8.3f} {r['mcts']['wall_s']:6.1f} {r.get('exhaustive', {}).get('wall_s', 0):6.1f} "
+        d, m, x, c = (us.get(k, nan) for k in ("default", "mcts", "exhaustive", "cublas"))
+        print(f"{r['kernel'][:44]:44s} {r['admitted']:5d} {d:8.1f} {m:8.1f} {x:8.1f} {c:8.1f} {d / m:8.3f} "
+              f"{m / x:8.3f} {r['mcts']['wall_s']:6.1f} {r.get('exhaustive', {}).get('wall_s', nan):6.1f} "
               f"{r['cache_hit_s'] * 1e3:6.1f}" + ("" if r["cache_hit"] else "  (no cache hit!)"))
+    if out["skipped"]:
+        print(f"skipped (time limit): {', '.join(out['skipped'])}")
+    if not math.isinf(args.time_limit):
+        print(f"total {out['wall_s']:.0f} s")
 
 
 if __name__ == "__main__":

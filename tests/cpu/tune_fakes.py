@@ -115,7 +115,8 @@ def _register_more():
     from tilefuse.tune import gemm, mapreduce
     from tilefuse.tune.families import register_family
 
-    register_family("interp-cpu-ahead", mapreduce.space, mapreduce.build, compile_fn=ahead_compile, version="test")
+    register_family("interp-cpu-ahead", mapreduce.space, mapreduce.build, compile_fn=ahead_compile, version="test",
+                    portable=True)
     register_family("gemm-cpu", gemm.space, gemm.build, compile_fn=fake_gemm_compile, problem_fn=gemm.gemm_check,
                     knobs_fn=gemm.knobs_of, describe_fn=gemm.describe, version="test")
 

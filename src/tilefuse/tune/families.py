@@ -13,6 +13,8 @@ describe_fn(kernel) -> (hash, signature)  the cache key's kernel part: a structu
                                           (names must not change it) and the shapes/dtypes
 version                                   bump it when the space or the generator changes
                                           meaning: tuned entries of other versions are ignored
+portable                                  compiled kernels may be pickled to the benchmark
+                                          worker (no process-local state such as pointers)
 
 The map-reduce family (tune/mapreduce.py) and the sm_90a GEMM (tune/gemm.py) are
 registered here; the compile and problem functions default to the Loop IR path (codegen
@@ -34,6 +36,7 @@ class Family:
     knobs: Callable
     describe: Callable
     version: str = "1"
+    portable: bool = False  # its compiled kernels survive pickling into another process (compile-ahead)
 
 
 _FAMILIES: dict[str, Family] = {}
@@ -64,8 +67,8 @@ def _dataclass_knobs(schedule) -> dict:
 
 def register_family(name: str, space_fn: Callable, build_fn: Callable, *, compile_fn: Callable = _compile_loop_kernel,
                     problem_fn: Callable = _loop_problem, knobs_fn: Callable = _dataclass_knobs,
-                    describe_fn: Callable = _describe_loop_kernel, version: str = "1") -> Family:
-    fam = Family(name, space_fn, build_fn, compile_fn, problem_fn, knobs_fn, describe_fn, version)
+                    describe_fn: Callable = _describe_loop_kernel, version: str = "1", portable: bool = False) -> Family:
+    fam = Family(name, space_fn, build_fn, compile_fn, problem_fn, knobs_fn, describe_fn, version, portable)
     _FAMILIES[name] = fam
     return fam
 
@@ -86,7 +89,7 @@ def _register_builtin():
 
     register_family("mapreduce", mapreduce.space, mapreduce.build, knobs_fn=mapreduce.knobs_of, version="1")
     register_family(gemm.FAMILY, gemm.space, gemm.build, compile_fn=gemm.compile_task, problem_fn=gemm.gemm_check,
-                    knobs_fn=gemm.knobs_of, describe_fn=gemm.describe, version="1")
+                    knobs_fn=gemm.knobs_of, describe_fn=gemm.describe, version="1", portable=True)
 
 
 _register_builtin()

@@ -3,8 +3,8 @@
 Rendering and NVRTC take a few hundred milliseconds per candidate and need no GPU, while
 the worker has one GPU to keep busy. So the tuner (with `jobs` > 0) hands each proposed
 candidate to a pool of CPU processes first: `prepare` builds the schedule and compiles it,
-which fills the on-disk cubin cache, and returns the compiled kernel itself when it can be
-pickled (a GemmKernel can: the worker then neither renders nor compiles). A compile error
+which fills the on-disk cubin cache, and returns the compiled kernel itself when its family
+says it is portable (a GemmKernel is: the worker then neither renders nor compiles). A compile error
 comes back as the candidate's failure reason, without spending the worker's time.
 """
 from __future__ import annotations
@@ -24,9 +24,11 @@ def prepare(job) -> tuple[str, object]:
     except Exception as e:  # the candidate's failure, reported by the tuner
         first = (str(e).strip().splitlines() or [""])[0]
         return "error", f"{type(e).__name__}: {first}"[:500]
+    if not fam.portable:  # e.g. ctypes state: the worker compiles it again (a cubin cache hit)
+        return "ok", None
     try:
         pickle.dumps(fn)
-    except Exception:  # e.g. ctypes state: the worker compiles it again (a cubin cache hit)
+    except Exception:
         return "ok", None
     return "ok", fn
 

@@ -125,7 +125,9 @@ class Tuner:
     def __exit__(self, *exc):
         self.close()
 
-    def tune_kernel(self, name: str, kernel, key: Key | None = None) -> KernelResult:
+    def tune_kernel(self, name: str, kernel, key: Key | None = None, space=None) -> KernelResult:
+        """Tune one kernel; `space` replaces the family's (e.g. a `Space.restrict`ed one, to
+        measure the exhaustive best of a neighbourhood)."""
         o = self.options
         fam = get_family(kernel.family)
         key = key or key_for(kernel, self.device, fam)
@@ -139,7 +141,7 @@ class Tuner:
                                  wall_s=time.perf_counter() - t0, note="cache hit")
                 self.on_event("done", name=name, result=r)
                 return r
-        space = fam.space(kernel, self.arch)
+        space = space or fam.space(kernel, self.arch)
         default = space.as_dict(space.default) if space.default is not None else None
         searcher = make_searcher(space, o.budget, exhaustive=o.exhaustive, threshold=o.threshold, seed=o.seed,
                                  patience=o.patience)
