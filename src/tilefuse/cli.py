@@ -15,9 +15,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"tilefuse {_version()}")
     sub = p.add_subparsers(dest="command", required=True)
 
-    def program_args(sp):
-        sp.add_argument("-c", "--expr", required=True, metavar="EXPR",
-                        help=f"a PyTorch expression; torch.randn(...) calls in it are the inputs (e.g. {EXAMPLE!r})")
+    def program_args(sp, model: bool = False):
+        what = sp.add_mutually_exclusive_group(required=True) if model else sp
+        what.add_argument("-c", "--expr", required=not model, metavar="EXPR",
+                          help=f"a PyTorch expression; torch.randn(...) calls in it are the inputs (e.g. {EXAMPLE!r})")
+        if model:
+            what.add_argument("--model", choices=["llama", "qwen2", "gpt2"],
+                              help="a transformers causal LM with random weights, run through "
+                                   "torch.compile(backend='tilefuse') (needs transformers)")
         sp.add_argument("--dtype", choices=sorted(DTYPES), help="cast inputs and weights to this dtype first")
         sp.add_argument("--arch", help="GPU architecture to build for (sm_90a, sm_80; default: the current GPU's)")
         sp.add_argument("-v", "--verbose", action="count", default=0, help="-v: tracebacks; -vv: a diff per rewrite")
@@ -30,7 +35,15 @@ def _parser() -> argparse.ArgumentParser:
     r = sub.add_parser("run", help="run a program and check it against PyTorch",
                        description="Run a program (generated CUDA kernels on a GPU, the Loop IR interpreter "
                                    "without one) on fresh random inputs and compare it with PyTorch.")
-    program_args(r)
+    program_args(r, model=True)
+    m = r.add_argument_group("--model options")
+    m.add_argument("--layers", type=int, default=2)
+    m.add_argument("--hidden", type=int, default=256)
+    m.add_argument("--seq", type=int, default=64)
+    m.add_argument("--batch", type=int, default=1)
+    m.add_argument("--vocab", type=int, default=1024)
+    m.add_argument("--output", choices=["logits", "hidden", "loss"], default="logits",
+                   help="what the model returns (loss: with random labels)")
     r.add_argument("--bench", action="store_true", help="on a GPU: time it against eager and torch.compile")
     r.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
     r.add_argument("--seed", type=int, default=0)
@@ -181,6 +194,8 @@ def _default_arch() -> str:
 
 
 def cmd_run(args) -> int:
+    if getattr(args, "model", None):
+        return cmd_run_model(args)
     import torch
     from rich.console import Console
     from rich.table import Table
@@ -228,6 +243,76 @@ def cmd_run(args) -> int:
             from .analyze.bench import bench_program
 
             console.print(bench_program(prog, module, inputs, st))
+    return 0 if ok else 2
+
+
+def cmd_run_model(args) -> int:
+    """A transformers model through torch.compile(backend="tilefuse"): check, summary, optional bench."""
+    import torch
+    from rich.console import Console
+    from rich.table import Table
+
+    from . import models
+    from .check import compare, flatten, float64_reference
+    from .frontend import backend as tb
+
+    console = Console(highlight=False, soft_wrap=True)
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda, but no CUDA GPU is visible")
+    dtype = getattr(torch, DTYPES[args.dtype or "bf16"])
+    built = models.build(args.model, args.layers, args.hidden, args.seq, args.batch, dtype, output=args.output,
+                         device=device, vocab=args.vocab, seed=args.seed)
+    model, inputs = built.model, built.inputs
+    tb.register()
+    torch._dynamo.reset()
+    tb.reset()
+    compiled = torch.compile(model, backend="tilefuse")
+    with torch.no_grad():
+        t0 = time.perf_counter()
+        out = flatten(compiled(*inputs))
+        if device == "cuda":
+            torch.cuda.synchronize()
+        compile_s = time.perf_counter() - t0
+        eager = flatten(model(*inputs))
+    ref = flatten(float64_reference(model, inputs))
+    where = "CUDA kernels" if device == "cuda" else "the Loop IR interpreter (no GPU)"
+    shape = f"{args.layers} layers, hidden {args.hidden}, batch {args.batch} x seq {args.seq}, vocab {args.vocab}"
+    table = Table(title=f"tilefuse run --model {args.model} ({shape}, {args.dtype or 'bf16'}) [{where}]")
+    for col in ("output", "shape", "error", "torch error", "bound", "result"):
+        table.add_column(col)
+    ok = True
+    for i, (o, r, e) in enumerate(zip(out, ref, eager)):
+        c = compare(args.output if len(out) == 1 else f"{args.output}{i}", o, r, e)
+        ok &= c.ok
+        table.add_row(c.name, str(tuple(o.shape)), f"{c.error:.2e}", f"{c.torch_error:.2e}", f"{c.bound:.2e}",
+                      ("[green]pass[/green]" if c.ok else "[red]FAIL[/red]") + (f" {c.note}" if c.note else ""))
+    console.print(table)
+    console.print(f"first call (compile + run): {compile_s:.2f} s")
+    console.print(tb.summary(), markup=False)
+    if args.bench:
+        if device != "cuda":
+            console.print("--bench needs a GPU; skipped")
+        else:
+            from .analyze.bench import median_ms
+
+            with torch.no_grad():
+                tf_ms = median_ms(lambda: compiled(*inputs))
+                eager_ms = median_ms(lambda: model(*inputs))
+                torch._dynamo.reset()
+                tc = torch.compile(model)
+                t0 = time.perf_counter()
+                tc(*inputs)
+                torch.cuda.synchronize()
+                tc_compile_s = time.perf_counter() - t0
+                tc_ms = median_ms(lambda: tc(*inputs))
+            bt = Table(title=f"{torch.cuda.get_device_name()}: median of CUDA-event timings, same run")
+            for col in ("", "ms", "tilefuse speedup", "first call s"):
+                bt.add_column(col)
+            bt.add_row("tilefuse", f"{tf_ms:.3f}", "1.00", f"{compile_s:.1f}")
+            bt.add_row("eager", f"{eager_ms:.3f}", f"{eager_ms / tf_ms:.2f}", "-")
+            bt.add_row("torch.compile", f"{tc_ms:.3f}", f"{tc_ms / tf_ms:.2f}", f"{tc_compile_s:.1f}")
+            console.print(bt)
     return 0 if ok else 2
 
 

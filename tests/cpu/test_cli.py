@@ -169,3 +169,20 @@ def test_python_api_returns_a_callable_like_the_module():
                             (torch.randn(4, 9), torch.randint(0, 9, (4,))))
     x, t = torch.randn(4, 9), torch.randint(0, 9, (4,))
     torch.testing.assert_close(fast(x, t), F.cross_entropy(x, t, reduction="none"), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("model", ["llama", "gpt2"])
+def test_run_model_checks_a_transformers_model_through_the_backend(model, capsys):
+    """`run --model` builds the random transformers model, runs it through torch.compile's tilefuse
+    backend (the interpreter here), passes the 2x rule and prints what ran where."""
+    pytest.importorskip("transformers")
+    assert main(["run", "--model", model, "--layers", "1", "--hidden", "32", "--seq", "8", "--vocab", "64"]) == 0
+    out = capsys.readouterr().out
+    assert "pass" in out and "FAIL" not in out
+    assert "tilefuse kernel(s)" in out and "calls: 1 through tilefuse" in out
+
+
+def test_run_needs_an_expression_or_a_model(capsys):
+    with pytest.raises(SystemExit):
+        main(["run"])
+    assert "one of the arguments -c/--expr --model is required" in capsys.readouterr().err
