@@ -130,11 +130,24 @@ class GemmSchedule:
 
 
 def default_schedule(problem: GemmProblem, sms: int = 132) -> GemmSchedule:
-    """A heuristic pick until the tuner has one: the biggest tile that still fills the GPU."""
+    """A heuristic pick until the tuner has one: the biggest tile that still fills the GPU.
+
+    From the H100 sweep in bench/LOG_gemm.md (round 2):
+    - 128x256 tiles (the largest that fit 2 x 64 x 256 accumulators) wherever they make at
+      least 0.9 waves, storing through shared memory and TMA (5-15% over 4-byte pair stores
+      at large shapes);
+    - of those, 2-CTA clusters multicasting B where M >= 8192 and N <= 8192 (+1-10% there:
+      a third less L2 -> SM traffic); at N >= 11008 and at M <= 6144 the single-sample sweep
+      had the cluster 1-8% slower, so it stays off there until the tuner says otherwise;
+    - smaller tiles for small M, storing straight from registers (the sweep's TMA-store
+      numbers there were taken with a host-bound launcher and are not yet trusted).
+    """
     m, n = problem.m, problem.n
-    candidates = [GemmSchedule(128, 256, stages=4), GemmSchedule(128, 128, stages=6),
-                  GemmSchedule(128, 64, stages=8, consumers=2), GemmSchedule(64, 128, stages=8, consumers=1),
-                  GemmSchedule(64, 64, stages=8, consumers=1)]
+    big = GemmSchedule(128, 256, stages=4)
+    candidates = [big, GemmSchedule(128, 128, stages=6, tma_store=False),
+                  GemmSchedule(128, 64, stages=8, consumers=2, tma_store=False),
+                  GemmSchedule(64, 128, stages=8, consumers=1, tma_store=False),
+                  GemmSchedule(64, 64, stages=8, consumers=1, tma_store=False)]
 
     def waves(s):
         tiles = -(-m // s.bm) * -(-n // s.bn) * problem.batch
@@ -142,6 +155,8 @@ def default_schedule(problem: GemmProblem, sms: int = 132) -> GemmSchedule:
 
     for s in candidates:
         if waves(s) >= 0.9 or s is candidates[-1]:
+            if s is big and m >= 8192 and n <= 8192 and problem.batch == 1:
+                return GemmSchedule(128, 256, stages=4, cluster_m=2)
             return s
     return candidates[-1]
 
