@@ -5,6 +5,10 @@ tilefuse's sm_90a GEMM, bf16, x @ W.T (B K-major), on whatever GPU this runs on.
         [--schedules 128x128x32s4w2x2,...]        # first one listed = "default" column
     python3 bench/gemm_sm80.py --precompile sm_90a  # fill the cubin cache only (no GPU needed)
 
+The run also measures the ceiling this path is under: mma.sync m16n8k16 (bf16, f32
+accumulate) issued back to back from registers by every SM, no memory traffic at all
+("mma.sync peak"); each kernel's rate is reported as a fraction of it and of cuBLAS's.
+
 Random normal inputs; every result is checked against a float32 reference (2x rule) before
 it is timed. Times are medians of CUDA-event timings (triton.testing.do_bench); each
 shape's kernels are timed back to back in one run, cuBLAS first. TFLOP/s counts 2*M*N*K.
@@ -40,6 +44,62 @@ def parse_schedule(text: str, problem: GemmProblem) -> Sm80Schedule:
     return Sm80Schedule(int(bm), int(bn), int(bk), int(s), int(wm), int(wn), int(gm or 8))
 
 
+PEAK_ITERS, PEAK_CHAINS, PEAK_THREADS = 2048, 8, 256
+
+
+def _peak_source() -> tuple[str, str]:
+    """A kernel that only issues mma.sync (PEAK_CHAINS independent accumulators per warp)."""
+    from tilefuse.codegen import gemm_sm80
+
+    name = "tf_mma_sync_peak"
+    src = gemm_sm80._mma_fn("bf16") + f"""
+extern "C" __global__ void __launch_bounds__({PEAK_THREADS}) {name}(float* out, int iters) {{
+  const unsigned one = 0x3f803f80u ^ (threadIdx.x & 1u);   // bf16 pairs near 1.0
+  const unsigned a[4] = {{one, one, one, one}}, b[2] = {{one, one}};
+  float acc[{PEAK_CHAINS}][4] = {{}};
+  for (int i = 0; i < iters; ++i) {{
+    #pragma unroll
+    for (int j = 0; j < {PEAK_CHAINS}; ++j) tf_mma(acc[j], a, b);
+  }}
+  float s = 0.f;
+  #pragma unroll
+  for (int j = 0; j < {PEAK_CHAINS}; ++j) s += acc[j][0] + acc[j][1] + acc[j][2] + acc[j][3];
+  out[blockIdx.x * blockDim.x + threadIdx.x] = s;
+}}
+"""
+    return name, src
+
+
+def mma_peak_tflops(arch: str) -> float:
+    """Dense mma.sync m16n8k16 bf16 rate of this GPU, TFLOP/s (median of CUDA events)."""
+    import ctypes
+
+    import torch
+    from cuda.bindings import driver
+
+    from tilefuse.runtime import cache
+    from tilefuse.runtime.launch import _drv, _raw_stream
+
+    name, src = _peak_source()
+    cubin, _ = cache.compile_cached(src, name, arch)
+    torch.zeros(1, device="cuda")  # the primary context
+    module = _drv(driver.cuModuleLoadData(cubin.data), "cuModuleLoadData")
+    func = _drv(driver.cuModuleGetFunction(module, name.encode()), "cuModuleGetFunction")
+    blocks = torch.cuda.get_device_properties(0).multi_processor_count * 8
+    out = torch.empty(blocks * PEAK_THREADS, device="cuda")
+    ptr, iters = ctypes.c_void_p(out.data_ptr()), ctypes.c_int(PEAK_ITERS)
+    params = (ctypes.c_void_p * 2)(ctypes.addressof(ptr), ctypes.addressof(iters))
+
+    def run():
+        err = driver.cuLaunchKernel(func, blocks, 1, 1, PEAK_THREADS, 1, 1, 0,
+                                    driver.CUstream(_raw_stream(0)), ctypes.addressof(params), 0)
+        _drv(err, "launch of the mma.sync peak kernel")
+
+    ms = median_ms(run)
+    flops = blocks * PEAK_THREADS // 32 * PEAK_ITERS * PEAK_CHAINS * 16 * 8 * 16 * 2
+    return flops / ms / 1e9
+
+
 def median_ms(fn) -> float:
     from triton.testing import do_bench
 
@@ -69,6 +129,9 @@ def main():
             for s in shapes:
                 src = gemm_sm90.render(GemmProblem(*s))
                 cache.compile_cached(src.source, src.name, "sm_90a")
+        from tilefuse.runtime import cache as _c
+
+        _c.compile_cached(_peak_source()[1], _peak_source()[0], args.precompile)
         print(f"compiled {len(items)} sm_80-style kernels for {args.precompile} in {time.time() - t:.1f} s")
         return
 
@@ -79,6 +142,10 @@ def main():
     from tilefuse.runtime.gemm_sm80 import compile_gemm_sm80
 
     gpu = torch.cuda.get_device_name()
+    from tilefuse.runtime import nvrtc
+
+    peak = mma_peak_tflops(nvrtc.current_arch())
+    print(f"mma.sync m16n8k16 bf16 peak (registers only): {peak:.0f} TFLOP/s", flush=True)
     rows = []
     for (m, n, k) in shapes:
         p = GemmProblem(m, n, k, "bf16")
@@ -103,17 +170,20 @@ def main():
             regs = g.info.registers
             rows.append(dict(gpu=gpu, m=m, n=n, k=k, kernel=label, ok=ok, err=err, torch_err=base, ms=t,
                              tflops=flops / t / 1e9, cublas_ms=t_cublas, cublas_tflops=flops / t_cublas / 1e9,
-                             ratio_vs_cublas=t_cublas / t, registers=regs))
+                             ratio_vs_cublas=t_cublas / t, registers=regs,
+                             of_mma_sync_peak=flops / t / 1e9 / peak))
             print(f"{m}x{n}x{k} {label:<58} {'ok ' if ok else 'BAD'} {t:7.3f} ms {flops / t / 1e9:6.0f} TFLOP/s "
                   f"{t_cublas / t:5.2f}x cuBLAS ({t_cublas:.3f} ms, {flops / t_cublas / 1e9:.0f} TFLOP/s) regs {regs}",
                   flush=True)
     if args.json:
-        Path(args.json).write_text(json.dumps(dict(gpu=gpu, torch=torch.__version__, rows=rows), indent=1))
+        Path(args.json).write_text(json.dumps(dict(gpu=gpu, torch=torch.__version__, mma_sync_peak_tflops=peak,
+                                                   rows=rows), indent=1))
     print(f"\n{gpu}: bf16 x @ W.T, median of CUDA events; ratio = cuBLAS time / ours (same run)")
-    print(f"{'shape':<16} {'kernel':<58} {'ms':>8} {'TFLOP/s':>8} {'vs cuBLAS':>9}")
+    print(f"mma.sync peak measured in this run: {peak:.0f} TFLOP/s")
+    print(f"{'shape':<16} {'kernel':<58} {'ms':>8} {'TFLOP/s':>8} {'vs cuBLAS':>9} {'of mma.sync peak':>16}")
     for r in rows:
         print(f"{r['m']}x{r['n']}x{r['k']:<6} {r['kernel']:<58} {r['ms']:8.3f} {r['tflops']:8.0f} "
-              f"{r['ratio_vs_cublas']:8.2f}x")
+              f"{r['ratio_vs_cublas']:8.2f}x {r['of_mma_sync_peak']:15.0%}")
     for (m, n, k) in shapes:
         r = next(r for r in rows if (r["m"], r["n"], r["k"]) == (m, n, k))
         print(f"{m}x{n}x{k:<6} {'cuBLAS (torch.matmul)':<58} {r['cublas_ms']:8.3f} {r['cublas_tflops']:8.0f}")
