@@ -37,3 +37,10 @@ def compiler_pool(jobs: int) -> ProcessPoolExecutor:
     """`jobs` spawned processes (no CUDA state is inherited or created: NVRTC needs no GPU)."""
     return ProcessPoolExecutor(max_workers=jobs, mp_context=mp.get_context("spawn"))
 
+
+
+def warm(_=None) -> bool:
+    """Import what compiling needs (torch, the code generators, NVRTC): a pool's start-up."""
+    from ..runtime import gemm, launch  # noqa: F401
+
+    return True

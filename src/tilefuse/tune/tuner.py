@@ -74,7 +74,8 @@ class KernelResult:
 
 class Tuner:
     def __init__(self, pool, device, cache: TuneCache | None = None, options: TuneOptions = TuneOptions(),
-                 on_event: Callable | None = None, measure_fn: Callable = measure, arch: str | None = None):
+                 on_event: Callable | None = None, measure_fn: Callable = measure, arch: str | None = None,
+                 compiler=None):
         self.pool = pool
         self.device = device
         self.cache = cache or TuneCache()
@@ -82,7 +83,8 @@ class Tuner:
         self.on_event = on_event or (lambda kind, **info: None)
         self.measure_fn = measure_fn
         self.arch = arch or device.arch
-        self._pool = None  # compile-ahead processes (TuneOptions.jobs)
+        self._pool = compiler  # compile-ahead processes (TuneOptions.jobs); one passed in is the caller's to close
+        self._own_pool = compiler is None
 
     def tune(self, kernels: dict) -> list[KernelResult]:
         """Tune each kernel (name -> kernel); kernels sharing a cache key are measured once."""
@@ -115,7 +117,7 @@ class Tuner:
         return self._pool
 
     def close(self):
-        if self._pool is not None:
+        if self._pool is not None and self._own_pool:
             self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool = None
 
