@@ -171,11 +171,14 @@ def _gemm_shape(lg) -> str:
 def _print_gemms(console, st, stage: str):
     from .codegen import gemm_sm90
 
+    from .tune.lookup import choose_gemm
+
     for lg in st.gemms.values():
         problem = lg.problem()
-        sched = gemm_sm90.default_schedule(problem)
+        choice = choose_gemm(problem, "sm_90a")  # tuned (cache hit) or the heuristic default
+        sched = choice.schedule if choice.tuned else gemm_sm90.default_schedule(problem)
         if stage == "schedule":
-            console.print(f"{lg.epilogue.name} (GEMM {_gemm_shape(lg)}): {sched}  (source: heuristic default)",
+            console.print(f"{lg.epilogue.name} (GEMM {_gemm_shape(lg)}): {sched}  (source: {choice.note})",
                           markup=False)
             continue
         src = gemm_sm90.render(problem, sched)

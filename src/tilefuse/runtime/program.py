@@ -118,7 +118,13 @@ class Program:
                 raise GemmError(f"{lowered.epilogue.name}: the generated GEMM needs an sm_90a GPU (H100/H200); "
                                 f"{torch.cuda.get_device_name(device)} is sm_{cap[0]}{cap[1]}. Compile with "
                                 f"arch='sm_{cap[0]}{cap[1]}' or TILEFUSE_GEMM=0 to run matmuls in cuBLAS")
-            self._compiled[key] = compile_gemm(lowered.problem(), None, "sm_90a")
+            problem = lowered.problem()
+            sched = None
+            if self.schedules is not None:  # tuned knobs when `tilefuse tune` measured this GEMM here
+                from ..tune.lookup import tuned_gemm_schedule
+
+                sched = tuned_gemm_schedule(problem, "sm_90a", device)
+            self._compiled[key] = compile_gemm(problem, sched, "sm_90a")
         return self._compiled[key]
 
     def prepare(self, device="cuda"):
