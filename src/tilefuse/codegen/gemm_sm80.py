@@ -6,7 +6,8 @@ m16n8k16, multistage, with the same Loop IR epilogues as the Hopper template.
 
 It runs on Ampere (sm_80, sm_86, sm_89) and on anything later (mma.sync runs on Hopper
 too), and it takes what the sm_90 path cannot: rows that are not a multiple of 16 bytes
-(TMA's rule), any pointer alignment of 2 bytes or more, GPUs without wgmma.
+(TMA's rule; here the copy width follows the row length down to one element, and the
+operands need only be aligned to that width), and GPUs without wgmma.
 
 One CTA per BM x BN output tile (grouped tile order, GROUP_M tile rows at a time, so the
 B tiles stay in L2; blockIdx.y is the batch), warps_m x warps_n warps, each owning a
@@ -130,8 +131,9 @@ class Sm80Schedule:
 
 def default_schedule(problem: GemmProblem, sms: int = 132) -> Sm80Schedule:
     """The biggest tile that still gives about one wave of CTAs (a heuristic until the tuner
-    has one). 128x128x32 with 4 stages was the fastest on the H100 sweep at large shapes
-    (bench/LOG_gemm_sm80.md); smaller tiles keep more SMs busy on small problems."""
+    has one). 128x128x32 with 4 stages was within timing noise of the best tile on the H100
+    sweep (bench/LOG_gemm_sm80.md) and needs 64 KB of shared memory, which every Ampere/Ada
+    part has; smaller tiles keep more SMs busy on small problems."""
     candidates = [Sm80Schedule(128, 128, 32, 4, 2, 2), Sm80Schedule(64, 128, 32, 4, 2, 2),
                   Sm80Schedule(64, 64, 32, 4, 2, 2)]
 
