@@ -31,19 +31,19 @@ class Compiled:
 
 
 def gemm_enabled(arch: str | None) -> bool:
-    """Generated GEMMs are planned for sm_90a targets (and for the CPU interpreter);
-    TILEFUSE_GEMM=0 leaves every matmul to cuBLAS."""
+    """Generated GEMMs are planned for sm_80 and newer targets (sm_90a: TMA + wgmma; others:
+    cp.async + mma.sync) and for the CPU interpreter; TILEFUSE_GEMM=0 leaves every matmul to cuBLAS."""
     import os
 
     if os.environ.get("TILEFUSE_GEMM", "1") == "0":
         return False
     if arch is None:
         if torch.cuda.is_available():
-            return torch.cuda.get_device_capability() == (9, 0)
+            return torch.cuda.get_device_capability() >= (8, 0)
         return True
     from .runtime.nvrtc import normalize_arch
 
-    return normalize_arch(arch) == "sm_90a"
+    return int(normalize_arch(arch)[3:].rstrip("a")) >= 80
 
 
 def lower_plan(graph: ir.Graph, p: Plan) -> tuple[dict[str, Lowered], dict[str, LoweredGemm]]:

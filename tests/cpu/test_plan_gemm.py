@@ -180,3 +180,13 @@ def test_transposes_the_gemm_reads_through_are_not_folded():
     st = compile_stages(lin32, (torch.randn(4, 64),))
     assert not any(isinstance(n, ir.View) and n.op == "permute" for n in st.graph.nodes)
     assert [s.family for s in st.plan.steps] == ["extern"]
+
+
+def test_gemms_are_planned_for_sm80_and_newer_targets_only():
+    from tilefuse.compiler import gemm_enabled
+
+    assert gemm_enabled("sm_90a") and gemm_enabled("sm_80") and gemm_enabled("sm_89")
+    assert not gemm_enabled("sm_75")
+    m = Fn(lambda s, a: a @ s.w, w=torch.randn(64, 32, dtype=BF))
+    st = compile_stages(m, (torch.randn(8, 64, dtype=BF),), arch="sm_75")
+    assert not _gemms(st)

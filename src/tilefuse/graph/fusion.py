@@ -300,7 +300,7 @@ class _Planner:
                 continue  # added to the first GEMM that reads through it
             if n.name in self.gemm_specs:
                 spec = self.gemm_specs[n.name]
-                step = self.new_step("gemm", n, note="sm_90a GEMM (TMA, wgmma)")
+                step = self.new_step("gemm", n, note="generated GEMM, epilogue fused" if spec.maps else "generated GEMM")
                 step.gemm = spec
                 for v in spec.absorbed:
                     if v in self.gemm_skip and v not in self.group_of:

@@ -106,25 +106,32 @@ class Program:
         return self._compiled[key]
 
     def compiled_gemm(self, lowered, device):
-        """The generated GEMM for a planned step, compiled once per device."""
+        """The generated GEMM for a planned step, compiled once per device: the TMA/wgmma
+        kernel on sm_90a, the cp.async/mma.sync one (docs/gemm_sm80.md) on other GPUs from sm_80."""
         key = (lowered.epilogue.name, str(device))
         if key not in self._compiled:
             from ..codegen.gemm_sm90 import GemmError
-            from .gemm import compile_gemm
 
             device = torch.device(device)
             cap = torch.cuda.get_device_capability(device)
-            if cap != (9, 0):
-                raise GemmError(f"{lowered.epilogue.name}: the generated GEMM needs an sm_90a GPU (H100/H200); "
-                                f"{torch.cuda.get_device_name(device)} is sm_{cap[0]}{cap[1]}. Compile with "
-                                f"arch='sm_{cap[0]}{cap[1]}' or TILEFUSE_GEMM=0 to run matmuls in cuBLAS")
             problem = lowered.problem()
-            sched = None
-            if self.schedules is not None:  # tuned knobs when `tilefuse tune` measured this GEMM here
-                from ..tune.lookup import tuned_gemm_schedule
+            if cap == (9, 0):
+                from .gemm import compile_gemm
 
-                sched = tuned_gemm_schedule(problem, "sm_90a", device)
-            self._compiled[key] = compile_gemm(problem, sched, "sm_90a")
+                sched = None
+                if self.schedules is not None:  # tuned knobs when `tilefuse tune` measured this GEMM here
+                    from ..tune.lookup import tuned_gemm_schedule
+
+                    sched = tuned_gemm_schedule(problem, "sm_90a", device)
+                self._compiled[key] = compile_gemm(problem, sched, "sm_90a")
+            elif cap >= (8, 0):
+                from .gemm_sm80 import compile_gemm_sm80
+
+                self._compiled[key] = compile_gemm_sm80(problem, None, f"sm_{cap[0]}{cap[1]}")
+            else:
+                raise GemmError(f"{lowered.epilogue.name}: generated GEMMs need an sm_80 or newer GPU; "
+                                f"{torch.cuda.get_device_name(device)} is sm_{cap[0]}{cap[1]}. "
+                                f"TILEFUSE_GEMM=0 runs matmuls in cuBLAS")
         return self._compiled[key]
 
     def prepare(self, device="cuda"):
