@@ -132,8 +132,31 @@ def test_short_rows_share_a_warp_and_long_rows_span_a_cluster():
         assert fallback.cluster == 1
 
 
+def test_rows_up_to_64k_with_one_exchange_and_no_column_vector_stay_in_one_cta():
+    """Softmax and cross-entropy at 65536 bf16 columns: one CTA of 512 threads stages the
+    whole row (128 KB of shared memory, 16 chunks per thread), no cluster; LayerNorm (three
+    exchanges, weight and bias loaded in its output pass) and RMSNorm (a weight) keep theirs;
+    at 262144 columns the row does not fit one CTA and softmax keeps its cluster."""
+    for name in ("softmax", "cross_entropy"):
+        s = default_schedule(fx.BUILDERS[name](64, 65536, "bf16"), "sm_90a")
+        assert (s.threads, s.cluster, s.stage) == (512, 1, "smem"), s
+        src = render(fx.BUILDERS[name](64, 65536, "bf16"), s, "sm_90a")
+        assert src.smem_bytes == 65536 * 2 and "tf_cluster_sync" not in _body(src)
+    for name in ("layernorm", "rmsnorm", "add_rmsnorm"):
+        assert default_schedule(fx.BUILDERS[name](64, 65536, "bf16"), "sm_90a").cluster > 1, name
+    assert default_schedule(fx.softmax_kernel(64, 262144, "bf16"), "sm_90a").cluster > 1
+
+
+def test_short_rows_of_a_plain_norm_stay_in_registers():
+    """RMSNorm and LayerNorm rows of 256 bf16 columns in registers; add+RMSNorm (two row
+    streams), softmax and cross-entropy (the online pass) staged in shared memory."""
+    for name, stage in [("rmsnorm", "regs"), ("layernorm", "regs"), ("add_rmsnorm", "smem"),
+                        ("softmax", "smem"), ("cross_entropy", "smem")]:
+        assert default_schedule(fx.BUILDERS[name](32768, 256, "bf16"), "sm_90a").stage == stage, name
+
+
 def test_clustered_schedule_is_refused_on_sm80():
-    k = fx.softmax_kernel(64, 65536, "bf16")
+    k = fx.layernorm_kernel(64, 65536, "bf16")
     clustered = default_schedule(k, "sm_90a")
     assert clustered.cluster > 1
     with pytest.raises(ValueError, match="cluster"):
@@ -546,7 +569,7 @@ def test_online_log_sum_exp_algorithm_matches_two_passes(case):
 def test_cluster_exchange_gathers_partials_max_first():
     """What the printed exchange does for a (max, sum) pair: one max butterfly, one
     rescale, one sum butterfly; across warps and CTAs no chain of exps."""
-    body = _body(render(fx.softmax_kernel(8, 65536, "bf16"), arch="sm_90a"))
+    body = _body(render(fx.softmax_kernel(8, 262144, "bf16"), arch="sm_90a"))  # a 512 x 8 cluster
     exchange = body[body.index("// across the 32"):body.index("tf_cluster_arrive();")]
     assert exchange.count("tf_lse_scale(") == 1 + 2 + 2  # the lane's own, then warps and CTAs (first + loop)
     assert exchange.count("for (int o = 16;") == 2

@@ -131,7 +131,7 @@ def _launch(kernel, inputs: dict, schedule=None) -> dict:
     return outs
 
 
-LONG_SCHEDULES = [None,  # the defaults: 128 x 8 (rmsnorm-like), 512 x 2 (softmax, LayerNorm, loss)
+LONG_SCHEDULES = [None,  # the defaults: 128 x 8 (rmsnorm), 512 x 2 (LayerNorm), one CTA of 512 (softmax, loss)
                   MapReduceSchedule(threads=256, group=256, vector=8, cluster=8, stage="smem", min_blocks=6, pipeline=True),
                   MapReduceSchedule(threads=512, group=512, vector=8, cluster=2, stage="smem", min_blocks=3, pipeline=True)]
 
