@@ -11,8 +11,12 @@ grouped order (GROUP_M tile rows at a time, so the B tiles stay in L2):
 - warpgroups 1..consumers: each owns BM/consumers rows of the tile, issues wgmma
   m64nBNk16 on descriptors into the stage, keeps one wgmma group in flight and releases
   the previous stage through its `empty` barrier; then runs the epilogue on its
-  registers and stores straight to global memory.
-`setmaxnreg` moves registers from the producer to the consumers.
+  registers and stores through swizzled shared-memory slots and TMA (one 16-bit output
+  at out[m, n]) or straight to global memory (anything else).
+`setmaxnreg` moves registers from the producer to the consumers. With `cluster_m=2`, CTA
+pairs along M share tn: each loads half of the B tile and multicasts it to both, and a
+consumer releases a stage in both CTAs (a remote arrive, without `.release.cluster`: that
+qualifier costs a GPU-wide MEMBAR per K step).
 
 Everything layout-shaped comes from `tilefuse.layout`: the shared-memory tile layouts
 (`gmma_smem_layout`), the TMA box and swizzle mode, the wgmma descriptor fields and K-step
