@@ -80,15 +80,18 @@ def test_batched_and_f16(dtype):
     _passes(out, a.float() @ bt.float(), a @ bt)
 
 
+@pytest.mark.parametrize("tma_store", [True, False], ids=["tma-store", "direct-store"])
 @pytest.mark.parametrize("act", epi.ACTIVATIONS)
-def test_epilogue_bias_activation_residual_rowscale(act):
+def test_epilogue_bias_activation_residual_rowscale(act, tma_store):
+    """Both store paths, with a tail in M: operand loads past the last row must not be made."""
     m, n, k = 257, 384, 192
     a, b, bt = _operands(m, n, k, "K")
     bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
     res = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
     scale = torch.rand(m, device="cuda", dtype=torch.float32) + 0.5
     ep = epi.standard(m, n, "bf16", bias="col", activation=act, residual=True, row_scale=True)
-    g = compile_gemm(GemmProblem(m, n, k, "bf16", epilogue=ep), GemmSchedule(128, 128, stages=4))
+    g = compile_gemm(GemmProblem(m, n, k, "bf16", epilogue=ep), GemmSchedule(128, 128, stages=4, tma_store=tma_store))
+    assert (g.source.c_box is not None) == tma_store
     out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
     g(a, b, out=out, bias=bias, residual=res, row_scale=scale)
     torch.cuda.synchronize()

@@ -350,14 +350,19 @@ def _epilogue_code(problem: GemmProblem, sched: GemmSchedule, kernel: ir.Kernel)
             lines.append(f"  const int m = row_base + {mb * 64} + frag_row + {r};")
             lines.append(f"  const int n = col_base + frag_col + {c};")
             if packs:
-                guard = "" if full_tiles else f"if (m < {problem.m} && n < {problem.n}) "
+                # on tail tiles the guard also covers the epilogue's operand loads (bias[n],
+                # residual[m, n], ...), which must not read past their tensors
+                if not full_tiles:
+                    lines.append(f"  if (m < {problem.m} && n < {problem.n}) {{")
                 vals = []
                 for e in (0, 1):
                     vals.append(_render_element(kernel, body, f"acc[{mb}][{v + e}]", f"n + {e}", lines,
                                                 f"_{e}", store=False))
                 (buf, off), (x0, x1) = vals[0][0], (vals[0][1], vals[1][1])
-                lines.append(f"  {guard}*(unsigned*)({buf} + {off}) = "
+                lines.append(f"  *(unsigned*)({buf} + {off}) = "
                              f"(unsigned){cexpr.to_storage(packs, x0)} | ((unsigned){cexpr.to_storage(packs, x1)} << 16);")
+                if not full_tiles:
+                    lines.append("  }")
             else:
                 lines.append(f"  if (m < {problem.m} && n < {problem.n}) {{")
                 _render_element(kernel, body, f"acc[{mb}][{v}]", "n", lines, "", store=True)
