@@ -84,6 +84,14 @@ def neighbourhood(space, family: str):
     return space.restrict(vector=d["vector"], unroll=d["unroll"], min_blocks=d["min_blocks"])
 
 
+def in_neighbourhood(nb, knobs) -> bool:
+    """Whether a pick is one of the neighbourhood's candidates (admits prunes prefix by prefix,
+    so membership is decided by enumerating, which needs no rendering)."""
+    if not knobs or any(knobs.get(n) not in d.values for n, d in zip(nb.names, nb.dims)):
+        return False
+    return nb.from_dict(knobs) in set(nb.admitted())
+
+
 def retime(pool, kernel, knob_sets: dict, arch: str, rounds: int, rep_ms: float) -> dict:
     """name -> min over rounds of the median time, candidates interleaved in one worker."""
     best, first = {}, {}
@@ -142,8 +150,7 @@ def evaluate(pool, compiler, device, tmp: Path, name: str, kernel, args) -> dict
                              "knobs": e.knobs, "status": e.status, "note": e.note, "failures": e.failures[:5]}
         if e.knobs:
             picks["exhaustive"] = e.knobs
-        rec["mcts_pick_in_neighbourhood"] = bool(r.knobs) and all(
-            r.knobs.get(n) in d.values for n, d in zip(nb.names, nb.dims)) and bool(nb.admits(r.knobs))
+        rec["mcts_pick_in_neighbourhood"] = in_neighbourhood(nb, r.knobs)
     rec["us"] = retime(pool, kernel, picks, device.arch, args.rounds, args.rep_ms)
     if kernel.family == "gemm_sm90":
         rec["us"]["cublas"] = cublas_us(kernel.problem, args.rounds, args.rep_ms)

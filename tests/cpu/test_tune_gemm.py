@@ -97,6 +97,10 @@ def test_admitted_candidates_respect_the_templates_budgets(shape):
         deeper = [x for x in tg.STAGES if replace(s, stages=x).smem_bytes() <= g.SMEM_LIMIT and x > s.stages]
         assert len(deeper) < tg.STAGE_DEPTHS  # one of the deepest rings that fit
         assert s.cluster_m == 1 or -(-m // s.bm) >= 2
+        rows = -(-m // (s.bm * s.cluster_m))
+        covering = [x for x in tg.GROUP_M if x >= rows]
+        d_group = space.as_dict(space.default)["group_m"]
+        assert s.group_m < rows or s.group_m == (d_group if d_group >= rows else min(covering))  # one of equals
     for c in admitted[:: max(1, len(admitted) // 6)]:  # a spread sample renders (all of them: ~1 min)
         assert space.valid(space.as_dict(c)), space.as_dict(c)
 

@@ -23,7 +23,7 @@ knob added to the template is searched or carried without editing this file. Can
   whole pairs of them.
 - cluster_m 2 (CTA pairs multicasting B) only with at least two tile rows.
 - group_m in {1, 4, 8, 16}: values at or above the number of tile rows all raster the same
-  way, so only the smallest of those is kept.
+  way, so only one of those is kept: the heuristic's when it is one, else the smallest.
 
 `valid` is the code generator's word: the schedule constructs and `render` accepts it for
 this problem (TMA alignment, shared memory, multicast halves); a config that renders exactly
@@ -101,6 +101,14 @@ def space(task: GemmTask, arch: str = "sm_90a") -> Space:
         fit = [s for s in STAGES if sched(k, stages=s).smem_bytes() <= g.SMEM_LIMIT]
         return max(fit, default=0)
 
+    def covering_from(k: Mapping) -> int:  # tile rows of the grid: a group_m this tall covers it
+        return _cdiv(p.m, k["bm"] * k["cluster_m"])
+
+    def covering_pick(k: Mapping) -> int:  # the heuristic's group_m when it covers, else the smallest that does
+        rows = covering_from(k)
+        return knobs["group_m"] if knobs["group_m"] >= rows else min(x for x in GROUP_M + (knobs["group_m"],)
+                                                                      if x >= rows)
+
     def admits(k: Mapping) -> bool:
         if all(knobs[n] == v for n, v in k.items()):
             return True  # the heuristic's pick and everything on the way to it
@@ -129,11 +137,8 @@ def space(task: GemmTask, arch: str = "sm_90a") -> Space:
                 return False  # one tile row: the pair's second CTA would compute zeros
             if p.b_major == "N" and k["bn"] % 128:
                 return False  # each CTA multicasts whole 64-wide spans of an N-major B
-        if "group_m" in k:
-            rows = _cdiv(p.m, k["bm"] * k["cluster_m"])
-            covering = [x for x in GROUP_M if x >= rows]
-            if covering and k["group_m"] > min(covering):
-                return False  # every group at least as tall as the grid rasters alike
+        if "group_m" in k and k["group_m"] >= covering_from(k):
+            return k["group_m"] == covering_pick(k)  # every group as tall as the grid rasters alike: one of them
         return True
 
     rendered: dict = {}  # what a config renders to -> the first config that did
