@@ -574,3 +574,24 @@ def test_cluster_exchange_gathers_partials_max_first():
     assert exchange.count("tf_lse_scale(") == 1 + 2 + 2  # the lane's own, then warps and CTAs (first + loop)
     assert exchange.count("for (int o = 16;") == 2
     assert "tf_remote_ld(&cl0_m, i)" in exchange and "tf_remote_ld(&cl0_s, i)" in exchange
+
+
+def test_tensors_named_like_template_locals_compile():
+    """Graph tensors take their names from the user's code; a parameter called `r`, `slot` or `tid`
+    must not collide with the template's own variables (it did: `r` redeclared the row index)."""
+    import torch
+
+    from tilefuse.compiler import compile_stages
+    from tilefuse.runtime.nvrtc import compile_cuda
+
+    names = ["r", "slot", "rowblock", "tid", "lane", "j", "c0", "row_ok", "v", "acc", "warp", "n"]
+    src = (f"class M(torch.nn.Module):\n    def forward(self, {', '.join(names)}):\n"
+           f"        return torch.rms_norm({' + '.join(names)}, (64,)), torch.softmax(r * slot, -1)\n")
+    ns = {"torch": torch}
+    exec(src, ns)
+    st = compile_stages(ns["M"](), tuple(torch.randn(8, 64) for _ in names))
+    params = {b.name for lk in st.kernels.values() for b in lk.kernel.params}
+    assert {"r", "slot", "tid"} <= params, params
+    for lk in st.kernels.values():
+        s = render(lk.kernel, None, arch="sm_90a")
+        compile_cuda(s.source, s.name, "sm_90a")  # raises CompileError with NVRTC's log

@@ -254,6 +254,12 @@ def _ident(name: str) -> str:
     return re.sub(r"\W", "_", name)
 
 
+def _param(name: str) -> str:
+    """A buffer's parameter name: prefixed, so a graph tensor named like one of the template's
+    locals (`r`, `slot`, `tid`...) cannot shadow or collide with it."""
+    return "g_" + _ident(name)
+
+
 def _words(dtype: str, vector: int) -> int:
     """32-bit words holding one chunk of `vector` elements of `dtype`."""
     return max(1, vector * dtypes.itemsize(dtype) // 4)
@@ -559,7 +565,7 @@ def _guarded_load(ctx: _Ctx, s: ir.Load, env: dict, extra_guard: str) -> str:
     for e, n in zip(s.index, buf.shape):
         if ir.index_values(e):  # a gathered index: stay inside the buffer
             guards.append(f"(unsigned long long)({cexpr.index(e, env)}) < {n}ULL")
-    load = cexpr.from_storage(buf.dtype, f"{_ident(buf.name)}[{off}]")
+    load = cexpr.from_storage(buf.dtype, f"{_param(buf.name)}[{off}]")
     if not guards:
         return load
     return f"({' && '.join(guards)}) ? {load} : ({cexpr.ctype(buf.dtype)})0"
@@ -608,7 +614,7 @@ def _emit_stmt(ctx: _Ctx, em: _Emitter, s, env: dict, *, inner: bool, src_chunk=
             for e, n in zip(s.index, buf.shape):
                 if ir.index_values(e):
                     guard += f" && (unsigned long long)({cexpr.index(e, env)}) < {n}ULL"
-            em(f"if ({guard}) {_ident(buf.name)}[{off}] = {cexpr.to_storage(buf.dtype, val)};")
+            em(f"if ({guard}) {_param(buf.name)}[{off}] = {cexpr.to_storage(buf.dtype, val)};")
     else:
         raise ValueError(f"kernel {ctx.kernel.name}: unexpected statement {s}")
     if isinstance(s, (ir.Const, ir.Op, ir.IndexValue, ir.Load)):
@@ -634,7 +640,7 @@ def _emit_chunk_load(ctx: _Ctx, em: _Emitter, st: _Stream, dst: str, guard: str)
     nbytes = ctx.V * st.itemsize
     calls = _ld_fn(nbytes, stream=st.per_row)
     w = _words(st.buf.dtype, ctx.V)
-    ptr = f"{_ident(st.buf.name)} + b_{st.name} + c0"
+    ptr = f"{_param(st.buf.name)} + b_{st.name} + c0"
     if st.values:  # a gathered row: its base and bounds come from row-level values
         env = _env(ctx, None)
         em(f"const long long b_{st.name} = {cexpr.flat_offset(st.buf, st.base_index, env)};")
@@ -759,7 +765,7 @@ def _emit_pass(ctx: _Ctx, em: _Emitter, blocks: list, accs: list):
             _emit_online_chunk(ctx, em, blk, acc)
     for st in outs:
         nbytes = ctx.V * st.itemsize
-        ptr = f"{_ident(st.buf.name)} + b_{st.name} + c0"
+        ptr = f"{_param(st.buf.name)} + b_{st.name} + c0"
         calls = " ".join(
             f"{fn}({ptr}{'' if off == 0 else f' + {off * 4 // st.itemsize}'}, {st.name}_o + {off});"
             for fn, off in _st_fn(nbytes))
@@ -1141,7 +1147,7 @@ def render(kernel: ir.Kernel, schedule: MapReduceSchedule | None = None, arch: s
     params = []
     for b in kernel.params:
         t = cexpr.storage_ctype(b.dtype)
-        params.append(f"{'const ' if b.role == 'in' else ''}{t}* __restrict__ {_ident(b.name)}")
+        params.append(f"{'const ' if b.role == 'in' else ''}{t}* __restrict__ {_param(b.name)}")
     em(f'extern "C" __global__ void __launch_bounds__({sch.threads}, {sch.min_blocks})')
     em.open(f"{name}({', '.join(params)})")
 
@@ -1195,7 +1201,7 @@ def render(kernel: ir.Kernel, schedule: MapReduceSchedule | None = None, arch: s
             if st.key in ctx.smem_offset:
                 for i in range(_words(st.buf.dtype, V) // 4):
                     off = "" if i == 0 else f" + {16 * i // st.itemsize}"
-                    em(f"tf_cp_async16({_smem_chunk(ctx, st, i)}, {_ident(st.buf.name)} + b_{st.name} + c0{off});")
+                    em(f"tf_cp_async16({_smem_chunk(ctx, st, i)}, {_param(st.buf.name)} + b_{st.name} + c0{off});")
         em.close()
         if pipelined:
             em("tf_cp_async_commit();")
