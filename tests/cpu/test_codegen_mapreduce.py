@@ -96,7 +96,7 @@ def test_rows_are_read_once_with_16_byte_loads():
     assert src.schedule.stage == "smem" and body.count("tf_cp_async16(") == 1
     assert src.smem_bytes == 4096 * 2
     assert body.count("tf_ld16(w_c") == 1 and "tf_ld16_stream" not in body
-    assert body.count("tf_st16(y") == 1
+    assert body.count("tf_st16(g_y") == 1
     assert dict(src.alignment) == {"x": 16, "w": 16, "y": 16}
     regs = _body(render(k, default_schedule(k, "sm_90a", stage="regs")))
     assert regs.count("tf_ld16_stream(x_s[j]") == 1 and "tf_cp_async16(" not in regs
