@@ -27,6 +27,16 @@ def _parser() -> argparse.ArgumentParser:
         sp.add_argument("--arch", help="GPU architecture to build for (sm_90a, sm_80; default: the current GPU's)")
         sp.add_argument("-v", "--verbose", action="count", default=0, help="-v: tracebacks; -vv: a diff per rewrite")
 
+    def model_args(sp):
+        m = sp.add_argument_group("--model options")
+        m.add_argument("--layers", type=int, default=2)
+        m.add_argument("--hidden", type=int, default=256)
+        m.add_argument("--seq", type=int, default=64)
+        m.add_argument("--batch", type=int, default=1)
+        m.add_argument("--vocab", type=int, default=1024)
+        m.add_argument("--output", choices=["logits", "hidden", "loss"], default="logits",
+                       help="what the model returns (loss: with random labels)")
+
     c = sub.add_parser("compile", help="compile a program and print its stages",
                        description="Compile a program and print the chosen stages.")
     program_args(c)
@@ -36,14 +46,7 @@ def _parser() -> argparse.ArgumentParser:
                        description="Run a program (generated CUDA kernels on a GPU, the Loop IR interpreter "
                                    "without one) on fresh random inputs and compare it with PyTorch.")
     program_args(r, model=True)
-    m = r.add_argument_group("--model options")
-    m.add_argument("--layers", type=int, default=2)
-    m.add_argument("--hidden", type=int, default=256)
-    m.add_argument("--seq", type=int, default=64)
-    m.add_argument("--batch", type=int, default=1)
-    m.add_argument("--vocab", type=int, default=1024)
-    m.add_argument("--output", choices=["logits", "hidden", "loss"], default="logits",
-                   help="what the model returns (loss: with random labels)")
+    model_args(r)
     r.add_argument("--bench", action="store_true", help="on a GPU: time it against eager and torch.compile")
     r.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
     r.add_argument("--seed", type=int, default=0)
@@ -51,7 +54,8 @@ def _parser() -> argparse.ArgumentParser:
                        description="Search each distinct kernel's schedule knobs (SP-MCTS, or every candidate "
                                    "when few), measuring candidates in isolated worker processes; the picks go "
                                    "to the tuning cache that run, compile and tilefuse.compile read.")
-    program_args(t)
+    program_args(t, model=True)
+    model_args(t)
     t.add_argument("--budget", type=int, default=64, help="candidates measured per kernel (default 64)")
     t.add_argument("--gpus", type=int, default=1, help="benchmark workers, one per local GPU (default 1)")
     t.add_argument("--exhaustive", action="store_true", help="measure every candidate")
@@ -84,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "tune":
             from .tune.command import run as cmd_tune
 
-            return cmd_tune(args, _build)
+            return cmd_tune(args, _tune_stages)
         return cmd_run(args)
     except KeyboardInterrupt:
         return 130
@@ -120,6 +124,31 @@ def _build(args):
     module, inputs, specs = parse(args.expr, dtype)
     stages = compile_stages(module, inputs, expr=args.expr, arch=args.arch)
     return module, inputs, specs, stages
+
+
+def _tune_stages(args) -> list:
+    """The compiled stages `tune` works on: the -c program's, or each dynamo graph's of a model
+    run once on the GPU through torch.compile(backend="tilefuse")."""
+    if not getattr(args, "model", None):
+        return [_build(args)[3]]
+    import torch
+
+    from . import models
+    from .frontend import backend as tb
+
+    built = models.build(args.model, args.layers, args.hidden, args.seq, args.batch,
+                         getattr(torch, DTYPES[args.dtype or "bf16"]), output=args.output, device="cuda",
+                         vocab=args.vocab, seed=args.seed)
+    tb.register()
+    torch._dynamo.reset()
+    tb.reset()
+    with torch.no_grad():
+        torch.compile(built.model, backend="tilefuse")(*built.inputs)
+    stages = [r.stages for r in tb.reports() if r.stages is not None]
+    if not stages:
+        raise ValueError(f"--model {args.model}: no graph compiled through tilefuse; "
+                         "TILEFUSE_LOG=summary says why")
+    return stages
 
 
 def cmd_compile(args) -> int:

@@ -190,3 +190,28 @@ def test_gemms_are_planned_for_sm80_and_newer_targets_only():
     m = Fn(lambda s, a: a @ s.w, w=torch.randn(64, 32, dtype=BF))
     st = compile_stages(m, (torch.randn(8, 64, dtype=BF),), arch="sm_75")
     assert not _gemms(st)
+
+
+def test_tune_collects_the_planned_gemms_with_the_map_reduce_kernels():
+    """`tilefuse tune` gets every generated kernel of a program: GEMMs as GemmTasks (tuned by the
+    GEMM family, keyed by problem and epilogue), map-reduce kernels as they are."""
+    from tilefuse.tune.command import collect
+    from tilefuse.tune.gemm import GemmTask
+
+    torch.manual_seed(0)
+    m = Fn(lambda s, x: torch.softmax(F.gelu(x @ s.w), -1), w=torch.randn(64, 32, dtype=BF))
+    st = compile_stages(m, (torch.randn(8, 64, dtype=BF),))
+    kernels = collect([st])
+    gemm = [k for k in kernels.values() if isinstance(k, GemmTask)]
+    assert len(gemm) == 1 and gemm[0].family == "gemm_sm90" and gemm[0].problem.epilogue is not None
+    assert len(kernels) == 2 and sum(getattr(k, "family", "") == "mapreduce" for k in kernels.values()) == 1
+    two = collect([st, st])
+    assert len(two) == 4 and all(name.startswith(("g0.", "g1.")) for name in two)
+
+
+def test_tune_model_without_a_gpu_is_one_error_line(capfd):
+    from tilefuse.cli import main
+
+    assert main(["tune", "--model", "llama", "--layers", "1"]) == 1
+    out, err = capfd.readouterr()
+    assert "tune measures kernels on a GPU" in err and len(err.strip().splitlines()) == 1

@@ -99,8 +99,24 @@ def _summary(r: KernelResult) -> str:
     return f"{r.status}: {s}" if s else r.status
 
 
+def collect(stages: list) -> dict:
+    """name -> tunable kernel, for every generated kernel of the compiled programs (one per
+    dynamo graph for a model): the map-reduce kernels and the planned GEMMs."""
+    from .gemm import GemmTask
+
+    kernels = {}
+    for i, st in enumerate(stages):
+        prefix = f"g{i}." if len(stages) > 1 else ""
+        for name, lk in st.kernels.items():
+            kernels[prefix + lk.kernel.name] = lk.kernel
+        for name, lg in st.gemms.items():
+            kernels[prefix + lg.epilogue.name] = GemmTask(lg.problem(), name=lg.epilogue.name)
+    return kernels
+
+
 def run(args, build) -> int:
-    """The subcommand; `build(args)` compiles the program (cli._build)."""
+    """The subcommand; `build(args)` compiles the program and returns its stages, a list of
+    `compiler.Compiled` (cli._tune_stages: one for -c, one per dynamo graph for --model)."""
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
     from rich.table import Table
@@ -114,8 +130,7 @@ def run(args, build) -> int:
 
         if normalize_arch(args.arch) != devices[0].arch:
             raise ValueError(f"--arch {args.arch}: tune measures on this GPU, which is {devices[0].arch}")
-    _, _, _, st = build(args)
-    kernels = {name: lk.kernel for name, lk in st.kernels.items()}
+    kernels = collect(build(args))
     if not kernels:
         console.print("no fused kernels in this program: nothing to tune")
         return 0
