@@ -220,7 +220,7 @@ def test_tma_store_slots_hold_each_element_once_where_tma_reads_it(sched):
 
 
 def test_tma_store_is_used_only_where_it_can_be():
-    """Pairwise epilogues, odd row pitches (TMA's 16-byte rule), narrow tiles and the
+    """Odd row pitches (TMA's 16-byte rule), narrow tiles (pairwise ones: half as wide) and the
     direct-store knob keep storing from registers; the shared memory fits either way."""
     def store(problem, sched):
         src = g.render(problem, sched)
@@ -230,10 +230,43 @@ def test_tma_store_is_used_only_where_it_can_be():
     assert store(g.GemmProblem(256, 256, 64), s)
     assert store(g.GemmProblem(257, 264, 64, epilogue=g.epi.standard(257, 264, "bf16", bias="col", residual=True)), s)
     assert not store(g.GemmProblem(256, 250, 64), s)                      # 500-byte rows
-    assert not store(g.GemmProblem(256, 256, 64, epilogue=epi.glu(256, 256, "bf16")), s)
+    assert store(g.GemmProblem(256, 256, 64, epilogue=epi.glu(256, 256, "bf16")), s)   # 64-wide output slots
+    assert not store(g.GemmProblem(256, 256, 64, epilogue=epi.glu(256, 256, "bf16")),
+                     g.GemmSchedule(128, 64, stages=8))                     # a 32-wide output tile
     assert not store(g.GemmProblem(256, 256, 64), g.GemmSchedule(128, 96, stages=6))
     assert not store(g.GemmProblem(256, 256, 64), g.GemmSchedule(128, 128, stages=6, tma_store=False))
     assert not store(g.GemmProblem(256, 256, 64, epilogue=epi.standard(256, 256, "f32")), s)
+
+
+@pytest.mark.parametrize("sched", [g.GemmSchedule(128, 256), g.GemmSchedule(128, 128, stages=6)], ids=str)
+def test_pairwise_tma_store_slots_hold_each_output_once_where_tma_reads_it(sched):
+    """GLU through the TMA store: each register pair (accumulator columns c, c + 1) writes its one
+    16-bit output, column c / 2, at the offset the slot's swizzled layout gives it; the stores of
+    a slot cover its 64 x 64 outputs exactly once; the TMA store starts at col_base / 2."""
+    m, n = 4 * sched.bm, 4 * sched.bn
+    src = g.render(g.GemmProblem(m, n, 64, epilogue=epi.glu(m, n, "bf16")), sched)
+    assert src.c_box == (64, 64) and "(col_base >> 1) + 0" in src.source
+    assert nvrtc.compile_cuda(src.source, src.name, "sm_90a").info.clean
+    lay = hopper.gmma_smem_layout("K", 128, 16, (64, 64))
+    frag_row, frag_col = _coords(src.source, "frag_row"), _coords(src.source, "frag_col")
+    stores = re.findall(r"const int m = row_base \+ (\d+) \+ frag_row \+ (\d+);\n"
+                        r"\s*const int n = \(col_base \+ frag_col \+ (\d+)\) >> 1;.*?"
+                        r"tf_sts16\(slot \+ 2 \* \((.*?)\), bits\);", src.source, re.S)
+    assert len(stores) == sched.rows_per_wg // 64 * sched.bn // 4   # one per register pair
+    slots = {}
+    for mb, r, col, off in stores:
+        mb, r, col = int(mb) // 64, int(r), int(col)
+        span = col // 2 // 64
+        for tid in range(128):
+            row_t, out_col = frag_row(tid) + r, (frag_col(tid) + col) // 2
+            offset = eval(off.replace("/", "//"), {"frag_row": frag_row(tid), "frag_col": frag_col(tid)})
+            assert offset == lay(row_t, out_col - 64 * span)   # from the layout algebra
+            elems = slots.setdefault((mb, span), set())
+            assert offset not in elems, "an element written twice"
+            elems.add(offset)
+    for elems in slots.values():
+        assert elems == set(range(64 * 64))
+    assert src.source.count("tf_tma_store(&c_map") == len(slots)
 
 
 def test_cluster_release_is_not_a_gpu_wide_fence():

@@ -275,6 +275,9 @@ __device__ __forceinline__ void tf_cluster_sync_all() {
 __device__ __forceinline__ void tf_sts32(unsigned addr, unsigned v) {
   asm volatile("st.shared.b32 [%0], %1;" :: "r"(addr), "r"(v) : "memory");
 }
+__device__ __forceinline__ void tf_sts16(unsigned addr, unsigned short v) {
+  asm volatile("st.shared.b16 [%0], %1;" :: "r"(addr), "h"(v) : "memory");
+}
 __device__ __forceinline__ void tf_fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
 __device__ __forceinline__ void tf_named_bar(unsigned id, unsigned count) {
   asm volatile("bar.sync %0, %1;" :: "r"(id), "r"(count) : "memory");
@@ -391,19 +394,26 @@ def _tma_store_dtype(problem: GemmProblem, sched: GemmSchedule, kernel: ir.Kerne
     """The output dtype when this GEMM can store through shared memory and TMA, else None:
     one 16-bit output stored at out[(b,) m, n] (not pairwise), rows a multiple of 16 bytes
     (TMA's rule), whole 64-column slots in a tile."""
-    if not sched.tma_store or epi.is_pairwise(kernel) or sched.bn % STORE_SPAN:
+    pairwise = epi.is_pairwise(kernel)
+    out_bn = sched.bn // 2 if pairwise else sched.bn
+    if not sched.tma_store or out_bn % STORE_SPAN:
         return None
     body = epi.inner_body(kernel)
-    dt = _pair_store(kernel, body)
+    if pairwise:  # one 16-bit value per register pair: any single 16-bit output will do
+        outs, stores = kernel.outputs, [x for x in body if isinstance(x, ir.Store)]
+        dt = outs[0].dtype if len(outs) == 1 and len(stores) == 1 and outs[0].dtype in ("bf16", "f16") else None
+    else:
+        dt = _pair_store(kernel, body)
     if dt is None:
         return None
     out = kernel.outputs[0]
+    out_n = problem.n // 2 if pairwise else problem.n
     store = next(x for x in body if isinstance(x, ir.Store))
     want = ((ir.Var("b"),) if problem.batch > 1 else ()) + (ir.Var("m"), ir.Var("n"))
     lead = (problem.batch,) if problem.batch > 1 else ()
-    if tuple(store.index) != want or out.shape != lead + (problem.m, problem.n):
+    if tuple(store.index) != want or out.shape != lead + (problem.m, out_n):
         return None
-    if problem.n * 2 % 16:
+    if out_n * 2 % 16:
         return None
     return dt
 
@@ -433,6 +443,8 @@ def _epilogue_code_tma(problem: GemmProblem, sched: GemmSchedule, kernel: ir.Ker
     row0, col0 = cgen.c_tv_coords(frag, "tid", 0)
     lines = [f"const int frag_row = {row0};", f"const int frag_col = {col0};"]
     bar = "tf_named_bar(1 + c, 128);"
+    if epi.is_pairwise(kernel):
+        return lines + _pairwise_tma_slots(problem, sched, kernel, dtype, frag, guarded, bar)
     for mb in range(mb_count):
         for j in range(sched.bn // STORE_SPAN):
             lines.append("{")
@@ -466,6 +478,49 @@ def _epilogue_code_tma(problem: GemmProblem, sched: GemmSchedule, kernel: ir.Ker
             lines.append(f"  if (tid == 0) {{ tf_tma_store(&c_map, slot, col_base + {j * STORE_SPAN}, "
                          f"row_base + {mb * 64}, batch); tf_bulk_commit(); }}")
             lines.append(f"  ep_slot ^= 1;")
+            lines.append("}")
+    return lines
+
+
+def _pairwise_tma_slots(problem, sched, kernel, dtype, frag, guarded, bar) -> list[str]:
+    """The TMA-store slots of a pairwise epilogue: register pair (v, v + 1), accumulator columns
+    (c, c + 1) with c even, gives the one output element at column c / 2, so a warpgroup's
+    64 x BN accumulator block fills 64 x BN/2 outputs, BN/2 / 64 slots; each thread writes its
+    16-bit values into the slot's swizzled layout, then thread 0 stores the slot by TMA."""
+    body = epi.inner_body(kernel)
+    lay = _store_layout()
+    slot_bytes = hopper.smem_bytes(lay, 16)
+    lines = []
+    for mb in range(sched.rows_per_wg // 64):
+        for j in range(sched.bn // 2 // STORE_SPAN):
+            lines.append("{")
+            lines.append(f"  const unsigned slot = stage_out + ep_slot * {slot_bytes};")
+            lines.append(f"  if (tid == 0) tf_bulk_wait_read<{STORE_SLOTS - 1}>();")
+            lines.append(f"  {bar}")
+            for v in range(0, frag.values, 2):
+                r, cc = frag(0, v)  # offsets relative to thread 0's element; cc is even
+                if not j * STORE_SPAN <= cc // 2 < (j + 1) * STORE_SPAN:
+                    continue
+                lines.append("  {")
+                lines.append(f"    const int m = row_base + {mb * 64} + frag_row + {r};")
+                lines.append(f"    const int n = (col_base + frag_col + {cc}) >> 1;")
+                lines.append("    unsigned short bits = 0;")
+                if guarded:
+                    lines.append(f"    if (m < {problem.m} && 2 * n < {problem.n}) {{")
+                _, val = _render_element(kernel, body, [f"acc[{mb}][{v}]", f"acc[{mb}][{v + 1}]"], "n", lines, "",
+                                         store=False)
+                lines.append(f"    bits = {cexpr.to_storage(dtype, val)};")
+                if guarded:
+                    lines.append("    }")
+                off = cgen.c_index(lay, (f"frag_row + {r}", f"(frag_col >> 1) + {cc // 2 - j * STORE_SPAN}"),
+                                   shifts=True)
+                lines.append(f"    tf_sts16(slot + 2 * ({off}), bits);")
+                lines.append("  }")
+            lines.append("  tf_fence_async_smem();")
+            lines.append(f"  {bar}")
+            lines.append(f"  if (tid == 0) {{ tf_tma_store(&c_map, slot, (col_base >> 1) + {j * STORE_SPAN}, "
+                         f"row_base + {mb * 64}, batch); tf_bulk_commit(); }}")
+            lines.append("  ep_slot ^= 1;")
             lines.append("}")
     return lines
 
