@@ -117,15 +117,18 @@ def test_unaligned_k_is_refused_with_reason():
         compile_gemm(GemmProblem(64, 64, 70, "bf16"))
 
 
+@pytest.mark.parametrize("sched", [GemmSchedule(128, 128, stages=4), GemmSchedule(128, 256, stages=4),
+                                   GemmSchedule(128, 128, stages=4, tma_store=False)], ids=str)
 @pytest.mark.parametrize("act", ["silu", "gelu"])
-def test_glu_epilogue_on_interleaved_weights(act):
-    """SwiGLU/GeGLU as a pairwise epilogue equals act(x @ Wg.T) * (x @ Wu.T)."""
+def test_glu_epilogue_on_interleaved_weights(act, sched):
+    """SwiGLU/GeGLU as a pairwise epilogue equals act(x @ Wg.T) * (x @ Wu.T), stored through the
+    TMA-store slots (tails clipped by TMA) or straight from registers."""
     m, n2, k = 300, 2 * 200, 136
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     wg, wu = (torch.randn(n2 // 2, k, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     w = torch.stack([wg, wu], dim=1).reshape(n2, k).contiguous()  # gate j at row 2j, up j at 2j+1
-    g = compile_gemm(GemmProblem(m, n2, k, "bf16", epilogue=epi.glu(m, n2, "bf16", activation=act)),
-                     GemmSchedule(128, 128, stages=4))
+    g = compile_gemm(GemmProblem(m, n2, k, "bf16", epilogue=epi.glu(m, n2, "bf16", activation=act)), sched)
+    assert (g.source.c_box is not None) == sched.tma_store
     out = torch.full((m, n2 // 2), float("nan"), device="cuda", dtype=torch.bfloat16)
     g(x, w, out=out)
     torch.cuda.synchronize()
