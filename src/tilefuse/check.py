@@ -54,11 +54,38 @@ def compare(name: str, out: torch.Tensor, ref64: torch.Tensor, torch_out: torch.
 
 
 def float64_reference(fn, inputs):
-    """Run `fn` with its weights and float inputs in float64."""
+    """Run `fn` with its weights and float inputs in float64, all the way through.
+
+    Casts the program makes itself (`x.to(torch.bfloat16)`, `.half()`, `.float()`, `type_as`,
+    a `dtype=` argument) keep float64 values float64: a reference rounded to bf16 at its end
+    would equal eager's own bf16 result, make PyTorch's error 0 and the 2x bound the floor,
+    and fail any correct kernel whose sum order rounds one element the other way.
+    """
     fn64 = copy.deepcopy(fn).double() if isinstance(fn, torch.nn.Module) else fn
     args = [x.double() if isinstance(x, torch.Tensor) and x.is_floating_point() else x for x in inputs]
-    with torch.no_grad():
+    with torch.no_grad(), _KeepFloat64():
         return fn64(*args)
+
+
+_CASTS = {torch.Tensor.to, torch.Tensor.type, torch.Tensor.type_as, torch.Tensor.bfloat16, torch.Tensor.half,
+          torch.Tensor.float, torch.Tensor.double}
+
+
+class _KeepFloat64(torch.overrides.TorchFunctionMode):
+    """Float casts of float64 tensors return them unchanged; float `dtype=` arguments become float64."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        tensors = [a for a in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
+        if any(t.dtype == torch.float64 for t in tensors):
+            if isinstance(kwargs.get("dtype"), torch.dtype) and kwargs["dtype"].is_floating_point:
+                kwargs["dtype"] = torch.float64
+            if func in _CASTS and args and isinstance(args[0], torch.Tensor) and args[0].dtype == torch.float64:
+                out = func(*args, **kwargs)
+                if isinstance(out, torch.Tensor) and out.is_floating_point():
+                    return args[0] if out.device == args[0].device else args[0].to(out.device)
+                return out
+        return func(*args, **kwargs)
 
 
 def flatten(x) -> list[torch.Tensor]:

@@ -52,6 +52,33 @@ def test_expression_factories_become_inputs_and_modules_weights():
     torch.testing.assert_close(m(*inputs), m.mods._m0(inputs[0]) + inputs[1])
 
 
+def test_expression_module_methods_apply_to_the_hoisted_module():
+    """`nn.Linear(8, 3).bfloat16()` calls a method of a module built in the expression: the
+    result is that one module (its weights bf16), registered once."""
+    m, inputs, _ = parse("nn.Linear(8, 3).bfloat16()(torch.randn(2, 8).bfloat16())")
+    assert sorted(n for n, _ in m.named_parameters()) == ["mods._m0.bias", "mods._m0.weight"]
+    assert m.mods._m0.weight.dtype == torch.bfloat16 and m(*inputs).dtype == torch.bfloat16
+
+
+def test_float64_reference_keeps_the_programs_own_casts_in_float64():
+    """A program that casts (`.to(bf16)`, `.half()`, a `dtype=` argument) is referenced in float64
+    all the way: the reference is the exact value, not eager's own rounding of it."""
+    from tilefuse.check import compare, float64_reference
+
+    class M(torch.nn.Module):
+        def forward(self, x):
+            return torch.softmax(x, -1, dtype=torch.float32).to(torch.bfloat16), x.half().float() * 3
+
+    x = torch.randn(64, 33, dtype=torch.bfloat16)
+    soft, tripled = float64_reference(M(), [x])
+    assert soft.dtype == tripled.dtype == torch.float64
+    torch.testing.assert_close(soft, torch.softmax(x.double(), -1), rtol=0, atol=0)
+    torch.testing.assert_close(tripled, x.double() * 3, rtol=0, atol=0)
+    eager = M()(x)[0]
+    c = compare("softmax", eager, soft, eager)
+    assert c.torch_error > 1e-4, "eager's bf16 rounding is an error against the float64 value"
+
+
 def test_expression_inputs_are_fresh_each_time_they_are_made():
     """InputSpec.make evaluates the factory again: same shape and dtype, new values."""
     _, inputs, specs = parse("torch.randn(4, 5) * 2")

@@ -55,12 +55,12 @@ class _Hoist(ast.NodeTransformer):
             return ast.copy_location(ast.Name(name, ast.Load()), node)
         node = self.generic_visit(node)
         if not any(isinstance(n, ast.Name) and n.id.startswith("_in") for n in ast.walk(node)):
-            try:
-                value = eval(compile(ast.Expression(node), "<tilefuse -c>", "eval"), self.scope)
+            try:  # modules hoisted already are in scope: `nn.Linear(4, 4).bfloat16()` calls a method of one
+                value = eval(compile(ast.Expression(node), "<tilefuse -c>", "eval"), {**self.scope, **self.consts})
             except Exception as e:
                 raise ExprError(f"cannot evaluate {ast.unparse(node)!r}: {e}") from None
             if isinstance(value, nn.Module):
-                name = f"_m{len(self.consts)}"
+                name = next((k for k, v in self.consts.items() if v is value), f"_m{len(self.consts)}")
                 self.consts[name] = value
                 return ast.copy_location(ast.Name(name, ast.Load()), node)
         return node
