@@ -307,3 +307,28 @@ def test_generated_programs_keep_the_plan_invariants(prog):
     assert not [s for s in p.steps if s.family == "extern"], str(p)
     if inputs[0].shape[-1] > 1:
         assert len(kernels(p)) == 1, str(p)
+
+
+def test_a_value_constant_along_some_rows_is_never_written_by_every_row():
+    """s = m - 1 is one value per batch; x * 3 + s runs per token. s may be computed inside the
+    per-token kernel, but it is also returned, and written from there every token of a batch
+    would write it: the plan gives it a kernel of its own rows, and the program runs through
+    the interpreter (which rejects an element written twice) with PyTorch's results."""
+    from tilefuse.compiler import lower_plan
+    from tilefuse.graph.fusion import partial_rows
+    from tilefuse.runtime.program import Program
+
+    def f(x, m):
+        y = x * 3
+        s = m - 1  # shape (2, 1): it runs along the first row dim of y's kernel only
+        return y + s[:, :, None], s
+
+    x, m = torch.randn(2, 8, 64), torch.randn(2, 1)
+    g, p = planned(f, [x, m])
+    check_invariants(g, p)
+    for s in kernels(p):
+        assert not any(partial_rows(s.align[o], s.space) for o in s.outputs), s
+    kernels_, gemms = lower_plan(g, p)
+    out = Program(g, p, kernels_, gemms=gemms)(x, m)
+    for got, want in zip(out, f(x, m)):
+        torch.testing.assert_close(got, want)

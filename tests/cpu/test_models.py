@@ -111,3 +111,32 @@ def test_build_refuses_unknown_models_and_explains_missing_transformers(monkeypa
     monkeypatch.setitem(sys.modules, "transformers", None)
     with pytest.raises(models.TransformersMissing, match=r"pip install 'tilefuse\[models\]'"):
         models.build("llama")
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2", "gpt2"])
+def test_transformers_models_through_tilefuse_compile(name):
+    """torch.export of a transformers model wraps its rotary embedding in grad-mode and
+    disabled-autocast regions (higher-order ops with a subgraph); capture inlines them, and the
+    bf16 model compiles whole, its projections as GEMMs, and passes the 2x rule."""
+    pytest.importorskip("transformers")
+    import tilefuse
+
+    b = models.build(name, 2, hidden=64, seq=8, batch=2, vocab=64, dtype=torch.bfloat16)
+    prog = tilefuse.compile(b.model, b.inputs)
+    assert sum(s.family == "gemm" for s in prog.plan.steps) >= 8
+    with torch.no_grad():
+        eager = b.model(*b.inputs)
+    c = compare(name, prog(*b.inputs), float64_reference(b.model, b.inputs), eager)
+    assert c.ok, c
+
+
+def test_an_enabled_autocast_region_is_refused_with_its_line():
+    from tilefuse.frontend.capture import CaptureError, export, to_graph
+
+    class M(torch.nn.Module):
+        def forward(self, x):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                return x @ x
+
+    with pytest.raises(CaptureError, match="autocast region"):
+        to_graph(export(M(), (torch.randn(4, 4),)))

@@ -130,6 +130,57 @@ def to_graph(ep, expr: str | None = None) -> ir.Graph:
             return a
         return a
 
+    def call(node):
+        if node.target is operator.getitem:
+            src, idx = node.args
+            outs = tuple_outputs.get(src)
+            if isinstance(outs, tuple):  # every output was translated (split, chunk, unbind, a region)
+                env[node] = outs[idx]
+                return
+            if outs is not None and idx == 0:
+                env[node] = outs
+                return
+            raise CaptureError(f"output {idx} of {_op_name(src.target)} is not supported "
+                               f"({source_of(src, expr)})")
+        region = _region(node)
+        if region is not None:
+            tuple_outputs[node] = inline(*region)
+            env[node] = tuple_outputs[node][0]
+            return
+        try:
+            _translate(b, node, resolve, env, tuple_outputs, expr)
+        except ValueError as e:  # an unsupported dtype, shapes that do not broadcast...
+            raise CaptureError(f"aten.{_op_name(node.target)}: {e} ({b.source})") from e
+
+    def inline(sub, operands) -> tuple:
+        """Translate a region's subgraph in place, its placeholders bound to the call's operands."""
+        values = iter(operands)
+        result = ()
+        for n in sub.graph.nodes:
+            b.source = source_of(n, expr) if n.op == "call_function" else ""
+            if n.op == "placeholder":
+                env[n] = resolve(next(values))
+            elif n.op == "get_attr":
+                env[n] = getattr(sub, n.target)
+            elif n.op == "call_function":
+                call(n)
+            elif n.op == "output":
+                result = tuple(env[o] for o in n.args[0])
+        return result
+
+    def _region(node):
+        """(subgraph, operands) of a higher-order op that only scopes a region: grad mode (no
+        effect here, nothing is differentiated) or a disabled autocast; None for any other op."""
+        name = getattr(node.target, "__name__", "") or str(node.target)
+        if name == "wrap_with_set_grad_enabled":
+            return env[node.args[1]], node.args[2:]
+        if name == "wrap_with_autocast":
+            if node.args[2]:
+                raise CaptureError(f"an autocast region ({source_of(node, expr)}): tilefuse compiles the dtypes "
+                                   f"the program states; cast explicitly instead")
+            return env[node.args[4]], node.args[5:]
+        return None
+
     for node in ep.graph.nodes:
         b.source = source_of(node, expr) if node.op == "call_function" else ""
         if node.op == "placeholder":
@@ -151,21 +202,9 @@ def to_graph(ep, expr: str | None = None) -> ir.Graph:
                 b.add(ir.Weight(name, t, source=target))
             env[node] = name
         elif node.op == "call_function":
-            if node.target is operator.getitem:
-                src, idx = node.args
-                outs = tuple_outputs.get(src)
-                if isinstance(outs, tuple):  # every output was translated (split, chunk, unbind)
-                    env[node] = outs[idx]
-                    continue
-                if outs is not None and idx == 0:
-                    env[node] = outs
-                    continue
-                raise CaptureError(f"output {idx} of {_op_name(src.target)} is not supported "
-                                   f"({source_of(src, expr)})")
-            try:
-                _translate(b, node, resolve, env, tuple_outputs, expr)
-            except ValueError as e:  # an unsupported dtype, shapes that do not broadcast...
-                raise CaptureError(f"aten.{_op_name(node.target)}: {e} ({b.source})") from e
+            call(node)
+        elif node.op == "get_attr":
+            env[node] = getattr(ep.graph_module, node.target)
         elif node.op == "output":
             for o in node.args[0]:
                 if o is None or not isinstance(o, torch.fx.Node):

@@ -16,7 +16,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from .. import dtypes
 from . import ir
 from .contraction import GemmSpec, match as match_gemm
 
@@ -106,9 +105,17 @@ def is_row_level(align: Align, space) -> bool:
     return len(space[0]) not in align
 
 
+def partial_rows(align: Align, space) -> bool:
+    """Does a tensor with this alignment stay constant along some row dim (of size > 1)?"""
+    L, _ = space
+    covered = {a for a in align if a is not None}
+    return any(L[d] > 1 and d not in covered for d in range(len(L)))
+
+
 class _Planner:
-    def __init__(self, g: ir.Graph, gemm: bool = True):
+    def __init__(self, g: ir.Graph, gemm: bool = True, whole_rows: frozenset = frozenset()):
         self.g = g
+        self.whole_rows = whole_rows  # nodes that may only join kernels whose every row they run along
         self.users = g.users()
         self.group_of: dict[str, Step] = {}
         self.steps: list[Step] = []
@@ -234,6 +241,11 @@ class _Planner:
                        if not is_row_level(al, step.space) and self._outside(a, step)}
         return len(row_tensors) * C * 4 <= ON_CHIP_BYTES
 
+    def coarse_in(self, name: str, align: Align, step: Step) -> bool:
+        """Would `name` join `step` while varying along fewer of its rows than the kernel has,
+        when it must not (a value like that, written by every row, is written more than once)?"""
+        return name in self.whole_rows and partial_rows(align, step.space)
+
     def _outside(self, name, step):
         return name not in step.nodes
 
@@ -245,7 +257,7 @@ class _Planner:
                 producers.append(s)
         for s in reversed(producers):
             al = self.align_in(n, s)
-            if al is None or not self.fits(s, al):
+            if al is None or not self.fits(s, al) or self.coarse_in(n.name, al[n.name], s):
                 continue
             if any(self.depends_on(self.group_of[a], s) for a in ir.node_args(n)
                    if a in self.group_of and self.group_of[a] is not s):
@@ -268,7 +280,7 @@ class _Planner:
                 if probe.align[n.arg] is None:
                     continue
             al = self.align_in(n, probe)
-            if al is None or not self.fits(s, al):
+            if al is None or not self.fits(s, al) or self.coarse_in(n.name, al[n.name], s):
                 continue
             if isinstance(n, ir.Reduce):
                 al = {n.arg: probe.align[n.arg], **al}
@@ -358,8 +370,7 @@ class _Planner:
                 s.bytes = sum(g[t].type.nbytes for t in s.inputs + s.outputs)
                 n = g[s.nodes[0]]
                 if isinstance(n, ir.Contraction):
-                    a, b = g[n.a].type.shape, g[n.b].type.shape
-                    s.flops = 2 * n.type.numel * a[-1]
+                    s.flops = 2 * n.type.numel * g[n.a].type.shape[-1]
                 elif isinstance(n, ir.Attention):
                     q, k = g[n.q].type.shape, g[n.k].type.shape
                     s.flops = 4 * q[-2] * k[-2] * q[-1] * int(n.type.numel // (q[-2] * q[-1]))
@@ -405,8 +416,32 @@ def _extern_note(n) -> str:
 
 
 def plan(g: ir.Graph, gemm: bool = True) -> Plan:
-    """Group the graph into kernels. `gemm=False` leaves every contraction to torch.matmul."""
-    return _Planner(g, gemm).plan()
+    """Group the graph into kernels. `gemm=False` leaves every contraction to torch.matmul.
+
+    A value that is constant along some of a kernel's rows (a per-batch scalar inside a
+    per-token kernel) may be computed there, but not written from there: every row would write
+    it. Such outputs, and what they are computed from in that kernel, are planned again as
+    kernels of their own rows, until none is left.
+    """
+    whole_rows: set[str] = set()
+    for _ in range(8):
+        p = _Planner(g, gemm, frozenset(whole_rows)).plan()
+        coarse = set()
+        for s in p.steps:
+            if s.family != "mapreduce":
+                continue
+            members = set(s.nodes)
+            stack = [o for o in s.outputs if partial_rows(s.align[o], s.space)]
+            while stack:
+                x = stack.pop()
+                if x in coarse or x not in members:
+                    continue
+                coarse.add(x)
+                stack.extend(a for a in ir.node_args(g[x]) if a in members and partial_rows(s.align[a], s.space))
+        if not coarse - whole_rows:
+            return p
+        whole_rows |= coarse
+    raise RuntimeError("internal: the fusion plan did not settle")
 
 
 def format_plan(p: Plan) -> str:

@@ -17,7 +17,7 @@ from .. import dtypes
 from ..codegen import gemm_sm90
 from ..codegen.gemm_sm90 import GemmError, GemmProblem, GemmSchedule
 from . import cache, nvrtc
-from .launch import _drv, _raw_stream
+from .launch import _drv, _raw_stream, load_function
 
 
 def _sm_count(device: int) -> int:
@@ -100,6 +100,9 @@ class GemmKernel:
             raise ValueError(f"{where}: expected a contiguous tensor, got strides {tuple(t.stride())}")
         if not t.is_cuda:
             raise ValueError(f"{where}: expected a CUDA tensor, got one on {t.device}")
+        self._check_alignment(where, name, t)
+
+    def _check_alignment(self, where: str, name: str, t):
         if (name in ("a", "b") or name in self._tma_outputs) and t.data_ptr() % 16:
             raise ValueError(f"{where}: TMA needs 16-byte aligned operands; this one starts at "
                              f"{t.data_ptr() % 16} bytes past a boundary (use .clone())")
@@ -114,7 +117,7 @@ class GemmKernel:
         hit = self._maps.get(key)
         if hit is not None:
             return hit
-        p, s, src = self.problem, self.schedule, self.source
+        p, src = self.problem, self.source
         e = 2
         amap = encode_tma(a.data_ptr(), p.dtype, (p.k, p.m, p.batch), (p.k * e, p.m * p.k * e),
                           (src.a_box[0], src.a_box[1], 1), int(src.swizzle))
@@ -140,15 +143,7 @@ class GemmKernel:
     def _load(self, device: int):
         from cuda.bindings import driver
 
-        _drv(driver.cuInit(0), "cuInit")
-        dev = _drv(driver.cuDeviceGet(device), "cuDeviceGet")
-        ctx = _drv(driver.cuDevicePrimaryCtxRetain(dev), "cuDevicePrimaryCtxRetain")
-        _drv(driver.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
-        module = _drv(driver.cuModuleLoadData(self.cubin.data), f"cuModuleLoadData({self.source.name})")
-        func = _drv(driver.cuModuleGetFunction(module, self.source.name.encode()), "cuModuleGetFunction")
-        _drv(driver.cuFuncSetAttribute(
-            func, driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-            self.source.smem_bytes), "cuFuncSetAttribute(max dynamic shared memory)")
+        module, func, _ = load_function(self.cubin.data, self.source.name, device, self.source.smem_bytes)
         cl = self.source.cluster
         grid = min(self.source.grid_tiles, _sm_count(device) // cl) * cl
         cfg = None

@@ -20,27 +20,14 @@ from ..codegen import gemm_sm80
 from ..codegen.gemm_sm90 import GemmError, GemmProblem
 from . import cache, nvrtc
 from .gemm import GemmKernel
-from .launch import _drv, _raw_stream
+from .launch import _drv, _raw_stream, load_function
 
 
 @dataclass
 class Sm80GemmKernel(GemmKernel):
     """A compiled sm_80 GEMM; `source` is a gemm_sm80.Sm80Source."""
 
-    def _check(self, name: str, t, shape, dtype: str):
-        import torch
-
-        where = f"GEMM {self.source.name}: {name!r}"
-        if not isinstance(t, torch.Tensor):
-            raise ValueError(f"{where}: expected a torch.Tensor, got {type(t).__name__}")
-        if t.dtype != dtypes.to_torch(dtype):
-            raise ValueError(f"{where}: expected dtype {dtypes.to_torch(dtype)}, got {t.dtype}")
-        if tuple(t.shape) != tuple(shape):
-            raise ValueError(f"{where}: expected shape {tuple(shape)}, got {tuple(t.shape)}")
-        if not t.is_contiguous():
-            raise ValueError(f"{where}: expected a contiguous tensor, got strides {tuple(t.stride())}")
-        if not t.is_cuda:
-            raise ValueError(f"{where}: expected a CUDA tensor, got one on {t.device}")
+    def _check_alignment(self, where: str, name: str, t):
         align = {"a": self.source.align_a, "b": self.source.align_b}.get(name, 1)
         if self.source.pair_store and name in {o.name for o in self.problem.out_epilogue.outputs}:
             align = 4  # two adjacent 16-bit outputs in one 4-byte store
@@ -49,17 +36,7 @@ class Sm80GemmKernel(GemmKernel):
                              f"aligned; it starts {t.data_ptr() % align} bytes past a boundary (use .clone())")
 
     def _load(self, device: int):
-        from cuda.bindings import driver
-
-        _drv(driver.cuInit(0), "cuInit")
-        dev = _drv(driver.cuDeviceGet(device), "cuDeviceGet")
-        ctx = _drv(driver.cuDevicePrimaryCtxRetain(dev), "cuDevicePrimaryCtxRetain")
-        _drv(driver.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
-        module = _drv(driver.cuModuleLoadData(self.cubin.data), f"cuModuleLoadData({self.source.name})")
-        func = _drv(driver.cuModuleGetFunction(module, self.source.name.encode()), "cuModuleGetFunction")
-        _drv(driver.cuFuncSetAttribute(
-            func, driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-            self.source.smem_bytes), "cuFuncSetAttribute(max dynamic shared memory)")
+        module, func, _ = load_function(self.cubin.data, self.source.name, device, self.source.smem_bytes)
         self._loaded[device] = (module, func)
         return self._loaded[device]
 

@@ -158,23 +158,8 @@ class CompiledKernel:
     def _load(self, device: int) -> _Loaded:
         from cuda.bindings import driver
 
-        _drv(driver.cuInit(0), "cuInit")
-        dev = _drv(driver.cuDeviceGet(device), "cuDeviceGet")
-        ctx = _drv(driver.cuDevicePrimaryCtxRetain(dev), "cuDevicePrimaryCtxRetain")
-        _drv(driver.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
-        image = ctypes.create_string_buffer(self.cubin.data, len(self.cubin.data))
-        try:
-            loaded_module = driver.cuModuleLoadData(ctypes.addressof(image))
-        except TypeError:  # bindings that want the bytes themselves
-            loaded_module = driver.cuModuleLoadData(self.cubin.data)
-        module = _drv(loaded_module, f"cuModuleLoadData({self.source.name})")
-        func = _drv(driver.cuModuleGetFunction(module, self.source.name.encode()),
-                    f"cuModuleGetFunction({self.source.name})")
+        module, func, ctx = load_function(self.cubin.data, self.source.name, device, self.source.smem_bytes)
         src = self.source
-        if src.smem_bytes > 48 * 1024:
-            _drv(driver.cuFuncSetAttribute(
-                func, driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                src.smem_bytes), "cuFuncSetAttribute(max dynamic shared memory)")
         cfg = driver.CUlaunchConfig()
         cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = src.grid
         cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = src.block
@@ -248,6 +233,29 @@ class CompiledKernel:
                 t.fill_(float("nan") if dtypes.is_float(b.dtype) else -12345 if b.dtype not in ("bool", "u8") else 0)
             outs[b.name] = t
         return outs
+
+
+def load_function(data: bytes, name: str, device: int, smem_bytes: int = 0):
+    """(module, function, context) of kernel `name` from a cubin, loaded into `device`'s primary
+    context (the one torch uses), allowed `smem_bytes` of dynamic shared memory."""
+    from cuda.bindings import driver
+
+    _drv(driver.cuInit(0), "cuInit")
+    dev = _drv(driver.cuDeviceGet(device), "cuDeviceGet")
+    ctx = _drv(driver.cuDevicePrimaryCtxRetain(dev), "cuDevicePrimaryCtxRetain")
+    _drv(driver.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+    image = ctypes.create_string_buffer(data, len(data))
+    try:
+        loaded = driver.cuModuleLoadData(ctypes.addressof(image))
+    except TypeError:  # bindings that want the bytes themselves
+        loaded = driver.cuModuleLoadData(data)
+    module = _drv(loaded, f"cuModuleLoadData({name})")
+    func = _drv(driver.cuModuleGetFunction(module, name.encode()), f"cuModuleGetFunction({name})")
+    if smem_bytes > 48 * 1024:
+        _drv(driver.cuFuncSetAttribute(
+            func, driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            smem_bytes), "cuFuncSetAttribute(max dynamic shared memory)")
+    return module, func, ctx
 
 
 def _raw_stream(device: int) -> int:
