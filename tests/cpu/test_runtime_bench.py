@@ -25,3 +25,20 @@ def test_graph_note_says_how_tilefuse_ran():
     p(torch.randn(2, 8))
     note = bench._graph_note(p)
     assert "no CUDA graph" in note and "not a CUDA device" in note
+
+
+def test_program_flops_count_every_matrix_product():
+    """2*M*N*K for a generated GEMM and for a matmul left to cuBLAS; nothing for map-reduce steps."""
+    import torch
+
+    from tilefuse.analyze.bench import program_flops
+    from tilefuse.compiler import compile_stages
+
+    class M(torch.nn.Module):
+        def forward(self, x, w, v):
+            return torch.softmax((x @ w).float() @ v, -1)
+
+    bf = torch.bfloat16
+    st = compile_stages(M(), (torch.randn(16, 64, dtype=bf), torch.randn(64, 32, dtype=bf), torch.randn(32, 8)))
+    assert sorted(s.family for s in st.plan.steps if s.flops) == ["extern", "gemm"]
+    assert program_flops(st.plan) == 2 * 16 * 32 * 64 + 2 * 16 * 8 * 32

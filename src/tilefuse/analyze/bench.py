@@ -88,13 +88,23 @@ def bench_program(prog, module, inputs, stages):
     table = Table(title=f"{torch.cuda.get_device_name()}: copy {copy_bps / 1e12:.2f} TB/s",
                   caption="host: one call's Python time with the GPU idle; above the GPU time, a loop is host-bound"
                           + _graph_note(prog))
-    for col in ("impl", "time (us)", "GB/s", "% of copy", "time / tilefuse", "host us/call"):
+    flops = program_flops(stages.plan)
+    cols = ["impl", "time (us)", "GB/s", "% of copy"] + (["TFLOP/s"] if flops else []) + ["time / tilefuse",
+                                                                                         "host us/call"]
+    for col in cols:
         table.add_column(col)
     for r in rows:
         bound = " (host-bound)" if r.host_us > r.ms * 1e3 else ""
-        table.add_row(r.name, f"{r.ms * 1e3:.1f}", f"{r.gbps:.0f}", f"{r.pct_copy:.0f}%", f"{r.vs_tilefuse:.2f}x",
-                      f"{r.host_us:.1f}{bound}")
+        rate = [f"{flops / (r.ms * 1e-3) / 1e12:.0f}"] if flops else []
+        table.add_row(r.name, f"{r.ms * 1e3:.1f}", f"{r.gbps:.0f}", f"{r.pct_copy:.0f}%", *rate,
+                      f"{r.vs_tilefuse:.2f}x", f"{r.host_us:.1f}{bound}")
     return table
+
+
+def program_flops(plan) -> int:
+    """The matrix products' FLOPs (2 M N K each), generated GEMMs and cuBLAS externs alike: a
+    program with them is compute-bound, and its rate says more than its bytes."""
+    return sum(s.flops for s in plan.steps)
 
 
 def _graph_note(prog) -> str:
