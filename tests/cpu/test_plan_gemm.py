@@ -73,11 +73,11 @@ def test_linear_bias_gelu_residual_is_one_gemm_reading_the_weight_as_stored():
 
 
 def test_a_value_read_twice_outside_stops_the_epilogue_there():
-    """y = x @ W is also returned: the epilogue cannot swallow the maps after it, since y must
-    be written; the maps then run in a map-reduce kernel."""
+    """y = x @ W is also returned: the epilogue cannot swallow the maps after it without a second
+    output, which does not pay at K = 8192 (the cost model); the maps run in a map-reduce kernel."""
     torch.manual_seed(0)
-    m = Fn(lambda s, x: (lambda y: (y, torch.relu(y) * 2))(x @ s.w), w=torch.randn(64, 32, dtype=BF))
-    st = _check(m, [torch.randn(16, 64, dtype=BF)])
+    m = Fn(lambda s, x: (lambda y: (y, torch.relu(y) * 2))(x @ s.w), w=torch.randn(8192, 32, dtype=BF))
+    st = _check(m, [torch.randn(16, 8192, dtype=BF)])
     (g,) = _gemms(st)
     assert g.gemm.maps == () and g.gemm.out == g.gemm.contraction
     assert [s.family for s in st.plan.steps] == ["gemm", "mapreduce"]
@@ -215,3 +215,24 @@ def test_tune_model_without_a_gpu_is_one_error_line(capfd):
     assert main(["tune", "--model", "llama", "--layers", "1"]) == 1
     out, err = capfd.readouterr()
     assert "tune measures kernels on a GPU" in err and len(err.strip().splitlines()) == 1
+
+
+def test_pre_activation_and_activation_both_come_from_the_epilogue_when_it_pays():
+    """y = x @ W + b is returned and so is gelu(y): at K = 64 writing both from the epilogue beats
+    a map-reduce kernel reading y back (the cost model), so the GEMM has two outputs; at
+    K = 8192 the TMA store it would give up is worth more, and the GELU runs after it."""
+    from tilefuse.graph.contraction import _extra_outputs_pay
+
+    torch.manual_seed(0)
+    f = lambda s, x: (lambda y: (y, F.gelu(y)))(x @ s.w + s.b)  # noqa: E731
+    m = Fn(f, w=torch.randn(64, 48, dtype=BF), b=torch.randn(48, dtype=BF))
+    st = _check(m, [torch.randn(20, 64, dtype=BF)])
+    (g,) = _gemms(st)
+    assert len(g.gemm.outs) == 2 and [s.family for s in st.plan.steps] == ["gemm"]
+    assert [b.buffer for b in st.gemms[g.name].outputs] == ["out0", "out1"]
+    big = Fn(f, w=torch.randn(8192, 48, dtype=BF), b=torch.randn(48, dtype=BF))
+    st2 = compile_stages(big, (torch.randn(20, 8192, dtype=BF),))
+    (g2,) = _gemms(st2)
+    assert len(g2.gemm.outs) == 1 and [s.family for s in st2.plan.steps] == ["gemm", "mapreduce"]
+    c = st2.graph[g2.gemm.contraction]
+    assert not _extra_outputs_pay(st2.graph, c, [g2.gemm.out, g2.gemm.out])

@@ -124,3 +124,23 @@ def test_matmul_tma_cannot_read_stays_in_cublas():
     prog, families = _run(LinearAct(36, 64, "gelu"), [torch.randn(40, 36), torch.randn(40, 64)], torch.bfloat16)
     mm = [s for s in prog.plan.steps if s.family == "extern"]
     assert len(mm) == 1 and "K=36" in mm[0].note
+
+
+class PreActivation(nn.Module):
+    def __init__(self, k, n):
+        super().__init__()
+        self.lin = nn.Linear(k, n)
+
+    def forward(self, x):
+        y = self.lin(x)
+        return y, F.gelu(y)
+
+
+@pytest.mark.parametrize("shape", [(300, 64, 520), (2048, 1024, 1536)], ids=lambda s: "x".join(map(str, s)))
+def test_pre_activation_and_activation_from_one_gemm(shape):
+    """Both y = x @ W.T + b and gelu(y) are returned; the cost model keeps both in the epilogue
+    (two outputs, stored from registers), and both pass the 2x rule."""
+    m, k, n = shape
+    torch.manual_seed(0)
+    prog, families = _run(PreActivation(k, n), [torch.randn(m, k)], torch.bfloat16)
+    assert families == ["gemm"] and len(prog.plan.steps[0].gemm.outs) == 2

@@ -9,8 +9,10 @@ ever runs.
 Its epilogue is the longest run of maps after it that (1) read the accumulator or earlier
 members, with every other operand a tile of the output's shape, a per-row vector, a
 per-column vector or a scalar constant, none of them computed from the contraction; (2) are
-float arithmetic; (3) leave exactly one tensor that anything outside reads. That tensor is
-the GEMM's only output: the intermediate values never touch memory.
+float arithmetic; (3) leave exactly one tensor that anything outside reads: the GEMM's output,
+the intermediate values never touching memory. A longer run that leaves two or three (the
+pre-activation and the activation) is taken instead when the cost model says writing them
+from the epilogue beats a map-reduce kernel after the GEMM.
 
 A contraction read only through the two stride-2 slices of its last dim (the CODA gate/up
 interleaving) gets a pairwise epilogue: each output element is made of two adjacent
@@ -25,6 +27,7 @@ from .. import ops
 from . import ir
 
 GEMM_DTYPES = ("bf16", "f16")
+MAX_OUTPUTS = 3
 FLOATS = ("bf16", "f16", "f32")
 
 
@@ -44,8 +47,13 @@ class GemmSpec:
     pairwise: tuple[str, str] | None  # the (even, odd) column slices, when the epilogue pairs columns
     maps: tuple[str, ...]  # the epilogue's members, in graph order
     operands: tuple[tuple[str, str], ...]  # (tensor, "tile" | "row" | "col") the epilogue reads
-    out: str              # the one tensor it writes
+    outs: tuple[str, ...]  # the tensors it writes (one, or a few when that pays), in graph order
     absorbed: tuple[str, ...] = ()  # views it reads through (b's transpose, the pair slices)
+
+    @property
+    def out(self) -> str:
+        """The last tensor it writes (the end of the epilogue's chain)."""
+        return self.outs[-1]
 
     @property
     def out_n(self) -> int:
@@ -186,33 +194,42 @@ def match(g: ir.Graph, c: ir.Contraction, users=None) -> GemmSpec | str:
             level[x.name] = width
             candidates.append((x.name, new))
 
-    # The longest prefix that leaves one tensor read from outside is the epilogue. With the
-    # column pair split in it, the full-width part may read only per-row operands (a column
-    # operand would need the accumulator's column, 2j or 2j + 1, not the output's).
+    # The epilogue is the longest prefix that leaves one tensor read from outside, or a longer
+    # one leaving up to MAX_OUTPUTS when that pays (see `_extra_outputs_pay`). With the column
+    # pair split in it, the full-width part may read only per-row operands (a column operand
+    # would need the accumulator's column, 2j or 2j + 1, not the output's).
     outputs = set(g.outputs)
+    order_of = {x.name: i for i, x in enumerate(g.nodes)}
 
     def escapes(names: set[str]) -> list[str]:
-        return [x for x in names if x in outputs or any(u not in names for u in users[x])]
+        return sorted((x for x in names if x in outputs or any(u not in names for u in users[x])),
+                      key=order_of.get)
 
-    def valid(prefix) -> str | None:
+    def valid(prefix) -> list[str] | None:
         names = {c.name} | {x for x, _ in prefix}
         esc = escapes(names)
-        if len(esc) != 1 or esc[0] in slices:
+        if not 1 <= len(esc) <= MAX_OUTPUTS or any(x in slices for x in esc):
             return None
         split = [x for x, _ in prefix if x in slices]
         if not split:
-            return esc[0] if level[esc[0]] == "full" else None
-        if len(split) != 2 or level[esc[0]] != "half":
+            return esc if all(level[x] == "full" for x in esc) else None
+        if len(split) != 2 or any(level[x] != "half" for x in esc):
             return None
         if any(k != "row" for x, ops_ in prefix if level[x] == "full" for k in ops_.values()):
             return None
-        return esc[0]
+        return esc
 
-    best, out = 0, c.name
+    single, multi = (0, [c.name]), None
     for i in range(1, len(candidates) + 1):
-        o = valid(candidates[:i])
-        if o is not None:
-            best, out = i, o
+        esc = valid(candidates[:i])
+        if esc is not None:
+            if len(esc) == 1:
+                single = (i, esc)
+            else:
+                multi = (i, esc)
+    best, outs = single
+    if multi and multi[0] > best and _extra_outputs_pay(g, c, multi[1]):
+        best, outs = multi
     chosen = candidates[:best]
     paired = any(x in slices for x, _ in chosen)
     maps = tuple(x for x, _ in chosen if x not in slices)
@@ -221,4 +238,17 @@ def match(g: ir.Graph, c: ir.Contraction, users=None) -> GemmSpec | str:
         operands.update(new)
     pairwise = tuple(slices) if paired else None
     return GemmSpec(c.name, c.a, b, b_major, m, n, k, batch, a.dtype, pairwise, maps,
-                    tuple(operands.items()), out, absorbed + (pairwise or ()))
+                    tuple(operands.items()), tuple(outs), absorbed + (pairwise or ()))
+
+
+def _extra_outputs_pay(g: ir.Graph, c: ir.Contraction, outs: list[str]) -> bool:
+    """Several outputs cost the GEMM its TMA store (stores go straight from registers, ~10%
+    slower at large shapes, bench/LOG_gemm.md); keeping one output costs a map-reduce kernel
+    that reads it back and writes the others. Pays when those bytes take longer than the
+    GEMM's ~10%, at the planner's ceilings (fusion.COPY_BYTES_PER_S, MATMUL_FLOPS_PER_S)."""
+    from .fusion import COPY_BYTES_PER_S, MATMUL_FLOPS_PER_S
+
+    a = g[c.a].type
+    flops = 2 * c.type.numel * a.shape[-1]
+    moved = sum(g[o].type.nbytes for o in outs)  # the kept output read back, the others written
+    return moved / COPY_BYTES_PER_S > 0.1 * flops / MATMUL_FLOPS_PER_S

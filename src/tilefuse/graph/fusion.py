@@ -361,7 +361,7 @@ class _Planner:
             if s.family == "gemm":
                 spec = s.gemm
                 s.inputs = list(dict.fromkeys([spec.a, spec.b] + [t for t, _ in spec.operands]))
-                s.outputs = [spec.out]
+                s.outputs = list(spec.outs)
                 s.bytes = sum(g[t].type.nbytes for t in s.inputs + s.outputs)
                 s.flops = spec.flops
             elif s.family == "mapreduce":

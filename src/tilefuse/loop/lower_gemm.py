@@ -28,8 +28,9 @@ class LoweredGemm:
     bindings: tuple[Binding, ...]  # the epilogue's operands and output (not acc)
 
     @property
-    def out_dtype(self) -> str:
-        return self.epilogue.buffer("out").dtype
+    def outputs(self) -> tuple[Binding, ...]:
+        """The bindings of the tensors it writes, in graph order."""
+        return tuple(b for b in self.bindings if self.epilogue.buffer(b.buffer).role == "out")
 
     def problem(self):
         """The GemmProblem the sm_90a template renders."""
@@ -88,18 +89,20 @@ def lower_gemm_step(graph: g_ir.Graph, step: Step, name: str | None = None) -> L
         args = [value(a, p) for a in n.args]
         if n.op == "cast":
             v = args[0]
-            if n.type.dtype in ("bf16", "f16") and n.name != s.out:  # an explicit rounding inside the chain
+            if n.type.dtype in ("bf16", "f16") and n.name not in s.outs:  # an explicit rounding inside the chain
                 v = e.op("cast", e.op("cast", v, dtype=n.type.dtype), dtype="f32")
             return v
         return e.op(n.op, *args)
 
-    result = value(s.out, None)  # the output is half-width in a pairwise epilogue: parity None
-    out_t = graph[s.out].type
-    e.store("out", result, out_t.dtype)
+    # outputs are half-width in a pairwise epilogue: parity None
+    names = ["out"] if len(s.outs) == 1 else [f"out{i}" for i in range(len(s.outs))]
+    for buf, o in zip(names, s.outs):
+        e.store(buf, value(o, None), graph[o].type.dtype)
     kernel = e.kernel(name or f"epilogue_{step.name}")
     for t, b in bufs.items():
         bindings.append(Binding(b, t, kernel.buffer(b).shape))
-    bindings.append(Binding("out", s.out, kernel.buffer("out").shape))
+    for buf, o in zip(names, s.outs):
+        bindings.append(Binding(buf, o, kernel.buffer(buf).shape))
     notes = tuple(f"{m}: {graph[m].describe()}" for m in (s.contraction,) + s.maps)
     kernel = L.Kernel(kernel.name, kernel.params, kernel.body, kernel.family, notes=notes)
     return LoweredGemm(s, kernel, tuple(bindings))

@@ -209,20 +209,20 @@ class _Launch:
 
 
 class _Gemm:
-    """One generated GEMM: A and B viewed as the GEMM reads them, the epilogue's operands by name."""
+    """One generated GEMM: A and B viewed as the GEMM reads them, the epilogue's operands and
+    outputs by name."""
 
-    __slots__ = ("gk", "a", "b", "ashape", "bshape", "operands", "out", "oshape", "oview", "odtype", "device",
-                 "poison")
+    __slots__ = ("gk", "a", "b", "ashape", "bshape", "operands", "outs", "device", "poison")
 
     def __init__(self, gk, lowered, g: ir.Graph, slot, device: torch.device, poison: bool):
         s = lowered.spec
         self.gk, self.device, self.poison = gk, device, poison
         self.a, self.b = slot(s.a), slot(s.b)
         self.ashape, self.bshape = lowered.operand_shapes()
-        self.operands = tuple((b.buffer, slot(b.tensor), b.shape) for b in lowered.bindings if b.buffer != "out")
-        self.out, self.oshape = slot(s.out), g[s.out].type.shape
-        self.oview = lowered.epilogue.buffer("out").shape
-        self.odtype = dtypes.to_torch(lowered.out_dtype)
+        outs = lowered.outputs
+        self.operands = tuple((b.buffer, slot(b.tensor), b.shape) for b in lowered.bindings if b not in outs)
+        self.outs = tuple((b.buffer, slot(b.tensor), g[b.tensor].type.shape, b.shape,
+                           dtypes.to_torch(lowered.epilogue.buffer(b.buffer).dtype)) for b in outs)
 
     @staticmethod
     def _operand(t, shape):
@@ -232,13 +232,14 @@ class _Gemm:
         return t
 
     def __call__(self, env):
-        out = torch.empty(self.oshape, dtype=self.odtype, device=self.device)
-        if self.poison:
-            out.fill_(float("nan"))
         kw = {name: self._operand(env[i], shape) for name, i, shape in self.operands}
-        self.gk(self._operand(env[self.a], self.ashape), self._operand(env[self.b], self.bshape),
-                out=out.view(self.oview), **kw)
-        env[self.out] = out
+        for name, i, shape, view, dtype in self.outs:
+            out = torch.empty(shape, dtype=dtype, device=self.device)
+            if self.poison:
+                out.fill_(float("nan"))
+            env[i] = out
+            kw[name] = out.view(view)
+        self.gk(self._operand(env[self.a], self.ashape), self._operand(env[self.b], self.bshape), **kw)
 
 
 class _InterpretGemm:
@@ -248,8 +249,9 @@ class _InterpretGemm:
         s = lowered.spec
         self.lowered = lowered
         self.a, self.b = slot(s.a), slot(s.b)
-        self.operands = [(b.buffer, slot(b.tensor), b.shape) for b in lowered.bindings if b.buffer != "out"]
-        self.out, self.oshape = slot(s.out), g[s.out].type.shape
+        outs = lowered.outputs
+        self.operands = [(b.buffer, slot(b.tensor), b.shape) for b in lowered.bindings if b not in outs]
+        self.outs = [(b.buffer, slot(b.tensor), g[b.tensor].type.shape) for b in outs]
 
     def __call__(self, env):
         from ..loop.interp import run_kernel
@@ -263,7 +265,8 @@ class _InterpretGemm:
         ins = {"acc": acc.numpy()}
         ins.update({buf: to_numpy(env[i].reshape(shape)) for buf, i, shape in self.operands})
         outs = run_kernel(lw.epilogue, ins)
-        env[self.out] = to_torch(outs["out"]).reshape(self.oshape)
+        for buf, i, shape in self.outs:
+            env[i] = to_torch(outs[buf]).reshape(shape)
 
 
 class _Interpret:
