@@ -188,7 +188,7 @@ def cmd_compile(args) -> int:
                     console.print(f"// ---- {lk.kernel.name}: grid {src.grid} block {src.block} "
                                   f"smem {src.smem_bytes}B cluster {src.cluster}", markup=False)
                     console.print(src.source, markup=False)
-            _print_gemms(console, st, stage)
+            _print_gemms(console, st, stage, args.arch or _default_arch())
     return 0
 
 
@@ -197,13 +197,24 @@ def _gemm_shape(lg) -> str:
     return f"{s.batch}x{s.m}x{s.n}x{s.k}" if s.batch > 1 else f"{s.m}x{s.n}x{s.k}"
 
 
-def _print_gemms(console, st, stage: str):
-    from .codegen import gemm_sm90
-
+def _print_gemms(console, st, stage: str, arch: str):
+    from .codegen import gemm_sm80, gemm_sm90
+    from .runtime.nvrtc import normalize_arch
     from .tune.lookup import choose_gemm
 
+    arch = normalize_arch(arch)
     for lg in st.gemms.values():
         problem = lg.problem()
+        if arch != "sm_90a":  # the cp.async / mma.sync kernel (docs/gemm_sm80.md)
+            sched = gemm_sm80.default_schedule(problem)
+            if stage == "schedule":
+                console.print(f"{lg.epilogue.name} (GEMM {_gemm_shape(lg)}, {arch}): {sched}  "
+                              f"(source: heuristic default)", markup=False)
+            else:
+                src = gemm_sm80.render(problem, sched, arch)
+                console.print(f"// ---- {src.name}: GEMM {_gemm_shape(lg)} for {arch}", markup=False)
+                console.print(src.source, markup=False)
+            continue
         choice = choose_gemm(problem, "sm_90a")  # tuned (cache hit) or the heuristic default
         sched = choice.schedule if choice.tuned else gemm_sm90.default_schedule(problem)
         if stage == "schedule":

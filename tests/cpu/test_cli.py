@@ -186,3 +186,13 @@ def test_run_needs_an_expression_or_a_model(capsys):
     with pytest.raises(SystemExit):
         main(["run"])
     assert "one of the arguments -c/--expr --model is required" in capsys.readouterr().err
+
+
+def test_compile_prints_the_gemm_for_the_target_architecture(capsys):
+    """--ir cuda shows the TMA/wgmma kernel for sm_90a and the mma.sync one for other targets."""
+    e = "nn.Linear(64, 32, dtype=torch.bfloat16)(torch.randn(8, 64, dtype=torch.bfloat16))"
+    assert main(["compile", "-c", e, "--ir", "cuda", "--arch", "sm_90a"]) == 0
+    assert "wgmma" in capsys.readouterr().out
+    assert main(["compile", "-c", e, "--ir", "cuda", "--arch", "sm_86"]) == 0
+    out = capsys.readouterr().out
+    assert "mma.sync" in out and "wgmma" not in out
