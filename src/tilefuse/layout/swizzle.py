@@ -7,6 +7,8 @@ Swizzle<3,4,3> on byte offsets, i.e. Swizzle<3,3,3> on 16-bit element offsets.
 """
 from __future__ import annotations
 
+import functools
+
 import re
 from dataclasses import dataclass
 
@@ -85,7 +87,7 @@ class ComposedLayout:
         return self.with_inner(composition(self.inner, b))
 
     def cosize(self) -> int:
-        return 1 + max(self(i) for i in range(size(self.inner)))
+        return _composed_cosize(self)
 
     def __str__(self):
         mid = f" o {self.offset}" if self.offset else ""
@@ -93,6 +95,14 @@ class ComposedLayout:
 
     def __repr__(self):
         return f"ComposedLayout({self.outer!r}, {self.offset}, {self.inner!r})"
+
+
+@functools.lru_cache(maxsize=4096)
+def _composed_cosize(layout: ComposedLayout) -> int:
+    """1 + the largest index the layout reaches. A swizzle has no closed form here, so every
+    index is evaluated; layouts are immutable, so each one is evaluated once per process (a
+    GEMM's render asks for its shared-memory tiles' sizes several times)."""
+    return 1 + max(layout(i) for i in range(size(layout.inner)))
 
 
 def make_swizzled(swizzle: Swizzle, layout: Layout, offset: int = 0) -> ComposedLayout:
