@@ -11,7 +11,8 @@ randomised so folding them is exercised):
 Each tilefuse result is checked against a float64 reference under the 2x rule before it is
 timed. Times are medians of CUDA-event timings (triton.testing.do_bench, L2 flushed), all
 three measured in the same run; compile times are wall time of the first call (torch.compile
-compiles lazily) or of tilefuse.compile plus its first call. Prints a table last.
+compiles lazily) or of tilefuse.compile plus its first call; host us is the Python time of one
+call with the GPU idle (tilefuse replays a CUDA graph). Prints a table last.
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import tilefuse  # noqa: E402
 from tilefuse import models  # noqa: E402
-from tilefuse.analyze.bench import median_ms  # noqa: E402
+from tilefuse.analyze.bench import host_us, median_ms  # noqa: E402
 from tilefuse.check import compare, flatten, float64_reference  # noqa: E402
 
 
@@ -104,6 +105,9 @@ def run_case(case: str) -> dict:
         row["eager_ms"] = median_ms(lambda: m(*inputs))
         row["torch_compile_ms"] = median_ms(lambda: tc(*inputs))
         row["tilefuse_ms"] = median_ms(lambda: prog(*inputs))
+        row["tilefuse_host_us"] = host_us(lambda: prog(*inputs), reps=20)  # Python time of one call, GPU idle
+        row["torch_compile_host_us"] = host_us(lambda: tc(*inputs), reps=20)
+        row["graph_replay"] = [i["graphs"] for i in prog.graph_info()]
     row["vs_torch_compile"] = row["torch_compile_ms"] / row["tilefuse_ms"]
     row["vs_eager"] = row["eager_ms"] / row["tilefuse_ms"]
     return row
@@ -129,14 +133,14 @@ def main(argv=None) -> int:
         args.json.write_text(json.dumps(result, indent=1))
     print(f"\n{result['gpu']}, bf16; ratios are speedups of tilefuse (>1: tilefuse faster)")
     print(f"{'case':9} {'eager ms':>9} {'t.c ms':>9} {'tf ms':>9} {'vs t.c':>7} {'vs eager':>8} "
-          f"{'tf compile s':>12} {'t.c compile s':>13}  plan")
+          f"{'tf compile s':>12} {'t.c compile s':>13} {'tf host us':>10}  plan")
     for r in rows:
         if "error" in r:
             print(f"{r['case']:9} ERROR {r['error'][:150]}")
             continue
         print(f"{r['case']:9} {r['eager_ms']:9.3f} {r['torch_compile_ms']:9.3f} {r['tilefuse_ms']:9.3f} "
               f"{r['vs_torch_compile']:7.3f} {r['vs_eager']:8.3f} {r['tilefuse_compile_s']:12.1f} "
-              f"{r['torch_compile_s']:13.1f}  {r['plan']}")
+              f"{r['torch_compile_s']:13.1f} {r['tilefuse_host_us']:10.1f}  {r['plan']}")
     return 0
 
 
