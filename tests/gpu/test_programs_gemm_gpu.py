@@ -144,3 +144,20 @@ def test_pre_activation_and_activation_from_one_gemm(shape):
     torch.manual_seed(0)
     prog, families = _run(PreActivation(k, n), [torch.randn(m, k)], torch.bfloat16)
     assert families == ["gemm"] and len(prog.plan.steps[0].gemm.outs) == 2
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2", "gpt2"])
+def test_transformers_model_through_tilefuse_compile(name):
+    """A 2-layer random transformers model (bf16, batch 2) through tilefuse.compile: projections as
+    generated GEMMs, logits within the 2x rule of the float64 reference."""
+    pytest.importorskip("transformers")
+    b = models.build(name, 2, hidden=256, seq=64, batch=2, vocab=512, dtype=torch.bfloat16, device="cuda")
+    prog = tilefuse.compile(b.model, b.inputs)
+    prog.poison = True
+    assert sum(s.family == "gemm" for s in prog.plan.steps) >= 8
+    with torch.no_grad():
+        eager = b.model(*b.inputs)
+    ref = float64_reference(b.model, b.inputs)
+    for call in range(2):
+        c = compare(f"{name} call {call}", prog(*b.inputs), ref, eager)
+        assert c.ok, c
