@@ -5,8 +5,8 @@ does not fire. The order matters: gate/up interleaving first (so RMSNorm folds Î
 interleaved weight once), then the norms into the matmuls they feed, then residual adds into
 the matmuls that produce their other operand.
 
-Not in the default rewrite list yet: they pay off once the contraction family runs these
-epilogues; until then run them with `run_coda`.
+compiler.compile_stages runs them (with `run_coda`) whenever it plans generated GEMMs, whose
+epilogues take what they leave behind: row scales, pairwise ops, residual tiles.
 """
 from __future__ import annotations
 
