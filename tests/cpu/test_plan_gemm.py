@@ -236,3 +236,62 @@ def test_pre_activation_and_activation_both_come_from_the_epilogue_when_it_pays(
     assert len(g2.gemm.outs) == 1 and [s.family for s in st2.plan.steps] == ["gemm", "mapreduce"]
     c = st2.graph[g2.gemm.contraction]
     assert not _extra_outputs_pay(st2.graph, c, [g2.gemm.out, g2.gemm.out])
+
+
+# -- random programs around a matmul -----------------------------------------------------------------
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as hst  # noqa: E402
+
+_UNARY = [torch.relu, torch.sigmoid, torch.tanh, F.silu, F.gelu, lambda t: t * 0.5, lambda t: -t,
+          lambda t: t.float().exp().to(t.dtype)]
+
+
+@hst.composite
+def matmul_programs(draw):
+    """x[M, K] @ W[K, N] (bf16, K and N multiples of 8), then a random chain of maps reading the
+    product and tile / row / column operands, maybe a row reduction, maybe several results."""
+    m, k, n = draw(hst.integers(1, 9)), 8 * draw(hst.integers(1, 4)), 8 * draw(hst.integers(1, 3))
+    steps = draw(hst.lists(hst.sampled_from(["unary", "bias", "rowscale", "residual", "keep", "rowsum",
+                                             "cast"]), min_size=0, max_size=6))
+    fns = draw(hst.lists(hst.sampled_from(_UNARY), min_size=len(steps), max_size=len(steps)))
+    linear = draw(hst.booleans())
+
+    def fn(s, x, r, rs):
+        y = F.linear(x, s.w) if linear else x @ s.w
+        outs = []
+        for kind, f in zip(steps, fns):
+            if kind == "unary":
+                y = f(y)
+            elif kind == "bias":
+                y = y + s.b
+            elif kind == "rowscale":
+                y = y * rs
+            elif kind == "residual":
+                y = y + r
+            elif kind == "keep":  # an intermediate the program also returns
+                outs.append(y)
+            elif kind == "rowsum":
+                y = y - y.float().sum(-1, keepdim=True).to(y.dtype)
+            else:
+                y = y.float().to(torch.bfloat16)
+        return (y, *outs)
+
+    w = torch.randn(n, k) if linear else torch.randn(k, n)
+    mod = Fn(fn, w=(w / k ** 0.5).to(BF), b=torch.randn(n, dtype=BF))
+    return mod, [torch.randn(m, k, dtype=BF), torch.randn(m, n, dtype=BF), torch.randn(m, 1, dtype=BF)]
+
+
+@settings(max_examples=80, deadline=None, derandomize=True)
+@given(matmul_programs())
+def test_random_programs_around_a_matmul_plan_a_gemm_and_match_pytorch(prog):
+    """Whatever maps follow the matmul: it is planned as a GEMM (its operands are bf16 and TMA can
+    read them), every epilogue operand is a tile, row or column read, each output is written once,
+    and the planned program (GEMM product in fp32 + epilogue by the Loop IR interpreter, the rest
+    by map-reduce kernels) passes the 2x rule against float64 on every result."""
+    mod, inputs = prog
+    st = _check(mod, inputs)
+    (g,) = _gemms(st)
+    assert {k for _, k in g.gemm.operands} <= {"tile", "row", "col"}
+    written = [t for s in st.plan.steps for t in s.outputs]
+    assert len(written) == len(set(written))

@@ -66,6 +66,15 @@ class _Lowerer:
         self.bindings: list[Binding] = []
         self.views: dict[str, list] = {}
         self.casts: dict[tuple, str] = {}  # (id(block), value, dtype) -> the value converted, in that block
+        self.blocks: list[list] = []  # every block made, kept alive: the casts' keys are their ids
+
+    def block(self) -> list:
+        """A new statement list. It stays referenced until lowering ends, so its id() (a key of
+        `casts`) is never reused by a later block: a reused id made a conversion made in a
+        finished reduction's body look available in another block."""
+        b: list = []
+        self.blocks.append(b)
+        return b
 
     def fresh(self, base="v") -> str:
         self.counter += 1
@@ -206,7 +215,7 @@ class _Lowerer:
     def emit_reduce(self, n: g_ir.Reduce):
         col = f"c{self.counter + 1}"
         self.counter += 1
-        body: list = []
+        body: list = self.block()
         x = self.emit(n.arg, body, {}, col)
         want = dtypes.compute_type(n.type.dtype)
         x = self.convert(x, want if dtypes.is_float(want) else "i64" if n.op == "sum" else want, body)
@@ -234,7 +243,7 @@ class _Lowerer:
             self.buffer(t, "in")
         for t in step.outputs:
             self.buffer(t, "out")
-        self.row_block, self.row_memo = [], {}
+        self.row_block, self.row_memo = self.block(), {}
         col_outputs = []
         for name in step.nodes:
             if name in step.outputs and not self.is_row(name):
@@ -246,7 +255,7 @@ class _Lowerer:
         if col_outputs:
             col = f"c{self.counter + 1}"
             self.counter += 1
-            body, memo = [], {}
+            body, memo = self.block(), {}
             for name in col_outputs:
                 self.store(name, body, memo, col)
             self.row_block.append(L.Loop(col, self.space[1], tuple(body)))
