@@ -241,6 +241,7 @@ def test_pre_activation_and_activation_both_come_from_the_epilogue_when_it_pays(
 # -- random programs around a matmul -----------------------------------------------------------------
 
 from hypothesis import given, settings  # noqa: E402
+from test_fusion import check_invariants  # noqa: E402
 from hypothesis import strategies as hst  # noqa: E402
 
 _UNARY = [torch.relu, torch.sigmoid, torch.tanh, F.silu, F.gelu, lambda t: t * 0.5, lambda t: -t,
@@ -295,3 +296,159 @@ def test_random_programs_around_a_matmul_plan_a_gemm_and_match_pytorch(prog):
     assert {k for _, k in g.gemm.operands} <= {"tile", "row", "col"}
     written = [t for s in st.plan.steps for t in s.outputs]
     assert len(written) == len(set(written))
+
+
+@hst.composite
+def block_programs(draw):
+    """A random transformer-ish block over x[B, S, D] in bf16: an optional RMSNorm or LayerNorm,
+    then either one linear (with or without bias) and an activation, or a gated pair (SwiGLU /
+    GeGLU / ReGLU), then a down projection, an optional residual, an optional second result."""
+    # sizes large enough that the 2x rule compares errors, not the luck of a few roundings
+    b, s, d = draw(hst.integers(1, 2)), draw(hst.integers(1, 8)), 32 * draw(hst.integers(1, 3))
+    f = 32 * draw(hst.integers(1, 2))
+    norm = draw(hst.sampled_from([None, "rms", "layer"]))
+    gated = draw(hst.booleans())
+    act = draw(hst.sampled_from([F.silu, F.gelu, torch.relu, lambda t: F.gelu(t, approximate="tanh")]))
+    bias = draw(hst.booleans())
+    residual = draw(hst.booleans())
+    keep_hidden = draw(hst.booleans())
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm = {None: nn.Identity(), "rms": nn.RMSNorm(d), "layer": nn.LayerNorm(d)}[norm]
+            self.up = nn.Linear(d, f, bias=bias)
+            self.gate = nn.Linear(d, f, bias=False) if gated else None
+            self.down = nn.Linear(f, d, bias=bias)
+            with torch.no_grad():
+                for p in self.norm.parameters():
+                    p.copy_(1 + 0.3 * torch.randn(p.shape))
+
+        def forward(self, x):
+            h = self.norm(x)
+            u = act(self.gate(h)) * self.up(h) if gated else act(self.up(h))
+            y = self.down(u)
+            y = x + y if residual else y
+            return (y, u) if keep_hidden else y
+
+    torch.manual_seed(draw(hst.integers(0, 1000)))
+    # the gate/up pair is interleaved into one GEMM when neither has a bias (the CODA rule's case)
+    n_gemms = 3 if gated and bias else 2
+    return Block().to(BF), [torch.randn(b, s, d, dtype=BF)], n_gemms
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(block_programs())
+def test_random_blocks_plan_their_matmuls_as_gemms_and_match_pytorch(prog):
+    """Random norm / (gated) MLP / residual blocks go through the CODA rules, weight folding and
+    the planner: every matmul becomes a GEMM (a bias-free gated pair one pairwise GEMM), the plan
+    has no cycle, and every result passes the 2x rule against float64 through the interpreter."""
+    mod, inputs, n_gemms = prog
+    st = _check(mod, inputs)
+    gemms = _gemms(st)
+    assert len(gemms) == n_gemms, str(st.plan)
+    assert not [s for s in st.plan.steps if s.family == "extern"], str(st.plan)
+
+
+class _LNMLP(nn.Module):
+    def __init__(self, gated: bool, d=64, f=128):
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.up = nn.Linear(d, f, bias=not gated)
+        self.gate = nn.Linear(d, f, bias=False) if gated else None
+        self.down = nn.Linear(f, d)
+        with torch.no_grad():
+            self.norm.weight.copy_(1 + 0.3 * torch.randn(d))
+            self.norm.bias.copy_(0.3 * torch.randn(d))
+
+    def forward(self, x):
+        h = self.norm(x)
+        u = F.silu(self.gate(h)) * self.up(h) if self.gate is not None else F.gelu(self.up(h), approximate="tanh")
+        return x + self.down(u)
+
+
+@pytest.mark.parametrize("gated", [False, True], ids=["gelu", "swiglu"])
+def test_layernorm_rank1_term_is_computed_in_the_epilogue(gated):
+    """LayerNorm before a matmul leaves s * (x @ W') - (s * mean) x colsum(W') + beta W': the rank-1
+    term is a row vector times a column vector, which the epilogue computes from the two vectors
+    instead of reading an M x N tile a map-reduce kernel wrote; with SwiGLU after it the epilogue is
+    pairwise and reads the column vectors at the accumulator's columns (2j, 2j + 1). Matches
+    PyTorch; both kernels compile clean for sm_90a and sm_80."""
+    from tilefuse.codegen import gemm_sm80, gemm_sm90
+    from tilefuse.runtime import nvrtc
+
+    torch.manual_seed(0)
+    st = _check(_LNMLP(gated).to(BF), [torch.randn(2, 16, 64, dtype=BF)])
+    first, _ = _gemms(st)
+    kinds = sorted(k for _, k in first.gemm.operands)
+    assert kinds == (["col", "col", "row", "row"] if gated else ["col", "col", "col", "row", "row"])
+    assert bool(first.gemm.pairwise) == gated
+    assert [s.family for s in st.plan.steps] == ["mapreduce", "gemm", "gemm"]
+    problem = st.gemms[first.name].problem()
+    for src, arch in ((gemm_sm90.render(problem), "sm_90a"), (gemm_sm80.render(problem, None, "sm_80"), "sm_80")):
+        assert nvrtc.compile_cuda(src.source, src.name, arch).info.clean
+
+
+@hst.composite
+def dag_programs(draw):
+    """A random DAG over bf16 tensors [M, 16] / [M, 32]: matmuls of any earlier tensor with a new
+    weight, maps of one or two earlier tensors of a shape, row-sum corrections; a random subset
+    of the tensors is returned. Matmuls may share inputs and feed each other's epilogues."""
+    m = draw(hst.integers(1, 6))
+    n_ops = draw(hst.integers(1, 7))
+    ops = []
+    shapes = [16]  # tensor 0 is the input, [M, 16]
+    for _ in range(n_ops):
+        kind = draw(hst.sampled_from(["matmul", "matmul", "unary", "binary", "rowsum"]))
+        src = draw(hst.integers(0, len(shapes) - 1))
+        if kind == "matmul":
+            width = draw(hst.sampled_from([16, 32]))
+            ops.append(("matmul", src, width, draw(hst.integers(0, 3))))
+            shapes.append(width)
+        elif kind == "binary":
+            same = [i for i, w in enumerate(shapes) if w == shapes[src]]
+            ops.append(("binary", src, draw(hst.sampled_from(same)), draw(hst.sampled_from(["add", "mul", "sub"]))))
+            shapes.append(shapes[src])
+        else:
+            ops.append((kind, src, draw(hst.sampled_from(range(len(_UNARY)))), None))
+            shapes.append(shapes[src])
+    outs = draw(hst.sets(hst.integers(1, len(shapes) - 1), min_size=1, max_size=3))
+
+    class Dag(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ws = nn.ParameterList([nn.Parameter(torch.randn(shapes[o[1]], o[2]) / shapes[o[1]] ** 0.5)
+                                        for o in ops if o[0] == "matmul"])
+
+        def forward(self, x):
+            ts, w = [x], iter(self.ws)
+            for kind, src, arg, extra in ops:
+                t = ts[src]
+                if kind == "matmul":
+                    weight = next(w)
+                    ts.append(F.linear(t, weight.t().contiguous()) if extra == 0 else t @ weight)
+                elif kind == "binary":
+                    u = ts[arg]
+                    ts.append(t + u if extra == "add" else t * u if extra == "mul" else t - u)
+                elif kind == "rowsum":
+                    ts.append(t - t.float().mean(-1, keepdim=True).to(t.dtype))
+                else:
+                    ts.append(_UNARY[arg](t))
+            return tuple(ts[i] for i in sorted(outs))
+
+    return Dag().to(BF), [torch.randn(m, 16, dtype=BF)]
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(dag_programs())
+def test_random_dags_of_matmuls_and_maps_plan_without_cycles_and_match_pytorch(prog):
+    """Matmuls that share inputs, feed each other and are returned midway: the plan orders every
+    step after what it reads (no cycle), writes each tensor once, plans every matmul as a GEMM,
+    and the program passes the 2x rule against float64 on every result."""
+    mod, inputs = prog
+    st = _check(mod, inputs)
+    written = [t for s in st.plan.steps for t in s.outputs]
+    assert len(written) == len(set(written)), str(st.plan)
+    check_invariants(st.graph, st.plan)  # every node in one step, each step after what it reads
+    n_mm = sum(isinstance(n, ir.Contraction) for n in st.graph.nodes)
+    assert len(_gemms(st)) == n_mm

@@ -44,14 +44,19 @@ class EpilogueBuilder:
     def out_n(self) -> int:
         return self.n // 2 if self.pairwise else self.n
 
-    def _shape(self, kind: str = "tile"):
+    def _shape(self, kind: str = "tile", full: bool = False):
         lead = (self.batch,) if self.batch > 1 else ()
-        return {"tile": lead + (self.m, self.out_n), "row": (self.m,), "col": (self.out_n,)}[kind]
+        n = self.n if full else self.out_n
+        return {"tile": lead + (self.m, n), "row": (self.m,), "col": (n,)}[kind]
 
-    def _index(self, kind: str = "tile"):
+    def _index(self, kind: str = "tile", pair: int | None = None):
         lead = (ir.Var("b"),) if self.batch > 1 else ()
-        return {"tile": lead + (ir.Var("m"), ir.Var("n")), "row": (ir.Var("m"),),
-                "col": (ir.Var("n"),)}[kind]
+        n = ir.Var("n") if pair is None else self._pair_col(pair)
+        return {"tile": lead + (ir.Var("m"), n), "row": (ir.Var("m"),), "col": (n,)}[kind]
+
+    @staticmethod
+    def _pair_col(pair: int):
+        return ir.idx(ir.IBin("+", ir.IBin("*", ir.IConst(2), ir.Var("n")), ir.IConst(pair)))
 
     def _name(self, hint: str) -> str:
         self._count += 1
@@ -65,16 +70,20 @@ class EpilogueBuilder:
         if self.pairwise:
             if pair not in (0, 1):
                 raise ValueError("a pairwise epilogue reads acc(0) or acc(1)")
-            index = index[:-1] + (ir.idx(ir.IBin("+", ir.IBin("*", ir.IConst(2), ir.Var("n")), ir.IConst(pair))),)
+            index = index[:-1] + (self._pair_col(pair),)
         self.body.append(ir.Load(dst, ACC, index))
         return dst
 
-    def load(self, name: str, kind: str, dtype: str) -> str:
-        """Read operand `name`: kind "row" ([M]), "col" ([N]) or "tile" (like the output)."""
+    def load(self, name: str, kind: str, dtype: str, pair: int | None = None) -> str:
+        """Read operand `name`: kind "row" ([M]), "col" ([N]) or "tile" (like the output). In a
+        pairwise epilogue, `pair` 0 or 1 reads a full-width operand (as wide as the
+        accumulator) at column 2n + pair, next to acc(pair)."""
+        if pair is not None and not self.pairwise:
+            raise ValueError("only a pairwise epilogue reads operands at column 2n + pair")
         if not any(p.name == name for p in self.params):
-            self.params.append(ir.Buffer(name, self._shape(kind), dtype, "in"))
+            self.params.append(ir.Buffer(name, self._shape(kind, full=pair is not None), dtype, "in"))
         dst = self._name("x")
-        self.body.append(ir.Load(dst, name, self._index(kind)))
+        self.body.append(ir.Load(dst, name, self._index(kind, pair if kind != "row" else None)))
         if dtype != "f32":
             return self.op("cast", dst, dtype="f32")
         return dst

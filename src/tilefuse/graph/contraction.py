@@ -74,9 +74,8 @@ def operand_kind(shape: tuple[int, ...], out: tuple[int, ...], batch: int) -> st
         return "tile"
     if all(d == 1 for d in s[:-1]) and s[-1] == out[-1] and out[-1] > 1:
         return "col"
-    rows = out[:-1] if batch == 1 else out[1:-1]
-    if batch == 1 and s[-1] == 1 and s[:-1] == tuple(out[:-1]) and math.prod(rows) > 1:
-        return "row"
+    if batch == 1 and s[-1] == 1 and s[:-1] == tuple(out[:-1]):
+        return "row"  # (with one row, a single value: read at row 0)
     return None
 
 
@@ -104,6 +103,29 @@ def _pair_slices(g: ir.Graph, users, c: str) -> tuple[str, str] | None:
             return None
         found[start] = u
     return (found[0], found[1]) if len(found) == 2 else None
+
+
+def _operand_map(g: ir.Graph, name: str, shape, batch: int, avoid: set) -> list[tuple[str, dict]] | None:
+    """[(map, its operands), ...] in dependency order when `name` is a map of the output's shape
+    computed from operands and constants alone (LayerNorm's rank-1 term: a row vector times a
+    column vector), which the epilogue computes instead of reading a materialised tile; else None."""
+    n = g[name]
+    if name in avoid or not _epilogue_op(n) or n.type.shape != tuple(shape):
+        return None
+    out: list[tuple[str, dict]] = []
+    ops_: dict[str, str] = {}
+    for arg in n.args:
+        if isinstance(g[arg], ir.Constant):
+            continue
+        kind = operand_kind(g[arg].type.shape, shape, batch)
+        if arg not in avoid and kind in ("row", "col") and g[arg].type.dtype in FLOATS:
+            ops_[arg] = kind
+            continue
+        sub = _operand_map(g, arg, shape, batch, avoid)
+        if sub is None:
+            return None
+        out.extend(sub)
+    return out + [(name, ops_)]
 
 
 def _descendants(g: ir.Graph, users, root: str) -> set[str]:
@@ -146,8 +168,9 @@ def why_not(g: ir.Graph, c: ir.Contraction) -> str | None:
     return None
 
 
-def match(g: ir.Graph, c: ir.Contraction, users=None) -> GemmSpec | str:
-    """The GEMM (with its epilogue) contraction c runs as, or why it cannot."""
+def match(g: ir.Graph, c: ir.Contraction, users=None, taken: frozenset = frozenset()) -> GemmSpec | str:
+    """The GEMM (with its epilogue) contraction c runs as, or why it cannot. Maps in `taken` are
+    in an earlier GEMM's epilogue already (act(g) * u can join g's or u's, not both)."""
     reason = why_not(g, c)
     if reason:
         return reason
@@ -169,6 +192,8 @@ def match(g: ir.Graph, c: ir.Contraction, users=None) -> GemmSpec | str:
     pair_src, slices = None, {}
     candidates: list[tuple[str, dict]] = []  # (member, its operands), in graph order
     for x in g.nodes[order[c.name] + 1:]:
+        if x.name in taken:
+            continue
         if isinstance(x, ir.View) and x.op == "slice" and half and level.get(x.arg) == "full":
             pair = _pair_slices(g, users, x.arg)
             if pair and pair_src in (None, x.arg):
@@ -182,22 +207,32 @@ def match(g: ir.Graph, c: ir.Contraction, users=None) -> GemmSpec | str:
         mine = [a for a in x.args if a in level]
         if width is None or not mine or any(level[a] != width for a in mine):
             continue
+        shape = full if width == "full" else half
         new: dict[str, str] = {}
+        inner: list[tuple[str, dict]] = []  # maps of operands alone, computed in the epilogue
         for arg in x.args:
             if arg in level or isinstance(g[arg], ir.Constant):
                 continue
-            kind = operand_kind(g[arg].type.shape, full if width == "full" else half, batch)
+            got = _operand_map(g, arg, shape, batch, below | set(level) | set(taken))
+            if got is not None:
+                inner.extend(got)
+                continue
+            kind = operand_kind(g[arg].type.shape, shape, batch)
             if arg in below or kind is None or g[arg].type.dtype not in FLOATS:
                 break
             new[arg] = kind
         else:
+            for name, ops_ in inner:
+                if name not in level:
+                    level[name] = width
+                    candidates.append((name, ops_))
             level[x.name] = width
             candidates.append((x.name, new))
 
     # The epilogue is the longest prefix that leaves one tensor read from outside, or a longer
     # one leaving up to MAX_OUTPUTS when that pays (see `_extra_outputs_pay`). With the column
-    # pair split in it, the full-width part may read only per-row operands (a column operand
-    # would need the accumulator's column, 2j or 2j + 1, not the output's).
+    # pair split in it, the full-width part reads column and tile operands at the accumulator's
+    # column (2j or 2j + 1), the part after it at the output's (j).
     outputs = set(g.outputs)
     order_of = {x.name: i for i, x in enumerate(g.nodes)}
 
@@ -214,8 +249,6 @@ def match(g: ir.Graph, c: ir.Contraction, users=None) -> GemmSpec | str:
         if not split:
             return esc if all(level[x] == "full" for x in esc) else None
         if len(split) != 2 or any(level[x] != "half" for x in esc):
-            return None
-        if any(k != "row" for x, ops_ in prefix if level[x] == "full" for k in ops_.values()):
             return None
         return esc
 

@@ -126,13 +126,28 @@ class _Planner:
         if gemm:
             self.plan_gemms()
 
+    def gemm_step(self, contraction: str) -> Step:
+        """The step of a planned GEMM, made at its first node in graph order."""
+        for s in self.steps:
+            if s.gemm is not None and s.gemm.contraction == contraction:
+                return s
+        spec = self.gemm_specs[contraction]
+        step = Step(f"k{len(self.steps)}_{contraction}", "gemm", [], None, {},
+                    note="generated GEMM, epilogue fused" if spec.maps else "generated GEMM", gemm=spec)
+        step.inputs_all = set()
+        self.steps.append(step)
+        for v in spec.absorbed:
+            if v in self.gemm_skip and v not in self.group_of:
+                self.add_to(step, self.g[v], {})
+        return step
+
     def plan_gemms(self):
         """Decide every GEMM (and its epilogue) before the map-reduce grouping sees the maps."""
         g = self.g
         for n in g.nodes:
             if not isinstance(n, ir.Contraction):
                 continue
-            spec = match_gemm(g, n, self.users)
+            spec = match_gemm(g, n, self.users, frozenset(self.gemm_member))
             if isinstance(spec, str):
                 self.gemm_notes[n.name] = spec
                 continue
@@ -310,16 +325,10 @@ class _Planner:
                 continue  # inputs are buffers; constants and iotas are generated where used
             if n.name in self.gemm_skip:
                 continue  # added to the first GEMM that reads through it
-            if n.name in self.gemm_specs:
-                spec = self.gemm_specs[n.name]
-                step = self.new_step("gemm", n, note="generated GEMM, epilogue fused" if spec.maps else "generated GEMM")
-                step.gemm = spec
-                for v in spec.absorbed:
-                    if v in self.gemm_skip and v not in self.group_of:
-                        self.add_to(step, g[v], {})
-                continue
-            if n.name in self.gemm_member:
-                self.add_to(self.group_of[self.gemm_member[n.name]], n, {})
+            if n.name in self.gemm_specs or n.name in self.gemm_member:
+                # an epilogue may compute values the graph lists before the matmul (a rank-1
+                # term of row and column vectors): the step opens at whichever comes first
+                self.add_to(self.gemm_step(self.gemm_member.get(n.name, n.name)), n, {})
                 continue
             joined = self.try_join(n) if isinstance(n, (ir.Map, ir.Reduce, ir.View)) else None
             if joined:

@@ -2,9 +2,9 @@
 
 The epilogue reads the fp32 accumulator as `acc` and computes every fused map in fp32, as the
 map-reduce lowering does for bf16/f16 values: a value is rounded to a narrower float only
-where the graph casts it explicitly, and once where it is stored. Operands are renamed `x0`,
-`x1`, ... and the output `out`, so the kernel's text does not depend on the graph's names
-(equal programs share a cubin and a tuning entry).
+where the graph casts it explicitly, and once where it is stored. Operands are renamed
+`in_0`, `in_1`, ... and the outputs `out` (or `out0`, `out1`, ...), so the kernel's text does
+not depend on the graph's names (equal programs share a cubin and a tuning entry).
 """
 from __future__ import annotations
 
@@ -64,7 +64,7 @@ def lower_gemm_step(graph: g_ir.Graph, step: Step, name: str | None = None) -> L
     parity = {x: p for p, x in enumerate(s.pairwise or ())}
     values: dict[tuple, str] = {}
     kinds = dict(s.operands)
-    bufs = {t: f"x{i}" for i, t in enumerate(kinds)}
+    bufs = {t: f"in_{i}" for i, t in enumerate(kinds)}  # never an SSA name of the builder (a1, x2, t3...)
     bindings = []
 
     def value(arg: str, p) -> str:
@@ -78,8 +78,8 @@ def lower_gemm_step(graph: g_ir.Graph, step: Step, name: str | None = None) -> L
             v = value(n.arg, parity[arg])
         elif isinstance(n, g_ir.Constant):
             v = e.const(_const(n))
-        elif arg in kinds:
-            v = e.load(bufs[arg], kinds[arg], n.type.dtype)
+        elif arg in kinds:  # parity p: a full-width operand of a pairwise epilogue, at column 2n + p
+            v = e.load(bufs[arg], kinds[arg], n.type.dtype, pair=p)
         else:
             v = emit(n, p)
         values[key] = v
