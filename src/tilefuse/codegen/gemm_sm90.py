@@ -447,10 +447,7 @@ def _epilogue_code_tma(problem: GemmProblem, sched: GemmSchedule, kernel: ir.Ker
         return lines + _pairwise_tma_slots(problem, sched, kernel, dtype, frag, guarded, bar)
     for mb in range(mb_count):
         for j in range(sched.bn // STORE_SPAN):
-            lines.append("{")
-            lines.append(f"  const unsigned slot = stage_out + ep_slot * {slot_bytes};")
-            lines.append(f"  if (tid == 0) tf_bulk_wait_read<{STORE_SLOTS - 1}>();")
-            lines.append(f"  {bar}")
+            _slot_open(lines, slot_bytes, bar)
             for v in range(0, frag.values, 2):
                 r, cc = frag(0, v)  # offsets relative to thread 0's element
                 if not j * STORE_SPAN <= cc < (j + 1) * STORE_SPAN:
@@ -473,13 +470,25 @@ def _epilogue_code_tma(problem: GemmProblem, sched: GemmSchedule, kernel: ir.Ker
                 off = cgen.c_index(lay, (f"frag_row + {r}", f"frag_col + {cc - j * STORE_SPAN}"), shifts=True)
                 lines.append(f"    tf_sts32(slot + 2 * ({off}), packed);")
                 lines.append("  }")
-            lines.append("  tf_fence_async_smem();")
-            lines.append(f"  {bar}")
-            lines.append(f"  if (tid == 0) {{ tf_tma_store(&c_map, slot, col_base + {j * STORE_SPAN}, "
-                         f"row_base + {mb * 64}, batch); tf_bulk_commit(); }}")
-            lines.append(f"  ep_slot ^= 1;")
-            lines.append("}")
+            _slot_close(lines, bar, f"col_base + {j * STORE_SPAN}", f"row_base + {mb * 64}")
     return lines
+
+
+def _slot_open(lines: list, slot_bytes: int, bar: str):
+    """Open one store slot: wait until the TMA store that last read it is done, then sync."""
+    lines.append("{")
+    lines.append(f"  const unsigned slot = stage_out + ep_slot * {slot_bytes};")
+    lines.append(f"  if (tid == 0) tf_bulk_wait_read<{STORE_SLOTS - 1}>();")
+    lines.append(f"  {bar}")
+
+
+def _slot_close(lines: list, bar: str, col: str, row: str):
+    """Close a filled slot: make the writes visible to TMA, sync, thread 0 stores it at (col, row)."""
+    lines.append("  tf_fence_async_smem();")
+    lines.append(f"  {bar}")
+    lines.append(f"  if (tid == 0) {{ tf_tma_store(&c_map, slot, {col}, {row}, batch); tf_bulk_commit(); }}")
+    lines.append("  ep_slot ^= 1;")
+    lines.append("}")
 
 
 def _pairwise_tma_slots(problem, sched, kernel, dtype, frag, guarded, bar) -> list[str]:
@@ -493,10 +502,7 @@ def _pairwise_tma_slots(problem, sched, kernel, dtype, frag, guarded, bar) -> li
     lines = []
     for mb in range(sched.rows_per_wg // 64):
         for j in range(sched.bn // 2 // STORE_SPAN):
-            lines.append("{")
-            lines.append(f"  const unsigned slot = stage_out + ep_slot * {slot_bytes};")
-            lines.append(f"  if (tid == 0) tf_bulk_wait_read<{STORE_SLOTS - 1}>();")
-            lines.append(f"  {bar}")
+            _slot_open(lines, slot_bytes, bar)
             for v in range(0, frag.values, 2):
                 r, cc = frag(0, v)  # offsets relative to thread 0's element; cc is even
                 if not j * STORE_SPAN <= cc // 2 < (j + 1) * STORE_SPAN:
@@ -516,12 +522,7 @@ def _pairwise_tma_slots(problem, sched, kernel, dtype, frag, guarded, bar) -> li
                                    shifts=True)
                 lines.append(f"    tf_sts16(slot + 2 * ({off}), bits);")
                 lines.append("  }")
-            lines.append("  tf_fence_async_smem();")
-            lines.append(f"  {bar}")
-            lines.append(f"  if (tid == 0) {{ tf_tma_store(&c_map, slot, (col_base >> 1) + {j * STORE_SPAN}, "
-                         f"row_base + {mb * 64}, batch); tf_bulk_commit(); }}")
-            lines.append("  ep_slot ^= 1;")
-            lines.append("}")
+            _slot_close(lines, bar, f"(col_base >> 1) + {j * STORE_SPAN}", f"row_base + {mb * 64}")
     return lines
 
 
