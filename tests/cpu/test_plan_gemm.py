@@ -452,3 +452,31 @@ def test_random_dags_of_matmuls_and_maps_plan_without_cycles_and_match_pytorch(p
     check_invariants(st.graph, st.plan)  # every node in one step, each step after what it reads
     n_mm = sum(isinstance(n, ir.Contraction) for n in st.graph.nodes)
     assert len(_gemms(st)) == n_mm
+
+
+def test_tables_built_from_sizes_and_buffers_fold_externs_included():
+    """A causal mask from ones/cumsum and rotary tables from arange and a frequency buffer depend
+    on no input's values: folding computes them once (the externs among them too), and the
+    program still matches PyTorch. Random draws are never folded."""
+    class Tables(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("inv_freq", 1.0 / 10000 ** (torch.arange(0, 8, 2).float() / 8))
+
+        def forward(self, x):
+            s = x.shape[1]
+            ones = x.new_ones(s, s, dtype=torch.long)
+            mask = torch.cumsum(ones, -1) <= torch.cumsum(ones, 0)  # lower triangle
+            ang = torch.outer(torch.arange(s, dtype=torch.float32), self.inv_freq)
+            emb = torch.cat([ang, ang], -1)
+            y = x * emb.cos() + x * emb.sin()
+            return torch.where(mask, y.sum(-1, keepdim=True).expand(-1, s, s), 0.0), x + torch.rand_like(x) * 0
+
+    x = torch.randn(2, 6, 8)
+    st = compile_stages(Tables(), (x,))
+    externs = [st.graph[s.nodes[0]] for s in st.plan.steps if s.family == "extern"]
+    assert not any("cumsum" in getattr(n, "target", "") or "cat" in getattr(n, "target", "") for n in externs)
+    assert any("rand" in getattr(n, "target", "") for n in externs), "a random draw is never folded"
+    assert any("folded at compile time" in n.source for n in st.graph.nodes if isinstance(n, ir.Weight))
+    got, _ = st.program(x)
+    torch.testing.assert_close(got, Tables()(x)[0])

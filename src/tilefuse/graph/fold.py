@@ -1,23 +1,37 @@
-"""Fold what depends on weights alone into new weights, once, when compiling.
+"""Fold what depends on weights and constants alone into new weights, once, when compiling.
 
 A module's forward often casts, transposes or scales its parameters (`bias.to(x.dtype)`,
-`W.t()` for an extern matmul, `scale * W`): work that would otherwise run on every call. Each
-Map or View whose arguments are all weights (or scalar constants, or values folded already)
-is evaluated here by the graph interpreter and becomes a Weight holding its value.
+`W.t()` for an extern matmul, `scale * W`), or builds tables from sizes alone (rotary
+cos/sin from `arange` and a frequency buffer, a causal mask from `ones` and `cumsum`): work
+that would otherwise run on every call. Each such node is evaluated here by the graph
+interpreter and becomes a Weight holding its value:
 
-Two things are left alone: a transpose that generated GEMMs read through (they read the
-stored matrix as a K-major B, so folding it would only copy the weight), and anything whose
-value is larger than its largest argument (an expand would trade a free broadcast for memory).
+- a PyTorch extern whose tensor arguments are all known (it is one op less per call, and
+  what follows it may fold too), unless it draws random numbers or reads uninitialised memory
+  (`new_ones(x, ...)` and the like need only x's shape and dtype, so x need not be known);
+- a map, view, reduction or gather of known values of which at least one came from a weight or
+  an extern (maps of constants and indices alone stay: kernels generate those in registers).
+
+Left alone: transposes that generated GEMMs read through (they read the stored matrix as a
+K-major B, so folding would only copy the weight), results larger than their largest argument
+beyond GROW_MAX_BYTES (an expand would trade a free broadcast for memory) or larger than
+FOLD_MAX_BYTES, and outputs.
 """
 from __future__ import annotations
 
 import numpy as np
 
+from .. import dtypes
 from ..tensors import to_numpy, to_torch
 from . import ir
 from .contraction import why_not
-from .interp import eval_map, eval_view
+from .interp import _extern, _gather, eval_map, eval_reduce, eval_view
 from .rules.match import prune
+
+FOLD_MAX_BYTES = 256 << 20  # no folded value larger than this
+GROW_MAX_BYTES = 1 << 20    # a value larger than its arguments (an expand) folds only up to this
+_RANDOM = ("rand", "bernoulli", "dropout", "normal", "uniform", "multinomial", "poisson", "exponential",
+           "geometric", "cauchy", "empty")
 
 
 def _read_through(g: ir.Graph, users, n) -> bool:
@@ -28,37 +42,100 @@ def _read_through(g: ir.Graph, users, n) -> bool:
                for u in users[n.name])
 
 
+_SHAPE_ONLY = {"new_ones", "new_zeros", "new_full", "ones_like", "zeros_like", "full_like"}
+
+
+def _op(n: ir.Extern) -> str:
+    parts = n.target.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def _deterministic(n: ir.Extern) -> bool:
+    return not any(word in _op(n) for word in _RANDOM)
+
+
 def fold_weights(g: ir.Graph) -> ir.Graph:
     users = g.users()
-    values: dict[str, np.ndarray] = {}
-    weighty: set[str] = set()  # names whose value is known here and that depend on a weight
-    nodes, changed = [], False
+    values: dict[str, np.ndarray] = {}  # known values: weights, constants, indices, folded nodes
+    weighty: set[str] = set()           # known values worth keeping in memory (from weights or externs)
+    folded: set[str] = set()
+    nodes = []
     for n in g.nodes:
         if isinstance(n, ir.Weight):
+            w = g.weights[n.name]
+            values[n.name] = w if isinstance(w, np.ndarray) else to_numpy(w)
             weighty.add(n.name)
-        foldable = isinstance(n, (ir.Map, ir.View)) and not _read_through(g, users, n)
-        args = ir.node_args(n) if foldable else ()
-        if foldable and all(a in weighty or isinstance(g[a], ir.Constant) for a in args) \
-                and any(a in weighty for a in args) and n.name not in g.outputs:
-            if n.type.numel <= max(g[a].type.numel for a in args):
-                vals = [_value(g, a, values) for a in args]
-                out = eval_map(n, vals) if isinstance(n, ir.Map) else eval_view(n, vals[0])
-                values[n.name] = np.asarray(out)
-                weighty.add(n.name)
-                nodes.append(ir.Weight(n.name, n.type, f"{n.describe()}, folded at compile time"))
-                changed = True
-                continue
-        nodes.append(n)
-    if not changed:
+        elif isinstance(n, ir.Constant):
+            values[n.name] = np.asarray(n.value)
+        elif isinstance(n, ir.Iota):
+            shape = n.type.shape
+            idx = np.arange(shape[n.axis]).reshape([-1 if i == n.axis else 1 for i in range(len(shape))])
+            values[n.name] = np.broadcast_to(idx, shape).astype(dtypes.to_numpy(n.type.dtype))
+        value = _fold(g, users, n, values, weighty)
+        if value is None:
+            nodes.append(n)
+            known = _known(g, n, values)  # a constant not worth a weight, but an extern may need it
+            if known is not None:
+                values[n.name] = known
+            continue
+        values[n.name] = value
+        weighty.add(n.name)
+        folded.add(n.name)
+        nodes.append(ir.Weight(n.name, n.type, f"{n.describe()}, folded at compile time"))
+    if not folded:
         return g
     weights = dict(g.weights)
-    for name, v in values.items():
-        weights[name] = to_torch(v.reshape(g[name].type.shape))
+    for name in folded:
+        weights[name] = to_torch(np.ascontiguousarray(values[name]).reshape(g[name].type.shape))
     return prune(ir.Graph(tuple(nodes), g.inputs, g.outputs, weights))
 
 
-def _value(g: ir.Graph, name: str, values: dict) -> np.ndarray:
-    if name not in values:
-        n = g[name]
-        values[name] = np.asarray(n.value) if isinstance(n, ir.Constant) else to_numpy(g.weights[name])
-    return values[name]
+def _fold(g: ir.Graph, users, n, values: dict, weighty: set) -> np.ndarray | None:
+    """n's value when it folds, else None."""
+    if n.name in g.outputs or n.type.nbytes > FOLD_MAX_BYTES:
+        return None
+    if isinstance(n, ir.Extern):
+        refs = [a.name for a in _refs((n.args, n.kwargs))]
+        if not _deterministic(n):
+            return None
+        env = values
+        if _op(n) in _SHAPE_ONLY:  # only the argument's shape and dtype matter, not its values
+            env = {**values, **{r: np.zeros(g[r].type.shape, dtypes.to_numpy(g[r].type.dtype))
+                                for r in refs if r not in values}}
+        if not all(r in env for r in refs):
+            return None
+        return np.asarray(_extern(n, env, "native"))
+    if not isinstance(n, (ir.Map, ir.View, ir.Reduce, ir.Gather)) or _read_through(g, users, n):
+        return None
+    args = ir.node_args(n)
+    if not args or not all(a in values for a in args) or not any(a in weighty for a in args):
+        return None
+    if n.type.numel > max(g[a].type.numel for a in args) and n.type.nbytes > GROW_MAX_BYTES:
+        return None
+    vals = [values[a] for a in args]
+    if isinstance(n, ir.Map):
+        return np.asarray(eval_map(n, vals))
+    if isinstance(n, ir.View):
+        return np.asarray(eval_view(n, vals[0]))
+    if isinstance(n, ir.Reduce):
+        return np.asarray(eval_reduce(n, vals[0]))
+    return np.asarray(_gather(n, vals[0], vals[1]))
+
+
+def _known(g: ir.Graph, n, values: dict) -> np.ndarray | None:
+    """The value of a map or view of known values (indices and constants), kept aside."""
+    if not isinstance(n, (ir.Map, ir.View)) or n.type.nbytes > GROW_MAX_BYTES:
+        return None
+    args = ir.node_args(n)
+    if not all(a in values for a in args):
+        return None
+    vals = [values[a] for a in args]
+    return np.asarray(eval_map(n, vals) if isinstance(n, ir.Map) else eval_view(n, vals[0]))
+
+
+def _refs(x):
+    if isinstance(x, ir.Ref):
+        yield x
+    elif isinstance(x, tuple):
+        for y in x:
+            yield from _refs(y)
