@@ -480,3 +480,39 @@ def test_tables_built_from_sizes_and_buffers_fold_externs_included():
     assert any("folded at compile time" in n.source for n in st.graph.nodes if isinstance(n, ir.Weight))
     got, _ = st.program(x)
     torch.testing.assert_close(got, Tables()(x)[0])
+
+
+@hst.composite
+def batched_programs(draw):
+    """bmm [B, M, K] @ [B, K, N] (or a linear on [B, M, K]) in bf16 or fp16, then maps with tile,
+    column and per-(batch, row) operands: the last are not per-row operands of a batched GEMM
+    and must stay out of its epilogue."""
+    dt = draw(hst.sampled_from([torch.bfloat16, torch.float16]))
+    b, m, k, n = draw(hst.integers(1, 3)), draw(hst.integers(1, 7)), 8 * draw(hst.integers(1, 3)), 8 * draw(hst.integers(1, 3))
+    bmm = draw(hst.booleans())
+    steps = draw(hst.lists(hst.sampled_from(["unary", "bias", "rowscale", "residual"]), max_size=4))
+    fns = draw(hst.lists(hst.sampled_from(_UNARY), min_size=len(steps), max_size=len(steps)))
+
+    def fn(s, x, w, r, rs):
+        y = torch.bmm(x, w) if bmm else F.linear(x, s.lin)
+        for kind, f in zip(steps, fns):
+            y = f(y) if kind == "unary" else y + s.b if kind == "bias" else y * rs if kind == "rowscale" else y + r
+        return y
+
+    mod = Fn(fn, lin=(torch.randn(n, k) / k ** 0.5).to(dt), b=torch.randn(n, dtype=dt))
+    inputs = [torch.randn(b, m, k, dtype=dt), (torch.randn(b, k, n) / k ** 0.5).to(dt),
+              torch.randn(b, m, n, dtype=dt), torch.randn(b, m, 1, dtype=dt)]
+    return mod, inputs, bmm
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(batched_programs())
+def test_random_batched_programs_match_pytorch(prog):
+    """Batched GEMMs (bmm) and linears on 3-D inputs in bf16 and fp16: one GEMM each (batch > 1
+    only for bmm), no per-row operand in a batched epilogue, every result within the 2x rule."""
+    mod, inputs, bmm = prog
+    st = _check(mod, inputs)
+    (g,) = _gemms(st)
+    assert (g.gemm.batch > 1) == (bmm and inputs[0].shape[0] > 1)
+    if g.gemm.batch > 1:
+        assert "row" not in {k for _, k in g.gemm.operands}
