@@ -516,3 +516,41 @@ def test_random_batched_programs_match_pytorch(prog):
     assert (g.gemm.batch > 1) == (bmm and inputs[0].shape[0] > 1)
     if g.gemm.batch > 1:
         assert "row" not in {k for _, k in g.gemm.operands}
+
+
+@hst.composite
+def einsums(draw):
+    """A random two-operand einsum: batch, left, right and summed indices in random orders."""
+    letters = iter("abcdefgh")
+    kinds = {"batch": draw(hst.integers(0, 2)), "left": draw(hst.integers(0, 2)),
+             "right": draw(hst.integers(0, 2)), "summed": draw(hst.integers(1, 2))}
+    idx = {k: [next(letters) for _ in range(n)] for k, n in kinds.items()}
+    size = {c: draw(hst.sampled_from([1, 2, 3, 8])) for k in idx for c in idx[k]}
+    for c in idx["summed"]:
+        size[c] = 8 * draw(hst.integers(1, 2))  # K a multiple of 8: a GEMM can take it
+    sa = draw(hst.permutations(idx["batch"] + idx["left"] + idx["summed"]))
+    sb = draw(hst.permutations(idx["batch"] + idx["right"] + idx["summed"]))
+    res = draw(hst.permutations(idx["batch"] + idx["left"] + idx["right"]))
+    eq = f"{''.join(sa)},{''.join(sb)}->{''.join(res)}"
+    x = torch.randn([size[c] for c in sa], dtype=BF)
+    y = torch.randn([size[c] for c in sb], dtype=BF)
+    return eq, x, y
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(einsums())
+def test_two_operand_einsums_become_one_matmul_and_match_pytorch(case):
+    """Any two-operand einsum with batch, free and summed indices in any order is views around one
+    matmul (no einsum extern), and matches torch.einsum within the 2x rule."""
+    eq, x, y = case
+    st = _check(Fn(lambda s, a, b: torch.einsum(eq, a, b)), [x, y])
+    assert not any("einsum" in getattr(st.graph[s.nodes[0]], "target", "") for s in st.plan.steps)
+    assert sum(isinstance(n, ir.Contraction) for n in st.graph.nodes) == 1
+
+
+def test_einsums_tilefuse_cannot_map_to_a_matmul_stay_einsum_and_say_why():
+    st = compile_stages(Fn(lambda s, a, b: torch.einsum("ii,ij->j", a, b)), (torch.randn(4, 4), torch.randn(4, 8)))
+    (e,) = [s for s in st.plan.steps if s.family == "extern"]
+    assert "einsum" in e.note and "repeated index" in e.note
+    st = compile_stages(Fn(lambda s, a: torch.einsum("ij->j", a)), (torch.randn(4, 4),))
+    assert "two operands" in [s for s in st.plan.steps if s.family == "extern"][0].note

@@ -424,6 +424,55 @@ def _mm(b, args, kwargs, out):
     return _matmul(b, args[0], args[1], out.shape, out.dtype)
 
 
+@handles("einsum")
+def _einsum(b, args, kwargs, out):
+    """A two-operand einsum as one batched matmul between views: a is arranged as
+    [batch, left, contracted], b as [batch, contracted, right] (b's last two dims swapped is
+    a transpose the GEMM reads through), the product viewed back into the output's order."""
+    eq, ops = args[0], args[1]
+    if len(ops) != 2 or "..." in eq or "->" not in eq:
+        raise Unsupported("other than two operands and an explicit output (no '...')")
+    lhs, res = eq.replace(" ", "").split("->")
+    sa, sb = lhs.split(",")
+    x, y = ops
+    if len(set(sa)) != len(sa) or len(set(sb)) != len(sb) or len(set(res)) != len(res):
+        raise Unsupported("a repeated index (a diagonal or trace)")
+    if any(c not in sa + sb for c in res) or any(c not in res and c not in sb for c in sa) \
+            or any(c not in res and c not in sa for c in sb):
+        raise Unsupported("an index summed within one operand")
+    size = {c: n for c, n in zip(sa, b.type(x).shape)}
+    size.update({c: n for c, n in zip(sb, b.type(y).shape)})
+    batch = [c for c in res if c in sa and c in sb]
+    left = [c for c in res if c in sa and c not in sb]
+    right = [c for c in res if c in sb and c not in sa]
+    summed = [c for c in sa if c in sb and c not in res]
+    if any(b.type(x).shape[sa.index(c)] != b.type(y).shape[sb.index(c)] for c in batch + summed):
+        raise Unsupported("broadcast dims")
+
+    def arrange(t, spec, order, shape3):
+        perm = [spec.index(c) for c in order]
+        if perm != list(range(len(perm))):
+            t = b.view("permute", t, tuple(size[c] for c in order), perm)
+        return b.reshape(t, shape3)
+
+    prod = lambda cs: math.prod(size[c] for c in cs)  # noqa: E731
+    nb, nl, nr, nk = prod(batch), prod(left), prod(right), prod(summed)
+    lead = (nb,) if nb > 1 else ()
+    a3 = arrange(x, sa, batch + left + summed, lead + (nl, nk))
+    if [sb.index(c) for c in batch + summed + right] == list(range(len(sb))):
+        b3 = arrange(y, sb, batch + summed + right, lead + (nk, nr))  # as stored: a row-major B
+    else:  # as [batch, right, contracted], its last two dims swapped: a K-major B, read as stored
+        bt = arrange(y, sb, batch + right + summed, lead + (nr, nk))
+        b3 = b.view("permute", bt, lead + (nk, nr), (0, 2, 1) if nb > 1 else (1, 0))
+    y3 = _matmul(b, a3, b3, lead + (nl, nr), out.dtype)
+    order = batch + left + right
+    y = b.reshape(y3, tuple(size[c] for c in order))
+    perm = [order.index(c) for c in res]
+    if perm != list(range(len(perm))):
+        y = b.view("permute", y, out.shape, perm)
+    return y
+
+
 @handles("linear")
 def _linear(b, args, kwargs, out):
     x, w = args[0], args[1]
