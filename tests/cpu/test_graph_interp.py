@@ -435,6 +435,13 @@ def _(draw, dtype):
         [randn((b, m, k), dtype), randn((b, k, n), dtype), randn((k,), dtype)]
 
 
+@case("einsum", "einsum")
+def _(draw, dtype):
+    b, m, k, n = (draw(DIM) for _ in range(4))
+    return (lambda x, y: (torch.einsum("bmk,bnk->bnm", x, y), torch.einsum("bmk,kn->mbn", x, y[0].t()))), \
+        [randn((b, m, k), dtype), randn((b, n, k), dtype)]
+
+
 @case("linear", "linear")
 def _(draw, dtype):
     m, k, n = (draw(DIM) for _ in range(3))
