@@ -132,3 +132,18 @@ def test_input_graph_is_not_changed():
     before, weights = str(g), dict(g.weights)
     rmsnorm_into_matmul(g)
     assert str(g) == before and g.weights == weights
+
+
+def test_folding_gamma_rounds_once_as_in_float64():
+    """γ ⊙ W is formed in float32 when both are 16-bit (the product is exact there) and rounds to
+    the same bf16 / f16 values as the float64 product: folding is fast and loses nothing."""
+    from tilefuse.graph.rules.match import exact_product
+
+    torch.manual_seed(0)
+    for dt in (torch.bfloat16, torch.float16):
+        w, g = (torch.randn(512, 384) * 3).to(dt), (torch.randn(512, 1) * 2).to(dt)
+        fast = exact_product(w, g)
+        assert fast.dtype == torch.float32
+        assert torch.equal(fast.to(dt), (w.double() * g.double()).to(dt))
+        assert torch.equal(fast.double(), w.double() * g.double()), "no rounding before the last"
+    assert exact_product(torch.randn(4, 4), torch.randn(4, 1).bfloat16()).dtype == torch.float64

@@ -93,7 +93,7 @@ def interleave_glu(g: ir.Graph) -> ir.Graph:
             continue
         first, second = sorted((gate, up), key=lambda n: order[n.name])
         wg, wu = weight_operand(g, gate.b), weight_operand(g, up.b)
-        mg, mu = wg.matrix(g), wu.matrix(g)  # (K, N) each
+        mg, mu = wg.matrix(g, exact=True), wu.matrix(g, exact=True)  # (K, N) each; interleaving is exact
         k, n = mg.shape
         both = torch.stack((mg, mu), dim=-1).reshape(k, 2 * n)  # columns g0 u0 g1 u1 ...
         note = f"{g[wg.weight].source or wg.weight} and {g[wu.weight].source or wu.weight} interleaved by column"

@@ -50,9 +50,11 @@ class WeightOperand:
     weight: str
     transposed: bool  # True: the Weight is stored (N, K) and viewed (K, N)
 
-    def matrix(self, g: ir.Graph) -> torch.Tensor:
-        """The operand's value as a (K, N) float64 matrix."""
-        w = value(g, self.weight).double()
+    def matrix(self, g: ir.Graph, exact: bool = False) -> torch.Tensor:
+        """The operand's value as a (K, N) float64 matrix (`exact`: in its stored dtype, for
+        rewrites that only move elements: no rounding to undo, a quarter of the memory)."""
+        w = value(g, self.weight)
+        w = w if exact else w.double()
         return w.t() if self.transposed else w
 
 
@@ -64,6 +66,14 @@ def weight_operand(g: ir.Graph, b: str) -> WeightOperand | None:
             and isinstance(g[n.arg], ir.Weight)):
         return WeightOperand(n.arg, True)
     return None
+
+
+def exact_product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a * b (broadcast) without rounding, in float32 when that holds it exactly (both 16-bit
+    floats: at most 11 + 11 significant bits) and float64 otherwise; the caller rounds once."""
+    if a.dtype in (torch.bfloat16, torch.float16) and b.dtype in (torch.bfloat16, torch.float16):
+        return a.float() * b.float()
+    return a.double() * b.double()
 
 
 def value(g: ir.Graph, name: str) -> torch.Tensor:

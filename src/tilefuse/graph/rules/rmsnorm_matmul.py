@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .. import ir
-from .match import Editor, low_precision, peel_casts, row_vector, split_pair, value, weight_operand
+from .match import Editor, exact_product, low_precision, peel_casts, row_vector, split_pair, value, weight_operand
 
 
 @dataclass(frozen=True)
@@ -97,11 +97,13 @@ def _rewrite(g: ir.Graph, ed: Editor, n: ir.Contraction):
     if g[r].type.shape != r_shape:
         r = _add(nodes, ir.View(ed.fresh(f"{r}_rows"), ir.TensorType(r_shape, g[r].type.dtype), "reshape", r,
                                 r_shape, src))
-    w = wb.matrix(g)
     note = g[wb.weight].source or wb.weight
     if m.gamma is not None:
-        w = w * value(g, peel_casts(g, m.gamma)).double().reshape(-1, 1)
+        gamma = value(g, peel_casts(g, m.gamma))
+        w = exact_product(wb.matrix(g, exact=True), gamma.reshape(-1, 1))
         note = f"{note} with RMSNorm weight {g[peel_casts(g, m.gamma)].source or m.gamma} folded in"
+    else:
+        w = wb.matrix(g, exact=True)
     wnodes, b = ed.operand(f"{wb.weight}_rms", w, wb, g[wb.weight].type.dtype, note, src)
     nodes.extend(wnodes)
     acc_dtype = "f32" if low_precision(n.type.dtype) else n.type.dtype
