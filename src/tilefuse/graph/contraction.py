@@ -8,15 +8,17 @@ ever runs.
 
 Its epilogue is the longest run of maps after it that (1) read the accumulator or earlier
 members, with every other operand a tile of the output's shape, a per-row vector, a
-per-column vector or a scalar constant, none of them computed from the contraction; (2) are
+per-column vector, a scalar constant or a map of those vectors (computed in the epilogue, not
+read as a tile), none of them computed from the contraction; (2) are
 float arithmetic; (3) leave exactly one tensor that anything outside reads: the GEMM's output,
 the intermediate values never touching memory. A longer run that leaves two or three (the
 pre-activation and the activation) is taken instead when the cost model says writing them
 from the epilogue beats a map-reduce kernel after the GEMM.
 
-A contraction read only through the two stride-2 slices of its last dim (the CODA gate/up
-interleaving) gets a pairwise epilogue: each output element is made of two adjacent
-accumulator columns.
+When the run splits the columns into the two stride-2 slices of the last dim (the CODA
+gate/up interleaving), directly or after full-width maps, the epilogue is pairwise: each
+output element is made of two adjacent accumulator columns, full-width operands are read at
+those columns and the output is half as wide. A map joins the first GEMM that can take it.
 """
 from __future__ import annotations
 
