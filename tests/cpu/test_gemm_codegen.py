@@ -276,3 +276,31 @@ def test_cluster_release_is_not_a_gpu_wide_fence():
     src = g.render(g.GemmProblem(1024, 1024, 1024), g.GemmSchedule(128, 256, cluster_m=2)).source
     assert "mbarrier.arrive.shared::cluster.b64" in src
     assert "arrive.release.cluster" not in src
+
+
+def test_rope_epilogue_rotates_adjacent_pairs_and_compiles():
+    """RoPE as a pairwise epilogue: each register pair (columns 2j, 2j + 1) is rotated by its
+    row's angle for pair j and both results stored, at 2j and 2j + 1 of a full-width output
+    (the interpreter against NumPy); it compiles clean for sm_90a and sm_80, storing from
+    registers; an output stored at n in one statement and at 2n in another is refused."""
+    from tilefuse.codegen import gemm_sm80
+
+    rng = np.random.default_rng(0)
+    m, n = 7, 16
+    acc = rng.standard_normal((m, n)).astype(np.float32)
+    ang = rng.standard_normal((m, n // 2)).astype(np.float32)
+    out = run_kernel(epi.rope(m, n, "f32"), {"acc": acc, "cos": np.cos(ang), "sin": np.sin(ang)})["out"]
+    z = (acc[:, 0::2] + 1j * acc[:, 1::2]) * np.exp(1j * ang)  # the rotation as a complex product
+    np.testing.assert_allclose(out, np.stack([z.real, z.imag], -1).reshape(m, n), rtol=1e-5, atol=1e-5)
+    p = g.GemmProblem(300, 256, 64, epilogue=epi.rope(300, 256, "bf16"))
+    src = g.render(p)
+    assert src.c_box is None and "out[(m) * 256LL + (((long long)(2) * ((n))) + 1)]" in src.source
+    assert nvrtc.compile_cuda(src.source, src.name, "sm_90a").info.clean
+    s8 = gemm_sm80.render(p, None, "sm_80")
+    assert nvrtc.compile_cuda(s8.source, s8.name, "sm_80").info.clean
+    e = epi.EpilogueBuilder(8, 16, pairwise=True)
+    a = e.acc(0)
+    e.store("out", a, "f32", pair=0)
+    e.store("out", a, "f32")  # the same output at column n: neither width fits both
+    with pytest.raises(g.GemmError):
+        g.render(g.GemmProblem(8, 16, 64, epilogue=e.kernel()))

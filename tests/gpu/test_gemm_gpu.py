@@ -177,3 +177,24 @@ def test_default_schedules_at_benchmark_shapes(shape):
     assert torch.isfinite(out).all(), "an element was not written"
     rows = torch.randperm(m, device="cuda")[:256]
     _passes(out[rows], a[rows].float() @ bt.float(), a[rows] @ bt)
+
+
+@pytest.mark.parametrize("shape", [(300, 256, 136), (2048, 1024, 512)], ids=lambda s: "x".join(map(str, s)))
+def test_rope_epilogue_rotates_adjacent_pairs(shape):
+    """x @ Wq.T with each adjacent column pair rotated by its row's angles, in the epilogue: equals
+    the product rotated afterwards (float32 reference), outputs poisoned first."""
+    m, n, k = shape
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+    ang = torch.rand(m, n // 2, device="cuda") * 6.28
+    cos, sin = ang.cos(), ang.sin()
+    g = compile_gemm(GemmProblem(m, n, k, "bf16", epilogue=epi.rope(m, n, "bf16")))
+    out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+    g(x, w, out=out, cos=cos, sin=sin)
+    torch.cuda.synchronize()
+
+    def rotate(y):
+        y0, y1 = y[:, 0::2], y[:, 1::2]
+        return torch.stack([y0 * cos - y1 * sin, y0 * sin + y1 * cos], -1).reshape(m, n)
+
+    _passes(out, rotate(x.float() @ w.float().T), rotate((x @ w.T).float()).bfloat16())

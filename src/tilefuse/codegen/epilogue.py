@@ -98,11 +98,17 @@ class EpilogueBuilder:
         self.body.append(ir.Op(dst, name, tuple(args), dtype))
         return dst
 
-    def store(self, name: str, value: str, dtype: str):
-        self.params.append(ir.Buffer(name, self._shape(), dtype, "out"))
+    def store(self, name: str, value: str, dtype: str, pair: int | None = None):
+        """Write `value` to output `name` at (m, n); in a pairwise epilogue, `pair` 0 or 1 writes a
+        full-width output (as wide as the accumulator) at column 2n + pair instead: the two
+        stores of an element then fill adjacent columns (a rotation of each pair, RoPE's)."""
+        if pair is not None and not self.pairwise:
+            raise ValueError("only a pairwise epilogue writes at column 2n + pair")
+        if not any(p.name == name for p in self.params):
+            self.params.append(ir.Buffer(name, self._shape(full=pair is not None), dtype, "out"))
         if dtype != "f32":
             value = self.op("cast", value, dtype=dtype)
-        self.body.append(ir.Store(name, self._index(), value))
+        self.body.append(ir.Store(name, self._index("tile", pair), value))
 
     def kernel(self, name: str = "epilogue") -> ir.Kernel:
         inner = ir.Loop("n", self.out_n, tuple(self.body), parallel=True)
@@ -168,6 +174,23 @@ def glu(m: int, n: int, out_dtype: str, *, activation: str = "silu", batch: int 
     gate, up = e.acc(0), e.acc(1)
     e.store("out", e.op("mul", _activate(e, gate, activation), up), out_dtype)
     return e.kernel("glu_epilogue")
+
+
+def rope(m: int, n: int, out_dtype: str, *, batch: int = 1, table_dtype: str = "f32") -> ir.Kernel:
+    """RoPE on adjacent column pairs of the product: for output columns (2j, 2j + 1),
+
+        out[m, 2j]     = acc[m, 2j] * cos[m, j] - acc[m, 2j + 1] * sin[m, j]
+        out[m, 2j + 1] = acc[m, 2j] * sin[m, j] + acc[m, 2j + 1] * cos[m, j]
+
+    with the angle tables `cos`, `sin` given per row (a token's position) and pair. The rows of a
+    Q or K projection's weight are ordered so each rotated pair is adjacent (Llama's form; the
+    half-split form of transformers is the same after a permutation of each head's rows)."""
+    e = EpilogueBuilder(m, n, batch, pairwise=True)
+    x0, x1 = e.acc(0), e.acc(1)
+    c, s_ = e.load("cos", "tile", table_dtype), e.load("sin", "tile", table_dtype)
+    e.store("out", e.op("sub", e.op("mul", x0, c), e.op("mul", x1, s_)), out_dtype, pair=0)
+    e.store("out", e.op("add", e.op("mul", x0, s_), e.op("mul", x1, c)), out_dtype, pair=1)
+    return e.kernel("rope_epilogue")
 
 
 def is_pairwise(kernel: ir.Kernel) -> bool:

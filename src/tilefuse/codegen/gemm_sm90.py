@@ -624,12 +624,18 @@ def _check_epilogue(problem: GemmProblem, kernel: ir.Kernel):
     want = ((problem.batch,) if problem.batch > 1 else ()) + (problem.m, problem.n)
     if not acc or acc[0].shape != want or acc[0].dtype != "f32":
         raise GemmError(f"epilogue {kernel.name}: needs an f32 input 'acc' of shape {want}")
-    if epi.is_pairwise(kernel):
-        want = want[:-1] + (problem.n // 2,)
+    body = epi.inner_body(kernel)
+    pairwise = epi.is_pairwise(kernel)
     for b in kernel.outputs:
-        if b.shape != want:
-            raise GemmError(f"epilogue {kernel.name}: output {b.name} has shape {b.shape}, want {want}")
-    epi.inner_body(kernel)
+        # a pairwise epilogue writes half-width outputs at column n, full-width ones at 2n + p
+        cols = [x.index[-1] for x in body if isinstance(x, ir.Store) and x.buf == b.name]
+        half = pairwise and all(isinstance(c, ir.Var) and c.name == "n" for c in cols)
+        if pairwise and not half:
+            for c in cols:
+                _column_parity(c)  # raises unless it is 2n or 2n + 1
+        w = want[:-1] + (problem.n // 2,) if half else want
+        if b.shape != w:
+            raise GemmError(f"epilogue {kernel.name}: output {b.name} has shape {b.shape}, want {w}")
 
 
 def kernel_name(problem: GemmProblem, sched: GemmSchedule, kernel: ir.Kernel) -> str:
