@@ -10,14 +10,13 @@ host time with graphs than without.
 import collections
 import os
 import random
-import statistics
-import time
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 import tilefuse
+from tilefuse.analyze.bench import host_us
 from tilefuse.check import compare, flatten, float64_reference
 
 pytestmark = pytest.mark.gpu
@@ -260,19 +259,6 @@ def test_switches_turn_graphs_off(monkeypatch):
     assert prog.graph_info() == []
 
 
-def _host_us(fn, n=60):
-    for _ in range(5):
-        fn()
-    times = []
-    for _ in range(n):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    torch.cuda.synchronize()
-    return statistics.median(times) * 1e6
-
-
 def test_graphs_cut_the_host_time_per_call():
     """Host time of one call with the GPU idle: replaying a three-kernel program beats launching it."""
     rows, cols = 4096, 256
@@ -280,7 +266,7 @@ def test_graphs_cut_the_host_time_per_call():
     t = torch.randint(0, cols, (rows,), device="cuda")
     on, off = _pair(_xent, (x, t))
     assert len(on.stages.kernels) >= 2
-    g, thin = _host_us(lambda: on(x, t)), _host_us(lambda: off(x, t))
+    g, thin = host_us(lambda: on(x, t), reps=60), host_us(lambda: off(x, t), reps=60)
     print(f"\nhost us/call, cross_entropy {rows}x{cols}: graphs {g:.1f}, thin {thin:.1f} "
           f"({os.environ.get('CUDA_VISIBLE_DEVICES', '')})")
     assert g < thin

@@ -236,11 +236,10 @@ def match(g: ir.Graph, c: ir.Contraction, users=None, taken: frozenset = frozens
     # pair split in it, the full-width part reads column and tile operands at the accumulator's
     # column (2j or 2j + 1), the part after it at the output's (j).
     outputs = set(g.outputs)
-    order_of = {x.name: i for i, x in enumerate(g.nodes)}
 
     def escapes(names: set[str]) -> list[str]:
         return sorted((x for x in names if x in outputs or any(u not in names for u in users[x])),
-                      key=order_of.get)
+                      key=order.get)
 
     def valid(prefix) -> list[str] | None:
         names = {c.name} | {x for x, _ in prefix}

@@ -25,7 +25,7 @@ from .. import dtypes
 from ..tensors import to_numpy, to_torch
 from . import ir
 from .contraction import why_not
-from .interp import _extern, _gather, eval_map, eval_reduce, eval_view
+from .interp import _extern, _gather, eval_map, eval_reduce, eval_view, iota_value
 from .rules.match import prune
 
 FOLD_MAX_BYTES = 256 << 20  # no folded value larger than this
@@ -68,9 +68,7 @@ def fold_weights(g: ir.Graph) -> ir.Graph:
         elif isinstance(n, ir.Constant):
             values[n.name] = np.asarray(n.value)
         elif isinstance(n, ir.Iota):
-            shape = n.type.shape
-            idx = np.arange(shape[n.axis]).reshape([-1 if i == n.axis else 1 for i in range(len(shape))])
-            values[n.name] = np.broadcast_to(idx, shape).astype(dtypes.to_numpy(n.type.dtype))
+            values[n.name] = iota_value(n)
         value = _fold(g, users, n, values, weighty)
         if value is None:
             nodes.append(n)
@@ -112,14 +110,7 @@ def _fold(g: ir.Graph, users, n, values: dict, weighty: set) -> np.ndarray | Non
         return None
     if n.type.numel > max(g[a].type.numel for a in args) and n.type.nbytes > GROW_MAX_BYTES:
         return None
-    vals = [values[a] for a in args]
-    if isinstance(n, ir.Map):
-        return np.asarray(eval_map(n, vals))
-    if isinstance(n, ir.View):
-        return np.asarray(eval_view(n, vals[0]))
-    if isinstance(n, ir.Reduce):
-        return np.asarray(eval_reduce(n, vals[0]))
-    return np.asarray(_gather(n, vals[0], vals[1]))
+    return _evaluate(n, [values[a] for a in args])
 
 
 def _known(g: ir.Graph, n, values: dict) -> np.ndarray | None:
@@ -129,8 +120,18 @@ def _known(g: ir.Graph, n, values: dict) -> np.ndarray | None:
     args = ir.node_args(n)
     if not all(a in values for a in args):
         return None
-    vals = [values[a] for a in args]
-    return np.asarray(eval_map(n, vals) if isinstance(n, ir.Map) else eval_view(n, vals[0]))
+    return _evaluate(n, [values[a] for a in args])
+
+
+def _evaluate(n, vals: list) -> np.ndarray:
+    """A map, view, reduction or gather on its arguments' values, by the graph interpreter."""
+    if isinstance(n, ir.Map):
+        return np.asarray(eval_map(n, vals))
+    if isinstance(n, ir.View):
+        return np.asarray(eval_view(n, vals[0]))
+    if isinstance(n, ir.Reduce):
+        return np.asarray(eval_reduce(n, vals[0]))
+    return np.asarray(_gather(n, vals[0], vals[1]))
 
 
 def _refs(x):

@@ -123,19 +123,20 @@ class _Planner:
         self.gemm_member: dict[str, str] = {}       # epilogue map or view -> its contraction
         self.gemm_skip: set[str] = set()            # views no step computes (read through by GEMMs)
         self.gemm_notes: dict[str, str] = {}        # contraction -> why it stays torch.matmul
+        self.gemm_steps: dict[str, Step] = {}       # contraction -> its step, once made
         if gemm:
             self.plan_gemms()
 
     def gemm_step(self, contraction: str) -> Step:
         """The step of a planned GEMM, made at its first node in graph order."""
-        for s in self.steps:
-            if s.gemm is not None and s.gemm.contraction == contraction:
-                return s
+        if contraction in self.gemm_steps:
+            return self.gemm_steps[contraction]
         spec = self.gemm_specs[contraction]
         step = Step(f"k{len(self.steps)}_{contraction}", "gemm", [], None, {},
                     note="generated GEMM, epilogue fused" if spec.maps else "generated GEMM", gemm=spec)
         step.inputs_all = set()
         self.steps.append(step)
+        self.gemm_steps[contraction] = step
         for v in spec.absorbed:
             if v in self.gemm_skip and v not in self.group_of:
                 self.add_to(step, self.g[v], {})

@@ -126,6 +126,12 @@ def _extern(n: ir.Extern, env, precision):
     return to_numpy(r)
 
 
+def iota_value(n: ir.Iota) -> np.ndarray:
+    shape = n.type.shape
+    idx = np.arange(shape[n.axis]).reshape([-1 if i == n.axis else 1 for i in range(len(shape))])
+    return np.broadcast_to(idx, shape).astype(dtypes.to_numpy(n.type.dtype))
+
+
 def run_graph(g: ir.Graph, inputs: dict, precision: str = "native") -> list[np.ndarray]:
     """Evaluate the graph on NumPy (or torch CPU) inputs; returns the outputs in order."""
     env: dict[str, np.ndarray] = {}
@@ -151,9 +157,7 @@ def run_graph(g: ir.Graph, inputs: dict, precision: str = "native") -> list[np.n
         elif isinstance(n, ir.View):
             env[n.name] = eval_view(n, env[n.arg])
         elif isinstance(n, ir.Iota):
-            shape = n.type.shape
-            idx = np.arange(shape[n.axis]).reshape([-1 if i == n.axis else 1 for i in range(len(shape))])
-            env[n.name] = np.broadcast_to(idx, shape).astype(dtypes.to_numpy(n.type.dtype))
+            env[n.name] = iota_value(n)
         elif isinstance(n, ir.Gather):
             env[n.name] = _gather(n, env[n.arg], env[n.index])
         elif isinstance(n, ir.Contraction):

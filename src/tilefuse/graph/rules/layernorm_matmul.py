@@ -16,7 +16,8 @@ from dataclasses import dataclass
 
 from ... import dtypes
 from .. import ir
-from .match import Editor, low_precision, peel_casts, row_vector, split_pair, value, weight_operand
+from .match import (Editor, low_precision, peel_casts, rewrite_contractions, row_vector, split_pair, value,
+                    weight_operand)
 from .rmsnorm_matmul import _add, normalised_operand
 
 
@@ -81,15 +82,7 @@ def _centred(g: ir.Graph, d: str):
 
 def layernorm_into_matmul(g: ir.Graph) -> ir.Graph:
     """Every contraction of a LayerNorm output with a weight: fold γ and β, correct per row."""
-    ed, out, changed = Editor(g), [], False
-    for n in g.nodes:
-        new = _rewrite(g, ed, n) if isinstance(n, ir.Contraction) else None
-        if new is None:
-            out.append(n)
-        else:
-            out.extend(new)
-            changed = True
-    return ed.graph(out) if changed else g
+    return rewrite_contractions(g, _rewrite)
 
 
 def _rewrite(g: ir.Graph, ed: Editor, n: ir.Contraction):

@@ -119,6 +119,20 @@ class Editor:
         return prune(g)
 
 
+def rewrite_contractions(g: ir.Graph, rewrite) -> ir.Graph:
+    """Replace each contraction n by `rewrite(g, editor, n)` (a list of nodes), where that is not
+    None; the graph itself when none is replaced."""
+    ed, out, changed = Editor(g), [], False
+    for n in g.nodes:
+        new = rewrite(g, ed, n) if isinstance(n, ir.Contraction) else None
+        if new is None:
+            out.append(n)
+        else:
+            out.extend(new)
+            changed = True
+    return ed.graph(out) if changed else g
+
+
 def prune(g: ir.Graph) -> ir.Graph:
     """Drop nodes (and weight values) nothing reaches from the outputs; inputs stay."""
     live, stack = set(), list(g.outputs)

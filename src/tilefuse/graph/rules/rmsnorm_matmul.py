@@ -10,7 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .. import ir
-from .match import Editor, exact_product, low_precision, peel_casts, row_vector, split_pair, value, weight_operand
+from .match import (Editor, exact_product, low_precision, peel_casts, rewrite_contractions, row_vector, split_pair,
+                    value, weight_operand)
 
 
 @dataclass(frozen=True)
@@ -68,15 +69,7 @@ def normalised_operand(g: ir.Graph, a: str):
 
 def rmsnorm_into_matmul(g: ir.Graph) -> ir.Graph:
     """Every contraction of an RMSNorm output with a weight: fold γ, scale rows after."""
-    ed, out, changed = Editor(g), [], False
-    for n in g.nodes:
-        new = _rewrite(g, ed, n) if isinstance(n, ir.Contraction) else None
-        if new is None:
-            out.append(n)
-        else:
-            out.extend(new)
-            changed = True
-    return ed.graph(out) if changed else g
+    return rewrite_contractions(g, _rewrite)
 
 
 def _rewrite(g: ir.Graph, ed: Editor, n: ir.Contraction):
