@@ -28,7 +28,7 @@ def _parser() -> argparse.ArgumentParser:
         sp.add_argument("-v", "--verbose", action="count", default=0, help="-v: tracebacks; -vv: a diff per rewrite")
 
     def model_args(sp):
-        m = sp.add_argument_group("--model options")
+        m = sp.add_argument_group("--model options", "the model is built in --dtype, bf16 by default")
         m.add_argument("--layers", type=int, default=2)
         m.add_argument("--hidden", type=int, default=256)
         m.add_argument("--seq", type=int, default=64)
