@@ -27,6 +27,7 @@ Writes JSON after every kernel (a run cut short keeps what it measured); prints 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -132,7 +133,7 @@ def evaluate(pool, compiler, device, tmp: Path, name: str, kernel, args) -> dict
     rec = {"family": kernel.family, "kernel": name, "admitted": sum(1 for _ in space.admitted())}
     opts = TuneOptions(budget=args.budget, jobs=args.jobs)
     t0 = time.perf_counter()
-    with Tuner(pool, device, TuneCache(tmp / "mcts.sqlite"), opts, compiler=compiler) as tuner:
+    with Tuner(pool, device, TuneCache(tmp / "tune.sqlite"), opts, compiler=compiler) as tuner:
         r = tuner.tune({name: kernel})[0]
     rec["mcts"] = {"wall_s": time.perf_counter() - t0, "evaluated": r.evaluated, "failed": r.failed,
                    "knobs": r.knobs, "status": r.status, "note": r.note, "method": r.method,
@@ -141,12 +142,16 @@ def evaluate(pool, compiler, device, tmp: Path, name: str, kernel, args) -> dict
     if r.knobs:
         picks["mcts"] = r.knobs
     if not args.no_exhaustive:
-        nb = neighbourhood(space, kernel.family)
+        full = any(f and f in name for f in args.full.split(","))
+        nb = space if full else neighbourhood(space, kernel.family)
+        ex_opts = TuneOptions(exhaustive=True, jobs=args.jobs)
+        if args.exhaustive_rep_ms:
+            ex_opts = dataclasses.replace(ex_opts, rep_ms=args.exhaustive_rep_ms)
         t0 = time.perf_counter()
-        with Tuner(pool, device, TuneCache(tmp / "exhaustive.sqlite"), TuneOptions(exhaustive=True, jobs=args.jobs),
+        with Tuner(pool, device, TuneCache(tmp / "exhaustive.sqlite"), ex_opts,
                    compiler=compiler) as ex:
             e = ex.tune_kernel(name, kernel, space=nb)
-        rec["exhaustive"] = {"wall_s": time.perf_counter() - t0, "evaluated": e.evaluated, "failed": e.failed,
+        rec["exhaustive"] = {"space": "full" if full else "neighbourhood", "wall_s": time.perf_counter() - t0, "evaluated": e.evaluated, "failed": e.failed,
                              "knobs": e.knobs, "status": e.status, "note": e.note, "failures": e.failures[:5]}
         if e.knobs:
             picks["exhaustive"] = e.knobs
@@ -155,7 +160,7 @@ def evaluate(pool, compiler, device, tmp: Path, name: str, kernel, args) -> dict
     if kernel.family == "gemm_sm90":
         rec["us"]["cublas"] = cublas_us(kernel.problem, args.rounds, args.rep_ms)
     t0 = time.perf_counter()
-    again = Tuner(pool, device, TuneCache(tmp / "mcts.sqlite"), opts).tune({name: kernel})[0]
+    again = Tuner(pool, device, TuneCache(tmp / "tune.sqlite"), opts).tune({name: kernel})[0]
     rec["cache_hit_s"] = time.perf_counter() - t0
     rec["cache_hit"] = again.status == "cached"
     return rec
@@ -182,6 +187,12 @@ def main():
     ap.add_argument("--mapreduce", default=MR_CASES, help="program:RxC,... as bench/mapreduce.py --cases ('': none)")
     ap.add_argument("--budget", type=int, default=64)
     ap.add_argument("--no-exhaustive", action="store_true", help="skip the neighbourhood's exhaustive search")
+    ap.add_argument("--full", default="", help="kernels (name substrings, comma-separated) whose exhaustive "
+                    "search covers the whole space instead of the neighbourhood")
+    ap.add_argument("--exhaustive-rep-ms", type=float, default=None,
+                    help="do_bench time per exhaustive candidate (default: the tuner's)")
+    ap.add_argument("--cache-dir", help="keep the SP-MCTS picks here (tune.sqlite, as TILEFUSE_CACHE_DIR reads it) "
+                    "instead of a temporary directory: `tilefuse run` / bench/mapreduce.py then use them")
     ap.add_argument("--jobs", type=int, default=max(1, (os.cpu_count() or 2) - 1), help="compile-ahead processes")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--rep-ms", type=float, default=100.0, help="do_bench time per re-timing")
@@ -189,7 +200,8 @@ def main():
     args = ap.parse_args()
     start = time.perf_counter()
     torch.manual_seed(0)
-    tmp = Path(tempfile.mkdtemp(prefix="tune_eval_"))
+    tmp = Path(args.cache_dir or tempfile.mkdtemp(prefix="tune_eval_"))
+    tmp.mkdir(parents=True, exist_ok=True)
     os.environ["TILEFUSE_CACHE_DIR"] = str(tmp)  # a cold tuning cache (and cubin cache) for this run
     device = cuda_device(0)
     out = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "device": str(device),

@@ -74,29 +74,45 @@ def _programs(rows, cols, dtype):
 SHAPES = [(1, 1), (3, 5), (7, 4097), (33, 1000), (256, 4096), (8, 40000)]
 
 
+POOLED = 2048  # outputs smaller than this are checked on several fresh draws pooled together
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
 def test_program_matches_float64_reference(shape, dtype):
     """Each program's outputs, written over NaN-poisoned buffers, pass the 2x rule on fresh inputs,
-    both on the first call (the thin launch path) and the second (captured and replayed as a CUDA
-    graph; with TILEFUSE_CUDA_GRAPHS=0 the thin path again, and no graph is made)."""
+    both on the first call (the thin launch path) and later ones (captured and replayed as a CUDA
+    graph; with TILEFUSE_CUDA_GRAPHS=0 the thin path again, and no graph is made).
+
+    The 2x rule compares two errors measured on the same inputs; on a 1x1 output each is one
+    rounding, so PyTorch's can be near 0 by luck (measured on an H100: gelu_mul at 1x1 in bf16
+    failed once with 0.0058 against PyTorch's 0.0018; both are single bf16 roundings of
+    intermediates). Small outputs are therefore checked on `POOLED` elements' worth of fresh draws
+    concatenated: the thin call and the replays each on their own pool."""
     graphs = enabled_by_env()
+    draws = min(64, -(-POOLED // (shape[0] * shape[1])))
     for name, fn, make in _programs(*shape, dtype):
         prog = tilefuse.compile(fn, make())
         prog.poison = True
         assert prog.graphs is graphs
         for call in ("thin", "graph" if graphs else "thin again"):
-            inputs = make()  # fresh inputs, not the ones it was compiled with
-            out = flatten(prog(*inputs))
-            with torch.no_grad():
-                eager = flatten(fn(*inputs))
-            ref = reference(fn, inputs)
-            for i, (o, r, e) in enumerate(zip(out, ref, eager)):
-                c = compare(f"{name}[{i}]", o, r, e)
-                assert c.ok, f"{name} {shape} {dtype} ({call} call): {c}"
+            # the thin pool runs with graphs off; the graph pool's first call is the capture's
+            # warm-up (thin), then `draws` replays
+            prog.graphs = graphs and call == "graph"
+            got = []
+            for _ in range(draws + (call != "thin")):
+                inputs = make()  # fresh inputs, not the ones it was compiled with
+                out = flatten(prog(*inputs))
+                with torch.no_grad():
+                    eager = flatten(fn(*inputs))
+                got.append((out, reference(fn, inputs), eager))
+            for i in range(len(got[0][0])):
+                cat = [torch.cat([g[k][i].reshape(-1) for g in got]) for k in range(3)]
+                c = compare(f"{name}[{i}]", *cat)
+                assert c.ok, f"{name} {shape} {dtype} ({call} call, {len(got)} draw(s)): {c}"
         if graphs:
             (info,) = prog.graph_info()
-            assert info["graphs"] and info["replays"] == 1, f"{name}: {info}"
+            assert info["graphs"] and info["replays"] == draws, f"{name}: {info}"
         else:
             assert prog.graph_info() == [], f"{name}: graphs ran with TILEFUSE_CUDA_GRAPHS=0"
 
