@@ -92,7 +92,8 @@ def cache(tmp_path, monkeypatch):
 
 
 def tuner(cache, fn=fake_measure, pool=None, **opts):
-    return Tuner(pool or InlinePool(), H100, cache, TuneOptions(**{"budget": 24, "confirm": 2, **opts}), measure_fn=fn)
+    return Tuner(pool or InlinePool(), H100, cache, TuneOptions(**{"budget": 24, "confirm": 2, "confirm_rounds": 1, **opts}),
+                 measure_fn=fn)
 
 
 def best_known(kernel):
@@ -300,3 +301,25 @@ def test_tune_command_tunes_every_kernel_then_hits_the_cache(cache, on_h100, mon
     n = len(CALLS)
     assert main(["tune", "-c", expr]) == 0
     assert len(CALLS) == n and capsys.readouterr().out.count("cached") >= 2
+
+
+def test_confirmation_interleaves_rounds_so_clock_drift_does_not_pick(cache):
+    """The finalists are re-timed in `confirm_rounds` rounds, each in a rotated order, and each
+    keeps its fastest median: under a GPU whose clock falls with every kernel it runs (a drift
+    of 3% per timing here), the truly fastest finalist still wins although timing it last in a
+    single round would have made it look slowest."""
+    k = fx.rmsnorm_kernel(64, 1024, "bf16")
+    calls = []
+
+    def drifting(job):
+        calls.append(dict(job.knobs))
+        return Measurement(fake_time(job.knobs) * (1 + 0.03 * len(calls)), {"reps": 1})
+
+    r = tuner(cache, fn=drifting, budget=6, confirm=3, confirm_rounds=3).tune({"k": k})[0]
+    search, confirm = calls[:6], calls[6:]
+    finalists = confirm[:len(confirm) // 3]
+    assert len(confirm) == 3 * len(finalists) >= 3
+    for rnd in range(3):  # round rnd starts at finalist rnd (a rotation)
+        shift = rnd % len(finalists)
+        assert confirm[rnd * len(finalists):(rnd + 1) * len(finalists)] == finalists[shift:] + finalists[:shift]
+    assert r.knobs == min(finalists, key=fake_time)  # the truly fastest, whatever the drift
