@@ -323,3 +323,16 @@ def test_confirmation_interleaves_rounds_so_clock_drift_does_not_pick(cache):
         shift = rnd % len(finalists)
         assert confirm[rnd * len(finalists):(rnd + 1) * len(finalists)] == finalists[shift:] + finalists[:shift]
     assert r.knobs == min(finalists, key=fake_time)  # the truly fastest, whatever the drift
+
+
+def test_a_pick_within_min_gain_of_the_default_keeps_the_default(cache):
+    """A finalist faster than the default by less than `min_gain` (here 1000x the spread of the
+    fake timings) is noise as far as the tuner knows: the heuristic default stays the pick, and
+    with min_gain 0 the fastest finalist wins as before."""
+    k = fx.rmsnorm_kernel(64, 1024, "bf16")
+    keep = tuner(cache, budget=6, min_gain=0.99).tune({"k": k})[0]
+    space = MR.space(k, "sm_90a")
+    assert keep.knobs == space.as_dict(space.default)
+    CALLS.clear()
+    r = tuner(TuneCache(cache.path.parent / "other.sqlite"), budget=6, min_gain=0.0).tune({"k": k})[0]
+    assert r.knobs == min(CALLS[:6], key=fake_time)

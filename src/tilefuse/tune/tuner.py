@@ -43,6 +43,7 @@ class TuneOptions:
     confirm: int = 3             # best candidates re-timed against the default at the end
     confirm_rep_ms: float = 120.0
     confirm_rounds: int = 3      # the finalists are timed in turn this many times (min of medians)
+    min_gain: float = 0.01       # a pick must beat the default by this fraction, else the default stays
     force: bool = False          # re-tune kernels the cache already has
     give_up: int = 8             # stop a kernel whose first this-many candidates all failed
     jobs: int = 0                # CPU processes compiling candidates ahead of the workers (0: workers compile)
@@ -265,4 +266,7 @@ class Tuner:
         if not again:  # the finalists failed the second time: keep the first measurements
             again = {c: measured[c] for c in finalists}
         best = min(again, key=lambda c: again[c].median_us)
-        return best, again[best], again.get(space.default)
+        d = again.get(space.default)
+        if d is not None and again[best].median_us > d.median_us * (1 - o.min_gain):
+            best = space.default  # a gain inside the timing noise is no reason to leave the heuristic
+        return best, again[best], d
