@@ -188,15 +188,39 @@ def _record(name, rows, cols, rows_, prog, nbytes, seconds):
     return rec
 
 
+def _tuner():
+    """A tuner as `tilefuse tune` makes one: a worker process on GPU 0, the on-disk cache."""
+    from tilefuse.tune.cache import TuneCache
+    from tilefuse.tune.command import compile_jobs
+    from tilefuse.tune.device import cuda_device
+    from tilefuse.tune.tuner import TuneOptions, Tuner
+    from tilefuse.tune.worker import WorkerPool
+
+    return Tuner(WorkerPool([0]), cuda_device(0), TuneCache(), TuneOptions(jobs=compile_jobs()))
+
+
+def _tune(tuner, module, inputs) -> dict:
+    """Tune the program's kernels (a cache hit when tuned before); kernel -> what the tuner said."""
+    from tilefuse.compiler import compile_stages
+    from tilefuse.tune.command import collect
+
+    results = tuner.tune(collect([compile_stages(module, inputs)]))
+    return {r.name: {"status": r.status, "default_us": r.default_us, "best_us": r.best_us, "knobs": r.knobs,
+                     "wall_s": r.wall_s} for r in results}
+
+
 def run_table(args):
     gpu = torch.cuda.get_device_name()
     copy_bps = copy_bandwidth()
     out = {"gpu": gpu, "torch": torch.__version__, "copy_TBps": copy_bps / 1e12, "cuda_graphs": True,
            "results": []}
+    tuner = _tuner() if args.tune else None
+    out["tuned"] = bool(args.tune)
     for name, (rows, cols) in cases(args.quick, args.cases):
         t0 = time.perf_counter()
         module = PROGRAMS[name](cols).cuda().bfloat16()
         inputs = inputs_for(name, rows, cols)
+        tuning = _tune(tuner, module, inputs) if tuner else None
         prog = tilefuse.compile(module, inputs)
         nbytes = program_bytes(module, inputs)
         rows_ = compare(prog, module, inputs, nbytes, copy_bps, with_compile=not args.no_compile_baseline)
@@ -207,11 +231,16 @@ def run_table(args):
             out["results"][-1]["kernel_us"] = kt = kernel_times(prog, inputs)
             print(f"  kernels of {name} {rows}x{cols}: " + ", ".join(f"{k} {v['us']:.1f}us" for k, v in kt.items()))
         out["results"][-1]["err_vs_eager"] = err_vs_eager(prog, module, inputs)
+        if tuning is not None:
+            out["results"][-1]["tuning"] = tuning
         _save(args.json, out)
         print(f"{name:14s} {rows}x{cols}: " + "  ".join(f"{r.name} {r.ms * 1e3:.1f}us/{r.host_us:.0f}us host"
                                                          for r in rows_), flush=True)
         del prog, inputs, module, rows_
         torch.cuda.empty_cache()
+    if tuner is not None:
+        tuner.close()
+        tuner.pool.close()
     cold, warm = compile_times()
     out["rmsnorm_compile_s"] = {"cold": cold, "warm": warm}
     _save(args.json, out)
@@ -295,6 +324,8 @@ def main():
     ap.add_argument("--no-compile-baseline", action="store_true", help="skip torch.compile (it takes a while)")
     ap.add_argument("--cases", help="only these program:RxC cases, comma-separated (e.g. softmax:4096x65536)")
     ap.add_argument("--kernel-times", action="store_true", help="GPU time of each kernel (torch.profiler)")
+    ap.add_argument("--tune", action="store_true", help="tune each program's kernels first (as `tilefuse tune` "
+                    "does; picks cached in TILEFUSE_CACHE_DIR), so tilefuse runs with the tuned schedules")
     args = ap.parse_args()
     torch.manual_seed(0)
     (run_profile if args.profile else run_overhead if args.overhead else run_table)(args)
