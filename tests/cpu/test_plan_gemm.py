@@ -235,7 +235,36 @@ def test_pre_activation_and_activation_both_come_from_the_epilogue_when_it_pays(
     (g2,) = _gemms(st2)
     assert len(g2.gemm.outs) == 1 and [s.family for s in st2.plan.steps] == ["gemm", "mapreduce"]
     c = st2.graph[g2.gemm.contraction]
-    assert not _extra_outputs_pay(st2.graph, c, [g2.gemm.out, g2.gemm.out])
+    g_ = st2.graph
+    outs = [g2.gemm.out] + [o for o in g_.outputs if o != g2.gemm.out]
+    assert len(outs) == 2 and not _extra_outputs_pay(g_, c, outs, [g2.gemm.out], g_.users())
+
+
+def test_an_output_only_maps_and_reductions_read_is_not_written_by_the_epilogue():
+    """After a residual GEMM, the next RMSNorm's x*x (an f32 tile, twice the bytes of the bf16
+    sum) is read only by the mean: the epilogue writes the sum alone, and the map-reduce kernel
+    computes x*x from it, instead of writing the f32 tile and reading it back."""
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.o = torch.nn.Linear(256, 256, bias=False)
+            self.norm = torch.nn.RMSNorm(256)
+            self.up = torch.nn.Linear(256, 512, bias=False)
+
+        def forward(self, a, x):
+            h = x + self.o(a)
+            return h, self.up(self.norm(h))
+
+    torch.manual_seed(0)
+    m = Block().bfloat16()
+    with torch.no_grad():
+        m.norm.weight.copy_(1 + 0.1 * torch.randn(256))
+    st = _check(m, [torch.randn(64, 256, dtype=BF), torch.randn(64, 256, dtype=BF)])
+    first = _gemms(st)[0]
+    assert len(first.gemm.outs) == 1 and st.graph[first.gemm.out].type.dtype == "bf16"
+    mr = [s for s in st.plan.steps if s.family == "mapreduce"]
+    assert len(mr) == 1 and first.gemm.out in mr[0].inputs and all(
+        st.graph[o].type.numel == 64 for o in mr[0].outputs)  # it writes one value per row
 
 
 # -- random programs around a matmul -----------------------------------------------------------------

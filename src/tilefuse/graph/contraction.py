@@ -262,7 +262,7 @@ def match(g: ir.Graph, c: ir.Contraction, users=None, taken: frozenset = frozens
             else:
                 multi = (i, esc)
     best, outs = single
-    if multi and multi[0] > best and _extra_outputs_pay(g, c, multi[1]):
+    if multi and multi[0] > best and _extra_outputs_pay(g, c, multi[1], single[1], users):
         best, outs = multi
     chosen = candidates[:best]
     paired = any(x in slices for x, _ in chosen)
@@ -275,14 +275,26 @@ def match(g: ir.Graph, c: ir.Contraction, users=None, taken: frozenset = frozens
                     tuple(operands.items()), tuple(outs), absorbed + (pairwise or ()))
 
 
-def _extra_outputs_pay(g: ir.Graph, c: ir.Contraction, outs: list[str]) -> bool:
+def _extra_outputs_pay(g: ir.Graph, c: ir.Contraction, outs: list[str], kept: list[str], users) -> bool:
     """Several outputs cost the GEMM its TMA store (stores go straight from registers, ~10%
-    slower at large shapes, bench/LOG_gemm.md); keeping one output costs a map-reduce kernel
-    that reads it back and writes the others. Pays when those bytes take longer than the
-    GEMM's ~10%, at the planner's ceilings (fusion.COPY_BYTES_PER_S, MATMUL_FLOPS_PER_S)."""
+    slower at large shapes, bench/LOG_gemm.md); keeping one output (`kept`) costs a map-reduce
+    kernel that reads it back and writes those of the others that must exist in memory: program
+    outputs and tensors read by a GEMM or an extern. An output read only by maps and reductions
+    is not written at all then: its readers compute it from the kept one in their own kernel
+    (an RMSNorm's x*x after a residual GEMM, an f32 tile twice the kept bf16's bytes, was written
+    and read back for nothing). Pays when the bytes moved take longer than the GEMM's ~10%, at
+    the planner's ceilings (fusion.COPY_BYTES_PER_S, MATMUL_FLOPS_PER_S)."""
     from .fusion import COPY_BYTES_PER_S, MATMUL_FLOPS_PER_S
 
+    outputs = set(g.outputs)
+
+    def materialised(o: str) -> bool:
+        return o in outputs or any(not isinstance(g[u], (ir.Map, ir.Reduce)) for u in users[o])
+
+    extra = [o for o in outs if o not in kept and materialised(o)]
+    if not extra:
+        return False
     a = g[c.a].type
     flops = 2 * c.type.numel * a.shape[-1]
-    moved = sum(g[o].type.nbytes for o in outs)  # the kept output read back, the others written
+    moved = sum(g[o].type.nbytes for o in list(kept) + extra)  # the kept output read back, the others written
     return moved / COPY_BYTES_PER_S > 0.1 * flops / MATMUL_FLOPS_PER_S
