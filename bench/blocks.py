@@ -73,6 +73,26 @@ def build(case: str):
     return m, inputs, tokens
 
 
+PROFILE = False
+
+
+def kernel_us(fn, inputs, calls: int = 5) -> dict:
+    """GPU us per call of each kernel name (torch.profiler), largest first: where the time goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn(*inputs)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn(*inputs)
+        torch.cuda.synchronize()
+    tot: dict = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            tot[e.name] = tot.get(e.name, 0.0) + e.time_range.elapsed_us() / calls
+    return dict(sorted(tot.items(), key=lambda kv: -kv[1]))
+
+
 def first_call_s(fn, inputs) -> float:
     torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -108,6 +128,10 @@ def run_case(case: str) -> dict:
         row["tilefuse_host_us"] = host_us(lambda: prog(*inputs), reps=20)  # Python time of one call, GPU idle
         row["torch_compile_host_us"] = host_us(lambda: tc(*inputs), reps=20)
         row["graph_replay"] = [i["graphs"] for i in prog.graph_info()]
+        if PROFILE:
+            row["kernels_us"] = {"tilefuse": kernel_us(prog, inputs), "torch.compile": kernel_us(tc, inputs)}
+            for who, ks in row["kernels_us"].items():
+                print(f"  {case} {who}: " + ", ".join(f"{k[:60]} {v:.0f}" for k, v in list(ks.items())[:12]), flush=True)
     row["vs_torch_compile"] = row["torch_compile_ms"] / row["tilefuse_ms"]
     row["vs_eager"] = row["eager_ms"] / row["tilefuse_ms"]
     return row
@@ -117,7 +141,10 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--cases", default="mlp,layer7b,llama4")
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--profile", action="store_true", help="also record each implementation's GPU time per kernel")
     args = ap.parse_args(argv)
+    global PROFILE
+    PROFILE = args.profile
     rows = []
     for case in args.cases.split(","):
         try:
