@@ -33,6 +33,9 @@ from tilefuse import models  # noqa: E402
 from tilefuse.analyze.bench import host_us, median_ms  # noqa: E402
 from tilefuse.check import compare, flatten, float64_reference  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import tuning  # noqa: E402
+
 
 class MLPBlock(nn.Module):
     def __init__(self, d: int, f: int):
@@ -74,6 +77,7 @@ def build(case: str):
 
 
 PROFILE = False
+TUNER = None  # bench/tuning.py's tuner when --tune
 
 
 def kernel_us(fn, inputs, calls: int = 5) -> dict:
@@ -105,6 +109,10 @@ def run_case(case: str) -> dict:
     m, inputs, tokens = build(case)
     row: dict = {"case": case, "tokens": tokens}
     with torch.no_grad():
+        if TUNER is not None:
+            t0 = time.perf_counter()
+            row["tuning"] = tuning.tune(TUNER, m, inputs)
+            row["tuning_s"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         prog = tilefuse.compile(m, inputs)
         row["tilefuse_compile_s"] = time.perf_counter() - t0 + first_call_s(prog, inputs)
@@ -142,9 +150,12 @@ def main(argv=None) -> int:
     ap.add_argument("--cases", default="mlp,layer7b,llama4")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--profile", action="store_true", help="also record each implementation's GPU time per kernel")
+    ap.add_argument("--tune", action="store_true", help="tune each block's kernels first (as `tilefuse tune` does; "
+                    "picks cached in TILEFUSE_CACHE_DIR), so tilefuse runs with the tuned schedules")
     args = ap.parse_args(argv)
-    global PROFILE
+    global PROFILE, TUNER
     PROFILE = args.profile
+    TUNER = tuning.make_tuner() if args.tune else None
     rows = []
     for case in args.cases.split(","):
         try:
@@ -154,7 +165,10 @@ def main(argv=None) -> int:
         torch._dynamo.reset()
         torch.cuda.empty_cache()
         print(json.dumps(rows[-1]), flush=True)
-    result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}
+    if TUNER is not None:
+        tuning.close(TUNER)
+    result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "tuned": TUNER is not None,
+              "rows": rows}
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=1))

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 import tilefuse
+import tuning
 from tilefuse.analyze.bench import compare, copy_bandwidth
 
 SHAPES = [(32768, 4096), (16384, 8192), (4096, 65536), (32768, 256)]
@@ -188,39 +189,18 @@ def _record(name, rows, cols, rows_, prog, nbytes, seconds):
     return rec
 
 
-def _tuner():
-    """A tuner as `tilefuse tune` makes one: a worker process on GPU 0, the on-disk cache."""
-    from tilefuse.tune.cache import TuneCache
-    from tilefuse.tune.command import compile_jobs
-    from tilefuse.tune.device import cuda_device
-    from tilefuse.tune.tuner import TuneOptions, Tuner
-    from tilefuse.tune.worker import WorkerPool
-
-    return Tuner(WorkerPool([0]), cuda_device(0), TuneCache(), TuneOptions(jobs=compile_jobs()))
-
-
-def _tune(tuner, module, inputs) -> dict:
-    """Tune the program's kernels (a cache hit when tuned before); kernel -> what the tuner said."""
-    from tilefuse.compiler import compile_stages
-    from tilefuse.tune.command import collect
-
-    results = tuner.tune(collect([compile_stages(module, inputs)]))
-    return {r.name: {"status": r.status, "default_us": r.default_us, "best_us": r.best_us, "knobs": r.knobs,
-                     "wall_s": r.wall_s} for r in results}
-
-
 def run_table(args):
     gpu = torch.cuda.get_device_name()
     copy_bps = copy_bandwidth()
     out = {"gpu": gpu, "torch": torch.__version__, "copy_TBps": copy_bps / 1e12, "cuda_graphs": True,
            "results": []}
-    tuner = _tuner() if args.tune else None
+    tuner = tuning.make_tuner() if args.tune else None
     out["tuned"] = bool(args.tune)
     for name, (rows, cols) in cases(args.quick, args.cases):
         t0 = time.perf_counter()
         module = PROGRAMS[name](cols).cuda().bfloat16()
         inputs = inputs_for(name, rows, cols)
-        tuning = _tune(tuner, module, inputs) if tuner else None
+        tuned = tuning.tune(tuner, module, inputs) if tuner else None
         prog = tilefuse.compile(module, inputs)
         nbytes = program_bytes(module, inputs)
         rows_ = compare(prog, module, inputs, nbytes, copy_bps, with_compile=not args.no_compile_baseline)
@@ -231,16 +211,15 @@ def run_table(args):
             out["results"][-1]["kernel_us"] = kt = kernel_times(prog, inputs)
             print(f"  kernels of {name} {rows}x{cols}: " + ", ".join(f"{k} {v['us']:.1f}us" for k, v in kt.items()))
         out["results"][-1]["err_vs_eager"] = err_vs_eager(prog, module, inputs)
-        if tuning is not None:
-            out["results"][-1]["tuning"] = tuning
+        if tuned is not None:
+            out["results"][-1]["tuning"] = tuned
         _save(args.json, out)
         print(f"{name:14s} {rows}x{cols}: " + "  ".join(f"{r.name} {r.ms * 1e3:.1f}us/{r.host_us:.0f}us host"
                                                          for r in rows_), flush=True)
         del prog, inputs, module, rows_
         torch.cuda.empty_cache()
     if tuner is not None:
-        tuner.close()
-        tuner.pool.close()
+        tuning.close(tuner)
     cold, warm = compile_times()
     out["rmsnorm_compile_s"] = {"cold": cold, "warm": warm}
     _save(args.json, out)
