@@ -134,8 +134,8 @@ def test_short_rows_share_a_warp_and_long_rows_span_a_cluster():
 
 def test_rows_up_to_64k_with_one_exchange_and_no_column_vector_stay_in_one_cta():
     """Softmax and cross-entropy at 65536 bf16 columns: one CTA of 512 threads stages the
-    whole row (128 KB of shared memory, 16 chunks per thread), no cluster; LayerNorm (three
-    exchanges, weight and bias loaded in its output pass) and RMSNorm (a weight) keep theirs;
+    whole row (128 KB of shared memory, 16 chunks per thread), no cluster; LayerNorm (weight
+    and bias loaded in its output pass) and RMSNorm (a weight) keep theirs;
     at 262144 columns the row does not fit one CTA and softmax keeps its cluster."""
     for name in ("softmax", "cross_entropy"):
         s = default_schedule(fx.BUILDERS[name](64, 65536, "bf16"), "sm_90a")
@@ -232,12 +232,26 @@ def test_special_function_unit_math_only_where_results_are_16_bit():
 
 
 def test_a_cluster_arrives_after_its_last_remote_read_and_waits_before_exit():
-    src = render(fx.layernorm_kernel(4, 65536, "bf16"), arch="sm_90a")
-    body = _body(src)
-    assert src.cluster[0] > 1
-    assert body.count("tf_cluster_sync();") == 2 and body.count("tf_cluster_arrive();") == 1
-    assert body.rindex("tf_remote_ld(") < body.index("tf_cluster_arrive();") < body.index("tf_st16(")
-    assert body.rstrip().endswith("tf_cluster_wait();\n}") or body.rstrip().splitlines()[-2].strip() == "tf_cluster_wait();"
+    """LayerNorm (one exchange of (count, mean, M2)) and a row with two dependent exchanges
+    (a mean absolute deviation: not a centred sum of squares): every exchange but the last
+    is a full cluster barrier, the last one's remote reads are followed by one arrive, and
+    the CTA waits for the others' arrivals only before it exits."""
+    from tilefuse.compiler import compile_stages
+
+    def mad_norm(x):
+        d = x - x.mean(-1, keepdim=True)
+        return d / d.abs().mean(-1, keepdim=True)
+
+    st = compile_stages(mad_norm, (torch.randn(4, 65536, dtype=torch.bfloat16),), arch="sm_90a")
+    (mad,) = [lk.kernel for lk in st.kernels.values()]
+    for k, n_ex in [(fx.layernorm_kernel(4, 65536, "bf16"), 1), (mad, 2)]:
+        assert mapreduce.exchanges(k) == (n_ex, False)
+        src = render(k, arch="sm_90a")
+        body = _body(src)
+        assert src.cluster[0] > 1
+        assert body.count("tf_cluster_sync();") == n_ex and body.count("tf_cluster_arrive();") == 1
+        assert body.rindex("tf_remote_ld(") < body.index("tf_cluster_arrive();") < body.index("tf_st16(")
+        assert body.rstrip().endswith("tf_cluster_wait();\n}") or body.rstrip().splitlines()[-2].strip() == "tf_cluster_wait();"
 
 
 def test_pipelined_staging_waits_per_chunk_in_the_first_pass_only():

@@ -178,3 +178,65 @@ def test_cross_entropy_target_outside_the_row_selects_nothing():
     inside = (t >= 0) & (t < C)
     picked = torch.where(inside, x.double().gather(1, t.clamp(0, C - 1)[:, None])[:, 0], torch.zeros_like(lse))
     assert torch.allclose(loss.double(), lse - picked, rtol=0, atol=1e-5 * lse.abs().max().item())
+
+
+# ---------------------------------------------------------------- LayerNorm: one (count, mean, M2) pass
+
+LAYERNORM_CASES = [
+    ((9, 65536), None),  # the default: a cluster of 128-thread CTAs, every thread full
+    ((9, 65536), MapReduceSchedule(threads=512, group=512, vector=8, cluster=2, stage="smem", min_blocks=3, pipeline=True)),
+    ((9, 4000), MapReduceSchedule(threads=128, group=128, vector=8, cluster=2)),  # registers, cluster, masked chunks
+    ((9, 4000), MapReduceSchedule(threads=128, group=128, vector=8, stage="smem", min_blocks=12)),  # masked, no cluster
+    ((9, 4096), None),   # one CTA per row, staged, full
+    ((9, 4097), None),   # odd row: scalar chunks, masked
+    ((9, 1000), MapReduceSchedule(threads=256, group=32, vector=8, min_blocks=3)),  # a warp per row, masked
+    ((9, 136), MapReduceSchedule(threads=256, group=4, vector=8)),  # a sub-warp per row, masked
+    ((9, 256), None),    # short rows in registers, full
+    ((9, 4000), MapReduceSchedule(threads=256, group=256, vector=8, stage="stream", unroll=2)),
+    ((6, 300001), None),  # a long odd row
+]
+
+
+def _adversarial_layernorm(R: int, C: int, dtype: str, seed: int) -> fx.Example:
+    """The LayerNorm fixture with hard rows first: 1e4 + N(0, 1) (far from 0: E[x^2] - E[x]^2
+    cancels), a normal row with a 1e4 outlier, both (an outlier of -3e4), a constant row
+    (variance 0), -7777.7 + N(0, 0.01^2); the other rows N(0.5, 1)."""
+    import numpy as np
+
+    ex = fx.example("layernorm", R, C, dtype, seed=seed)
+    rng = np.random.default_rng(seed + 1)
+    x = ex.inputs["x"].astype(np.float32)
+    x[0] = 1e4 + rng.standard_normal(C)
+    x[1] = rng.standard_normal(C)
+    x[1, C // 3] = 1e4
+    x[2] = 1e4 + rng.standard_normal(C)
+    x[2, 5] = -3e4
+    x[3] = 3.0
+    x[4] = -7777.7 + 0.01 * rng.standard_normal(C)
+    return fx.Example(ex.name, ex.kernel, {**ex.inputs, "x": x.astype(ex.inputs["x"].dtype)}, ex.reference)
+
+
+def _check_rows(ex: fx.Example, ours: dict, floor: float = 1e-6) -> None:
+    """DESIGN.md's 2x rule on every row by itself (an easy row is not let off by a hard one's error)."""
+    import numpy as np
+
+    lowp, ref = fx.torch_outputs(ex)
+    for name, r in ref.items():
+        got = fx.to_f64(ours[name])
+        assert not np.isnan(got).any(), f"{name}: NaN (unwritten or wrong)"
+        for i in range(r.shape[0]):
+            err = float(np.max(np.abs(got[i] - r[i])))
+            torch_err = float(np.max(np.abs(lowp[name][i] - r[i])))
+            bound = 2 * torch_err + floor * max(1.0, float(np.max(np.abs(r[i]))))
+            assert err <= bound, f"{name} row {i}: error {err:.3g} vs PyTorch's own {torch_err:.3g}"
+
+
+@pytest.mark.parametrize("shape,sched", LAYERNORM_CASES, ids=lambda v: str(v))
+@pytest.mark.parametrize("dtype", ["bf16", "f16", "f32"])
+def test_layernorm_one_pass_variance_on_adversarial_rows(dtype, shape, sched):
+    """LayerNorm's mean and variance from one pass and one (count, mean, M2) exchange, row by
+    row within 2x PyTorch's own error against float64, on rows far from 0, with outliers,
+    constant, and on every schedule family (clusters, CTAs, warps, sub-warps, streams,
+    masked tails, scalar chunks)."""
+    ex = _adversarial_layernorm(*shape, dtype, seed=_seed("ln-adversarial", dtype, shape, str(sched)))
+    _check_rows(ex, _run(ex, sched))

@@ -14,7 +14,9 @@ are contiguous, and each thread reads back only the chunks it copied (no barrier
               row-scalar statements, in order
               Reduce: thread-local -> warp shuffles -> shared memory across warps
                       -> distributed shared memory across the cluster's CTAs
-                      (independent Reduces share one pass and one exchange)
+                      (independent Reduces share one pass and one exchange; so do a
+                      max and a sum of exp(y - max), and a sum and the sum of squares
+                      centred on the mean made from it: patterns.py)
               Loop:   element-wise math, stores packed into 16-byte vector stores
 
 Rows too long to stage on chip (without a cluster, e.g. on sm_80) use `stage="stream"`:
@@ -31,7 +33,7 @@ from dataclasses import dataclass, field, replace
 from .. import dtypes
 from ..loop import ir
 from . import cexpr, patterns
-from .patterns import OnlineLse, TargetSelect
+from .patterns import CentredSquares, OnlineLse, TargetSelect
 from .rowlayout import RowLayouts, row_layouts
 
 # ---------------------------------------------------------------- schedule and source
@@ -319,9 +321,10 @@ def default_schedule(kernel: ir.Kernel, arch: str = "sm_90a", stage: str | None 
         kind = _kind(parts)
         n_ex, online = exchanges(kernel)
         row_streams = [st for st in _analyse(kernel, parts, v).in_streams.values() if st.per_row]
-        # short rows of a map, of a kernel with several exchanges (LayerNorm: 64.4% of copy in
-        # registers, 59.9% staged, H100 32768 x 256 bf16), or of a norm with one row stream and
-        # one plain exchange (RMSNorm: 16.7 us in registers, 17.3 staged, same run) stay in
+        # short rows of a map, of a kernel with several exchanges (the two-pass LayerNorm was
+        # 64.4% of copy in registers, 59.9% staged, H100 32768 x 256 bf16), or of a norm with
+        # one row stream and one plain or (count, mean, M2) exchange (RMSNorm: 16.7 us in
+        # registers, 17.3 staged, same run; LayerNorm: 17.3 in registers, 17.5 staged) stay in
         # registers; two row streams (add+RMSNorm: 28.0 us staged, 28.5 in registers) and the
         # online (max, sum-exp) pass stay staged
         plain_norm = kind == "norm" and n_ex == 1 and not online and len(row_streams) == 1
@@ -332,6 +335,13 @@ def default_schedule(kernel: ir.Kernel, arch: str = "sm_90a", stage: str | None 
             raise ValueError(f"kernel {kernel.name}: stage='smem' needs 16-byte row chunks")
         return _smem_schedule(kernel, parts, v, arch)
     return _regs_schedule(kernel, parts, v, arch)
+
+
+def _centred(kernel: ir.Kernel) -> bool:
+    """Whether the kernel's row has a CentredSquares (a (count, mean, M2) exchange)."""
+    parts = ir.row_kernel_parts(kernel)
+    _, rest, selects = _row_plan(kernel, list(parts.body))
+    return any(isinstance(r, CentredSquares) for kind, x in _row_steps(rest, selects) if kind == "reduce" for r in x)
 
 
 def _kind(parts: ir.RowKernel) -> str:
@@ -366,18 +376,21 @@ def _smem_schedule(kernel, parts, v, arch) -> MapReduceSchedule:
     128 KB): at 4096 x 65536, softmax 98.1% of copy (512 x 2 cluster: 94.6%), cross-entropy
     97.0% (84.8%); a cluster's CTAs are scheduled together and hold their shared memory
     until the slowest arrives (ncu, rmsnorm 128 x 8: 124 clusters active, 44% achieved
-    occupancy of 81% possible). LayerNorm, with three exchanges and two column vectors, ran
-    at 63.6% that way (88.0% with 512 x 2): it keeps the cluster. Longer rows: a cluster
-    (sm_90), 8 chunks per thread, shaped by the row's exchanges (each costs a cluster
-    barrier and a gather over the CTAs): one cheap exchange (a norm's sum) takes small CTAs
-    in a large cluster, 128 x 8; several exchanges or a (max, sum-exp) one take large CTAs
+    occupancy of 81% possible). LayerNorm (two column vectors) ran at 63.6% that way (88.0%
+    with 512 x 2, two-pass form): it keeps the cluster. Longer rows: a cluster (sm_90), 8
+    chunks per thread, shaped by the row's exchanges (each costs a cluster barrier and a
+    gather over the CTAs): one cheap exchange (a norm's sum) takes small CTAs in a large
+    cluster, 128 x 8; LayerNorm's one (count, mean, M2) exchange (a tree in the first warp,
+    then over the CTAs) 256 x 4; several exchanges or a (max, sum-exp) one take large CTAs
     in a small cluster, 512 x 2 (x 8 for 256k rows); a loss too, unless that needs a
     cluster over 2, where 256 threads with 16 chunks each did better. Without clusters: one
     large CTA, then the streaming stage.
 
     Measured on an H100 (bf16, bench/mapreduce_kernels.py --sweep, % of copy bandwidth):
     at 4096 x 65536, rmsnorm 93.9 and add+rmsnorm 96.7 with 128 x 8 (88.0 / 88.6 with
-    256 x 4); layernorm 87.9 and softmax 86.4 with 512 x 2 (78.1 / 81.2 with 128 x 8);
+    256 x 4); layernorm (one exchange) 96.8 with 256 x 4 (93.4 with 512 x 2, 81.3 with
+    128 x 8; bench/results/mapreduce_layernorm_h100.json), softmax 86.4 with 512 x 2
+    (81.2 with 128 x 8);
     cross-entropy 82.2 with 512 x 2 (77.4 with 128 x 4); at 8192 x 262144 softmax 87.0
     with 512 x 8, cross-entropy 72.7 with 256 x 8 (68.9 with 512 x 8); cross-entropy
     32768 x 4096 88.1 with one warp per row (83.2 with 64 threads).
@@ -406,7 +419,7 @@ def _smem_schedule(kernel, parts, v, arch) -> MapReduceSchedule:
         return MapReduceSchedule(threads=512, group=512, vector=v, stage="smem", min_blocks=3, pipeline=True)
     if supports_clusters(arch):
         if kind == "norm" and n_ex == 1 and not online:
-            shapes, cl_max = (128, 256, 512), 8
+            shapes, cl_max = ((256, 512) if _centred(kernel) else (128, 256, 512)), 8
         elif kind == "norm":
             shapes, cl_max = (512,), 8
         else:
@@ -502,6 +515,8 @@ class _Ctx:
     pending_wait: bool = False     # the next pass waits for chunk j's copies (pipelined smem stage)
     fast: bool = False             # exp and division on the special-function unit (fast_math)
     cluster_done: int | None = None  # line after the last cluster exchange's remote reads
+    var_state: dict = field(default_factory=dict)  # id(CentredSquares) -> its merged (n, k, u, m2)
+    var_sums: dict = field(default_factory=dict)   # a CentredSquares' sum -> (it, its merged state)
 
     def c(self, ssa: str) -> str:
         return self.names[ssa]
@@ -696,18 +711,24 @@ def _streams_used(ctx: _Ctx, body, table: dict, key_map: dict):
 
 
 def _block_body(blk) -> tuple:
-    return blk.y_body if isinstance(blk, OnlineLse) else blk.body
+    return blk.y_body if isinstance(blk, (OnlineLse, CentredSquares)) else blk.body
 
 
 def _block_var(blk) -> str:
-    return blk.sm.var if isinstance(blk, OnlineLse) else blk.var
+    return blk.sm.var if isinstance(blk, (OnlineLse, CentredSquares)) else blk.var
+
+
+def _block_header(blk) -> str:
+    if isinstance(blk, CentredSquares):
+        return f"{blk.sm.header()} and {blk.sq.header()}"
+    return blk.sm.header() if isinstance(blk, OnlineLse) else blk.header()
 
 
 def _emit_pass(ctx: _Ctx, em: _Emitter, blocks: list, accs: list):
     """One pass over this thread's chunks, running the bodies of `blocks` per element.
 
     `accs[i]` is the accumulator of blocks[i] when it is a Reduce, the pair (max, sum) of
-    an OnlineLse, None for a Loop.
+    an OnlineLse, the (count, base, mean - base, M2) state of a CentredSquares, None for a Loop.
     """
     regs = ctx.sched.stage == "regs"
     _chunk_header(ctx, em, ctx.sched.stage != "stream")
@@ -733,7 +754,7 @@ def _emit_pass(ctx: _Ctx, em: _Emitter, blocks: list, accs: list):
         em(f"unsigned {st.name}_o[{w}] = {{{', '.join(['0u'] * w)}}};")
     out_chunk = lambda key: f"{ctx.ana.out_streams[key].name}_o"  # noqa: E731
     for blk, acc in zip(blocks, accs):
-        if isinstance(blk, OnlineLse):
+        if isinstance(blk, (OnlineLse, CentredSquares)):
             em(f"{cexpr.ctype(blk.dtype)} {acc[0]}_y[{ctx.V}];  // this chunk's values of the row")
     em("#pragma unroll")
     em.open(f"for (int v = 0; v < {ctx.V}; ++v)")
@@ -743,11 +764,11 @@ def _emit_pass(ctx: _Ctx, em: _Emitter, blocks: list, accs: list):
         env = _env(ctx, None)
         env[_block_var(blk)] = "c"
         if len(blocks) > 1:
-            em(f"// {blk.sm.header() if isinstance(blk, OnlineLse) else blk.header()}")
+            em(f"// {_block_header(blk)}")
             em.open("")
         for s in _block_body(blk):
             _emit_stmt(ctx, em, s, env, inner=True, src_chunk=src_chunk, out_chunk=out_chunk)
-        if isinstance(blk, OnlineLse):
+        if isinstance(blk, (OnlineLse, CentredSquares)):
             em(f"{acc[0]}_y[v] = {ctx.c(blk.y)};")
         elif isinstance(blk, ir.Reduce):
             val = ctx.c(blk.value)
@@ -763,6 +784,8 @@ def _emit_pass(ctx: _Ctx, em: _Emitter, blocks: list, accs: list):
     for blk, acc in zip(blocks, accs):
         if isinstance(blk, OnlineLse):
             _emit_online_chunk(ctx, em, blk, acc)
+        elif isinstance(blk, CentredSquares):
+            _emit_var_chunk(ctx, em, blk, acc)
     for st in outs:
         nbytes = ctx.V * st.itemsize
         ptr = f"{_param(st.buf.name)} + b_{st.name} + c0"
@@ -813,6 +836,213 @@ def _emit_online_chunk(ctx: _Ctx, em: _Emitter, blk: OnlineLse, acc):
     em(f"for (int v = 0; v < {ctx.V}; ++v) {s} = {s} + {term};")
 
 
+# The (count, mean, M2) merge of a CentredSquares pair (patterns.py), printed once per kernel
+# that has one. A partial is (n, k, u, m2): n values with mean k + u and squared deviations
+# from that mean summing to m2. k is a base (the first chunk's mean, rounded), u the small
+# rest: merging takes d = mean_b - mean_a as (k_b - k_a) + (u_b - u_a) (bases nearly equal
+# subtract exactly) and keeps a's base, so the mean comes out of a long chain of merges with
+# about one rounding of k + u, not one per merge (a plain running mean drifts by half an ulp
+# of the mean per merge: ~2 ulps for a 65536-column row, more than the 2x rule allows
+# against PyTorch's own f32 result when the row sits far from 0).
+VAR_PRELUDE = r"""// ---- (count, mean, M2) partials of a row, merged with Chan et al.'s formula
+// A quotient that only weighs a correction (a weight, the small u): 2 ulps do in f32 (no
+// IEEE slow path, whose call costs registers), IEEE in f64.
+__device__ __forceinline__ float tf_var_quot(float a, float b) { return __fdividef(a, b); }
+__device__ __forceinline__ double tf_var_quot(double a, double b) { return a / b; }
+// (n, k, u, m2) <- itself merged with (nb, kb, ub, m2b): mean k + u, a's base k kept. An empty
+// side (n = 0) contributes nothing.
+template <class F>
+__device__ __forceinline__ void tf_var_merge(F& n, F& k, F& u, F& m2, F nb, F kb, F ub, F m2b) {
+  const F nn = n + nb;
+  const F f = tf_var_quot(nb, nn);  // b's weight in the merged mean
+  const F d = (kb - k) + (ub - u);  // mean_b - mean_a
+  const F u2 = u + d * f;
+  const F m22 = (m2 + m2b) + d * d * (n * f);  // + d^2 n_a n_b / n
+  const bool a_empty = n == F(0), b_empty = nb == F(0);
+  n = b_empty ? n : nn;
+  k = a_empty ? kb : k;
+  u = b_empty ? u : (a_empty ? ub : u2);
+  m2 = b_empty ? m2 : (a_empty ? m2b : m22);
+}
+// A group's sums about its base gk (count gn, sum of y - gk, sum of (y - gk)^2) as a
+// (count, base, mean - base, M2) partial merged into (n, k, u, m2); the group restarts.
+template <class F>
+__device__ __forceinline__ void tf_var_flush(F& n, F& k, F& u, F& m2, F& gn, F& gk, F& gt, F& gq) {
+  const F gu = gn > F(0) ? tf_var_quot(gt, gn) : F(0);
+  tf_var_merge(n, k, u, m2, gn, gk, gu, tf_max(F(0), gq - gt * gu));
+  gn = F(0); gt = F(0); gq = F(0);
+}
+// The same merge where both counts are known when the kernel is printed (every thread of
+// the row holds as many values): f = n_b / (n_a + n_b), w = n_a n_b / (n_a + n_b) are
+// constants, and no count is exchanged.
+template <class F>
+__device__ __forceinline__ void tf_var_merge_w(F& k, F& u, F& m2, F kb, F ub, F m2b, F f, F w) {
+  const F d = (kb - k) + (ub - u);
+  u = u + d * f;
+  m2 = (m2 + m2b) + d * d * w;
+}
+"""
+
+
+VAR_GROUP = 8  # chunks summed about one base before they are merged into the thread's state
+
+
+def _var_group(acc) -> tuple:
+    """The names of the running group's (count, base, sum of y - base, sum of (y - base)^2)."""
+    p = acc[0][:-2]  # acc_<sum>_n -> acc_<sum>
+    return f"{p}_gn", f"{p}_gk", f"{p}_gt", f"{p}_gq"
+
+
+def _emit_var_chunk(ctx: _Ctx, em: _Emitter, blk: CentredSquares, acc):
+    """Fold this chunk's V values into the thread's running group: the group's first chunk's
+    mean (V a power of two: the scaling is exact) is its base gk; every value adds y - gk to
+    gt and (y - gk)^2 to gq: a subtraction, an add and an FMA per element, the two-pass
+    form's count. Every VAR_GROUP chunks (and at the end of the pass, _emit_var_thread) the
+    group becomes a (count, mean, M2) partial merged into the thread's (tf_var_flush).
+
+    Why a base from the group's own first chunk is safe: that chunk's squared deviations
+    from the group's mean (at least V (gk - mean)^2) are part of the group's M2, so the sum
+    of squares about gk, M2 + n (gk - mean)^2, is at most (1 + VAR_GROUP) M2, and taking
+    the shift's share back out loses at most log2(9) bits, whatever the values (an outlier
+    as the base, a row far from 0). A base shared by more values has no such bound (an
+    outlier as the base of n values: log2(n) bits), nor has E[y^2] - E[y]^2 (base 0): a row
+    1e4 + N(0, 1) loses every digit of its variance that way."""
+    gn, gk, gt, gq = _var_group(acc)
+    ct, V, dt = cexpr.ctype(blk.dtype), ctx.V, blk.dtype
+    y = f"{acc[0]}_y"
+    fma = "fmaf" if ct == "float" else "fma"
+    em(f"// {blk.sm.header()} and {blk.sq.header()}: sums about the group's base (its first chunk's mean)")
+    em.open(f"if ({gn} == {cexpr.const(0, dt)})")
+    em(f"{ct} s = {y}[0];")
+    if V > 1:
+        em("#pragma unroll")
+        em(f"for (int v = 1; v < {V}; ++v) s += {y}[v];")
+    em(f"{gk} = s * {cexpr.const(1.0 / V, dt)};")
+    em.close()
+    em("#pragma unroll")
+    em(f"for (int v = 0; v < {V}; ++v) {{ const {ct} e = {y}[v] - {gk}; {gt} += e; {gq} = {fma}(e, e, {gq}); }}")
+    em(f"{gn} += {cexpr.const(float(V), dt)};")
+    if ctx.nchunk > VAR_GROUP:
+        em(f"if ((j + 1) % {VAR_GROUP} == 0) tf_var_flush({', '.join(acc)}, {gn}, {gk}, {gt}, {gq});")
+
+
+def _emit_var_thread(ctx: _Ctx, em: _Emitter, r: CentredSquares, acc):
+    """The thread's last group merged in: its state is (n, k, mean - k, M2) of its values; a
+    thread with no value of the row keeps (0, 0, 0, 0)."""
+    em("// the last group into this thread's (count, base, mean - base, M2)")
+    em(f"tf_var_flush({', '.join(acc)}, {', '.join(_var_group(acc))});")
+
+
+def _emit_var_tree(em: _Emitter, r: CentredSquares, vals, lanes: int, per: int | None):
+    """(n, k, u, m2) of `lanes` consecutive lanes (a power of two, at most 32) merged down a
+    shuffle tree into the first: lane i takes lane i + o's partial, its own first (so the
+    order is fixed: lower lanes first). Where each lane starts with `per` values, the
+    weights are constants and n is not exchanged (at each step both sides hold as many)."""
+    n, k, u, m2 = vals
+    dt = r.dtype
+    width = "" if lanes == 32 else f", {lanes}"
+
+    def down(a, o):
+        return f"__shfl_down_sync(0xffffffffu, {a}, {o}{width})"
+
+    o = lanes // 2
+    while o:
+        if per:
+            side = per * lanes // (2 * o)  # values on each side of this merge
+            em(f"tf_var_merge_w({k}, {u}, {m2}, {down(k, o)}, {down(u, o)}, {down(m2, o)}, "
+               f"{cexpr.const(0.5, dt)}, {cexpr.const(side / 2, dt)});")
+        else:
+            em(f"tf_var_merge({n}, {k}, {u}, {m2}, {down(n, o)}, {down(k, o)}, {down(u, o)}, {down(m2, o)});")
+        o //= 2
+
+
+def _emit_var_warp(ctx: _Ctx, em: _Emitter, r: CentredSquares, acc, per_thread: int | None):
+    """(n, k, u, m2) across the group's lanes (at most a warp): a tree to the group's first
+    lane, then, for a group of at most 32 threads, its result to every lane of the group."""
+    gw = min(ctx.sched.group, 32)
+    em(f"// (count, mean, M2) across the {gw} threads of the {'warp' if gw == 32 else 'row group'}: "
+       f"a tree to its first lane (lower lane first)")
+    _emit_var_tree(em, r, acc, gw, per_thread)
+    if ctx.sched.group <= 32:
+        width = "" if gw == 32 else f", {gw}"
+        em("// the first lane's result to every lane of the group")
+        for a in (acc[1:] if per_thread else acc):
+            em(f"{a} = __shfl_sync(0xffffffffu, {a}, 0{width});")
+
+
+def _emit_var_warps(em: _Emitter, r: CentredSquares, acc, gi: int, wpr: int, per: int | None):
+    """The CTA's (n, k, u, m2) in thread 0, from the warps' partials in shared memory: lane
+    i of the first warp reads warp i's, a tree merges them in warp order (a power of two of
+    them; every thread merging all of them in turn took more registers than a 64-register
+    cap leaves beside a row held in registers, and a chain of dependent merges)."""
+    ps = _parts(r, acc, per)
+    ct = cexpr.ctype(r.dtype)
+    em("// the CTA's (count, mean, M2) in thread 0: lane i of warp 0 reads warp i's, a tree merges them in order")
+    em.open("if (lane < 32)")  # one row per CTA: lane is threadIdx.x
+    loc = {a: f"t_{a}" for a in acc}
+    for a, _, nm in ps:
+        em(f"{ct} {loc[a]} = red{gi}_{nm}[0][lane & {wpr - 1}];")
+    _emit_var_tree(em, r, tuple(loc[a] for a in acc), wpr, per)
+    em(" ".join(f"{a} = {loc[a]};" for a, _, _ in ps))
+    em.close()
+
+
+def _emit_var_cluster(ctx: _Ctx, em: _Emitter, r: CentredSquares, acc, gi: int, per: int | None):
+    """(n, k, u, m2) across the cluster's CTAs, once the CTAs' partials are in their shared
+    memory: lane i of the first warp reads rank i's partial (all ranks' reads in flight at
+    once, not one dependent remote load after another), a shuffle tree merges them in rank
+    order, and the result goes to every thread through shared memory. Every CTA computes the
+    same merge of the same partials, so all CTAs of the row agree to the bit."""
+    cl = ctx.sched.cluster
+    ps = _parts(r, acc, per)
+    ct = cexpr.ctype(r.dtype)
+    em(f"// the {cl} CTAs' (count, mean, M2): lane i of warp 0 reads rank i's, a tree merges them in rank order")
+    for a, _, nm in ps:
+        em(f"__shared__ {ct} clr{gi}_{nm};")
+    em.open("if (lane < 32)")  # one row per CTA: lane is threadIdx.x
+    loc = {a: f"t_{a}" for a in acc}
+    for a, _, nm in ps:
+        em(f"{ct} {loc[a]} = tf_remote_ld(&cl{gi}_{nm}, (unsigned)(lane & {cl - 1}));")
+    _emit_var_tree(em, r, tuple(loc[a] for a in acc), cl, per)
+    em.open("if (threadIdx.x == 0)")
+    for a, _, nm in ps:
+        em(f"clr{gi}_{nm} = {loc[a]};")
+    em.close()
+    em.close()
+
+
+def _emit_var_mean(ctx: _Ctx, em: _Emitter, s) -> bool:
+    """A row statement sum / C (or sum * (1/C)) of a CentredSquares' sum, C its extent, as
+    k + u rounded once: the mean to half an ulp, where the sum's own rounding and the
+    division's would take up to one and a half (on a row far from 0 and narrow, what the
+    output's error is made of, and more than 2x PyTorch's own in f32). Returns whether it
+    was that statement (and emitted it)."""
+    if not (isinstance(s, ir.Op) and s.op in ("div", "mul") and len(s.args) == 2 and s.args[0] in ctx.var_sums):
+        return False
+    r, acc = ctx.var_sums[s.args[0]]
+    c = next((x for x in ctx.parts.body if isinstance(x, ir.Const) and x.dst == s.args[1]), None)
+    if c is None or s.dtype != r.dtype or c.dtype != r.dtype:
+        return False
+    C = r.sm.extent
+    want = float(C) if s.op == "div" else float(dtypes.to_numpy(r.dtype).type(1.0 / C))
+    if float(dtypes.to_numpy(r.dtype).type(c.value)) != want:
+        return False
+    name = ctx.define(s.dst, s.dtype)
+    em(f"const {cexpr.ctype(s.dtype)} {name} = {acc[1]} + {acc[2]};  // %{s.args[0]} / {C}: the mean, rounded once")
+    return True
+
+
+def _emit_var_finish(ctx: _Ctx, em: _Emitter, cs: CentredSquares):
+    """%sq = sum (y - m)^2 = M2 + C (mean - m)^2, m being the row value the Loop IR subtracts
+    (its mean, from the sum the exchange gave): two non-negative terms, the second ~0."""
+    n, k, u, m2 = ctx.var_state[id(cs)]
+    ct, dt = cexpr.ctype(cs.dtype), cs.dtype
+    em(f"// {cs.sq.header()}: the squares about the row's mean, then the shift to %{cs.m}")
+    em(f"const {ct} {n}_dm = ({k} - {ctx.c(cs.m)}) + {u};")
+    name = ctx.define(cs.sq.dst, dt)
+    em(f"const {ct} {name} = {m2} + {cexpr.const(float(cs.sq.extent), dt)} * {n}_dm * {n}_dm;")
+
+
 def _shfl(acc: str, ctype: str, off: int) -> str:
     if ctype in ("float", "double", "int", "long long", "unsigned", "unsigned long long"):
         return f"__shfl_xor_sync(0xffffffffu, {acc}, {off})"
@@ -820,33 +1050,56 @@ def _shfl(acc: str, ctype: str, off: int) -> str:
 
 
 def _group_items(group: list):
-    """(Reduce-or-OnlineLse, accumulator or (max, sum) accumulators) of each member."""
+    """(Reduce, OnlineLse or CentredSquares; its accumulator, (max, sum) accumulators or
+    (n, k, u, m2) state) of each member."""
     out = []
     for r in group:
         if isinstance(r, OnlineLse):
             out.append((r, (f"acc_{_ident(r.mx.dst)}", f"acc_{_ident(r.sm.dst)}")))
+        elif isinstance(r, CentredSquares):
+            b = f"acc_{_ident(r.sm.dst)}"
+            out.append((r, (f"{b}_n", f"{b}_k", f"{b}_u", f"{b}_m2")))
         else:
             out.append((r, f"acc_{_ident(r.dst)}"))
     return out
 
 
-def _parts(r, acc):
-    """[(accumulator, its C type, name suffix)] of a member: one value, or the (max, sum) pair."""
+def _parts(r, acc, per=None):
+    """[(accumulator, its C type, name suffix)] of a member: one value, the (max, sum) pair,
+    or a (count, mean, M2) state (without its count where every partial's is known: `per`)."""
     if isinstance(r, OnlineLse):
         ct = cexpr.ctype(r.dtype)
         return [(acc[0], ct, _ident(r.mx.dst)), (acc[1], ct, _ident(r.sm.dst))]
+    if isinstance(r, CentredSquares):
+        ct = cexpr.ctype(r.dtype)
+        named = [(a, ct, f"{_ident(r.sm.dst)}_{x}") for a, x in zip(acc, ("n", "k", "u", "m2"))]
+        return named[1:] if per else named
     return [(acc, cexpr.ctype(r.dtype), _ident(r.dst))]
 
 
-def _emit_gather_combine(em: _Emitter, items, n: int, load, head: str):
+def _emit_gather_combine(em: _Emitter, items, n: int, load, head: str, per: int | None = None):
     """acc = the combination of n partial values, load(part, i) naming partial i of a part.
 
     A sum or max folds left to right. A (max, sum) pair takes the max of the maxima first,
     then adds each partial sum rescaled to it: n independent exps, not a chain of n merges.
-    Every thread reads the partials in the same order, so all agree on the result."""
+    (count, mean, M2) partials merge left to right, with constant weights where each holds
+    `per` values. Every thread reads the partials in the same order, so all agree."""
     for r, acc in items:
-        ps = _parts(r, acc)
-        if isinstance(r, OnlineLse):
+        ps = _parts(r, acc, per)
+        if isinstance(r, CentredSquares):
+            em(f"// the {n} partial (count, mean, M2){head}, merged in order")
+            for a, _, nm in ps:
+                em(f"{a} = {load(nm, 0)};")
+            em("#pragma unroll")
+            if per:  # partial i joins i partials of `per` values each
+                ct = cexpr.ctype(r.dtype)
+                em(f"for (int i = 1; i < {n}; ++i) tf_var_merge_w({', '.join(a for a, _, _ in ps)}, "
+                   f"{', '.join(load(nm, 'i') for _, _, nm in ps)}, ({ct})1 / ({ct})(i + 1), "
+                   f"({ct})i * ({ct}){per} / ({ct})(i + 1));")
+            else:
+                em(f"for (int i = 1; i < {n}; ++i) tf_var_merge({', '.join(a for a, _, _ in ps)}, "
+                   f"{', '.join(load(nm, 'i') for _, _, nm in ps)});")
+        elif isinstance(r, OnlineLse):
             (m, ct, nm), (s, _, ns) = ps
             em(f"// the {n} partial (max, sum) pairs{head}: the max of the maxima, then the rescaled sums")
             em(f"{m} = {load(nm, 0)};")
@@ -863,29 +1116,46 @@ def _emit_gather_combine(em: _Emitter, items, n: int, load, head: str):
 
 
 def _emit_reduce_group(ctx: _Ctx, em: _Emitter, group: list):
-    """A run of mutually independent Reduces (an OnlineLse counts as one): one pass, one exchange.
+    """A run of mutually independent Reduces (an OnlineLse or a CentredSquares counts as
+    one): one pass, one exchange.
 
     An OnlineLse's (max, sum) crosses each level max first: the warp's butterfly takes the
     max, each thread rescales its sum once, a second butterfly adds the sums; across warps
-    and CTAs the partials are gathered, their max taken, and the sums rescaled to it."""
+    and CTAs the partials are gathered, their max taken, and the sums rescaled to it.
+    A CentredSquares' (n, k, u, m2) merges down a shuffle tree to the group's first lane
+    (_emit_var_warp), then in order across warps and CTAs; where every thread holds as many
+    values (no masked chunk) the weights are constants and no count is exchanged."""
     sch = ctx.sched
     gi = ctx.rgroup
     ctx.rgroup += 1
     items = _group_items(group)
     online = [(r, acc) for r, acc in items if isinstance(r, OnlineLse)]
-    dsts = [d for r in group for d in ((r.mx.dst, r.sm.dst) if isinstance(r, OnlineLse) else (r.dst,))]
+    dsts = [d for r in group for d in ((r.mx.dst, r.sm.dst) if isinstance(r, OnlineLse)
+                                       else (r.sm.dst,) if isinstance(r, CentredSquares) else (r.dst,))]
     em(f"// ---- reduce {', '.join('%' + d for d in dsts)} over the row")
     for r, acc in items:
         if isinstance(r, OnlineLse):
             ct = cexpr.ctype(r.dtype)
             em(f"{ct} {acc[0]} = {cexpr.identity('max', r.dtype)};  // running max")
             em(f"{ct} {acc[1]} = {cexpr.identity('sum', r.dtype)};  // running sum of exp(y - max)")
+        elif isinstance(r, CentredSquares):
+            ct, z = cexpr.ctype(r.dtype), cexpr.const(0, r.dtype)
+            em(f"{ct} {acc[0]} = {z}, {acc[1]} = {z}, {acc[2]} = {z}, {acc[3]} = {z};  "
+               f"// count, base k, mean - k, M2 of this thread's values")
+            em(f"{ct} {', '.join(f'{g} = {z}' for g in _var_group(acc))};  "
+               f"// the running group: count, base, sum of (y - base), sum of (y - base)^2")
         else:
             acc_t = dtypes.compute_type(r.dtype)
             em(f"{cexpr.ctype(acc_t)} {acc} = {cexpr.identity(r.op, acc_t)};")
     _emit_pass(ctx, em, group, [acc for _, acc in items])
     g = sch.group
-    if g > 1:
+    per_thread = ctx.nchunk * ctx.V if ctx.full else None  # values each thread of the row holds
+    for r, acc in items:
+        if isinstance(r, CentredSquares):
+            _emit_var_thread(ctx, em, r, acc)
+            if g > 1:
+                _emit_var_warp(ctx, em, r, acc, per_thread)
+    if g > 1 and any(not isinstance(r, CentredSquares) for r, _ in items):
         em(f"// across the {min(g, 32)} threads of the {'warp' if g >= 32 else 'row group'} (butterfly: all lanes agree)")
         for r, acc in online:
             em(f"const {cexpr.ctype(r.dtype)} {acc[0]}_t = {acc[0]};  // this thread's max")
@@ -895,6 +1165,8 @@ def _emit_reduce_group(ctx: _Ctx, em: _Emitter, group: list):
             if isinstance(r, OnlineLse):
                 ct = cexpr.ctype(r.dtype)
                 em(f"{acc[0]} = tf_max({acc[0]}, {_shfl(acc[0], ct, 'o')});")
+            elif isinstance(r, CentredSquares):
+                continue  # _emit_var_warp
             else:
                 ct = cexpr.ctype(r.dtype if dtypes.compute_type(r.dtype) == r.dtype else "f32")
                 em(f"{acc} = {cexpr.combine(r.op, acc, _shfl(acc, ct, 'o'))};")
@@ -910,31 +1182,60 @@ def _emit_reduce_group(ctx: _Ctx, em: _Emitter, group: list):
     if g > 32:
         wpr = g // 32
         em(f"// across the {wpr} warps of the row, through shared memory")
+        per = per_thread and per_thread * 32
         for r, acc in items:
-            for a, ct, nm in _parts(r, acc):
+            for a, ct, nm in _parts(r, acc, per):
                 em(f"__shared__ {ct} red{gi}_{nm}[{sch.rows_per_cta}][{wpr}];")
         em.open("if ((lane & 31) == 0)")
         for r, acc in items:
-            for a, ct, nm in _parts(r, acc):
+            for a, ct, nm in _parts(r, acc, per):
                 em(f"red{gi}_{nm}[slot][{ctx.lay.c_warp('lane')}] = {a};")
         em.close()
         em("__syncthreads();")
-        _emit_gather_combine(em, items, wpr, lambda nm, i: f"red{gi}_{nm}[slot][{i}]", " of the warps")
+        # a cluster's CTA partial is needed in thread 0 only (it hands it to the other CTAs):
+        # there, the first warp merges the warps' (count, mean, M2) partials as a tree
+        warp_tree = sch.cluster > 1 and wpr & (wpr - 1) == 0
+        seq = [(r, acc) for r, acc in items if not (warp_tree and isinstance(r, CentredSquares))]
+        if seq:
+            _emit_gather_combine(em, seq, wpr, lambda nm, i: f"red{gi}_{nm}[slot][{i}]", " of the warps", per)
+        for r, acc in items:
+            if warp_tree and isinstance(r, CentredSquares):
+                _emit_var_warps(em, r, acc, gi, wpr, per)
     if sch.cluster > 1:
         em(f"// across the {sch.cluster} CTAs of the cluster, through distributed shared memory (rank order: all CTAs agree)")
+        per = per_thread and per_thread * g
         for r, acc in items:
-            for a, ct, nm in _parts(r, acc):
+            for a, ct, nm in _parts(r, acc, per):
                 em(f"__shared__ {ct} cl{gi}_{nm};")
         em.open("if (threadIdx.x == 0)")
         for r, acc in items:
-            for a, ct, nm in _parts(r, acc):
+            for a, ct, nm in _parts(r, acc, per):
                 em(f"cl{gi}_{nm} = {a};")
         em.close()
         em("tf_cluster_sync();  // every CTA's value is written")
-        _emit_gather_combine(em, items, sch.cluster, lambda nm, i: f"tf_remote_ld(&cl{gi}_{nm}, {i})",
-                             " of the CTAs")
+        plain = [(r, acc) for r, acc in items if not isinstance(r, CentredSquares)]
+        centred = [(r, acc) for r, acc in items if isinstance(r, CentredSquares)]
+        if plain:
+            _emit_gather_combine(em, plain, sch.cluster, lambda nm, i: f"tf_remote_ld(&cl{gi}_{nm}, {i})",
+                                 " of the CTAs", per)
+        for r, acc in centred:
+            _emit_var_cluster(ctx, em, r, acc, gi, per)
         ctx.cluster_done = len(em.lines)
+        if centred:
+            em("__syncthreads();  // warp 0's merge of the CTAs' partials is written")
+            for r, acc in centred:
+                for a, _, nm in _parts(r, acc, per):
+                    em(f"{a} = clr{gi}_{nm};")
     for r, acc in items:
+        if isinstance(r, CentredSquares):
+            ct, dt = cexpr.ctype(r.dtype), r.dtype
+            s = ctx.define(r.sm.dst, dt)
+            fma = "fmaf" if ct == "float" else "fma"
+            n = acc[0] if per_thread is None else cexpr.const(float(r.sm.extent), dt)
+            em(f"const {ct} {s} = {fma}({n}, {acc[1]}, {n} * {acc[2]});  // n (k + u), rounded once")
+            ctx.var_state[id(r)] = acc
+            ctx.var_sums[r.sm.dst] = (r, acc)
+            continue
         if isinstance(r, OnlineLse):
             ct, dt = cexpr.ctype(r.dtype), r.dtype
             m = ctx.define(r.mx.dst, dt)
@@ -989,13 +1290,27 @@ def _reads(s) -> set:
 
 
 def _independent(dsts: set, r) -> bool:
-    """r (a Reduce or an OnlineLse) reads none of `dsts`."""
-    stmts = [r.mx, r.sm] if isinstance(r, OnlineLse) else [r]
+    """r (a Reduce, an OnlineLse or a CentredSquares' pass) reads none of `dsts`."""
+    stmts = [r.mx, r.sm] if isinstance(r, OnlineLse) else [r.sm] if isinstance(r, CentredSquares) else [r]
     return not any(_reads(s) & dsts for s in stmts)
 
 
 def _dsts(r) -> set:
-    return {r.mx.dst, r.sm.dst} if isinstance(r, OnlineLse) else {r.dst}
+    """What a reduce step defines (a CentredSquares' sum of squares comes later, at its own step)."""
+    if isinstance(r, OnlineLse):
+        return {r.mx.dst, r.sm.dst}
+    return {r.sm.dst} if isinstance(r, CentredSquares) else {r.dst}
+
+
+def _centred_at(rest: list, i: int, selects: dict):
+    """The CentredSquares of rest[i] and the next reduction, if the statements between them
+    are neither loops nor reductions and the pair is that pattern."""
+    j = i + 1
+    while j < len(rest) and not isinstance(rest[j], (ir.Loop, ir.Reduce)):
+        j += 1
+    if j == len(rest) or not isinstance(rest[j], ir.Reduce) or id(rest[j]) in selects:
+        return None
+    return patterns.centred_squares(rest[i], rest[j], rest[i + 1:j])
 
 
 def _row_plan(kernel: ir.Kernel, body: list):
@@ -1030,23 +1345,31 @@ def _row_plan(kernel: ir.Kernel, body: list):
 
 def _row_steps(rest: list, selects: dict):
     """The row statements after the hoisted ones, as steps: ("select", TargetSelect),
-    ("reduce", [Reduce or OnlineLse, ...]: one pass and one exchange), ("loop", Loop) or
-    ("stmt", statement). Consecutive mutually independent reductions share a step; a max
-    followed by a sum of exp(y - max) becomes one OnlineLse."""
-    out, i = [], 0
+    ("reduce", [Reduce, OnlineLse or CentredSquares, ...]: one pass and one exchange),
+    ("squares", CentredSquares: its sum of squares, from the merged state), ("loop", Loop)
+    or ("stmt", statement). Consecutive mutually independent reductions share a step; a max
+    followed by a sum of exp(y - max) becomes one OnlineLse; a sum y, the statements making
+    m from it, and a sum of (y - m)^2 become one CentredSquares (its pass and exchange at the
+    sum's place, the statements in between as they were, the squares at their own place)."""
+    out, i, later = [], 0, {}
     while i < len(rest):
         s = rest[i]
         if id(s) in selects:
             out.append(("select", selects[id(s)]))
+        elif id(s) in later:
+            out.append(("squares", later[id(s)]))
         elif isinstance(s, ir.Reduce):
             group, dsts = [], set()
-            while i < len(rest) and isinstance(rest[i], ir.Reduce) and id(rest[i]) not in selects:
+            while (i < len(rest) and isinstance(rest[i], ir.Reduce) and id(rest[i]) not in selects
+                   and id(rest[i]) not in later):
                 pair = patterns.online_lse(rest[i], rest[i + 1]) if i + 1 < len(rest) else None
-                item = pair or rest[i]
+                item = pair or _centred_at(rest, i, selects) or rest[i]
                 if group and not _independent(dsts, item):
                     break
                 group.append(item)
                 dsts |= _dsts(item)
+                if isinstance(item, CentredSquares):
+                    later[id(item.sq)] = item
                 i += 2 if pair else 1
             out.append(("reduce", group))
             continue
@@ -1060,7 +1383,8 @@ def _row_steps(rest: list, selects: dict):
 
 def exchanges(kernel: ir.Kernel) -> tuple[int, bool]:
     """(exchanges across the row's threads, whether one carries a (max, sum-exp) pair): the
-    reductions left after target selects become loads and independent ones share a pass."""
+    reductions left after target selects become loads, independent ones share a pass, and a
+    centred sum of squares shares its sum's (LayerNorm: 1, a (count, mean, M2) exchange)."""
     parts = ir.row_kernel_parts(kernel)
     _, rest, selects = _row_plan(kernel, list(parts.body))
     groups = [x for kind, x in _row_steps(rest, selects) if kind == "reduce"]
@@ -1226,10 +1550,12 @@ def render(kernel: ir.Kernel, schedule: MapReduceSchedule | None = None, arch: s
             _emit_select(ctx, em, x)
         elif kind == "reduce":
             _emit_reduce_group(ctx, em, x)
+        elif kind == "squares":
+            _emit_var_finish(ctx, em, x)
         elif kind == "loop":
             em(f"// ---- map over the row: {x.header()}")
             _emit_pass(ctx, em, [x], [None])
-        else:
+        elif not _emit_var_mean(ctx, em, x):
             _emit_stmt(ctx, em, x, _env(ctx, None), inner=False)
     if ctx.cluster_done is not None:  # done reading the other CTAs: say so early, wait at the end
         em.lines.insert(ctx.cluster_done, "  tf_cluster_arrive();  // done reading the other CTAs' "
@@ -1238,7 +1564,8 @@ def render(kernel: ir.Kernel, schedule: MapReduceSchedule | None = None, arch: s
         em("tf_cluster_wait();")
     em.close()
 
-    code = cexpr.PRELUDE + (cexpr.CLUSTER_PRELUDE if hw_cluster else "") + "\n" + em.text()
+    code = (cexpr.PRELUDE + (cexpr.CLUSTER_PRELUDE if hw_cluster else "")
+            + (VAR_PRELUDE if ctx.var_state else "") + "\n" + em.text())
     grid = (-(-R // sch.rows_per_cta) * sch.cluster, 1, 1)
     align = []
     for st in list(ana.in_streams.values()) + list(ana.out_streams.values()):

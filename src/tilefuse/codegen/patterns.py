@@ -1,6 +1,6 @@
 """Row patterns the map-reduce printer computes a cheaper way, with the same results.
 
-The Loop IR states *what* a row computes; two of its shapes have a much cheaper schedule
+The Loop IR states *what* a row computes; three of its shapes have a much cheaper schedule
 than one pass per Reduce, and the printer recognises them here (pure functions over a
 row body; mapreduce.render decides how to print what they find):
 
@@ -11,6 +11,16 @@ row body; mapreduce.render decides how to print what they find):
   cross-entropy read the row once for both instead of twice, and cross CTA boundaries
   once instead of twice. Same special values as the two-pass form (NaN propagates, a row
   of -inf gives s = NaN); the sum differs from it by rounding only.
+
+* Centred squares. `s = sum_c y(c)`, then row statements computing some m from s (the
+  mean s/C, or any map of it), then `q = sum_c (y(c) - m)^2` over the same values y
+  (LayerNorm's and var's two-pass variance): the second pass waits for the first one's
+  exchange. Each thread instead keeps the (count, mean, M2) of its own elements and the
+  exchange merges those triples with Chan et al.'s formula, so both come out of ONE pass
+  and ONE exchange: s = n * mean, and q = M2 + n (mean - m)^2 (exact algebra: the squares
+  about the row's own mean, then the shift to m). Unlike E[y^2] - E[y]^2 (or any single
+  shift), nothing cancels: every merged term is a sum of non-negative ones, so a row far
+  from 0 or with an outlier keeps f32 accuracy (mapreduce.VAR_PRELUDE says how).
 
 * Target select. `sum_c where(index(c) == t, v(c), 0)` with t fixed for the row (the
   target logit of a cross-entropy) is `v(t)` when 0 <= t < C and 0 otherwise: one load
@@ -134,6 +144,68 @@ def _depends_on(defs: dict, v: str, target: str) -> bool:
     if isinstance(s, ir.Op):
         return any(_depends_on(defs, x, target) for x in s.args)
     return False
+
+
+@dataclass(frozen=True)
+class CentredSquares:
+    """`sm = sum_c y(c)`, then row statements making `m` from sm, then `sq = sum_c (y(c) - m)^2`.
+
+    y: sm's value (computed by sm's body); m: the row value sq subtracts."""
+
+    sm: ir.Reduce
+    sq: ir.Reduce
+    m: str
+
+    @property
+    def dtype(self) -> str:
+        return self.sm.dtype
+
+    @property
+    def y(self) -> str:
+        return self.sm.value
+
+    @property
+    def y_body(self) -> tuple:
+        return self.sm.body
+
+
+def centred_squares(a, b, between) -> CentredSquares | None:
+    """The CentredSquares of row statements `a`, `between` (in order), `b`, or None.
+
+    a sums y; b sums (y - m)^2 (or (m - y)^2) over the same y, m a row value computed in
+    `between` from a (a centred sum: m independent of a would share a's pass anyway); b's
+    body reads m only in that subtraction, and y does not depend on m."""
+    if not (isinstance(a, ir.Reduce) and isinstance(b, ir.Reduce)):
+        return None
+    if a.op != "sum" or b.op != "sum" or a.dtype != b.dtype or a.extent != b.extent:
+        return None
+    if a.dtype not in ("f32", "f64") or dtypes.compute_type(a.dtype) != a.dtype:
+        return None
+    if any(isinstance(s, (ir.Store, ir.Loop, ir.Reduce)) for s in a.body + b.body):
+        return None
+    if any(isinstance(s, (ir.Loop, ir.Reduce)) for s in between):
+        return None
+    defs = _defs(b.body)
+    sq = defs.get(b.value)
+    if not (isinstance(sq, ir.Op) and sq.op == "mul" and sq.dtype == b.dtype and len(sq.args) == 2
+            and sq.args[0] == sq.args[1]):
+        return None
+    d = defs.get(sq.args[0])
+    if not (isinstance(d, ir.Op) and d.op == "sub" and d.dtype == b.dtype and len(d.args) == 2):
+        return None
+    if _uses(b.body, d.dst) != [sq] or _uses(b.body, sq.dst):
+        return None
+    outer = _defs(between)
+    for y, m in (d.args, d.args[::-1]):
+        if m in defs or m == y or _uses(b.body, m) != [d]:
+            continue
+        if not _depends_on(outer, m, a.dst):  # not centred on a's sum
+            continue
+        if y in defs and _depends_on(defs, y, m):
+            continue
+        if same_value(a, a.value, b, y):
+            return CentredSquares(a, b, m)
+    return None
 
 
 @dataclass(frozen=True)
