@@ -69,6 +69,9 @@ def compare(prog, module, inputs, nbytes: int, copy_bps: float | None = None, wi
     with torch.no_grad():
         runs["eager"] = lambda: module(*inputs)
         if with_compile:
+            # a fresh dynamo: after an earlier case of the same module class it would recompile
+            # with dynamic shapes (automatic dynamic), a slower baseline than this program gets
+            torch._dynamo.reset()
             compiled = torch.compile(module)
             compiled(*inputs)
             runs["torch.compile"] = lambda: compiled(*inputs)
