@@ -112,6 +112,7 @@ class KernelSource:
     params: tuple[str, ...]         # buffer names in launch order (kernel.params order)
     alignment: tuple[tuple[str, int], ...] = ()  # (buffer, bytes) its data pointer must be aligned to
     schedule: MapReduceSchedule | None = field(default=None, compare=False)
+    workspace_bytes: int = 0        # > 0: a last parameter, zeroed device memory owned by the caller
 
 
 # ---------------------------------------------------------------- access analysis
@@ -1420,6 +1421,10 @@ def _plan_chunks(C: int, V: int, P: int):
 
 def render(kernel: ir.Kernel, schedule: MapReduceSchedule | None = None, arch: str = "sm_90a") -> KernelSource:
     """CUDA C++ for a map-reduce kernel under `schedule` (default_schedule(kernel, arch) if None)."""
+    whole = kernel
+    gp = ir.grid_parts(kernel)
+    if gp is not None:  # the row kernel is rendered as usual, then its grid reduction (_emit_grid_tail)
+        kernel = gp.head
     parts = ir.row_kernel_parts(kernel)
     sch = schedule or default_schedule(kernel, arch)
     has_reduce = any(isinstance(x, ir.Reduce) for x in parts.body)
@@ -1442,7 +1447,7 @@ def render(kernel: ir.Kernel, schedule: MapReduceSchedule | None = None, arch: s
                          f"(at most {MAX_STAGED_WORDS}); use more threads, a cluster, or stage='stream'")
     ctx = _Ctx(kernel, parts, sch, ana, V, C, P, nchunk, full)
     ctx.store_only_casts = _cast_store_only(kernel, parts.body)
-    ctx.fast = fast_math(kernel)
+    ctx.fast = fast_math(whole)  # a grid reduction's scratch values are not outputs
     smem_bytes = 0
     if sch.stage == "smem":
         for st in ana.in_streams.values():
@@ -1469,11 +1474,19 @@ def render(kernel: ir.Kernel, schedule: MapReduceSchedule | None = None, arch: s
     em(f"// schedule: {sch}")
     em(f"// {'; '.join(str(b) for b in kernel.params)}")
     params = []
-    for b in kernel.params:
+    for b in whole.params:
         t = cexpr.storage_ctype(b.dtype)
         params.append(f"{'const ' if b.role == 'in' else ''}{t}* __restrict__ {_param(b.name)}")
+    ws = workspace_layout(whole) if gp is not None else None
+    if ws is not None:
+        params.append("unsigned char* __restrict__ tf_ws")
     em(f'extern "C" __global__ void __launch_bounds__({sch.threads}, {sch.min_blocks})')
     em.open(f"{name}({', '.join(params)})")
+    if ws is not None:
+        em("// per-row values of the grid reduction: scratch carved out of the workspace")
+        for b in gp.scratch:
+            t = cexpr.storage_ctype(b.dtype)
+            em(f"{t}* __restrict__ {_param(b.name)} = ({t}*)(tf_ws + {ws.scratch[b.name]});")
 
     # ---- which row, which part of it: digits of threadIdx.x and blockIdx.x (codegen/rowlayout.py)
     em("// ---- which row this thread works on, and its place in the row (layouts: codegen/rowlayout.py)")
@@ -1562,10 +1575,13 @@ def render(kernel: ir.Kernel, schedule: MapReduceSchedule | None = None, arch: s
                         "shared memory (each waits for every arrival before it exits)")
         em("// keep this CTA's shared memory alive until every CTA of the cluster has read it")
         em("tf_cluster_wait();")
+    if gp is not None:
+        _emit_grid_tail(ctx, em, gp, ws, sch.cluster)  # grid: ceil(R / rows per CTA) row blocks of sch.cluster CTAs
     em.close()
 
     code = (cexpr.PRELUDE + (cexpr.CLUSTER_PRELUDE if hw_cluster else "")
-            + (VAR_PRELUDE if ctx.var_state else "") + "\n" + em.text())
+            + (VAR_PRELUDE if ctx.var_state else "") + (GRID_PRELUDE if gp is not None else "")
+            + "\n" + em.text())
     grid = (-(-R // sch.rows_per_cta) * sch.cluster, 1, 1)
     align = []
     for st in list(ana.in_streams.values()) + list(ana.out_streams.values()):
@@ -1576,8 +1592,177 @@ def render(kernel: ir.Kernel, schedule: MapReduceSchedule | None = None, arch: s
     for b, n in align:
         align_d[b] = max(n, align_d.get(b, 0))
     return KernelSource(name=name, source=code, grid=grid, block=(sch.threads, 1, 1), smem_bytes=smem_bytes,
-                        cluster=(sch.cluster if hw_cluster else 1, 1, 1), params=tuple(b.name for b in kernel.params),
-                        alignment=tuple(sorted(align_d.items())), schedule=sch)
+                        cluster=(sch.cluster if hw_cluster else 1, 1, 1), params=tuple(b.name for b in whole.params),
+                        alignment=tuple(sorted(align_d.items())), schedule=sch,
+                        workspace_bytes=ws.nbytes if ws is not None else 0)
+
+
+# ---------------------------------------------------------------- grid reductions
+
+GRID_PRELUDE = r"""
+// ---- grid reduction: loads that bypass L1 (values other CTAs wrote during this launch)
+__device__ __forceinline__ float tf_ldcg(const float* p) { float v; asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p) : "memory"); return v; }
+"""
+
+GRID_GROUP_ROWS = 256  # rows per group at least: a group's last CTA reads this many values per scratch buffer
+
+
+@dataclass(frozen=True)
+class Workspace:
+    """Byte layout of a grid reduction's workspace, from the kernel alone (every schedule of
+    it, the scalar fallback's included, fits): arrival counters (one per group of rows, one
+    for the groups; zero between launches: each is reset by the CTA that saw it full), the
+    groups' partials (f32, group-major), then each scratch buffer's per-row values."""
+
+    nbytes: int
+    max_groups: int
+    partials: int            # byte offset
+    scratch: dict            # scratch buffer -> byte offset
+
+
+def workspace_layout(kernel: ir.Kernel) -> Workspace:
+    gp = ir.grid_parts(kernel)
+    R = ir.row_kernel_parts(gp.head).rows
+    nred = sum(isinstance(s, ir.Reduce) for s in gp.tail.body)
+    ng = -(-R // GRID_GROUP_ROWS)
+
+    def up(n):
+        return -(-n // 256) * 256
+
+    off = up(4 * (ng + 1))
+    partials = off
+    off += up(4 * ng * nred)
+    scratch = {}
+    for b in gp.scratch:
+        scratch[b.name] = off
+        off += up(R * dtypes.itemsize(b.dtype))
+    return Workspace(off, ng, partials, scratch)
+
+
+def _emit_grid_tail(ctx: _Ctx, em: _Emitter, gp: ir.GridParts, ws: Workspace, cs: int):
+    """The end of a kernel with a grid reduction. Rows are cut into groups of GR (>= 256, a
+    multiple of the rows per CTA); every CTA, once its rows' values are stored, counts itself
+    in at its group (fence, then atomicAdd), and the last CTA of a group reduces the group's
+    values in a fixed order (thread t takes rows t, t + T, ..., then a butterfly in each warp
+    and the warps in order) into the group's partial; the last group to finish reduces the
+    partials the same way, runs the tail's row-level statements and stores the scalars. Which
+    CTA comes last varies; what it computes does not: the result is the same every launch.
+    Each counter is reset by the CTA that found it full, so the next launch (or CUDA-graph
+    replay) starts from zero without a memset. A CTA never waits for another: no deadlock
+    whatever the order in which CTAs run."""
+    sch = ctx.sched
+    R, T = ctx.parts.rows, sch.threads
+    rpc = sch.rows_per_cta
+    gc = -(-GRID_GROUP_ROWS // rpc)        # row blocks (CTAs, or clusters) per group
+    gr = gc * rpc                          # rows per group
+    nblocks = -(-R // rpc)
+    ng = -(-nblocks // gc)
+    assert ng <= ws.max_groups
+    tail = gp.tail
+    reds = [s for s in tail.body if isinstance(s, ir.Reduce)]
+    rest = [s for s in tail.body if not isinstance(s, ir.Reduce)]
+    for r in reds:
+        if r.dtype != "f32":
+            raise ValueError(f"kernel {ctx.kernel.name}: grid reduction {r.header()} must accumulate in f32")
+    for b in gp.scratch:
+        if b.dtype != "f32":
+            raise ValueError(f"kernel {ctx.kernel.name}: grid reduction scratch {b.name} must be f32")
+    nw = T // 32
+    nred = len(reds)
+    acc = [f"tf_ga{i}" for i in range(nred)]
+
+    def element(r) -> str:
+        vals = {}
+        for t in r.body:
+            if isinstance(t, ir.Load):
+                vals[t.dst] = (f"tf_ldcg({_param(t.buf)} + tf_lo + tf_i)", "f32")
+            else:  # a cast (grid_parts checks)
+                e, dt = vals[t.args[0]]
+                vals[t.dst] = (cexpr.cast(e, dt, t.dtype), t.dtype)
+        return vals[r.value][0]
+
+    def block_reduce():
+        em("// across the CTA in a fixed order: a butterfly in each warp, then the warps in order")
+        em("#pragma unroll")
+        em.open("for (int o = 16; o > 0; o >>= 1)")
+        for r, a in zip(reds, acc):
+            em(f"{a} = {cexpr.combine(r.op, a, f'__shfl_xor_sync(0xffffffffu, {a}, o)')};")
+        em.close()
+        if nw > 1:
+            em.open("if ((threadIdx.x & 31) == 0)")
+            for i, a in enumerate(acc):
+                em(f"tf_gw[{i}][threadIdx.x >> 5] = {a};")
+            em.close()
+            em("__syncthreads();")
+            em.open("if (threadIdx.x == 0)")
+            for i, (r, a) in enumerate(zip(reds, acc)):
+                em(f"{a} = tf_gw[{i}][0];")
+                em(f"for (int w = 1; w < {nw}; ++w) {a} = {cexpr.combine(r.op, a, f'tf_gw[{i}][w]')};")
+            em.close()
+
+    em(f"// ---- grid reduction over all {R} rows: {', '.join(r.header() for r in reds)}")
+    em(f"// groups of {gr} rows ({gc} row block(s) of {cs} CTA(s)); {ng} group(s); counters and partials in tf_ws")
+    em.open("")
+    em("__shared__ unsigned tf_glast, tf_glast2;  // two flags: a lane may read the first after thread 0 sets the second")
+    if nw > 1:
+        em(f"__shared__ float tf_gw[{nred}][{nw}];")
+    em("unsigned* tf_cnt = (unsigned*)tf_ws;")
+    em(f"float* tf_part = (float*)(tf_ws + {ws.partials});")
+    em("__threadfence();  // this thread's stores of per-row values are visible to the whole GPU")
+    em("__syncthreads();")
+    # the row block (rowlayout.py: the CTA, or the cluster, of this CTA's rows) -> its group
+    em(f"const unsigned tf_rowblock = {'rowblock' if cs > 1 else 'blockIdx.x'};")
+    em(f"const unsigned tf_grp = tf_rowblock / {gc}u;")
+    em.open("if (threadIdx.x == 0)")
+    em(f"const unsigned n_in = min({gc * cs}u, gridDim.x - tf_grp * {gc * cs}u);  // CTAs of this group")
+    em("tf_glast = (atomicAdd(tf_cnt + tf_grp, 1u) == n_in - 1u);")
+    em.close()
+    em("__syncthreads();")
+    em.open("if (tf_glast)")
+    em("__threadfence();  // see every store the group's other CTAs fenced before counting in")
+    em(f"const long long tf_lo = (long long)tf_grp * {gr}LL;")
+    em(f"const int tf_n = (int)min({gr}LL, {R}LL - tf_lo);")
+    for r, a in zip(reds, acc):
+        em(f"float {a} = {cexpr.identity(r.op, 'f32')};")
+    em("#pragma unroll 8")
+    em.open(f"for (int tf_i = threadIdx.x; tf_i < tf_n; tf_i += {T})")
+    for r, a in zip(reds, acc):
+        em(f"{a} = {cexpr.combine(r.op, a, element(r))};  // {r.header()}")
+    em.close()
+    block_reduce()
+    em.open("if (threadIdx.x == 0)")
+    for i, a in enumerate(acc):
+        em(f"tf_part[tf_grp * {nred}u + {i}u] = {a};")
+    em("tf_cnt[tf_grp] = 0u;  // ready for the next launch")
+    em("__threadfence();")
+    em(f"tf_glast2 = (atomicAdd(tf_cnt + {ng}, 1u) == {ng - 1}u);")
+    em.close()
+    em("__syncthreads();")
+    em.open("if (tf_glast2)")
+    em("__threadfence();")
+    for r, a in zip(reds, acc):
+        em(f"{a} = {cexpr.identity(r.op, 'f32')};")
+    em.open(f"for (int tf_i = threadIdx.x; tf_i < {ng}; tf_i += {T})")
+    for i, (r, a) in enumerate(zip(reds, acc)):
+        em(f"{a} = {cexpr.combine(r.op, a, f'tf_ldcg(tf_part + tf_i * {nred} + {i})')};")
+    em.close()
+    block_reduce()
+    em.open("if (threadIdx.x == 0)")
+    em(f"tf_cnt[{ng}] = 0u;")
+    em("const long long r = 0; const bool row_ok = true; const int p = 0;  // the one row of the tail")
+    em("(void)r; (void)row_ok; (void)p;")
+    env = {tail.var: "r"}
+    for r, a in zip(reds, acc):
+        name = ctx.define(r.dst, r.dtype)
+        em(f"const float {name} = {a};")
+        env[r.dst] = name
+    for s in rest:
+        env.update(ctx.names)
+        _emit_stmt(ctx, em, s, env, inner=False)
+    em.close()
+    em.close()
+    em.close()
+    em.close()
 
 
 def scalar_fallback(schedule: MapReduceSchedule) -> MapReduceSchedule:

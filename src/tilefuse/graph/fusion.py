@@ -13,6 +13,7 @@ it needs still fits on chip (shared memory of a cluster).
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -42,6 +43,9 @@ class Step:
     flops: int = 0
     note: str = ""
     gemm: GemmSpec | None = None  # family "gemm": the contraction, its B operand and its epilogue
+    head: "Step | None" = None    # a grid reduction: the row kernel as planned alone
+    tail: "Step | None" = None    # ... and the one-row kernel that reduced its per-row outputs
+    scratch: list[str] = field(default_factory=list)  # per-row values passed from head to tail on chip
 
     @property
     def floor_s(self) -> float:
@@ -449,9 +453,78 @@ def plan(g: ir.Graph, gemm: bool = True) -> Plan:
                 coarse.add(x)
                 stack.extend(a for a in ir.node_args(g[x]) if a in members and partial_rows(s.align[a], s.space))
         if not coarse - whole_rows:
-            return p
+            # grid reductions are opt-in (TILEFUSE_GRID_REDUCE=1) until their CUDA path has been
+            # checked and measured on a GPU (tests/gpu/test_mapreduce_gpu.py -k grid); otherwise
+            # the finishing reduction stays a kernel of its own, as before
+            return grid_reductions(p) if grid_reduce_enabled() else p
         whole_rows |= coarse
     raise RuntimeError("internal: the fusion plan did not settle")
+
+
+GRID_REDUCE_OPS = ("sum", "max", "min")
+
+
+def grid_reduce_enabled() -> bool:
+    """TILEFUSE_GRID_REDUCE=1 fuses full reductions of per-row values into their row kernel."""
+    return os.environ.get("TILEFUSE_GRID_REDUCE", "0") == "1"
+
+
+def _grid_tail_ok(g: ir.Graph, tail: Step, scratch: set) -> bool:
+    """Can `tail` (a one-row kernel over per-row values) finish inside their row kernel? Each of
+    its reductions must reduce one per-row f32 value over all rows with sum, max or min (so a
+    group of rows reduces to a partial that merges with the others), and everything else must
+    be a scalar map of those results or of constants."""
+    members = set(tail.nodes)
+    for name in tail.nodes:
+        n = g[name]
+        if isinstance(n, ir.Reduce):
+            if n.op not in GRID_REDUCE_OPS or n.arg not in scratch or n.type.dtype != "f32" or n.type.numel != 1:
+                return False
+        elif isinstance(n, ir.Map):
+            if n.type.numel != 1 or any(a not in members and not _generated(g[a]) for a in n.args):
+                return False
+        else:
+            return False
+    return True
+
+
+def grid_reductions(p: Plan) -> Plan:
+    """Fuse each full reduction of a row kernel's per-row values (the mean over rows of a loss)
+    into that row kernel, as a grid reduction: rather than writing the values and reducing them
+    in a second launch (its launch and its serial read of every value cost ~4.5 us next to the
+    ~100 us row kernel of a 32768 x 4096 cross-entropy), each group of rows is reduced on chip
+    by the last of its CTAs to finish, and the last group finishes the scalar
+    (codegen/mapreduce.py). A tail that does not fit stays a kernel of its own."""
+    g = p.graph
+    users, outputs = g.users(), set(g.outputs)
+    producer = {o: s for s in p.steps if s.family == "mapreduce" for o in s.outputs}
+    steps = list(p.steps)
+    for tail in list(steps):
+        if tail.family != "mapreduce" or tail.space is None or tail.space[0] != () or not tail.inputs:
+            continue
+        R = tail.space[1]
+        heads = {id(producer.get(t)) for t in tail.inputs}
+        head = producer.get(tail.inputs[0])
+        if (head is None or len(heads) != 1 or head.tail is not None or head.space[0] != (R,)
+                or head not in steps):
+            continue
+        scratch = list(tail.inputs)
+        if not all(g[t].type.shape == (R,) and g[t].type.dtype == "f32" and t not in outputs
+                   and head.align.get(t) == (0,)
+                   and set(users[t]) <= set(tail.nodes) for t in scratch):
+            continue
+        if not _grid_tail_ok(g, tail, set(scratch)):
+            continue
+        merged = Step(head.name, "mapreduce", head.nodes + tail.nodes, head.space, dict(head.align),
+                      inputs=list(head.inputs), outputs=[o for o in head.outputs if o not in scratch] + tail.outputs,
+                      note="grid reduction: " + ", ".join(tail.nodes) + " over all rows, finished by the "
+                           "last CTA (per-row " + ", ".join(scratch) + " stay on chip)",
+                      head=head, tail=tail, scratch=scratch)
+        merged.inputs_all = set(getattr(head, "inputs_all", ()))
+        merged.bytes = sum(g[t].type.nbytes for t in merged.inputs + merged.outputs)
+        steps[steps.index(head)] = merged
+        steps.remove(tail)
+    return Plan(g, steps) if len(steps) != len(p.steps) else p
 
 
 def format_plan(p: Plan) -> str:

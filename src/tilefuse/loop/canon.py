@@ -43,10 +43,11 @@ def canonicalize(k: Kernel, rename_buffers: bool = False) -> Kernel:
     (then b0, b1, … by position). The kernel's name, family and notes are kept."""
     ordered, _ = _canonical(k)
     namer = _Namer()
-    buffers = {b.name: (f"b{i}" if rename_buffers else b.name) for i, b in enumerate(k.params)}
+    buffers = {b.name: (f"b{i}" if rename_buffers else b.name) for i, b in enumerate(k.params + k.scratch)}
     body = _rename_block(ordered.body, {}, {}, buffers, namer)
     params = tuple(replace(b, name=buffers[b.name]) for b in k.params)
-    return replace(k, params=params, body=body)
+    scratch = tuple(replace(b, name=buffers[b.name]) for b in k.scratch)
+    return replace(k, params=params, body=body, scratch=scratch)
 
 
 # ---------------------------------------------------------------- digests and order
@@ -72,10 +73,15 @@ class _Ctx:
 
 def _canonical(k: Kernel) -> tuple[Kernel, str]:
     """(k with every block in canonical order, original names kept; k's structural hash)."""
-    ctx = _Ctx(k.name, {}, {}, {b.name: i for i, b in enumerate(k.params)})
-    body, body_digest = _block(ctx, k.body)
+    ctx = _Ctx(k.name, {}, {}, {b.name: i for i, b in enumerate(k.params + k.scratch)})
+    if k.scratch:  # a grid reduction's tail reads what the row loop stored: the top level keeps its order
+        pairs = [_stmt(ctx, s) for s in k.body]
+        body, body_digest = tuple(s for s, _ in pairs), _digest("sequence", tuple(d for _, d in pairs))
+    else:
+        body, body_digest = _block(ctx, k.body)
     params = tuple((b.role, tuple(b.shape), b.dtype) for b in k.params)
-    return replace(k, body=body), _digest("kernel", k.family, params, body_digest)
+    scratch = tuple((tuple(b.shape), b.dtype) for b in k.scratch)
+    return replace(k, body=body), _digest("kernel", k.family, params, scratch, body_digest)
 
 
 def _block(ctx: _Ctx, body) -> tuple[tuple, str]:

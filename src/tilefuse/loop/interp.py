@@ -63,13 +63,18 @@ def run_kernel(k: Kernel, inputs: dict) -> dict:
     _check_inputs(k, inputs)
     arrays = dict(inputs)
     written = {}
-    for b in k.outputs:
+    for b in k.outputs + k.scratch:  # scratch: per-row values a grid reduction reads back
         arrays[b.name] = _poisoned(b.shape, b.dtype)
         written[b.name] = np.zeros(b.shape, dtype=bool)
     run = _Run(k, arrays, written)
     depth = loop_depth(k.body)
     with np.errstate(all="ignore"):
-        _exec_block(run, k.body, _Frame({}, {}, (1,) * depth))
+        frame = _Frame({}, {}, (1,) * depth)
+        for i, s in enumerate(k.body):  # in order: a grid reduction's tail reads what the row loop wrote
+            if k.scratch and i == len(k.body) - 1:
+                for b in k.scratch:
+                    _check_all_written(k, b.name, written[b.name])
+            _exec(run, s, frame)
     for b in k.outputs:
         _check_all_written(k, b.name, written[b.name])
     return {b.name: arrays[b.name] for b in k.outputs}

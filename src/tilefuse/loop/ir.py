@@ -19,6 +19,13 @@ printer expects (see `row_kernel_parts`):
     ))
 
 with every inner loop over the same extent C (the row length).
+
+A map-reduce kernel may end in a *grid reduction* (`grid_parts`): a second top-level
+parallel loop of one iteration that reduces, over all rows, per-row values the row loop
+stored into `scratch` buffers (per-row losses into a mean). Scratch buffers are not
+parameters: the row loop only stores into them, the grid loop only loads from them, and
+the runtime carves them out of the kernel's workspace (the CUDA kernel never writes them
+in full: each group of rows is reduced on chip by its last CTA, see codegen/mapreduce.py).
 """
 from __future__ import annotations
 
@@ -215,9 +222,10 @@ class Kernel:
     body: tuple[Stmt, ...]
     family: str = "mapreduce"
     notes: tuple[str, ...] = field(default=(), compare=False)
+    scratch: tuple[Buffer, ...] = ()  # per-row values the row loop stores and the grid loop reduces
 
     def buffer(self, name: str) -> Buffer:
-        for b in self.params:
+        for b in self.params + self.scratch:
             if b.name == name:
                 return b
         raise KeyError(f"kernel {self.name} has no buffer {name!r}")
@@ -253,7 +261,10 @@ def format_block(body, indent: int = 1) -> list[str]:
 
 def format_kernel(k: Kernel) -> str:
     head = f"kernel {k.name} [{k.family}]({', '.join(map(str, k.params))}):"
-    return "\n".join([head] + format_block(k.body))
+    lines = [head]
+    if k.scratch:
+        lines.append("  scratch " + ", ".join(f"{b.name}: {b.dtype}[{'x'.join(map(str, b.shape))}]" for b in k.scratch))
+    return "\n".join(lines + format_block(k.body))
 
 
 # ---------------------------------------------------------------- the map-reduce shape
@@ -269,8 +280,46 @@ class RowKernel:
     body: tuple[Stmt, ...]
 
 
+@dataclass(frozen=True)
+class GridParts:
+    """A map-reduce kernel ending in a grid reduction, apart: `head` is the row kernel (its
+    params plus the scratch buffers it stores, as outputs), `tail` the one-iteration loop that
+    reduces the scratch buffers over all rows (its reductions, then row-level statements)."""
+
+    head: Kernel
+    tail: Loop
+    scratch: tuple[Buffer, ...]
+
+
+def grid_parts(k: Kernel) -> GridParts | None:
+    """The parts of a kernel with a grid reduction, or None for a plain row kernel; raise
+    ValueError if `k` has scratch buffers but not the shape the CUDA printer handles: a tail
+    of one iteration whose reductions each load one scratch buffer at the column (maybe cast),
+    followed by row-level statements only."""
+    if not k.scratch:
+        return None
+    if len(k.body) != 2 or not all(isinstance(s, Loop) and s.parallel for s in k.body) or k.body[1].extent != 1:
+        raise ValueError(f"kernel {k.name}: a grid reduction is a row loop then a parallel loop of one iteration")
+    names = {b.name for b in k.scratch}
+    for s in k.body[1].body:
+        if isinstance(s, Loop):
+            raise ValueError(f"kernel {k.name}: a grid reduction's tail has no column loops")
+        if isinstance(s, Reduce):
+            loads = [t for t in s.body if isinstance(t, Load)]
+            if (len(loads) != 1 or loads[0].buf not in names or loads[0].index != (Var(s.var),)
+                    or any(not (isinstance(t, Load) or (isinstance(t, Op) and t.op == "cast")) for t in s.body)):
+                raise ValueError(f"kernel {k.name}: grid reduction {s.header()} must load one scratch buffer "
+                                 f"at its column")
+        elif isinstance(s, Load):
+            raise ValueError(f"kernel {k.name}: a grid reduction's tail loads only inside its reductions")
+    head = Kernel(k.name, k.params + k.scratch, (k.body[0],), k.family, k.notes)
+    return GridParts(head, k.body[1], k.scratch)
+
+
 def row_kernel_parts(k: Kernel) -> RowKernel:
     """Check that `k` has the map-reduce shape and return its parts, or raise ValueError."""
+    if k.scratch:
+        k = grid_parts(k).head
     if len(k.body) != 1 or not isinstance(k.body[0], Loop) or not k.body[0].parallel:
         raise ValueError(f"kernel {k.name}: a map-reduce kernel's body is one parallel row loop")
     row = k.body[0]

@@ -277,4 +277,65 @@ def _common(ts: list[str]) -> str:
 def lower_step(graph: g_ir.Graph, step: Step, name: str | None = None) -> Lowered:
     if step.family != "mapreduce":
         raise ValueError(f"step {step.name} is {step.family}, not a map-reduce kernel")
+    if step.tail is not None:
+        return _grid_reduction(graph, step, name or step.name)
     return _Lowerer(graph, step).lower(name or step.name)
+
+
+def _grid_reduction(graph: g_ir.Graph, step: Step, name: str) -> Lowered:
+    """One kernel from a row kernel and the one-row kernel that reduces its per-row values:
+    the row loop stores them into scratch buffers, a second loop (of one iteration) reduces
+    them; exactly the two kernels' statements, so the interpreter computes what it did before."""
+    head = _Lowerer(graph, step.head).lower(name)
+    tail = _Lowerer(graph, step.tail).lower(name + "_tail")
+    scratch = tuple(b for b in head.kernel.params if b.name in step.scratch)
+    for b in scratch:
+        t = tail.kernel.buffer(b.name)
+        if (t.shape, t.dtype) != (b.shape, b.dtype):
+            raise AssertionError(f"{name}: scratch {b.name} is {b.dtype}{b.shape} in the row loop, "
+                                 f"{t.dtype}{t.shape} in the grid reduction")
+    taken = {s.dst for s in L.walk(head.kernel.body) if hasattr(s, "dst")}
+    rename = {s.dst: _fresh("g" + s.dst, taken) for s in L.walk(tail.kernel.body) if hasattr(s, "dst")}
+    keep = [i for i, b in enumerate(head.kernel.params) if b.name not in step.scratch]
+    outs = [i for i, b in enumerate(tail.kernel.params) if b.role == "out"]
+    params = tuple(head.kernel.params[i] for i in keep) + tuple(tail.kernel.params[i] for i in outs)
+    bindings = tuple(head.bindings[i] for i in keep) + tuple(tail.bindings[i] for i in outs)
+    body = head.kernel.body + tuple(_renamed(s, rename) for s in tail.kernel.body)
+    kernel = L.Kernel(name, params, body, "mapreduce", notes=head.kernel.notes + tail.kernel.notes, scratch=scratch)
+    return Lowered(kernel, bindings)
+
+
+def _fresh(base: str, taken: set) -> str:
+    name, i = base, 1
+    while name in taken:
+        name, i = f"{base}_{i}", i + 1
+    taken.add(name)
+    return name
+
+
+def _renamed(s, m: dict):
+    """A statement with its SSA values renamed by `m` (nested bodies and gathered indices too)."""
+    from dataclasses import replace
+
+    def ix(e):
+        if isinstance(e, L.Val):
+            return L.Val(m.get(e.name, e.name))
+        if isinstance(e, L.IBin):
+            return L.IBin(e.op, ix(e.a), ix(e.b))
+        return e
+
+    if isinstance(s, L.Load):
+        return replace(s, dst=m[s.dst], index=tuple(map(ix, s.index)))
+    if isinstance(s, L.Store):
+        return replace(s, index=tuple(map(ix, s.index)), value=m.get(s.value, s.value))
+    if isinstance(s, (L.Const,)):
+        return replace(s, dst=m[s.dst])
+    if isinstance(s, L.IndexValue):
+        return replace(s, dst=m[s.dst], expr=ix(s.expr))
+    if isinstance(s, L.Op):
+        return replace(s, dst=m[s.dst], args=tuple(m.get(a, a) for a in s.args))
+    if isinstance(s, L.Loop):
+        return replace(s, body=tuple(_renamed(t, m) for t in s.body))
+    if isinstance(s, L.Reduce):
+        return replace(s, dst=m[s.dst], value=m.get(s.value, s.value), body=tuple(_renamed(t, m) for t in s.body))
+    raise TypeError(f"cannot rename {s!r}")

@@ -42,7 +42,10 @@ def _fail(k: Kernel, s: Stmt | None, problem: str):
 
 def verify(k: Kernel) -> None:
     """Raise ValueError describing the first malformation found in `k`; return None if well formed."""
-    names = [b.name for b in k.params]
+    names = [b.name for b in k.params + k.scratch]
+    for b in k.scratch:
+        if b.role != "out":
+            _fail(k, None, f"scratch buffer {b.name!r} must have role 'out' (the row loop stores it)")
     for n in names:
         if names.count(n) > 1:
             _fail(k, None, f"buffer {n!r} is declared twice")
@@ -68,7 +71,7 @@ def _check_stmt(k: Kernel, s: Stmt, scope: _Scope, defined: set) -> dict:
     """Check one statement; return the values it defines (name -> dtype)."""
     if isinstance(s, Load):
         buf = _buffer(k, s, s.buf)
-        if buf.role != "in":
+        if buf.role != "in" and buf not in k.scratch:
             _fail(k, s, f"load from output buffer {s.buf!r}")
         _check_indices(k, s, buf, s.index, scope)
         return {s.dst: buf.dtype}
@@ -144,7 +147,7 @@ def _dtype(k: Kernel, s: Stmt, name: str):
 
 
 def _buffer(k: Kernel, s: Stmt, name: str):
-    for b in k.params:
+    for b in k.params + k.scratch:
         if b.name == name:
             return b
     _fail(k, s, f"unknown buffer {name!r}")

@@ -83,9 +83,10 @@ class CompiledKernel:
     cache_hit: bool
     _loaded: dict = field(default_factory=dict, repr=False)   # device index -> _Loaded
     _scalar: "CompiledKernel | None" = field(default=None, repr=False)
+    _workspaces: dict = field(default_factory=dict, repr=False)  # device index -> workspace (grid reductions)
 
     def __post_init__(self):
-        n = len(self.source.params)
+        n = len(self.source.params) + (1 if self.source.workspace_bytes else 0)
         self._vals = (ctypes.c_void_p * max(n, 1))()
         base = ctypes.addressof(self._vals)
         self._ptrs = (ctypes.c_void_p * max(n, 1))(*[base + i * ctypes.sizeof(ctypes.c_void_p) for i in range(n)])
@@ -196,6 +197,8 @@ class CompiledKernel:
             loaded.stream_handle = handle
         if ptrs is None:
             ptrs = [t.data_ptr() for t in tensors]
+        if self.source.workspace_bytes and len(ptrs) == len(self.source.params):
+            ptrs = list(ptrs) + [self.workspace(device).data_ptr()]
         self._vals[:len(ptrs)] = ptrs
         if loaded.plain:  # no launch attributes: the plain call converts fewer arguments
             err = driver.cuLaunchKernel(*loaded.prefix, loaded.stream, self._ptrs_addr, 0)
@@ -211,6 +214,19 @@ class CompiledKernel:
             if ptrs[i] % a:
                 return self.scalar_variant().launch(None, device, ptrs)
         self.launch(None, device, ptrs)
+
+    def workspace(self, device: int):
+        """This kernel's own workspace on `device`, for callers that pass none (a program's
+        runner passes its own: see runtime/runner.py). Zeroed once; a grid reduction leaves
+        its counters at zero after every launch. Launches of one kernel that share it must be
+        ordered (one stream): two at once would count into the same counters."""
+        ws = self._workspaces.get(device)
+        if ws is None:
+            import torch
+
+            ws = self._workspaces[device] = torch.zeros(self.source.workspace_bytes, dtype=torch.uint8,
+                                                        device=torch.device("cuda", device))
+        return ws
 
     def scalar_variant(self) -> "CompiledKernel":
         """The same kernel without vector accesses, for misaligned tensors (compiled on first need)."""

@@ -171,7 +171,7 @@ _IN, _OUT = 0, 1
 class _Launch:
     """One generated kernel: parameters in the kernel's order, outputs allocated per call."""
 
-    __slots__ = ("ck", "params", "device", "index", "poison")
+    __slots__ = ("ck", "params", "device", "index", "poison", "workspace")
 
     def __init__(self, ck, lowered, g: ir.Graph, slot, device: torch.device, poison: bool):
         k = lowered.kernel
@@ -190,6 +190,11 @@ class _Launch:
             raise AssertionError(f"kernel {k.name}: bindings are not in parameter order")
         self.ck, self.params, self.device, self.poison = ck, tuple(params), device, poison
         self.index = device.index if device.index is not None else torch.cuda.current_device()
+        # a grid reduction's counters, partials and per-row values: made (zeroed) with the runner,
+        # one per program and device, so two programs never share counters; the kernel leaves
+        # the counters at zero, so launches and CUDA-graph replays need no memset
+        nbytes = getattr(getattr(ck, "source", None), "workspace_bytes", 0)  # stand-in kernels have no source
+        self.workspace = torch.zeros(nbytes, dtype=torch.uint8, device=device) if nbytes else None
 
     def __call__(self, env):
         ptrs, keep = [], []
@@ -205,6 +210,8 @@ class _Launch:
                     t.fill_(fill)
                 env[i] = t
             ptrs.append(t.data_ptr())
+        if self.workspace is not None:
+            ptrs.append(self.workspace.data_ptr())
         self.ck.launch_ptrs(self.index, ptrs)
 
 

@@ -1,0 +1,227 @@
+"""Grid reductions: a full reduction of a row kernel's per-row values fused into that kernel.
+
+Grid reductions are opt-in (TILEFUSE_GRID_REDUCE=1, set by this module's fixture) until their
+CUDA path has run on a GPU. Properties checked without a GPU:
+- cross-entropy with reduction="mean" or "sum" (and a sum of a softmax's row maxima) plans as
+  ONE map-reduce kernel writing only the scalar; reduction="none" is unchanged; a reduction
+  over rows that cannot merge partials (a log-sum-exp over rows) stays a second kernel;
+- through the Loop IR interpreter the fused kernel gives bit for bit what the row kernel and
+  the finishing kernel gave when run one after the other (the CPU path is unchanged), at odd
+  row counts and row counts that are no multiple of the CTA's rows;
+- the kernel passes verify, its structural hash ignores names and its canonical form keeps
+  the grid loop after the row loop;
+- the CUDA source compiles for sm_90a and sm_80 without spills; it takes one workspace
+  pointer (no static __device__ counter), resets every counter it counts into, and its
+  workspace layout fits every schedule's groups.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tilefuse.check import compare, float64_reference, flatten
+from tilefuse.codegen import mapreduce
+from tilefuse.codegen.mapreduce import default_schedule, render, workspace_layout
+from tilefuse.compiler import compile as tf_compile, compile_stages
+from tilefuse.loop import canon, ir
+from tilefuse.loop.interp import run_kernel
+from tilefuse.loop.lower import lower_step
+from tilefuse.loop.verify import verify
+from tilefuse.runtime.launch import compile_source_only
+from tilefuse.tensors import to_numpy
+
+
+@pytest.fixture(autouse=True)
+def _private_cache(tmp_path_factory, monkeypatch):
+    monkeypatch.setenv("TILEFUSE_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "cubin"))
+    monkeypatch.setenv("TILEFUSE_GRID_REDUCE", "1")  # opt-in until checked on a GPU (graph/fusion.py)
+
+
+def test_grid_reductions_are_off_unless_asked_for(monkeypatch):
+    """Without TILEFUSE_GRID_REDUCE=1 the plan is the one from before: the row kernel, then the
+    finishing kernel over its per-row values."""
+    monkeypatch.delenv("TILEFUSE_GRID_REDUCE")
+    stages = compile_stages(_xent, _ce_inputs(7, 1000))
+    assert [s.tail for s in _mapreduce_steps(stages)] == [None, None]
+
+
+def _xent(x, t):
+    return F.cross_entropy(x, t)
+
+
+def _xent_sum(x, t):
+    return F.cross_entropy(x, t, reduction="sum")
+
+
+def _xent_none(x, t):
+    return F.cross_entropy(x, t, reduction="none")
+
+
+def _rowmax_sum(x):
+    return torch.softmax(x, -1).amax(-1).sum()
+
+
+def _lse_over_rows(x):
+    return torch.logsumexp(x.amax(-1), 0)
+
+
+def _softmax_over_rows(x):
+    return torch.softmax(x.amax(-1), 0)
+
+
+def _ce_inputs(n, c, ignore=True):
+    x = torch.randn(n, c).bfloat16()
+    t = torch.randint(0, c, (n,))
+    if ignore and n > 2:
+        t[1] = -100  # an ignored row: the mean divides by the valid rows only
+    return x, t
+
+
+def _mapreduce_steps(stages):
+    return [s for s in stages.plan.steps if s.family == "mapreduce"]
+
+
+@pytest.mark.parametrize("fn", [_xent, _xent_sum], ids=["mean", "sum"])
+@pytest.mark.parametrize("shape", [(7, 1000), (333, 257), (2, 5)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_cross_entropy_reduction_is_one_kernel_with_a_grid_reduction(fn, shape):
+    stages = compile_stages(fn, _ce_inputs(*shape))
+    (k,) = _mapreduce_steps(stages)
+    assert k.tail is not None and k.outputs == list(stages.graph.outputs)
+    assert not [s for s in stages.plan.steps if s.family == "extern"]
+    assert "grid reduction" in str(stages.plan)
+    kernel = stages.kernels[k.name].kernel
+    assert ir.grid_parts(kernel) is not None and len(kernel.body) == 2
+    assert [b.name for b in kernel.params if b.role == "out"] == list(stages.graph.outputs)
+    verify(kernel)
+
+
+def test_reduction_none_has_no_grid_reduction():
+    stages = compile_stages(_xent_none, _ce_inputs(9, 100))
+    (k,) = _mapreduce_steps(stages)
+    assert k.tail is None and not stages.kernels[k.name].kernel.scratch
+
+
+def test_sum_of_softmax_row_maxima_takes_the_same_path():
+    """f32 row maxima summed over rows: the same grid reduction. In bf16 the per-row maxima are
+    bf16 values and the sum a bf16 reduction, which the grid path does not take: a second kernel."""
+    stages = compile_stages(_rowmax_sum, (torch.randn(37, 300),))
+    (k,) = _mapreduce_steps(stages)
+    assert k.tail is not None
+    stages = compile_stages(_rowmax_sum, (torch.randn(37, 300).bfloat16(),))
+    assert len(_mapreduce_steps(stages)) == 2
+
+
+@pytest.mark.parametrize("fn", [_lse_over_rows, _softmax_over_rows], ids=["logsumexp", "softmax"])
+def test_reduction_that_cannot_merge_partials_stays_apart(fn):
+    """A log-sum-exp over rows (exp(v - max) of the per-row values, not the values) and a softmax
+    over rows (a per-row output) are no sum/max/min of per-row values into a scalar: no grid
+    reduction, and the program is still right."""
+    x = torch.randn(20, 64)
+    stages = compile_stages(fn, (x,))
+    assert all(s.tail is None for s in _mapreduce_steps(stages))
+    torch.testing.assert_close(stages.program(x), fn(x), rtol=1e-5, atol=1e-6)
+
+
+CASES = [(_xent, (7, 1000)), (_xent, (333, 257)), (_xent, (2, 5)), (_xent_sum, (1025, 33)),
+         (_rowmax_sum, (37, 300)), (_xent, (4097, 16))]
+
+
+@pytest.mark.parametrize("fn,shape", CASES, ids=lambda v: getattr(v, "__name__", None) or f"{v[0]}x{v[1]}")
+def test_interpreter_gives_what_the_two_kernels_gave(fn, shape):
+    """The fused kernel's interpreter result equals, bit for bit, the row kernel then the finishing
+    kernel run one after the other (each lowered from the step as planned alone)."""
+    inputs = _ce_inputs(*shape) if fn is not _rowmax_sum else (torch.randn(*shape),)
+    stages = compile_stages(fn, inputs)
+    (step,) = _mapreduce_steps(stages)
+    env = {name: to_numpy(t) for name, t in zip(stages.graph.inputs, inputs)}
+    for s in stages.plan.steps:  # aliases: the inputs viewed in their shapes
+        if s.family == "alias":
+            n = stages.graph[s.nodes[0]]
+            env[n.name] = env[n.arg].reshape(n.type.shape)
+    fused = stages.kernels[step.name]
+    head = lower_step(stages.graph, step.head, "head")
+    tail = lower_step(stages.graph, step.tail, "tail")
+
+    def run(lowered, env):
+        k = lowered.kernel
+        ins = {b.buffer: env[b.tensor].reshape(b.shape) for b in lowered.bindings if k.buffer(b.buffer).role == "in"}
+        out = run_kernel(k, ins)
+        return {b.tensor: out[b.buffer] for b in lowered.bindings if k.buffer(b.buffer).role == "out"}
+
+    apart = run(tail, {**env, **run(head, env)})
+    together = run(fused, env)
+    assert together.keys() == apart.keys()
+    for name in together:
+        np.testing.assert_array_equal(together[name], apart[name])
+    # and the program (CPU tensors: the interpreter) passes the 2x rule against float64
+    prog = tf_compile(fn, inputs)
+    out = flatten(prog(*inputs))
+    ref = flatten(float64_reference(fn, inputs))
+    with torch.no_grad():
+        eager = flatten(fn(*inputs))
+    for o, r, e in zip(out, ref, eager):
+        c = compare("out", o, r, e)
+        assert c.ok, c
+
+
+def test_structural_hash_ignores_names_and_canonical_form_keeps_the_tail_last():
+    stages = compile_stages(_xent, _ce_inputs(7, 1000))
+    (step,) = _mapreduce_steps(stages)
+    k = stages.kernels[step.name].kernel
+    c = canon.canonicalize(k)
+    verify(c)
+    assert c.body[1].extent == 1 and c.body[0].extent == 7, "the grid loop stays after the row loop"
+    assert canon.structural_hash(c) == canon.structural_hash(k)
+    renamed = canon.canonicalize(k, rename_buffers=True)
+    assert canon.structural_hash(renamed) == canon.structural_hash(k)
+    assert [b.name for b in renamed.scratch] != [b.name for b in k.scratch]
+    other = compile_stages(_xent_sum, _ce_inputs(7, 1000))
+    (s2,) = _mapreduce_steps(other)
+    assert canon.structural_hash(other.kernels[s2.name].kernel) != canon.structural_hash(k)
+
+
+def test_verify_rejects_a_scratch_load_in_the_row_loop_shape_and_an_unknown_buffer():
+    stages = compile_stages(_xent, _ce_inputs(7, 100))
+    (step,) = _mapreduce_steps(stages)
+    k = stages.kernels[step.name].kernel
+    bad = ir.Kernel(k.name, k.params, k.body, k.family, k.notes, scratch=())
+    with pytest.raises(ValueError, match="unknown buffer"):
+        verify(bad)
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_80"])
+@pytest.mark.parametrize("shape", [(32768, 4096), (4096, 65536), (8192, 262144), (32768, 256), (7, 4097), (1000, 300)],
+                         ids=lambda s: f"{s[0]}x{s[1]}")
+def test_cuda_source_compiles_with_a_workspace_and_resets_its_counters(shape, arch):
+    stages = compile_stages(_xent, (torch.empty(shape, dtype=torch.bfloat16), torch.empty(shape[0], dtype=torch.long)))
+    (step,) = _mapreduce_steps(stages)
+    kernel = stages.kernels[step.name].kernel
+    src, cubin = compile_source_only(kernel, arch)
+    assert cubin.info.clean, f"{shape} {arch} {src.schedule}: {cubin.info}"
+    body = src.source.split('extern "C"')[1]
+    assert "__device__ unsigned" not in src.source and "__device__ int" not in src.source, "no static counter"
+    assert "unsigned char* __restrict__ tf_ws" in body and src.params == tuple(b.name for b in kernel.params)
+    ws = workspace_layout(kernel)
+    assert src.workspace_bytes == ws.nbytes > 0
+    # every counter the kernel counts into is reset by the CTA that saw it full
+    assert "atomicAdd(tf_cnt + tf_grp, 1u)" in body and "tf_cnt[tf_grp] = 0u;" in body
+    R = shape[0]
+    sch = default_schedule(kernel, arch)
+    gc = -(-mapreduce.GRID_GROUP_ROWS // sch.rows_per_cta)
+    ng = -(-(-(-R // sch.rows_per_cta)) // gc)
+    assert f"atomicAdd(tf_cnt + {ng}, 1u)" in body and f"tf_cnt[{ng}] = 0u;" in body
+    assert ng <= ws.max_groups
+    # the scalar fallback (misaligned tensors) fits the same workspace
+    fb = render(kernel, mapreduce.scalar_fallback(sch), arch)
+    assert fb.workspace_bytes == ws.nbytes
+
+
+def test_bf16_output_makes_the_fused_kernel_use_fast_math():
+    """The fused kernel's only output is the bf16 scalar: mapreduce.fast_math applies (the two
+    kernels apart: the row kernel's f32 outputs kept it off)."""
+    stages = compile_stages(_xent, _ce_inputs(64, 4096))
+    (step,) = _mapreduce_steps(stages)
+    assert mapreduce.fast_math(stages.kernels[step.name].kernel)
+    assert not mapreduce.fast_math(lower_step(stages.graph, step.head, "head").kernel)
