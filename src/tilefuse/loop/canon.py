@@ -80,6 +80,8 @@ def _canonical(k: Kernel) -> tuple[Kernel, str]:
     else:
         body, body_digest = _block(ctx, k.body)
     params = tuple((b.role, tuple(b.shape), b.dtype) for b in k.params)
+    if not k.scratch:  # the digest kernels had before scratch buffers existed: tuning caches stay valid
+        return replace(k, body=body), _digest("kernel", k.family, params, body_digest)
     scratch = tuple((tuple(b.shape), b.dtype) for b in k.scratch)
     return replace(k, body=body), _digest("kernel", k.family, params, scratch, body_digest)
 
