@@ -225,3 +225,29 @@ def test_bf16_output_makes_the_fused_kernel_use_fast_math():
     (step,) = _mapreduce_steps(stages)
     assert mapreduce.fast_math(stages.kernels[step.name].kernel)
     assert not mapreduce.fast_math(lower_step(stages.graph, step.head, "head").kernel)
+
+
+def test_the_tuner_declines_a_kernel_with_a_workspace_without_measuring_it(tmp_path):
+    """The benchmark worker allocates no grid-reduction workspace, so a fused kernel cannot be
+    measured: the tuner says so at once (status failed, a note naming why) and launches nothing,
+    and the kernel keeps its heuristic schedule."""
+    from tilefuse.tune import device as tdevice
+    from tilefuse.tune.cache import TuneCache
+    from tilefuse.tune.tuner import TuneOptions, Tuner
+
+    stages = compile_stages(_xent, _ce_inputs(64, 300))
+    (k,) = _mapreduce_steps(stages)
+    kernel = stages.kernels[k.name].kernel
+    assert kernel.scratch
+    launched = []
+
+    class Pool:
+        size = 1
+
+        def submit(self, fn, payload, timeout=None):
+            launched.append(payload)
+            raise AssertionError("nothing should be measured")
+
+    h100 = tdevice.Device("NVIDIA H100 80GB HBM3", "9.0", "13.0")
+    (r,) = Tuner(Pool(), h100, TuneCache(tmp_path / "t.sqlite"), TuneOptions(budget=4)).tune({"k": kernel})
+    assert r.status == "failed" and "workspace" in r.note and launched == []
