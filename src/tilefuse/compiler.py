@@ -57,6 +57,14 @@ def lower_plan(graph: ir.Graph, p: Plan) -> tuple[dict[str, Lowered], dict[str, 
     return kernels, gemms
 
 
+def rope_epilogue_enabled() -> bool:
+    """RoPE moved into the Q/K projections' epilogues (graph/rules/rope_epilogue.py): opt-in with
+    TILEFUSE_ROPE_EPILOGUE=1 until it has been checked and timed on a GPU."""
+    import os
+
+    return os.environ.get("TILEFUSE_ROPE_EPILOGUE", "0") == "1"
+
+
 def compile_stages(fn, example_inputs, *, expr: str | None = None, arch: str | None = None) -> Compiled:
     import time
 
@@ -73,6 +81,11 @@ def compile_stages(fn, example_inputs, *, expr: str | None = None, arch: str | N
         fired = fired + more
     graph, more = run_rewrites(graph, (fold_weights,))  # after CODA: it folds what the rules built, too
     fired = fired + more
+    if gemm and rope_epilogue_enabled():  # needs the folded cos/sin tables
+        from .graph.rules.rope_epilogue import rope_into_projection
+
+        graph, more = run_rewrites(graph, (rope_into_projection,))
+        fired = fired + more
     p = plan(graph, gemm=gemm)
     kernels, gemms = lower_plan(graph, p)
     t2 = time.perf_counter()

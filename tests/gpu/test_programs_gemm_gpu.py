@@ -98,6 +98,21 @@ def test_llama_block_through_tilefuse_compile():
     assert families.count("gemm") >= 5
 
 
+@pytest.mark.parametrize("batch", [1, 2])
+def test_llama_block_with_rope_in_the_projection_epilogues(batch, monkeypatch):
+    """With TILEFUSE_ROPE_EPILOGUE=1 the Q and K projections rotate their pairs in the epilogue
+    (graph/rules/rope_epilogue.py) and the block still matches the float64 reference."""
+    monkeypatch.setenv("TILEFUSE_ROPE_EPILOGUE", "1")
+    torch.manual_seed(0)
+    block = models.llama_block(256, 512, 4, 2, max_seq=64)
+    with torch.no_grad():
+        for mod in block.modules():
+            if isinstance(mod, nn.RMSNorm):
+                mod.weight.copy_(1 + 0.3 * torch.randn(mod.weight.shape))
+    prog, families = _run(block, [torch.randn(batch, 64, 256)], torch.bfloat16)
+    assert sum(1 for s in prog.plan.steps if s.family == "gemm" and s.gemm.stacks) == 2
+
+
 def test_batched_matmul_with_scale_is_one_gemm():
     """bmm with a scalar scale and a column bias: one batched GEMM."""
     torch.manual_seed(0)

@@ -51,6 +51,13 @@ class GemmSpec:
     operands: tuple[tuple[str, str], ...]  # (tensor, "tile" | "row" | "col") the epilogue reads
     outs: tuple[str, ...]  # the tensors it writes (one, or a few when that pays), in graph order
     absorbed: tuple[str, ...] = ()  # views it reads through (b's transpose, the pair slices)
+    # (stack, its full-width view, even, odd): half-width results interleaved back to full width
+    # (RoPE's rotated pairs), stored at columns 2n and 2n + 1
+    stacks: tuple[tuple[str, str, str, str], ...] = ()
+
+    @property
+    def stack_nodes(self) -> tuple[str, ...]:
+        return tuple(x for st, view, _, _ in self.stacks for x in (st, view))
 
     @property
     def out(self) -> str:
@@ -193,8 +200,17 @@ def match(g: ir.Graph, c: ir.Contraction, users=None, taken: frozenset = frozens
     order = {x.name: i for i, x in enumerate(g.nodes)}
     pair_src, slices = None, {}
     candidates: list[tuple[str, dict]] = []  # (member, its operands), in graph order
+    stacks: dict[str, tuple[str, str, str]] = {}  # full-width view -> (stack, even, odd)
     for x in g.nodes[order[c.name] + 1:]:
-        if x.name in taken:
+        if x.name in taken or x.name in stacks:
+            continue
+        pair = stack_halves(x)
+        if pair and slices and all(level.get(h) == "half" for h in pair) and len(users[x.name]) == 1:
+            view = g[users[x.name][0]]
+            if isinstance(view, ir.View) and view.op == "reshape" and view.type.shape == full:
+                level[x.name], level[view.name] = "stack", "full"
+                stacks[view.name] = (x.name, *pair)
+                candidates += [(x.name, {}), (view.name, {})]
             continue
         if isinstance(x, ir.View) and x.op == "slice" and half and level.get(x.arg) == "full":
             pair = _pair_slices(g, users, x.arg)
@@ -249,7 +265,10 @@ def match(g: ir.Graph, c: ir.Contraction, users=None, taken: frozenset = frozens
         split = [x for x, _ in prefix if x in slices]
         if not split:
             return esc if all(level[x] == "full" for x in esc) else None
-        if len(split) != 2 or any(level[x] != "half" for x in esc):
+        stacked = any(level[x] == "stack" for x, _ in prefix)
+        if len(split) != 2 or any(level[x] != "half" and not (stacked and level[x] == "full") for x in esc):
+            return None
+        if any(level[x] == "stack" for x in esc):
             return None
         return esc
 
@@ -266,13 +285,30 @@ def match(g: ir.Graph, c: ir.Contraction, users=None, taken: frozenset = frozens
         best, outs = multi
     chosen = candidates[:best]
     paired = any(x in slices for x, _ in chosen)
-    maps = tuple(x for x, _ in chosen if x not in slices)
+    taken_stacks = tuple((st, view, ev, od) for view, (st, ev, od) in stacks.items()
+                         if any(x == view for x, _ in chosen))
+    skip = set(slices) | {x for t in taken_stacks for x in t[:2]}
+    maps = tuple(x for x, _ in chosen if x not in skip)
     operands: dict[str, str] = {}
     for _, new in chosen:
         operands.update(new)
     pairwise = tuple(slices) if paired else None
     return GemmSpec(c.name, c.a, b, b_major, m, n, k, batch, a.dtype, pairwise, maps,
-                    tuple(operands.items()), tuple(outs), absorbed + (pairwise or ()))
+                    tuple(operands.items()), tuple(outs), absorbed + (pairwise or ()), taken_stacks)
+
+
+def stack_halves(n) -> tuple[str, str] | None:
+    """(first, second) for n = stack((first, second), dim=-1) of two tensors; else None."""
+    if not (isinstance(n, ir.Extern) and n.target == "aten.stack.default") or not n.args:
+        return None
+    pair = n.args[0]
+    dim = n.args[1] if len(n.args) > 1 else dict(n.kwargs).get("dim", 0)
+    rank = len(n.type.shape)
+    if not (isinstance(pair, tuple) and len(pair) == 2 and all(isinstance(a, ir.Ref) for a in pair)):
+        return None
+    if not isinstance(dim, int) or dim % rank != rank - 1 or n.type.shape[-1] != 2:
+        return None
+    return pair[0].name, pair[1].name
 
 
 def _extra_outputs_pay(g: ir.Graph, c: ir.Contraction, outs: list[str], kept: list[str], users) -> bool:

@@ -157,7 +157,7 @@ class _Planner:
                 self.gemm_notes[n.name] = spec
                 continue
             self.gemm_specs[n.name] = spec
-            for m in spec.maps + (spec.pairwise or ()):
+            for m in spec.maps + (spec.pairwise or ()) + spec.stack_nodes:
                 self.gemm_member[m] = n.name
         for spec in self.gemm_specs.values():
             for v in spec.absorbed:
@@ -556,7 +556,7 @@ def format_plan(p: Plan) -> str:
         lines.append(f"    fuses  {', '.join(s.nodes)}")
         if s.gemm and (s.gemm.maps or s.gemm.pairwise):
             sp = s.gemm
-            ops = ", ".join(f"{g[m].op}" for m in sp.maps)
+            ops = ", ".join([f"{g[m].op}" for m in sp.maps] + ["stack to columns (2j, 2j+1)" for _ in sp.stacks])
             lines.append(f"    epilogue {'pairwise on columns (2j, 2j+1): ' if sp.pairwise else ''}{ops}"
                          + (f"; reads {', '.join(f'{t} ({k})' for t, k in sp.operands)}" if sp.operands else ""))
         if s.note:

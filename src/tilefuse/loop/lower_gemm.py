@@ -62,6 +62,8 @@ def lower_gemm_step(graph: g_ir.Graph, step: Step, name: str | None = None) -> L
     # In a pairwise epilogue each full-width value exists twice per output element, once for
     # each accumulator column of the pair: its values are keyed by (name, 0) and (name, 1).
     parity = {x: p for p, x in enumerate(s.pairwise or ())}
+    # a stack of two half-width results viewed back to full width: at parity p, the p-th of them
+    stacked = {view: (even, odd) for _, view, even, odd in s.stacks}
     values: dict[tuple, str] = {}
     kinds = dict(s.operands)
     bufs = {t: f"in_{i}" for i, t in enumerate(kinds)}  # never an SSA name of the builder (a1, x2, t3...)
@@ -76,6 +78,8 @@ def lower_gemm_step(graph: g_ir.Graph, step: Step, name: str | None = None) -> L
             v = e.acc(p)
         elif arg in parity:
             v = value(n.arg, parity[arg])
+        elif arg in stacked:
+            v = value(stacked[arg][p], None)
         elif isinstance(n, g_ir.Constant):
             v = e.const(_const(n))
         elif arg in kinds:  # parity p: a full-width operand of a pairwise epilogue, at column 2n + p
@@ -94,10 +98,15 @@ def lower_gemm_step(graph: g_ir.Graph, step: Step, name: str | None = None) -> L
             return v
         return e.op(n.op, *args)
 
-    # outputs are half-width in a pairwise epilogue: parity None
+    # outputs are half-width in a pairwise epilogue (parity None), but for what a stack made
+    # full width again: those are stored at columns 2n and 2n + 1
     names = ["out"] if len(s.outs) == 1 else [f"out{i}" for i in range(len(s.outs))]
     for buf, o in zip(names, s.outs):
-        e.store(buf, value(o, None), graph[o].type.dtype)
+        if s.pairwise and graph[o].type.shape[-1] == s.n:
+            for p in (0, 1):
+                e.store(buf, value(o, p), graph[o].type.dtype, pair=p)
+        else:
+            e.store(buf, value(o, None), graph[o].type.dtype)
     kernel = e.kernel(name or f"epilogue_{step.name}")
     for t, b in bufs.items():
         bindings.append(Binding(b, t, kernel.buffer(b).shape))
