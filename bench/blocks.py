@@ -82,19 +82,10 @@ TUNER = None  # bench/tuning.py's tuner when --tune
 
 def kernel_us(fn, inputs, calls: int = 5) -> dict:
     """GPU us per call of each kernel name (torch.profiler), largest first: where the time goes."""
-    from torch.profiler import ProfilerActivity, profile
+    from mapreduce import kernel_times
 
-    fn(*inputs)
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn(*inputs)
-        torch.cuda.synchronize()
-    tot: dict = {}
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            tot[e.name] = tot.get(e.name, 0.0) + e.time_range.elapsed_us() / calls
-    return dict(sorted(tot.items(), key=lambda kv: -kv[1]))
+    per_call = {k: v["us"] * v["count"] for k, v in kernel_times(fn, inputs, calls).items()}
+    return dict(sorted(per_call.items(), key=lambda kv: -kv[1]))
 
 
 def first_call_s(fn, inputs) -> float:

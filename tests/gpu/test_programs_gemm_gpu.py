@@ -86,15 +86,20 @@ def test_llama_mlp_runs_as_two_gemms_and_a_norm():
     assert families.count("extern") == 0
 
 
-def test_llama_block_through_tilefuse_compile():
-    """A whole decoder block (attention through SDPA) matches the reference, projections as GEMMs."""
+def _block():
+    """A small native Llama block (GQA, 4 heads) with its norm weights away from 1."""
     torch.manual_seed(0)
     block = models.llama_block(256, 512, 4, 2, max_seq=64)
     with torch.no_grad():
         for mod in block.modules():
             if isinstance(mod, nn.RMSNorm):
                 mod.weight.copy_(1 + 0.3 * torch.randn(mod.weight.shape))
-    prog, families = _run(block, [torch.randn(2, 64, 256)], torch.bfloat16)
+    return block
+
+
+def test_llama_block_through_tilefuse_compile():
+    """A whole decoder block (attention through SDPA) matches the reference, projections as GEMMs."""
+    prog, families = _run(_block(), [torch.randn(2, 64, 256)], torch.bfloat16)
     assert families.count("gemm") >= 5
 
 
@@ -103,13 +108,7 @@ def test_llama_block_with_rope_in_the_projection_epilogues(batch, monkeypatch):
     """With TILEFUSE_ROPE_EPILOGUE=1 the Q and K projections rotate their pairs in the epilogue
     (graph/rules/rope_epilogue.py) and the block still matches the float64 reference."""
     monkeypatch.setenv("TILEFUSE_ROPE_EPILOGUE", "1")
-    torch.manual_seed(0)
-    block = models.llama_block(256, 512, 4, 2, max_seq=64)
-    with torch.no_grad():
-        for mod in block.modules():
-            if isinstance(mod, nn.RMSNorm):
-                mod.weight.copy_(1 + 0.3 * torch.randn(mod.weight.shape))
-    prog, families = _run(block, [torch.randn(batch, 64, 256)], torch.bfloat16)
+    prog, _ = _run(_block(), [torch.randn(batch, 64, 256)], torch.bfloat16)
     assert sum(1 for s in prog.plan.steps if s.family == "gemm" and s.gemm.stacks) == 2
 
 

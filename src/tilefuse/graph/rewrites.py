@@ -28,10 +28,10 @@ def flatten_full_reductions(g: ir.Graph) -> ir.Graph:
         if isinstance(n, ir.Reduce):
             shape = g[n.arg].type.shape
             if len(shape) > 1 and n.axes == tuple(range(len(shape))):
-                flat = _fresh(names, f"{n.arg}_flat")
+                flat = fresh_name(names, f"{n.arg}_flat")
                 out.append(ir.View(flat, ir.TensorType((g[n.arg].type.numel,), g[n.arg].type.dtype), "reshape",
                                    n.arg, (g[n.arg].type.numel,), n.source))
-                red = _fresh(names, f"{n.name}_row")
+                red = fresh_name(names, f"{n.name}_row")
                 out.append(ir.Reduce(red, ir.TensorType((), n.type.dtype), n.op, flat, (0,), False, n.source))
                 out.append(ir.View(n.name, n.type, "reshape", red, n.type.shape, n.source))
                 changed = True
@@ -51,7 +51,7 @@ def drop_one_element_reductions(g: ir.Graph) -> ir.Graph:
             if arg.dtype == n.type.dtype:
                 out.append(ir.View(n.name, n.type, "reshape", n.arg, n.type.shape, n.source))
             else:
-                flat = _fresh(names, f"{n.name}_one")
+                flat = fresh_name(names, f"{n.name}_one")
                 out.append(ir.View(flat, ir.TensorType(n.type.shape, arg.dtype), "reshape", n.arg, n.type.shape,
                                    n.source))
                 out.append(ir.Map(n.name, n.type, "cast", (flat,), n.source))
@@ -106,7 +106,8 @@ def _subst_refs(x, r):
     return x
 
 
-def _fresh(names: set, base: str) -> str:
+def fresh_name(names: set, base: str) -> str:
+    """`base`, or `base_1`, `base_2`... : the first not in `names` (which it joins)."""
     name, i = base, 1
     while name in names:
         name, i = f"{base}_{i}", i + 1

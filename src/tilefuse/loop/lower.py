@@ -17,6 +17,7 @@ import numpy as np
 from .. import dtypes
 from ..graph import ir as g_ir
 from ..graph.fusion import Step, is_row_level
+from ..graph.rewrites import fresh_name
 from . import ir as L
 
 
@@ -295,7 +296,7 @@ def _grid_reduction(graph: g_ir.Graph, step: Step, name: str) -> Lowered:
             raise AssertionError(f"{name}: scratch {b.name} is {b.dtype}{b.shape} in the row loop, "
                                  f"{t.dtype}{t.shape} in the grid reduction")
     taken = {s.dst for s in L.walk(head.kernel.body) if hasattr(s, "dst")}
-    rename = {s.dst: _fresh("g" + s.dst, taken) for s in L.walk(tail.kernel.body) if hasattr(s, "dst")}
+    rename = {s.dst: fresh_name(taken, "g" + s.dst) for s in L.walk(tail.kernel.body) if hasattr(s, "dst")}
     keep = [i for i, b in enumerate(head.kernel.params) if b.name not in step.scratch]
     outs = [i for i, b in enumerate(tail.kernel.params) if b.role == "out"]
     params = tuple(head.kernel.params[i] for i in keep) + tuple(tail.kernel.params[i] for i in outs)
@@ -303,14 +304,6 @@ def _grid_reduction(graph: g_ir.Graph, step: Step, name: str) -> Lowered:
     body = head.kernel.body + tuple(_renamed(s, rename) for s in tail.kernel.body)
     kernel = L.Kernel(name, params, body, "mapreduce", notes=head.kernel.notes + tail.kernel.notes, scratch=scratch)
     return Lowered(kernel, bindings)
-
-
-def _fresh(base: str, taken: set) -> str:
-    name, i = base, 1
-    while name in taken:
-        name, i = f"{base}_{i}", i + 1
-    taken.add(name)
-    return name
 
 
 def _renamed(s, m: dict):
