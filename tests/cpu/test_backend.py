@@ -18,13 +18,7 @@ from tilefuse.check import compare, float64_reference
 from tilefuse.frontend import backend as tb
 
 
-@pytest.fixture(autouse=True)
-def fresh():
-    tb.register()
-    torch._dynamo.reset()
-    tb.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_backend")
 
 
 class NormMLP(nn.Module):

@@ -16,9 +16,8 @@ from dataclasses import dataclass
 
 from ... import dtypes
 from .. import ir
-from .match import (Editor, low_precision, peel_casts, rewrite_contractions, row_vector, split_pair, value,
-                    weight_operand)
-from .rmsnorm_matmul import _add, normalised_operand
+from .match import (Editor, low_precision, peel_casts, rewrite_contractions, row_vector, split_pair, value)
+from .rmsnorm_matmul import _add, norm_feeding
 
 
 @dataclass(frozen=True)
@@ -86,11 +85,10 @@ def layernorm_into_matmul(g: ir.Graph) -> ir.Graph:
 
 
 def _rewrite(g: ir.Graph, ed: Editor, n: ir.Contraction):
-    z, a_shape = normalised_operand(g, n.a)
-    m = match(g, z)
-    wb = weight_operand(g, n.b)
-    if m is None or wb is None or len(a_shape) < 2 or g[n.b].type.shape[0] != a_shape[-1]:
+    found = norm_feeding(g, n, match)
+    if found is None:
         return None
+    m, wb, a_shape = found
     src, a_dtype = n.source, g[n.a].type.dtype
     stat = g[m.mean].type.dtype  # the norm's own compute type (f32 for bf16 inputs)
     row_shape = g[m.mean].type.shape

@@ -67,17 +67,27 @@ def normalised_operand(g: ir.Graph, a: str):
     return a, n.type.shape
 
 
+def norm_feeding(g: ir.Graph, n: ir.Contraction, match):
+    """(the norm `match` finds in n's left operand, n's weight operand, that operand's shape)
+    when n multiplies a norm's output (or a row reshape of it) by a weight of matching K; else None."""
+    z, a_shape = normalised_operand(g, n.a)
+    m = match(g, z)
+    wb = weight_operand(g, n.b)
+    if m is None or wb is None or len(a_shape) < 2 or g[n.b].type.shape[0] != a_shape[-1]:
+        return None
+    return m, wb, a_shape
+
+
 def rmsnorm_into_matmul(g: ir.Graph) -> ir.Graph:
     """Every contraction of an RMSNorm output with a weight: fold γ, scale rows after."""
     return rewrite_contractions(g, _rewrite)
 
 
 def _rewrite(g: ir.Graph, ed: Editor, n: ir.Contraction):
-    z, a_shape = normalised_operand(g, n.a)
-    m = match(g, z)
-    wb = weight_operand(g, n.b)
-    if m is None or wb is None or len(a_shape) < 2 or g[n.b].type.shape[0] != a_shape[-1]:
+    found = norm_feeding(g, n, match)
+    if found is None:
         return None
+    m, wb, a_shape = found
     src, a_dtype = n.source, g[n.a].type.dtype
     nodes = []
     x = m.x

@@ -27,7 +27,8 @@ import torch
 
 from .. import ir
 from ..contraction import stack_halves
-from .match import Editor, peel_casts, prune
+from ..rewrites import substitute
+from .match import Editor, peel_casts, prune, value
 
 
 def _half(g: ir.Graph, name: str, parity: int, src: str | None) -> str | None:
@@ -115,8 +116,6 @@ def _match(g: ir.Graph, users, st):
 
 def _table(g: ir.Graph, name: str, B: int, H: int) -> torch.Tensor:
     """(B, S, H*D/2) from a (..., S, D/2) table: the angle of column h*D/2 + i at row (b, s)."""
-    from .match import value
-
     w = peel_casts(g, name)
     t = value(g, w)
     t = t.reshape(t.shape[-2], t.shape[-1])
@@ -184,7 +183,5 @@ def rope_into_projection(g: ir.Graph) -> ir.Graph:
     out = []
     for node in g.nodes:
         out.extend(emit.get(node.name, [node]))
-    from ..rewrites import substitute
-
     # the old results' readers read the new ones; what only the old chain read is pruned
     return prune(substitute(ir.Graph(tuple(out), g.inputs, g.outputs, ed.weights), replace_by))
