@@ -5,11 +5,14 @@
     python3 bench/gemm.py --fused [--json bench/results/gemm_fused_h100.json]
     python3 bench/gemm.py --compile-only [...]   # fill the cubin cache (no GPU needed), then exit
     python3 bench/gemm.py --with-alternative     # default schedules, plus each one's nearest alternative
+    python3 bench/gemm.py --tune                 # tune each shape first (`tilefuse tune`); default and tuned
 
 With --schedules the table shows the best schedule per shape (a sweep); without, the default
 schedule's ratio, and --with-alternative also times the default's nearest alternative (the
 2-CTA cluster flipped for 128x256 tiles, the store path flipped for the smaller ones): a
-second sample for the log, never mixed into the default's ratio or the geomean.
+second sample for the log, never mixed into the default's ratio or the geomean. --tune runs
+the autotuner on each shape first (picks cached in TILEFUSE_CACHE_DIR, as `tilefuse tune`
+leaves them) and times the tuned schedule next to the default, each with its own geomean.
 
 Schedules: <bm>x<bn>s<stages>c<consumers>[g<group_m>][m2][d]: g = tile rows per raster group,
 m2 = 2-CTA clusters along M multicasting B, d = epilogue stores straight from registers
@@ -90,7 +93,16 @@ def alternative(sched: GemmSchedule) -> GemmSchedule:
     return replace(sched, tma_store=not sched.tma_store)
 
 
-def run_shape(m, n, k, schedules, b_major="K", with_alternative=False):
+def tuned(tuner, prob: GemmProblem) -> GemmSchedule:
+    """The autotuner's schedule for `prob` (searched now, or a cache hit), else the default."""
+    from tilefuse.tune.gemm import GemmTask
+    from tilefuse.tune.lookup import choose_gemm
+
+    tuner.tune({f"gemm {prob.m}x{prob.n}x{prob.k}": GemmTask(prob)})
+    return choose_gemm(prob).schedule
+
+
+def run_shape(m, n, k, schedules, b_major="K", with_alternative=False, tuner=None):
     a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(*((n, k) if b_major == "K" else (k, n)), device="cuda", dtype=torch.bfloat16)
     bt = b.t() if b_major == "K" else b
@@ -99,9 +111,13 @@ def run_shape(m, n, k, schedules, b_major="K", with_alternative=False):
     rows = []
     prob = GemmProblem(m, n, k, "bf16", b_major=b_major)
     ref, ref_base = reference(a, b, b_major)
+    roles = ["sweep"] * len(schedules)
     if not schedules:
         schedules = [default_schedule(prob)] + ([alternative(default_schedule(prob))] if with_alternative else [])
-    for i, sched in enumerate(schedules):
+        roles = ["default", "alternative"][:len(schedules)]
+        if tuner is not None:
+            schedules, roles = schedules + [tuned(tuner, prob)], roles + ["tuned"]
+    for role, sched in zip(roles, schedules):
         t0 = time.perf_counter()
         try:
             g = compile_gemm(prob, sched)
@@ -118,7 +134,7 @@ def run_shape(m, n, k, schedules, b_major="K", with_alternative=False):
                          ms=t, cublas_ms=t_cublas, tflops=flops / t / 1e9 if ok else 0.0,
                          cublas_tflops=flops / t_cublas / 1e9, ratio=t_cublas / t if ok else 0.0,
                          regs=g.info.registers, spills=g.info.spill_stores + g.info.spill_loads,
-                         compile_s=compile_s, role="alternative" if with_alternative and i else "default"))
+                         compile_s=compile_s, role=role))
     t_after = median_ms(lambda: torch.matmul(a, bt))
     if t_after < t_cublas:  # the faster of cuBLAS before and after ours is the baseline
         for r in rows:
@@ -228,6 +244,8 @@ def main(argv=None):
     ap.add_argument("--with-alternative", action="store_true",
                     help="also time each default schedule's nearest alternative (a second sample)")
     ap.add_argument("--rep", type=int, default=REP_MS, help="ms of timed repetitions per measurement")
+    ap.add_argument("--tune", action="store_true",
+                    help="tune each shape first (as `tilefuse tune`) and time the tuned schedule too")
     ap.add_argument("--compile-only", action="store_true",
                     help="compile (into the cubin cache) every kernel this run would time, then exit")
     args = ap.parse_args(argv)
@@ -251,14 +269,23 @@ def main(argv=None):
     shapes = [tuple(int(x) for x in s.split(",")) for s in args.shapes] if args.shapes else SHAPES
     scheds = [parse_schedule(s) for s in args.schedules.split(",") if s]
     rows = []
-    for m, n, k in shapes:
-        for r in run_shape(m, n, k, scheds, args.b_major, args.with_alternative):
-            rows.append(r)
-            print(json.dumps(r), flush=True)
+    tuner = None
+    if args.tune:
+        import tuning
+
+        tuner = tuning.make_tuner()
+    try:
+        for m, n, k in shapes:
+            for r in run_shape(m, n, k, scheds, args.b_major, args.with_alternative, tuner):
+                rows.append(r)
+                print(json.dumps(r), flush=True)
+    finally:
+        if tuner is not None:
+            tuning.close(tuner)
     best, alt = {}, {}
     for r in rows:
         key = (r["m"], r["n"], r["k"])
-        if r.get("role") == "alternative":
+        if r.get("role") in ("alternative", "tuned"):
             alt[key] = r
         elif key not in best or (scheds and r["ratio"] > best[key]["ratio"]):
             best[key] = r
@@ -267,18 +294,23 @@ def main(argv=None):
     if args.json:
         Path(args.json).write_text(json.dumps(dict(gpu=gpu, peak_tflops=peak, rows=rows), indent=1))
     print(f"\n{gpu}, bf16, B {args.b_major}-major; peak = best cuBLAS rate here = {peak:.0f} TFLOP/s")
+    second = "tuned" if args.tune else "alt ratio"
     print(f"{'M x N x K':>17} {'schedule':>44} {'ok':>3} {'TFLOP/s':>8} {'cuBLAS':>7} {'ratio':>6} {'%peak':>6}"
-          + (f" {'alt ratio':>9}" if alt else ""))
+          + (f" {second:>9}" if alt else ""))
     for (m, n, k), r in best.items():
         sched = r["schedule"].replace("GemmSchedule(tile ", "").replace(" consumer warpgroups", "c")
         a = alt.get((m, n, k))
         print(f"{f'{m}x{n}x{k}':>17} {sched[:44]:>44} {'y' if r['ok'] else 'N':>3} {r['tflops']:8.0f} "
               f"{r['cublas_tflops']:7.0f} {r['ratio']:6.3f} {100 * r['tflops'] / peak:6.1f}"
               + (f" {a['ratio']:9.3f}" if a else ""))
-    ratios = [r["ratio"] for r in best.values() if r["ratio"] > 0]
-    if ratios:
-        print(f"geomean ratio vs cuBLAS: {math.exp(sum(map(math.log, ratios)) / len(ratios)):.3f}, "
-              f"min {min(ratios):.3f}")
+    for label, group in (("", best), ("tuned ", alt if args.tune else {})):
+        ratios = [r["ratio"] for r in group.values() if r["ratio"] > 0]
+        if ratios:
+            print(f"{label}geomean ratio vs cuBLAS: {math.exp(sum(map(math.log, ratios)) / len(ratios)):.3f}, "
+                  f"min {min(ratios):.3f}")
+    if args.tune:
+        for (m, n, k), r in alt.items():
+            print(f"  tuned {m}x{n}x{k}: {r['schedule']}")
 
 
 if __name__ == "__main__":

@@ -58,11 +58,12 @@ def lower_plan(graph: ir.Graph, p: Plan) -> tuple[dict[str, Lowered], dict[str, 
 
 
 def rope_epilogue_enabled() -> bool:
-    """RoPE moved into the Q/K projections' epilogues (graph/rules/rope_epilogue.py): opt-in with
-    TILEFUSE_ROPE_EPILOGUE=1 until it has been checked and timed on a GPU."""
+    """RoPE moved into the Q/K projections' epilogues (graph/rules/rope_epilogue.py); on by
+    default since it was checked and timed on an H100 (bench/LOG_blocks.md);
+    TILEFUSE_ROPE_EPILOGUE=0 turns it off."""
     import os
 
-    return os.environ.get("TILEFUSE_ROPE_EPILOGUE", "0") == "1"
+    return os.environ.get("TILEFUSE_ROPE_EPILOGUE", "1") != "0"
 
 
 def compile_stages(fn, example_inputs, *, expr: str | None = None, arch: str | None = None) -> Compiled:

@@ -1,5 +1,5 @@
 """rope_into_projection: RoPE on adjacent pairs moved onto the Q/K projections' columns, where
-the GEMM's pairwise epilogue computes it (opt-in: TILEFUSE_ROPE_EPILOGUE=1).
+the GEMM's pairwise epilogue computes it (on by default; TILEFUSE_ROPE_EPILOGUE=0 turns it off).
 
 Properties: the rewritten graph computes the same bits as the original (bf16, through the
 interpreter) and the same function in float64; the plan then runs each rotation in its

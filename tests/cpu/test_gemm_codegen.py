@@ -281,8 +281,10 @@ def test_cluster_release_is_not_a_gpu_wide_fence():
 def test_rope_epilogue_rotates_adjacent_pairs_and_compiles():
     """RoPE as a pairwise epilogue: each register pair (columns 2j, 2j + 1) is rotated by its
     row's angle for pair j and both results stored, at 2j and 2j + 1 of a full-width output
-    (the interpreter against NumPy); it compiles clean for sm_90a and sm_80, storing from
-    registers; an output stored at n in one statement and at 2n in another is refused."""
+    (the interpreter against NumPy); it compiles clean for sm_90a and sm_80; on sm_90a the two
+    values of a pair leave together, through the TMA-store slots or, without them, in one
+    4-byte store at column 2j; an output stored at n in one statement and at 2n in another
+    is refused."""
     from tilefuse.codegen import gemm_sm80
 
     rng = np.random.default_rng(0)
@@ -293,9 +295,13 @@ def test_rope_epilogue_rotates_adjacent_pairs_and_compiles():
     z = (acc[:, 0::2] + 1j * acc[:, 1::2]) * np.exp(1j * ang)  # the rotation as a complex product
     np.testing.assert_allclose(out, np.stack([z.real, z.imag], -1).reshape(m, n), rtol=1e-5, atol=1e-5)
     p = g.GemmProblem(300, 256, 64, epilogue=epi.rope(300, 256, "bf16"))
-    src = g.render(p)
-    assert src.c_box is None and "out[(m) * 256LL + (((long long)(2) * ((n))) + 1)]" in src.source
+    src = g.render(p, g.GemmSchedule(128, 256, tma_store=True))
+    assert src.c_box is not None and "tf_tma_store(&c_map" in src.source and "n2 = n >> 1" in src.source
     assert nvrtc.compile_cuda(src.source, src.name, "sm_90a").info.clean
+    direct = g.render(p, g.GemmSchedule(128, 256, tma_store=False))
+    assert direct.c_box is None and "out[(m)" not in direct.source
+    assert "*(unsigned*)(out + (m) * 256LL + (((long long)(2) * ((n))) + 0))" in direct.source
+    assert nvrtc.compile_cuda(direct.source, direct.name, "sm_90a").info.clean
     s8 = gemm_sm80.render(p, None, "sm_80")
     assert nvrtc.compile_cuda(s8.source, s8.name, "sm_80").info.clean
     e = epi.EpilogueBuilder(8, 16, pairwise=True)

@@ -186,3 +186,32 @@ def test_launch_glue_passes_pointers_in_parameter_order_and_allocates_graph_shap
             assert ptr == a.data_ptr()
         else:
             assert ptr != b.data_ptr()  # the strided input went through a contiguous copy
+
+
+def _attention(x, wq, wk, wv):
+    b, s, _ = x.shape
+    q, k, v = ((x @ w.t()).view(b, s, 2, 8).transpose(1, 2) for w in (wq, wk, wv))
+    o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return o.transpose(1, 2).reshape(b, s, 16), q
+
+
+def test_head_transposes_read_only_by_attention_are_views_not_copies():
+    """A permute that only SDPA reads runs as a strided view (no copy); one that is also a
+    program output stays a contiguous tensor; either way the results equal PyTorch's."""
+    from tilefuse.graph import ir
+    from tilefuse.runtime.runner import attention_only_permutes
+
+    ins = [torch.randn(2, 5, 16)] + [torch.randn(16, 16) for _ in range(3)]
+    p = _prog(_attention, *ins)
+    strided = attention_only_permutes(p.graph, p.plan)
+    permutes = [n.name for n in p.graph.nodes if isinstance(n, ir.View) and n.op == "permute"]
+    readers = {n.name: [u for u in p.graph.nodes if n.name in ir.node_args(u)] for n in p.graph.nodes}
+    assert len(strided) == 2  # k and v; q is also returned, so it stays contiguous
+    for name in strided:
+        assert all(isinstance(u, ir.Attention) for u in readers[name])
+    assert set(permutes) - strided  # q's transpose and the output's transpose back are copies
+    o, q = p(*ins)
+    ro, rq = _attention(*ins)
+    torch.testing.assert_close(o, ro, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(q, rq)
+    assert q.is_contiguous()

@@ -179,16 +179,23 @@ def test_default_schedules_at_benchmark_shapes(shape):
     _passes(out[rows], a[rows].float() @ bt.float(), a[rows] @ bt)
 
 
+ROPE_SCHEDULES = {"default": None, "tma-store": GemmSchedule(128, 256, stages=4, tma_store=True),
+                  "direct-store": GemmSchedule(128, 128, stages=6, tma_store=False),
+                  "cluster": GemmSchedule(128, 256, stages=4, cluster_m=2, tma_store=True)}
+
+
+@pytest.mark.parametrize("sched", ROPE_SCHEDULES)
 @pytest.mark.parametrize("shape", [(300, 256, 136), (2048, 1024, 512)], ids=lambda s: "x".join(map(str, s)))
-def test_rope_epilogue_rotates_adjacent_pairs(shape):
+def test_rope_epilogue_rotates_adjacent_pairs(shape, sched):
     """x @ Wq.T with each adjacent column pair rotated by its row's angles, in the epilogue: equals
-    the product rotated afterwards (float32 reference), outputs poisoned first."""
+    the product rotated afterwards (float32 reference), outputs poisoned first; with the pair's
+    two values through the TMA-store slots and in one 4-byte direct store."""
     m, n, k = shape
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
     ang = torch.rand(m, n // 2, device="cuda") * 6.28
     cos, sin = ang.cos(), ang.sin()
-    g = compile_gemm(GemmProblem(m, n, k, "bf16", epilogue=epi.rope(m, n, "bf16")))
+    g = compile_gemm(GemmProblem(m, n, k, "bf16", epilogue=epi.rope(m, n, "bf16")), ROPE_SCHEDULES[sched])
     out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
     g(x, w, out=out, cos=cos, sin=sin)
     torch.cuda.synchronize()

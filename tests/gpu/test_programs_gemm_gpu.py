@@ -105,8 +105,8 @@ def test_llama_block_through_tilefuse_compile():
 
 @pytest.mark.parametrize("batch", [1, 2])
 def test_llama_block_with_rope_in_the_projection_epilogues(batch, monkeypatch):
-    """With TILEFUSE_ROPE_EPILOGUE=1 the Q and K projections rotate their pairs in the epilogue
-    (graph/rules/rope_epilogue.py) and the block still matches the float64 reference."""
+    """With the RoPE rule on (the default) the Q and K projections rotate their pairs in the
+    epilogue (graph/rules/rope_epilogue.py) and the block still matches the float64 reference."""
     monkeypatch.setenv("TILEFUSE_ROPE_EPILOGUE", "1")
     prog, _ = _run(_block(), [torch.randn(batch, 64, 256)], torch.bfloat16)
     assert sum(1 for s in prog.plan.steps if s.family == "gemm" and s.gemm.stacks) == 2

@@ -333,6 +333,7 @@ def _epilogue_code(problem: GemmProblem, sched: GemmSchedule, kernel: ir.Kernel)
     lines.append(f"const int frag_col = {cgen.c_tv_coords(frag, 'tid', 0)[1]};")
     full_tiles = problem.m % (sched.bm * sched.cluster_m) == 0 and problem.n % sched.bn == 0
     if epi.is_pairwise(kernel):  # one output element per register pair (v, v + 1)
+        full = _full_pair_store(kernel, body)  # or two, at columns 2n and 2n + 1: one 4-byte store
         for mb in range(mb_count):
             for v in range(0, frag.values, 2):
                 r, c = frag(0, v)
@@ -340,8 +341,13 @@ def _epilogue_code(problem: GemmProblem, sched: GemmSchedule, kernel: ir.Kernel)
                 lines.append(f"  const int m = row_base + {mb * 64} + frag_row + {r};")
                 lines.append(f"  const int n = (col_base + frag_col + {c}) >> 1;")
                 lines.append(f"  if (m < {problem.m} && 2 * n < {problem.n}) {{")
-                _render_element(kernel, body, [f"acc[{mb}][{v}]", f"acc[{mb}][{v + 1}]"], "n", lines, "",
-                                store=True)
+                accs = [f"acc[{mb}][{v}]", f"acc[{mb}][{v + 1}]"]
+                if full:
+                    (buf, off), x0, x1 = _pair_values(kernel, body, accs, lines)
+                    lines.append(f"    *(unsigned*)({buf} + {off}) = (unsigned){cexpr.to_storage(full, x0)} | "
+                                 f"((unsigned){cexpr.to_storage(full, x1)} << 16);")
+                else:
+                    _render_element(kernel, body, accs, "n", lines, "", store=True)
                 lines.append("  }")
                 lines.append("}")
         return lines
@@ -394,12 +400,15 @@ def _tma_store_dtype(problem: GemmProblem, sched: GemmSchedule, kernel: ir.Kerne
     """The output dtype when this GEMM can store through shared memory and TMA, else None:
     one 16-bit output stored at out[(b,) m, n] (not pairwise), rows a multiple of 16 bytes
     (TMA's rule), whole 64-column slots in a tile."""
-    pairwise = epi.is_pairwise(kernel)
-    out_bn = sched.bn // 2 if pairwise else sched.bn
+    body = epi.inner_body(kernel)
+    full = _full_pair_store(kernel, body)
+    half = epi.is_pairwise(kernel) and not full  # a pairwise epilogue's half-width output
+    out_bn = sched.bn // 2 if half else sched.bn
     if not sched.tma_store or out_bn % STORE_SPAN:
         return None
-    body = epi.inner_body(kernel)
-    if pairwise:  # one 16-bit value per register pair: any single 16-bit output will do
+    if full:  # two 16-bit values per register pair, at the pair's own columns: packed as below
+        return full if problem.n * 2 % 16 == 0 else None
+    if half:  # one 16-bit value per register pair: any single 16-bit output will do
         outs, stores = kernel.outputs, [x for x in body if isinstance(x, ir.Store)]
         dt = outs[0].dtype if len(outs) == 1 and len(stores) == 1 and outs[0].dtype in ("bf16", "f16") else None
     else:
@@ -407,7 +416,7 @@ def _tma_store_dtype(problem: GemmProblem, sched: GemmSchedule, kernel: ir.Kerne
     if dt is None:
         return None
     out = kernel.outputs[0]
-    out_n = problem.n // 2 if pairwise else problem.n
+    out_n = problem.n // 2 if half else problem.n
     store = next(x for x in body if isinstance(x, ir.Store))
     want = ((ir.Var("b"),) if problem.batch > 1 else ()) + (ir.Var("m"), ir.Var("n"))
     lead = (problem.batch,) if problem.batch > 1 else ()
@@ -443,7 +452,8 @@ def _epilogue_code_tma(problem: GemmProblem, sched: GemmSchedule, kernel: ir.Ker
     row0, col0 = cgen.c_tv_coords(frag, "tid", 0)
     lines = [f"const int frag_row = {row0};", f"const int frag_col = {col0};"]
     bar = "tf_named_bar(1 + c, 128);"
-    if epi.is_pairwise(kernel):
+    full = _full_pair_store(kernel, body)
+    if epi.is_pairwise(kernel) and not full:
         return lines + _pairwise_tma_slots(problem, sched, kernel, dtype, frag, guarded, bar)
     for mb in range(mb_count):
         for j in range(sched.bn // STORE_SPAN):
@@ -458,11 +468,16 @@ def _epilogue_code_tma(problem: GemmProblem, sched: GemmSchedule, kernel: ir.Ker
                 lines.append("    unsigned packed = 0u;")
                 if guarded:
                     lines.append(f"    if (m < {problem.m} && n < {problem.n}) {{")
-                vals = []
-                for e in (0, 1):
-                    vals.append(_render_element(kernel, body, f"acc[{mb}][{v + e}]", f"n + {e}", lines,
-                                                f"_{e}", store=False))
-                x0, x1 = vals[0][1], vals[1][1]
+                if full:  # the pair (n, n + 1) is one pairwise element's two outputs
+                    lines.append("    const int n2 = n >> 1;")
+                    _, x0, x1 = _pair_values(kernel, body, [f"acc[{mb}][{v}]", f"acc[{mb}][{v + 1}]"], lines,
+                                             n_expr="n2")
+                else:
+                    vals = []
+                    for e in (0, 1):
+                        vals.append(_render_element(kernel, body, f"acc[{mb}][{v + e}]", f"n + {e}", lines,
+                                                    f"_{e}", store=False))
+                    x0, x1 = vals[0][1], vals[1][1]
                 lines.append(f"    packed = (unsigned){cexpr.to_storage(dtype, x0)} | "
                              f"((unsigned){cexpr.to_storage(dtype, x1)} << 16);")
                 if guarded:
@@ -526,6 +541,33 @@ def _pairwise_tma_slots(problem, sched, kernel, dtype, frag, guarded, bar) -> li
     return lines
 
 
+def _full_pair_store(kernel: ir.Kernel, body) -> str | None:
+    """The 16-bit dtype when a pairwise epilogue has one full-width output that it writes at
+    columns 2n and 2n + 1 (a rotation of each pair, RoPE's) and nothing else: the two values
+    then go out in one 4-byte store (N even), or through the TMA-store slots; else None."""
+    if not epi.is_pairwise(kernel):
+        return None
+    outs = kernel.outputs
+    stores = [s for s in body if isinstance(s, ir.Store)]
+    if len(outs) != 1 or len(stores) != 2 or outs[0].dtype not in ("bf16", "f16") or outs[0].shape[-1] % 2:
+        return None
+    try:
+        parities = sorted(_column_parity(s.index[-1]) for s in stores)
+    except GemmError:
+        return None
+    if parities != [0, 1] or any(s.index[:-1] != stores[0].index[:-1] for s in stores):
+        return None
+    return outs[0].dtype
+
+
+def _pair_values(kernel, body, accs: list, lines: list, n_expr: str = "n"):
+    """One pairwise element whose two stores fill columns 2n and 2n + 1: ((out, offset of the
+    2n store), value at 2n, value at 2n + 1), each value before its rounding to the output."""
+    found = _render_element(kernel, body, accs, n_expr, lines, "", store=False, every=True)
+    by = {_column_parity(s.index[-1]): (target, val) for s, target, val in found}
+    return by[0][0], by[0][1], by[1][1]
+
+
 def _pair_store(kernel: ir.Kernel, body) -> str | None:
     """The 16-bit dtype when the epilogue has one output that two adjacent columns can
     share a 4-byte store to (N even, so every pair starts 4-byte aligned); else None."""
@@ -563,13 +605,14 @@ def _column_parity(e) -> int:
     return ev(e, 0)
 
 
-def _render_element(kernel, body, acc_expr, n_expr, lines, suffix, *, store: bool):
-    """Emit one element's statements; return ((out name, offset), value) of its store."""
+def _render_element(kernel, body, acc_expr, n_expr, lines, suffix, *, store: bool, every: bool = False):
+    """Emit one element's statements; return ((out name, offset), value) of its store (with
+    `every`, [(Store, (out name, offset), value)] of all its stores)."""
     env = {"m": "m", "n": f"({n_expr})", "b": "batch"}
     names: dict[str, str] = {}
     dts: dict[str, str] = {}
     cast_of: dict[str, str] = {}  # SSA name of a cast -> its argument
-    result = None
+    result, results = None, []
     for s in body:
         if isinstance(s, ir.Load):
             buf = kernel.buffer(s.buf)
@@ -614,9 +657,10 @@ def _render_element(kernel, body, acc_expr, n_expr, lines, suffix, *, store: boo
                 if vdt == buf.dtype and src_name is not None and dts[src_name] == "f32":
                     val = names[src_name]
                 result = ((_ident(buf.name), off), val)
+                results.append((s, result[0], val))
         else:
             raise GemmError(f"epilogue {kernel.name}: unsupported statement {s}")
-    return result
+    return results if every else result
 
 
 def _check_epilogue(problem: GemmProblem, kernel: ir.Kernel):

@@ -93,13 +93,15 @@ class Runner:
             if isinstance(n, (ir.Constant, ir.Iota)):
                 base[slot(n.name)] = _constant(n, device)
         self.ops = []
+        strided = attention_only_permutes(g, plan)
         for step in plan.steps:
             if step.family == "alias":
                 n = g[step.nodes[0]]
                 self.ops.append(_Alias(slot(n.arg), slot(n.name), n.type.shape))
             elif step.family == "extern":
                 n = g[step.nodes[0]]
-                self.ops.append(_Extern(n, {a: slot(a) for a in ir.node_args(n)}, slot(n.name)))
+                self.ops.append(_Extern(n, {a: slot(a) for a in ir.node_args(n)}, slot(n.name),
+                                        strided=n.name in strided))
             elif step.family == "gemm":
                 lowered = program.gemms[step.name]
                 if device.type == "cuda":
@@ -141,6 +143,26 @@ def _constant(n, device) -> torch.Tensor:
     return idx.reshape(view).expand(shape).contiguous()
 
 
+def attention_only_permutes(graph: ir.Graph, plan) -> frozenset:
+    """Permute externs read only by attention externs: SDPA takes the strided view, so the
+    head transpose of q/k/v (a full copy each) is skipped; its output, transposed back, is
+    then already contiguous. Not program outputs (the caller gets contiguous tensors)."""
+    readers: dict[str, list] = {}
+    for n in graph.nodes:
+        for a in ir.node_args(n):
+            readers.setdefault(a, []).append(n)
+    extern = {step.nodes[0] for step in plan.steps if step.family == "extern"}
+    out = set()
+    for name in extern:
+        n = graph[name]
+        if not (isinstance(n, ir.View) and n.op == "permute") or name in graph.outputs:
+            continue
+        users = readers.get(name, [])
+        if users and all(isinstance(u, ir.Attention) and u.name in extern for u in users):
+            out.add(name)
+    return frozenset(out)
+
+
 class _Alias:
     __slots__ = ("src", "dst", "shape")
 
@@ -152,15 +174,19 @@ class _Alias:
 
 
 class _Extern:
-    __slots__ = ("node", "index", "dst", "dtype", "shape")
+    __slots__ = ("node", "index", "dst", "dtype", "shape", "strided")
 
-    def __init__(self, node, index, dst):
+    def __init__(self, node, index, dst, strided: bool = False):
         self.node, self.index, self.dst = node, index, dst
         self.dtype, self.shape = dtypes.to_torch(node.type.dtype), node.type.shape
+        self.strided = strided
 
     def __call__(self, env):
         from .program import run_extern
 
+        if self.strided:  # a view for attention (attention_only_permutes)
+            env[self.dst] = env[self.index[self.node.arg]].permute(*self.node.params)
+            return
         out = run_extern(self.node, lambda a: env[self.index[a]])
         env[self.dst] = out.to(self.dtype).reshape(self.shape)
 
