@@ -6,9 +6,10 @@ An epilogue is a Loop IR `Kernel` (family "epilogue") whose body is
     Loop(m, M, parallel) { Loop(n, N, parallel) { ... Store out[..., m, n] ... } }
 
 reading the fp32 accumulator as the buffer `acc` [B, M, N] (or [M, N]) and any other
-operand by index: a row vector `v[m]`, a column vector `v[n]`, a tile `r[m, n]`. The NumPy
-Loop IR interpreter runs it as is (with `acc` = A @ B), which is how CPU tests check an
-epilogue; the GEMM template renders the inner body once per accumulator register, with
+operand by index: a row vector `v[m]`, a column vector `v[n]`, a tile `r[m, n]`, or a
+tensor of its own shape at any index of b, m, n (a table read through views, `cos[m % S, n % W]`).
+The NumPy Loop IR interpreter runs it as is (with `acc` = A @ B), which is how CPU tests check
+an epilogue; the GEMM template renders the inner body once per accumulator register, with
 `m` and `n` bound to that register's row and column (from the wgmma fragment layout).
 
 The builders below make the common epilogues; `EpilogueBuilder` makes any other.
@@ -80,10 +81,31 @@ class EpilogueBuilder:
         accumulator) at column 2n + pair, next to acc(pair)."""
         if pair is not None and not self.pairwise:
             raise ValueError("only a pairwise epilogue reads operands at column 2n + pair")
+        return self.load_at(name, self._shape(kind, full=pair is not None), dtype,
+                            self._index(kind, pair if kind != "row" else None))
+
+    def tile(self, pair: int | None = None) -> tuple[tuple, tuple[int, ...]]:
+        """(index, shape): where a tile operand (shaped like the output) is read at this element,
+        and that shape; with `pair` 0 or 1, a full-width one of a pairwise epilogue (column 2n + pair)."""
+        if pair is not None and not self.pairwise:
+            raise ValueError("only a pairwise epilogue reads operands at column 2n + pair")
+        return self._index("tile", pair), self._shape("tile", full=pair is not None)
+
+    @property
+    def extents(self) -> dict[str, int]:
+        """The loop variables an index may use, with their extents."""
+        return {"b": self.batch, "m": self.m, "n": self.out_n}
+
+    def load_at(self, name: str, shape: tuple[int, ...], dtype: str, index: tuple) -> str:
+        """Read operand `name`, a buffer of `shape`, at `index` (expressions of b, m, n): any
+        operand, e.g. a small table the output reads through views, at (m % S, n % W)."""
+        for p in self.params:
+            if p.name == name and (p.shape, p.dtype) != (tuple(shape), dtype):
+                raise ValueError(f"operand {name} read as {dtype}{list(shape)} and as {p.dtype}{list(p.shape)}")
         if not any(p.name == name for p in self.params):
-            self.params.append(ir.Buffer(name, self._shape(kind, full=pair is not None), dtype, "in"))
+            self.params.append(ir.Buffer(name, tuple(shape), dtype, "in"))
         dst = self._name("x")
-        self.body.append(ir.Load(dst, name, self._index(kind, pair if kind != "row" else None)))
+        self.body.append(ir.Load(dst, name, tuple(index)))
         if dtype != "f32":
             return self.op("cast", dst, dtype="f32")
         return dst

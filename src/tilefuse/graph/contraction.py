@@ -9,7 +9,9 @@ ever runs.
 Its epilogue is the longest run of maps after it that (1) read the accumulator or earlier
 members, with every other operand a tile of the output's shape, a per-row vector, a
 per-column vector, a scalar constant or a map of those vectors (computed in the epilogue, not
-read as a tile), none of them computed from the contraction; (2) are
+read as a tile), none of them computed from the contraction (a tile that is a chain of views
+with an expand in it, RoPE's tables repeated over heads and batch, is read from the tensor
+under the views: they are absorbed and the broadcast copy is never made); (2) are
 float arithmetic; (3) leave exactly one tensor that anything outside reads: the GEMM's output,
 the intermediate values never touching memory. A longer run that leaves two or three (the
 pre-activation and the activation) is taken instead when the cost model says writing them
@@ -48,12 +50,19 @@ class GemmSpec:
     dtype: str            # operand dtype
     pairwise: tuple[str, str] | None  # the (even, odd) column slices, when the epilogue pairs columns
     maps: tuple[str, ...]  # the epilogue's members, in graph order
-    operands: tuple[tuple[str, str], ...]  # (tensor, "tile" | "row" | "col") the epilogue reads
+    # (tensor, "tile" | "row" | "col" | "view") the epilogue reads; "view": the source of tile
+    # operands read through views (see `viewed`)
+    operands: tuple[tuple[str, str], ...]
     outs: tuple[str, ...]  # the tensors it writes (one, or a few when that pays), in graph order
-    absorbed: tuple[str, ...] = ()  # views it reads through (b's transpose, the pair slices)
+    # views it reads through (b's transpose, the pair slices, the views of `viewed`)
+    absorbed: tuple[str, ...] = ()
     # (stack, its full-width view, even, odd): half-width results interleaved back to full width
     # (RoPE's rotated pairs), stored at columns 2n and 2n + 1
     stacks: tuple[tuple[str, str, str, str], ...] = ()
+    # (operand, source): a tile operand that is a chain of views broadcasting a tensor (RoPE's
+    # (S, D/2) tables repeated over heads and batch): the epilogue reads the source at the
+    # composed index (loop/views.py), so the broadcast copy is never made
+    viewed: tuple[tuple[str, str], ...] = ()
 
     @property
     def stack_nodes(self) -> tuple[str, ...]:
@@ -86,6 +95,27 @@ def operand_kind(shape: tuple[int, ...], out: tuple[int, ...], batch: int) -> st
     if batch == 1 and s[-1] == 1 and s[:-1] == tuple(out[:-1]):
         return "row"  # (with one row, a single value: read at row 0)
     return None
+
+
+def view_chain(g: ir.Graph, name: str) -> tuple[str, ...]:
+    """The views from `name` back to the first tensor that is not a view (`name` first)."""
+    out = []
+    while isinstance(g[name], ir.View):
+        out.append(name)
+        name = g[name].arg
+    return tuple(out)
+
+
+def _view_source(g: ir.Graph, name: str) -> str | None:
+    """The tensor a tile operand broadcasts through its chain of views (an expand in it, which
+    the planner would otherwise copy, most often to a larger tensor), when it is held in memory
+    (constants and indices are generated, not read); else None: the operand is read as the tile
+    it is (a chain of reshapes is free already)."""
+    views = view_chain(g, name)
+    if not any(g[v].op == "expand" for v in views):
+        return None
+    src = g[views[-1]].arg
+    return None if isinstance(g[src], (ir.Constant, ir.Iota)) else src
 
 
 def _transposed_source(g: ir.Graph, b: str) -> str | None:
@@ -238,7 +268,7 @@ def match(g: ir.Graph, c: ir.Contraction, users=None, taken: frozenset = frozens
             kind = operand_kind(g[arg].type.shape, shape, batch)
             if arg in below or kind is None or g[arg].type.dtype not in FLOATS:
                 break
-            new[arg] = kind
+            new[arg] = "view" if kind == "tile" and _view_source(g, arg) else kind
         else:
             for name, ops_ in inner:
                 if name not in level:
@@ -293,8 +323,12 @@ def match(g: ir.Graph, c: ir.Contraction, users=None, taken: frozenset = frozens
     for _, new in chosen:
         operands.update(new)
     pairwise = tuple(slices) if paired else None
-    return GemmSpec(c.name, c.a, b, b_major, m, n, k, batch, a.dtype, pairwise, maps,
-                    tuple(operands.items()), tuple(outs), absorbed + (pairwise or ()), taken_stacks)
+    viewed = tuple((t, _view_source(g, t)) for t, kind in operands.items() if kind == "view")
+    through = dict(viewed)
+    bound = tuple(dict.fromkeys((through.get(t, t), kind) for t, kind in operands.items()))
+    views = tuple(dict.fromkeys(v for t, _ in viewed for v in reversed(view_chain(g, t))))
+    return GemmSpec(c.name, c.a, b, b_major, m, n, k, batch, a.dtype, pairwise, maps, bound, tuple(outs),
+                    absorbed + (pairwise or ()) + views, taken_stacks, viewed)
 
 
 def stack_halves(n) -> tuple[str, str] | None:

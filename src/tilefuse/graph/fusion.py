@@ -159,12 +159,18 @@ class _Planner:
             self.gemm_specs[n.name] = spec
             for m in spec.maps + (spec.pairwise or ()) + spec.stack_nodes:
                 self.gemm_member[m] = n.name
-        for spec in self.gemm_specs.values():
+        readers: dict[str, set] = {}  # view -> the GEMMs that read through it
+        for c, spec in self.gemm_specs.items():
             for v in spec.absorbed:
-                if v in self.gemm_member or v in g.outputs:
-                    continue
-                if all(u in self.gemm_specs and v in self.gemm_specs[u].absorbed for u in self.users[v]):
-                    self.gemm_skip.add(v)  # only GEMMs read it, each through the stored matrix
+                readers.setdefault(v, set()).add(c)
+        order = {n.name: i for i, n in enumerate(g.nodes)}
+        for v in sorted(readers, key=order.get, reverse=True):  # a chain of views from its last
+            if v in self.gemm_member or v in g.outputs:
+                continue
+            # only GEMMs read it, each through the stored matrix or table: read by the
+            # contraction or its epilogue, or by a view that is itself only read through
+            if all(self.gemm_member.get(u, u) in readers[v] or u in self.gemm_skip for u in self.users[v]):
+                self.gemm_skip.add(v)
 
     # -- alignment of a node inside a candidate kernel ------------------------------------------
     def align_in(self, n, step: Step) -> dict[str, Align] | None:

@@ -4,7 +4,9 @@ The epilogue reads the fp32 accumulator as `acc` and computes every fused map in
 map-reduce lowering does for bf16/f16 values: a value is rounded to a narrower float only
 where the graph casts it explicitly, and once where it is stored. Operands are renamed
 `in_0`, `in_1`, ... and the outputs `out` (or `out0`, `out1`, ...), so the kernel's text does
-not depend on the graph's names (equal programs share a cubin and a tuning entry).
+not depend on the graph's names (equal programs share a cubin and a tuning entry). A tile
+operand that broadcasts a tensor through views (`GemmSpec.viewed`) binds that tensor, read at
+the index the views compose to (loop/views.py): RoPE's cos[m % S, n % (D/2)].
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from ..graph.contraction import GemmSpec
 from ..graph.fusion import Step
 from . import ir as L
 from .lower import Binding
+from .views import read_index
 
 
 @dataclass(frozen=True)
@@ -65,8 +68,10 @@ def lower_gemm_step(graph: g_ir.Graph, step: Step, name: str | None = None) -> L
     # a stack of two half-width results viewed back to full width: at parity p, the p-th of them
     stacked = {view: (even, odd) for _, view, even, odd in s.stacks}
     values: dict[tuple, str] = {}
-    kinds = dict(s.operands)
-    bufs = {t: f"in_{i}" for i, t in enumerate(kinds)}  # never an SSA name of the builder (a1, x2, t3...)
+    kinds = {t: k for t, k in s.operands if k != "view"}  # operands read directly, by kind
+    through = dict(s.viewed)  # operands read through views -> the tensor under them
+    # one buffer per (tensor, kind) bound; never an SSA name of the builder (a1, x2, t3...)
+    bufs = {op: f"in_{i}" for i, op in enumerate(s.operands)}
     bindings = []
 
     def value(arg: str, p) -> str:
@@ -83,7 +88,12 @@ def lower_gemm_step(graph: g_ir.Graph, step: Step, name: str | None = None) -> L
         elif isinstance(n, g_ir.Constant):
             v = e.const(_const(n))
         elif arg in kinds:  # parity p: a full-width operand of a pairwise epilogue, at column 2n + p
-            v = e.load(bufs[arg], kinds[arg], n.type.dtype, pair=p)
+            v = e.load(bufs[(arg, kinds[arg])], kinds[arg], n.type.dtype, pair=p)
+        elif arg in through:  # the tensor under the views, at the element the tile index reaches
+            src = graph[through[arg]].type
+            index, shape = e.tile(p)
+            v = e.load_at(bufs[(through[arg], "view")], src.shape, src.dtype,
+                          read_index(graph, arg, shape, index, e.extents))
         else:
             v = emit(n, p)
         values[key] = v
@@ -108,7 +118,7 @@ def lower_gemm_step(graph: g_ir.Graph, step: Step, name: str | None = None) -> L
         else:
             e.store(buf, value(o, None), graph[o].type.dtype)
     kernel = e.kernel(name or f"epilogue_{step.name}")
-    for t, b in bufs.items():
+    for (t, _), b in bufs.items():
         bindings.append(Binding(b, t, kernel.buffer(b).shape))
     for buf, o in zip(names, s.outs):
         bindings.append(Binding(buf, o, kernel.buffer(buf).shape))

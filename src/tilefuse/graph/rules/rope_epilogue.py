@@ -12,23 +12,23 @@ becomes the same arithmetic on p's own columns, before the head view and the tra
     r = permute(view(r', B, S, H, D), 0, 2, 1, 3)
 
 Column 2j + p of p is head j // (D/2), pair element p of pair j % (D/2): the slices pick the
-same values, the tables C and S (built once here, cos and sin repeated over heads and batch)
-hold the same angles, and every operation is the same, in the same order: the result is the
-same bits. What it buys: the pair slices of a GEMM's output, maps of them with tile operands,
-and `stack` of the two halves viewed back to full width are what a pairwise GEMM epilogue
-computes (`contraction.match`), so the rotation runs in the projection's epilogue instead of
-as slice and stack copies in PyTorch. It runs after weight folding (the tables must be
-weights: `cos[:S]` of a buffer is folded by then); the native Llama block's RoPE takes this
-form (`models/llama.py`, `apply_rope`).
+same values, the tables C and S (views of cos and sin repeated over heads and batch, made once
+here and shared by Q and K) hold the same angles, and every operation is the same, in the same
+order: the result is the same bits. The GEMM reads C and S through their views from the small
+tables themselves (contraction.py), so no repeated copy is ever made. What it buys: the pair
+slices of a GEMM's output, maps of them with tile operands, and `stack` of the two halves
+viewed back to full width are what a pairwise GEMM epilogue computes (`contraction.match`), so
+the rotation runs in the projection's epilogue instead of as slice and stack copies in
+PyTorch. It runs after weight folding (the tables must be weights: `cos[:S]` of a buffer is
+folded by then); the native Llama block's RoPE takes this form (`models/llama.py`,
+`apply_rope`).
 """
 from __future__ import annotations
-
-import torch
 
 from .. import ir
 from ..contraction import stack_halves
 from ..rewrites import substitute
-from .match import Editor, peel_casts, prune, value
+from .match import Editor, peel_casts, prune
 
 
 def _half(g: ir.Graph, name: str, parity: int, src: str | None) -> str | None:
@@ -114,12 +114,19 @@ def _match(g: ir.Graph, users, st):
     return p, H, D, full, cast, qf, cos, sin
 
 
-def _table(g: ir.Graph, name: str, B: int, H: int) -> torch.Tensor:
-    """(B, S, H*D/2) from a (..., S, D/2) table: the angle of column h*D/2 + i at row (b, s)."""
-    w = peel_casts(g, name)
-    t = value(g, w)
-    t = t.reshape(t.shape[-2], t.shape[-1])
-    return t.repeat(1, H).unsqueeze(0).expand(B, -1, -1).contiguous()
+def _table_views(ed: Editor, g: ir.Graph, name: str, B: int, H: int, src: str) -> list[ir.View]:
+    """Views of a (..., S, D/2) table as (B, S, H*D/2), the angle of column h*D/2 + i at row
+    (b, s): reshape to (1, S, 1, D/2), expand over batch and heads, reshape. Views, not a new
+    weight: the GEMM epilogue reads the table itself at (m % S, n % (D/2)) (contraction.py,
+    loop/views.py), B*H times fewer bytes than a repeated copy (1 MB against 32 MB in bf16 for
+    the 7B layer at S = 8192), small enough to stay in L2."""
+    t = g[name].type
+    S, half = t.shape[-2:]
+    tt = lambda *shape: ir.TensorType(shape, t.dtype)  # noqa: E731
+    r = ir.View(ed.fresh(f"{name}_bshd"), tt(1, S, 1, half), "reshape", name, (1, S, 1, half), src)
+    e = ir.View(ed.fresh(f"{name}_bcast"), tt(B, S, H, half), "expand", r.name, (B, S, H, half), src)
+    c = ir.View(ed.fresh(f"{name}_tiled"), tt(B, S, H * half), "reshape", e.name, (B, S, H * half), src)
+    return [r, e, c]
 
 
 def rope_into_projection(g: ir.Graph) -> ir.Graph:
@@ -135,7 +142,7 @@ def rope_into_projection(g: ir.Graph) -> ir.Graph:
     ed = Editor(g)
     emit: dict[str, list] = {}
     replace_by: dict[str, str] = {}
-    made: dict[tuple, str] = {}  # (table, B, H) -> its repeated weight: Q and K share them
+    made: dict[tuple, str] = {}  # (table, B, H) -> its view over heads and batch: Q and K share them
     for st_name, (p, H, D, full, cast, qf, cos, sin) in found.items():
         B, S, N = g[p].type.shape
         f32 = qf.type.dtype
@@ -152,15 +159,11 @@ def rope_into_projection(g: ir.Graph) -> ir.Graph:
         nodes += [e, o]
         tabs = []
         for name in (cos, sin):
-            w = g[peel_casts(g, name)]
-            if (w.name, B, H) not in made:
-                tab = _table(g, name, B, H)
-                shape = tab.shape[1:] if B == 1 else tab.shape
-                wt = ed.weight(f"{w.name}_heads", tab.reshape(shape), w.type.dtype,
-                               f"{w.source or w.name} repeated over {H} heads" + (f" and {B} rows" if B > 1 else ""))
-                nodes.append(wt)
-                made[(w.name, B, H)] = wt.name
-            tabs.append(made[(w.name, B, H)])
+            if (name, B, H) not in made:
+                views = _table_views(ed, g, name, B, H, src)
+                nodes += views
+                made[(name, B, H)] = views[-1].name
+            tabs.append(made[(name, B, H)])
         ct, sn = tabs
         mul = lambda a, b: ir.Map(ed.fresh("rope_mul"), tt((B, S, N // 2)), "mul", (a, b), src)  # noqa: E731
         m0, m1, m2, m3 = mul(e.name, ct), mul(o.name, sn), mul(e.name, sn), mul(o.name, ct)
