@@ -9,7 +9,7 @@ randomised so folding them is exercised):
   llama4   a 4-layer Llama, d=2048, ffn=5632, 16 heads, vocab 32000, batch 2 x seq 4096, ids -> logits
 
 Each tilefuse result is checked against a float64 reference under the 2x rule before it is
-timed. Times are medians of CUDA-event timings (triton.testing.do_bench, L2 flushed), all
+timed. Times are medians of CUDA-event timings (analyze.bench.median_ms, L2 flushed by a read), all
 three measured in the same run; compile times are wall time of the first call (torch.compile
 compiles lazily) or of tilefuse.compile plus its first call; host us is the Python time of one
 call with the GPU idle (tilefuse replays a CUDA graph). Prints a table last.

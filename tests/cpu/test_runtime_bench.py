@@ -42,3 +42,40 @@ def test_program_flops_count_every_matrix_product():
     st = compile_stages(M(), (torch.randn(16, 64, dtype=bf), torch.randn(64, 32, dtype=bf), torch.randn(32, 8)))
     assert sorted(s.family for s in st.plan.steps if s.flops) == ["extern", "gemm"]
     assert program_flops(st.plan) == 2 * 16 * 32 * 64 + 2 * 16 * 8 * 32
+
+
+class _FakeEvent:
+    """Stands in for torch.cuda.Event: records the order of events, 1 ms between any two."""
+
+    log: list = []
+
+    def __init__(self, enable_timing=True):
+        self.t = None
+
+    def record(self):
+        _FakeEvent.log.append(("record", self))
+        self.t = len(_FakeEvent.log)
+
+    def elapsed_time(self, end):
+        return float(end.t - self.t)
+
+
+def test_median_ms_flushes_before_every_timed_call_and_times_only_the_call(monkeypatch):
+    """flush="read": each timed call is preceded by the flush and bracketed by its own events,
+    the flush outside them; "none" never flushes; an unknown mode is refused."""
+    _FakeEvent.log = []
+    monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(bench, "_read_flush", lambda: lambda: _FakeEvent.log.append(("flush", None)))
+    ms = bench.median_ms(lambda: _FakeEvent.log.append(("call", None)), warmup=0, rep=40, flush="read")
+    assert ms == 2.0  # start.record, call, end.record: two log entries apart
+    kinds = [k for k, _ in _FakeEvent.log]
+    timed = [i for i in range(1, len(kinds) - 2) if kinds[i:i + 3] == ["record", "call", "record"]]
+    assert len(timed) >= 5 and all(kinds[i - 1] == "flush" for i in timed)
+    _FakeEvent.log = []
+    bench.median_ms(lambda: _FakeEvent.log.append(("call", None)), warmup=0, rep=40, flush="none")
+    assert "flush" not in [k for k, _ in _FakeEvent.log]
+    import pytest
+
+    with pytest.raises(ValueError, match="flush must be"):
+        bench.median_ms(lambda: None, flush="zero")

@@ -184,6 +184,29 @@ def test_the_reference_check_runs_epilogues_on_the_sampled_rows():
     assert "wrong result" in glu.check({"out": swapped.to(torch.bfloat16)})
 
 
+def test_the_reference_check_reads_tables_at_each_sampled_rows_own_m():
+    """An epilogue reading a small table at (m % S, n) (RoPE's cos through views, batch 2):
+    the sampled rows are rows of the whole output, so the check must read the table at each
+    sampled row's own m, not at its position among the samples; a table read at m instead
+    (the first S rows' angles for every batch) is caught."""
+    from tilefuse.loop import ir
+
+    m, n, k, S = 600, 64, 64, 300
+    e = epi.EpilogueBuilder(m, n)
+    t = e.load_at("table", (S, n), "f32", (ir.IBin("%", ir.Var("m"), ir.IConst(S)), ir.Var("n")))
+    e.store("out", e.op("mul", e.acc(), t), "bf16")
+    chk = tg.gemm_check(task(m, n, k, epilogue=e.kernel()), seed=2)
+    assert max(chk.rows) >= S  # some sampled rows are in the second batch
+    table = chk.inputs["table"].double()
+    acc = _product(chk)
+    right = acc * table[torch.arange(m) % S]
+    assert chk.check({"out": right.to(torch.bfloat16)}) is None
+    rows = torch.as_tensor(chk.rows)
+    wrong = right.clone()  # each sampled row with the table row of its position among the samples
+    wrong[rows] = acc[rows] * table[torch.arange(len(rows)) % S]
+    assert "wrong result" in chk.check({"out": wrong.to(torch.bfloat16)})
+
+
 class CpuGemmTask(tg.GemmTask):
     family = "gemm-cpu"
 

@@ -225,22 +225,59 @@ def row_dims(kernel: ir.Kernel) -> dict[str, tuple[int, ...]]:
     return {n: tuple(sorted(d)) for n, d in out.items()}
 
 
+SAMPLED = "sampled_rows"  # the sampled epilogue's operand: the output row of each sampled row
+
+
+def _subst_m(e, by):
+    if e == ir.Var("m"):
+        return by
+    if isinstance(e, ir.IBin):
+        return ir.IBin(e.op, _subst_m(e.a, by), _subst_m(e.b, by))
+    return e
+
+
 def sample_epilogue(kernel: ir.Kernel, rows: int) -> ir.Kernel:
-    """The epilogue over `rows` rows: the m loop and every dimension indexed by m shrink."""
+    """The epilogue over `rows` rows: the m loop and every dimension indexed by m shrink. An
+    index that computes with m (a table read through views at m % S) reads at the sampled
+    row's own m, loaded from the SAMPLED operand (gemm_check passes the rows)."""
     dims = row_dims(kernel)
+    row = ir.Val("sampled_m")
+    computed = False
 
     def shrink(b: ir.Buffer) -> ir.Buffer:
         return replace(b, shape=tuple(rows if d in dims[b.name] else x for d, x in enumerate(b.shape)))
+
+    def index(ix):
+        nonlocal computed
+        out = []
+        for e in ix:
+            if e != ir.Var("m") and "m" in ir.index_vars(e):
+                computed = True
+                e = _subst_m(e, row)
+            out.append(e)
+        return tuple(out)
 
     def body(stmts):
         out = []
         for s in stmts:
             if isinstance(s, ir.Loop):
                 s = replace(s, extent=rows if s.var == "m" else s.extent, body=body(s.body))
+            elif isinstance(s, (ir.Load, ir.Store)):
+                s = replace(s, index=index(s.index))
             out.append(s)
         return tuple(out)
 
-    return replace(kernel, params=tuple(shrink(b) for b in kernel.params), body=body(kernel.body))
+    new = body(kernel.body)
+    params = tuple(shrink(b) for b in kernel.params)
+    if computed:  # load the sampled row's m first thing in the per-element body
+        def first(stmts):
+            s = stmts[0]
+            if isinstance(s, ir.Loop) and len(stmts) == 1:
+                return (replace(s, body=first(s.body)),)
+            return (ir.Load(row.name, SAMPLED, (ir.Var("m"),)),) + tuple(stmts)
+        new = first(new)
+        params += (ir.Buffer(SAMPLED, (rows,), "i64", "in"),)
+    return replace(kernel, params=params, body=new)
 
 
 A, B = "gemm.a", "gemm.b"  # keys of the operands among the tensors (epilogue names cannot clash)
@@ -325,6 +362,8 @@ def gemm_check(task: GemmTask, seed: int = 0, device: str = "cpu") -> GemmCheck:
         for d in dims[buf.name]:
             t = t.index_select(d, idx)
         operands[buf.name] = to_numpy(t)
+    if any(b.name == SAMPLED for b in sampled.params):
+        operands[SAMPLED] = np.asarray(rows, dtype=np.int64)
     ref_kernel = promote_f64(sampled)
     ref_kernel = replace(ref_kernel, params=tuple(replace(x, dtype="f64") if x.name == epi.ACC else x
                                                   for x in ref_kernel.params))
