@@ -35,15 +35,15 @@ def _read_flush():
     return lambda: torch.amax(buf)
 
 
-def median_ms(fn, warmup: int = 25, rep: int = 100, flush: str = "read") -> float:
-    """Median ms of `fn`, CUDA events around each call, L2 flushed before each one:
+def timings_ms(fn, warmup: int = 25, rep: int = 100, flush: str = "read") -> list[float]:
+    """Each timed call of `fn` in ms, CUDA events around each call, L2 flushed before each one:
     flush="read" reads 256 MB (clean lines: no write-back lands in the timed call);
     "write" is triton's do_bench (zeroes 256 MB); "none" times back-to-back calls.
     `warmup` and `rep` are in ms, as do_bench takes them."""
     if flush == "write":
         from triton.testing import do_bench
 
-        return float(do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
+        return [float(t) for t in do_bench(fn, warmup=warmup, rep=rep, return_mode="all")]
     if flush not in ("read", "none"):
         raise ValueError(f"flush must be 'write', 'read' or 'none', not {flush!r}")
     clear = _read_flush() if flush == "read" else (lambda: None)
@@ -68,7 +68,12 @@ def median_ms(fn, warmup: int = 25, rep: int = 100, flush: str = "read") -> floa
         fn()
         e.record()
     torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in ev)
+    return [s.elapsed_time(e) for s, e in ev]
+
+
+def median_ms(fn, warmup: int = 25, rep: int = 100, flush: str = "read") -> float:
+    """The median of `timings_ms` (see there for `flush`)."""
+    return float(statistics.median(timings_ms(fn, warmup, rep, flush)))
 
 
 def host_us(fn, reps: int = 50, warmup: int = 5) -> float:

@@ -10,8 +10,9 @@ launches (outputs are poisoned with two different values before two launches, wh
 agree bit for bit), or it breaks the 2x rule on the checked rows (reference.py). A CUDA
 error raises `Fatal`: the context is unusable, the worker exits and is replaced.
 
-Timing, as DESIGN.md says: triton's do_bench (CUDA events, warm-up, L2 flushed before each
-repetition), the median and spread of the repetitions. When all the kernel's buffers fit
+Timing, as DESIGN.md says and as the benchmarks time (analyze.bench.timings_ms: CUDA events,
+warm-up, L2 flushed by a read before each repetition), the median and spread of the
+repetitions. When all the kernel's buffers fit
 in L2 several copies of them are rotated as well, so no launch finds its data in L2.
 """
 from __future__ import annotations
@@ -161,7 +162,8 @@ def measure(job: MeasureJob) -> Measurement:
 
 def _time(fn, st: _State, job: MeasureJob):
     import torch
-    from triton.testing import do_bench
+
+    from ..analyze.bench import timings_ms
 
     nbytes = sum(t.numel() * t.element_size() for t in st.inputs.values())
     nbytes += sum(math.prod(s) * torch.empty((), dtype=d).element_size() for s, d in st.outputs.values())
@@ -178,7 +180,7 @@ def _time(fn, st: _State, job: MeasureJob):
         state["i"] = (state["i"] + 1) % copies
         st.problem.call(fn, sets[state["i"]])
 
-    times = sorted(do_bench(run, warmup=job.warmup_ms, rep=job.rep_ms, return_mode="all"))
+    times = sorted(timings_ms(run, warmup=job.warmup_ms, rep=job.rep_ms))
     _sync("the kernel failed while being timed")
     q = lambda p: times[min(len(times) - 1, int(p * len(times)))] * 1e3  # noqa: E731
     med = statistics.median(times) * 1e3
