@@ -147,6 +147,9 @@ def default_schedule(problem: GemmProblem, sms: int = 132) -> GemmSchedule:
       numbers there were taken with a host-bound launcher and are not yet trusted).
     """
     m, n = problem.m, problem.n
+    width = epi.partial_width(problem.epilogue) if problem.epilogue is not None else None
+    if width is not None:  # partial row reductions: tiles of whole column groups only
+        return _default_for_partials(problem, width, sms)
     big = GemmSchedule(128, 256, stages=4)
     candidates = [big, GemmSchedule(128, 128, stages=6, tma_store=False),
                   GemmSchedule(128, 64, stages=8, consumers=2, tma_store=False),
@@ -163,6 +166,27 @@ def default_schedule(problem: GemmProblem, sms: int = 132) -> GemmSchedule:
                 return GemmSchedule(128, 256, stages=4, cluster_m=2)
             return s
     return candidates[-1]
+
+
+def _default_for_partials(problem: GemmProblem, width: int, sms: int) -> GemmSchedule:
+    """The default for an epilogue with partial row reductions over `width` columns: the first
+    of 128x256 (4 stages) and 128x128 (6 stages) that holds whole groups and makes about a wave
+    (the plain default's first two candidates; stores go from registers, so no TMA-store slots),
+    else 64x128 with one consumer, else the widest bn that is a multiple of `width`. Not yet
+    measured on a GPU."""
+    cands = [GemmSchedule(128, 256, stages=4, tma_store=False), GemmSchedule(128, 128, stages=6, tma_store=False),
+             GemmSchedule(64, 128, stages=8, consumers=1, tma_store=False)]
+    cands = [s for s in cands if s.bn % width == 0]
+    if not cands:
+        bn = max((b for b in range(width, 257, width) if b % 8 == 0), default=None)
+        if bn is None:
+            raise GemmError(f"partial row reductions over {width} columns: no tile width in [8, 256] holds "
+                            f"whole groups")
+        return GemmSchedule(128, bn, stages=4, tma_store=False)
+    for s in cands:
+        if -(-problem.m // s.bm) * -(-problem.n // s.bn) * problem.batch / sms >= 0.9:
+            return s
+    return cands[-1]
 
 
 @dataclass(frozen=True)
@@ -378,6 +402,177 @@ def _epilogue_code(problem: GemmProblem, sched: GemmSchedule, kernel: ir.Kernel)
                 lines.append("  }")
             lines.append("}")
     return lines
+
+
+# Partial row reductions (epilogue.py's partials loop): each consumer warpgroup owns whole rows
+# of the tile, so a row's partial over a group of W columns is complete inside it. Per row
+# a thread holds and per group: the reduction over the thread's own registers of that group,
+# then across the lanes that share the row (xor 1 and 2 of the lane: a quad, checked against
+# the fragment by `partial_quads`), then one lane of the quad stores it. Reductions run in
+# the loop's order, with the row statements between them, so a sum of exp(y - max) sees the
+# group's whole max (two passes over registers cost no memory traffic, and need one
+# exchange each where a running (max, sum) pair would need a rescale per merge).
+_PARTIAL_COMBINE = {"sum": ("{a} + {b}", 0.0), "max": ("tf_max({a}, {b})", float("-inf")),
+                    "min": ("tf_min({a}, {b})", float("inf"))}
+QUAD_XOR = (1, 2)   # lane masks whose __shfl_xor_sync partners hold the same rows
+
+
+def partial_quads(frag, width: int) -> dict[tuple[int, int], list[tuple[int, int]]]:
+    """For the accumulator fragment `frag` (64 x BN) and column groups of `width`: which
+    (thread, register) pairs hold each (row, group), checked to be what _partials_code assumes,
+    else GemmError: a register's group is the same in every thread (thread 0's column // W),
+    the threads holding a (row, group) are one quad {q, q ^ 1, q ^ 2, q ^ 3} (so the xor
+    shuffles of QUAD_XOR reach exactly them), every thread of it holds registers there, and
+    every element of the tile is in exactly one (row, group)."""
+    rows, cols = frag.tile
+    if cols % width:
+        raise GemmError(f"{cols} columns do not split into groups of {width}")
+    owners: dict[tuple[int, int], list[tuple[int, int]]] = {}
+    seen = set()
+    for t in range(frag.threads):
+        for v in range(frag.values):
+            r, c = frag(t, v)
+            if c // width != frag(0, v)[1] // width:
+                raise GemmError(f"register {v}: its column group differs between threads")
+            if (r, c) in seen:
+                raise GemmError(f"element {(r, c)} is held twice")
+            seen.add((r, c))
+            owners.setdefault((r, c // width), []).append((t, v))
+    if len(seen) != rows * cols:
+        raise GemmError("the fragment does not cover its tile")
+    for key, held in owners.items():
+        threads = {t for t, _ in held}
+        q = min(threads) & ~3
+        if threads != {q | j for j in range(4)}:
+            raise GemmError(f"row {key[0]}, group {key[1]}: held by threads {sorted(threads)}, not one quad")
+    return owners
+
+
+def _fast_exps(body, outer: set) -> frozenset:
+    """exp ops of a partial's body whose argument is y - s with s a row value (the shift of a
+    sum of exp(y - max)): their argument is <= 0 where it counts, so ex2.approx suffices
+    (see mapreduce._emit_online_chunk)."""
+    defs = {x.dst: x for x in body if isinstance(x, ir.Op)}
+    out = set()
+    for x in body:
+        if isinstance(x, ir.Op) and x.op == "exp" and x.dtype == "f32":
+            d = defs.get(x.args[0])
+            if d is not None and d.op == "sub" and d.args[1] in outer:
+                out.add(x.dst)
+    return frozenset(out)
+
+
+def _partial_indices(x, col, wrapped, clamp: bool):
+    """Statement x of a partial's body with the group's column (t * W + c, or its wrap % N)
+    spelled n: loads read at nc (n clamped into the row on tail tiles), index values use n."""
+    def sub(e, by):
+        if e == wrapped or e == col:
+            return ir.Var(by)
+        if isinstance(e, ir.IBin):
+            return ir.IBin(e.op, sub(e.a, by), sub(e.b, by))
+        return e
+
+    if isinstance(x, ir.Load):
+        return ir.Load(x.dst, x.buf, tuple(sub(e, "nc" if clamp else "n") for e in x.index))
+    if isinstance(x, ir.IndexValue):
+        return ir.IndexValue(x.dst, sub(x.expr, "n"), x.dtype)
+    return x
+
+
+def _index_leaves(index) -> set:
+    out = set()
+    for e in index:
+        if isinstance(e, ir.IBin):
+            out |= _index_leaves((e.a, e.b))
+        else:
+            out.add(e)
+    return out
+
+
+def _partials_code(problem: GemmProblem, sched: GemmSchedule, kernel: ir.Kernel,
+                   frag_coords: bool = True) -> list[str]:
+    """The partials loop of one consumer warpgroup (see _PARTIAL_COMBINE above): per 64-row
+    block, per row of the thread's two (frag rows r and r + 8), per W-column group of the tile.
+    Rows past M and columns past N read operands at the last row / column (clamped) and are not
+    stored; the masks the program has past N keep the group's values exact."""
+    loop = epi.partials_loop(kernel)
+    w = epi.partial_width(kernel)
+    frag = mma.sm90_64xN_c(sched.bn)
+    partial_quads(frag, w)
+    P = problem
+    groups_per_tile = sched.bn // w
+    tail_m = P.m % (sched.bm * sched.cluster_m) != 0
+    tail_n = P.n % sched.bn != 0
+    col = ir.IBin("+", ir.IBin("*", ir.Var("t"), ir.IConst(w)), ir.Var("c"))
+    wrapped = ir.IBin("%", col, ir.IConst(P.n))
+    row0, col0 = cgen.c_tv_coords(frag, "tid", 0)
+    lines = [f"const int frag_row = {row0};", f"const int frag_col = {col0};"] if frag_coords else []
+    env = {"m": "mc", "t": "grp", "nc": "nc", "n": "n"}
+    store_env = {"m": "m", "t": "grp", "b": "batch"}
+    halves = sorted({frag(0, v)[0] for v in range(frag.values)})
+    for mb in range(sched.rows_per_wg // 64):
+        for r in halves:
+            for g in range(groups_per_tile):
+                regs = [v for v in range(frag.values) if frag(0, v)[0] == r and frag(0, v)[1] // w == g]
+                lines.append("{")
+                lines.append(f"  const int m = row_base + {mb * 64} + frag_row + {r};")
+                lines.append(f"  const int mc = {f'min(m, {P.m - 1})' if tail_m else 'm'};")
+                lines.append(f"  const int grp = tn * {groups_per_tile} + {g};")
+                names: dict[str, str] = {}
+                dts: dict[str, str] = {}
+                stores = []
+                for x in loop.body:
+                    if isinstance(x, ir.Store):
+                        stores.append(x)
+                    elif isinstance(x, ir.Reduce):
+                        _render_partial(kernel, x, mb, regs, frag, lines, env, (names, dts), col, wrapped, tail_n,
+                                        P.n)
+                    else:
+                        _render_element(kernel, [x], None, "n", lines, "", store=False, env=env, scope=(names, dts))
+                guard = [f"(tid & {max(QUAD_XOR) * 2 - 1}) == 0"]
+                if tail_m:
+                    guard.append(f"m < {P.m}")
+                if -(-P.n // w) % groups_per_tile:
+                    guard.append(f"grp < {loop.extent}")
+                lines.append(f"  if ({' && '.join(guard)}) {{")
+                for x in stores:
+                    buf = kernel.buffer(x.buf)
+                    off = cexpr.flat_offset(buf, x.index, store_env)
+                    lines.append(f"    {_ident(buf.name)}[{off}] = {cexpr.to_storage(buf.dtype, names[x.value])};")
+                lines.append("  }")
+                lines.append("}")
+    return lines
+
+
+def _render_partial(kernel, red: ir.Reduce, mb: int, regs: list, frag, lines: list, env: dict, scope,
+                    col, wrapped, tail_n: bool, n_total: int):
+    """One Reduce of the partials loop: over the thread's registers `regs` of the group, then
+    across its quad; binds red.dst in `scope` to the result."""
+    names, dts = scope
+    combine, identity = _PARTIAL_COMBINE[red.op]
+    acc = _ident(red.dst)
+    body = [_partial_indices(x, col, wrapped, tail_n) for x in red.body]
+    fast = _fast_exps(body, set(names))
+    lines.append(f"  // {red.header()}")
+    lines.append(f"  float {acc} = {cexpr.const(identity, 'f32')};")
+    for v in regs:
+        _, cc = frag(0, v)
+        lines.append("  {")
+        used = _index_leaves(e for x in body for e in (x.index if isinstance(x, ir.Load) and x.buf != epi.ACC else
+                                                        (x.expr,) if isinstance(x, ir.IndexValue) else ()))
+        if used & {ir.Var("n"), ir.Var("nc")}:
+            lines.append(f"    const int n = col_base + frag_col + {cc};")
+        if ir.Var("nc") in used:
+            lines.append(f"    const int nc = min(n, {n_total - 1});")
+        inner = (dict(names), dict(dts))
+        _render_element(kernel, body, f"acc[{mb}][{v}]", "n", lines, f"_{v}", store=False, env=env, scope=inner,
+                        fast=fast)
+        lines.append(f"    {acc} = {combine.format(a=acc, b=inner[0][red.value])};")
+        lines.append("  }")
+    for mask in QUAD_XOR:
+        other = f"__shfl_xor_sync(0xffffffffu, {acc}, {mask})"
+        lines.append(f"  {acc} = {combine.format(a=acc, b=other)};")
+    names[red.dst], dts[red.dst] = acc, "f32"
 
 
 # The TMA-store epilogue: each consumer warpgroup writes its accumulators, 64 rows x 64
@@ -605,12 +800,17 @@ def _column_parity(e) -> int:
     return ev(e, 0)
 
 
-def _render_element(kernel, body, acc_expr, n_expr, lines, suffix, *, store: bool, every: bool = False):
+def _render_element(kernel, body, acc_expr, n_expr, lines, suffix, *, store: bool, every: bool = False,
+                    env: dict | None = None, scope: tuple[dict, dict] | None = None,
+                    fast: frozenset = frozenset()):
     """Emit one element's statements; return ((out name, offset), value) of its store (with
-    `every`, [(Store, (out name, offset), value)] of all its stores)."""
-    env = {"m": "m", "n": f"({n_expr})", "b": "batch"}
-    names: dict[str, str] = {}
-    dts: dict[str, str] = {}
+    `every`, [(Store, (out name, offset), value)] of all its stores). `env` adds or replaces
+    index variables' C expressions; `scope` is (C names, dtypes) of SSA values defined
+    outside `body`, which it also receives the body's; ops named in `fast` use the
+    special-function spelling (cexpr.op's fast)."""
+    env = {"m": "m", "n": f"({n_expr})", "b": "batch", **(env or {})}
+    names: dict[str, str] = scope[0] if scope else {}
+    dts: dict[str, str] = scope[1] if scope else {}
     cast_of: dict[str, str] = {}  # SSA name of a cast -> its argument
     result, results = None, []
     for s in body:
@@ -634,7 +834,8 @@ def _render_element(kernel, body, acc_expr, n_expr, lines, suffix, *, store: boo
             names[s.dst], dts[s.dst] = name, s.dtype
         elif isinstance(s, ir.Op):
             name = f"{_ident(s.dst)}{suffix}"
-            expr = cexpr.op(s.op, [names[a] for a in s.args], [dts[a] for a in s.args], s.dtype)
+            expr = cexpr.op(s.op, [names[a] for a in s.args], [dts[a] for a in s.args], s.dtype,
+                            fast=s.dst in fast)
             if s.op == "cast":
                 cast_of[s.dst] = s.args[0]
             lines.append(f"  const {cexpr.ctype(s.dtype)} {name} = {expr};")
@@ -663,14 +864,30 @@ def _render_element(kernel, body, acc_expr, n_expr, lines, suffix, *, store: boo
     return results if every else result
 
 
-def _check_epilogue(problem: GemmProblem, kernel: ir.Kernel):
+def _check_epilogue(problem: GemmProblem, kernel: ir.Kernel, partials: bool = False):
+    """Raise GemmError unless the epilogue fits the problem; `partials`: the caller renders
+    partial row reductions (the sm_90a template does, the sm_80 one declines them)."""
     acc = [b for b in kernel.params if b.name == epi.ACC]
     want = ((problem.batch,) if problem.batch > 1 else ()) + (problem.m, problem.n)
     if not acc or acc[0].shape != want or acc[0].dtype != "f32":
         raise GemmError(f"epilogue {kernel.name}: needs an f32 input 'acc' of shape {want}")
-    body = epi.inner_body(kernel)
+    try:
+        body = epi.inner_body(kernel)
+        loop = epi.partials_loop(kernel)
+    except ValueError as e:
+        raise GemmError(str(e)) from None
     pairwise = epi.is_pairwise(kernel)
+    part_outs = {b.name for b in epi.partial_outputs(kernel)}
+    if loop is not None:
+        if not partials:
+            raise GemmError(f"epilogue {kernel.name}: partial row reductions are rendered by the sm_90a "
+                            f"template only")
+        if pairwise:
+            raise GemmError(f"epilogue {kernel.name}: partial row reductions of a pairwise epilogue")
+        _check_partials(problem, kernel, loop, want)
     for b in kernel.outputs:
+        if b.name in part_outs:
+            continue
         # a pairwise epilogue writes half-width outputs at column n, full-width ones at 2n + p
         cols = [x.index[-1] for x in body if isinstance(x, ir.Store) and x.buf == b.name]
         half = pairwise and all(isinstance(c, ir.Var) and c.name == "n" for c in cols)
@@ -680,6 +897,37 @@ def _check_epilogue(problem: GemmProblem, kernel: ir.Kernel):
         w = want[:-1] + (problem.n // 2,) if half else want
         if b.shape != w:
             raise GemmError(f"epilogue {kernel.name}: output {b.name} has shape {b.shape}, want {w}")
+
+
+def _check_partials(problem: GemmProblem, kernel: ir.Kernel, loop: ir.Loop, want: tuple):
+    """The partials loop has the shape _partials_code renders: row statements, f32 Reduces
+    (sum, max, min) over c of straight-line bodies, stores of reduced values at [(b,) m, t]."""
+    try:
+        w = epi.partial_width(kernel)
+    except ValueError as e:
+        raise GemmError(str(e)) from None
+    if w is None or w % 8:
+        raise GemmError(f"epilogue {kernel.name}: partials over {w} columns; want a multiple of 8 "
+                        f"(whole 8-column blocks of the wgmma accumulator)")
+    t = -(-want[-1] // w)
+    if loop.extent != t:
+        raise GemmError(f"epilogue {kernel.name}: {loop.extent} column groups of {w}, want {t}")
+    lead = (ir.Var("b"),) if problem.batch > 1 else ()
+    reduced = {x.dst for x in loop.body if isinstance(x, ir.Reduce)}
+    for x in loop.body:
+        if isinstance(x, ir.Loop):
+            raise GemmError(f"epilogue {kernel.name}: a loop inside the partials loop")
+        if isinstance(x, ir.Reduce):
+            if x.op not in _PARTIAL_COMBINE or x.dtype != "f32" or x.var != "c":
+                raise GemmError(f"epilogue {kernel.name}: partial {x.header()}: want an f32 sum, max or min over c")
+            if any(isinstance(y, (ir.Loop, ir.Reduce, ir.Store)) for y in x.body):
+                raise GemmError(f"epilogue {kernel.name}: partial {x.header()} has loops or stores inside")
+        if isinstance(x, ir.Store):
+            if x.index != lead + (ir.Var("m"), ir.Var("t")) or x.value not in reduced:
+                raise GemmError(f"epilogue {kernel.name}: `{x}`: partials store a reduction at [(b,) m, t]")
+            if kernel.buffer(x.buf).shape != want[:-1] + (t,):
+                raise GemmError(f"epilogue {kernel.name}: partial output {x.buf} has shape "
+                                f"{kernel.buffer(x.buf).shape}, want {want[:-1] + (t,)}")
 
 
 def kernel_name(problem: GemmProblem, sched: GemmSchedule, kernel: ir.Kernel) -> str:
@@ -698,7 +946,11 @@ def render(problem: GemmProblem, sched: GemmSchedule | None = None) -> GemmSourc
     if why:
         raise GemmError(f"the sm_90 GEMM reads operands with TMA, which cannot take this problem: {why}")
     kernel = problem.out_epilogue
-    _check_epilogue(problem, kernel)
+    _check_epilogue(problem, kernel, partials=True)
+    pw = epi.partial_width(kernel)
+    if pw is not None and sched.bn % pw:
+        raise GemmError(f"bn={sched.bn}: the epilogue's partial row reductions take groups of {pw} columns, "
+                        f"so a tile must hold whole groups (bn a multiple of {pw})")
     smem = sched.smem_bytes()
     if smem > SMEM_LIMIT:
         raise GemmError(f"{sched} needs {smem} bytes of shared memory; the limit is {SMEM_LIMIT}")
@@ -757,6 +1009,9 @@ def render(problem: GemmProblem, sched: GemmSchedule | None = None) -> GemmSourc
     w(f"// A smem tile {a.layout}, wgmma {a.desc}, TMA box {a.box}")
     w(f"// B smem tile {b.layout}, wgmma {b.desc}, TMA box {b.box} x {b.boxes}")
     w(f"// epilogue {kernel.name}: " + "; ".join(str(s) for s in epi.inner_body(kernel)))
+    if pw is not None:
+        w(f"// partial row reductions over {pw}-column groups: "
+          + "; ".join(x.header() if isinstance(x, ir.Reduce) else str(x) for x in epi.partials_loop(kernel).body))
     w(cexpr.PRELUDE)
     w(PRELUDE)
     w(_wgmma_fn(S.bn, P.dtype, trans_b))
@@ -862,8 +1117,14 @@ extern "C" __global__ void __launch_bounds__({S.threads}, 1)
       {release}
       const int row_base = tm * BM + c * {S.rows_per_wg};
       const int col_base = tn * BN;""")
-    lines = (_epilogue_code_tma(problem, sched, kernel, store_dt) if store_dt
-             else _epilogue_code(problem, sched, kernel))
+    if store_dt:
+        lines = _epilogue_code_tma(problem, sched, kernel, store_dt)
+    elif epi.inner_body(kernel) or epi.partials_loop(kernel) is None:
+        lines = _epilogue_code(problem, sched, kernel)
+    else:  # partial row reductions only: the tile itself is not stored
+        lines = []
+    if pw is not None:  # (the element code, if any, has bound frag_row and frag_col)
+        lines += _partials_code(problem, sched, kernel, frag_coords=not lines)
     for line in lines:
         w("      " + line)
     w("""    }""" + ("""

@@ -1,0 +1,235 @@
+"""Partial row reductions in the GEMM epilogue, without a GPU: what the Loop IR says they
+compute (the interpreter against NumPy, tails, -inf and large values), that the sm_90a
+kernel renders and compiles cleanly, that its registers feed each (row, group) partial
+exactly once (through the wgmma fragment), and clear refusals where it cannot run them."""
+import re
+
+import numpy as np
+import pytest
+
+from tilefuse.codegen import epilogue as epi
+from tilefuse.codegen import gemm_sm80 as g80
+from tilefuse.codegen import gemm_sm90 as g
+from tilefuse.layout import mma
+from tilefuse.loop import ir
+from tilefuse.loop.interp import run_kernel
+from tilefuse.runtime import nvrtc
+
+W = epi.PARTIAL_WIDTH
+
+
+def lm_head(m, n, width=W, batch=1, also_store=False) -> ir.Kernel:
+    """pmax, psum (log-sum-exp partials) and psel (target select) of the logits acc."""
+    e = epi.EpilogueBuilder(m, n, batch)
+    x = e.acc()
+    if also_store:
+        e.store("logits", x, "bf16")
+    e.partial_lse("pmax", "psum", x, width)
+    e.partial_select("psel", x, "target", width)
+    return e.kernel("lm_head_partials")
+
+
+def numpy_partials(acc, target, width):
+    """The definition, group by group, in float64."""
+    m, n = acc.shape
+    t = -(-n // width)
+    pmax, psum, psel = (np.zeros((m, t)) for _ in range(3))
+    for j in range(t):
+        seg = acc[:, j * width:(j + 1) * width].astype(np.float64)
+        pmax[:, j] = seg.max(axis=1)
+        shift = np.where(pmax[:, j] == -np.inf, 0.0, pmax[:, j])
+        with np.errstate(invalid="ignore"):
+            psum[:, j] = np.exp(seg - shift[:, None]).sum(axis=1)
+        inside = (target >= j * width) & (target < min((j + 1) * width, n))
+        psel[:, j] = np.where(inside, acc[np.arange(m), np.clip(target, 0, n - 1)], 0.0)
+    return pmax, psum, psel
+
+
+@pytest.mark.parametrize("n", [300, 256, 100])
+def test_interpreter_partials_match_numpy(n):
+    """pmax/psum/psel from the interpreter equal the definition on random logits with a
+    shifted row (values near 1e4), a row with -inf entries, a row whose group 1 is all -inf
+    ((-inf, 0), not NaN), and targets in every group, at the tail, and in no group (-100)."""
+    m = 6
+    rng = np.random.default_rng(1)
+    acc = (rng.standard_normal((m, n)) * 3).astype(np.float32)
+    acc[1] += 1e4
+    acc[2, ::7] = -np.inf
+    if n > W:
+        acc[3, W:2 * W] = -np.inf
+    target = np.array([0, n - 1, -100, min(W, n - 1), 5, n // 2], dtype=np.int64)
+    out = run_kernel(lm_head(m, n), {"acc": acc, "target": target})
+    pmax, psum, psel = numpy_partials(acc, target, W)
+    assert out["pmax"].shape == (m, -(-n // W))
+    np.testing.assert_array_equal(out["pmax"], pmax.astype(np.float32))
+    np.testing.assert_allclose(out["psum"], psum, rtol=2e-6)
+    np.testing.assert_array_equal(out["psel"], psel.astype(np.float32))
+    if n > W:
+        assert out["pmax"][3, 1] == -np.inf and out["psum"][3, 1] == 0.0
+    assert (out["psel"][2] == 0).all()  # ignore_index: in no group
+
+
+def test_partials_finish_into_the_row_log_sum_exp_and_loss():
+    """lse = M + log(sum_t exp(pmax_t - M) psum_t) and loss = lse - sum_t psel_t (the finishing
+    reduction) give the log-sum-exp and cross-entropy of each row."""
+    m, n = 5, 1000
+    rng = np.random.default_rng(2)
+    acc = (rng.standard_normal((m, n)) * 4).astype(np.float32)
+    target = rng.integers(0, n, m)
+    out = run_kernel(lm_head(m, n), {"acc": acc, "target": target})
+    big = out["pmax"].max(axis=1, keepdims=True).astype(np.float64)
+    lse = big[:, 0] + np.log((np.exp(out["pmax"] - big) * out["psum"]).sum(axis=1))
+    a = acc.astype(np.float64)
+    ref = a.max(1) + np.log(np.exp(a - a.max(1, keepdims=True)).sum(1))
+    np.testing.assert_allclose(lse, ref, rtol=1e-6)
+    np.testing.assert_allclose(lse - out["psel"].sum(axis=1), ref - a[np.arange(m), target], rtol=1e-5)
+
+
+def test_sum_of_squares_and_max_of_a_mapped_value_with_the_tile_also_stored():
+    """Partials reduce what the element chain computes (here acc + bias[n]), and an epilogue
+    may store the tile as well (when something else reads it)."""
+    m, n, width = 4, 200, 64
+    e = epi.EpilogueBuilder(m, n)
+    y = e.op("add", e.acc(), e.load("bias", "col", "f32"))
+    e.store("out", y, "f32")
+    e.partial_sum("sq", e.op("mul", y, y), width)
+    e.partial_max("mx", y, width)
+    k = e.kernel()
+    rng = np.random.default_rng(3)
+    acc, bias = rng.standard_normal((m, n)).astype(np.float32), rng.standard_normal(n).astype(np.float32)
+    out = run_kernel(k, {"acc": acc, "bias": bias})
+    yy = acc + bias
+    np.testing.assert_array_equal(out["out"], yy)
+    for j in range(4):
+        seg = yy[:, j * width:(j + 1) * width].astype(np.float64)
+        np.testing.assert_allclose(out["sq"][:, j], (seg * seg).sum(1), rtol=1e-6)
+        np.testing.assert_array_equal(out["mx"][:, j], seg.max(1).astype(np.float32))
+
+
+def test_batched_partials_index_the_batch():
+    b, m, n = 2, 3, 130
+    rng = np.random.default_rng(4)
+    acc = rng.standard_normal((b, m, n)).astype(np.float32)
+    target = rng.integers(0, n, (b, m))
+    out = run_kernel(lm_head(m, n, batch=b), {"acc": acc, "target": target})
+    for i in range(b):
+        ref = numpy_partials(acc[i], target[i], W)
+        np.testing.assert_array_equal(out["pmax"][i], ref[0].astype(np.float32))
+        np.testing.assert_array_equal(out["psel"][i], ref[2].astype(np.float32))
+
+
+def test_inner_body_and_partials_are_found():
+    k = lm_head(64, 256)
+    assert epi.inner_body(k) == () and not epi.is_pairwise(k)
+    assert epi.partial_width(k) == W and [b.name for b in epi.partial_outputs(k)] == ["pmax", "psum", "psel"]
+    k2 = lm_head(64, 256, also_store=True)
+    assert any(isinstance(s, ir.Store) and s.buf == "logits" for s in epi.inner_body(k2))
+    assert epi.partials_loop(epi.standard(8, 8, "bf16")) is None
+
+
+SCHEDS = [g.GemmSchedule(128, 256, stages=4, tma_store=False), g.GemmSchedule(128, 128, stages=6),
+          g.GemmSchedule(64, 128, stages=8, consumers=1), g.GemmSchedule(256, 128, stages=4),
+          g.GemmSchedule(128, 256, stages=4, cluster_m=2)]
+
+
+@pytest.mark.parametrize("sched", SCHEDS, ids=str)
+@pytest.mark.parametrize("shape", [(1000, 1000), (512, 1024)], ids=["tails", "full"])
+def test_partials_kernel_compiles_for_sm90a_without_spills(sched, shape):
+    m, n = shape
+    src = g.render(g.GemmProblem(m, n, 520, "bf16", epilogue=lm_head(m, n)), sched)
+    cubin = nvrtc.compile_cuda(src.source, src.name, "sm_90a")
+    assert cubin.info.clean, cubin.info
+    unused = set(re.findall(r'variable "(\w+)" was declared but never referenced', cubin.log))
+    assert unused <= {"stage_out", "ep_slot"}, unused  # (those two: the template's, without TMA stores)
+    assert src.c_box is None  # no TMA store: the logits tile is not written at all
+    assert "logits" not in src.params and set(src.params) == {"pmax", "psum", "psel", "target"}
+    assert "tf_exp_fast(" in src.source  # the sum of exp(y - max) on ex2.approx, as the map-reduce LSE
+    assert "__shfl_xor_sync(0xffffffffu, r0_max, 1)" in src.source
+
+
+def test_partials_with_the_tile_stored_compile():
+    src = g.render(g.GemmProblem(300, 384, 64, "bf16", epilogue=lm_head(300, 384, also_store=True)),
+                   g.GemmSchedule(128, 128, stages=6))
+    assert "logits[" in src.source
+    assert nvrtc.compile_cuda(src.source, src.name, "sm_90a").info.clean
+
+
+def _coords(source: str, name: str):
+    expr = re.search(rf"const int {name} = (.*?);", source).group(1).replace("/", "//")
+    return lambda tid: eval(expr, {"tid": tid})
+
+
+@pytest.mark.parametrize("sched", [g.GemmSchedule(128, 256), g.GemmSchedule(128, 128, stages=6),
+                                   g.GemmSchedule(64, 128, consumers=1)], ids=str)
+def test_rendered_partials_take_each_element_once_per_row_group(sched):
+    """Read back from the rendered source: each (row r, group g) block's registers, over the 128
+    threads of each consumer warpgroup, are exactly the tile elements of row r whose column is
+    in group g, each once, at the (row, col) the wgmma fragment gives that (thread, register);
+    the lanes holding a (row, group) are one quad, which the xor-1/xor-2 shuffles span."""
+    p = g.GemmProblem(4 * sched.bm, 4 * sched.bn, 64, epilogue=lm_head(4 * sched.bm, 4 * sched.bn))
+    src = g.render(p, sched).source
+    part = src[src.index("reduce max c in"):]  # after the partials header comment
+    frag_row, frag_col = _coords(src, "frag_row"), _coords(src, "frag_col")
+    frag = mma.sm90_64xN_c(sched.bn)
+    # the select's body names each register's column (it compares it with the target)
+    blocks = re.findall(r"const int m = row_base \+ (\d+) \+ frag_row \+ (\d+);\n.*?"
+                        r"const int grp = tn \* (\d+) \+ (\d+);\n.*?// %r1 = reduce sum(.*?)if \(", part, re.S)
+    assert len(blocks) == sched.rows_per_wg // 64 * 2 * (sched.bn // W)
+    seen = {}
+    for mb_off, r, per_tile, grp, body in blocks:
+        assert int(per_tile) == sched.bn // W
+        regs = re.findall(r"const int n = col_base \+ frag_col \+ (\d+);\n\s*const float \w+ = acc\[(\d+)\]\[(\d+)\];",
+                          body)
+        assert len(regs) == body.count("acc[")
+        assert regs
+        for tid in range(128):
+            for cc, mb, v in regs:
+                row = int(mb_off) + frag_row(tid) + int(r)
+                col = frag_col(tid) + int(cc)
+                assert int(mb) * 64 == int(mb_off)
+                assert frag(tid, int(v)) == (frag_row(tid) + int(r), col)
+                assert col // W == int(grp), f"column {col} reduced into group {grp}"
+                assert (row, col) not in seen, f"{(row, col)} reduced twice"
+                seen[(row, col)] = tid
+    assert set(seen) == {(r, c) for r in range(sched.rows_per_wg) for c in range(sched.bn)}
+    for (row, col), tid in seen.items():  # the threads of one (row, group): one quad
+        quad = {seen[(row, c)] >> 2 for c in range(col // W * W, (col // W + 1) * W)}
+        assert len(quad) == 1
+
+
+@pytest.mark.parametrize("bn", [64, 128, 256])
+@pytest.mark.parametrize("width", [8, 64, 128])
+def test_fragment_quads_cover_each_row_group_once(bn, width):
+    """partial_quads (what the renderer checks before it relies on xor shuffles): every element
+    of the 64 x bn accumulator in one (row, group), held by the four lanes of one quad."""
+    if bn % width:
+        with pytest.raises(g.GemmError):
+            g.partial_quads(mma.sm90_64xN_c(bn), width)
+        return
+    owners = g.partial_quads(mma.sm90_64xN_c(bn), width)
+    assert len(owners) == 64 * (bn // width)
+    assert sum(len(v) for v in owners.values()) == 64 * bn
+    for (row, grp), held in owners.items():
+        assert len({t >> 2 for t, _ in held}) == 1
+        assert len(held) == width
+
+
+def test_tile_width_must_hold_whole_groups():
+    p = g.GemmProblem(512, 1024, 64, epilogue=lm_head(512, 1024))
+    with pytest.raises(g.GemmError, match="bn a multiple of 128"):
+        g.render(p, g.GemmSchedule(128, 64, stages=8))
+    for m, n in [(64, 128), (128, 4096), (8192, 32000), (1000, 50257)]:
+        s = g.default_schedule(g.GemmProblem(m, n, 64, epilogue=lm_head(m, n)))
+        assert s.bn % W == 0, s
+
+
+def test_sm80_declines_partial_reductions():
+    p = g.GemmProblem(256, 256, 64, epilogue=lm_head(256, 256))
+    with pytest.raises(g.GemmError, match="sm_90a template only"):
+        g80.render(p)
+
+
+def test_partials_of_a_pairwise_epilogue_are_refused():
+    e = epi.EpilogueBuilder(8, 16, pairwise=True)
+    with pytest.raises(ValueError, match="pairwise"):
+        e.partial_sum("s", e.acc(0), 8)
