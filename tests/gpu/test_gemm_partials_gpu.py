@@ -1,0 +1,101 @@
+"""Partial row reductions in the sm_90a GEMM epilogue on a Hopper GPU vs a float64 reference
+(DESIGN.md's 2x rule): pmax / psum (log-sum-exp partials) and psel (target select) of the
+logits x @ W.T over 128-column groups, and the row log-sum-exp and loss finished from them.
+Outputs are poisoned (NaN) first, so a (row, group) no lane writes fails. Shapes with tails
+in M and N (N not a multiple of 128 nor of the tile), every schedule the partials allow."""
+import pytest
+import torch
+
+from tilefuse.check import rel_error
+from tilefuse.codegen import epilogue as epi
+from tilefuse.codegen.gemm_sm90 import GemmProblem, GemmSchedule
+from tilefuse.runtime.gemm import compile_gemm
+
+pytestmark = pytest.mark.gpu
+
+if torch.cuda.is_available() and torch.cuda.get_device_capability() < (9, 0):
+    pytest.skip("the sm_90a GEMM needs a Hopper GPU", allow_module_level=True)
+
+W = epi.PARTIAL_WIDTH
+
+
+def _lm_head(m, n, also_store=False):
+    e = epi.EpilogueBuilder(m, n)
+    x = e.acc()
+    if also_store:
+        e.store("logits", x, "bf16")
+    e.partial_lse("pmax", "psum", x)
+    e.partial_select("psel", x, "target")
+    return e.kernel("lm_head_partials")
+
+
+def _partials(logits: torch.Tensor, target: torch.Tensor):
+    """The definition in float64, on logits [M, N] (any dtype)."""
+    x = logits.double()
+    m, n = x.shape
+    t = -(-n // W)
+    pad = torch.full((m, t * W), float("-inf"), dtype=torch.float64, device=x.device)
+    pad[:, :n] = x
+    g = pad.view(m, t, W)
+    pmax = g.amax(-1)
+    shift = torch.where(pmax == float("-inf"), torch.zeros_like(pmax), pmax)
+    psum = torch.exp(g - shift[..., None]).sum(-1)
+    cols = torch.arange(t * W, device=x.device).view(1, t, W)
+    psel = torch.where(cols == target.view(m, 1, 1), g, torch.zeros_like(g)).sum(-1)
+    return pmax, psum, psel
+
+
+def _finish(pmax, psum, psel):
+    big = pmax.amax(-1, keepdim=True)
+    lse = big[:, 0] + torch.log((torch.exp(pmax - big) * psum).sum(-1))
+    return lse, lse - psel.sum(-1)
+
+
+def _passes(name, out, ref, lowp):
+    assert torch.isfinite(out).all(), f"{name}: NaN/inf (an element was not written)"
+    err, base = rel_error(out, ref), rel_error(lowp, ref)
+    assert err <= 2 * base + 1e-5, f"{name}: error {err:.3e} vs torch's {base:.3e}"
+
+
+SCHEDULES = [GemmSchedule(128, 256, stages=4, tma_store=False), GemmSchedule(128, 128, stages=6),
+             GemmSchedule(64, 128, stages=8, consumers=1), GemmSchedule(256, 128, stages=4),
+             GemmSchedule(128, 256, stages=4, cluster_m=2), GemmSchedule(64, 256, stages=4, consumers=1), None]
+
+
+@pytest.mark.parametrize("sched", SCHEDULES, ids=str)
+@pytest.mark.parametrize("shape", [(17, 200, 72), (300, 1000, 136), (1000, 4096, 1024), (2048, 32000, 512),
+                                   (513, 50264, 256)])
+def test_lm_head_partials_match_float64(shape, sched):
+    m, n, k = shape
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k ** -0.5
+    target = torch.randint(0, n, (m,), device="cuda")
+    target[::5] = -100               # ignore_index: in no group
+    target[1::7] = n - 1             # the last column (the tail group)
+    gemm = compile_gemm(GemmProblem(m, n, k, "bf16", epilogue=_lm_head(m, n)), sched)
+    assert gemm.info.clean, gemm.info
+    outs = gemm.allocate_outputs(poison=True)
+    gemm(x, w, target=target, **outs)
+    torch.cuda.synchronize()
+    ref = _partials(x.double() @ w.double().T, target)
+    lowp = _partials(x @ w.T, target)  # torch's bf16 logits, reduced exactly
+    for name, r, lp in zip(("pmax", "psum", "psel"), ref, lowp):
+        _passes(name, outs[name], r, lp)
+    got = _finish(outs["pmax"].double(), outs["psum"].double(), outs["psel"].double())
+    for name, o, r, lp in zip(("lse", "loss"), got, _finish(*ref), _finish(*lowp)):
+        _passes(name, o, r, lp)
+
+
+def test_partials_with_the_logits_also_stored():
+    m, n, k = 300, 1000, 136
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+    target = torch.randint(0, n, (m,), device="cuda")
+    gemm = compile_gemm(GemmProblem(m, n, k, "bf16", epilogue=_lm_head(m, n, also_store=True)))
+    outs = gemm.allocate_outputs(poison=True)
+    gemm(x, w, target=target, **outs)
+    torch.cuda.synchronize()
+    ref64 = x.double() @ w.double().T
+    _passes("logits", outs["logits"], ref64, x @ w.T)
+    for name, r, lp in zip(("pmax", "psum", "psel"), _partials(ref64, target), _partials(x @ w.T, target)):
+        _passes(name, outs[name], r, lp)
