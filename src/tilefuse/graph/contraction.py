@@ -63,6 +63,13 @@ class GemmSpec:
     # (S, D/2) tables repeated over heads and batch): the epilogue reads the source at the
     # composed index (loop/views.py), so the broadcast copy is never made
     viewed: tuple[tuple[str, str], ...] = ()
+    # partial row reductions of the epilogue's value `partial_of` over groups of
+    # `partial_width` columns (rules/lmhead_ce.py): (kind, the [M, T] tensors it writes,
+    # the target operand or None) with kind "lse" (pmax, psum) or "select" (psel); the
+    # value itself is then not written (`outs` are the partials)
+    partials: tuple[tuple[str, tuple[str, ...], str | None], ...] = ()
+    partial_of: str | None = None
+    partial_width: int = 0
 
     @property
     def stack_nodes(self) -> tuple[str, ...]:
@@ -327,8 +334,23 @@ def match(g: ir.Graph, c: ir.Contraction, users=None, taken: frozenset = frozens
     through = dict(viewed)
     bound = tuple(dict.fromkeys((through.get(t, t), kind) for t, kind in operands.items()))
     views = tuple(dict.fromkeys(v for t, _ in viewed for v in reversed(view_chain(g, t))))
+    partials, partial_of, width = (), None, 0
+    if len(outs) == 1 and batch == 1 and not pairwise:
+        # per-group row reductions after the epilogue's one value (cross-entropy's, rules/lmhead_ce.py):
+        # they run in the epilogue too, which then writes the partials instead of the value
+        from .rules.lmhead_ce import partials_after
+
+        found = partials_after(g, users, outs[0])
+        if found is not None:
+            partial_of, width = found.source, found.width
+            partials = (("lse", found.lse, None),)
+            if found.select:
+                partials += (("select", (found.select[0],), found.select[1]),)
+                bound += ((found.select[1], "target"),)
+            maps += found.members
+            outs = list(found.outs)
     return GemmSpec(c.name, c.a, b, b_major, m, n, k, batch, a.dtype, pairwise, maps, bound, tuple(outs),
-                    absorbed + (pairwise or ()) + views, taken_stacks, viewed)
+                    absorbed + (pairwise or ()) + views, taken_stacks, viewed, partials, partial_of, width)
 
 
 def stack_halves(n) -> tuple[str, str] | None:

@@ -6,7 +6,9 @@ where the graph casts it explicitly, and once where it is stored. Operands are r
 `in_0`, `in_1`, ... and the outputs `out` (or `out0`, `out1`, ...), so the kernel's text does
 not depend on the graph's names (equal programs share a cubin and a tuning entry). A tile
 operand that broadcasts a tensor through views (`GemmSpec.viewed`) binds that tensor, read at
-the index the views compose to (loop/views.py): RoPE's cos[m % S, n % (D/2)].
+the index the views compose to (loop/views.py): RoPE's cos[m % S, n % (D/2)]. A GEMM whose
+epilogue ends in partial row reductions (`GemmSpec.partials`, cross-entropy's) reduces the
+value per column group (EpilogueBuilder.partial_lse / partial_select) and stores only those.
 """
 from __future__ import annotations
 
@@ -111,7 +113,19 @@ def lower_gemm_step(graph: g_ir.Graph, step: Step, name: str | None = None) -> L
     # outputs are half-width in a pairwise epilogue (parity None), but for what a stack made
     # full width again: those are stored at columns 2n and 2n + 1
     names = ["out"] if len(s.outs) == 1 else [f"out{i}" for i in range(len(s.outs))]
+    if s.partials:  # the epilogue's value reduced per column group; the value itself is not stored
+        y = value(s.partial_of, None)
+        buf_of = dict(zip(s.outs, names))
+        for kind, outs, target in s.partials:
+            if kind == "lse":
+                e.partial_lse(buf_of[outs[0]], buf_of[outs[1]], y, s.partial_width)
+            elif kind == "select":
+                e.partial_select(buf_of[outs[0]], y, bufs[(target, "target")], s.partial_width)
+            else:
+                raise ValueError(f"step {step.name}: unknown partial {kind!r}")
     for buf, o in zip(names, s.outs):
+        if s.partials:
+            continue
         if s.pairwise and graph[o].type.shape[-1] == s.n:
             for p in (0, 1):
                 e.store(buf, value(o, p), graph[o].type.dtype, pair=p)
@@ -120,6 +134,7 @@ def lower_gemm_step(graph: g_ir.Graph, step: Step, name: str | None = None) -> L
     kernel = e.kernel(name or f"epilogue_{step.name}")
     for (t, _), b in bufs.items():
         bindings.append(Binding(b, t, kernel.buffer(b).shape))
+    # (a partial's output is stored at [m, t]: its shape is the graph tensor's, [M, T])
     for buf, o in zip(names, s.outs):
         bindings.append(Binding(buf, o, kernel.buffer(buf).shape))
     notes = tuple(f"{m}: {graph[m].describe()}" for m in (s.contraction,) + s.maps)

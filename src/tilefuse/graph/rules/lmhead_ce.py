@@ -15,8 +15,8 @@ the GEMM writes 3 floats per row and group instead of V logits per row, and the 
 kernel over [M, T] finishes them. The sum of exp is regrouped (by group, then across groups), so
 the result is not bit-identical to the one-pass form: the same function to rounding.
 
-Fires when z is 2-D, read only by the cross-entropy's max, subtraction and target select, V a
-multiple of W (codegen.epilogue.PARTIAL_WIDTH), and z is (casts of) a contraction.
+Fires when z is 2-D, read only by the cross-entropy's max, subtraction and target select (not
+returned), V a multiple of W (codegen.epilogue.PARTIAL_WIDTH), and z is (casts of) a contraction.
 """
 from __future__ import annotations
 
@@ -60,8 +60,8 @@ def _find(g: ir.Graph, users, mx: str) -> _CE | None:
         return None
     z = n.arg
     zt = g[z].type
-    if len(zt.shape) != 2 or tuple(n.axes) != (1,) or zt.dtype not in ("f32", "f64"):
-        return None
+    if len(zt.shape) != 2 or tuple(n.axes) != (1,) or zt.dtype not in ("f32", "f64") or z in g.outputs:
+        return None  # (logits the program returns are written anyway: nothing to save)
     if not isinstance(g[peel_casts(g, z)], ir.Contraction):
         return None
     sub = lse = log = ssum = exp = sel = where = eq = target = None
