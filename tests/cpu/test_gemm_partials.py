@@ -233,3 +233,16 @@ def test_partials_of_a_pairwise_epilogue_are_refused():
     e = epi.EpilogueBuilder(8, 16, pairwise=True)
     with pytest.raises(ValueError, match="pairwise"):
         e.partial_sum("s", e.acc(0), 8)
+
+
+def test_a_partial_indexing_with_c_otherwise_is_refused():
+    """The template binds c only through the group's column t * W + c (a register's n)."""
+    m, n = 128, 256
+    acc = ir.Buffer("acc", (m, n), "f32", "in")
+    out = ir.Buffer("s", (m, 2), "f32", "out")
+    bad = ir.Reduce("r", "sum", "c", W, (ir.Load("x", "acc", (ir.Var("m"), ir.Var("c"))),), "x", "f32")
+    body = ir.Loop("m", m, (ir.Loop("t", 2, (bad, ir.Store("s", (ir.Var("m"), ir.Var("t")), "r")), parallel=True),),
+                   parallel=True)
+    k = ir.Kernel("bad", (acc, out), (body,), family="epilogue")
+    with pytest.raises(g.GemmError, match="indexes with c"):
+        g.render(g.GemmProblem(m, n, 64, epilogue=k), g.GemmSchedule(128, 256))

@@ -922,6 +922,15 @@ def _check_partials(problem: GemmProblem, kernel: ir.Kernel, loop: ir.Loop, want
                 raise GemmError(f"epilogue {kernel.name}: partial {x.header()}: want an f32 sum, max or min over c")
             if any(isinstance(y, (ir.Loop, ir.Reduce, ir.Store)) for y in x.body):
                 raise GemmError(f"epilogue {kernel.name}: partial {x.header()} has loops or stores inside")
+            col = ir.IBin("+", ir.IBin("*", ir.Var("t"), ir.IConst(w)), ir.Var("c"))
+            wrapped = ir.IBin("%", col, ir.IConst(want[-1]))
+            for y in x.body:  # c only inside the group's column t * W + c (read as n)
+                y = _partial_indices(y, col, wrapped, True)
+                exprs = y.index if isinstance(y, ir.Load) else (y.expr,) if isinstance(y, ir.IndexValue) else ()
+                free = set().union(*(ir.index_vars(e) for e in exprs)) if exprs else set()
+                if not free <= {"b", "m", "t", "n", "nc"}:
+                    raise GemmError(f"epilogue {kernel.name}: `{y}` in {x.header()} indexes with c other than "
+                                    f"as the column t * {w} + c")
         if isinstance(x, ir.Store):
             if x.index != lead + (ir.Var("m"), ir.Var("t")) or x.value not in reduced:
                 raise GemmError(f"epilogue {kernel.name}: `{x}`: partials store a reduction at [(b,) m, t]")
