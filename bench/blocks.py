@@ -7,6 +7,7 @@ randomised so folding them is exercised):
   mlp      Llama MLP block, 8192 tokens, d=4096, ffn=11008: x + down(silu(gate(n)) * up(n)), n = RMSNorm(x)
   layer7b  a Llama-7B decoder layer in prefill (1 x 8192 tokens, d=4096, 32 heads), attention through SDPA
   llama4   a 4-layer Llama, d=2048, ffn=5632, 16 heads, vocab 32000, batch 2 x seq 4096, ids -> logits
+  lmhead_ce  LM head (d=4096, vocab 32000) + mean cross-entropy over 8192 tokens (--cases lmhead_ce)
 
 Each tilefuse result is checked against a float64 reference under the 2x rule before it is
 timed. Times are medians of CUDA-event timings (analyze.bench.median_ms, L2 flushed by a read), all
@@ -49,6 +50,17 @@ class MLPBlock(nn.Module):
         return x + self.down(F.silu(self.gate(h)) * self.up(h))
 
 
+class LMHeadLoss(nn.Module):
+    """The LM head and the mean cross-entropy of its logits (a training step's last op)."""
+
+    def __init__(self, d: int, vocab: int):
+        super().__init__()
+        self.head = nn.Linear(d, vocab, bias=False)
+
+    def forward(self, x, target):
+        return F.cross_entropy(self.head(x), target)
+
+
 def _randomise_norms(m: nn.Module) -> nn.Module:
     with torch.no_grad():
         for mod in m.modules():
@@ -69,8 +81,11 @@ def build(case: str):
     elif case == "llama4":
         m = models.llama(32000, 4, 2048, 5632, 16, max_seq=4096)
         inputs, tokens = [torch.randint(0, 32000, (2, 4096))], 8192
+    elif case == "lmhead_ce":
+        m = LMHeadLoss(4096, 32000)
+        inputs, tokens = [torch.randn(8192, 4096), torch.randint(0, 32000, (8192,))], 8192
     else:
-        raise SystemExit(f"unknown case {case!r}; known: mlp, layer7b, llama4")
+        raise SystemExit(f"unknown case {case!r}; known: mlp, layer7b, llama4, lmhead_ce")
     m = _randomise_norms(m).to("cuda", torch.bfloat16).eval()
     inputs = [t.cuda().to(torch.bfloat16) if t.is_floating_point() else t.cuda() for t in inputs]
     return m, inputs, tokens

@@ -66,6 +66,16 @@ def rope_epilogue_enabled() -> bool:
     return os.environ.get("TILEFUSE_ROPE_EPILOGUE", "1") != "0"
 
 
+def _partials_target(arch: str | None) -> bool:
+    """Whether GEMM epilogues may end in partial row reductions here: the sm_90a template
+    renders them, the sm_80 one declines; without a GPU the interpreter runs them."""
+    if arch is None:
+        return not torch.cuda.is_available() or torch.cuda.get_device_capability() == (9, 0)
+    from .runtime.nvrtc import normalize_arch
+
+    return normalize_arch(arch) == "sm_90a"
+
+
 def compile_stages(fn, example_inputs, *, expr: str | None = None, arch: str | None = None) -> Compiled:
     import time
 
@@ -86,6 +96,11 @@ def compile_stages(fn, example_inputs, *, expr: str | None = None, arch: str | N
         from .graph.rules.rope_epilogue import rope_into_projection
 
         graph, more = run_rewrites(graph, (rope_into_projection,))
+        fired = fired + more
+    if gemm and _partials_target(arch):  # GEMM-epilogue partials: the sm_90a template (or the interpreter)
+        from .graph.rules.lmhead_ce import lmhead_ce_partials
+
+        graph, more = run_rewrites(graph, (lmhead_ce_partials,))
         fired = fired + more
     p = plan(graph, gemm=gemm)
     kernels, gemms = lower_plan(graph, p)

@@ -20,7 +20,6 @@ from tilefuse.check import compare
 from tilefuse.codegen import epilogue as epi
 from tilefuse.compiler import lower_plan
 from tilefuse.graph import ir
-from tilefuse.graph import rules
 from tilefuse.graph.fusion import plan
 from tilefuse.graph.rules.lmhead_ce import lmhead_ce_partials
 
@@ -102,21 +101,9 @@ def test_plan_materialises_no_logits():
     assert sorted(b.shape for b in ep.outputs) == [(48, 4)] * 3
 
 
-def _with_rule(monkeypatch):
-    """compile_stages runs rules.run_coda; run it with this rule after the registered ones
-    (until it is registered in CODA_RULES)."""
-    base = rules.run_coda
-
-    def run_coda(g, rules_=rules.CODA_RULES):
-        return base(g, tuple(rules_) + (lmhead_ce_partials,))
-
-    monkeypatch.setattr(rules, "run_coda", run_coda)
-
-
-def test_compiled_program_matches_pytorch(monkeypatch):
+def test_compiled_program_matches_pytorch():
     """tilefuse.compile on CPU (the GEMM's partials epilogue and the finishing kernels run on the
     Loop IR interpreter) gives PyTorch's bf16 loss within the 2x rule of a float64 reference."""
-    _with_rule(monkeypatch)
     torch.manual_seed(4)
     m = LMHeadCE(d=64, v=1024).to(torch.bfloat16).eval()
     x, t = _inputs(m=40, v=1024, seed=4)
@@ -132,3 +119,17 @@ def test_compiled_program_matches_pytorch(monkeypatch):
         ref = F.cross_entropy(x.double() @ m.head.weight.double().T, t)
     res = compare("loss", out.reshape(()), ref, eager)
     assert res.ok, res
+
+
+def test_the_rule_runs_only_where_the_template_renders_partials():
+    """compile_stages applies lmhead_ce_partials for sm_90a (and the CPU interpreter), never for
+    sm_80, whose GEMM template declines partial reductions: there the logits stay a GEMM output."""
+    torch.manual_seed(5)
+    m = LMHeadCE(d=64, v=1024).to(torch.bfloat16).eval()
+    x, t = _inputs(m=40, v=1024, seed=5)
+    x = x.bfloat16()
+    hopper = tilefuse.compiler.compile_stages(m, (x, t), arch="sm_90a")
+    ampere = tilefuse.compiler.compile_stages(m, (x, t), arch="sm_80")
+    assert "lmhead_ce_partials" in [f.rule for f in hopper.fired]
+    assert "lmhead_ce_partials" not in [f.rule for f in ampere.fired]
+    assert not any(s.gemm.partials for s in ampere.plan.steps if s.family == "gemm")

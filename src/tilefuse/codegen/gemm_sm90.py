@@ -26,7 +26,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .. import dtypes
 from ..layout import cgen, hopper, mma
 from ..layout.layout import Layout
 from ..loop import ir

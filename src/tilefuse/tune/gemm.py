@@ -216,7 +216,7 @@ def sample_rows(m: int, n: int = SAMPLE_ROWS, seed: int = 0) -> np.ndarray:
 def row_dims(kernel: ir.Kernel) -> dict[str, tuple[int, ...]]:
     """For each buffer of an epilogue: the dimensions indexed by the row variable m."""
     out: dict[str, set] = {b.name: set() for b in kernel.params}
-    for s in epi.inner_body(kernel):
+    for s in ir.walk(kernel.body):  # partial row reductions read inside their Reduce bodies too
         if isinstance(s, (ir.Load, ir.Store)):
             buf = s.buf
             for d, e in enumerate(s.index):
@@ -262,6 +262,8 @@ def sample_epilogue(kernel: ir.Kernel, rows: int) -> ir.Kernel:
         for s in stmts:
             if isinstance(s, ir.Loop):
                 s = replace(s, extent=rows if s.var == "m" else s.extent, body=body(s.body))
+            elif isinstance(s, ir.Reduce):  # a partial row reduction's body
+                s = replace(s, body=body(s.body))
             elif isinstance(s, (ir.Load, ir.Store)):
                 s = replace(s, index=index(s.index))
             out.append(s)
