@@ -160,8 +160,9 @@ def _with_rule(monkeypatch):
 @pytest.mark.parametrize("name", ["llama", "qwen2"])
 def test_the_plan_runs_the_rotations_in_the_qk_gemm_epilogues(monkeypatch, name):
     """Compiled (sm_90a plan), each layer's Q and K GEMMs carry the pairwise rotation in their
-    epilogue; no cat, neg or slice copy is left in the plan; the program (interpreter) passes
-    the 2x rule against float64."""
+    epilogue (rendering and compiling for sm_90a and sm_80, Qwen2's with its bias); no cat, neg
+    or slice copy is left in the plan; the program (interpreter) passes the 2x rule against
+    float64."""
     from tilefuse.compiler import compile_stages
     from tilefuse.check import flatten
 
@@ -175,8 +176,46 @@ def test_the_plan_runs_the_rotations_in_the_qk_gemm_epilogues(monkeypatch, name)
     plan = str(st.plan)
     assert "aten.cat" not in plan and "aten.stack" not in plan and "slice copy" not in plan
     assert not any(isinstance(n, ir.Map) and n.op == "neg" for n in st.graph.nodes)
+    from tilefuse.codegen import gemm_sm80, gemm_sm90
+    from tilefuse.runtime import nvrtc
+
+    lg = st.gemms[roped[0].name]
+    src = gemm_sm90.render(lg.problem())
+    assert nvrtc.compile_cuda(src.source, src.name, "sm_90a").info.clean
+    s8 = gemm_sm80.render(lg.problem(), None, "sm_80")
+    assert nvrtc.compile_cuda(s8.source, s8.name, "sm_80").info.clean
     out = flatten(st.program(*b.inputs))[0]
     with torch.no_grad():
         eager = b.model(*b.inputs)
     c = compare(name, out, float64_reference(b.model, list(b.inputs)), eager)
+    assert c.ok, c
+
+
+def test_fires_through_the_torch_compile_backend(monkeypatch):
+    """Through torch.compile(backend="tilefuse") dynamo lifts inv_freq and the weights to inputs;
+    the backend puts them back as weights, so cos and sin are folded tables there too and the
+    rule fires; the output passes the 2x rule against float64."""
+    import tilefuse.frontend.backend as be
+
+    monkeypatch.setenv("TILEFUSE_ROPE_EPILOGUE", "1")
+    fired = []
+    orig = rope_epilogue.rope_into_projection
+
+    def rope_into_projection(g):
+        g2 = rotate_half_to_pairs(g)
+        fired.append(g2 is not g)
+        return orig(g2)
+
+    monkeypatch.setattr(rope_epilogue, "rope_into_projection", rope_into_projection)
+    be.register()
+    torch._dynamo.reset()
+    b = hf.build("llama", layers=2, hidden=64, seq=16, batch=2, dtype=torch.bfloat16, output="hidden")
+    try:
+        with torch.no_grad():
+            out = torch.compile(b.model, backend="tilefuse")(*b.inputs)
+            eager = b.model(*b.inputs)
+    finally:
+        torch._dynamo.reset()
+    assert fired == [True]
+    c = compare("llama", out, float64_reference(b.model, list(b.inputs)), eager)
     assert c.ok, c
