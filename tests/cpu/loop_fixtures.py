@@ -346,3 +346,20 @@ def check_against_torch(ex: Example, ours: dict, floor: float = 1e-6) -> None:
         assert ours_err <= 2 * torch_err + scaled_floor, (
             f"{ex.name}.{name}: error {ours_err:.3g} vs PyTorch's own {torch_err:.3g} "
             f"(2x rule, floor {scaled_floor:.3g})")
+
+
+def index_value(e, env: dict) -> int:
+    """A Loop IR index expression's value at loop variables `env` (C's // and % on
+    non-negative ints): for checking composed indices element by element."""
+    from tilefuse.loop import ir as L
+
+    if isinstance(e, L.Var):
+        return env[e.name]
+    if isinstance(e, L.IConst):
+        return e.value
+    a, b = index_value(e.a, env), index_value(e.b, env)
+    if e.op == "+":
+        return a + b
+    if e.op == "*":
+        return a * b
+    return a // b if e.op == "//" else a % b

@@ -28,6 +28,7 @@ from tilefuse.graph.contraction import view_chain
 from tilefuse.graph.fold import fold_weights
 from tilefuse.graph.rewrites import run_rewrites
 from tilefuse.graph.rules.rope_epilogue import rope_into_projection
+from loop_fixtures import index_value
 
 
 class Attention(torch.nn.Module):
@@ -110,22 +111,6 @@ def test_the_tables_are_views_of_the_small_ones_made_once_and_shared_by_q_and_k(
     assert torch.equal(cos[0], ref) and torch.equal(cos[1], ref)
 
 
-def _value(e, env):
-    """An index expression's value at loop variables `env` (C's // and % on non-negative ints)."""
-    from tilefuse.loop import ir as L
-
-    if isinstance(e, L.Var):
-        return env[e.name]
-    if isinstance(e, L.IConst):
-        return e.value
-    a, b = _value(e.a, env), _value(e.b, env)
-    if e.op == "+":
-        return a + b
-    if e.op == "*":
-        return a * b
-    return a // b if e.op == "//" else a % b
-
-
 @pytest.mark.parametrize("batch", [1, 2])
 def test_the_plan_runs_each_rotation_in_its_projection_epilogue_reading_the_small_tables(monkeypatch, batch):
     """Q's and K's GEMMs compute the rotation in their epilogues, written once in bf16 at full
@@ -162,7 +147,7 @@ def test_the_plan_runs_each_rotation_in_its_projection_epilogue_reading_the_smal
         for ld in loads:
             for mm in range(batch * S):
                 for n in range(s.gemm.n // 2):
-                    assert [_value(e, {"m": mm, "n": n}) for e in ld.index] == [mm % S, n % half]
+                    assert [index_value(e, {"m": mm, "n": n}) for e in ld.index] == [mm % S, n % half]
     assert len(views) == 6  # reshape, expand, reshape of cos and of sin
     others = [s for s in st.plan.steps if s not in roped]
     assert not any(views & (set(s.nodes) | set(s.inputs)) for s in others), str(st.plan)

@@ -28,20 +28,7 @@ from tilefuse.graph import ir
 from tilefuse.graph.interp import eval_view
 from tilefuse.loop import ir as L
 from tilefuse.loop.views import read_index
-
-
-def _value(e, env):
-    """An index expression's value at loop variables `env` (C's // and % on non-negative ints)."""
-    if isinstance(e, L.Var):
-        return env[e.name]
-    if isinstance(e, L.IConst):
-        return e.value
-    a, b = _value(e.a, env), _value(e.b, env)
-    if e.op == "+":
-        return a + b
-    if e.op == "*":
-        return a * b
-    return a // b if e.op == "//" else a % b
+from loop_fixtures import index_value
 
 
 def _ops(e) -> int:
@@ -133,8 +120,8 @@ def test_read_index_names_the_element_numpy_views_name(case):
     names = sorted(ext)
     for values in itertools.product(*(range(ext[v]) for v in names)):
         env = dict(zip(names, values))
-        want = x[tuple(_value(e, env) for e in index)]
-        got = tuple(_value(e, env) for e in at)
+        want = x[tuple(index_value(e, env) for e in index)]
+        got = tuple(index_value(e, env) for e in at)
         assert all(0 <= i < s for i, s in zip(got, src.shape)), (got, src.shape)
         assert src[got] == want, (env, [str(e) for e in at])
 
@@ -157,7 +144,7 @@ def test_the_rope_table_views_read_one_remainder_per_dim(B):
     pair = L.IBin("+", L.IBin("*", L.IConst(2), n), L.IConst(1))
     row2, col2 = read_index(g, "c", (B * S, H * W), (m, pair), {"m": B * S, "n": H * W // 2})
     assert row2 == row and _ops(col2) <= 4  # 2 * (n % 8) + 1
-    assert all(_value(col2, {"n": j}) == (2 * j + 1) % W for j in range(H * W // 2))
+    assert all(index_value(col2, {"n": j}) == (2 * j + 1) % W for j in range(H * W // 2))
 
 
 class TableBias(nn.Module):
