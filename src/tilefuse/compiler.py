@@ -94,8 +94,10 @@ def compile_stages(fn, example_inputs, *, expr: str | None = None, arch: str | N
     fired = fired + more
     if gemm and rope_epilogue_enabled():  # needs the folded cos/sin tables
         from .graph.rules.rope_epilogue import rope_into_projection
+        from .graph.rules.rope_rotate_half import rotate_half_to_pairs
 
-        graph, more = run_rewrites(graph, (rope_into_projection,))
+        # HF's rotate-half form becomes the adjacent-pair one on permuted weights first
+        graph, more = run_rewrites(graph, (rotate_half_to_pairs, rope_into_projection))
         fired = fired + more
     if gemm and _partials_target(arch):  # GEMM-epilogue partials: the sm_90a template (or the interpreter)
         from .graph.rules.lmhead_ce import lmhead_ce_partials

@@ -21,7 +21,6 @@ from tilefuse.graph import ir
 from tilefuse.graph.fold import fold_weights
 from tilefuse.graph.rewrites import run_rewrites
 from tilefuse.graph.rules import run_coda
-from tilefuse.graph.rules import rope_epilogue
 from tilefuse.graph.rules.rope_epilogue import rope_into_projection
 from tilefuse.graph.rules.rope_rotate_half import rotate_half_to_pairs
 from tilefuse.models import hf
@@ -146,17 +145,6 @@ def test_left_alone_when_the_tables_do_not_repeat_their_halves():
     assert rotate_half_to_pairs(changed) is changed
 
 
-def _with_rule(monkeypatch):
-    """compile_stages with rotate_half_to_pairs run before rope_into_projection (where the lead
-    registers it in compiler.py): patched through the name compile_stages imports."""
-    orig = rope_epilogue.rope_into_projection
-
-    def rope_into_projection(g):
-        return orig(rotate_half_to_pairs(g))
-
-    monkeypatch.setattr(rope_epilogue, "rope_into_projection", rope_into_projection)
-
-
 @pytest.mark.parametrize("name", ["llama", "qwen2"])
 def test_the_plan_runs_the_rotations_in_the_qk_gemm_epilogues(monkeypatch, name):
     """Compiled (sm_90a plan), each layer's Q and K GEMMs carry the pairwise rotation in their
@@ -167,10 +155,9 @@ def test_the_plan_runs_the_rotations_in_the_qk_gemm_epilogues(monkeypatch, name)
     from tilefuse.check import flatten
 
     monkeypatch.setenv("TILEFUSE_ROPE_EPILOGUE", "1")
-    _with_rule(monkeypatch)
     b = hf.build(name, layers=2, hidden=64, seq=16, batch=2, dtype=torch.bfloat16, output="hidden")
     st = compile_stages(b.model, b.inputs, arch="sm_90a")
-    assert "rope_into_projection" in [f.rule for f in st.fired]
+    assert {"rotate_half_to_pairs", "rope_into_projection"} <= {f.rule for f in st.fired}
     roped = [s for s in st.plan.steps if s.family == "gemm" and s.gemm.stacks]
     assert len(roped) == 4  # q and k of two layers
     plan = str(st.plan)
@@ -197,16 +184,21 @@ def test_fires_through_the_torch_compile_backend(monkeypatch):
     rule fires; the output passes the 2x rule against float64."""
     import tilefuse.frontend.backend as be
 
+    import functools
+
+    from tilefuse.graph.rules import rope_rotate_half
+
     monkeypatch.setenv("TILEFUSE_ROPE_EPILOGUE", "1")
     fired = []
-    orig = rope_epilogue.rope_into_projection
+    orig = rope_rotate_half.rotate_half_to_pairs
 
-    def rope_into_projection(g):
-        g2 = rotate_half_to_pairs(g)
+    @functools.wraps(orig)
+    def rotate_half_to_pairs(g):  # compile_stages imports the rule when it runs it
+        g2 = orig(g)
         fired.append(g2 is not g)
-        return orig(g2)
+        return g2
 
-    monkeypatch.setattr(rope_epilogue, "rope_into_projection", rope_into_projection)
+    monkeypatch.setattr(rope_rotate_half, "rotate_half_to_pairs", rotate_half_to_pairs)
     be.register()
     torch._dynamo.reset()
     b = hf.build("llama", layers=2, hidden=64, seq=16, batch=2, dtype=torch.bfloat16, output="hidden")
