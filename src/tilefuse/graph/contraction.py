@@ -353,18 +353,25 @@ def match(g: ir.Graph, c: ir.Contraction, users=None, taken: frozenset = frozens
                     absorbed + (pairwise or ()) + views, taken_stacks, viewed, partials, partial_of, width)
 
 
-def stack_halves(n) -> tuple[str, str] | None:
-    """(first, second) for n = stack((first, second), dim=-1) of two tensors; else None."""
-    if not (isinstance(n, ir.Extern) and n.target == "aten.stack.default") or not n.args:
+def last_dim_pair(n, target: str) -> tuple[str, str] | None:
+    """(first, second) for n = target((first, second), dim=-1), an extern of two tensors along
+    the last dim (aten.stack, aten.cat); else None."""
+    if not (isinstance(n, ir.Extern) and n.target == target) or not n.args:
         return None
     pair = n.args[0]
     dim = n.args[1] if len(n.args) > 1 else dict(n.kwargs).get("dim", 0)
     rank = len(n.type.shape)
     if not (isinstance(pair, tuple) and len(pair) == 2 and all(isinstance(a, ir.Ref) for a in pair)):
         return None
-    if not isinstance(dim, int) or dim % rank != rank - 1 or n.type.shape[-1] != 2:
+    if not isinstance(dim, int) or dim % rank != rank - 1:
         return None
     return pair[0].name, pair[1].name
+
+
+def stack_halves(n) -> tuple[str, str] | None:
+    """(first, second) for n = stack((first, second), dim=-1) of two tensors; else None."""
+    pair = last_dim_pair(n, "aten.stack.default")
+    return pair if pair and n.type.shape[-1] == 2 else None
 
 
 def _extra_outputs_pay(g: ir.Graph, c: ir.Contraction, outs: list[str], kept: list[str], users) -> bool:

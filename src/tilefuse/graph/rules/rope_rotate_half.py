@@ -34,6 +34,7 @@ from __future__ import annotations
 import torch
 
 from .. import ir
+from ..contraction import last_dim_pair
 from ..rewrites import substitute
 from .match import Editor, peel_casts, prune, row_vector, value, weight_operand
 
@@ -65,16 +66,10 @@ def _slice_of(g: ir.Graph, name: str, q: str, start: int, end: int) -> bool:
 def _rotate_half(g: ir.Graph, name: str) -> str | None:
     """q when name = cat((neg(q[..., D/2:]), q[..., :D/2]), -1); else None."""
     c = g[name]
-    if not (isinstance(c, ir.Extern) and c.target == "aten.cat.default" and c.args):
+    pair = last_dim_pair(c, "aten.cat.default")
+    if pair is None:
         return None
-    pair = c.args[0]
-    dim = c.args[1] if len(c.args) > 1 else dict(c.kwargs).get("dim", 0)
-    rank = len(c.type.shape)
-    if not (isinstance(pair, tuple) and len(pair) == 2 and all(isinstance(a, ir.Ref) for a in pair)):
-        return None
-    if not isinstance(dim, int) or dim % rank != rank - 1:
-        return None
-    neg, lo = g[pair[0].name], pair[1].name
+    neg, lo = g[pair[0]], pair[1]
     if not (isinstance(neg, ir.Map) and neg.op == "neg" and isinstance(g[neg.args[0]], ir.View)):
         return None
     q = g[neg.args[0]].arg
