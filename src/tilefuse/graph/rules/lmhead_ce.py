@@ -1,30 +1,52 @@
 """LM head + cross-entropy without the logits in memory: per-group partials in the GEMM epilogue.
 
-    z = X (an [M, V] product, maybe cast), loss = CE(z, target)
-    →  z3 = reshape(z, [M, T, W])                      (T = V / W column groups of W)
+    z = X (an [M, V] product: casts and row reshapes of a GEMM's epilogue value y), loss = CE(z, target)
+    →  z3 = reshape(y, [M, T, W])                      (T = ceil(V / W) column groups of W)
        pmax[m, t] = max_c z3                           psum[m, t] = sum_c exp(z3 - shift)
        psel[m, t] = sum_c (t W + c == target[m]) ? z3 : 0,   shift = pmax, or 0 where it is -inf
        lse[m]  = B + log(sum_t exp(pmax - B) psum),  B = max_t pmax
        tgt[m]  = sum_t psel
 
+When W does not divide V (GPT-2's 50257), the last group is short: y is first padded to T W
+columns with -inf,
+
+       yp[..., j] = j < V ? y[..., min(j, V - 1)] : -inf        (a gather and a where)
+
+so a padded column adds nothing (max -inf, exp 0, never the target). That is the Graph IR
+spelling of what the epilogue does anyway: codegen/epilogue.py's partials read the column
+t W + c wrapped into the row and mask it to the reduction's identity past V, and the sm_90a
+template's tail tiles read clamped columns and keep those masks. The pad itself never runs:
+the planner takes it into the GEMM with the partials.
+
 lse and the target logit replace the graph's own (the log-sum-exp and the target select that
-torch.export gives for F.cross_entropy); the masked mean over rows (ignore_index) after them
-is left as it is. The partials are the generated GEMM's epilogue (`partials_after` is what the
-planner recognises, codegen/epilogue.py's partial_lse / partial_select what it lowers them to):
-the GEMM writes 3 floats per row and group instead of V logits per row, and the small row
+torch.export gives for F.cross_entropy); the masked mean or sum over rows (ignore_index) after
+them is left as it is. The partials are the generated GEMM's epilogue (`partials_after` is what
+the planner recognises, codegen/epilogue.py's partial_lse / partial_select what it lowers them
+to): the GEMM writes 3 floats per row and group instead of V logits per row, and the small row
 kernel over [M, T] finishes them. The sum of exp is regrouped (by group, then across groups), so
 the result is not bit-identical to the one-pass form: the same function to rounding.
 
-Fires when z is 2-D, read only by the cross-entropy's max, subtraction and target select (not
-returned), V a multiple of W (codegen.epilogue.PARTIAL_WIDTH), and z is (casts of) a contraction.
+z is what `F.cross_entropy(logits.float().view(-1, V), labels.view(-1), ignore_index=-100)`
+and transformers' ForCausalLMLoss make of [B, S, V] logits: a cast and a reshape of the
+product (in either order), maybe after a bias add. The casts are applied to y before the
+grouping reshape (an elementwise cast commutes with a reshape), so the partials read the
+epilogue's own value.
+
+Fires when z is 2-D [M, V] and f32/f64, read only by the cross-entropy's max, subtraction and
+target select; every tensor from the product y to z is read only by the next (the logits are
+not returned: returned logits are written anyway, so there is nothing to save); and the
+rewritten graph's GEMM takes the partials into its epilogue (contraction.match says so: a
+bf16/f16 product the planner generates). Otherwise the graph is left as it is: without the
+GEMM the partials would only add kernels (and, for a short last group, copy the logits).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from ...codegen.epilogue import PARTIAL_WIDTH
 from .. import ir
-from .match import Editor, peel_casts, prune
+from .match import Editor, prune
 
 
 def _red(g: ir.Graph, name: str, op: str, arg: str, axes: tuple, keepdim: bool) -> bool:
@@ -43,6 +65,11 @@ def _const(g: ir.Graph, name: str, value) -> bool:
     return isinstance(n, ir.Constant) and float(n.value) == float(value)
 
 
+def _rows(shape: tuple, m: int, v: int) -> bool:
+    """shape is [..., V] with M rows in its leading dims."""
+    return len(shape) >= 2 and shape[-1] == v and math.prod(shape[:-1]) == m
+
+
 @dataclass(frozen=True)
 class _CE:
     z: str
@@ -50,7 +77,26 @@ class _CE:
     lse: str         # add(log(sum(exp(z - mx))), mx)
     select: str      # reduce sum(where(eq(iota, target[:, None]), z, 0))
     target: str      # the [M] class indices
+    base: str        # y: z is casts and row reshapes of it
+    casts: tuple     # the dtypes of those casts, from y's side
     dead: tuple      # the nodes the rewrite replaces
+
+
+def _chain(g: ir.Graph, users, z: str) -> tuple[str, tuple[str, ...]] | None:
+    """(y, cast dtypes): z is float casts and reshapes of the rows of y ([..., V] into [M, V] and
+    back), each link read only by the next and none returned; None otherwise."""
+    m, v = g[z].type.shape
+    casts, x = [], z
+    while True:
+        n = g[x]
+        if isinstance(n, ir.Map) and n.op == "cast" and n.type.dtype in ("bf16", "f16", "f32", "f64"):
+            casts.append(n.type.dtype)
+        elif not (isinstance(n, ir.View) and n.op == "reshape" and _rows(g[n.arg].type.shape, m, v)):
+            return x, tuple(reversed(casts))
+        up = ir.node_args(n)[0]
+        if users[up] != [x] or up in g.outputs or g[up].type.dtype not in ("bf16", "f16", "f32", "f64"):
+            return None
+        x = up
 
 
 def _find(g: ir.Graph, users, mx: str) -> _CE | None:
@@ -62,7 +108,8 @@ def _find(g: ir.Graph, users, mx: str) -> _CE | None:
     zt = g[z].type
     if len(zt.shape) != 2 or tuple(n.axes) != (1,) or zt.dtype not in ("f32", "f64") or z in g.outputs:
         return None  # (logits the program returns are written anyway: nothing to save)
-    if not isinstance(g[peel_casts(g, z)], ir.Contraction):
+    chain = _chain(g, users, z)
+    if chain is None:
         return None
     sub = lse = log = ssum = exp = sel = where = eq = target = None
     for u in users[z]:
@@ -106,77 +153,133 @@ def _find(g: ir.Graph, users, mx: str) -> _CE | None:
             break
     else:
         return None
-    return _CE(z, mx, lse, sel, target, (mx, sub, exp, ssum, log, lse, eq, where, sel))
+    return _CE(z, mx, lse, sel, target, chain[0], chain[1], (mx, sub, exp, ssum, log, lse, eq, where, sel))
+
+
+def _rewrite(g: ir.Graph, ce: _CE, width: int) -> tuple[ir.Graph, str]:
+    """g with `ce` rewritten to partials (the module docstring), and the name of its pmax."""
+    ed = Editor(g)
+    zt = g[ce.z].type
+    m, v = zt.shape
+    t, dt, src = -(-v // width), zt.dtype, g[ce.lse].source
+    y = g[ce.base]
+    lead = y.type.shape[:-1]
+
+    def T(shape, dtype=dt):
+        return ir.TensorType(tuple(shape), dtype)
+
+    f = ed.fresh
+    new: list = []
+    name = ce.base
+    for d in ce.casts:  # z's casts, on y's own shape (before the reshape: the epilogue's value)
+        c = ir.Map(f("logits_cast"), T(y.type.shape, d), "cast", (name,), src)
+        new.append(c)
+        name = c.name
+    if v % width:  # pad to t * width columns with -inf (read at the last column, then masked)
+        tw = t * width
+        cols = ir.Iota(f("pad_cols"), T((tw,), "i64"), 0, src)
+        last = ir.Constant(f("last_col"), T((), "i64"), v - 1, src)
+        clamp = ir.Map(f("pad_index"), T((tw,), "i64"), "min", (cols.name, last.name), src)
+        row = ir.View(f("pad_index_row"), T((1,) * len(lead) + (tw,), "i64"), "reshape", clamp.name,
+                      (1,) * len(lead) + (tw,), src)
+        index = ir.View(f("pad_index_rows"), T(lead + (tw,), "i64"), "expand", row.name, lead + (tw,), src)
+        read = ir.Gather(f("pad_read"), T(lead + (tw,)), name, index.name, len(lead), src)
+        nv = ir.Constant(f("ncols"), T((), "i64"), v, src)
+        inside = ir.Map(f("pad_inside"), T((tw,), "bool"), "lt", (cols.name, nv.name), src)
+        ninf_pad = ir.Constant(f("ninf"), T(()), float("-inf"), src)
+        padded = ir.Map(f("padded"), T(lead + (tw,)), "where", (inside.name, read.name, ninf_pad.name), src)
+        new += [cols, last, clamp, row, index, read, nv, inside, ninf_pad, padded]
+        name = padded.name
+    z3 = ir.View(f(f"{ce.z}_groups"), T((m, t, width)), "reshape", name, (m, t, width), src)
+    pmax = ir.Reduce(f("pmax"), T((m, t)), "max", z3.name, (2,), False, src)
+    pmk = ir.View(f("pmax_k"), T((m, t, 1)), "reshape", pmax.name, (m, t, 1), src)
+    ninf = ir.Constant(f("ninf"), T(()), float("-inf"), src)
+    empty = ir.Map(f("pmax_empty"), T((m, t, 1), "bool"), "eq", (pmk.name, ninf.name), src)
+    zero = ir.Constant(f("zero"), T(()), 0.0, src)
+    shift = ir.Map(f("pmax_shift"), T((m, t, 1)), "where", (empty.name, zero.name, pmk.name), src)
+    d = ir.Map(f("pshift"), T((m, t, width)), "sub", (z3.name, shift.name), src)
+    e = ir.Map(f("pexp"), T((m, t, width)), "exp", (d.name,), src)
+    psum = ir.Reduce(f("psum"), T((m, t)), "sum", e.name, (2,), False, src)
+    iota = ir.Iota(f("cols"), T((t * width,), "i64"), 0, src)
+    cols = ir.View(f("cols_groups"), T((t, width), "i64"), "reshape", iota.name, (t, width), src)
+    tg = ir.View(f(f"{ce.target}_rows"), T((m, 1, 1), "i64"), "reshape", ce.target, (m, 1, 1), src)
+    hit = ir.Map(f("phit"), T((m, t, width), "bool"), "eq", (cols.name, tg.name), src)
+    sel = ir.Map(f("pselect"), T((m, t, width)), "where", (hit.name, z3.name, zero.name), src)
+    psel = ir.Reduce(f("psel"), T((m, t)), "sum", sel.name, (2,), False, src)
+    # the finishing reduction over the T groups of a row
+    big = ir.Reduce(f("lse_max"), T((m, 1)), "max", pmax.name, (1,), True, src)
+    dd = ir.Map(f("lse_shift"), T((m, t)), "sub", (pmax.name, big.name), src)
+    ee = ir.Map(f("lse_scale"), T((m, t)), "exp", (dd.name,), src)
+    ww = ir.Map(f("lse_terms"), T((m, t)), "mul", (ee.name, psum.name), src)
+    ss = ir.Reduce(f("lse_sum"), T((m, 1)), "sum", ww.name, (1,), True, src)
+    lg = ir.Map(f("lse_log"), T((m, 1)), "log", (ss.name,), src)
+    lse = ir.Map(ce.lse, g[ce.lse].type, "add", (lg.name, big.name), src)
+    select = ir.Reduce(ce.select, g[ce.select].type, "sum", psel.name, (1,), False, g[ce.select].source)
+    new += [z3, pmax, pmk, ninf, empty, zero, shift, d, e, psum, iota, cols, tg, hit, sel, psel,
+            big, dd, ee, ww, ss, lg]
+    replaced = {ce.lse: lse, ce.select: select}
+    drop = set(ce.dead) - set(replaced)
+    out = []
+    for n in g.nodes:
+        if n.name == ce.mx:  # the new nodes where the cross-entropy began
+            out += new
+        if n.name not in drop:
+            out.append(replaced.get(n.name, n))
+    return ed.graph(_in_order(out)), pmax.name
+
+
+def _in_order(nodes: list) -> list:
+    """`nodes` as given, but for a node needed before it appears (the target, when the graph
+    defines it after the cross-entropy's max): that one moves up, just before its first reader."""
+    by = {n.name: n for n in nodes}
+    placed: set[str] = set()
+    out = []
+    for first in nodes:
+        stack = [(first, False)]
+        while stack:
+            n, ready = stack.pop()
+            if n.name in placed:
+                continue
+            if ready:
+                placed.add(n.name)
+                out.append(n)
+                continue
+            stack.append((n, True))
+            stack.extend((by[a], False) for a in reversed(ir.node_args(n)) if a in by and a not in placed)
+    return out
+
+
+def _fused(g: ir.Graph, pmax: str) -> bool:
+    """Does the planner put the partials whose max is `pmax` into a GEMM's epilogue?"""
+    from ..contraction import GemmSpec, match
+
+    users = g.users()
+    m, t = g[pmax].type.shape
+    for n in g.nodes:
+        if isinstance(n, ir.Contraction) and math.prod(n.type.shape[:-1]) == m:
+            spec = match(g, n, users)
+            if isinstance(spec, GemmSpec) and pmax in spec.outs:
+                return True
+    return False
 
 
 def lmhead_ce_partials(g: ir.Graph, width: int = PARTIAL_WIDTH) -> ir.Graph:
     users = g.users()
-    found = []
-    for n in g.nodes:
-        ce = _find(g, users, n.name) if isinstance(n, ir.Reduce) else None
-        if ce is not None and g[ce.z].type.shape[1] % width == 0:
-            found.append(ce)
-    if not found:
-        return g
-    ed = Editor(g)
-    before: dict[str, list] = {}    # node -> new nodes placed before it
-    instead: dict[str, list] = {}   # node -> the nodes that replace it
-    drop: set[str] = set()
-    for ce in found:
-        zt = g[ce.z].type
-        m, v = zt.shape
-        t, dt, src = v // width, zt.dtype, g[ce.lse].source
-
-        def T(shape, dtype=dt):
-            return ir.TensorType(tuple(shape), dtype)
-
-        f = ed.fresh
-        z3 = ir.View(f(f"{ce.z}_groups"), T((m, t, width)), "reshape", ce.z, (m, t, width), src)
-        pmax = ir.Reduce(f("pmax"), T((m, t)), "max", z3.name, (2,), False, src)
-        pmk = ir.View(f("pmax_k"), T((m, t, 1)), "reshape", pmax.name, (m, t, 1), src)
-        ninf = ir.Constant(f("ninf"), T(()), float("-inf"), src)
-        empty = ir.Map(f("pmax_empty"), T((m, t, 1), "bool"), "eq", (pmk.name, ninf.name), src)
-        zero = ir.Constant(f("zero"), T(()), 0.0, src)
-        shift = ir.Map(f("pmax_shift"), T((m, t, 1)), "where", (empty.name, zero.name, pmk.name), src)
-        d = ir.Map(f("pshift"), T((m, t, width)), "sub", (z3.name, shift.name), src)
-        e = ir.Map(f("pexp"), T((m, t, width)), "exp", (d.name,), src)
-        psum = ir.Reduce(f("psum"), T((m, t)), "sum", e.name, (2,), False, src)
-        iota = ir.Iota(f("cols"), T((v,), "i64"), 0, src)
-        cols = ir.View(f("cols_groups"), T((t, width), "i64"), "reshape", iota.name, (t, width), src)
-        tg = ir.View(f(f"{ce.target}_rows"), T((m, 1, 1), "i64"), "reshape", ce.target, (m, 1, 1), src)
-        hit = ir.Map(f("phit"), T((m, t, width), "bool"), "eq", (cols.name, tg.name), src)
-        sel = ir.Map(f("pselect"), T((m, t, width)), "where", (hit.name, z3.name, zero.name), src)
-        psel = ir.Reduce(f("psel"), T((m, t)), "sum", sel.name, (2,), False, src)
-        # the finishing reduction over the T groups of a row
-        big = ir.Reduce(f("lse_max"), T((m, 1)), "max", pmax.name, (1,), True, src)
-        dd = ir.Map(f("lse_shift"), T((m, t)), "sub", (pmax.name, big.name), src)
-        ee = ir.Map(f("lse_scale"), T((m, t)), "exp", (dd.name,), src)
-        ww = ir.Map(f("lse_terms"), T((m, t)), "mul", (ee.name, psum.name), src)
-        ss = ir.Reduce(f("lse_sum"), T((m, 1)), "sum", ww.name, (1,), True, src)
-        lg = ir.Map(f("lse_log"), T((m, 1)), "log", (ss.name,), src)
-        lse = ir.Map(ce.lse, g[ce.lse].type, "add", (lg.name, big.name), src)
-        select = ir.Reduce(ce.select, g[ce.select].type, "sum", psel.name, (1,), False, g[ce.select].source)
-        before[ce.mx] = [z3, pmax, pmk, ninf, empty, zero, shift, d, e, psum, iota, cols, tg, hit, sel, psel,
-                         big, dd, ee, ww, ss, lg]
-        instead[ce.lse] = [lse]
-        instead[ce.select] = [select]
-        drop |= set(ce.dead) - {ce.lse, ce.select}
-    out = []
-    for n in g.nodes:
-        out += before.get(n.name, [])
-        if n.name in instead:
-            out += instead[n.name]
-        elif n.name not in drop:
-            out.append(n)
-    return prune(ed.graph(out))
+    found = [ce for n in g.nodes if isinstance(n, ir.Reduce) for ce in [_find(g, users, n.name)] if ce]
+    out = g
+    for ce in found:  # (each rewrite leaves the other cross-entropies' nodes as they are)
+        new, pmax = _rewrite(out, ce, width)
+        if _fused(new, pmax):
+            out = new
+    return out
 
 
 @dataclass(frozen=True)
 class Partials:
-    """What the planner puts in a GEMM's epilogue after its output z (see the module docstring):
+    """What the planner puts in a GEMM's epilogue after its output y (see the module docstring):
     `members` the graph nodes it computes there, `outs` the [M, T] tensors it writes."""
 
-    source: str                     # z, the epilogue's value the partials reduce
+    source: str                     # y, the epilogue's value the partials reduce
     width: int
     members: tuple[str, ...]
     lse: tuple[str, str]            # (pmax, psum)
@@ -187,20 +290,63 @@ class Partials:
         return self.lse + ((self.select[0],) if self.select else ())
 
 
-def partials_after(g: ir.Graph, users, z: str) -> Partials | None:
-    """The partials the rule above leaves after z (an [M, V] epilogue value read by nothing
-    else), or None: z3 = reshape(z, [M, T, W]) read only by pmax, the shifted exp of psum and
-    the target select of psel, each intermediate read only inside that pattern."""
-    zt = g[z].type
-    if len(zt.shape) != 2 or len(users[z]) != 1 or z in g.outputs:
+def _pad_after(g: ir.Graph, users, y: str) -> tuple[list[str], str, int] | None:
+    """(members, yp, padded width) for yp = where(j < V, gather(y, last, min(j, V - 1)), -inf),
+    the -inf padding the rule puts after y when W does not divide V; None otherwise."""
+    yt = g[y].type
+    v, rank = yt.shape[-1], len(yt.shape)
+    read = users[y][0]
+    r = g[read]
+    if not (isinstance(r, ir.Gather) and r.arg == y and r.axis == rank - 1 and len(users[read]) == 1
+            and r.type.shape[:-1] == yt.shape[:-1] and r.type.shape[-1] > v):
         return None
-    m, v = zt.shape
-    z3 = users[z][0]
+    tw = r.type.shape[-1]
+
+    def columns(name: str) -> bool:
+        n = g[name]
+        return isinstance(n, ir.Iota) and n.axis == 0 and n.type.shape == (tw,)
+
+    index = g[r.index]
+    row = g[index.arg] if isinstance(index, ir.View) else None
+    clamp = _map(g, row.arg, "min") if isinstance(row, ir.View) else None
+    if not (clamp is not None and index.op == "expand" and row.op == "reshape"
+            and row.type.shape == (1,) * (rank - 1) + (tw,) and columns(clamp.args[0]) and _const(g, clamp.args[1], v - 1)
+            and users[r.index] == [read] and users[index.arg] == [r.index] and users[row.arg] == [index.arg]):
+        return None
+    padded = users[read][0]
+    p = _map(g, padded, "where")
+    if p is None or p.args[1] != read or not _const(g, p.args[2], float("-inf")):
+        return None
+    inside = _map(g, p.args[0], "lt")
+    if inside is None or not (columns(inside.args[0]) and _const(g, inside.args[1], v)) or users[p.args[0]] != [padded]:
+        return None
+    return [row.arg, index.arg, r.index, read, p.args[0], padded], padded, tw
+
+
+def partials_after(g: ir.Graph, users, z: str) -> Partials | None:
+    """The partials the rule above leaves after z (an epilogue value [..., V] read by nothing
+    else), or None: z3 = reshape(z, [M, T, W]), or of z padded to T W columns with -inf, read
+    only by pmax, the shifted exp of psum and the target select of psel, each intermediate read
+    only inside that pattern."""
+    zt = g[z].type
+    if len(zt.shape) < 2 or len(users[z]) != 1 or z in g.outputs:
+        return None
+    v = zt.shape[-1]
+    m = math.prod(zt.shape[:-1])
+    members, grouped, tw = [], z, v
+    pad = _pad_after(g, users, z)
+    if pad is not None:
+        members, grouped, tw = pad
+        if len(users[grouped]) != 1:
+            return None
+    z3 = users[grouped][0]
     n3 = g[z3]
-    if not (isinstance(n3, ir.View) and n3.op == "reshape" and len(n3.type.shape) == 3
-            and n3.type.shape[0] == m and n3.type.shape[1] * n3.type.shape[2] == v):
+    if not (isinstance(n3, ir.View) and n3.op == "reshape" and n3.arg == grouped and len(n3.type.shape) == 3
+            and n3.type.shape[0] == m and n3.type.shape[1] * n3.type.shape[2] == tw):
         return None
     t, w = n3.type.shape[1:]
+    if tw != v and (t - 1) * w >= v:  # padding beyond the last group: not the rule's
+        return None
     pmax = d = sel = None
     for u in users[z3]:
         x = g[u]
@@ -230,7 +376,7 @@ def partials_after(g: ir.Graph, users, z: str) -> Partials | None:
     if len(users[e]) != 1 or not _red(g, users[e][0], "sum", e, (2,), False):
         return None
     psum = users[e][0]
-    members = [z3, pmax, pmk, empty, shift, d, e, psum]
+    members += [z3, pmax, pmk, empty, shift, d, e, psum]
     select = None
     if sel is not None:
         hit = g[sel].args[0]
@@ -243,7 +389,7 @@ def partials_after(g: ir.Graph, users, z: str) -> Partials | None:
         cols, tg = h.args
         c, tv = g[cols], g[tg]
         if not (isinstance(c, ir.View) and c.op == "reshape" and c.type.shape == (t, w) and users[cols] == [hit]
-                and isinstance(g[c.arg], ir.Iota) and g[c.arg].type.shape == (v,)
+                and isinstance(g[c.arg], ir.Iota) and g[c.arg].type.shape == (tw,)
                 and isinstance(tv, ir.View) and tv.op == "reshape" and tv.type.shape == (m, 1, 1)
                 and users[tg] == [hit] and g[tv.arg].type.shape == (m,) and g[tv.arg].type.dtype == "i64"):
             return None
