@@ -99,3 +99,59 @@ def test_partials_with_the_logits_also_stored():
     _passes("logits", outs["logits"], ref64, x @ w.T)
     for name, r, lp in zip(("pmax", "psum", "psel"), _partials(ref64, target), _partials(x @ w.T, target)):
         _passes(name, outs[name], r, lp)
+
+
+class _HeadLoss(torch.nn.Module):
+    """An LM head and the loss a training step writes over it: [B, S, V] logits cast to f32 and
+    viewed as [B S, V], ignore_index -100 (what transformers' ForCausalLMLoss does)."""
+
+    def __init__(self, d, v):
+        super().__init__()
+        self.head = torch.nn.Linear(d, v, bias=False)
+
+    def forward(self, x, target):
+        z = self.head(x)
+        return torch.nn.functional.cross_entropy(z.float().view(-1, z.shape[-1]), target.view(-1), ignore_index=-100)
+
+
+def _program_loss(module, inputs):
+    """tilefuse.compile's loss (its thin call, then its CUDA-graph replay) under the 2x rule, with
+    the LM head's GEMM writing the partials, not the logits."""
+    import tilefuse
+    from tilefuse.check import compare, float64_reference
+
+    prog = tilefuse.compile(module, inputs)
+    prog.poison = True
+    assert "lmhead_ce_partials" in [f.rule for f in prog.stages.fired]
+    assert sum(1 for s in prog.plan.steps if s.family == "gemm" and s.gemm.partials) == 1
+    ref = float64_reference(module, inputs)
+    with torch.no_grad():
+        eager = module(*inputs)
+    for call in range(2):
+        c = compare(f"call{call}", prog(*inputs).reshape(()).float(), ref.reshape(()), eager.reshape(()))
+        assert c.ok, c
+
+
+@pytest.mark.parametrize("v", [50257, 1000, 129, 4096])
+def test_compiled_head_loss_at_any_vocab_size(v):
+    """V not a multiple of 128 (GPT-2's 50257): the short last group's columns add nothing."""
+    torch.manual_seed(0)
+    m = _HeadLoss(256, v).cuda().to(torch.bfloat16).eval()
+    x = torch.randn(2, 300, 256, device="cuda", dtype=torch.bfloat16)
+    t = torch.randint(0, v, (2, 300), device="cuda")
+    t.view(-1)[::7] = -100
+    t.view(-1)[1::11] = v - 1
+    _program_loss(m, (x, t))
+
+
+@pytest.mark.parametrize("name,vocab", [("llama", 1000), ("gpt2", 50257)])
+def test_compiled_transformers_loss(name, vocab):
+    """transformers' own loss (shifted labels, f32 logits, ignore_index) on the partials."""
+    pytest.importorskip("transformers")
+    from tilefuse import models
+
+    b = models.build(name, 1, hidden=128, seq=64, batch=2, vocab=vocab, dtype=torch.bfloat16, output="loss",
+                     device="cuda")
+    ids, labels = b.inputs
+    labels[0, :5] = -100
+    _program_loss(b.model, (ids, labels))
