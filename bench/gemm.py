@@ -14,13 +14,17 @@ second sample for the log, never mixed into the default's ratio or the geomean. 
 the autotuner on each shape first (picks cached in TILEFUSE_CACHE_DIR, as `tilefuse tune`
 leaves them) and times the tuned schedule next to the default, each with its own geomean.
 
-Schedules: <bm>x<bn>s<stages>c<consumers>[g<group_m>][m2][d]: g = tile rows per raster group,
+Schedules: <bm>x<bn>s<stages>c<consumers>[g<group_m>][m2][d][p]: g = tile rows per raster group,
 m2 = 2-CTA clusters along M multicasting B, d = epilogue stores straight from registers
-instead of through shared memory and TMA.
+instead of through shared memory and TMA, p = ping-pong consumers (each its own bm x bn tile,
+main loops in turn), k<S> = split-K in S slices. With --fused, each fused kernel and its plain GEMM run with every
+schedule given (else the default).
 
 Random normal inputs; each tilefuse result is checked against a float32 reference (the 2x
 rule of tilefuse.check, against cuBLAS's own bf16 error) before it is timed. Times are
-medians of CUDA-event timings (triton.testing.do_bench). TFLOP/s counts 2*M*N*K. The
+medians of CUDA-event timings with L2 flushed by a read before each call
+(tilefuse.analyze.bench; results before session 6 used do_bench's write flush, whose
+write-back adds ~9 us to every call). TFLOP/s counts 2*M*N*K. The
 dense bf16 peak is the best cuBLAS rate measured in this run. Prints a table last.
 """
 from __future__ import annotations
@@ -52,23 +56,24 @@ REP_MS = 300
 
 
 def median_ms(fn) -> float:
-    from triton.testing import do_bench
+    from tilefuse.analyze.bench import median_ms as timed
 
-    return do_bench(fn, warmup=50, rep=REP_MS, return_mode="median")
+    return timed(fn, warmup=50, rep=REP_MS)
 
 
 def parse_schedule(text: str) -> GemmSchedule:
     """'128x256s4c2' -> bm 128, bn 256, 4 stages, 2 consumers (g<G>: group_m, m2: cluster,
-    d: direct stores)."""
+    d: direct stores, p: ping-pong consumers, k<S>: split-K in S slices)."""
     import re
 
-    m = re.fullmatch(r"(\d+)x(\d+)s(\d+)c(\d+)(?:g(\d+))?(?:m(\d))?(d)?", text)
+    m = re.fullmatch(r"(\d+)x(\d+)s(\d+)c(\d+)(?:g(\d+))?(?:m(\d))?(d)?(p)?(?:k(\d+))?", text)
     if not m:
         raise SystemExit(f"bad schedule {text!r}; want like 128x256s4c2 (g8: group_m, m2: 2-CTA cluster, "
-                         f"d: direct stores)")
-    bm, bn, s, c, g, cl, d = m.groups()
+                         f"d: direct stores, p: ping-pong, k4: split-K 4)")
+    bm, bn, s, c, g, cl, d, p, sk = m.groups()
     return GemmSchedule(int(bm), int(bn), stages=int(s), consumers=int(c), group_m=int(g or 8),
-                        cluster_m=int(cl or 1), tma_store=not d)
+                        cluster_m=int(cl or 1), tma_store=not d, pingpong=bool(p),
+                        split_k=int(sk or 1))
 
 
 def reference(a, b, b_major):
@@ -158,8 +163,9 @@ def _baseline(fn, *args):
     return min(eager, comp), eager, comp
 
 
-def run_fused(m, n, k, sched=None):
-    """Each epilogue kind fused into the GEMM vs cuBLAS + the best of eager / torch.compile."""
+def run_fused(m, n, k, scheds=(None,)):
+    """Each epilogue kind fused into the GEMM vs cuBLAS + the best of eager / torch.compile,
+    once per schedule (None: the default), with the plain GEMM on the same schedule."""
     import torch.nn.functional as F
 
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
@@ -178,10 +184,9 @@ def run_fused(m, n, k, sched=None):
         b = torch.randn(nn_, device="cuda", dtype=torch.bfloat16)
         r = torch.randn(m, nn_, device="cuda", dtype=torch.bfloat16)
         s = torch.rand(m, device="cuda", dtype=torch.float32) + 0.5
-        plain = compile_gemm(GemmProblem(m, nn_, k, "bf16"), sched)
-        g = compile_gemm(GemmProblem(m, nn_, k, "bf16", epilogue=ep), sched)
         named = {"bias": b, "residual": r, "row_scale": s}
         args = {name: named[name] for name in extra}
+        w_il = None
         if kind == "swiglu":
             # tilefuse: gate/up rows interleaved once; baseline: the usual [gate; up] weight
             w_std = w
@@ -190,25 +195,29 @@ def run_fused(m, n, k, sched=None):
             def ref_fn(x, w, b, r, s):
                 gate, up = F.linear(x, w).chunk(2, dim=-1)
                 return F.silu(gate) * up
-            out = g(x, w_il)
             base_args = (x, w_std, b, r, s)
         else:
-            out = g(x, w, **args)
             base_args = (x, w, b, r, s)
-        torch.cuda.synchronize()
         ref32 = ref_fn(*(t.float() if t.dtype == torch.bfloat16 else t for t in base_args))
         lowp = ref_fn(*base_args)
-        err, base_err = rel_error(out.float(), ref32), rel_error(lowp.float(), ref32)
-        ok = bool(torch.isfinite(out).all()) and err <= 2 * base_err + 1e-5
-        if kind == "swiglu":
-            t = median_ms(lambda: g(x, w_il))
-        else:
-            t = median_ms(lambda: g(x, w, **args))
-        t_plain = median_ms(lambda: plain(x, w))
         best, eager, comp = _baseline(ref_fn, *base_args)
-        rows.append(dict(kind=kind, m=m, n=nn_, k=k, ok=ok, err=err, torch_err=base_err, ms=t, plain_ms=t_plain,
-                         eager_ms=eager, compile_ms=comp, speedup=best / t, vs_plain=t / t_plain))
-        print(json.dumps(rows[-1]), flush=True)
+        for sched in scheds:
+            plain = compile_gemm(GemmProblem(m, nn_, k, "bf16"), sched)
+            g = compile_gemm(GemmProblem(m, nn_, k, "bf16", epilogue=ep), sched)
+            out = g(x, w_il) if w_il is not None else g(x, w, **args)
+            torch.cuda.synchronize()
+            err, base_err = rel_error(out.float(), ref32), rel_error(lowp.float(), ref32)
+            ok = bool(torch.isfinite(out).all()) and err <= 2 * base_err + 1e-5
+            if w_il is not None:
+                t = median_ms(lambda: g(x, w_il))
+            else:
+                t = median_ms(lambda: g(x, w, **args))
+            t_plain = median_ms(lambda: plain(x, w))
+            rows.append(dict(kind=kind, m=m, n=nn_, k=k, schedule=str(g.source.schedule),
+                             plain_schedule=str(plain.source.schedule), ok=ok, err=err, torch_err=base_err,
+                             ms=t, plain_ms=t_plain, eager_ms=eager, compile_ms=comp, speedup=best / t,
+                             vs_plain=t / t_plain))
+            print(json.dumps(rows[-1]), flush=True)
     return rows
 
 
@@ -254,15 +263,17 @@ def main(argv=None):
         compile_all(args)
         return
     if args.fused:
-        rows = [r for m, n, k in FUSED_SHAPES for r in run_fused(m, n, k)]
+        fused_scheds = [parse_schedule(s) for s in args.schedules.split(",") if s] or [None]
+        rows = [r for m, n, k in FUSED_SHAPES for r in run_fused(m, n, k, fused_scheds)]
         if args.json:
             Path(args.json).write_text(json.dumps(dict(gpu=torch.cuda.get_device_name(), rows=rows), indent=1))
         print(f"\n{torch.cuda.get_device_name()}, bf16; speedup = best of (eager, torch.compile) / fused GEMM")
-        print(f"{'epilogue':>10} {'M x N x K':>18} {'ok':>3} {'ms':>7} {'plain':>7} {'eager':>7} {'compile':>7} "
-              f"{'speedup':>8} {'vs plain':>8}")
+        print(f"{'epilogue':>10} {'M x N x K':>18} {'schedule':>30} {'ok':>3} {'ms':>7} {'plain':>7} {'eager':>7} "
+              f"{'compile':>7} {'speedup':>8} {'vs plain':>8}")
         for r in rows:
             shape = f"{r['m']}x{r['n']}x{r['k']}"
-            print(f"{r['kind']:>10} {shape:>18} {'y' if r['ok'] else 'N':>3} "
+            sched = r["schedule"].replace("GemmSchedule(tile ", "").replace(" consumer warpgroups", "c")
+            print(f"{r['kind']:>10} {shape:>18} {sched[:30]:>30} {'y' if r['ok'] else 'N':>3} "
                   f"{r['ms']:7.3f} {r['plain_ms']:7.3f} {r['eager_ms']:7.3f} {r['compile_ms']:7.3f} "
                   f"{r['speedup']:8.3f} {r['vs_plain']:8.3f}")
         return

@@ -115,7 +115,11 @@ def test_n_major_b_operand_gets_a_canonical_mn_major_descriptor():
 KNOBS = [g.GemmSchedule(128, 256, stages=4), g.GemmSchedule(128, 128, stages=6),
          g.GemmSchedule(64, 128, stages=8, consumers=1), g.GemmSchedule(256, 128, stages=4),
          g.GemmSchedule(128, 256, stages=4, cluster_m=2), g.GemmSchedule(128, 256, stages=4, tma_store=False),
-         g.GemmSchedule(64, 128, stages=8, consumers=1, cluster_m=2)]
+         g.GemmSchedule(64, 128, stages=8, consumers=1, cluster_m=2),
+         g.GemmSchedule(128, 128, stages=6, pingpong=True), g.GemmSchedule(64, 256, stages=5, pingpong=True),
+         g.GemmSchedule(128, 128, stages=5, pingpong=True, cluster_m=2),
+         g.GemmSchedule(64, 64, stages=8, consumers=1, split_k=3, tma_store=False),
+         g.GemmSchedule(128, 256, stages=4, split_k=2)]
 
 
 @pytest.mark.parametrize("sched", KNOBS, ids=str)
@@ -127,6 +131,50 @@ def test_knob_instantiations_compile_for_sm90a_without_spills(sched, b_major):
     assert cubin.info.clean, cubin.info
     assert "C7508" not in cubin.log, "setmaxnreg ignored"
     assert src.smem_bytes <= g.SMEM_LIMIT
+
+
+def test_pingpong_consumers_take_turns_on_a_shared_stage_ring():
+    """Ping-pong: each consumer owns a whole tile (no row offset into A or the output), one
+    arrival per stage empties it, consumer c resumes the ring at its tile's first stage, and
+    each main loop waits for its turn and passes it on only to a tile that exists."""
+    src = g.render(g.GemmProblem(512, 512, 4096), g.GemmSchedule(128, 128, stages=6, pingpong=True)).source
+    assert "tf_bar_init(bars + 8 * (STAGES + s), 1);" in src
+    assert "c * 8192" not in src and "row_base = tm * BM;" in src
+    assert "for (int t = first + c * step; t < TILES; t += 2 * step, seq += 2)" in src
+    assert "stage = g % STAGES; phase = (g / STAGES) & 1u;" in src
+    assert "if (seq > 0) tf_named_bar(3 + c, 256);" in src
+    assert "if (t + step < TILES) tf_named_arrive(3 + (c ^ 1), 256);" in src
+    with pytest.raises(g.GemmError, match="2 consumer"):
+        g.GemmSchedule(64, 128, consumers=1, pingpong=True)
+    with pytest.raises(g.GemmError, match="whole tile"):
+        g.GemmSchedule(256, 64, pingpong=True)
+    with pytest.raises(g.GemmError, match="accumulator registers"):
+        g.GemmSchedule(128, 256, pingpong=True)
+
+
+def test_split_k_units_slice_k_and_meet_in_a_workspace():
+    """Split-K: units are (tile, slice) pairs, each slice a contiguous run of K steps (the last
+    shorter); each slice writes its own slot and counts itself in; the last to count in adds
+    the other slots, resets the counter and runs the epilogue. The workspace holds one f32 per
+    accumulator per tile per slice, the counters one int per tile and warpgroup."""
+    p = g.GemmProblem(200, 512, 1000)          # 16 K steps of 64, cut in 3: 6, 6, 4
+    src = g.render(p, g.GemmSchedule(128, 128, stages=6, split_k=3))
+    tiles = 2 * 4
+    assert src.grid_tiles == 3 * tiles
+    assert src.workspace == 3 * tiles * 128 * 128 and src.flags == tiles * 2
+    code = src.source
+    assert "#define SPLIT 3" in code and "#define K_SPLIT 6" in code and "#define UNITS 24" in code
+    assert code.count("for (int kt = k_lo; kt < k_hi; ++kt)") == 2   # producer and consumer
+    assert "last = atomicAdd(flag, 1) == SPLIT - 1;" in code and "*flag = 0;" in code
+    assert "if (!tf_bar_any(1 + c, 128, last)) continue;" in code
+    assert "float* __restrict__ tf_ws, int* __restrict__ tf_flags" in code
+    # no slice may be empty; knobs it does not combine with are refused
+    with pytest.raises(g.GemmError, match="too few"):
+        g.render(g.GemmProblem(128, 128, 128), g.GemmSchedule(64, 64, consumers=1, split_k=3))
+    with pytest.raises(g.GemmError, match="split_k"):
+        g.GemmSchedule(128, 256, cluster_m=2, split_k=2)
+    plain = g.render(p, g.GemmSchedule(128, 128, stages=6))
+    assert plain.workspace == 0 and "tf_ws" not in plain.source
 
 
 def test_problems_tma_cannot_read_are_refused_with_the_reason():

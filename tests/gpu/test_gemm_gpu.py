@@ -38,7 +38,11 @@ SCHEDULES = [GemmSchedule(128, 256, stages=4), GemmSchedule(128, 128, stages=6),
              GemmSchedule(64, 128, stages=8, consumers=1), GemmSchedule(256, 128, stages=4),
              GemmSchedule(64, 64, stages=4, consumers=1), GemmSchedule(128, 256, stages=4, cluster_m=2),
              GemmSchedule(128, 128, stages=6, cluster_m=2), GemmSchedule(64, 64, stages=8, consumers=1, cluster_m=2),
-             GemmSchedule(128, 256, stages=4, tma_store=False)]
+             GemmSchedule(128, 256, stages=4, tma_store=False), GemmSchedule(128, 128, stages=6, pingpong=True),
+             GemmSchedule(64, 256, stages=5, pingpong=True, cluster_m=2),
+             GemmSchedule(128, 128, stages=6, pingpong=True, tma_store=False)]
+PINGPONG = [GemmSchedule(128, 128, stages=6, pingpong=True), GemmSchedule(64, 256, stages=5, pingpong=True),
+            GemmSchedule(128, 128, stages=5, pingpong=True, cluster_m=2)]
 
 
 @pytest.mark.parametrize("sched", SCHEDULES, ids=str)
@@ -69,6 +73,61 @@ def test_large_gemm_matches_float32(shape):
     _passes(out, a.float() @ bt.float(), a @ bt)
 
 
+@pytest.mark.parametrize("sched", PINGPONG, ids=str)
+@pytest.mark.parametrize("shape", [(4095, 4097, 4104), (4096, 4096, 64), (2048, 8192, 200), (3000, 3000, 1000)])
+def test_pingpong_turns_over_many_tiles_per_cta(shape, sched):
+    """Many tiles per CTA, K steps fewer and more than the stages, odd tails: the consumers'
+    turns and their place in the shared stage ring stay in step (a slip reads another tile's
+    stage: wrong values, or a hang)."""
+    m, n, k = shape
+    a, b, bt = _operands(m, n, k, "K")
+    g = compile_gemm(GemmProblem(m, n, k, "bf16"), sched)
+    out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+    g(a, b, out=out)
+    torch.cuda.synchronize()
+    _passes(out, a.float() @ bt.float(), a @ bt)
+
+
+SPLIT_K = [GemmSchedule(64, 64, stages=8, consumers=1, tma_store=False, split_k=4),
+           GemmSchedule(128, 128, stages=6, split_k=2), GemmSchedule(128, 256, stages=4, split_k=3)]
+
+
+@pytest.mark.parametrize("sched", SPLIT_K, ids=str)
+@pytest.mark.parametrize("shape", [(128, 4096, 4096), (300, 520, 1000), (1, 64, 704), (2048, 2048, 1024)])
+def test_split_k_matches_float32_and_leaves_its_counters_at_zero(shape, sched):
+    """Slices of K summed through the workspace by whichever slice counts in last: right at one
+    tile, at tails, and with more units than SMs (CTAs walk several); three launches in a row
+    are right, so each left its counters at zero for the next."""
+    m, n, k = shape
+    a, b, bt = _operands(m, n, k, "K")
+    g = compile_gemm(GemmProblem(m, n, k, "bf16"), sched)
+    ref, lowp = a.float() @ bt.float(), a @ bt
+    for _ in range(3):
+        out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+        g(a, b, out=out)
+        torch.cuda.synchronize()
+        _passes(out, ref, lowp)
+    flags = [f for _, f in g._workspaces.values()]
+    assert flags and all(int(f.abs().sum()) == 0 for f in flags)
+
+
+def test_split_k_runs_the_epilogue_once_on_the_whole_sum():
+    """Bias, GELU and residual apply to the full K sum (the last slice runs the epilogue),
+    batched."""
+    m, n, k, batch = 200, 384, 1536, 2
+    a, b, bt = _operands(m, n, k, "K", batch=batch)
+    bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    res = torch.randn(batch, m, n, device="cuda", dtype=torch.bfloat16)
+    ep = epi.standard(m, n, "bf16", bias="col", activation="gelu", residual=True, batch=batch)
+    g = compile_gemm(GemmProblem(m, n, k, "bf16", batch=batch, epilogue=ep),
+                     GemmSchedule(128, 128, stages=6, split_k=4))
+    out = torch.full((batch, m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+    g(a, b, out=out, bias=bias, residual=res)
+    torch.cuda.synchronize()
+    f = torch.nn.functional.gelu
+    _passes(out, f(a.float() @ bt.float() + bias.float()) + res.float(), f(a @ bt + bias) + res)
+
+
 @pytest.mark.parametrize("dtype", ["bf16", "f16"])
 def test_batched_and_f16(dtype):
     tdt = torch.bfloat16 if dtype == "bf16" else torch.float16
@@ -80,9 +139,10 @@ def test_batched_and_f16(dtype):
     _passes(out, a.float() @ bt.float(), a @ bt)
 
 
+@pytest.mark.parametrize("pingpong", [False, True], ids=["cooperative", "pingpong"])
 @pytest.mark.parametrize("tma_store", [True, False], ids=["tma-store", "direct-store"])
 @pytest.mark.parametrize("act", epi.ACTIVATIONS)
-def test_epilogue_bias_activation_residual_rowscale(act, tma_store):
+def test_epilogue_bias_activation_residual_rowscale(act, tma_store, pingpong):
     """Both store paths, with a tail in M: operand loads past the last row must not be made."""
     m, n, k = 257, 384, 192
     a, b, bt = _operands(m, n, k, "K")
@@ -90,7 +150,7 @@ def test_epilogue_bias_activation_residual_rowscale(act, tma_store):
     res = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
     scale = torch.rand(m, device="cuda", dtype=torch.float32) + 0.5
     ep = epi.standard(m, n, "bf16", bias="col", activation=act, residual=True, row_scale=True)
-    g = compile_gemm(GemmProblem(m, n, k, "bf16", epilogue=ep), GemmSchedule(128, 128, stages=4, tma_store=tma_store))
+    g = compile_gemm(GemmProblem(m, n, k, "bf16", epilogue=ep), GemmSchedule(128, 128, stages=4, tma_store=tma_store, pingpong=pingpong))
     assert (g.source.c_box is not None) == tma_store
     out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
     g(a, b, out=out, bias=bias, residual=res, row_scale=scale)
@@ -118,7 +178,8 @@ def test_unaligned_k_is_refused_with_reason():
 
 
 @pytest.mark.parametrize("sched", [GemmSchedule(128, 128, stages=4), GemmSchedule(128, 256, stages=4),
-                                   GemmSchedule(128, 128, stages=4, tma_store=False)], ids=str)
+                                   GemmSchedule(128, 128, stages=4, tma_store=False),
+                                   GemmSchedule(128, 128, stages=6, pingpong=True)], ids=str)
 @pytest.mark.parametrize("act", ["silu", "gelu"])
 def test_glu_epilogue_on_interleaved_weights(act, sched):
     """SwiGLU/GeGLU as a pairwise epilogue equals act(x @ Wg.T) * (x @ Wu.T), stored through the

@@ -76,7 +76,9 @@ class GemmProblem:
 
 @dataclass(frozen=True)
 class GemmSchedule:
-    """The knobs. BM = 64 * rows_per_wg * consumers."""
+    """The knobs. Cooperative (the default): both consumers share one BM x BN tile, BM/consumers
+    rows each. Ping-pong: each of the 2 consumers owns a whole BM x BN tile, and their main
+    loops take turns, so one warpgroup's epilogue runs while the other's MMAs do."""
 
     bm: int = 128
     bn: int = 256
@@ -88,11 +90,21 @@ class GemmSchedule:
     producer_regs: int = 40
     consumer_regs: int = 232
     tma_store: bool = True      # registers -> swizzled shared memory -> TMA store, where the epilogue allows
+    pingpong: bool = False      # each consumer its own tile, main loops in turn (needs 2 consumers)
+    split_k: int = 1            # K cut in this many slices, each its own work unit; partial sums meet in a workspace
 
     def __post_init__(self):
         if self.consumers not in (1, 2):
             raise GemmError(f"consumers must be 1 or 2 warpgroups, not {self.consumers}")
-        if self.bm % (64 * self.consumers) or self.bm // self.consumers > 128:
+        if self.pingpong and self.consumers != 2:
+            raise GemmError("a ping-pong schedule takes turns between 2 consumer warpgroups")
+        if self.pingpong and (self.bm % 64 or self.bm > 128):
+            raise GemmError(f"bm={self.bm}: a ping-pong consumer owns the whole tile, 64 or 128 rows")
+        if not 1 <= self.split_k <= 16:
+            raise GemmError(f"split_k={self.split_k} must be in [1, 16]")
+        if self.split_k > 1 and (self.pingpong or self.cluster_m > 1):
+            raise GemmError("split_k > 1 takes neither ping-pong consumers nor 2-CTA clusters")
+        if not self.pingpong and (self.bm % (64 * self.consumers) or self.bm // self.consumers > 128):
             raise GemmError(f"bm={self.bm} must be 64 or 128 rows per consumer warpgroup "
                             f"({self.consumers} consumers)")
         if self.bn % 8 or not 8 <= self.bn <= 256:
@@ -115,7 +127,7 @@ class GemmSchedule:
 
     @property
     def rows_per_wg(self) -> int:
-        return self.bm // self.consumers
+        return self.bm if self.pingpong else self.bm // self.consumers
 
     @property
     def acc_regs(self) -> int:
@@ -128,8 +140,10 @@ class GemmSchedule:
     def __str__(self):
         cluster = f", cluster {self.cluster_m}x1 (B multicast)" if self.cluster_m > 1 else ""
         store = "" if self.tma_store else ", direct stores"
+        wgs = "2 ping-pong consumers" if self.pingpong else f"{self.consumers} consumer warpgroups"
+        split = f", split-K {self.split_k}" if self.split_k > 1 else ""
         return (f"GemmSchedule(tile {self.bm}x{self.bn}x{self.bk}, {self.stages} stages, "
-                f"{self.consumers} consumer warpgroups, group_m {self.group_m}{cluster}{store})")
+                f"{wgs}, group_m {self.group_m}{cluster}{store}{split})")
 
 
 def default_schedule(problem: GemmProblem, sms: int = 132) -> GemmSchedule:
@@ -204,6 +218,8 @@ class GemmSource:
     cluster: int = 1
     notes: tuple[str, ...] = ()
     c_box: tuple[int, int] | None = None   # TMA store box of the output (contiguous dim first); None: direct stores
+    workspace: int = 0                # split-K: f32 partial sums (elements), passed after the tensor maps
+    flags: int = 0                    # split-K: int32 arrival counters, zero before a launch and left zero after
 
 
 # ---------------------------------------------------------------- layouts
@@ -304,6 +320,15 @@ __device__ __forceinline__ void tf_sts16(unsigned addr, unsigned short v) {
 __device__ __forceinline__ void tf_fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
 __device__ __forceinline__ void tf_named_bar(unsigned id, unsigned count) {
   asm volatile("bar.sync %0, %1;" :: "r"(id), "r"(count) : "memory");
+}
+__device__ __forceinline__ void tf_named_arrive(unsigned id, unsigned count) {
+  asm volatile("bar.arrive %0, %1;" :: "r"(id), "r"(count) : "memory");
+}
+__device__ __forceinline__ int tf_bar_any(unsigned id, unsigned count, int p) {
+  int r;
+  asm volatile("{\n\t.reg .pred q, r;\n\tsetp.ne.s32 q, %1, 0;\n\tbar.red.or.pred r, %2, %3, q;\n\t"
+               "selp.s32 %0, 1, 0, r;\n\t}" : "=r"(r) : "r"(p), "r"(id), "r"(count) : "memory");
+  return r;
 }
 __device__ __forceinline__ void tf_tma_store(const tf_tmap* map, unsigned src, int c0, int c1, int c2) {
   asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%2, %3, %4}], [%1];"
@@ -938,13 +963,51 @@ def _check_partials(problem: GemmProblem, kernel: ir.Kernel, loop: ir.Loop, want
                                 f"{kernel.buffer(x.buf).shape}, want {want[:-1] + (t,)}")
 
 
+def _split_fixup(sched: GemmSchedule, mb_count: int) -> str:
+    """Split-K: every slice writes its partial sums to its own workspace slot and counts itself
+    in (an atomic per tile and warpgroup, after a GPU-scope fence); the slice that counts last
+    adds the others' slots to its registers, puts the counter back to zero for the next launch
+    and runs the epilogue; the others go on to their next unit. Nobody waits for anybody (no
+    spin, no order between slices), so one write and one read of the tile's partials is all
+    the reduction costs. Slots are in fragment order, one float4 per thread per step:
+    each access is coalesced."""
+    quads = [(mb, j) for mb in range(mb_count) for j in range(0, sched.bn // 2, 4)]
+    per = len(quads) * 128
+    store = "\n".join(f"        __stcg(ws + split * {per} + {q * 128}, make_float4(acc[{mb}][{j}], "
+                      f"acc[{mb}][{j + 1}], acc[{mb}][{j + 2}], acc[{mb}][{j + 3}]));"
+                      for q, (mb, j) in enumerate(quads))
+    load = "\n".join(f"            {{ const float4 v = __ldcg(ws + o + {q * 128}); acc[{mb}][{j}] += v.x; "
+                     f"acc[{mb}][{j + 1}] += v.y; acc[{mb}][{j + 2}] += v.z; acc[{mb}][{j + 3}] += v.w; }}"
+                     for q, (mb, j) in enumerate(quads))
+    return f"""      {{  // split-K: each slice leaves its partial sums in its slot; the last to count in adds them up
+        float4* ws = reinterpret_cast<float4*>(tf_ws) + (size_t)(t * {sched.consumers} + c) * (SPLIT * {per}) + tid;
+        int* flag = tf_flags + t * {sched.consumers} + c;
+{store}
+        tf_named_bar(1 + c, 128);
+        int last = 0;
+        if (tid == 0) {{
+          __threadfence();
+          last = atomicAdd(flag, 1) == SPLIT - 1;
+          if (last) {{ __threadfence(); *flag = 0; }}
+        }}
+        if (!tf_bar_any(1 + c, 128, last)) continue;
+        #pragma unroll 1
+        for (int o2 = 0; o2 < SPLIT; ++o2) {{
+          if (o2 == split) continue;
+          const int o = o2 * {per};
+{load}
+        }}
+      }}"""
+
+
 def kernel_name(problem: GemmProblem, sched: GemmSchedule, kernel: ir.Kernel) -> str:
     from ..loop.canon import structural_hash
 
     h = structural_hash(kernel)[:10]
     return (f"tf_gemm_sm90_{problem.batch}x{problem.m}x{problem.n}x{problem.k}_{problem.dtype}_b{problem.b_major}"
             f"_{sched.bm}x{sched.bn}x{sched.bk}s{sched.stages}c{sched.consumers}g{sched.group_m}"
-            f"{f'm{sched.cluster_m}' if sched.cluster_m > 1 else ''}{'' if sched.tma_store else 'd'}_{h}")
+            f"{f'm{sched.cluster_m}' if sched.cluster_m > 1 else ''}{'' if sched.tma_store else 'd'}"
+            f"{'p' if sched.pingpong else ''}{f'k{sched.split_k}' if sched.split_k > 1 else ''}_{h}")
 
 
 def render(problem: GemmProblem, sched: GemmSchedule | None = None) -> GemmSource:
@@ -978,6 +1041,12 @@ def render(problem: GemmProblem, sched: GemmSchedule | None = None) -> GemmSourc
     tiles_m, tiles_n = -(-P.m // (S.bm * CL)), -(-P.n // S.bn)
     tiles = tiles_m * tiles_n * P.batch
     k_iters = -(-P.k // S.bk)
+    split = S.split_k
+    k_split = -(-k_iters // split)
+    if (split - 1) * k_split >= k_iters:
+        raise GemmError(f"split_k={split}: K={P.k} is {k_iters} steps of {S.bk}, too few for {split} "
+                        f"non-empty slices")
+    units = tiles * split
     stage_bytes = a.bytes + b.bytes
     trans_b = 1 if problem.b_major == "N" else 0
     ops_params = epi.operands(kernel)
@@ -985,9 +1054,39 @@ def render(problem: GemmProblem, sched: GemmSchedule | None = None) -> GemmSourc
     cparams = ["const __grid_constant__ tf_tmap a_map", "const __grid_constant__ tf_tmap b_map"]
     if store_dt:
         cparams.append("const __grid_constant__ tf_tmap c_map")
+    if split > 1:
+        cparams += ["float* __restrict__ tf_ws", "int* __restrict__ tf_flags"]
     cparams += [f"{cexpr.storage_ctype(p.dtype)}* __restrict__ {_ident(p.name)}" for p in out_params]
     cparams += [f"const {cexpr.storage_ctype(p.dtype)}* __restrict__ {_ident(p.name)}" for p in ops_params]
     mb_count = S.rows_per_wg // 64
+    if S.pingpong:
+        # Consumer c takes this CTA's tiles c, c + 2, ...; the stage ring is filled in tile order,
+        # so its first stage of tile i is (i * K_ITERS) % STAGES. Main loops take turns through
+        # named barriers 3 + c ("c may start"): besides overlapping one consumer's epilogue with
+        # the other's MMAs, the turn keeps a waiting consumer at most one phase ahead of the
+        # stage barriers, which is what a parity wait needs.
+        loop_head = """    int seq = c;  // this tile's place in the CTA's sequence
+    for (int t = first + c * step; t < TILES; t += 2 * step, seq += 2) {{
+      {{ const unsigned g = (unsigned)seq * K_ITERS; stage = g % STAGES; phase = (g / STAGES) & 1u; }}"""
+        turn_wait = "      if (seq > 0) tf_named_bar(3 + c, 256);  // the other consumer's main loop has issued"
+        turn_pass = "      if (t + step < TILES) tf_named_arrive(3 + (c ^ 1), 256);  // its turn"
+        a_offset, row_offset = "", ""
+    else:
+        loop_head = "    for (int t = first; t < TILES; t += step) {{"
+        turn_wait = turn_pass = ""
+        a_offset, row_offset = f" + c * {S.rows_per_wg * 128}", f" + c * {S.rows_per_wg}"
+    if split > 1:
+        loop_head = """    for (int u = first; u < UNITS; u += step) {{
+      const int t = u / SPLIT, split = u % SPLIT;
+      const int k_lo = split * K_SPLIT, k_hi = min(k_lo + K_SPLIT, K_ITERS);"""
+        k_range = "int kt = k_lo; kt < k_hi; ++kt"
+        prod_head = """      for (int u = first; u < UNITS; u += step) {{
+        const int t = u / SPLIT, k_lo = (u % SPLIT) * K_SPLIT, k_hi = min(k_lo + K_SPLIT, K_ITERS);"""
+    else:
+        k_range = "int kt = 0; kt < K_ITERS; ++kt"
+        prod_head = "      for (int t = first; t < TILES; t += step) {{"
+    loop_head = loop_head.replace("{{", "{").replace("}}", "}")
+    prod_head = prod_head.replace("{{", "{").replace("}}", "}")
     # B coordinates of a (k, n) tile: K-major reads box (k, n); N-major reads box (n, k) per 64-wide span
     # With a cluster, each CTA loads half of B and multicasts it to both.
     b_box = b.box
@@ -1032,6 +1131,9 @@ def render(problem: GemmProblem, sched: GemmSchedule | None = None) -> GemmSourc
 #define TILES_N {tiles_n}
 #define TILES {tiles}
 #define K_ITERS {k_iters}
+#define SPLIT {split}
+#define K_SPLIT {k_split}
+#define UNITS {units}
 #define GROUP_M {S.group_m}
 #define CLUSTER {CL}
 #define A_BYTES {a.bytes}
@@ -1061,7 +1163,7 @@ extern "C" __global__ void __launch_bounds__({S.threads}, 1)
   if (threadIdx.x == 0) {{
     for (int s = 0; s < STAGES; ++s) {{
       tf_bar_init(bars + 8 * s, 1);
-      tf_bar_init(bars + 8 * (STAGES + s), {S.consumers * CL});
+      tf_bar_init(bars + 8 * (STAGES + s), {(1 if S.pingpong else S.consumers) * CL});
     }}
     asm volatile("fence.mbarrier_init.release.cluster;\\n\\tfence.proxy.async.shared::cta;" ::: "memory");
   }}
@@ -1071,11 +1173,11 @@ extern "C" __global__ void __launch_bounds__({S.threads}, 1)
   if (wg == 0) {{
     asm volatile("setmaxnreg.dec.sync.aligned.u32 {S.producer_regs};");
     if (threadIdx.x == 0) {{
-      for (int t = first; t < TILES; t += step) {{
+{prod_head}
         int batch, tm, tn;
         tf_tile_coords(t, batch, tm, tn);
         tm = tm * CLUSTER + rank;
-        for (int kt = 0; kt < K_ITERS; ++kt) {{
+        for ({k_range}) {{
           tf_bar_wait(bars + 8 * (STAGES + stage), phase ^ 1);
           const unsigned full = bars + 8 * stage;
           tf_bar_expect(full, STAGE_BYTES);
@@ -1092,7 +1194,7 @@ extern "C" __global__ void __launch_bounds__({S.threads}, 1)
     const int tid = threadIdx.x % 128;
     const unsigned stage_out = staging + c * {staging // S.consumers};
     unsigned ep_slot = 0;
-    for (int t = first; t < TILES; t += step) {{
+{loop_head}
       int batch, tm, tn;
       tf_tile_coords(t, batch, tm, tn);
       tm = tm * CLUSTER + rank;
@@ -1102,9 +1204,10 @@ extern "C" __global__ void __launch_bounds__({S.threads}, 1)
         #pragma unroll
         for (int j = 0; j < {S.bn // 2}; ++j) acc[i][j] = 0.f;
       int prev = -1;
-      for (int kt = 0; kt < K_ITERS; ++kt) {{
+{turn_wait}
+      for ({k_range}) {{
         tf_bar_wait(bars + 8 * stage, phase);
-        const unsigned sa = base + stage * STAGE_BYTES + c * {S.rows_per_wg * 128}, sb = base + stage * STAGE_BYTES + A_BYTES;
+        const unsigned sa = base + stage * STAGE_BYTES{a_offset}, sb = base + stage * STAGE_BYTES + A_BYTES;
         tf_wgmma_fence();
 """)
     for kk, (ka, kb) in enumerate(zip(a.k_offsets, b.k_offsets)):
@@ -1121,9 +1224,10 @@ extern "C" __global__ void __launch_bounds__({S.threads}, 1)
         prev = stage;
         if (++stage == STAGES) {{ stage = 0; phase ^= 1; }}
       }}
+{turn_pass}
       tf_wgmma_wait<0>();
       {release}
-      const int row_base = tm * BM + c * {S.rows_per_wg};
+{_split_fixup(S, mb_count) if split > 1 else ""}      const int row_base = tm * BM{row_offset};
       const int col_base = tn * BN;""")
     if store_dt:
         lines = _epilogue_code_tma(problem, sched, kernel, store_dt)
@@ -1143,7 +1247,9 @@ extern "C" __global__ void __launch_bounds__({S.threads}, 1)
 }
 """)
     params = tuple(p.name for p in out_params) + tuple(p.name for p in ops_params)
-    return GemmSource(name=name, source="\n".join(src), grid_tiles=tiles, block=(S.threads, 1, 1),
+    ws = tiles * S.consumers * mb_count * (S.bn // 2) * 128 * split if split > 1 else 0  # a slot per slice
+    return GemmSource(name=name, source="\n".join(src), grid_tiles=units, block=(S.threads, 1, 1),
+                      workspace=ws, flags=tiles * S.consumers if split > 1 else 0,
                       smem_bytes=smem, params=params, problem=problem, schedule=sched,
                       a_box=a.box, b_box=b_box, swizzle=hopper.tma_swizzle(a.layout, 16), cluster=CL,
                       c_box=hopper.tma_box(_store_layout(), "K", 16) if store_dt else None)

@@ -56,6 +56,7 @@ class GemmKernel:
     _maps: dict = field(default_factory=dict, repr=False)
     _args: dict = field(default_factory=dict, repr=False)    # pointer set -> launch argument block
     _streams: dict = field(default_factory=dict, repr=False)
+    _workspaces: dict = field(default_factory=dict, repr=False)  # (device, stream) -> split-K (partials, flags)
 
     def __post_init__(self):
         # What every call checks against, built once: a call of a small GEMM is over in
@@ -160,6 +161,19 @@ class GemmKernel:
         self._loaded[device] = (module, func, grid, cfg)
         return self._loaded[device]
 
+    def _workspace(self, device: int, stream: int):
+        """Split-K's f32 partial sums and int32 turn counters, one set per device and stream: a
+        launch leaves its counters at zero, but two launches at once on different streams would
+        take each other's turns. Allocated on first use (for a CUDA graph: during its warm-up)."""
+        import torch
+
+        hit = self._workspaces.get((device, stream))
+        if hit is None:
+            hit = self._workspaces[(device, stream)] = (
+                torch.empty(self.source.workspace, dtype=torch.float32, device=f"cuda:{device}"),
+                torch.zeros(self.source.flags, dtype=torch.int32, device=f"cuda:{device}"))
+        return hit
+
     def allocate_outputs(self, device="cuda", poison: bool = True) -> dict:
         import torch
 
@@ -201,19 +215,22 @@ class GemmKernel:
             ptrs.append(tensors[name].data_ptr())
         device = a.get_device()
         module, func, grid, cfg = self._loaded.get(device) or self._load(device)
-        key = tuple(ptrs)
+        handle = _raw_stream(device)
+        split = getattr(self.source, "workspace", 0) > 0
+        key = (tuple(ptrs), handle) if split else tuple(ptrs)
         args = self._args.get(key)
         if args is None:  # encode the tensor maps and build the argument block once per pointer set
             tma_out = tensors[self._tma_out_names[0]] if self._tma_out_names else None
             maps = self._tensor_maps(a, b, tma_out)
             bufs = [ctypes.create_string_buffer(m, 128) for m in maps]
             vals = [ctypes.c_void_p(p) for p in ptrs[2:]]
+            if split:
+                vals = [ctypes.c_void_p(t.data_ptr()) for t in self._workspace(device, handle)] + vals
             addrs = [ctypes.addressof(x) for x in bufs + vals]
             params = (ctypes.c_void_p * len(addrs))(*addrs)
             if len(self._args) > 64:
                 self._args.clear()
             args = self._args[key] = (ctypes.addressof(params), params, bufs, vals)
-        handle = _raw_stream(device)
         stream = self._streams.get(handle)
         if stream is None:
             stream = self._streams[handle] = driver.CUstream(handle)
