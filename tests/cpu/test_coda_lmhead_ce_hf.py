@@ -3,7 +3,8 @@
 transformers' ForCausalLMLoss shifts the labels (pads them with -100 and drops the first), casts
 the [B, S, V] logits to f32, views them as [B S, V] and takes F.cross_entropy(ignore_index=-100).
 Properties: when the module returns only the loss, the rule fires on that graph (Llama at a V
-that 128 divides and not, GPT-2 at an odd V) and on a user's own loss over the model's logits;
+that 128 divides and not, GPT-2 at an odd V) and on a user's own loss over the model's logits
+(labels as given, or the logits of all positions but the last against shifted labels);
 the plan's LM-head GEMM writes the partials and no step moves the [B S, V] logits; the compiled
 program (CPU interpreter) passes the 2x rule. When the module returns the logits too (what
 `model(ids, labels=labels)` gives: loss and logits), they are a program output and written
@@ -21,7 +22,8 @@ from tilefuse.check import compare, float64_reference
 from tilefuse.codegen import epilogue as epi
 from tilefuse.graph import ir
 
-pytest.importorskip("transformers", reason="the transformers builders need transformers (pip install 'tilefuse[models]')")
+pytest.importorskip("transformers", reason="the transformers builders need transformers "
+                                           "(pip install 'tilefuse[models]')")
 from tilefuse import models  # noqa: E402
 
 W = epi.PARTIAL_WIDTH
@@ -37,15 +39,19 @@ def _build(name, vocab, output="loss"):
 
 
 class UserLoss(torch.nn.Module):
-    """A training step's loss written by hand over the model's logits."""
+    """A training step's loss written by hand over the model's logits: on the labels as given, or
+    shifting the logits (`logits[..., :-1, :]` against `labels[..., 1:]`, the transformers loss
+    before ForCausalLMLoss and many training loops)."""
 
-    def __init__(self, hf):
+    def __init__(self, hf, shift=False):
         super().__init__()
-        self.hf = hf
+        self.hf, self.shift = hf, shift
 
     def forward(self, ids, labels):
         logits = self.hf(input_ids=ids, use_cache=False).logits
         v = logits.shape[-1]
+        if self.shift:
+            logits, labels = logits[..., :-1, :].contiguous(), labels[..., 1:].contiguous()
         return F.cross_entropy(logits.float().view(-1, v), labels.view(-1), ignore_index=-100)
 
 
@@ -84,9 +90,10 @@ def test_transformers_loss_runs_on_the_partials(name, vocab):
     _check_fused(b.model, (b.inputs[0], labels), vocab)
 
 
-def test_a_users_own_loss_over_the_logits_runs_on_the_partials():
+@pytest.mark.parametrize("shift", [False, True])
+def test_a_users_own_loss_over_the_logits_runs_on_the_partials(shift):
     b, labels = _build("llama", 300)
-    _check_fused(UserLoss(b.model.hf), (b.inputs[0], labels), 300)
+    _check_fused(UserLoss(b.model.hf, shift), (b.inputs[0], labels), 300)
 
 
 def test_returned_logits_are_written_and_the_rule_does_not_fire():

@@ -32,6 +32,13 @@ product (in either order), maybe after a bias add. The casts are applied to y be
 grouping reshape (an elementwise cast commutes with a reshape), so the partials read the
 epilogue's own value.
 
+z may also keep only some of y's rows: slices of leading dims, `logits[:, :-1]` against
+`labels[:, 1:]` (shifting the logits, as older transformers and many training loops do). The
+GEMM computes every row anyway, so the partials are taken over all of y's M_full rows, with the
+target of a row the slices drop set to -1 (no column: built from the kept rows' targets by a
+gather of the clamped row and a where), and the finished lse and target logit ([M_full]) are
+sliced to the kept rows: views of [M]-sized vectors instead of a copy of the sliced logits.
+
 Fires when z is 2-D [M, V] and f32/f64, read only by the cross-entropy's max, subtraction and
 target select; every tensor from the product y to z is read only by the next (the logits are
 not returned: returned logits are written anyway, so there is nothing to save); and the
@@ -46,7 +53,7 @@ from dataclasses import dataclass
 
 from ...codegen.epilogue import PARTIAL_WIDTH
 from .. import ir
-from .match import Editor, prune
+from .match import Editor
 
 
 def _red(g: ir.Graph, name: str, op: str, arg: str, axes: tuple, keepdim: bool) -> bool:
@@ -77,26 +84,39 @@ class _CE:
     lse: str         # add(log(sum(exp(z - mx))), mx)
     select: str      # reduce sum(where(eq(iota, target[:, None]), z, 0))
     target: str      # the [M] class indices
-    base: str        # y: z is casts and row reshapes of it
+    base: str        # y: z is casts, row reshapes and row slices of it
     casts: tuple     # the dtypes of those casts, from y's side
+    box: tuple       # ((dim, start, end), ...): the rows of y the slices keep; () for all
     dead: tuple      # the nodes the rewrite replaces
 
 
-def _chain(g: ir.Graph, users, z: str) -> tuple[str, tuple[str, ...]] | None:
-    """(y, cast dtypes): z is float casts and reshapes of the rows of y ([..., V] into [M, V] and
-    back), each link read only by the next and none returned; None otherwise."""
+def _chain(g: ir.Graph, users, z: str) -> tuple[str, tuple[str, ...], tuple] | None:
+    """(y, cast dtypes, box): z is float casts, reshapes of the rows ([..., V] into [M, V] and
+    back) and slices of leading dims (step 1: `logits[:, :-1]`, first) of y, each link read only
+    by the next and none returned; `box` the (dim, start, end) ranges of y's rows the slices keep
+    (() for all of them). None otherwise."""
     m, v = g[z].type.shape
-    casts, x = [], z
+    casts, slices, x = [], [], z
     while True:
         n = g[x]
         if isinstance(n, ir.Map) and n.op == "cast" and n.type.dtype in ("bf16", "f16", "f32", "f64"):
             casts.append(n.type.dtype)
-        elif not (isinstance(n, ir.View) and n.op == "reshape" and _rows(g[n.arg].type.shape, m, v)):
-            return x, tuple(reversed(casts))
+        elif isinstance(n, ir.View) and n.op == "reshape" and not slices and _rows(g[n.arg].type.shape, m, v):
+            pass
+        elif (isinstance(n, ir.View) and n.op == "slice" and n.params[3] == 1 and n.params[0] < len(n.type.shape) - 1
+              and (slices or _rows(n.type.shape, m, v))):
+            slices.append(tuple(n.params[:3]))
+        else:
+            break
         up = ir.node_args(n)[0]
         if users[up] != [x] or up in g.outputs or g[up].type.dtype not in ("bf16", "f16", "f32", "f64"):
             return None
         x = up
+    box: dict[int, tuple[int, int]] = {}
+    for d, start, end in reversed(slices):  # composed in the order they run, in y's coordinates
+        s0 = box.get(d, (0, 0))[0]
+        box[d] = (s0 + start, s0 + end)
+    return x, tuple(reversed(casts)), tuple((d, *box[d]) for d in sorted(box))
 
 
 def _find(g: ir.Graph, users, mx: str) -> _CE | None:
@@ -153,7 +173,7 @@ def _find(g: ir.Graph, users, mx: str) -> _CE | None:
             break
     else:
         return None
-    return _CE(z, mx, lse, sel, target, chain[0], chain[1], (mx, sub, exp, ssum, log, lse, eq, where, sel))
+    return _CE(z, mx, lse, sel, target, *chain, (mx, sub, exp, ssum, log, lse, eq, where, sel))
 
 
 def _rewrite(g: ir.Graph, ce: _CE, width: int) -> tuple[ir.Graph, str]:
@@ -190,33 +210,47 @@ def _rewrite(g: ir.Graph, ce: _CE, width: int) -> tuple[ir.Graph, str]:
         padded = ir.Map(f("padded"), T(lead + (tw,)), "where", (inside.name, read.name, ninf_pad.name), src)
         new += [cols, last, clamp, row, index, read, nv, inside, ninf_pad, padded]
         name = padded.name
-    z3 = ir.View(f(f"{ce.z}_groups"), T((m, t, width)), "reshape", name, (m, t, width), src)
-    pmax = ir.Reduce(f("pmax"), T((m, t)), "max", z3.name, (2,), False, src)
-    pmk = ir.View(f("pmax_k"), T((m, t, 1)), "reshape", pmax.name, (m, t, 1), src)
+    # the partials over all of y's rows (mf: the GEMM's), the target of a row the slices drop -1
+    mf = math.prod(lead)
+    target = ce.target
+    if ce.box:
+        more, target = _target_rows(f, ce.target, ce.box, lead, src)
+        new += more
+    z3 = ir.View(f(f"{ce.z}_groups"), T((mf, t, width)), "reshape", name, (mf, t, width), src)
+    pmax = ir.Reduce(f("pmax"), T((mf, t)), "max", z3.name, (2,), False, src)
+    pmk = ir.View(f("pmax_k"), T((mf, t, 1)), "reshape", pmax.name, (mf, t, 1), src)
     ninf = ir.Constant(f("ninf"), T(()), float("-inf"), src)
-    empty = ir.Map(f("pmax_empty"), T((m, t, 1), "bool"), "eq", (pmk.name, ninf.name), src)
+    empty = ir.Map(f("pmax_empty"), T((mf, t, 1), "bool"), "eq", (pmk.name, ninf.name), src)
     zero = ir.Constant(f("zero"), T(()), 0.0, src)
-    shift = ir.Map(f("pmax_shift"), T((m, t, 1)), "where", (empty.name, zero.name, pmk.name), src)
-    d = ir.Map(f("pshift"), T((m, t, width)), "sub", (z3.name, shift.name), src)
-    e = ir.Map(f("pexp"), T((m, t, width)), "exp", (d.name,), src)
-    psum = ir.Reduce(f("psum"), T((m, t)), "sum", e.name, (2,), False, src)
+    shift = ir.Map(f("pmax_shift"), T((mf, t, 1)), "where", (empty.name, zero.name, pmk.name), src)
+    d = ir.Map(f("pshift"), T((mf, t, width)), "sub", (z3.name, shift.name), src)
+    e = ir.Map(f("pexp"), T((mf, t, width)), "exp", (d.name,), src)
+    psum = ir.Reduce(f("psum"), T((mf, t)), "sum", e.name, (2,), False, src)
     iota = ir.Iota(f("cols"), T((t * width,), "i64"), 0, src)
     cols = ir.View(f("cols_groups"), T((t, width), "i64"), "reshape", iota.name, (t, width), src)
-    tg = ir.View(f(f"{ce.target}_rows"), T((m, 1, 1), "i64"), "reshape", ce.target, (m, 1, 1), src)
-    hit = ir.Map(f("phit"), T((m, t, width), "bool"), "eq", (cols.name, tg.name), src)
-    sel = ir.Map(f("pselect"), T((m, t, width)), "where", (hit.name, z3.name, zero.name), src)
-    psel = ir.Reduce(f("psel"), T((m, t)), "sum", sel.name, (2,), False, src)
-    # the finishing reduction over the T groups of a row
-    big = ir.Reduce(f("lse_max"), T((m, 1)), "max", pmax.name, (1,), True, src)
-    dd = ir.Map(f("lse_shift"), T((m, t)), "sub", (pmax.name, big.name), src)
-    ee = ir.Map(f("lse_scale"), T((m, t)), "exp", (dd.name,), src)
-    ww = ir.Map(f("lse_terms"), T((m, t)), "mul", (ee.name, psum.name), src)
-    ss = ir.Reduce(f("lse_sum"), T((m, 1)), "sum", ww.name, (1,), True, src)
-    lg = ir.Map(f("lse_log"), T((m, 1)), "log", (ss.name,), src)
-    lse = ir.Map(ce.lse, g[ce.lse].type, "add", (lg.name, big.name), src)
-    select = ir.Reduce(ce.select, g[ce.select].type, "sum", psel.name, (1,), False, g[ce.select].source)
-    new += [z3, pmax, pmk, ninf, empty, zero, shift, d, e, psum, iota, cols, tg, hit, sel, psel,
-            big, dd, ee, ww, ss, lg]
+    tg = ir.View(f(f"{target}_rows"), T((mf, 1, 1), "i64"), "reshape", target, (mf, 1, 1), src)
+    hit = ir.Map(f("phit"), T((mf, t, width), "bool"), "eq", (cols.name, tg.name), src)
+    sel = ir.Map(f("pselect"), T((mf, t, width)), "where", (hit.name, z3.name, zero.name), src)
+    psel = ir.Reduce(f("psel"), T((mf, t)), "sum", sel.name, (2,), False, src)
+    new += [z3, pmax, pmk, ninf, empty, zero, shift, d, e, psum, iota, cols, tg, hit, sel, psel]
+    # the finishing reduction over the T groups of a row (of all of y's rows: then the slices)
+    big = ir.Reduce(f("lse_max"), T((mf, 1)), "max", pmax.name, (1,), True, src)
+    dd = ir.Map(f("lse_shift"), T((mf, t)), "sub", (pmax.name, big.name), src)
+    ee = ir.Map(f("lse_scale"), T((mf, t)), "exp", (dd.name,), src)
+    ww = ir.Map(f("lse_terms"), T((mf, t)), "mul", (ee.name, psum.name), src)
+    ss = ir.Reduce(f("lse_sum"), T((mf, 1)), "sum", ww.name, (1,), True, src)
+    lg = ir.Map(f("lse_log"), T((mf, 1)), "log", (ss.name,), src)
+    new += [big, dd, ee, ww, ss, lg]
+    if not ce.box:
+        lse = ir.Map(ce.lse, g[ce.lse].type, "add", (lg.name, big.name), src)
+        select = ir.Reduce(ce.select, g[ce.select].type, "sum", psel.name, (1,), False, g[ce.select].source)
+    else:
+        lse_all = ir.Map(f("lse_all_rows"), T((mf, 1)), "add", (lg.name, big.name), src)
+        sel_all = ir.Reduce(f("select_all_rows"), T((mf,)), "sum", psel.name, (1,), False, src)
+        lse_views = _kept_rows(f, lse_all.name, ce.lse, ce.box, lead, (1,), dt, src)
+        sel_views = _kept_rows(f, sel_all.name, ce.select, ce.box, lead, (), dt, src)
+        new += [lse_all, sel_all] + lse_views[:-1] + sel_views[:-1]
+        lse, select = lse_views[-1], sel_views[-1]
     replaced = {ce.lse: lse, ce.select: select}
     drop = set(ce.dead) - set(replaced)
     out = []
@@ -226,6 +260,51 @@ def _rewrite(g: ir.Graph, ce: _CE, width: int) -> tuple[ir.Graph, str]:
         if n.name not in drop:
             out.append(replaced.get(n.name, n))
     return ed.graph(_in_order(out)), pmax.name
+
+
+def _target_rows(f, target: str, box: tuple, lead: tuple, src: str) -> tuple[list, str]:
+    """Nodes giving the [M_full] target of all of y's rows from the [M] one of the rows the
+    slices keep: a kept row's target, -1 (no column) for a row they drop; and its name."""
+    def T(shape, dtype="i64"):
+        return ir.TensorType(tuple(shape), dtype)
+
+    shape = list(lead)
+    for d, start, end in box:
+        shape[d] = end - start
+    cur = ir.View(f(f"{target}_kept"), T(shape), "reshape", target, tuple(shape), src)
+    nodes = [cur]
+    for d, start, end in box:  # widen dim d: read at the clamped kept row, -1 outside [start, end)
+        shape[d] = lead[d]
+        io = ir.Iota(f("rows"), T(shape), d, src)
+        c_start = ir.Constant(f("row_start"), T(()), start, src)
+        c_end = ir.Constant(f("row_end"), T(()), end, src)
+        c_zero = ir.Constant(f("row_zero"), T(()), 0, src)
+        c_last = ir.Constant(f("row_last"), T(()), end - start - 1, src)
+        off = ir.Map(f("row_offset"), T(shape), "sub", (io.name, c_start.name), src)
+        lo = ir.Map(f("row_low"), T(shape), "max", (off.name, c_zero.name), src)
+        idx = ir.Map(f("row_index"), T(shape), "min", (lo.name, c_last.name), src)
+        read = ir.Gather(f(f"{target}_read"), T(shape), cur.name, idx.name, d, src)
+        ge = ir.Map(f("row_ge"), T(shape, "bool"), "ge", (io.name, c_start.name), src)
+        lt = ir.Map(f("row_lt"), T(shape, "bool"), "lt", (io.name, c_end.name), src)
+        inside = ir.Map(f("row_inside"), T(shape, "bool"), "and", (ge.name, lt.name), src)
+        none = ir.Constant(f("no_target"), T(()), -1, src)
+        cur = ir.Map(f(f"{target}_full"), T(shape), "where", (inside.name, read.name, none.name), src)
+        nodes += [io, c_start, c_end, c_zero, c_last, off, lo, idx, read, ge, lt, inside, none, cur]
+    flat = ir.View(f(f"{target}_all_rows"), T((math.prod(lead),)), "reshape", cur.name, (math.prod(lead),), src)
+    return nodes + [flat], flat.name
+
+
+def _kept_rows(f, x: str, name: str, box: tuple, lead: tuple, tail: tuple, dtype: str, src: str) -> list:
+    """Views of x ([M_full, *tail], a value per row of y) down to the rows the slices keep,
+    [M, *tail], the last of them called `name`."""
+    shape = tuple(lead) + tail
+    out = [ir.View(f(f"{x}_rows"), ir.TensorType(shape, dtype), "reshape", x, shape, src)]
+    for d, start, end in box:
+        shape = shape[:d] + (end - start,) + shape[d + 1:]
+        out.append(ir.View(f(f"{x}_kept"), ir.TensorType(shape, dtype), "slice", out[-1].name, (d, start, end, 1), src))
+    m = math.prod(shape[:len(lead)])
+    out.append(ir.View(name, ir.TensorType((m,) + tail, dtype), "reshape", out[-1].name, (m,) + tail, src))
+    return out
 
 
 def _in_order(nodes: list) -> list:
@@ -249,14 +328,15 @@ def _in_order(nodes: list) -> list:
     return out
 
 
-def _fused(g: ir.Graph, pmax: str) -> bool:
-    """Does the planner put the partials whose max is `pmax` into a GEMM's epilogue?"""
+def _fused(g: ir.Graph, pmax: str, v: int) -> bool:
+    """Does the planner put the partials whose max is `pmax` into a GEMM's epilogue (that of a
+    product of V columns: the LM head's)?"""
     from ..contraction import GemmSpec, match
 
     users = g.users()
     m, t = g[pmax].type.shape
     for n in g.nodes:
-        if isinstance(n, ir.Contraction) and math.prod(n.type.shape[:-1]) == m:
+        if isinstance(n, ir.Contraction) and n.type.shape[-1] == v and math.prod(n.type.shape[:-1]) == m:
             spec = match(g, n, users)
             if isinstance(spec, GemmSpec) and pmax in spec.outs:
                 return True
@@ -269,7 +349,7 @@ def lmhead_ce_partials(g: ir.Graph, width: int = PARTIAL_WIDTH) -> ir.Graph:
     out = g
     for ce in found:  # (each rewrite leaves the other cross-entropies' nodes as they are)
         new, pmax = _rewrite(out, ce, width)
-        if _fused(new, pmax):
+        if _fused(new, pmax, g[ce.z].type.shape[1]):
             out = new
     return out
 
@@ -310,7 +390,8 @@ def _pad_after(g: ir.Graph, users, y: str) -> tuple[list[str], str, int] | None:
     row = g[index.arg] if isinstance(index, ir.View) else None
     clamp = _map(g, row.arg, "min") if isinstance(row, ir.View) else None
     if not (clamp is not None and index.op == "expand" and row.op == "reshape"
-            and row.type.shape == (1,) * (rank - 1) + (tw,) and columns(clamp.args[0]) and _const(g, clamp.args[1], v - 1)
+            and row.type.shape == (1,) * (rank - 1) + (tw,)
+            and columns(clamp.args[0]) and _const(g, clamp.args[1], v - 1)
             and users[r.index] == [read] and users[index.arg] == [r.index] and users[row.arg] == [index.arg]):
         return None
     padded = users[read][0]
