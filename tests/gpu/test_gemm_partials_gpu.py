@@ -105,13 +105,17 @@ class _HeadLoss(torch.nn.Module):
     """An LM head and the loss a training step writes over it: [B, S, V] logits cast to f32 and
     viewed as [B S, V], ignore_index -100 (what transformers' ForCausalLMLoss does)."""
 
-    def __init__(self, d, v):
+    def __init__(self, d, v, shift=False):
         super().__init__()
         self.head = torch.nn.Linear(d, v, bias=False)
+        self.shift = shift
 
     def forward(self, x, target):
         z = self.head(x)
-        return torch.nn.functional.cross_entropy(z.float().view(-1, z.shape[-1]), target.view(-1), ignore_index=-100)
+        if self.shift:  # the logits of positions 0..S-2 against the labels of 1..S-1
+            z, target = z[:, :-1], target[:, 1:]
+        return torch.nn.functional.cross_entropy(z.float().reshape(-1, z.shape[-1]), target.reshape(-1),
+                                                 ignore_index=-100)
 
 
 def _program_loss(module, inputs):
@@ -132,11 +136,12 @@ def _program_loss(module, inputs):
         assert c.ok, c
 
 
-@pytest.mark.parametrize("v", [50257, 1000, 129, 4096])
-def test_compiled_head_loss_at_any_vocab_size(v):
-    """V not a multiple of 128 (GPT-2's 50257): the short last group's columns add nothing."""
+@pytest.mark.parametrize("v,shift", [(50257, False), (1000, False), (129, False), (4096, False), (50257, True)])
+def test_compiled_head_loss_at_any_vocab_size(v, shift):
+    """V not a multiple of 128 (GPT-2's 50257): the short last group's columns add nothing;
+    shifted logits: the partials of every row, the finished values of the kept ones."""
     torch.manual_seed(0)
-    m = _HeadLoss(256, v).cuda().to(torch.bfloat16).eval()
+    m = _HeadLoss(256, v, shift).cuda().to(torch.bfloat16).eval()
     x = torch.randn(2, 300, 256, device="cuda", dtype=torch.bfloat16)
     t = torch.randint(0, v, (2, 300), device="cuda")
     t.view(-1)[::7] = -100
