@@ -177,6 +177,18 @@ def test_split_k_units_slice_k_and_meet_in_a_workspace():
     assert plain.workspace == 0 and "tf_ws" not in plain.source
 
 
+def test_default_splits_k_only_where_tiles_leave_half_the_sms_idle():
+    """The default slices K (4, else 2, units within one wave, slices of >= 16 K steps) only
+    when its tiles leave at least half of the 132 SMs idle."""
+    def split(m, n, k):
+        return g.default_schedule(g.GemmProblem(m, n, k)).split_k
+    assert split(128, 1024, 8192) == 4        # 32 tiles of 64x64, 128 K steps
+    assert split(128, 2048, 14336) == 2       # 64 tiles: 4 slices would be two waves
+    assert split(128, 1024, 1024) == 1        # 16 K steps: too short to slice
+    assert split(128, 4096, 4096) == 1        # 128 tiles already
+    assert split(8192, 4096, 4096) == 1
+
+
 def test_problems_tma_cannot_read_are_refused_with_the_reason():
     with pytest.raises(g.GemmError, match="K=70"):
         g.render(g.GemmProblem(64, 64, 70))

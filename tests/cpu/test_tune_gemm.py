@@ -76,6 +76,22 @@ def test_every_candidate_renders_a_distinct_kernel_and_the_default_is_one(name):
         seen.add((body, src.smem_bytes))
 
 
+def test_split_k_is_searched_only_where_tiles_leave_sms_idle():
+    """Few tiles and a long K (128 x 1024 x 8192): 2 and 4 slices are candidates, each config's
+    units within 1.25 waves; a large problem (8192 x 4096 x 4096) keeps split_k at 1 and
+    ping-pong off everywhere."""
+    few = tg.space(task(128, 1024, 8192))
+    configs = [few.as_dict(c) for c in few.configs()]
+    splits = {c["split_k"] for c in configs}
+    assert splits == {1, 2, 4}
+    for c in configs:
+        tiles = -(-128 // c["bm"]) * -(-1024 // c["bn"])
+        assert c["split_k"] == 1 or (tiles * 2 <= tg.SMS and tiles * c["split_k"] <= tg.SMS * 5 // 4)
+        assert not c["pingpong"]
+    big = tg.space(task(8192, 4096, 4096))
+    assert all(big.as_dict(c)["split_k"] == 1 and not big.as_dict(c)["pingpong"] for c in big.admitted())
+
+
 ISSUE4 = [(4096, 4096, 4096), (8192, 8192, 8192), (8192, 11008, 4096), (512, 4096, 4096), (128, 4096, 4096)]
 
 

@@ -24,7 +24,7 @@ offsets, and the accumulator's (thread, value) -> (row, col) map (`sm90_64xN_c`)
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ..layout import cgen, hopper, mma
 from ..layout.layout import Layout
@@ -177,8 +177,24 @@ def default_schedule(problem: GemmProblem, sms: int = 132) -> GemmSchedule:
         if waves(s) >= 0.9 or s is candidates[-1]:
             if s is big and m >= 8192 and n <= 8192 and problem.batch == 1:
                 return GemmSchedule(128, 256, stages=4, cluster_m=2)
-            return s
-    return candidates[-1]
+            return _with_split(s, problem, sms)
+    return _with_split(candidates[-1], problem, sms)
+
+
+def _with_split(s: GemmSchedule, problem: GemmProblem, sms: int) -> GemmSchedule:
+    """Split-K where whole tiles leave at least half the SMs idle: the most slices (4, else 2)
+    whose units still fit one wave, each slice at least 16 K steps. On an H100 (LOG_gemm,
+    session 6): 128x1024x8192 22.5 -> 14.5 us with 4 slices, 128x2048x14336 37.1 -> 29.9 us and
+    64x4096x16384 55.4 -> 53.2 us with 2; at 128x4096x4096 and 512x4096x4096 (enough tiles)
+    every split measured slower, and this leaves them whole."""
+    tiles = -(-problem.m // s.bm) * -(-problem.n // s.bn) * problem.batch
+    if s.cluster_m > 1 or tiles * 2 > sms:
+        return s
+    k_iters = -(-problem.k // s.bk)
+    for split in (4, 2):
+        if tiles * split <= sms and k_iters >= 16 * split:
+            return replace(s, split_k=split)
+    return s
 
 
 def _default_for_partials(problem: GemmProblem, width: int, sms: int) -> GemmSchedule:

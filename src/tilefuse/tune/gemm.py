@@ -24,6 +24,12 @@ knob added to the template is searched or carried without editing this file. Can
 - cluster_m 2 (CTA pairs multicasting B) only with at least two tile rows.
 - group_m in {1, 4, 8, 16}: values at or above the number of tile rows all raster the same
   way, so only one of those is kept: the heuristic's when it is one, else the smallest.
+- split_k in {1, 2, 4}, the slices only where the tiles would leave at least half the SMs
+  idle, the (tile, slice) units still make at most 1.25 waves, and each slice has at least
+  4 K steps.
+- pingpong stays off: on an H100 its 128x128 tiles ran 2-7% slower than the cooperative
+  128x256 at every plain and fused shape measured (bench/LOG_gemm.md, session 6), so the
+  search does not spend its time there.
 
 `valid` is the code generator's word: the schedule constructs and `render` accepts it for
 this problem (TMA alignment, shared memory, multicast halves); a config that renders exactly
@@ -62,6 +68,7 @@ STAGES = tuple(range(2, 9))
 STAGE_DEPTHS = 3             # the deepest this-many stage counts that fit are candidates
 CLUSTER_M = (1, 2)
 GROUP_M = (1, 4, 8, 16)
+SPLIT_K = (1, 2, 4)
 SAMPLE_ROWS = 256
 
 
@@ -137,6 +144,12 @@ def space(task: GemmTask, arch: str = "sm_90a") -> Space:
                 return False  # one tile row: the pair's second CTA would compute zeros
             if p.b_major == "N" and k["bn"] % 128:
                 return False  # each CTA multicasts whole 64-wide spans of an N-major B
+        if "split_k" in k and k["split_k"] > 1:
+            tiles = _cdiv(p.m, k["bm"]) * _cdiv(p.n, k["bn"]) * p.batch
+            if tiles * 2 > SMS or tiles * k["split_k"] > SMS * 5 // 4:
+                return False  # slices only where whole tiles leave SMs idle, and at most 1.25 waves of units
+            if _cdiv(p.k, knobs["bk"]) < 4 * k["split_k"]:
+                return False  # slices of at least 4 K steps (fewer: the reduction costs more than it saves)
         if "group_m" in k and k["group_m"] >= covering_from(k):
             return k["group_m"] == covering_pick(k)  # every group as tall as the grid rasters alike: one of them
         return True
@@ -160,7 +173,7 @@ def space(task: GemmTask, arch: str = "sm_90a") -> Space:
 
     bms = tuple(sorted({64 * r * c for r in ROWS_PER_CONSUMER for c in CONSUMERS}))
     candidates = {"bm": bms, "bn": BN, "consumers": CONSUMERS, "stages": STAGES, "cluster_m": CLUSTER_M,
-                  "group_m": GROUP_M}
+                  "group_m": GROUP_M, "split_k": SPLIT_K, "pingpong": (False,)}
     for f in fields(g.GemmSchedule):  # knobs not named here: a bool both ways, else the heuristic's value
         if f.name not in candidates:
             candidates[f.name] = (False, True) if isinstance(knobs[f.name], bool) else (knobs[f.name],)
