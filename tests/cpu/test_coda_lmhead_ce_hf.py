@@ -5,8 +5,8 @@ the [B, S, V] logits to f32, views them as [B S, V] and takes F.cross_entropy(ig
 Properties: when the module returns only the loss, the rule fires on that graph (Llama at a V
 that 128 divides and not, GPT-2 at an odd V) and on a user's own loss over the model's logits
 (labels as given, or the logits of all positions but the last against shifted labels);
-the plan's LM-head GEMM writes the partials and no step moves the [B S, V] logits; the compiled
-program (CPU interpreter) passes the 2x rule. When the module returns the logits too (what
+the plan's LM-head GEMM writes the partials, compiles for sm_90a without spills, and no step
+moves the [B S, V] logits; the compiled program (CPU interpreter) passes the 2x rule. When the module returns the logits too (what
 `model(ids, labels=labels)` gives: loss and logits), they are a program output and written
 anyway: the rule does not fire and the LM-head GEMM writes them.
 """
@@ -20,7 +20,10 @@ import tilefuse
 from tilefuse.compiler import compile_stages
 from tilefuse.check import compare, float64_reference
 from tilefuse.codegen import epilogue as epi
+from tilefuse.codegen import gemm_sm90
+from tilefuse.compiler import lower_plan
 from tilefuse.graph import ir
+from tilefuse.runtime import nvrtc
 
 pytest.importorskip("transformers", reason="the transformers builders need transformers "
                                            "(pip install 'tilefuse[models]')")
@@ -77,6 +80,9 @@ def _check_fused(module, inputs, vocab):
             n = c.graph[name]
             logits = n.type.shape[-1:] == (vocab,) and n.type.numel == rows * vocab
             assert isinstance(n, ir.Weight) or not logits, f"{step.name} moves the logits {name}"
+    _, gemms = lower_plan(c.graph, c.plan)
+    head = gemm_sm90.render(gemms[heads[0].name].problem())  # (with the final norm's row scale)
+    assert nvrtc.compile_cuda(head.source, head.name, "sm_90a").info.clean
     prog = tilefuse.compile(module, inputs)
     with torch.no_grad():
         eager = module(*inputs)
