@@ -57,6 +57,8 @@ def _parser() -> argparse.ArgumentParser:
     program_args(t, model=True)
     model_args(t)
     t.add_argument("--budget", type=int, default=64, help="candidates measured per kernel (default 64)")
+    t.add_argument("--polish", type=int, default=24,
+                   help="after the search, up to this many one-knob neighbours of the best (default 24; 0: none)")
     t.add_argument("--gpus", type=int, default=1, help="benchmark workers, one per local GPU (default 1)")
     t.add_argument("--exhaustive", action="store_true", help="measure every candidate")
     t.add_argument("--threshold", type=int, default=48,

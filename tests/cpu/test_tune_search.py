@@ -135,6 +135,36 @@ def test_patience_stops_a_search_that_stopped_improving():
     assert len(s.history) == 11 and s.finished  # the first result, then 10 without a gain
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_polish_ends_on_a_config_no_single_knob_change_improves(seed):
+    """With polish, once the tree search stops (a short patience here) every valid config one
+    knob away from the final best has been measured, so the pick is a local optimum along
+    each knob, and the extra candidates stay within the allowance, each one new."""
+    s = run(SPMCTS(INTERACTING, 200, seed=seed, patience=6, polish=60), interacting)
+    assert s.finished and s.ask() is None and 0 < s.polished <= 60
+    assert len(s.asked) == len(set(s.asked))
+    if s.polished < 60:
+        for i, dim in enumerate(INTERACTING.dims):
+            for v in dim.values:
+                c = s.best[:i] + (v,) + s.best[i + 1:]
+                if INTERACTING.is_valid(c):
+                    assert c in s.asked and interacting(c) >= s.best_cost
+
+
+def test_polish_recovers_a_last_knob_the_tree_search_left_wrong():
+    """The tree ranks the last knob least: with the other knobs right and only the last one
+    off, a search stopped by patience still ends on the optimum once it polishes."""
+    space = Space("late", (Dim("a", (1, 2, 3)), Dim("z", (0, 1, 2, 3, 4, 5, 6, 7))), default=(2, 0))
+
+    def cost(c):
+        return (1 + abs(c[0] - 2)) * (1 + (0.1 if c[1] != 6 else 0.0))
+
+    plain = run(SPMCTS(space, 100, seed=0, patience=1), cost)
+    polished = run(SPMCTS(space, 100, seed=0, patience=1, polish=10), cost)
+    assert polished.best == (2, 6)
+    assert len(polished.asked) <= len(plain.asked) + 10
+
+
 def test_exhaustive_sees_every_valid_config_once_default_first():
     s = run(Exhaustive(INTERACTING), interacting)
     configs = list(INTERACTING.configs())

@@ -92,7 +92,9 @@ def cache(tmp_path, monkeypatch):
 
 
 def tuner(cache, fn=fake_measure, pool=None, **opts):
-    return Tuner(pool or InlinePool(), H100, cache, TuneOptions(**{"budget": 24, "confirm": 2, "confirm_rounds": 1, **opts}),
+    # polish off unless a test asks: these tests count candidates against the budget
+    return Tuner(pool or InlinePool(), H100, cache,
+                 TuneOptions(**{"budget": 24, "confirm": 2, "confirm_rounds": 1, "polish": 0, **opts}),
                  measure_fn=fn)
 
 
@@ -125,6 +127,16 @@ def test_mcts_within_budget_picks_the_fastest_it_measured(cache):
     r = tuner(cache, budget=20, threshold=10).tune({"k": k})[0]
     assert r.method == "sp-mcts" and r.evaluated == 20
     assert r.best_us == min(fake_time(c) for c in CALLS) and r.best_us <= r.default_us
+
+
+def test_polish_measures_the_best_configs_one_knob_neighbours_after_the_budget(cache):
+    """With polish, the tuner goes on past the tree search's budget to the untried one-knob
+    neighbours of its best config (within the allowance), and picks the fastest of all."""
+    k = fx.softmax_kernel(300, 2048, "bf16")
+    r = tuner(cache, budget=12, threshold=10, polish=16).tune({"k": k})[0]
+    assert r.method == "sp-mcts" and 12 < r.evaluated <= 12 + 16
+    searched = CALLS[:r.evaluated]
+    assert r.best_us == min(fake_time(c) for c in searched)
 
 
 def test_kernels_equal_up_to_names_are_tuned_once(cache):

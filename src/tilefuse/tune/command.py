@@ -134,7 +134,7 @@ def run(args, build) -> int:
     if not kernels:
         console.print("no fused kernels in this program: nothing to tune")
         return 0
-    options = TuneOptions(budget=args.budget, exhaustive=args.exhaustive, threshold=args.threshold,
+    options = TuneOptions(budget=args.budget, polish=args.polish, exhaustive=args.exhaustive, threshold=args.threshold,
                           seed=args.seed, timeout=args.timeout, force=args.force, jobs=compile_jobs())
     cache = TuneCache()
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),

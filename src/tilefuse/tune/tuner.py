@@ -36,6 +36,7 @@ class TuneOptions:
     exhaustive: bool = False     # measure every valid candidate
     threshold: int = 48          # spaces this small are measured exhaustively anyway
     patience: int | None = 32    # stop after this many results without a 0.5% gain
+    polish: int = 24             # SP-MCTS, then up to this many one-knob neighbours of the best (search.py)
     seed: int = 0
     timeout: float = 60.0        # watchdog per candidate, seconds
     warmup_ms: float = 10.0
@@ -154,9 +155,9 @@ class Tuner:
         space = space or fam.space(kernel, self.arch)
         default = space.as_dict(space.default) if space.default is not None else None
         searcher = make_searcher(space, o.budget, exhaustive=o.exhaustive, threshold=o.threshold, seed=o.seed,
-                                 patience=o.patience)
+                                 patience=o.patience, polish=o.polish)
         method = "exhaustive" if isinstance(searcher, Exhaustive) else "sp-mcts"
-        total = len(searcher.configs) if method == "exhaustive" else o.budget
+        total = len(searcher.configs) if method == "exhaustive" else o.budget + o.polish
         self.on_event("start", name=name, total=total, method=method)
         measured: dict = {}   # config -> Measurement
         failures: list = []
