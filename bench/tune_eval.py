@@ -114,14 +114,14 @@ def retime(pool, kernel, knob_sets: dict, arch: str, rounds: int, rep_ms: float)
 
 
 def cublas_us(problem: GemmProblem, rounds: int, rep_ms: float) -> float:
-    """torch.matmul on the same shapes (x @ W.T), do_bench median with L2 flushed, min of rounds."""
-    from triton.testing import do_bench
+    """torch.matmul on the same shapes (x @ W.T), median with L2 flushed by a read (as the
+    candidates are timed), min of rounds."""
+    from tilefuse.analyze.bench import median_ms
 
     a = torch.randn(problem.m, problem.k, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(problem.n, problem.k, device="cuda", dtype=torch.bfloat16)
     out = torch.empty(problem.m, problem.n, device="cuda", dtype=torch.bfloat16)
-    t = min(do_bench(lambda: torch.matmul(a, w.t(), out=out), warmup=10, rep=rep_ms, return_mode="median")
-            for _ in range(rounds))
+    t = min(median_ms(lambda: torch.matmul(a, w.t(), out=out), warmup=10, rep=rep_ms) for _ in range(rounds))
     del a, w, out
     torch.cuda.empty_cache()
     return t * 1e3
@@ -156,6 +156,14 @@ def evaluate(pool, compiler, device, tmp: Path, name: str, kernel, args) -> dict
         if e.knobs:
             picks["exhaustive"] = e.knobs
         rec["mcts_pick_in_neighbourhood"] = in_neighbourhood(nb, r.knobs)
+    if args.no_exhaustive and args.exhaustive_from:
+        # an earlier run's exhaustive pick for this kernel, re-timed side by side with today's picks
+        earlier = {x["kernel"]: x for x in json.loads(Path(args.exhaustive_from).read_text())["results"]}
+        ex = earlier.get(name, {}).get("exhaustive")
+        if ex and ex.get("knobs"):
+            picks["exhaustive"] = ex["knobs"]
+            rec["exhaustive"] = {**ex, "space": f"{ex['space']} (from {args.exhaustive_from})"}
+            rec["mcts_pick_in_neighbourhood"] = True
     rec["us"] = retime(pool, kernel, picks, device.arch, args.rounds, args.rep_ms)
     if kernel.family == "gemm_sm90":
         rec["us"]["cublas"] = cublas_us(kernel.problem, args.rounds, args.rep_ms)
@@ -189,6 +197,8 @@ def main():
     ap.add_argument("--no-exhaustive", action="store_true", help="skip the neighbourhood's exhaustive search")
     ap.add_argument("--full", default="", help="kernels (name substrings, comma-separated) whose exhaustive "
                     "search covers the whole space instead of the neighbourhood")
+    ap.add_argument("--exhaustive-from", help="with --no-exhaustive: re-time each kernel's exhaustive pick "
+                    "from this earlier --json result next to today's picks")
     ap.add_argument("--exhaustive-rep-ms", type=float, default=None,
                     help="do_bench time per exhaustive candidate (default: the tuner's)")
     ap.add_argument("--cache-dir", help="keep the SP-MCTS picks here (tune.sqlite, as TILEFUSE_CACHE_DIR reads it) "
