@@ -107,7 +107,8 @@ def promote_f64(kernel: ir.Kernel) -> ir.Kernel:
         return tuple(out)
 
     params = tuple(replace(b, dtype=f(b.dtype)) if b.role == "out" else b for b in kernel.params)
-    return replace(kernel, params=params, body=block(kernel.body))
+    scratch = tuple(replace(b, dtype=f(b.dtype)) for b in kernel.scratch)  # a grid reduction's per-row values
+    return replace(kernel, params=params, body=block(kernel.body), scratch=scratch)
 
 
 # ---------------------------------------------------------------- inputs
