@@ -12,9 +12,15 @@ CUDA path has run on a GPU. Properties checked without a GPU:
   the grid loop after the row loop;
 - the CUDA source compiles for sm_90a and sm_80 without spills; it takes one workspace
   pointer (no static __device__ counter), resets every counter it counts into, and its
-  workspace layout fits every schedule's groups.
+  workspace layout fits every schedule's groups;
+- the tuner tunes the fused kernel through its real measure path, each candidate launched on a
+  workspace of its own as the runtime's launchers provide one (size, zeros, no reset between
+  launches), and a candidate that leaves its workspace dirty fails its check.
 """
 from __future__ import annotations
+
+import itertools
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -30,7 +36,7 @@ from tilefuse.loop.interp import run_kernel
 from tilefuse.loop.lower import lower_step
 from tilefuse.loop.verify import verify
 from tilefuse.runtime.launch import compile_source_only
-from tilefuse.tensors import to_numpy
+from tilefuse.tensors import to_numpy, to_torch
 
 
 @pytest.fixture(autouse=True)
@@ -227,27 +233,102 @@ def test_bf16_output_makes_the_fused_kernel_use_fast_math():
     assert not mapreduce.fast_math(lower_step(stages.graph, step.head, "head").kernel)
 
 
-def test_the_tuner_declines_a_kernel_with_a_workspace_without_measuring_it(tmp_path):
-    """The benchmark worker allocates no grid-reduction workspace, so a fused kernel cannot be
-    measured: the tuner says so at once (status failed, a note naming why) and launches nothing,
-    and the kernel keeps its heuristic schedule."""
+GRID_LAUNCHES: list = []  # what each launch of a GridInterpKernel was handed
+GRID_COMPILED = itertools.count()  # a serial number per compiled GridInterpKernel
+
+
+class GridInterpKernel:
+    """A 'compiled' grid-reduction kernel on CPU tensors, for the tuner's real measure path:
+    the Loop IR interpreter computes the scalar, and the workspace is used as the CUDA kernel
+    uses it (workspace_layout): a launch counts itself in at counter 0, and only the launch
+    that finds itself the last (count 1) stores the scalar; it writes the group partials and
+    resets the counter. Stream-stage schedules forget the reset, on purpose, so their second
+    launch stores nothing. A launch without its workspace fails, as the CUDA kernel would."""
+
+    def __init__(self, kernel, schedule, arch):
+        self.kernel, self.schedule = kernel, schedule
+        self.source = render(kernel, schedule, arch)  # source.workspace_bytes: what a launcher allocates
+        self.layout = workspace_layout(kernel)
+        self.serial = next(GRID_COMPILED)
+
+    def __call__(self, *tensors, workspace=None):
+        if workspace is None:
+            raise ValueError("launched without its grid-reduction workspace")
+        GRID_LAUNCHES.append({"kernel": self.serial, "stage": self.schedule.stage, "ptr": workspace.data_ptr(),
+                              "nbytes": workspace.numel(), "dtype": workspace.dtype,
+                              "zero": not bool(workspace.any())})
+        counters = workspace[:4 * (self.layout.max_groups + 1)].view(torch.int32)
+        counters[0] += 1
+        named = dict(zip((b.name for b in self.kernel.params), tensors))
+        if int(counters[0]) == 1:
+            outs = run_kernel(self.kernel, {b.name: to_numpy(named[b.name]) for b in self.kernel.inputs})
+            for name, a in outs.items():
+                named[name].copy_(to_torch(a))
+            workspace[self.layout.partials:self.layout.partials + 4] = 7  # the group's partial, left behind
+        if self.schedule.stage != "stream":
+            counters[0] = 0
+
+
+def _grid_interp_compile(kernel, schedule, arch):
+    return GridInterpKernel(kernel, schedule, arch)
+
+
+def test_the_tuner_tunes_a_kernel_with_a_workspace_launched_as_the_runtime_launches_it(tmp_path):
+    """A fused cross-entropy mean goes through the tuner and the real measure path (on the CPU,
+    the interpreter standing in for the GPU) and is tuned. Each candidate is handed a workspace
+    as the runtime's launchers provide one: uint8, of the size the rendered kernel asks for
+    (the CUDA code's workspace_layout), all zeros at its first launch, kept for every launch of
+    that candidate with no reset in between (a runner never clears it: the kernel resets its
+    counters), and never shared with another candidate. A candidate that leaves a counter set
+    fails its check (the second launch must give the first one's bits) and is not picked."""
+    from concurrent.futures import Future
+
     from tilefuse.tune import device as tdevice
-    from tilefuse.tune.cache import TuneCache
+    from tilefuse.tune.cache import TuneCache, key_for
+    from tilefuse.tune.families import register_family
+    from tilefuse.tune.mapreduce import build, space
+    from tilefuse.tune.measure import measure
     from tilefuse.tune.tuner import TuneOptions, Tuner
+    from tilefuse.tune.worker import Outcome
 
-    stages = compile_stages(_xent, _ce_inputs(64, 300))
-    (k,) = _mapreduce_steps(stages)
-    kernel = stages.kernels[k.name].kernel
-    assert kernel.scratch
-    launched = []
-
-    class Pool:
+    class InlinePool:  # jobs run in this process, one at a time
         size = 1
 
         def submit(self, fn, payload, timeout=None):
-            launched.append(payload)
-            raise AssertionError("nothing should be measured")
+            f = Future()
+            try:
+                f.set_result(Outcome(True, fn(payload)))
+            except Exception as e:
+                f.set_result(Outcome(False, reason=f"{type(e).__name__}: {e}"))
+            return f
 
+    fam = register_family("grid-interp-cpu", space, build, compile_fn=_grid_interp_compile, version="test")
+    stages = compile_stages(_xent, _ce_inputs(8, 40))
+    (k,) = _mapreduce_steps(stages)
+    kernel = replace(stages.kernels[k.name].kernel, family="grid-interp-cpu")
+    assert kernel.scratch
+    nbytes = workspace_layout(kernel).nbytes
+    assert nbytes > 0
+    GRID_LAUNCHES.clear()
     h100 = tdevice.Device("NVIDIA H100 80GB HBM3", "9.0", "13.0")
-    (r,) = Tuner(Pool(), h100, TuneCache(tmp_path / "t.sqlite"), TuneOptions(budget=4)).tune({"k": kernel})
-    assert r.status == "failed" and "workspace" in r.note and launched == []
+    cache = TuneCache(tmp_path / "t.sqlite")
+    opts = TuneOptions(exhaustive=True, device="cpu", rep_ms=2.0, confirm_rep_ms=4.0, confirm=2, confirm_rounds=1,
+                       polish=0)
+    (r,) = Tuner(InlinePool(), h100, cache, opts, measure_fn=measure).tune({"k": kernel})
+
+    assert r.status == "tuned", r.note
+    assert r.knobs["stage"] != "stream" and cache.get(key_for(kernel, h100, fam)).knobs == r.knobs
+    stream = [f for f in r.failures if f["knobs"]["stage"] == "stream"]
+    assert stream and len(stream) == r.failed, r.failures
+    assert all("differs between two launches" in f["reason"] for f in stream)
+    per_kernel: dict = {}
+    for launch in GRID_LAUNCHES:
+        per_kernel.setdefault(launch["kernel"], []).append(launch)
+    assert len(per_kernel) > r.evaluated  # every candidate, and the finalists again
+    for launches in per_kernel.values():
+        first, *rest = launches
+        assert first["nbytes"] == nbytes and first["dtype"] == torch.uint8 and first["zero"]
+        assert {x["ptr"] for x in launches} == {first["ptr"]}, "one workspace for all of a candidate's launches"
+        assert not any(x["zero"] for x in rest), "no reset between launches: the runtime does none"
+        if first["stage"] != "stream":
+            assert len(launches) >= 3  # the two checks, then the timed repetitions on the same workspace

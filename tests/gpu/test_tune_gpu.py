@@ -9,6 +9,9 @@
 - A second run hits the cache for every kernel in under a second, and starts no worker.
 - A candidate that makes an illegal memory access kills its worker process, not the tuner:
   the next job runs in a fresh process.
+- The fused cross-entropy mean (a kernel with a grid-reduction workspace, opt-in) is tuned:
+  no candidate fails its check, and the compiled program, which takes the pick by itself,
+  passes the 2x rule against float64 PyTorch.
 One worker process serves the tests (its start-up, CUDA and torch, is paid once).
 """
 from __future__ import annotations
@@ -208,3 +211,53 @@ def test_an_illegal_address_kills_the_worker_not_the_tuner(pool):
     assert not out.ok and ("illegal" in out.reason or "died" in out.reason), out.reason
     again = pool.submit(pid, None).result()
     assert again.ok and again.value != first.value
+
+
+CE_ROWS, CE_COLS = 1000, 4096  # four row groups of the grid reduction, the last one partial
+
+
+def test_a_grid_reduced_cross_entropy_mean_is_tuned_and_its_pick_is_right(pool, monkeypatch):
+    """The fused cross-entropy mean (one kernel; the last CTA reduces the per-row losses through
+    its workspace) goes through the tuner: status tuned, each candidate launched on its own
+    zeroed workspace, checked (two launches on that workspace must agree bit for bit, then the
+    2x rule) and timed like any kernel, and none fails its check. The compiled program takes the
+    pick from the cache by itself, and its loss passes the 2x rule against float64 PyTorch on
+    16 fresh draws pooled (ignored rows included: the mean divides by the others)."""
+    import torch.nn.functional as F
+
+    monkeypatch.setenv("TILEFUSE_GRID_REDUCE", "1")  # opt-in (graph/fusion.py)
+    fn = lambda x, t: F.cross_entropy(x, t)  # noqa: E731
+
+    def make():
+        x = torch.randn(CE_ROWS, CE_COLS, device="cuda", dtype=torch.bfloat16)
+        t = torch.randint(0, CE_COLS, (CE_ROWS,), device="cuda")
+        t[torch.rand(CE_ROWS, device="cuda") < 0.1] = -100
+        return x, t
+
+    st = compile_stages(fn, make())
+    (step,) = [s for s in st.plan.steps if s.family == "mapreduce"]
+    kernel = st.kernels[step.name].kernel
+    assert step.tail is not None and kernel.scratch, st.plan
+    t0 = time.perf_counter()
+    opts = TuneOptions(budget=8, threshold=0, polish=0, confirm=2, confirm_rounds=2, jobs=JOBS)
+    with Tuner(pool, cuda_device(0), TuneCache(), opts) as tuner:
+        (r,) = tuner.tune({step.name: kernel})
+    reasons = [f["reason"] for f in r.failures]
+    print(f"\nCE mean {CE_ROWS}x{CE_COLS}: {r.status} in {time.perf_counter() - t0:.1f} s, {r.best_us} us vs "
+          f"default {r.default_us} us, {r.evaluated} tried, {r.failed} failed {reasons[:3]}, knobs {r.knobs}")
+    assert r.status == "tuned", (r.note, reasons)
+    assert not [x for x in reasons if "wrong result" in x or "differs" in x], reasons
+
+    prog = tilefuse.compile(fn, make())
+    (pstep,) = [s for s in prog.plan.steps if s.family == "mapreduce"]
+    got, refs, eager = [], [], []
+    for _ in range(16):
+        inputs = make()
+        got.append(prog(*inputs).clone().reshape(1))
+        refs.append(float64_reference(fn, inputs).reshape(1))
+        with torch.no_grad():
+            eager.append(fn(*inputs).reshape(1))
+    ck = prog.compiled(prog.kernels[pstep.name], inputs[0].device)
+    assert get_family("mapreduce").knobs(ck.schedule) == r.knobs, "the program did not take the tuned knobs"
+    c = compare("loss", torch.cat(got), torch.cat(refs), torch.cat(eager))
+    assert c.ok, c

@@ -224,8 +224,7 @@ class CompiledKernel:
         if ws is None:
             import torch
 
-            ws = self._workspaces[device] = torch.zeros(self.source.workspace_bytes, dtype=torch.uint8,
-                                                        device=torch.device("cuda", device))
+            ws = self._workspaces[device] = new_workspace(self.source.workspace_bytes, torch.device("cuda", device))
         return ws
 
     def scalar_variant(self) -> "CompiledKernel":
@@ -234,9 +233,27 @@ class CompiledKernel:
             self._scalar = compile_kernel(self.kernel, self.arch, mapreduce.scalar_fallback(self.source.schedule))
         return self._scalar
 
-    def __call__(self, *tensors):
+    def __call__(self, *tensors, workspace=None):
+        """Check and launch. `workspace`: the grid-reduction workspace to use instead of this
+        kernel's own (`new_workspace`; a caller that keeps one per launch site, such as the
+        tuner's benchmark worker, which gives each candidate a fresh one)."""
         device = self.check(tensors)
-        self.launch_ptrs(device, [t.data_ptr() for t in tensors])
+        ptrs = [t.data_ptr() for t in tensors]
+        if workspace is not None and self.source.workspace_bytes:
+            self._check_workspace(workspace, device)
+            ptrs.append(workspace.data_ptr())
+        self.launch_ptrs(device, ptrs)
+
+    def _check_workspace(self, ws, device: int):
+        import torch
+
+        need = self.source.workspace_bytes
+        if (not isinstance(ws, torch.Tensor) or ws.dtype != torch.uint8 or not ws.is_cuda
+                or ws.get_device() != device or not ws.is_contiguous() or ws.numel() < need):
+            got = (f"{ws.dtype} [{ws.numel()}] on {ws.device}" if isinstance(ws, torch.Tensor)
+                   else type(ws).__name__)
+            raise ValueError(f"kernel {self.kernel.name}: workspace: expected a contiguous torch.uint8 tensor of "
+                             f"at least {need} bytes on cuda:{device}, got {got}")
 
     def allocate_outputs(self, device="cuda", poison: bool = True) -> dict:
         """Fresh output tensors by name; floats poisoned with NaN so unwritten elements show."""
@@ -249,6 +266,23 @@ class CompiledKernel:
                 t.fill_(float("nan") if dtypes.is_float(b.dtype) else -12345 if b.dtype not in ("bool", "u8") else 0)
             outs[b.name] = t
         return outs
+
+
+def workspace_bytes(compiled) -> int:
+    """Bytes of grid-reduction workspace `compiled` takes after its parameters (0: none; also
+    for kernels of other families and stand-ins without a rendered source)."""
+    return getattr(getattr(compiled, "source", None), "workspace_bytes", 0) or 0
+
+
+def new_workspace(nbytes: int, device):
+    """A grid reduction's workspace (arrival counters, group partials, per-row values) as
+    every launcher provides it: zeroed once, when made. The kernel resets each counter it
+    counts into (the CTA that finds it full), and writes partials and per-row values before it
+    reads them, so later launches on the same workspace, CUDA-graph replays included, need no
+    memset: a launch costs the kernel alone. Launches sharing one must be ordered (one stream)."""
+    import torch
+
+    return torch.zeros(nbytes, dtype=torch.uint8, device=device)
 
 
 def load_function(data: bytes, name: str, device: int, smem_bytes: int = 0):

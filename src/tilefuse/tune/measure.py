@@ -14,6 +14,14 @@ Timing, as DESIGN.md says and as the benchmarks time (analyze.bench.timings_ms: 
 warm-up, L2 flushed by a read before each repetition), the median and spread of the
 repetitions. When all the kernel's buffers fit
 in L2 several copies of them are rotated as well, so no launch finds its data in L2.
+
+A kernel with a grid reduction (the fused cross-entropy mean) takes a workspace after its
+parameters. Each candidate gets its own, made by the runtime's `launch.new_workspace` (zeroed
+once), and every launch of that candidate, checks and timed repetitions alike, uses it without
+a reset in between: a compiled program's runner keeps one workspace per kernel the same way
+and never clears it (the kernel leaves its counters at zero), so the time is what a user's
+call costs. Both check launches run on the same workspace, so a candidate that leaves it
+dirty (a counter not reset) fails there, before it is timed.
 """
 from __future__ import annotations
 
@@ -133,6 +141,7 @@ def measure(job: MeasureJob) -> Measurement:
     fn = job.compiled if job.compiled is not None else fam.compile(job.kernel, schedule, job.arch)
     compile_s = time.perf_counter() - t0
     st = _state(job, fam)
+    fn = _with_workspace(fn, st.device)
     runs = []
     for which in (0, 1):
         tensors = dict(st.inputs)
@@ -158,6 +167,24 @@ def measure(job: MeasureJob) -> Measurement:
     return Measurement(med, stats, registers=getattr(info, "registers", -1),
                        spill_bytes=getattr(info, "spill_stores", 0) + getattr(info, "spill_loads", 0),
                        compile_s=compile_s, cubin_cached=bool(getattr(fn, "cache_hit", False)))
+
+
+def _with_workspace(fn, device: str):
+    """`fn`, launched with a fresh workspace of its own when it takes one (a grid reduction):
+    the runtime's allocation, kept for all of this candidate's launches (see the module's doc)."""
+    import functools
+
+    from ..runtime.launch import new_workspace, workspace_bytes
+
+    nbytes = workspace_bytes(fn)
+    if not nbytes:
+        return fn
+    ws = new_workspace(nbytes, device)
+    bound = functools.partial(fn, workspace=ws)
+    for attr in ("info", "cache_hit"):  # what the Measurement reports about the compiled kernel
+        if hasattr(fn, attr):
+            setattr(bound, attr, getattr(fn, attr))
+    return bound
 
 
 def _time(fn, st: _State, job: MeasureJob):

@@ -146,12 +146,6 @@ class Tuner:
                                  wall_s=time.perf_counter() - t0, note="cache hit")
                 self.on_event("done", name=name, result=r)
                 return r
-        if getattr(kernel, "scratch", ()):  # a grid reduction's workspace: the worker has none to give
-            r = KernelResult(name, key, "failed", wall_s=time.perf_counter() - t0,
-                             note="not tunable yet: the kernel needs a grid-reduction workspace "
-                                  "the benchmark worker does not allocate (it keeps its heuristic schedule)")
-            self.on_event("done", name=name, result=r)
-            return r
         space = space or fam.space(kernel, self.arch)
         default = space.as_dict(space.default) if space.default is not None else None
         searcher = make_searcher(space, o.budget, exhaustive=o.exhaustive, threshold=o.threshold, seed=o.seed,
