@@ -220,7 +220,9 @@ class _Launch:
         # one per program and device, so two programs never share counters; the kernel leaves
         # the counters at zero, so launches and CUDA-graph replays need no memset
         nbytes = getattr(getattr(ck, "source", None), "workspace_bytes", 0)  # stand-in kernels have no source
-        self.workspace = torch.zeros(nbytes, dtype=torch.uint8, device=device) if nbytes else None
+        from .launch import new_workspace
+
+        self.workspace = new_workspace(nbytes, device) if nbytes else None
 
     def __call__(self, env):
         ptrs, keep = [], []
