@@ -281,7 +281,8 @@ def test_the_tuner_tunes_a_kernel_with_a_workspace_launched_as_the_runtime_launc
     that candidate with no reset in between (a runner never clears it: the kernel resets its
     counters), and never shared with another candidate. A candidate that leaves a counter set
     fails its check (the second launch must give the first one's bits) and is not picked."""
-    from concurrent.futures import Future
+    import sys
+    from pathlib import Path
 
     from tilefuse.tune import device as tdevice
     from tilefuse.tune.cache import TuneCache, key_for
@@ -289,18 +290,9 @@ def test_the_tuner_tunes_a_kernel_with_a_workspace_launched_as_the_runtime_launc
     from tilefuse.tune.mapreduce import build, space
     from tilefuse.tune.measure import measure
     from tilefuse.tune.tuner import TuneOptions, Tuner
-    from tilefuse.tune.worker import Outcome
 
-    class InlinePool:  # jobs run in this process, one at a time
-        size = 1
-
-        def submit(self, fn, payload, timeout=None):
-            f = Future()
-            try:
-                f.set_result(Outcome(True, fn(payload)))
-            except Exception as e:
-                f.set_result(Outcome(False, reason=f"{type(e).__name__}: {e}"))
-            return f
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_tune_tuner import InlinePool  # jobs run in this process, one at a time
 
     fam = register_family("grid-interp-cpu", space, build, compile_fn=_grid_interp_compile, version="test")
     stages = compile_stages(_xent, _ce_inputs(8, 40))
