@@ -229,8 +229,9 @@ def compile_all(args):
             for nn_, ep in ((n, epi.standard(m, n, "bf16", bias="col", activation="gelu")),
                             (2 * n, epi.glu(m, 2 * n, "bf16")), (n, epi.standard(m, n, "bf16", residual=True)),
                             (n, epi.standard(m, n, "bf16", row_scale=True))):
-                compile_gemm(GemmProblem(m, nn_, k, "bf16"))
-                compile_gemm(GemmProblem(m, nn_, k, "bf16", epilogue=ep))
+                for sched in scheds or [None]:
+                    compile_gemm(GemmProblem(m, nn_, k, "bf16"), sched)
+                    compile_gemm(GemmProblem(m, nn_, k, "bf16", epilogue=ep), sched)
         return
     shapes = [tuple(int(x) for x in s.split(",")) for s in args.shapes] if args.shapes else SHAPES
     for m, n, k in shapes:
