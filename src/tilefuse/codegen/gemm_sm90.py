@@ -981,7 +981,7 @@ def _check_partials(problem: GemmProblem, kernel: ir.Kernel, loop: ir.Loop, want
 
 def _split_fixup(sched: GemmSchedule, mb_count: int) -> str:
     """Split-K: every slice writes its partial sums to its own workspace slot and counts itself
-    in (an atomic per tile and warpgroup, after a GPU-scope fence); the slice that counts last
+    in (an atomic per tile and warpgroup, after every writer's GPU-scope fence); the slice that counts last
     adds the others' slots to its registers, puts the counter back to zero for the next launch
     and runs the epilogue; the others go on to their next unit. Nobody waits for anybody (no
     spin, no order between slices), so one write and one read of the tile's partials is all
@@ -999,10 +999,10 @@ def _split_fixup(sched: GemmSchedule, mb_count: int) -> str:
         float4* ws = reinterpret_cast<float4*>(tf_ws) + (size_t)(t * {sched.consumers} + c) * (SPLIT * {per}) + tid;
         int* flag = tf_flags + t * {sched.consumers} + c;
 {store}
+        __threadfence();  // each thread's slot writes visible GPU-wide before the count says so
         tf_named_bar(1 + c, 128);
         int last = 0;
         if (tid == 0) {{
-          __threadfence();
           last = atomicAdd(flag, 1) == SPLIT - 1;
           if (last) {{ __threadfence(); *flag = 0; }}
         }}
