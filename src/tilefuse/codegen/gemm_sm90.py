@@ -1082,27 +1082,25 @@ def render(problem: GemmProblem, sched: GemmSchedule | None = None) -> GemmSourc
         # the other's MMAs, the turn keeps a waiting consumer at most one phase ahead of the
         # stage barriers, which is what a parity wait needs.
         loop_head = """    int seq = c;  // this tile's place in the CTA's sequence
-    for (int t = first + c * step; t < TILES; t += 2 * step, seq += 2) {{
-      {{ const unsigned g = (unsigned)seq * K_ITERS; stage = g % STAGES; phase = (g / STAGES) & 1u; }}"""
+    for (int t = first + c * step; t < TILES; t += 2 * step, seq += 2) {
+      { const unsigned g = (unsigned)seq * K_ITERS; stage = g % STAGES; phase = (g / STAGES) & 1u; }"""
         turn_wait = "      if (seq > 0) tf_named_bar(3 + c, 256);  // the other consumer's main loop has issued"
         turn_pass = "      if (t + step < TILES) tf_named_arrive(3 + (c ^ 1), 256);  // its turn"
         a_offset, row_offset = "", ""
     else:
-        loop_head = "    for (int t = first; t < TILES; t += step) {{"
+        loop_head = "    for (int t = first; t < TILES; t += step) {"
         turn_wait = turn_pass = ""
         a_offset, row_offset = f" + c * {S.rows_per_wg * 128}", f" + c * {S.rows_per_wg}"
     if split > 1:
-        loop_head = """    for (int u = first; u < UNITS; u += step) {{
+        loop_head = """    for (int u = first; u < UNITS; u += step) {
       const int t = u / SPLIT, split = u % SPLIT;
       const int k_lo = split * K_SPLIT, k_hi = min(k_lo + K_SPLIT, K_ITERS);"""
         k_range = "int kt = k_lo; kt < k_hi; ++kt"
-        prod_head = """      for (int u = first; u < UNITS; u += step) {{
+        prod_head = """      for (int u = first; u < UNITS; u += step) {
         const int t = u / SPLIT, k_lo = (u % SPLIT) * K_SPLIT, k_hi = min(k_lo + K_SPLIT, K_ITERS);"""
     else:
         k_range = "int kt = 0; kt < K_ITERS; ++kt"
-        prod_head = "      for (int t = first; t < TILES; t += step) {{"
-    loop_head = loop_head.replace("{{", "{").replace("}}", "}")
-    prod_head = prod_head.replace("{{", "{").replace("}}", "}")
+        prod_head = "      for (int t = first; t < TILES; t += step) {"
     # B coordinates of a (k, n) tile: K-major reads box (k, n); N-major reads box (n, k) per 64-wide span
     # With a cluster, each CTA loads half of B and multicasts it to both.
     b_box = b.box

@@ -68,6 +68,7 @@ class GemmKernel:
         self._param_names = frozenset(self.source.params)
         # (subclasses for other targets may have no TMA store: no c_box on their source)
         self._tma_out_names = (ep.outputs[0].name,) if getattr(self.source, "c_box", None) is not None else ()
+        self._split = getattr(self.source, "workspace", 0) > 0  # split-K: workspace and counters per stream
 
     @property
     def problem(self) -> GemmProblem:
@@ -216,15 +217,14 @@ class GemmKernel:
         device = a.get_device()
         module, func, grid, cfg = self._loaded.get(device) or self._load(device)
         handle = _raw_stream(device)
-        split = getattr(self.source, "workspace", 0) > 0
-        key = (tuple(ptrs), handle) if split else tuple(ptrs)
+        key = (tuple(ptrs), handle) if self._split else tuple(ptrs)
         args = self._args.get(key)
         if args is None:  # encode the tensor maps and build the argument block once per pointer set
             tma_out = tensors[self._tma_out_names[0]] if self._tma_out_names else None
             maps = self._tensor_maps(a, b, tma_out)
             bufs = [ctypes.create_string_buffer(m, 128) for m in maps]
             vals = [ctypes.c_void_p(p) for p in ptrs[2:]]
-            if split:
+            if self._split:
                 vals = [ctypes.c_void_p(t.data_ptr()) for t in self._workspace(device, handle)] + vals
             addrs = [ctypes.addressof(x) for x in bufs + vals]
             params = (ctypes.c_void_p * len(addrs))(*addrs)

@@ -218,8 +218,9 @@ class SPMCTS(_Base):
             return False
         if self.best != self._around:
             self._around = self.best
-            self._queue = [c for c in self._neighbours(self.best) if c not in self._seen]
-        self._queue = [c for c in self._queue if c not in self._seen]
+            self._queue = self._neighbours(self.best)
+        else:  # asked meanwhile by the tree search's last proposals
+            self._queue = [c for c in self._queue if c not in self._seen]
         return bool(self._queue)
 
     def _neighbours(self, config: tuple) -> list:

@@ -277,7 +277,8 @@ class Tuner:
             again = {c: measured[c] for c in finalists}
         d = again.get(space.default)
         if d is None:
-            return min(again, key=lambda c: again[c].median_us), again[min(again, key=lambda c: again[c].median_us)], d
+            best = min(again, key=lambda c: again[c].median_us)
+            return best, again[best], d
 
         def score(c) -> float:  # median over rounds of time / the default's time in that round
             ratios = sorted(r[c] / r[space.default] for r in rounds if c in r and space.default in r)
