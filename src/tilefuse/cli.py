@@ -62,7 +62,7 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--gpus", type=int, default=1, help="benchmark workers, one per local GPU (default 1)")
     t.add_argument("--exhaustive", action="store_true", help="measure every candidate")
     t.add_argument("--threshold", type=int, default=48,
-                   help="measure every candidate when a kernel has at most this many (default 48)")
+                   help="measure every candidate when a kernel admits at most this many (default 48; map-reduce kernels with at most 256 distinct valid candidates are measured whole anyway)")
     t.add_argument("--force", action="store_true", help="re-tune kernels the cache already has")
     t.add_argument("--timeout", type=float, default=60.0, help="seconds before a candidate counts as hung")
     t.add_argument("--seed", type=int, default=0)

@@ -14,6 +14,7 @@ import math
 import random
 import statistics
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -177,6 +178,17 @@ def test_make_searcher_is_exhaustive_at_or_under_the_threshold():
     assert isinstance(make_searcher(BOWL, threshold=625), Exhaustive)
     assert isinstance(make_searcher(BOWL, threshold=624), SPMCTS)
     assert isinstance(make_searcher(BOWL, threshold=10, exhaustive=True), Exhaustive)
+
+
+def test_make_searcher_measures_a_space_of_few_valid_configs_whole():
+    """A space admitting many configs of which few are valid (its `exhaustive_upto` counts
+    the valid ones) is searched exhaustively; one more valid config than that and SP-MCTS
+    searches it."""
+    few = replace(BOWL, valid=lambda k: k["k0"] < 2)  # 2 x 125 = 250 valid of 625
+    assert sum(1 for _ in few.configs()) == 250
+    assert isinstance(make_searcher(replace(few, exhaustive_upto=250), threshold=48), Exhaustive)
+    assert isinstance(make_searcher(replace(few, exhaustive_upto=249), threshold=48), SPMCTS)
+    assert isinstance(make_searcher(few, threshold=48), SPMCTS)  # 0: only the admitted count decides
 
 
 @pytest.mark.parametrize("bad, match", [

@@ -37,6 +37,12 @@ MIN_BLOCKS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 UNROLLS = (2, 4, 8)
 MAX_CHUNKS_PER_THREAD = 16
 SM_THREADS = 2048  # resident threads per SM on sm_80 and sm_90
+# Spaces with at most this many distinct kernels are measured whole: enumerating them
+# renders each (~1.5 ms), and a candidate's timing costs about the same whatever the
+# kernel's size (warm-up + rep_ms), so 256 of them take ~20 s. The one-row finishing sums
+# of a cross-entropy mean (5-6 us, 170-220 kernels) are such spaces: SP-MCTS left them
+# 3-8% behind the whole space's best on an H100, where the whole space was ~7 s away.
+EXHAUSTIVE_UPTO = 256
 
 
 def _pow2ceil(n: int) -> int:
@@ -105,7 +111,8 @@ def space(kernel: ir.Kernel, arch: str = "sm_90a") -> Space:
         if f.name not in candidates:
             candidates[f.name] = (False, True) if isinstance(knobs[f.name], bool) else (knobs[f.name],)
     dims = tuple(Dim(n, vals if knobs[n] in vals else tuple(vals) + (knobs[n],)) for n, vals in candidates.items())
-    return Space("mapreduce", dims, valid=valid, admits=admits, default=tuple(knobs[x.name] for x in dims))
+    return Space("mapreduce", dims, valid=valid, admits=admits, default=tuple(knobs[x.name] for x in dims),
+                 exhaustive_upto=EXHAUSTIVE_UPTO)
 
 
 def build(kernel: ir.Kernel, knobs: Mapping, arch: str = "sm_90a") -> mr.MapReduceSchedule:

@@ -29,6 +29,7 @@ model.
 """
 from __future__ import annotations
 
+import itertools
 import math
 import random
 from dataclasses import dataclass, field
@@ -290,13 +291,14 @@ class SPMCTS(_Base):
 
 def make_searcher(space: Space, budget: int = 64, *, exhaustive: bool = False, threshold: int = 48,
                   seed: int = 0, patience: int | None = 16, min_improvement: float = 0.005, polish: int = 0):
-    """Exhaustive when asked or when at most `threshold` configs pass `admits`, else SP-MCTS."""
-    if exhaustive:
+    """Exhaustive when asked, when at most `threshold` configs pass `admits`, or when the
+    space holds at most `space.exhaustive_upto` valid configs; else SP-MCTS."""
+    if exhaustive or _at_most(space.admitted(), threshold):
         return Exhaustive(space)
-    n = 0
-    for _ in space.admitted():
-        n += 1
-        if n > threshold:
-            return SPMCTS(space, budget, seed=seed, patience=patience, min_improvement=min_improvement,
-                          polish=polish)
-    return Exhaustive(space)
+    if space.exhaustive_upto and _at_most(space.configs(), space.exhaustive_upto):
+        return Exhaustive(space)
+    return SPMCTS(space, budget, seed=seed, patience=patience, min_improvement=min_improvement, polish=polish)
+
+
+def _at_most(items, n: int) -> bool:
+    return sum(1 for _ in itertools.islice(items, n + 1)) <= n

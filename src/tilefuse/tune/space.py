@@ -38,6 +38,9 @@ class Space:
     valid: Callable[[Mapping], bool] = _always
     admits: Callable[[Mapping], bool] = _always
     default: tuple | None = None
+    # a family whose `valid` is cheap may ask for an exhaustive search of any space holding
+    # at most this many distinct valid configs (0: only the tuner's admitted-count threshold)
+    exhaustive_upto: int = 0
 
     def __post_init__(self):
         names = [d.name for d in self.dims]

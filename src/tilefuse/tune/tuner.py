@@ -5,8 +5,8 @@
 
 For each distinct kernel (kernels with one cache key are tuned once): a cache hit ends it
 (unless `force`); otherwise the family's space is searched (exhaustive at or under
-`threshold` admitted configs, SP-MCTS otherwise; the heuristic default is always measured
-first), up to `pool.size` candidates at once. With `jobs` > 0, candidates are compiled
+`threshold` admitted configs or the space's `exhaustive_upto` valid ones, SP-MCTS
+otherwise; the heuristic default is always measured first), up to `pool.size` candidates at once. With `jobs` > 0, candidates are compiled
 ahead in that many CPU processes (precompile.py) while the workers measure others: an
 exhaustive search as far ahead as there are processes, SP-MCTS only `lookahead` beyond one
 per worker, so that its proposals still learn from the latest results. A candidate that
