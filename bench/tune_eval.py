@@ -158,7 +158,8 @@ def evaluate(pool, compiler, device, tmp: Path, name: str, kernel, args) -> dict
         rec["mcts_pick_in_neighbourhood"] = in_neighbourhood(nb, r.knobs)
     if args.no_exhaustive and args.exhaustive_from:
         # an earlier run's exhaustive pick for this kernel, re-timed side by side with today's picks
-        earlier = {x["kernel"]: x for x in json.loads(Path(args.exhaustive_from).read_text())["results"]}
+        earlier = {x["kernel"]: x for f in args.exhaustive_from.split(",")
+                   for x in json.loads(Path(f).read_text())["results"]}
         ex = earlier.get(name, {}).get("exhaustive")
         if ex and ex.get("knobs"):
             picks["exhaustive"] = ex["knobs"]
@@ -198,7 +199,7 @@ def main():
     ap.add_argument("--full", default="", help="kernels (name substrings, comma-separated) whose exhaustive "
                     "search covers the whole space instead of the neighbourhood")
     ap.add_argument("--exhaustive-from", help="with --no-exhaustive: re-time each kernel's exhaustive pick "
-                    "from this earlier --json result next to today's picks")
+                    "from these earlier --json results (comma-separated) next to today's picks")
     ap.add_argument("--exhaustive-rep-ms", type=float, default=None,
                     help="do_bench time per exhaustive candidate (default: the tuner's)")
     ap.add_argument("--cache-dir", help="keep the SP-MCTS picks here (tune.sqlite, as TILEFUSE_CACHE_DIR reads it) "
