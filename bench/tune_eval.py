@@ -18,7 +18,9 @@ For each kernel (bf16), in a fresh tuning cache and a fresh cubin cache:
   pipeline, with vector, unroll and min_blocks at the heuristic's values. So "SP-MCTS / exhaustive" below 1.00 means the search found something the
   neighbourhood does not hold;
 - the heuristic default, the SP-MCTS pick and the exhaustive pick re-timed side by side in
-  one worker, `--rounds` times each (min of medians), so the ratios compare like with like;
+  one worker, `--rounds` times each (min of medians), so the ratios compare like with like
+  ("paired": the median over rounds of the pick's time over the exhaustive pick's in the
+  same round, which cancels drift between rounds);
   for GEMMs, cuBLAS (torch.matmul) timed the same way in this process;
 - a second tuning run on the warm cache: the kernel is a hit; its wall time.
 Times are kernel times (do_bench median, L2 flushed, buffers rotated when they fit in L2).
@@ -93,24 +95,37 @@ def in_neighbourhood(nb, knobs) -> bool:
     return nb.from_dict(knobs) in set(nb.admitted())
 
 
-def retime(pool, kernel, knob_sets: dict, arch: str, rounds: int, rep_ms: float) -> dict:
-    """name -> min over rounds of the median time, candidates interleaved in one worker."""
-    best, first = {}, {}
+def retime(pool, kernel, knob_sets: dict, arch: str, rounds: int, rep_ms: float) -> tuple[dict, list]:
+    """(name -> min over rounds of the median time, each round's medians), candidates
+    interleaved in one worker."""
+    best, first, per_round = {}, {}, []
     for name, knobs in knob_sets.items():  # a pick equal to another is timed once, under the first name
         first.setdefault(tuple(sorted(knobs.items())), name)
     for _ in range(rounds):
+        times = {}
         for name, knobs in knob_sets.items():
             if first[tuple(sorted(knobs.items()))] != name:
                 continue
             out = pool.submit(measure, MeasureJob(kernel.family, kernel, knobs, arch, rep_ms=rep_ms)).result()
             if out.ok:
+                times[name] = out.value.median_us
                 best[name] = min(best.get(name, float("inf")), out.value.median_us)
             else:
                 print(f"  re-timing {name} failed: {out.reason}", flush=True)
+        for name, knobs in knob_sets.items():
+            if first[tuple(sorted(knobs.items()))] in times:
+                times[name] = times[first[tuple(sorted(knobs.items()))]]
+        per_round.append(times)
     for name, knobs in knob_sets.items():
         if name not in best and first[tuple(sorted(knobs.items()))] in best:
             best[name] = best[first[tuple(sorted(knobs.items()))]]
-    return best
+    return best, per_round
+
+
+def paired(per_round: list, a: str, b: str) -> float:
+    """Median over rounds of a's time over b's in the same round (drift between rounds cancels)."""
+    r = sorted(t[a] / t[b] for t in per_round if a in t and b in t)
+    return r[len(r) // 2] if r else float("nan")
 
 
 def cublas_us(problem: GemmProblem, rounds: int, rep_ms: float) -> float:
@@ -137,7 +152,7 @@ def evaluate(pool, compiler, device, tmp: Path, name: str, kernel, args) -> dict
         r = tuner.tune({name: kernel})[0]
     rec["mcts"] = {"wall_s": time.perf_counter() - t0, "evaluated": r.evaluated, "failed": r.failed,
                    "knobs": r.knobs, "status": r.status, "note": r.note, "method": r.method,
-                   "failures": r.failures[:5]}
+                   "failures": r.failures[:5], "tuner_best_us": r.best_us, "tuner_default_us": r.default_us}
     picks = {"default": space.as_dict(space.default)}
     if r.knobs:
         picks["mcts"] = r.knobs
@@ -165,7 +180,8 @@ def evaluate(pool, compiler, device, tmp: Path, name: str, kernel, args) -> dict
             picks["exhaustive"] = ex["knobs"]
             rec["exhaustive"] = {**ex, "space": f"{ex['space']} (from {args.exhaustive_from})"}
             rec["mcts_pick_in_neighbourhood"] = True
-    rec["us"] = retime(pool, kernel, picks, device.arch, args.rounds, args.rep_ms)
+    rec["us"], rec["rounds_us"] = retime(pool, kernel, picks, device.arch, args.rounds, args.rep_ms)
+    rec["paired_mcts_over_exhaustive"] = paired(rec["rounds_us"], "mcts", "exhaustive")
     if kernel.family == "gemm_sm90":
         rec["us"]["cublas"] = cublas_us(kernel.problem, args.rounds, args.rep_ms)
     t0 = time.perf_counter()
@@ -254,12 +270,12 @@ def main():
     print(f"\n{out['gpu']}: SP-MCTS budget {args.budget}, {args.jobs} compile processes; kernel medians (us), "
           f"re-timed side by side; exh = exhaustive over the restricted neighbourhood")
     print(f"{'kernel':44s} {'cand':>5s} {'default':>8s} {'mcts':>8s} {'exh':>8s} {'cublas':>8s} {'def/mcts':>8s} "
-          f"{'mcts/exh':>8s} {'tune s':>6s} {'exh s':>6s} {'hit ms':>6s}")
+          f"{'mcts/exh':>8s} {'paired':>6s} {'tune s':>6s} {'exh s':>6s} {'hit ms':>6s}")
     for r in out["results"]:
         us = r["us"]
         d, m, x, c = (us.get(k, nan) for k in ("default", "mcts", "exhaustive", "cublas"))
         print(f"{r['kernel'][:44]:44s} {r['admitted']:5d} {d:8.1f} {m:8.1f} {x:8.1f} {c:8.1f} {d / m:8.3f} "
-              f"{m / x:8.3f} {r['mcts']['wall_s']:6.1f} {r.get('exhaustive', {}).get('wall_s', nan):6.1f} "
+              f"{m / x:8.3f} {r.get('paired_mcts_over_exhaustive', nan):6.3f} {r['mcts']['wall_s']:6.1f} {r.get('exhaustive', {}).get('wall_s', nan):6.1f} "
               f"{r['cache_hit_s'] * 1e3:6.1f}" + ("" if r["cache_hit"] else "  (no cache hit!)"))
     if out["skipped"]:
         print(f"skipped (time limit): {', '.join(out['skipped'])}")
