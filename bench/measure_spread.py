@@ -25,7 +25,7 @@ import torch  # noqa: E402
 
 from tilefuse.analyze.bench import _read_flush  # noqa: E402
 from tilefuse.tune.families import get_family  # noqa: E402
-from tilefuse.tune.measure import MeasureJob, _state, measure  # noqa: E402
+from tilefuse.tune.measure import ROTATE_MAX, MeasureJob, _state, _with_workspace, measure  # noqa: E402
 
 
 def main():
@@ -49,8 +49,8 @@ def main():
         print(f"measure call {i}: median {m.median_us:.2f} min {s['min_us']:.2f} p20 {s['p20_us']:.2f} "
               f"p80 {s['p80_us']:.2f} us ({s['reps']} reps, {s['copies']} copies)")
     st = _state(job, fam)
-    fn = fam.compile(kernel, fam.build(kernel, knobs, "sm_90a"), "sm_90a")
-    copies = 64
+    fn = _with_workspace(fam.compile(kernel, fam.build(kernel, knobs, "sm_90a"), "sm_90a"), "cuda")
+    copies = ROTATE_MAX  # as many as the tuner rotates for a kernel this small
     sets = [{**{n: x.clone() for n, x in st.inputs.items()},
              **{n: torch.empty(sh, dtype=d, device="cuda") for n, (sh, d) in st.outputs.items()}}
             for _ in range(copies)]

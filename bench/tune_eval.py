@@ -23,7 +23,8 @@ For each kernel (bf16), in a fresh tuning cache and a fresh cubin cache:
   same round, which cancels drift between rounds);
   for GEMMs, cuBLAS (torch.matmul) timed the same way in this process;
 - a second tuning run on the warm cache: the kernel is a hit; its wall time.
-Times are kernel times (do_bench median, L2 flushed, buffers rotated when they fit in L2).
+Times are kernel times as the tuner measures them (tune/measure.py: median with L2 flushed by
+a read; when the buffers fit in L2, copies rotated and their medians averaged).
 Writes JSON after every kernel (a run cut short keeps what it measured); prints a table last.
 """
 from __future__ import annotations
@@ -33,6 +34,7 @@ import dataclasses
 import json
 import math
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -96,8 +98,8 @@ def in_neighbourhood(nb, knobs) -> bool:
 
 
 def retime(pool, kernel, knob_sets: dict, arch: str, rounds: int, rep_ms: float) -> tuple[dict, list]:
-    """(name -> min over rounds of the median time, each round's medians), candidates
-    interleaved in one worker."""
+    """(name -> min over rounds of its time, each round's times), candidates interleaved in
+    one worker; a time is `measure`'s (the median, or with rotated copies their medians' mean)."""
     best, first, per_round = {}, {}, []
     for name, knobs in knob_sets.items():  # a pick equal to another is timed once, under the first name
         first.setdefault(tuple(sorted(knobs.items())), name)
@@ -124,8 +126,8 @@ def retime(pool, kernel, knob_sets: dict, arch: str, rounds: int, rep_ms: float)
 
 def paired(per_round: list, a: str, b: str) -> float:
     """Median over rounds of a's time over b's in the same round (drift between rounds cancels)."""
-    r = sorted(t[a] / t[b] for t in per_round if a in t and b in t)
-    return r[len(r) // 2] if r else float("nan")
+    r = [t[a] / t[b] for t in per_round if a in t and b in t]
+    return statistics.median(r) if r else float("nan")
 
 
 def cublas_us(problem: GemmProblem, rounds: int, rep_ms: float) -> float:

@@ -22,9 +22,10 @@ def two_modes(reps: int, copies: int, slow_even: bool = True, seed: int = 0):
 
 
 def test_a_two_mode_mix_gives_one_time_whichever_mode_has_one_repetition_more():
-    """365 repetitions over 64 copies give the even copies 6 more repetitions than the odd
-    ones. Whether the even copies are the slow or the fast ones, the pooled median lands in
-    their mode (a 0.8 us jump); the estimator gives one time, the mean of the two modes."""
+    """365 repetitions over 64 copies give the even copies one more repetition than the odd
+    ones (183 to 182). Whether the even copies are the slow or the fast ones, the pooled
+    median lands in their mode (a 0.8 us jump); the estimator gives one time, the mean of
+    the two modes."""
     a = two_modes(365, 64, slow_even=True)
     b = two_modes(365, 64, slow_even=False)
     pooled = statistics.median(a[0]), statistics.median(b[0])
@@ -40,8 +41,10 @@ def test_one_copy_is_the_plain_median():
 
 
 def test_a_hiccup_on_a_copy_seen_once_does_not_move_the_time():
-    """Fewer repetitions than copies (a short rep window): each copy's median is one
-    repetition; a 50 us hiccup among 40 repetitions of 6 us is left out with the slowest tenth."""
+    """A short rep window, one repetition per copy: each copy's median is that repetition;
+    a 50 us hiccup among 40 repetitions of 6 us is left out with the slowest tenth, and
+    among 5 (fewer than 10 copies seen) the median of the copies' medians ignores it."""
     times = [6.0] * 40
     times[17] = 50.0
     assert placement_median(times, list(range(40))) == 6.0
+    assert placement_median([6.0, 6.0, 50.0, 6.0, 6.0], [0, 1, 2, 3, 4]) == 6.0

@@ -183,10 +183,12 @@ def test_make_searcher_is_exhaustive_at_or_under_the_threshold():
 def test_make_searcher_measures_a_space_of_few_valid_configs_whole():
     """A space admitting many configs of which few are valid (its `exhaustive_upto` counts
     the valid ones) is searched exhaustively; one more valid config than that and SP-MCTS
-    searches it."""
+    searches it. The exhaustive searcher gets every valid config once, the default first."""
     few = replace(BOWL, valid=lambda k: k["k0"] < 2)  # 2 x 125 = 250 valid of 625
     assert sum(1 for _ in few.configs()) == 250
-    assert isinstance(make_searcher(replace(few, exhaustive_upto=250), threshold=48), Exhaustive)
+    whole = make_searcher(replace(few, exhaustive_upto=250), threshold=48)
+    assert isinstance(whole, Exhaustive)
+    assert whole.configs[0] == few.default and sorted(whole.configs) == sorted(few.configs())
     assert isinstance(make_searcher(replace(few, exhaustive_upto=249), threshold=48), SPMCTS)
     assert isinstance(make_searcher(few, threshold=48), SPMCTS)  # 0: only the admitted count decides
 

@@ -47,7 +47,7 @@ def timings_ms(fn, warmup: int = 25, rep: int = 100, flush: str = "read") -> lis
     if flush not in ("read", "none"):
         raise ValueError(f"flush must be 'write', 'read' or 'none', not {flush!r}")
     clear = _read_flush() if flush == "read" else (lambda: None)
-    clear()  # the flush's own first call (its buffer, its kernel's load) is not one to size the loops by
+    clear()  # the flush kernel's first launch (its module load) is not one to size the loops by
     fn()
     torch.cuda.synchronize()
     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

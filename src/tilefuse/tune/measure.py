@@ -14,7 +14,8 @@ Timing, as DESIGN.md says and as the benchmarks time (analyze.bench.timings_ms: 
 warm-up, L2 flushed by a read before each repetition), the median and spread of the
 repetitions. When all the kernel's buffers fit in L2 several copies of them are rotated as
 well, so no launch finds its data in L2; the time is then each copy's median averaged over
-the copies (`placement_median`: where the buffers land moves a small kernel's time by 10%).
+the copies, the fastest and slowest tenth left out (`placement_median`: where the buffers
+land moved a 6 us kernel's time by 12%).
 
 A kernel with a grid reduction (the fused cross-entropy mean) takes a workspace after its
 parameters. Each candidate gets its own, made by the runtime's `launch.new_workspace` (zeroed
@@ -219,9 +220,9 @@ def _time(fn, st: _State, job: MeasureJob):
 
 
 def placement_median(times: list[float], copy_of: list[int]) -> float:
-    """The mean over buffer copies of each copy's median time (the median when there is one
-    copy), the fastest and slowest tenth of the copies left out (a copy seen once is one
-    repetition, maybe a hiccup).
+    """The mean over buffer copies of each copy's median time, the fastest and slowest tenth
+    of the copies left out (a copy seen once is one repetition, maybe a hiccup); with fewer
+    than 10 copies seen, the median of their medians (the plain median for one copy).
 
     Where a buffer lands decides a few-microsecond kernel's time: on an H100 the one-row sum
     finishing a cross-entropy mean took 7.5 us on every even copy and 6.7 us on every odd
@@ -233,6 +234,8 @@ def placement_median(times: list[float], copy_of: list[int]) -> float:
     for t, c in zip(times, copy_of):
         by.setdefault(c, []).append(t)
     meds = sorted(statistics.median(v) for v in by.values())
+    if len(meds) < 10:
+        return statistics.median(meds)
     cut = len(meds) // 10
     return statistics.fmean(meds[cut:len(meds) - cut])
 

@@ -96,10 +96,11 @@ class _Base:
 class Exhaustive(_Base):
     """Every valid config, the default first, then in dimension order."""
 
-    def __init__(self, space: Space, budget: int | None = None):
+    def __init__(self, space: Space, budget: int | None = None, configs: list | None = None):
+        """`configs`: the space's valid configs when the caller has enumerated them already."""
         super().__init__(space, budget, None, 0.0)
         first = [space.default] if space.default is not None and space.is_valid(space.default) else []
-        self.configs = first + [c for c in space.configs() if c != space.default]
+        self.configs = first + [c for c in (space.configs() if configs is None else configs) if c != space.default]
         self._it = iter(self.configs)
 
     def _propose(self):
@@ -293,12 +294,10 @@ def make_searcher(space: Space, budget: int = 64, *, exhaustive: bool = False, t
                   seed: int = 0, patience: int | None = 16, min_improvement: float = 0.005, polish: int = 0):
     """Exhaustive when asked, when at most `threshold` configs pass `admits`, or when the
     space holds at most `space.exhaustive_upto` valid configs; else SP-MCTS."""
-    if exhaustive or _at_most(space.admitted(), threshold):
+    if exhaustive or sum(1 for _ in itertools.islice(space.admitted(), threshold + 1)) <= threshold:
         return Exhaustive(space)
-    if space.exhaustive_upto and _at_most(space.configs(), space.exhaustive_upto):
-        return Exhaustive(space)
+    if space.exhaustive_upto:
+        few = list(itertools.islice(space.configs(), space.exhaustive_upto + 1))
+        if len(few) <= space.exhaustive_upto:
+            return Exhaustive(space, configs=few)  # enumerated once: `valid` renders
     return SPMCTS(space, budget, seed=seed, patience=patience, min_improvement=min_improvement, polish=polish)
-
-
-def _at_most(items, n: int) -> bool:
-    return sum(1 for _ in itertools.islice(items, n + 1)) <= n

@@ -4,7 +4,9 @@ A configuration assigns one value to every dimension, in the dimensions' order (
 the search tree branches in: most influential knob first). `admits` prunes prefixes
 cheaply (it sees only the dimensions assigned so far); `valid` is the whole truth about a
 complete configuration (for map-reduce: the schedule builds and the kernel renders), and
-may cost a millisecond, so it is only ever asked about configurations a search reaches.
+may cost a millisecond, so it is only ever asked about configurations a search reaches,
+except where a space sets `exhaustive_upto`: its valid configs are then counted (up to that
+many and one) before the search, which renders them (map-reduce: 0.2-0.5 s a kernel).
 """
 from __future__ import annotations
 
@@ -38,8 +40,9 @@ class Space:
     valid: Callable[[Mapping], bool] = _always
     admits: Callable[[Mapping], bool] = _always
     default: tuple | None = None
-    # a family whose `valid` is cheap may ask for an exhaustive search of any space holding
-    # at most this many distinct valid configs (0: only the tuner's admitted-count threshold)
+    # search exhaustively any space holding at most this many valid configs (0: only the
+    # tuner's admitted-count threshold decides); counting them renders up to that many and one
+    # configs before the search, so a family sets it only where rendering is cheap enough
     exhaustive_upto: int = 0
 
     def __post_init__(self):
@@ -95,7 +98,10 @@ class Space:
     def restrict(self, **allowed) -> "Space":
         """The sub-space where each named knob takes only the given values (a tuple, or one
         value); the default stays when it is inside, else there is none. For measuring the
-        exhaustive best over a neighbourhood when the whole space costs too much."""
+        exhaustive best over a neighbourhood when the whole space costs too much. Restrict a
+        space no search has enumerated yet: the families' `valid` remembers which config
+        rendered each kernel first and calls the others duplicates, and a kernel claimed by a
+        config outside the restriction would be missing from it."""
         unknown = set(allowed) - set(self.names)
         if unknown:
             raise ValueError(f"space {self.name}: no knob {sorted(unknown)}")
