@@ -119,7 +119,9 @@ KNOBS = [g.GemmSchedule(128, 256, stages=4), g.GemmSchedule(128, 128, stages=6),
          g.GemmSchedule(128, 128, stages=6, pingpong=True), g.GemmSchedule(64, 256, stages=5, pingpong=True),
          g.GemmSchedule(128, 128, stages=5, pingpong=True, cluster_m=2),
          g.GemmSchedule(64, 64, stages=8, consumers=1, split_k=3, tma_store=False),
-         g.GemmSchedule(128, 256, stages=4, split_k=2)]
+         g.GemmSchedule(128, 256, stages=4, split_k=2),
+         g.GemmSchedule(64, 64, stages=14, consumers=1, tma_store=False),   # the deepest 64x64 ring
+         g.GemmSchedule(64, 128, stages=9, consumers=1)]
 
 
 @pytest.mark.parametrize("sched", KNOBS, ids=str)

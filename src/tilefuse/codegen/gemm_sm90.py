@@ -115,8 +115,8 @@ class GemmSchedule:
             raise GemmError(f"cluster_m must be 1 or 2, not {self.cluster_m}")
         if self.cluster_m == 2 and self.bn % 16:
             raise GemmError(f"bn={self.bn}: a 2-CTA cluster splits the B tile in halves of whole 8-row atoms")
-        if not 2 <= self.stages <= 8:
-            raise GemmError(f"stages={self.stages} must be in [2, 8]")
+        if not 2 <= self.stages <= 16:  # a 64x64 tile's 16 KB stages fit 14 deep in shared memory
+            raise GemmError(f"stages={self.stages} must be in [2, 16]")
         if self.acc_regs > 160:
             raise GemmError(f"bm={self.bm} x bn={self.bn} needs {self.acc_regs} accumulator registers "
                             f"per thread; at most 160 fit")
