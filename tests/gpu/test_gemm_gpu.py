@@ -40,7 +40,9 @@ SCHEDULES = [GemmSchedule(128, 256, stages=4), GemmSchedule(128, 128, stages=6),
              GemmSchedule(128, 128, stages=6, cluster_m=2), GemmSchedule(64, 64, stages=8, consumers=1, cluster_m=2),
              GemmSchedule(128, 256, stages=4, tma_store=False), GemmSchedule(128, 128, stages=6, pingpong=True),
              GemmSchedule(64, 256, stages=5, pingpong=True, cluster_m=2),
-             GemmSchedule(128, 128, stages=6, pingpong=True, tma_store=False)]
+             GemmSchedule(128, 128, stages=6, pingpong=True, tma_store=False),
+             GemmSchedule(64, 64, stages=14, consumers=1, tma_store=False),  # rings past 8 deep
+             GemmSchedule(64, 64, stages=13, consumers=1, cluster_m=2), GemmSchedule(64, 128, stages=9, consumers=1)]
 PINGPONG = [GemmSchedule(128, 128, stages=6, pingpong=True), GemmSchedule(64, 256, stages=5, pingpong=True),
             GemmSchedule(128, 128, stages=5, pingpong=True, cluster_m=2)]
 
