@@ -121,15 +121,31 @@ def test_odd_row_length_uses_masked_scalar_accesses():
 def test_short_rows_share_a_warp_and_long_rows_span_a_cluster():
     short = default_schedule(fx.rmsnorm_kernel(32768, 256, "bf16"), "sm_90a")
     assert short.group <= 32 and short.rows_per_cta > 1
-    for name in ("softmax", "cross_entropy"):
+    for name, stage in (("softmax", "smem"), ("cross_entropy", "regs")):
         k = fx.BUILDERS[name](8192, 262144, "bf16")
         long = default_schedule(k, "sm_90a")
-        assert long.cluster > 1 and long.stage == "smem", long
+        assert long.cluster > 1 and long.stage == stage, long
         src = render(k, long, "sm_90a")
         assert src.cluster == (long.cluster, 1, 1) and src.grid[0] == 8192 * long.cluster
         assert "mapa.shared::cluster" in src.source and "tf_cluster_sync();" in _body(src)
         fallback = default_schedule(k, "sm_80")
         assert fallback.cluster == 1
+
+
+def test_a_loss_over_cluster_rows_reads_them_in_registers_with_the_staged_shape():
+    """Cross-entropy over rows that need a cluster: one (max, sum-exp) pass reads each chunk
+    once, so the default keeps the staged heuristic's shape (threads, cluster, register cap)
+    but in registers, without the cp.async pipeline; naming stage="smem" still stages it,
+    a softmax (it writes the row) stays staged, and the registers do not spill."""
+    k = fx.cross_entropy_kernel(8192, 262144, "bf16")
+    auto, staged = default_schedule(k, "sm_90a"), default_schedule(k, "sm_90a", stage="smem")
+    assert staged.stage == "smem" and staged.pipeline and staged.cluster > 1
+    assert auto == replace(staged, stage="regs", pipeline=False)
+    assert default_schedule(fx.softmax_kernel(8192, 262144, "bf16"), "sm_90a").stage == "smem"
+    assert default_schedule(fx.cross_entropy_kernel(64, 65536, "bf16"), "sm_90a").stage == "smem"  # one CTA
+    src = render(k, auto, "sm_90a")
+    info = nvrtc.compile_cuda(src.source, src.name, "sm_90a").info
+    assert info.spill_stores == 0 and info.spill_loads == 0, info
 
 
 def test_rows_up_to_64k_with_one_exchange_and_no_column_vector_stay_in_one_cta():

@@ -311,12 +311,15 @@ def _smem_eligible(kernel: ir.Kernel, vector: int) -> bool:
 def default_schedule(kernel: ir.Kernel, arch: str = "sm_90a", stage: str | None = None) -> MapReduceSchedule:
     """A schedule from the row length, the kernel's kind, the staged bytes and the target.
 
-    stage=None picks "smem" where the rows come in 16-byte chunks (except a map over short
-    rows: "regs"), else "regs"; naming a stage gives that stage's heuristic. The choices
-    are the fastest of the neighbours bench/mapreduce_kernels.py timed on an H100 (bf16).
+    stage=None picks "smem" where the rows come in 16-byte chunks (except short rows of a
+    map or a plain norm, and a loss over rows that need a cluster: "regs"), else "regs";
+    naming a stage gives that stage's heuristic. The choices are the fastest of the
+    neighbours bench/mapreduce_kernels.py timed on an H100 (bf16), and where the tuner's
+    whole-space searches found better, their picks.
     """
     parts = ir.row_kernel_parts(kernel)
     v = _choose_vector(kernel, parts)
+    auto = stage is None
     if stage is None:
         short = -(-parts.col_extent // v) <= 32 * 4
         kind = _kind(parts)
@@ -334,7 +337,15 @@ def default_schedule(kernel: ir.Kernel, arch: str = "sm_90a", stage: str | None 
     if stage == "smem":
         if not _smem_eligible(kernel, v):
             raise ValueError(f"kernel {kernel.name}: stage='smem' needs 16-byte row chunks")
-        return _smem_schedule(kernel, parts, v, arch)
+        s = _smem_schedule(kernel, parts, v, arch)
+        if auto and s.cluster > 1 and _kind(parts) == "reduce" and exchanges(kernel) == (1, True):
+            # a loss over rows too long for one CTA (cross-entropy): its one (max, sum-exp)
+            # pass reads each chunk once, so staging the row in shared memory only adds a
+            # trip through it; the same shape in registers, without the cp.async pipeline,
+            # was the whole knob space's best at 8192 x 262144 on an H100: 1348 us against
+            # 1788 staged (bench/results/tune_eval_mr_full_h100_e.json)
+            s = replace(s, stage="regs", pipeline=False)
+        return s
     return _regs_schedule(kernel, parts, v, arch)
 
 
