@@ -46,7 +46,8 @@ def main():
     for i in range(args.calls):
         m = measure(job)
         s = m.stats
-        print(f"measure call {i}: median {m.median_us:.2f} min {s['min_us']:.2f} p20 {s['p20_us']:.2f} "
+        print(f"measure call {i}: time {m.median_us:.2f} (copies' medians averaged; pooled median "
+              f"{s['pooled_median_us']:.2f}) min {s['min_us']:.2f} p20 {s['p20_us']:.2f} "
               f"p80 {s['p80_us']:.2f} us ({s['reps']} reps, {s['copies']} copies)")
     st = _state(job, fam)
     fn = _with_workspace(fam.compile(kernel, fam.build(kernel, knobs, "sm_90a"), "sm_90a"), "cuda")
