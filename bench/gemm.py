@@ -62,17 +62,17 @@ def median_ms(fn) -> float:
 
 
 def parse_schedule(text: str) -> GemmSchedule:
-    """'128x256s4c2' -> bm 128, bn 256, 4 stages, 2 consumers (g<G>: group_m, m2: cluster,
-    d: direct stores, p: ping-pong consumers, k<S>: split-K in S slices)."""
+    """'128x256s4c2' -> bm 128, bn 256, 4 stages, 2 consumers (g<G>: group_m, m2: cluster
+    along M, n2: along N, d: direct stores, p: ping-pong consumers, k<S>: split-K in S slices)."""
     import re
 
-    m = re.fullmatch(r"(\d+)x(\d+)s(\d+)c(\d+)(?:g(\d+))?(?:m(\d))?(d)?(p)?(?:k(\d+))?", text)
+    m = re.fullmatch(r"(\d+)x(\d+)s(\d+)c(\d+)(?:g(\d+))?(?:m(\d))?(?:n(\d))?(d)?(p)?(?:k(\d+))?", text)
     if not m:
-        raise SystemExit(f"bad schedule {text!r}; want like 128x256s4c2 (g8: group_m, m2: 2-CTA cluster, "
+        raise SystemExit(f"bad schedule {text!r}; want like 128x256s4c2 (g8: group_m, m2/n2: 2-CTA cluster, "
                          f"d: direct stores, p: ping-pong, k4: split-K 4)")
-    bm, bn, s, c, g, cl, d, p, sk = m.groups()
+    bm, bn, s, c, g, cl, cn, d, p, sk = m.groups()
     return GemmSchedule(int(bm), int(bn), stages=int(s), consumers=int(c), group_m=int(g or 8),
-                        cluster_m=int(cl or 1), tma_store=not d, pingpong=bool(p),
+                        cluster_m=int(cl or 1), cluster_n=int(cn or 1), tma_store=not d, pingpong=bool(p),
                         split_k=int(sk or 1))
 
 

@@ -121,7 +121,9 @@ KNOBS = [g.GemmSchedule(128, 256, stages=4), g.GemmSchedule(128, 128, stages=6),
          g.GemmSchedule(64, 64, stages=8, consumers=1, split_k=3, tma_store=False),
          g.GemmSchedule(128, 256, stages=4, split_k=2),
          g.GemmSchedule(64, 64, stages=14, consumers=1, tma_store=False),   # the deepest 64x64 ring
-         g.GemmSchedule(64, 128, stages=9, consumers=1)]
+         g.GemmSchedule(64, 128, stages=9, consumers=1),
+         g.GemmSchedule(64, 64, stages=12, consumers=1, cluster_n=2, tma_store=False),  # A multicast
+         g.GemmSchedule(128, 128, stages=6, cluster_n=2)]
 
 
 @pytest.mark.parametrize("sched", KNOBS, ids=str)
@@ -133,6 +135,30 @@ def test_knob_instantiations_compile_for_sm90a_without_spills(sched, b_major):
     assert cubin.info.clean, cubin.info
     assert "C7508" not in cubin.log, "setmaxnreg ignored"
     assert src.smem_bytes <= g.SMEM_LIMIT
+
+
+def test_a_1x2_cluster_shares_each_a_tile_between_two_column_tiles():
+    """cluster_n=2: the CTAs of a pair take adjacent column tiles of one tile row; each loads
+    half of the A tile's rows (a half-height TMA box) into its half of the stage and
+    multicasts it to both, loads its own B tile, and a consumer releases each stage in both
+    CTAs. Tiles are counted in pairs; N must hold whole pairs, and the knob takes no other
+    cluster, split-K or ping-pong."""
+    p = g.GemmProblem(128, 4096, 4096)
+    s = g.GemmSchedule(64, 64, stages=12, consumers=1, cluster_n=2, tma_store=False)
+    src = g.render(p, s)
+    body = src.source
+    assert src.cluster == 2 and src.a_box == (64, 32) and src.b_box == (64, 64)
+    assert src.grid_tiles == 2 * 4096 // 128  # 2 tile rows x 32 column pairs
+    assert "tf_tma_load_mc(sa + rank * 4096, &a_map, kt * BK, tm * BM + rank * 32, batch, full, 3);" in body
+    assert "tf_tma_load(sb, &b_map, kt * BK, tn * BN, batch, full);" in body
+    assert body.count("tn = tn * CLUSTER + rank;") == 2 and "tm = tm * CLUSTER + rank;" not in body
+    assert "tf_bar_arrive_cta(" in body and "tf_cluster_sync_all();" in body
+    assert "n2" in src.name and "cluster 1x2 (A multicast)" in str(s)
+    with pytest.raises(g.GemmError, match="whole|multiple of 2 x bn"):
+        g.render(g.GemmProblem(128, 4096 + 64, 4096), s)
+    for bad in (dict(cluster_m=2), dict(split_k=2), dict(pingpong=True, consumers=2)):
+        with pytest.raises(g.GemmError, match="cluster_n=2 takes"):
+            g.GemmSchedule(64, 64, stages=4, cluster_n=2, **{"consumers": 1, **bad})
 
 
 def test_pingpong_consumers_take_turns_on_a_shared_stage_ring():

@@ -130,6 +130,45 @@ def test_split_k_runs_the_epilogue_once_on_the_whole_sum():
     _passes(out, f(a.float() @ bt.float() + bias.float()) + res.float(), f(a @ bt + bias) + res)
 
 
+CLUSTER_N = [GemmSchedule(64, 64, stages=12, consumers=1, cluster_n=2, tma_store=False),
+             GemmSchedule(64, 128, stages=8, consumers=1, cluster_n=2), GemmSchedule(128, 128, stages=6, cluster_n=2)]
+
+
+@pytest.mark.parametrize("sched", CLUSTER_N, ids=str)
+@pytest.mark.parametrize("shape", [(128, 4096, 4096), (200, 512, 520), (1, 1024, 72), (3000, 1024, 1024)])
+@pytest.mark.parametrize("b_major", ["K", "N"])
+def test_a_shared_by_column_pairs_matches_float32(shape, sched, b_major):
+    """1x2 clusters (each CTA loads half of the A tile and multicasts it): right at the skinny
+    shape they are for, with tails in M and K, with one row, with more pairs than SMs (CTAs
+    walk several), both B layouts; three launches in a row (no barrier left mid-phase)."""
+    m, n, k = shape
+    a, b, bt = _operands(m, n, k, b_major)
+    g = compile_gemm(GemmProblem(m, n, k, "bf16", b_major=b_major), sched)
+    assert g.info.clean, g.info
+    ref, lowp = a.float() @ bt.float(), a @ bt
+    for _ in range(3):
+        out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+        g(a, b, out=out)
+        torch.cuda.synchronize()
+        _passes(out, ref, lowp)
+
+
+def test_a_shared_by_column_pairs_runs_the_epilogue_on_each_tile():
+    """Bias, GELU and residual with a 1x2 cluster, batched: each CTA's epilogue covers its own
+    column tile."""
+    m, n, k, batch = 200, 512, 1536, 2
+    a, b, bt = _operands(m, n, k, "K", batch=batch)
+    bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    res = torch.randn(batch, m, n, device="cuda", dtype=torch.bfloat16)
+    ep = epi.standard(m, n, "bf16", bias="col", activation="gelu", residual=True, batch=batch)
+    g = compile_gemm(GemmProblem(m, n, k, "bf16", batch=batch, epilogue=ep), CLUSTER_N[2])
+    out = torch.full((batch, m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+    g(a, b, out=out, bias=bias, residual=res)
+    torch.cuda.synchronize()
+    f = torch.nn.functional.gelu
+    _passes(out, f(a.float() @ bt.float() + bias.float()) + res.float(), f(a @ bt + bias) + res)
+
+
 @pytest.mark.parametrize("dtype", ["bf16", "f16"])
 def test_batched_and_f16(dtype):
     tdt = torch.bfloat16 if dtype == "bf16" else torch.float16

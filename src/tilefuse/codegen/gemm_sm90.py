@@ -16,7 +16,9 @@ grouped order (GROUP_M tile rows at a time, so the B tiles stay in L2):
 `setmaxnreg` moves registers from the producer to the consumers. With `cluster_m=2`, CTA
 pairs along M share tn: each loads half of the B tile and multicasts it to both, and a
 consumer releases a stage in both CTAs (a remote arrive, without `.release.cluster`: that
-qualifier costs a GPU-wide MEMBAR per K step).
+qualifier costs a GPU-wide MEMBAR per K step). `cluster_n=2` is the same along N: pairs
+share tm and each loads half of the A tile (for few tile rows, where every A row block is
+read by every column of tiles).
 
 Everything layout-shaped comes from `tilefuse.layout`: the shared-memory tile layouts
 (`gmma_smem_layout`), the TMA box and swizzle mode, the wgmma descriptor fields and K-step
@@ -87,6 +89,7 @@ class GemmSchedule:
     consumers: int = 2
     group_m: int = 8
     cluster_m: int = 1          # 2: CTA pairs along M share each B tile through TMA multicast
+    cluster_n: int = 1          # 2: CTA pairs along N share each A tile through TMA multicast
     producer_regs: int = 40
     consumer_regs: int = 232
     tma_store: bool = True      # registers -> swizzled shared memory -> TMA store, where the epilogue allows
@@ -115,6 +118,10 @@ class GemmSchedule:
             raise GemmError(f"cluster_m must be 1 or 2, not {self.cluster_m}")
         if self.cluster_m == 2 and self.bn % 16:
             raise GemmError(f"bn={self.bn}: a 2-CTA cluster splits the B tile in halves of whole 8-row atoms")
+        if self.cluster_n not in (1, 2):
+            raise GemmError(f"cluster_n must be 1 or 2, not {self.cluster_n}")
+        if self.cluster_n > 1 and (self.cluster_m > 1 or self.split_k > 1 or self.pingpong):
+            raise GemmError("cluster_n=2 takes no cluster along M, no split-K and no ping-pong consumers")
         if not 2 <= self.stages <= 16:  # a 64x64 tile's 16 KB stages fit 14 deep in shared memory
             raise GemmError(f"stages={self.stages} must be in [2, 16]")
         if self.acc_regs > 160:
@@ -138,7 +145,8 @@ class GemmSchedule:
         return self.stages * stage + 2 * self.stages * 8 + 1024  # + barriers + alignment slack
 
     def __str__(self):
-        cluster = f", cluster {self.cluster_m}x1 (B multicast)" if self.cluster_m > 1 else ""
+        cluster = (f", cluster {self.cluster_m}x1 (B multicast)" if self.cluster_m > 1 else
+                   f", cluster 1x{self.cluster_n} (A multicast)" if self.cluster_n > 1 else "")
         store = "" if self.tma_store else ", direct stores"
         wgs = "2 ping-pong consumers" if self.pingpong else f"{self.consumers} consumer warpgroups"
         split = f", split-K {self.split_k}" if self.split_k > 1 else ""
@@ -1022,7 +1030,8 @@ def kernel_name(problem: GemmProblem, sched: GemmSchedule, kernel: ir.Kernel) ->
     h = structural_hash(kernel)[:10]
     return (f"tf_gemm_sm90_{problem.batch}x{problem.m}x{problem.n}x{problem.k}_{problem.dtype}_b{problem.b_major}"
             f"_{sched.bm}x{sched.bn}x{sched.bk}s{sched.stages}c{sched.consumers}g{sched.group_m}"
-            f"{f'm{sched.cluster_m}' if sched.cluster_m > 1 else ''}{'' if sched.tma_store else 'd'}"
+            f"{f'm{sched.cluster_m}' if sched.cluster_m > 1 else ''}{f'n{sched.cluster_n}' if sched.cluster_n > 1 else ''}"
+            f"{'' if sched.tma_store else 'd'}"
             f"{'p' if sched.pingpong else ''}{f'k{sched.split_k}' if sched.split_k > 1 else ''}_{h}")
 
 
@@ -1051,10 +1060,13 @@ def render(problem: GemmProblem, sched: GemmSchedule | None = None) -> GemmSourc
     b = _operand(sched.bn, sched.bk, "K" if problem.b_major == "K" else "MN")
     name = kernel_name(problem, sched, kernel)
     P, S = problem, sched
-    CL = S.cluster_m
+    CLM, CLN = S.cluster_m, S.cluster_n
+    CL = CLM * CLN
     # with a cluster, tiles are counted in CTA pairs along M (an odd last row of tiles is
-    # computed on zeros past M and not stored)
-    tiles_m, tiles_n = -(-P.m // (S.bm * CL)), -(-P.n // S.bn)
+    # computed on zeros past M and not stored) or along N (N must hold whole pairs)
+    if CLN > 1 and P.n % (S.bn * CLN):
+        raise GemmError(f"N={P.n}: a 1x{CLN} cluster needs N a multiple of {CLN} x bn={S.bn}")
+    tiles_m, tiles_n = -(-P.m // (S.bm * CLM)), -(-P.n // (S.bn * CLN))
     tiles = tiles_m * tiles_n * P.batch
     k_iters = -(-P.k // S.bk)
     split = S.split_k
@@ -1104,8 +1116,14 @@ def render(problem: GemmProblem, sched: GemmSchedule | None = None) -> GemmSourc
     # B coordinates of a (k, n) tile: K-major reads box (k, n); N-major reads box (n, k) per 64-wide span
     # With a cluster, each CTA loads half of B and multicasts it to both.
     b_box = b.box
+    if CLN == 1:
+        a_box, a_load = a.box, "tf_tma_load(sa, &a_map, kt * BK, tm * BM, batch, full);"
+    else:  # each CTA of the pair loads half of the A tile's rows and multicasts it to both
+        half = S.bm // 2
+        a_box = (a.box[0], half)
+        a_load = f"tf_tma_load_mc(sa + rank * {half * 128}, &a_map, kt * BK, tm * BM + rank * {half}, batch, full, 3);"
     if problem.b_major == "K":
-        if CL == 1:
+        if CLM == 1:
             b_loads = ["tf_tma_load(sb, &b_map, kt * BK, tn * BN, batch, full);"]
         else:
             half = S.bn // 2
@@ -1113,7 +1131,7 @@ def render(problem: GemmProblem, sched: GemmSchedule | None = None) -> GemmSourc
             b_loads = [f"tf_tma_load_mc(sb + rank * {half * 128}, &b_map, kt * BK, tn * BN + rank * {half}, "
                        f"batch, full, 3);"]
     else:
-        if CL == 1:
+        if CLM == 1:
             b_loads = [f"tf_tma_load(sb + {j * b.box_step}, &b_map, tn * BN + {j * 64}, kt * BK, batch, full);"
                        for j in range(b.boxes)]
         else:
@@ -1124,6 +1142,7 @@ def render(problem: GemmProblem, sched: GemmSchedule | None = None) -> GemmSourc
                        f"tn * BN + (rank * {per} + {j}) * 64, kt * BK, batch, full, 3);" for j in range(per)]
 
     b_load_lines = "\n".join("          " + x for x in b_loads)
+    pair_coord = "tn = tn * CLUSTER + rank;" if CLN > 1 else "tm = tm * CLUSTER + rank;"
     src = []
     w = src.append
     w(f"// {name}\n// {P.batch} x ({P.m} x {P.k}) @ ({P.n} x {P.k} {'K-major' if P.b_major == 'K' else 'N-major'}) {P.dtype}, {S}")
@@ -1190,13 +1209,13 @@ extern "C" __global__ void __launch_bounds__({S.threads}, 1)
 {prod_head}
         int batch, tm, tn;
         tf_tile_coords(t, batch, tm, tn);
-        tm = tm * CLUSTER + rank;
+        {pair_coord}
         for ({k_range}) {{
           tf_bar_wait(bars + 8 * (STAGES + stage), phase ^ 1);
           const unsigned full = bars + 8 * stage;
           tf_bar_expect(full, STAGE_BYTES);
           const unsigned sa = base + stage * STAGE_BYTES, sb = sa + A_BYTES;
-          tf_tma_load(sa, &a_map, kt * BK, tm * BM, batch, full);
+          {a_load}
 {b_load_lines}
           if (++stage == STAGES) {{ stage = 0; phase ^= 1; }}
         }}
@@ -1211,7 +1230,7 @@ extern "C" __global__ void __launch_bounds__({S.threads}, 1)
 {loop_head}
       int batch, tm, tn;
       tf_tile_coords(t, batch, tm, tn);
-      tm = tm * CLUSTER + rank;
+      {pair_coord}
       float acc[{mb_count}][{S.bn // 2}];
       #pragma unroll
       for (int i = 0; i < {mb_count}; ++i)
@@ -1265,5 +1284,5 @@ extern "C" __global__ void __launch_bounds__({S.threads}, 1)
     return GemmSource(name=name, source="\n".join(src), grid_tiles=units, block=(S.threads, 1, 1),
                       workspace=ws, flags=tiles * S.consumers if split > 1 else 0,
                       smem_bytes=smem, params=params, problem=problem, schedule=sched,
-                      a_box=a.box, b_box=b_box, swizzle=hopper.tma_swizzle(a.layout, 16), cluster=CL,
+                      a_box=a_box, b_box=b_box, swizzle=hopper.tma_swizzle(a.layout, 16), cluster=CL,
                       c_box=hopper.tma_box(_store_layout(), "K", 16) if store_dt else None)
