@@ -154,6 +154,10 @@ def test_a_1x2_cluster_shares_each_a_tile_between_two_column_tiles():
     assert body.count("tn = tn * CLUSTER + rank;") == 2 and "tm = tm * CLUSTER + rank;" not in body
     assert "tf_bar_arrive_cta(" in body and "tf_cluster_sync_all();" in body
     assert "n2" in src.name and "cluster 1x2 (A multicast)" in str(s)
+    two = g.render(p, g.GemmSchedule(128, 128, stages=6, cluster_n=2)).source  # 2 consumers, 64 rows each
+    assert "tf_tma_load_mc(sa + rank * 8192, &a_map, kt * BK, tm * BM + rank * 64, batch, full, 3);" in two
+    tall = g.render(p, g.GemmSchedule(256, 128, stages=4, cluster_n=2))  # 2 consumers, 128 rows each
+    assert tall.a_box == (64, 128) and "sa + rank * 16384" in tall.source
     with pytest.raises(g.GemmError, match="whole|multiple of 2 x bn"):
         g.render(g.GemmProblem(128, 4096 + 64, 4096), s)
     for bad in (dict(cluster_m=2), dict(split_k=2), dict(pingpong=True, consumers=2)):

@@ -131,7 +131,8 @@ def test_split_k_runs_the_epilogue_once_on_the_whole_sum():
 
 
 CLUSTER_N = [GemmSchedule(64, 64, stages=12, consumers=1, cluster_n=2, tma_store=False),
-             GemmSchedule(64, 128, stages=8, consumers=1, cluster_n=2), GemmSchedule(128, 128, stages=6, cluster_n=2)]
+             GemmSchedule(64, 128, stages=8, consumers=1, cluster_n=2), GemmSchedule(128, 128, stages=6, cluster_n=2),
+             GemmSchedule(256, 128, stages=4, cluster_n=2)]
 
 
 @pytest.mark.parametrize("sched", CLUSTER_N, ids=str)

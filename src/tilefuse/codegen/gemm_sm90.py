@@ -196,7 +196,7 @@ def _with_split(s: GemmSchedule, problem: GemmProblem, sms: int) -> GemmSchedule
     64x4096x16384 55.4 -> 53.2 us with 2; at 128x4096x4096 and 512x4096x4096 (enough tiles)
     every split measured slower, and this leaves them whole."""
     tiles = -(-problem.m // s.bm) * -(-problem.n // s.bn) * problem.batch
-    if s.cluster_m > 1 or tiles * 2 > sms:
+    if s.cluster_m > 1 or s.cluster_n > 1 or tiles * 2 > sms:
         return s
     k_iters = -(-problem.k // s.bk)
     for split in (4, 2):
@@ -403,7 +403,7 @@ def _epilogue_code(problem: GemmProblem, sched: GemmSchedule, kernel: ir.Kernel)
     row0, _ = cgen.c_tv_coords(frag, "tid", 0)  # row of value 0 (values 2,3 are 8 rows down)
     lines.append(f"const int frag_row = {row0};")
     lines.append(f"const int frag_col = {cgen.c_tv_coords(frag, 'tid', 0)[1]};")
-    full_tiles = problem.m % (sched.bm * sched.cluster_m) == 0 and problem.n % sched.bn == 0
+    full_tiles = problem.m % (sched.bm * sched.cluster_m) == 0 and problem.n % (sched.bn * sched.cluster_n) == 0
     if epi.is_pairwise(kernel):  # one output element per register pair (v, v + 1)
         full = _full_pair_store(kernel, body)  # or two, at columns 2n and 2n + 1: one 4-byte store
         for mb in range(mb_count):
@@ -550,7 +550,7 @@ def _partials_code(problem: GemmProblem, sched: GemmSchedule, kernel: ir.Kernel,
     P = problem
     groups_per_tile = sched.bn // w
     tail_m = P.m % (sched.bm * sched.cluster_m) != 0
-    tail_n = P.n % sched.bn != 0
+    tail_n = P.n % (sched.bn * sched.cluster_n) != 0
     col = ir.IBin("+", ir.IBin("*", ir.Var("t"), ir.IConst(w)), ir.Var("c"))
     wrapped = ir.IBin("%", col, ir.IConst(P.n))
     row0, col0 = cgen.c_tv_coords(frag, "tid", 0)
@@ -689,7 +689,7 @@ def _epilogue_code_tma(problem: GemmProblem, sched: GemmSchedule, kernel: ir.Ker
     lay = _store_layout()
     slot_bytes = hopper.smem_bytes(lay, 16)
     mb_count = sched.rows_per_wg // 64
-    full_tiles = problem.m % (sched.bm * sched.cluster_m) == 0 and problem.n % sched.bn == 0
+    full_tiles = problem.m % (sched.bm * sched.cluster_m) == 0 and problem.n % (sched.bn * sched.cluster_n) == 0
     # loads of epilogue operands must stay inside their tensors on tail tiles
     guarded = not full_tiles and any(isinstance(x, ir.Load) and x.buf != epi.ACC for x in body)
     row0, col0 = cgen.c_tv_coords(frag, "tid", 0)
@@ -1146,8 +1146,8 @@ def render(problem: GemmProblem, sched: GemmSchedule | None = None) -> GemmSourc
     src = []
     w = src.append
     w(f"// {name}\n// {P.batch} x ({P.m} x {P.k}) @ ({P.n} x {P.k} {'K-major' if P.b_major == 'K' else 'N-major'}) {P.dtype}, {S}")
-    w(f"// A smem tile {a.layout}, wgmma {a.desc}, TMA box {a.box}")
-    w(f"// B smem tile {b.layout}, wgmma {b.desc}, TMA box {b.box} x {b.boxes}")
+    w(f"// A smem tile {a.layout}, wgmma {a.desc}, TMA box {a_box}")
+    w(f"// B smem tile {b.layout}, wgmma {b.desc}, TMA box {b_box} x {len(b_loads)}")
     w(f"// epilogue {kernel.name}: " + "; ".join(str(s) for s in epi.inner_body(kernel)))
     if pw is not None:
         w(f"// partial row reductions over {pw}-column groups: "
