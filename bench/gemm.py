@@ -248,7 +248,9 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json")
     ap.add_argument("--shapes", nargs="*", help="M,N,K triples")
-    ap.add_argument("--schedules", default="", help="comma-separated, e.g. 128x256s4c2,128x128s6c2")
+    ap.add_argument("--schedules", default="", help="comma-separated, e.g. 128x256s4c2,128x128s6c2m2,64x64s12c1n2d "
+                    "(BMxBN s<stages> c<consumers>, then optional g<group_m> m2/n2 (2-CTA cluster along M/N) "
+                    "d (direct stores) p (ping-pong) k<S> (split-K))")
     ap.add_argument("--b-major", default="K", choices=["K", "N"])
     ap.add_argument("--fused", action="store_true", help="the fused-epilogue table instead")
     ap.add_argument("--with-alternative", action="store_true",
