@@ -11,6 +11,9 @@ from __future__ import annotations
 import random
 import statistics
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from tilefuse.tune.measure import placement_median
 
 
@@ -48,3 +51,21 @@ def test_a_hiccup_on_a_copy_seen_once_does_not_move_the_time():
     times[17] = 50.0
     assert placement_median(times, list(range(40))) == 6.0
     assert placement_median([6.0, 6.0, 50.0, 6.0, 6.0], [0, 1, 2, 3, 4]) == 6.0
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 20), st.floats(1.0, 100.0)), min_size=1, max_size=200), st.randoms())
+def test_the_time_ignores_the_order_of_repetitions_and_stays_within_the_copies_medians(reps, rnd):
+    """Shuffling the repetitions (with their copies) leaves the time as it is, and the time
+    lies between the smallest and the largest copy's median."""
+    times, copies = [t for _, t in reps], [c for c, _ in reps]
+    shuffled = list(zip(times, copies))
+    rnd.shuffle(shuffled)
+    a = placement_median(times, copies)
+    b = placement_median([t for t, _ in shuffled], [c for _, c in shuffled])
+    assert abs(a - b) <= 1e-9 * max(1.0, abs(a))
+    by = {}
+    for t, c in zip(times, copies):
+        by.setdefault(c, []).append(t)
+    meds = [statistics.median(v) for v in by.values()]
+    assert min(meds) - 1e-9 <= a <= max(meds) + 1e-9
