@@ -94,15 +94,20 @@ def space(kernel: ir.Kernel, arch: str = "sm_90a") -> Space:
         return True
 
     rendered: dict = {}  # what a config renders to -> the first config that did
+    answers: dict = {}   # config -> valid, so a config counted before the search is not rendered again
 
     def valid(k: Mapping) -> bool:
-        try:
-            src = mr.render(kernel, mr.MapReduceSchedule(**k), arch)
-        except (ValueError, TypeError):
-            return False
-        code = re.sub(r"//[^\n]*", "", src.source)  # the header comment names every knob
-        fp = (hashlib.sha256(code.encode()).hexdigest(), src.grid, src.block, src.smem_bytes, src.cluster)
-        return rendered.setdefault(fp, dict(k)) == dict(k)
+        key = tuple(sorted(k.items()))
+        if key not in answers:
+            try:
+                src = mr.render(kernel, mr.MapReduceSchedule(**k), arch)
+            except (ValueError, TypeError):
+                answers[key] = False
+                return False
+            code = re.sub(r"//[^\n]*", "", src.source)  # the header comment names every knob
+            fp = (hashlib.sha256(code.encode()).hexdigest(), src.grid, src.block, src.smem_bytes, src.cluster)
+            answers[key] = rendered.setdefault(fp, dict(k)) == dict(k)
+        return answers[key]
 
     valid(knobs)  # the default claims its kernel first
     candidates = {"stage": STAGES, "vector": vectors, "threads": THREADS, "group": GROUPS, "cluster": clusters,
