@@ -100,27 +100,23 @@ def in_neighbourhood(nb, knobs) -> bool:
 def retime(pool, kernel, knob_sets: dict, arch: str, rounds: int, rep_ms: float) -> tuple[dict, list]:
     """(name -> min over rounds of its time, each round's times), candidates interleaved in
     one worker; a time is `measure`'s (the median, or with rotated copies their medians' mean)."""
-    best, first, per_round = {}, {}, []
-    for name, knobs in knob_sets.items():  # a pick equal to another is timed once, under the first name
-        first.setdefault(tuple(sorted(knobs.items())), name)
+    seen: dict = {}
+    alias = {}  # name -> the first name with the same knobs: a pick equal to another is timed once
+    for name, knobs in knob_sets.items():
+        alias[name] = seen.setdefault(tuple(sorted(knobs.items())), name)
+    best, per_round = {}, []
     for _ in range(rounds):
         times = {}
-        for name, knobs in knob_sets.items():
-            if first[tuple(sorted(knobs.items()))] != name:
-                continue
-            out = pool.submit(measure, MeasureJob(kernel.family, kernel, knobs, arch, rep_ms=rep_ms)).result()
+        for name in (n for n in knob_sets if alias[n] == n):
+            job = MeasureJob(kernel.family, kernel, knob_sets[name], arch, rep_ms=rep_ms)
+            out = pool.submit(measure, job).result()
             if out.ok:
                 times[name] = out.value.median_us
                 best[name] = min(best.get(name, float("inf")), out.value.median_us)
             else:
                 print(f"  re-timing {name} failed: {out.reason}", flush=True)
-        for name, knobs in knob_sets.items():
-            if first[tuple(sorted(knobs.items()))] in times:
-                times[name] = times[first[tuple(sorted(knobs.items()))]]
-        per_round.append(times)
-    for name, knobs in knob_sets.items():
-        if name not in best and first[tuple(sorted(knobs.items()))] in best:
-            best[name] = best[first[tuple(sorted(knobs.items()))]]
+        per_round.append({n: times[a] for n, a in alias.items() if a in times})
+    best = {n: best[a] for n, a in alias.items() if a in best}
     return best, per_round
 
 
