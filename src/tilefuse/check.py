@@ -72,7 +72,10 @@ _CASTS = {torch.Tensor.to, torch.Tensor.type, torch.Tensor.type_as, torch.Tensor
 
 
 class _KeepFloat64(torch.overrides.TorchFunctionMode):
-    """Float casts of float64 tensors return them unchanged; float `dtype=` arguments become float64."""
+    """Float casts of float64 tensors return them unchanged; float `dtype=` arguments become
+    float64; where a float64 tensor meets a lower-precision float one (an integer tensor cast
+    with `.float()`, say, then a matmul with a float64 buffer, as transformers' rotary
+    embedding does), the other is raised to float64 too rather than failing the op."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
@@ -80,6 +83,10 @@ class _KeepFloat64(torch.overrides.TorchFunctionMode):
         if any(t.dtype == torch.float64 for t in tensors):
             if isinstance(kwargs.get("dtype"), torch.dtype) and kwargs["dtype"].is_floating_point:
                 kwargs["dtype"] = torch.float64
+            if func not in _CASTS and any(t.is_floating_point() and t.dtype != torch.float64 for t in tensors):
+                def up(x):
+                    return x.double() if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+                args, kwargs = torch.utils._pytree.tree_map(up, (args, kwargs))
             if func in _CASTS and args and isinstance(args[0], torch.Tensor) and args[0].dtype == torch.float64:
                 out = func(*args, **kwargs)
                 if isinstance(out, torch.Tensor) and out.is_floating_point():

@@ -79,6 +79,27 @@ def test_float64_reference_keeps_the_programs_own_casts_in_float64():
     assert c.torch_error > 1e-4, "eager's bf16 rounding is an error against the float64 value"
 
 
+def test_float64_reference_raises_a_float_made_from_integers_to_meet_a_float64_buffer():
+    """An integer tensor cast with `.float()` (positions, as a rotary embedding makes them) and
+    then multiplied by a float64 buffer runs in float64 under the reference, not as a dtype error."""
+    from tilefuse.check import float64_reference
+
+    class Rotary(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("inv_freq", 1.0 / 10000 ** (torch.arange(0, 8, 2).float() / 8))
+
+        def forward(self, x):
+            pos = torch.arange(x.shape[0])[:, None].float()
+            return x * torch.cos(pos @ self.inv_freq[None, :])
+
+    x = torch.randn(5, 4, dtype=torch.bfloat16)
+    out = float64_reference(Rotary(), [x])
+    assert out.dtype == torch.float64
+    inv = 1.0 / 10000 ** (torch.arange(0, 8, 2).double() / 8)
+    torch.testing.assert_close(out, x.double() * torch.cos(torch.arange(5).double()[:, None] @ inv[None, :]))
+
+
 def test_expression_inputs_are_fresh_each_time_they_are_made():
     """InputSpec.make evaluates the factory again: same shape and dtype, new values."""
     _, inputs, specs = parse("torch.randn(4, 5) * 2")

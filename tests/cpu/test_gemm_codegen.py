@@ -123,7 +123,8 @@ KNOBS = [g.GemmSchedule(128, 256, stages=4), g.GemmSchedule(128, 128, stages=6),
          g.GemmSchedule(64, 64, stages=14, consumers=1, tma_store=False),   # the deepest 64x64 ring
          g.GemmSchedule(64, 128, stages=9, consumers=1),
          g.GemmSchedule(64, 64, stages=12, consumers=1, cluster_n=2, tma_store=False),  # A multicast
-         g.GemmSchedule(128, 128, stages=6, cluster_n=2)]
+         g.GemmSchedule(128, 128, stages=6, cluster_n=2),
+         g.GemmSchedule(64, 128, stages=8, consumers=1, cluster_n=2)]  # N-major: spilled at 40 producer regs
 
 
 @pytest.mark.parametrize("sched", KNOBS, ids=str)

@@ -90,7 +90,8 @@ class GemmSchedule:
     group_m: int = 8
     cluster_m: int = 1          # 2: CTA pairs along M share each B tile through TMA multicast
     cluster_n: int = 1          # 2: CTA pairs along N share each A tile through TMA multicast
-    producer_regs: int = 40
+    producer_regs: int = 40     # the pool's limit beside two 232-register consumers; one consumer
+                                # leaves room, and its producer keeps at least ONE_CONSUMER_PRODUCER_REGS
     consumer_regs: int = 232
     tma_store: bool = True      # registers -> swizzled shared memory -> TMA store, where the epilogue allows
     pingpong: bool = False      # each consumer its own tile, main loops in turn (needs 2 consumers)
@@ -175,7 +176,7 @@ def default_schedule(problem: GemmProblem, sms: int = 132) -> GemmSchedule:
     candidates = [big, GemmSchedule(128, 128, stages=6, tma_store=False),
                   GemmSchedule(128, 64, stages=8, consumers=2, tma_store=False),
                   GemmSchedule(64, 128, stages=8, consumers=1, tma_store=False),
-                  GemmSchedule(64, 64, stages=8, consumers=1, tma_store=False)]
+                  GemmSchedule(64, 64, stages=12, consumers=1, tma_store=False)]
 
     def waves(s):
         tiles = -(-m // s.bm) * -(-n // s.bn) * problem.batch
@@ -990,11 +991,13 @@ def _check_partials(problem: GemmProblem, kernel: ir.Kernel, loop: ir.Loop, want
 def _split_fixup(sched: GemmSchedule, mb_count: int) -> str:
     """Split-K: every slice writes its partial sums to its own workspace slot and counts itself
     in (an atomic per tile and warpgroup, after every writer's GPU-scope fence); the slice that counts last
-    adds the others' slots to its registers, puts the counter back to zero for the next launch
-    and runs the epilogue; the others go on to their next unit. Nobody waits for anybody (no
-    spin, no order between slices), so one write and one read of the tile's partials is all
-    the reduction costs. Slots are in fragment order, one float4 per thread per step:
-    each access is coalesced."""
+    sums every slot, its own included, in slice order, puts the counter back to zero for the
+    next launch and runs the epilogue; the others go on to their next unit. Nobody waits for
+    anybody (no spin, no order between slices), so one write and one read of the tile's
+    partials is all the reduction costs. The fixed order makes the sum the same whichever
+    slice comes last: adding the others onto its own registers rounded differently from
+    launch to launch (the tuner's two-launch check caught it at 128x4096x4096, split 4).
+    Slots are in fragment order, one float4 per thread per step: each access is coalesced."""
     quads = [(mb, j) for mb in range(mb_count) for j in range(0, sched.bn // 2, 4)]
     per = len(quads) * 128
     store = "\n".join(f"        __stcg(ws + split * {per} + {q * 128}, make_float4(acc[{mb}][{j}], "
@@ -1003,6 +1006,7 @@ def _split_fixup(sched: GemmSchedule, mb_count: int) -> str:
     load = "\n".join(f"            {{ const float4 v = __ldcg(ws + o + {q * 128}); acc[{mb}][{j}] += v.x; "
                      f"acc[{mb}][{j + 1}] += v.y; acc[{mb}][{j + 2}] += v.z; acc[{mb}][{j + 3}] += v.w; }}"
                      for q, (mb, j) in enumerate(quads))
+    zero = "\n".join(f"        acc[{mb}][{j + i}] = 0.f;" for mb, j in quads for i in range(4))
     return f"""      {{  // split-K: each slice leaves its partial sums in its slot; the last to count in adds them up
         float4* ws = reinterpret_cast<float4*>(tf_ws) + (size_t)(t * {sched.consumers} + c) * (SPLIT * {per}) + tid;
         int* flag = tf_flags + t * {sched.consumers} + c;
@@ -1015,13 +1019,22 @@ def _split_fixup(sched: GemmSchedule, mb_count: int) -> str:
           if (last) {{ __threadfence(); *flag = 0; }}
         }}
         if (!tf_bar_any(1 + c, 128, last)) continue;
+{zero}
         #pragma unroll 1
-        for (int o2 = 0; o2 < SPLIT; ++o2) {{
-          if (o2 == split) continue;
+        for (int o2 = 0; o2 < SPLIT; ++o2) {{  // in slice order: the same sum every launch
           const int o = o2 * {per};
 {load}
         }}
       }}"""
+
+
+ONE_CONSUMER_PRODUCER_REGS = 56
+
+
+def _producer_regs(s: GemmSchedule) -> int:
+    """The producer's register cap. Beside one consumer 40 is needlessly tight: an N-major B
+    with A multicast (64x128, 8 stages) spilled 28 bytes there, clean at 48."""
+    return s.producer_regs if s.consumers == 2 else max(s.producer_regs, ONE_CONSUMER_PRODUCER_REGS)
 
 
 def kernel_name(problem: GemmProblem, sched: GemmSchedule, kernel: ir.Kernel) -> str:
@@ -1204,7 +1217,7 @@ extern "C" __global__ void __launch_bounds__({S.threads}, 1)
   int stage = 0;
   unsigned phase = 0;
   if (wg == 0) {{
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 {S.producer_regs};");
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 {_producer_regs(S)};");
     if (threadIdx.x == 0) {{
 {prod_head}
         int batch, tm, tn;
