@@ -145,6 +145,12 @@ class GemmSchedule:
         stage = (self.bm + self.bn) * self.bk * elem_bytes
         return self.stages * stage + 2 * self.stages * 8 + 1024  # + barriers + alignment slack
 
+    @property
+    def span(self) -> tuple[int, int]:
+        """Output rows and columns one cluster covers: tiles are counted in these units, and a
+        tail is what falls short of one."""
+        return self.bm * self.cluster_m, self.bn * self.cluster_n
+
     def __str__(self):
         cluster = (f", cluster {self.cluster_m}x1 (B multicast)" if self.cluster_m > 1 else
                    f", cluster 1x{self.cluster_n} (A multicast)" if self.cluster_n > 1 else "")
@@ -406,7 +412,7 @@ def _epilogue_code(problem: GemmProblem, sched: GemmSchedule, kernel: ir.Kernel)
     row0, _ = cgen.c_tv_coords(frag, "tid", 0)  # row of value 0 (values 2,3 are 8 rows down)
     lines.append(f"const int frag_row = {row0};")
     lines.append(f"const int frag_col = {cgen.c_tv_coords(frag, 'tid', 0)[1]};")
-    full_tiles = problem.m % (sched.bm * sched.cluster_m) == 0 and problem.n % (sched.bn * sched.cluster_n) == 0
+    full_tiles = _full_tiles(problem, sched)
     if epi.is_pairwise(kernel):  # one output element per register pair (v, v + 1)
         full = _full_pair_store(kernel, body)  # or two, at columns 2n and 2n + 1: one 4-byte store
         for mb in range(mb_count):
@@ -552,8 +558,7 @@ def _partials_code(problem: GemmProblem, sched: GemmSchedule, kernel: ir.Kernel,
     partial_quads(frag, w)
     P = problem
     groups_per_tile = sched.bn // w
-    tail_m = P.m % (sched.bm * sched.cluster_m) != 0
-    tail_n = P.n % (sched.bn * sched.cluster_n) != 0
+    tail_m, tail_n = P.m % sched.span[0] != 0, P.n % sched.span[1] != 0
     col = ir.IBin("+", ir.IBin("*", ir.Var("t"), ir.IConst(w)), ir.Var("c"))
     wrapped = ir.IBin("%", col, ir.IConst(P.n))
     row0, col0 = cgen.c_tv_coords(frag, "tid", 0)
@@ -692,7 +697,7 @@ def _epilogue_code_tma(problem: GemmProblem, sched: GemmSchedule, kernel: ir.Ker
     lay = _store_layout()
     slot_bytes = hopper.smem_bytes(lay, 16)
     mb_count = sched.rows_per_wg // 64
-    full_tiles = problem.m % (sched.bm * sched.cluster_m) == 0 and problem.n % (sched.bn * sched.cluster_n) == 0
+    full_tiles = _full_tiles(problem, sched)
     # loads of epilogue operands must stay inside their tensors on tail tiles
     guarded = not full_tiles and any(isinstance(x, ir.Load) and x.buf != epi.ACC for x in body)
     row0, col0 = cgen.c_tv_coords(frag, "tid", 0)
@@ -990,6 +995,11 @@ def _check_partials(problem: GemmProblem, kernel: ir.Kernel, loop: ir.Loop, want
                                 f"{kernel.buffer(x.buf).shape}, want {want[:-1] + (t,)}")
 
 
+def _full_tiles(problem: GemmProblem, sched: GemmSchedule) -> bool:
+    """Every tile lies wholly inside the output: the epilogue needs no bounds checks."""
+    return problem.m % sched.span[0] == 0 and problem.n % sched.span[1] == 0
+
+
 def _split_fixup(sched: GemmSchedule, mb_count: int) -> str:
     """Split-K: every slice writes its partial sums to its own workspace slot and counts itself
     in (an atomic per tile and warpgroup, after every writer's GPU-scope fence); the slice that counts last
@@ -1079,9 +1089,9 @@ def render(problem: GemmProblem, sched: GemmSchedule | None = None) -> GemmSourc
     CL = CLM * CLN
     # with a cluster, tiles are counted in CTA pairs along M (an odd last row of tiles is
     # computed on zeros past M and not stored) or along N (N must hold whole pairs)
-    if CLN > 1 and P.n % (S.bn * CLN):
+    if CLN > 1 and P.n % S.span[1]:
         raise GemmError(f"N={P.n}: a 1x{CLN} cluster needs N a multiple of {CLN} x bn={S.bn}")
-    tiles_m, tiles_n = -(-P.m // (S.bm * CLM)), -(-P.n // (S.bn * CLN))
+    tiles_m, tiles_n = -(-P.m // S.span[0]), -(-P.n // S.span[1])
     tiles = tiles_m * tiles_n * P.batch
     k_iters = -(-P.k // S.bk)
     split = S.split_k
