@@ -69,6 +69,9 @@ def test_scalar_fallback_compiles(name):
     (MapReduceSchedule(threads=256, group=8, vector=8, stage="smem", min_blocks=4), (33, 256)),
     (MapReduceSchedule(threads=1024, group=1024, vector=8, stage="smem"), (33, 32768)),
     (MapReduceSchedule(threads=256, group=256, vector=8, cluster=8, stage="smem", min_blocks=6), (33, 65536)),
+    (MapReduceSchedule(threads=512, group=512, vector=8, stage="stream", min_blocks=2, l2_hints=True), (33, 8192)),
+    (MapReduceSchedule(threads=256, group=256, vector=8, stage="smem", min_blocks=6, l2_hints=True), (33, 4096)),
+    (MapReduceSchedule(threads=256, group=8, vector=8, l2_hints=True), (33, 256)),
 ], ids=str)
 def test_explicit_schedules_compile(sched, shape):
     for name in ("layernorm", "cross_entropy", "add_rmsnorm"):
@@ -100,6 +103,26 @@ def test_rows_are_read_once_with_16_byte_loads():
     assert dict(src.alignment) == {"x": 16, "w": 16, "y": 16}
     regs = _body(render(k, default_schedule(k, "sm_90a", stage="regs")))
     assert regs.count("tf_ld16_stream(x_s[j]") == 1 and "tf_cp_async16(" not in regs
+
+
+def test_l2_hints_keep_a_re_read_row_until_its_last_pass():
+    """With l2_hints, every pass over a streamed row but its last reads evict_last (the next
+    pass finds the row in L2), the last reads evict_first; a row read once (registers, shared
+    memory) reads evict_first; the weight vector and the stores carry no hint."""
+    k = fx.layernorm_kernel(64, 8192, "bf16")
+    stream = MapReduceSchedule(threads=512, group=512, vector=8, stage="stream", l2_hints=True)
+    body = _body(render(k, stream))
+    plain = _body(render(k, replace(stream, l2_hints=False)))
+    passes = plain.count("tf_ld16_stream(x_c")
+    assert passes >= 2  # the mean and the normalisation (LayerNorm's passes over the row)
+    assert body.count("tf_pol_last);") == passes - 1 and body.count("tf_pol_first);") == 1
+    assert "tf_ld16_stream(" not in body and body.count("tf_ld16(w_c") == plain.count("tf_ld16(w_c")
+    assert "cache_hint" not in body and "tf_st16(" in body  # stores as before (hints are in the prelude)
+    smem = _body(render(k, MapReduceSchedule(threads=256, group=256, vector=8, stage="smem", l2_hints=True)))
+    assert smem.count("tf_cp_async16_hint(") == 1 and "tf_pol_first);" in smem and "tf_pol_last);" not in smem
+    regs = _body(render(fx.rmsnorm_kernel(64, 256, "bf16"), MapReduceSchedule(threads=256, group=8, l2_hints=True)))
+    assert regs.count("tf_ld16_hint(x_s[j]") == 1 and "tf_pol_last);" not in regs
+    assert "tf_pol" not in _body(render(k, replace(stream, l2_hints=False)))
 
 
 def test_shared_memory_staging_needs_16_byte_chunks():

@@ -68,6 +68,9 @@ SCHEDULES = [
     MapReduceSchedule(threads=256, group=8, vector=8, stage="smem", min_blocks=4),
     MapReduceSchedule(threads=128, group=128, vector=8, stage="smem", min_blocks=12),
     MapReduceSchedule(threads=64, group=64, vector=8, cluster=4, stage="smem"),
+    MapReduceSchedule(threads=512, group=512, vector=8, stage="stream", min_blocks=2, l2_hints=True),
+    MapReduceSchedule(threads=256, group=256, vector=8, stage="smem", min_blocks=6, pipeline=True, l2_hints=True),
+    MapReduceSchedule(threads=256, group=8, vector=8, min_blocks=3, l2_hints=True),
 ]
 
 

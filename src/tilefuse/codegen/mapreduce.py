@@ -57,6 +57,9 @@ class MapReduceSchedule:
     min_blocks: __launch_bounds__ minimum CTAs per SM (caps registers per thread).
     pipeline:   smem stage: one cp.async group per chunk, and the first pass over the row
                 takes chunk j as soon as its copies land (not when the whole row has).
+    l2_hints:   L2 eviction priorities on the row's 16-byte reads: evict_last where a later
+                pass reads the row again (the stream stage re-reads it from L2), evict_first
+                on its last read, so rows read once make room for rows still to be re-read.
     """
 
     threads: int = 256
@@ -67,6 +70,7 @@ class MapReduceSchedule:
     unroll: int = 4
     min_blocks: int = 1
     pipeline: bool = False
+    l2_hints: bool = False
 
     def __post_init__(self):
         if not 1 <= self.threads <= 1024 or self.threads % 32:
@@ -96,7 +100,7 @@ class MapReduceSchedule:
         return (f"mapreduce(threads={self.threads}, group={self.group}, rows/cta={self.rows_per_cta}, "
                 f"vector={self.vector}, cluster={self.cluster}, stage={self.stage}, "
                 f"unroll={self.unroll}, min_blocks={self.min_blocks}"
-                + (", pipeline" if self.pipeline else "") + ")")
+                + (", pipeline" if self.pipeline else "") + (", l2 hints" if self.l2_hints else "") + ")")
 
 
 @dataclass(frozen=True)
@@ -527,11 +531,22 @@ class _Ctx:
     pending_wait: bool = False     # the next pass waits for chunk j's copies (pipelined smem stage)
     fast: bool = False             # exp and division on the special-function unit (fast_math)
     cluster_done: int | None = None  # line after the last cluster exchange's remote reads
+    reads_left: dict = field(default_factory=dict)  # stream key -> passes still to read it (l2_hints)
     var_state: dict = field(default_factory=dict)  # id(CentredSquares) -> its merged (n, k, u, m2)
     var_sums: dict = field(default_factory=dict)   # a CentredSquares' sum -> (it, its merged state)
 
     def c(self, ssa: str) -> str:
         return self.names[ssa]
+
+    def hint(self, key=None) -> str | None:
+        """The L2 policy of a read of row stream `key` (None: a read that happens once), or
+        None without l2_hints: "last" while a later pass reads the row again, else "first"."""
+        if not self.sched.l2_hints:
+            return None
+        if key is None:
+            return "first"
+        self.reads_left[key] -= 1
+        return "last" if self.reads_left[key] > 0 else "first"
 
     def define(self, ssa: str, dtype: str) -> str:
         base = "v_" + _ident(ssa)
@@ -662,10 +677,15 @@ def _st_fn(nbytes: int) -> list[tuple[str, int]]:
     return [({8: "tf_st8", 4: "tf_st4", 2: "tf_st2", 1: "tf_st1"}[nbytes], 0)]
 
 
-def _emit_chunk_load(ctx: _Ctx, em: _Emitter, st: _Stream, dst: str, guard: str):
-    """dst (words) <- this thread's chunk of stream st at column c0, zeros where masked."""
+def _emit_chunk_load(ctx: _Ctx, em: _Emitter, st: _Stream, dst: str, guard: str, hint: str | None = None):
+    """dst (words) <- this thread's chunk of stream st at column c0, zeros where masked; a row
+    stream's 16-byte reads carry the L2 policy `hint` ("first", "last") where one is given."""
     nbytes = ctx.V * st.itemsize
     calls = _ld_fn(nbytes, stream=st.per_row)
+    pol = ""
+    if hint is not None and st.per_row and nbytes >= 16:
+        calls = [("tf_ld16_hint", off) for _, off in calls]
+        pol = f", tf_pol_{hint}"
     w = _words(st.buf.dtype, ctx.V)
     ptr = f"{_param(st.buf.name)} + b_{st.name} + c0"
     if st.values:  # a gathered row: its base and bounds come from row-level values
@@ -675,7 +695,7 @@ def _emit_chunk_load(ctx: _Ctx, em: _Emitter, st: _Stream, dst: str, guard: str)
             if ir.index_values(e):
                 guard = f"{guard} && (unsigned long long)({cexpr.index(e, env)}) < {n}ULL"
     body = " ".join(
-        f"{fn}({dst} + {off}, {ptr}{'' if off == 0 else f' + {off * 4 // st.itemsize}'});"
+        f"{fn}({dst} + {off}, {ptr}{'' if off == 0 else f' + {off * 4 // st.itemsize}'}{pol});"
         for fn, off in calls)
     zero = " ".join(f"{dst}[{i}] = 0u;" for i in range(w))
     if guard:
@@ -754,7 +774,7 @@ def _emit_pass(ctx: _Ctx, em: _Emitter, blocks: list, accs: list):
             em(" ".join(f"tf_lds16({st.name}_c + {4 * i}, {_smem_chunk(ctx, st, i)});" for i in range(w // 4)))
         elif st.key not in staged:  # not held in registers: this pass loads the chunk it reads
             em(f"unsigned {st.name}_c[{_words(st.buf.dtype, ctx.V)}];")
-            _emit_chunk_load(ctx, em, st, f"{st.name}_c", "row_ok")
+            _emit_chunk_load(ctx, em, st, f"{st.name}_c", "row_ok", ctx.hint(st.key) if st.per_row else None)
 
     def src_chunk(key):
         st = ctx.ana.in_streams[key]
@@ -830,7 +850,7 @@ def _emit_online_chunk(ctx: _Ctx, em: _Emitter, blk: OnlineLse, acc):
     em(f"// {blk.mx.header()} and {blk.sm.header()}, online")
     em(f"{ct} {m}_c = {y}[0];")
     if ctx.V > 1:
-        em(f"#pragma unroll")
+        em("#pragma unroll")
         em(f"for (int v = 1; v < {ctx.V}; ++v) {m}_c = tf_max({m}_c, {y}[v]);")
     em(f"const {ct} {m}_n = tf_max({m}, {m}_c);")
     if dt == "f32":
@@ -1355,6 +1375,29 @@ def _row_plan(kernel: ir.Kernel, body: list):
     return early, rest, selects
 
 
+def _pass_reads(ana: _Analysis, steps: list) -> dict:
+    """Row stream key -> how many passes over the row read it (the stream stage's re-reads)."""
+    reads: dict = {}
+    for kind, x in steps:
+        if kind in ("reduce", "loop"):
+            body = [s for b in (x if kind == "reduce" else [x]) for s in _block_body(b)]
+            for st in _streams_used(None, body, ana.in_streams, ana.load_stream):
+                reads[st.key] = reads.get(st.key, 0) + 1
+    return reads
+
+
+def rereads_rows(kernel: ir.Kernel) -> bool:
+    """Whether a pass over the row reads a row input that an earlier pass read (what the
+    stream stage then finds in L2, and what `l2_hints` can keep there)."""
+    gp = ir.grid_parts(kernel)
+    kernel = gp.head if gp is not None else kernel
+    parts = ir.row_kernel_parts(kernel)
+    ana = _analyse(kernel, parts, 1)
+    _, rest, selects = _row_plan(kernel, list(parts.body))
+    reads = _pass_reads(ana, _row_steps(rest, selects))
+    return any(n > 1 for key, n in reads.items() if ana.in_streams[key].per_row)
+
+
 def _row_steps(rest: list, selects: dict):
     """The row statements after the hoisted ones, as steps: ("select", TargetSelect),
     ("reduce", [Reduce, OnlineLse or CentredSquares, ...]: one pass and one exchange),
@@ -1515,6 +1558,10 @@ def render(kernel: ir.Kernel, schedule: MapReduceSchedule | None = None, arch: s
     em(f"(void)slot; (void)lane; (void)p;  // chunk j of thread p covers columns {lay.column} (v, (p, j))")
 
     # ---- stream bases
+    if sch.l2_hints:
+        em("// L2 eviction priorities: rows read again later stay (evict_last), last reads go first")
+        em("const unsigned long long tf_pol_first = tf_l2_evict_first(), tf_pol_last = tf_l2_evict_last();")
+        em("(void)tf_pol_first; (void)tf_pol_last;")
     env0 = _env(ctx, None)
     for st in [x for x in list(ana.in_streams.values()) + list(ana.out_streams.values()) if not x.values]:
         em(f"const long long b_{st.name} = {cexpr.flat_offset(st.buf, st.base_index, env0)};  // {st.buf.name} row base")
@@ -1530,7 +1577,7 @@ def render(kernel: ir.Kernel, schedule: MapReduceSchedule | None = None, arch: s
         em(f"const int c0 = {lay.c_column(0)};")
         guard = "row_ok" if full else f"row_ok && c0 < {C}"
         for st in staged:
-            _emit_chunk_load(ctx, em, st, f"{st.name}_s[j]", guard)
+            _emit_chunk_load(ctx, em, st, f"{st.name}_s[j]", guard, ctx.hint())
         em.close()
 
     pipelined = False
@@ -1549,7 +1596,10 @@ def render(kernel: ir.Kernel, schedule: MapReduceSchedule | None = None, arch: s
             if st.key in ctx.smem_offset:
                 for i in range(_words(st.buf.dtype, V) // 4):
                     off = "" if i == 0 else f" + {16 * i // st.itemsize}"
-                    em(f"tf_cp_async16({_smem_chunk(ctx, st, i)}, {_param(st.buf.name)} + b_{st.name} + c0{off});")
+                    hint = ctx.hint()
+                    cp = "tf_cp_async16" if hint is None else "tf_cp_async16_hint"
+                    pol = "" if hint is None else f", tf_pol_{hint}"
+                    em(f"{cp}({_smem_chunk(ctx, st, i)}, {_param(st.buf.name)} + b_{st.name} + c0{off}{pol});")
         em.close()
         if pipelined:
             em("tf_cp_async_commit();")
@@ -1557,6 +1607,8 @@ def render(kernel: ir.Kernel, schedule: MapReduceSchedule | None = None, arch: s
 
     # ---- the row body: statements that need no reduction first (their loads overlap the row's)
     early, rest, selects = _row_plan(kernel, list(parts.body))
+    steps = _row_steps(rest, selects)
+    ctx.reads_left = _pass_reads(ana, steps)  # a row stream's last read is evict_first (l2_hints)
     if early:
         em("// ---- row values that depend on no reduction")
     for s in early:
@@ -1569,7 +1621,7 @@ def render(kernel: ir.Kernel, schedule: MapReduceSchedule | None = None, arch: s
             ctx.pending_wait = True
         else:
             em("tf_cp_async_wait_all();  // each thread reads back only its own chunks: no barrier needed")
-    for kind, x in _row_steps(rest, selects):
+    for kind, x in steps:
         if kind == "select":  # a target select that waited for a value it reads
             _emit_select(ctx, em, x)
         elif kind == "reduce":

@@ -3,7 +3,8 @@
 Dimensions, most influential first (the search tree branches in this order): stage
 (smem | regs | stream), vector (the widest chunk, and half of it for the regs stage),
 threads per CTA, group (threads per row), cluster (CTAs per row, sm_90), min_blocks
-(__launch_bounds__'s CTAs per SM, i.e. the register cap), unroll (stream stage only).
+(__launch_bounds__'s CTAs per SM, i.e. the register cap), unroll (stream stage only),
+l2_hints (stream stage only, where a later pass re-reads a row from L2).
 
 `admits` prunes what cannot help: more threads per row than the row has chunks, more
 than 16 staged chunks per thread (regs, smem), more rows per CTA than the kernel has rows, a register cap
@@ -57,6 +58,7 @@ def space(kernel: ir.Kernel, arch: str = "sm_90a") -> Space:
     C, R = parts.col_extent, parts.rows
     vectors = tuple(v for v in (d.vector, d.vector // 2) if v >= 1)
     clusters = CLUSTERS if mr.supports_clusters(arch) else (1,)
+    rereads = mr.rereads_rows(kernel)
 
     def occupancies(t: int) -> set:
         return {1, max(1, 1024 // t), SM_THREADS // t} | ({d.min_blocks} if t == d.threads else set())
@@ -87,6 +89,8 @@ def space(kernel: ir.Kernel, arch: str = "sm_90a") -> Space:
             mb = k["min_blocks"]
             if mb * k["threads"] > SM_THREADS or mb not in occupancies(k["threads"]):
                 return False
+        if k.get("l2_hints") and (k["stage"] != "stream" or not rereads):
+            return False  # a row read once gains nothing from a priority: only re-read rows get hints
         if "unroll" in k and k["unroll"] != d.unroll:
             # unroll shapes only the stream stage's chunk loop, and only up to its trip count
             if k["stage"] != "stream" or k["unroll"] > -(-row_chunks(k) // (k["group"] * k["cluster"])):
