@@ -115,14 +115,30 @@ def test_l2_hints_keep_a_re_read_row_until_its_last_pass():
     plain = _body(render(k, replace(stream, l2_hints=False)))
     passes = plain.count("tf_ld16_stream(x_c")
     assert passes >= 2  # the mean and the normalisation (LayerNorm's passes over the row)
-    assert body.count("tf_pol_last);") == passes - 1 and body.count("tf_pol_first);") == 1
+    assert body.count("tf_ld16_last(x_c") == body.count("tf_pol_last);") == passes - 1
+    assert body.count("tf_ld16_first(x_c") == body.count("tf_pol_first);") == 1
     assert "tf_ld16_stream(" not in body and body.count("tf_ld16(w_c") == plain.count("tf_ld16(w_c")
     assert "cache_hint" not in body and "tf_st16(" in body  # stores as before (hints are in the prelude)
     smem = _body(render(k, MapReduceSchedule(threads=256, group=256, vector=8, stage="smem", l2_hints=True)))
     assert smem.count("tf_cp_async16_hint(") == 1 and "tf_pol_first);" in smem and "tf_pol_last);" not in smem
     regs = _body(render(fx.rmsnorm_kernel(64, 256, "bf16"), MapReduceSchedule(threads=256, group=8, l2_hints=True)))
-    assert regs.count("tf_ld16_hint(x_s[j]") == 1 and "tf_pol_last);" not in regs
+    assert regs.count("tf_ld16_first(x_s[j]") == 1 and "tf_pol_last);" not in regs
     assert "tf_pol" not in _body(render(k, replace(stream, l2_hints=False)))
+
+
+def test_plain_norms_of_16_to_32_kb_rows_stream_them_twice_through_l2():
+    """RMSNorm and LayerNorm rows of 16-32 KB default to the stream stage with L2 hints (2048
+    threads per SM); shorter rows stay staged, longer ones take a cluster; softmax (the online
+    pass) and add+RMSNorm (two row streams) keep their staged schedules."""
+    for name in ("rmsnorm", "layernorm"):
+        for cols, dtype in ((8192, "bf16"), (16384, "bf16"), (8192, "f32"), (8192, "f16")):
+            s = default_schedule(fx.BUILDERS[name](16, cols, dtype), "sm_90a")
+            assert (s.stage, s.threads, s.min_blocks, s.l2_hints) == ("stream", 512, 4, True), (name, cols, dtype)
+        assert default_schedule(fx.BUILDERS[name](16, 4096, "bf16"), "sm_90a").stage == "smem"
+        assert default_schedule(fx.BUILDERS[name](16, 65536, "bf16"), "sm_90a").cluster > 1
+    for name in ("softmax", "add_rmsnorm"):
+        s = default_schedule(fx.BUILDERS[name](16, 8192, "bf16"), "sm_90a")
+        assert s.stage == "smem" and not s.l2_hints, name
 
 
 def test_shared_memory_staging_needs_16_byte_chunks():
@@ -294,7 +310,7 @@ def test_a_cluster_arrives_after_its_last_remote_read_and_waits_before_exit():
 
 
 def test_pipelined_staging_waits_per_chunk_in_the_first_pass_only():
-    k = fx.rmsnorm_kernel(64, 8192, "bf16")
+    k = fx.rmsnorm_kernel(64, 4096, "bf16")
     sched = default_schedule(k, "sm_90a")
     assert sched.pipeline and sched.stage == "smem"
     body = _body(render(k, sched, "sm_90a"))

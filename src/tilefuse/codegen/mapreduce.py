@@ -337,6 +337,16 @@ def default_schedule(kernel: ir.Kernel, arch: str = "sm_90a", stage: str | None 
         # online (max, sum-exp) pass stay staged
         plain_norm = kind == "norm" and n_ex == 1 and not online and len(row_streams) == 1
         regs = short and (kind == "map" or n_ex >= 2 or plain_norm)
+        row_bytes = parts.col_extent * sum(st.itemsize for st in row_streams)
+        if plain_norm and 16384 <= row_bytes <= 32768 and (v * row_streams[0].itemsize) % 16 == 0:
+            # a plain norm's 16-32 KB rows: read twice through L2, the first pass's reads kept
+            # there (evict_last) for the second, at 2048 threads per SM; H100, 16384 x 8192 bf16,
+            # same run (bench/results/l2_probe_h100.json): RMSNorm 0.994x torch.compile against
+            # 0.990x staged, LayerNorm 0.986x against 0.988x (0.998x and 0.997x with the L1
+            # priorities the hinted loads now carry); without the hints the same stream
+            # schedule ran 0.68x, the second pass missing L2
+            return MapReduceSchedule(threads=512, group=512, vector=v, stage="stream", unroll=2, min_blocks=4,
+                                     l2_hints=True)
         stage = "smem" if _smem_eligible(kernel, v) and not regs else "regs"
     if stage == "smem":
         if not _smem_eligible(kernel, v):
@@ -684,7 +694,7 @@ def _emit_chunk_load(ctx: _Ctx, em: _Emitter, st: _Stream, dst: str, guard: str,
     calls = _ld_fn(nbytes, stream=st.per_row)
     pol = ""
     if hint is not None and st.per_row and nbytes >= 16:
-        calls = [("tf_ld16_hint", off) for _, off in calls]
+        calls = [(f"tf_ld16_{hint}", off) for _, off in calls]
         pol = f", tf_pol_{hint}"
     w = _words(st.buf.dtype, ctx.V)
     ptr = f"{_param(st.buf.name)} + b_{st.name} + c0"
