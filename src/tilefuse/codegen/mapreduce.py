@@ -343,8 +343,8 @@ def default_schedule(kernel: ir.Kernel, arch: str = "sm_90a", stage: str | None 
             # there (evict_last) for the second, at 2048 threads per SM; H100, 16384 x 8192 bf16,
             # same run (bench/results/l2_probe_h100.json): RMSNorm 0.994x torch.compile against
             # 0.990x staged, LayerNorm 0.986x against 0.988x (0.998x and 0.997x with the L1
-            # priorities the hinted loads now carry); without the hints the same stream
-            # schedule ran 0.68x, the second pass missing L2
+            # priorities the hinted loads now carry); without the hints a stream schedule ran
+            # 0.68x, its second pass missing L2 (l2_probe_h100_a.json)
             return MapReduceSchedule(threads=512, group=512, vector=v, stage="stream", unroll=2, min_blocks=4,
                                      l2_hints=True)
         stage = "smem" if _smem_eligible(kernel, v) and not regs else "regs"
