@@ -338,7 +338,7 @@ def default_schedule(kernel: ir.Kernel, arch: str = "sm_90a", stage: str | None 
         plain_norm = kind == "norm" and n_ex == 1 and not online and len(row_streams) == 1
         regs = short and (kind == "map" or n_ex >= 2 or plain_norm)
         row_bytes = parts.col_extent * sum(st.itemsize for st in row_streams)
-        if plain_norm and 16384 <= row_bytes <= 32768 and (v * row_streams[0].itemsize) % 16 == 0:
+        if plain_norm and 16384 <= row_bytes <= 32768 and _smem_eligible(kernel, v):  # hints need 16-byte reads
             # a plain norm's 16-32 KB rows: read twice through L2, the first pass's reads kept
             # there (evict_last) for the second, at 2048 threads per SM; H100, 16384 x 8192 bf16,
             # same run (bench/results/l2_probe_h100.json): RMSNorm 0.994x torch.compile against
@@ -743,7 +743,7 @@ def _chunk_footer(ctx: _Ctx, em: _Emitter):
     em.close()
 
 
-def _streams_used(ctx: _Ctx, body, table: dict, key_map: dict):
+def _streams_used(body, table: dict, key_map: dict):
     keys = []
     for s in body:
         k = key_map.get(id(s))
@@ -777,20 +777,20 @@ def _emit_pass(ctx: _Ctx, em: _Emitter, blocks: list, accs: list):
     ctx.pending_wait = False
     all_body = [s for b in blocks for s in _block_body(b)]
     staged = {k for k, st in ctx.ana.in_streams.items() if regs and st.per_row}
-    for st in _streams_used(ctx, all_body, ctx.ana.in_streams, ctx.ana.load_stream):
+    for st in _streams_used(all_body, ctx.ana.in_streams, ctx.ana.load_stream):
         if st.key in ctx.smem_offset:  # staged in shared memory: this thread's own chunk
             w = _words(st.buf.dtype, ctx.V)
             em(f"unsigned {st.name}_c[{w}];")
             em(" ".join(f"tf_lds16({st.name}_c + {4 * i}, {_smem_chunk(ctx, st, i)});" for i in range(w // 4)))
         elif st.key not in staged:  # not held in registers: this pass loads the chunk it reads
             em(f"unsigned {st.name}_c[{_words(st.buf.dtype, ctx.V)}];")
-            _emit_chunk_load(ctx, em, st, f"{st.name}_c", "row_ok", ctx.hint(st.key) if st.per_row else None)
+            _emit_chunk_load(ctx, em, st, f"{st.name}_c", "row_ok", ctx.hint(st.key))
 
     def src_chunk(key):
         st = ctx.ana.in_streams[key]
         return f"{st.name}_s[j]" if key in staged else f"{st.name}_c"
 
-    outs = _streams_used(ctx, all_body, ctx.ana.out_streams, ctx.ana.store_stream)
+    outs = _streams_used(all_body, ctx.ana.out_streams, ctx.ana.store_stream)
     for st in outs:
         w = _words(st.buf.dtype, ctx.V)
         em(f"unsigned {st.name}_o[{w}] = {{{', '.join(['0u'] * w)}}};")
@@ -1391,7 +1391,7 @@ def _pass_reads(ana: _Analysis, steps: list) -> dict:
     for kind, x in steps:
         if kind in ("reduce", "loop"):
             body = [s for b in (x if kind == "reduce" else [x]) for s in _block_body(b)]
-            for st in _streams_used(None, body, ana.in_streams, ana.load_stream):
+            for st in _streams_used(body, ana.in_streams, ana.load_stream):
                 reads[st.key] = reads.get(st.key, 0) + 1
     return reads
 
@@ -1596,6 +1596,8 @@ def render(kernel: ir.Kernel, schedule: MapReduceSchedule | None = None, arch: s
         em(f"// ---- copy this thread's {nchunk} chunk(s) of each input row to shared memory, all in flight"
            + (" (one group per chunk)" if pipelined else ""))
         em(f"// staging layout (thread, 16-byte piece, chunk) -> byte: {lay.smem}")
+        hint = ctx.hint()  # a staged row is read once
+        cp, pol = ("tf_cp_async16", "") if hint is None else ("tf_cp_async16_hint", f", tf_pol_{hint}")
         em("extern __shared__ __align__(16) unsigned char tf_smem[];")
         em("const unsigned smem0 = tf_smem_addr(tf_smem);")
         em("#pragma unroll")
@@ -1606,9 +1608,6 @@ def render(kernel: ir.Kernel, schedule: MapReduceSchedule | None = None, arch: s
             if st.key in ctx.smem_offset:
                 for i in range(_words(st.buf.dtype, V) // 4):
                     off = "" if i == 0 else f" + {16 * i // st.itemsize}"
-                    hint = ctx.hint()
-                    cp = "tf_cp_async16" if hint is None else "tf_cp_async16_hint"
-                    pol = "" if hint is None else f", tf_pol_{hint}"
                     em(f"{cp}({_smem_chunk(ctx, st, i)}, {_param(st.buf.name)} + b_{st.name} + c0{off}{pol});")
         em.close()
         if pipelined:
