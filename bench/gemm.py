@@ -2,7 +2,7 @@
 
     python3 bench/gemm.py [--json bench/results/gemm_h100.json] [--shapes 4096,4096,4096 ...]
         [--schedules 128x256s4c2,128x128s6c2m2] [--rep 300]
-    python3 bench/gemm.py --fused [--json bench/results/gemm_fused_h100.json]
+    python3 bench/gemm.py --fused [--json bench/results/gemm_fused_h100.json] [--no-baseline]
     python3 bench/gemm.py --compile-only [...]   # fill the cubin cache (no GPU needed), then exit
     python3 bench/gemm.py --with-alternative     # default schedules, plus each one's nearest alternative
     python3 bench/gemm.py --tune                 # tune each shape first (`tilefuse tune`); default and tuned
@@ -163,9 +163,10 @@ def _baseline(fn, *args):
     return min(eager, comp), eager, comp
 
 
-def run_fused(m, n, k, scheds=(None,)):
+def run_fused(m, n, k, scheds=(None,), baseline=True, kinds=None):
     """Each epilogue kind fused into the GEMM vs cuBLAS + the best of eager / torch.compile,
-    once per schedule (None: the default), with the plain GEMM on the same schedule."""
+    once per schedule (None: the default), with the plain GEMM on the same schedule.
+    baseline=False skips eager and torch.compile (speedup None): fused vs plain only."""
     import torch.nn.functional as F
 
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
@@ -180,6 +181,8 @@ def run_fused(m, n, k, scheds=(None,)):
                       lambda x, w, b, r, s: F.linear(x, w) * s[:, None], ("row_scale",)),
     }
     for kind, (nn_, ep, ref_fn, extra) in cases.items():
+        if kinds and kind not in kinds:
+            continue
         w = torch.randn(nn_, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
         b = torch.randn(nn_, device="cuda", dtype=torch.bfloat16)
         r = torch.randn(m, nn_, device="cuda", dtype=torch.bfloat16)
@@ -200,7 +203,7 @@ def run_fused(m, n, k, scheds=(None,)):
             base_args = (x, w, b, r, s)
         ref32 = ref_fn(*(t.float() if t.dtype == torch.bfloat16 else t for t in base_args))
         lowp = ref_fn(*base_args)
-        best, eager, comp = _baseline(ref_fn, *base_args)
+        best, eager, comp = _baseline(ref_fn, *base_args) if baseline else (None, None, None)
         for sched in scheds:
             plain = compile_gemm(GemmProblem(m, nn_, k, "bf16"), sched)
             g = compile_gemm(GemmProblem(m, nn_, k, "bf16", epilogue=ep), sched)
@@ -215,7 +218,8 @@ def run_fused(m, n, k, scheds=(None,)):
             t_plain = median_ms(lambda: plain(x, w))
             rows.append(dict(kind=kind, m=m, n=nn_, k=k, schedule=str(g.source.schedule),
                              plain_schedule=str(plain.source.schedule), ok=ok, err=err, torch_err=base_err,
-                             ms=t, plain_ms=t_plain, eager_ms=eager, compile_ms=comp, speedup=best / t,
+                             ms=t, plain_ms=t_plain, eager_ms=eager, compile_ms=comp,
+                             speedup=best / t if best else None,
                              vs_plain=t / t_plain))
             print(json.dumps(rows[-1]), flush=True)
     return rows
@@ -253,6 +257,10 @@ def main(argv=None):
                     "d (direct stores) p (ping-pong) k<S> (split-K))")
     ap.add_argument("--b-major", default="K", choices=["K", "N"])
     ap.add_argument("--fused", action="store_true", help="the fused-epilogue table instead")
+    ap.add_argument("--kinds", default="", help="with --fused: comma-separated epilogues to time "
+                    "(bias+gelu, swiglu, residual, row-scale; default all)")
+    ap.add_argument("--no-baseline", action="store_true",
+                    help="with --fused: skip eager and torch.compile, time fused vs plain GEMM only")
     ap.add_argument("--with-alternative", action="store_true",
                     help="also time each default schedule's nearest alternative (a second sample)")
     ap.add_argument("--rep", type=int, default=REP_MS, help="ms of timed repetitions per measurement")
@@ -267,7 +275,8 @@ def main(argv=None):
         return
     if args.fused:
         fused_scheds = [parse_schedule(s) for s in args.schedules.split(",") if s] or [None]
-        rows = [r for m, n, k in FUSED_SHAPES for r in run_fused(m, n, k, fused_scheds)]
+        rows = [r for m, n, k in FUSED_SHAPES for r in run_fused(m, n, k, fused_scheds, not args.no_baseline,
+                                                                      [x for x in args.kinds.split(",") if x])]
         if args.json:
             Path(args.json).write_text(json.dumps(dict(gpu=torch.cuda.get_device_name(), rows=rows), indent=1))
         print(f"\n{torch.cuda.get_device_name()}, bf16; speedup = best of (eager, torch.compile) / fused GEMM")
@@ -276,9 +285,10 @@ def main(argv=None):
         for r in rows:
             shape = f"{r['m']}x{r['n']}x{r['k']}"
             sched = r["schedule"].replace("GemmSchedule(tile ", "").replace(" consumer warpgroups", "c")
+            opt = [f"{r[x]:{w}.3f}" if r[x] is not None else f"{'-':>{w}}"
+                   for x, w in (("eager_ms", 7), ("compile_ms", 7), ("speedup", 8))]
             print(f"{r['kind']:>10} {shape:>18} {sched[:30]:>30} {'y' if r['ok'] else 'N':>3} "
-                  f"{r['ms']:7.3f} {r['plain_ms']:7.3f} {r['eager_ms']:7.3f} {r['compile_ms']:7.3f} "
-                  f"{r['speedup']:8.3f} {r['vs_plain']:8.3f}")
+                  f"{r['ms']:7.3f} {r['plain_ms']:7.3f} {' '.join(opt)} {r['vs_plain']:8.3f}")
         return
     shapes = [tuple(int(x) for x in s.split(",")) for s in args.shapes] if args.shapes else SHAPES
     scheds = [parse_schedule(s) for s in args.schedules.split(",") if s]

@@ -2,6 +2,13 @@
 
     ncu --section SpeedOfLight --section WarpStateStats python3 bench/gemm_profile.py \
         --shape 8192,8192,8192 --schedules 128x256s4c2,128x256s4c2m2
+    ncu --clock-control base --metrics gpu__time_duration.sum python3 bench/gemm_profile.py \
+        --shape 8192,4096,4096 --epilogues plain,residual,swiglu
+
+--epilogues runs the default-schedule GEMM once per epilogue (bench/gemm.py's fused kinds:
+plain, bias+gelu, swiglu (output N/2 wide on an N-wide product), residual, row-scale): under
+ncu's locked clock an epilogue's cost is the duration difference, free of the power and clock
+drift that moves same-run CUDA-event ratios by 2-3%.
 """
 from __future__ import annotations
 
@@ -24,10 +31,25 @@ def main():
     ap.add_argument("--shape", default="8192,8192,8192")
     ap.add_argument("--schedules", default="128x256s4c2")
     ap.add_argument("--cublas", action="store_true", help="also run torch.matmul once")
+    ap.add_argument("--epilogues", default="", help="comma-separated: plain, bias+gelu, swiglu, residual, row-scale")
     args = ap.parse_args()
     m, n, k = (int(x) for x in args.shape.split(","))
     a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+    if args.epilogues:
+        from tilefuse.codegen import epilogue as epi
+        operands = {"bias": torch.randn(n, device="cuda", dtype=torch.bfloat16),
+                    "residual": torch.randn(m, n, device="cuda", dtype=torch.bfloat16),
+                    "row_scale": torch.rand(m, device="cuda", dtype=torch.float32) + 0.5}
+        kinds = {"plain": (None, ()), "bias+gelu": (epi.standard(m, n, "bf16", bias="col", activation="gelu"), ("bias",)),
+                 "swiglu": (epi.glu(m, n, "bf16"), ()), "residual": (epi.standard(m, n, "bf16", residual=True), ("residual",)),
+                 "row-scale": (epi.standard(m, n, "bf16", row_scale=True), ("row_scale",))}
+        for kind in args.epilogues.split(","):
+            ep, names = kinds[kind]
+            g = compile_gemm(GemmProblem(m, n, k, "bf16", epilogue=ep))
+            g(a, b, **{x: operands[x] for x in names})
+        torch.cuda.synchronize()
+        return
     for text in args.schedules.split(","):
         g = compile_gemm(GemmProblem(m, n, k, "bf16"), parse_schedule(text))
         g(a, b)

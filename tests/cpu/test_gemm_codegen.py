@@ -274,6 +274,41 @@ def test_glu_gemm_compiles_and_stores_half_width():
     assert nvrtc.compile_cuda(src.source, src.name, "sm_90a").info.clean
 
 
+def test_glu_sigmoid_uses_the_special_function_unit_only_for_16_bit_outputs():
+    """SwiGLU's sigmoid with a bf16 output is rcp.approx(1 + ex2.approx): no expf call and no
+    IEEE division, whose slow-path branch per element kept ptxas from interleaving the 64
+    elements of a thread; with an f32 output the accurate calls stay (mapreduce.fast_math)."""
+    def epilogue_of(out_dtype):
+        src = g.render(g.GemmProblem(256, 512, 64, epilogue=epi.glu(256, 512, out_dtype))).source
+        return src[src.index("tf_wgmma_wait<0>();"):]
+    bf16, f32 = epilogue_of("bf16"), epilogue_of("f32")
+    assert "tf_rcp_fast(1.0f + tf_exp_fast(-" in bf16 and "expf(" not in bf16 and "1.0f / " not in bf16
+    assert "tf_rcp_fast(" not in f32 and "expf(" in f32
+    from tilefuse.codegen import cexpr
+    assert cexpr.op("sigmoid", ["x"], ["f32"], "f32") == "(1.0f / (1.0f + expf(-x)))"
+    assert cexpr.op("sigmoid", ["x"], ["f32"], "f32", fast=True) == "tf_rcp_fast(1.0f + tf_exp_fast(-x))"
+
+
+@pytest.mark.parametrize("tma_store", [True, False], ids=["tma-store", "direct-store"])
+def test_a_residual_is_read_as_one_4_byte_load_per_register_pair(tma_store):
+    """Columns (n, n + 1) of a register pair come from one aligned 4-byte load of the residual
+    (n is even, rows are even): its low half is column n, its high half n + 1, and the kernel
+    says so (pair_loads) for the launcher's alignment check. A row-vector operand (bias[n]) and
+    an odd-width product keep their element loads."""
+    ep = epi.standard(256, 512, "bf16", bias="col", residual=True)
+    src = g.render(g.GemmProblem(256, 512, 64, epilogue=ep), g.GemmSchedule(128, 128, tma_store=tma_store))
+    body = src.source[src.source.index("tf_wgmma_wait<0>();"):]
+    loads = re.findall(r"const unsigned (pair_\w+) = \*\(const unsigned\*\)\(residual \+ \(m\) \* 512LL \+ n\);", body)
+    assert loads and len(loads) == body.count("residual[") + body.count("residual +")
+    name = loads[0]
+    assert f"tf_bf16_to_f32((unsigned short)({name} & 0xFFFFu))" in body
+    assert f"tf_bf16_to_f32((unsigned short)({name} >> 16))" in body
+    assert "bias[" in body and src.pair_loads == ("residual",)
+    assert nvrtc.compile_cuda(src.source, src.name, "sm_90a").info.clean
+    odd = g.render(g.GemmProblem(256, 511, 64, epilogue=epi.standard(256, 511, "bf16", residual=True)))
+    assert odd.pair_loads == () and "pair_" not in odd.source
+
+
 def _store_offsets(source: str):
     """(row, col) -> shared-memory element offset of every tf_sts32 in a TMA-store epilogue,
     for thread `tid`, evaluated from the C expressions in the source."""

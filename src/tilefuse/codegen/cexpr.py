@@ -12,7 +12,7 @@ needs in inline PTX (sm_80+), so NVRTC compiles it on a machine with no CUDA too
 Math: IEEE-accurate library calls (`expf`, `logf`, `erff`, `tanhf`, ...) rather than the
 `__expf` family, whose error grows with |x|; `rsqrtf` (2 ulp) for rsqrt. Two exceptions use
 the special-function unit (one instruction instead of about ten): sums of exp(y - max)
-(y <= max bounds the error), and, with `op(..., fast=True)`, exp and division in a kernel
+(y <= max bounds the error), and, with `op(..., fast=True)`, exp, division and sigmoid in a kernel
 whose every float result is rounded to bf16/f16 (mapreduce.fast_math says why that is
 safe). max/min on floats propagate NaN like NumPy (PTX `max.NaN`), so a NaN input can never
 vanish in a reduction.
@@ -332,9 +332,11 @@ def op(name: str, args: list[str], arg_dtypes: list[str], dtype: str, fast: bool
     """C++ expression for `dtype = name(args)`; args are compute-type expressions.
 
     The result is rounded to `dtype` when it is bf16/f16 (compute in f32, then round).
-    fast=True spells an f32 exp as tf_exp_fast (ex2.approx of x log2 e) and an f32 division
+    fast=True spells an f32 exp as tf_exp_fast (ex2.approx of x log2 e), an f32 division
     as tf_div_fast (a times rcp.approx of b: a row-constant divisor's reciprocal is then
-    computed once per row, the asm being pure).
+    computed once per row, the asm being pure), and an f32 sigmoid as the rcp.approx of
+    1 + ex2.approx: two special-function instructions, no branch (the IEEE division's slow
+    path is a call site per element, which keeps ptxas from overlapping the elements).
     """
     info = ops.info(name)
     if len(args) != info.arity:
@@ -360,6 +362,8 @@ def op(name: str, args: list[str], arg_dtypes: list[str], dtype: str, fast: bool
         e = f"tf_exp_fast({conv(0)})"
     elif fast and name == "div":
         e = f"tf_div_fast({conv(0)}, {conv(1)})"
+    elif fast and name == "sigmoid":  # 1 / (1 + exp(-x)): inf for x < -88 gives rcp 0, as IEEE does
+        e = f"tf_rcp_fast(1.0f + tf_exp_fast(-{conv(0)}))"
     elif name in _FLOAT_FN:
         fn = _FLOAT_FN[name][1 if f64 else 0]
         e = f"{fn}({', '.join(conv(i) for i in range(info.arity))})"

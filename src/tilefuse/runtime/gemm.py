@@ -108,6 +108,9 @@ class GemmKernel:
         if (name in ("a", "b") or name in self._tma_outputs) and t.data_ptr() % 16:
             raise ValueError(f"{where}: TMA needs 16-byte aligned operands; this one starts at "
                              f"{t.data_ptr() % 16} bytes past a boundary (use .clone())")
+        if name in getattr(self.source, "pair_loads", ()) and t.data_ptr() % 4:
+            raise ValueError(f"{where}: the epilogue reads this operand in 4-byte column pairs; it starts "
+                             f"{t.data_ptr() % 4} bytes past a 4-byte boundary (use .clone())")
 
     @property
     def _tma_outputs(self) -> tuple[str, ...]:
