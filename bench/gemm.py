@@ -153,6 +153,24 @@ def run_shape(m, n, k, schedules, b_major="K", with_alternative=False, tuner=Non
 FUSED_SHAPES = [(8192, 4096, 4096), (8192, 11008, 4096)]
 
 
+def epilogue_kinds(m, n) -> dict:
+    """One GEMM of each fused kind on an m x n product (gemm_profile.py --epilogues,
+    gemm_power.py): kind -> (epilogue or None for the plain GEMM, the operands it reads).
+    SwiGLU's output is n/2 wide; run_fused below builds its own cases, with references."""
+    return {"plain": (None, ()),
+            "bias+gelu": (epi.standard(m, n, "bf16", bias="col", activation="gelu"), ("bias",)),
+            "swiglu": (epi.glu(m, n, "bf16"), ()),
+            "residual": (epi.standard(m, n, "bf16", residual=True), ("residual",)),
+            "row-scale": (epi.standard(m, n, "bf16", row_scale=True), ("row_scale",))}
+
+
+def epilogue_operands(m, n) -> dict:
+    """Random operands for epilogue_kinds' epilogues, by name."""
+    return {"bias": torch.randn(n, device="cuda", dtype=torch.bfloat16),
+            "residual": torch.randn(m, n, device="cuda", dtype=torch.bfloat16),
+            "row_scale": torch.rand(m, device="cuda", dtype=torch.float32) + 0.5}
+
+
 def _baseline(fn, *args):
     """The faster of eager and torch.compile (default) for the same function, in ms."""
     eager = median_ms(lambda: fn(*args))

@@ -3,7 +3,7 @@
 
     python3 bench/gemm_power.py [--shape 8192,22016,4096] [--kinds plain,swiglu] [--seconds 3]
 
-For each epilogue kind (as bench/gemm_profile.py --epilogues) the kernel runs back to back for
+For each epilogue kind (bench/gemm.py's epilogue_kinds) the kernel runs back to back for
 --seconds while `nvidia-smi` samples the SM clock and board power every 50 ms (read only: the
 card's settings are left alone). Prints ms per call (CUDA events over the window), median
 clock and power over the window's second half, and writes JSON with --json.
@@ -20,9 +20,10 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from tilefuse.codegen import epilogue as epi  # noqa: E402
+from gemm import epilogue_kinds, epilogue_operands  # noqa: E402
 from tilefuse.codegen.gemm_sm90 import GemmProblem  # noqa: E402
 from tilefuse.runtime.gemm import compile_gemm  # noqa: E402
 
@@ -58,12 +59,7 @@ def main():
     m, n, k = (int(x) for x in args.shape.split(","))
     a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
-    operands = {"bias": torch.randn(n, device="cuda", dtype=torch.bfloat16),
-                "residual": torch.randn(m, n, device="cuda", dtype=torch.bfloat16),
-                "row_scale": torch.rand(m, device="cuda", dtype=torch.float32) + 0.5}
-    kinds = {"plain": (None, ()), "bias+gelu": (epi.standard(m, n, "bf16", bias="col", activation="gelu"), ("bias",)),
-             "swiglu": (epi.glu(m, n, "bf16"), ()), "residual": (epi.standard(m, n, "bf16", residual=True), ("residual",)),
-             "row-scale": (epi.standard(m, n, "bf16", row_scale=True), ("row_scale",))}
+    operands, kinds = epilogue_operands(m, n), epilogue_kinds(m, n)
     rows = []
     for kind in args.kinds.split(","):
         ep, names = kinds[kind]

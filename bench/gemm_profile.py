@@ -2,13 +2,14 @@
 
     ncu --section SpeedOfLight --section WarpStateStats python3 bench/gemm_profile.py \
         --shape 8192,8192,8192 --schedules 128x256s4c2,128x256s4c2m2
-    ncu --clock-control base --metrics gpu__time_duration.sum python3 bench/gemm_profile.py \
-        --shape 8192,4096,4096 --epilogues plain,residual,swiglu
+    ncu --clock-control none --csv --metrics gpu__time_duration.sum,sm__cycles_elapsed.avg \
+        python3 bench/gemm_profile.py --shape 8192,4096,4096 --epilogues plain,residual,swiglu
 
---epilogues runs the default-schedule GEMM once per epilogue (bench/gemm.py's fused kinds:
-plain, bias+gelu, swiglu (output N/2 wide on an N-wide product), residual, row-scale): under
-ncu's locked clock an epilogue's cost is the duration difference, free of the power and clock
-drift that moves same-run CUDA-event ratios by 2-3%.
+--epilogues runs the default-schedule GEMM once per epilogue (bench/gemm.py's epilogue_kinds:
+plain, bias+gelu, swiglu (output N/2 wide on an N-wide product), residual, row-scale). Each
+kernel then runs alone from an idle GPU, and an epilogue's cost is the duration and cycle
+difference (bench/ncu_table.py prints them), free of the power-limit clock drift that moves
+same-run CUDA-event ratios by 2-3%. The device notes ask to leave ncu's clock control off.
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from gemm import parse_schedule  # noqa: E402
+from gemm import epilogue_kinds, epilogue_operands, parse_schedule  # noqa: E402
 from tilefuse.codegen.gemm_sm90 import GemmProblem  # noqa: E402
 from tilefuse.runtime.gemm import compile_gemm  # noqa: E402
 
@@ -37,13 +38,7 @@ def main():
     a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
     if args.epilogues:
-        from tilefuse.codegen import epilogue as epi
-        operands = {"bias": torch.randn(n, device="cuda", dtype=torch.bfloat16),
-                    "residual": torch.randn(m, n, device="cuda", dtype=torch.bfloat16),
-                    "row_scale": torch.rand(m, device="cuda", dtype=torch.float32) + 0.5}
-        kinds = {"plain": (None, ()), "bias+gelu": (epi.standard(m, n, "bf16", bias="col", activation="gelu"), ("bias",)),
-                 "swiglu": (epi.glu(m, n, "bf16"), ()), "residual": (epi.standard(m, n, "bf16", residual=True), ("residual",)),
-                 "row-scale": (epi.standard(m, n, "bf16", row_scale=True), ("row_scale",))}
+        operands, kinds = epilogue_operands(m, n), epilogue_kinds(m, n)
         for kind in args.epilogues.split(","):
             ep, names = kinds[kind]
             g = compile_gemm(GemmProblem(m, n, k, "bf16", epilogue=ep))

@@ -434,7 +434,7 @@ def _epilogue_code(problem: GemmProblem, sched: GemmSchedule, kernel: ir.Kernel)
                 lines.append("}")
         return lines
     packs = _pair_store(kernel, body)
-    pairs = _pair_loads(kernel, body) if packs else []
+    pairs = _pair_loads(kernel, body, tma_store=False)
     for mb in range(mb_count):
         for v in range(0, frag.values, 2 if packs else 1):
             r, c = frag(0, v)  # offsets relative to thread 0's element
@@ -709,7 +709,7 @@ def _epilogue_code_tma(problem: GemmProblem, sched: GemmSchedule, kernel: ir.Ker
     full = _full_pair_store(kernel, body)
     if epi.is_pairwise(kernel) and not full:
         return lines + _pairwise_tma_slots(problem, sched, kernel, dtype, frag, guarded, bar)
-    pairs = _pair_loads(kernel, body)
+    pairs = _pair_loads(kernel, body, tma_store=True)
     for mb in range(mb_count):
         for j in range(sched.bn // STORE_SPAN):
             _slot_open(lines, slot_bytes, bar)
@@ -745,10 +745,14 @@ def _epilogue_code_tma(problem: GemmProblem, sched: GemmSchedule, kernel: ir.Ker
     return lines
 
 
-def _pair_loads(kernel: ir.Kernel, body) -> list:
+def _pair_loads(kernel: ir.Kernel, body, tma_store: bool) -> list:
     """Loads of a 16-bit tile operand at [..., n] (a residual) with an even row length: the
     two columns (n, n + 1) of a register pair are then one aligned 4-byte load instead of two
-    2-byte ones: 2.5% fewer cycles for a residual GEMM at 8192x4096x4096 (ncu, bench/LOG_gemm.md)."""
+    2-byte ones: 2.5% fewer cycles for a residual GEMM at 8192x4096x4096 (ncu, bench/LOG_gemm.md).
+    Only the element-wise epilogues that take a register pair at a time do this: the TMA-store
+    one, and the direct-store one where two columns share a 4-byte store (_pair_store)."""
+    if epi.is_pairwise(kernel) or not (tma_store or _pair_store(kernel, body)):
+        return []
     return [x for x in body if isinstance(x, ir.Load) and x.buf != epi.ACC and x.index
             and x.index[-1] == ir.Var("n") and ir.Var("m") in _index_leaves(x.index)
             and kernel.buffer(x.buf).dtype in ("bf16", "f16") and kernel.buffer(x.buf).shape[-1] % 2 == 0]
@@ -1352,9 +1356,7 @@ extern "C" __global__ void __launch_bounds__({S.threads}, 1)
 """)
     params = tuple(p.name for p in out_params) + tuple(p.name for p in ops_params)
     ws = tiles * S.consumers * mb_count * (S.bn // 2) * 128 * split if split > 1 else 0  # a slot per slice
-    body = epi.inner_body(kernel)
-    paired = body and not epi.is_pairwise(kernel) and (store_dt or _pair_store(kernel, body))
-    pair_loads = tuple(dict.fromkeys(x.buf for x in _pair_loads(kernel, body))) if paired else ()
+    pair_loads = tuple(dict.fromkeys(x.buf for x in _pair_loads(kernel, epi.inner_body(kernel), store_dt is not None)))
     return GemmSource(name=name, source="\n".join(src), grid_tiles=units, block=(S.threads, 1, 1),
                       pair_loads=pair_loads,
                       workspace=ws, flags=tiles * S.consumers if split > 1 else 0,
