@@ -347,6 +347,16 @@ def default_schedule(kernel: ir.Kernel, arch: str = "sm_90a", stage: str | None 
             # 0.68x, its second pass missing L2 (l2_probe_h100_a.json)
             return MapReduceSchedule(threads=512, group=512, vector=v, stage="stream", unroll=2, min_blocks=4,
                                      l2_hints=True)
+        chunks = -(-parts.col_extent // v)
+        if plain_norm and chunks <= 32 and not _centred(kernel):
+            # a row of at most 32 chunks (RMSNorm at <= 256 bf16 columns): one chunk per thread,
+            # the row one warp's (or sub-warp's); H100, 32768 x 256 bf16, three runs, each the
+            # same inputs for both (bench/results/s11/program_schedules_*): 12.83 / 12.94 /
+            # 12.83 us against 12.99 / 13.09 / 13.00 at 4 chunks per thread (group 8). With a
+            # (count, mean, M2) exchange (LayerNorm) the merge's five levels cost more than
+            # the parallelism buys (14.51 against 14.32 us), so it keeps group 8
+            words = staged_words(kernel, v)
+            return MapReduceSchedule(threads=256, group=_pow2ceil(chunks), vector=v, min_blocks=8 if words <= 8 else 3)
         stage = "smem" if _smem_eligible(kernel, v) and not regs else "regs"
     if stage == "smem":
         if not _smem_eligible(kernel, v):

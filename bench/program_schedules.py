@@ -1,0 +1,161 @@
+"""A one-kernel program's own kernel under other schedules, launched on the program's own
+tensors, next to the program itself and torch.compile.
+
+    python3 bench/program_schedules.py rmsnorm:32768x256 --json FILE [--rounds 7] [--placements 2]
+    ncu --clock-control none --profile-from-start off --csv --metrics gpu__time_duration.sum,\\
+        dram__bytes_read.sum,dram__bytes_write.sum python3 bench/program_schedules.py \\
+        rmsnorm:32768x256 --ncu
+
+Rows: "program" (tilefuse.compile, CUDA-graph replay as by default), "program thin" (the
+same, launched kernel by kernel), "kernel <schedule>" (the program's kernel re-rendered under
+that schedule and launched on the program's input and weight tensors into one output
+allocated once), "torch.compile", and "copy" (x.copy_ into a preallocated tensor: the
+bandwidth floor for the same read + write). Every kernel row is checked against the
+program's output first. Timing: `analyze.bench.timings_ms` (CUDA events, L2 flushed by a
+read), `--rounds` interleaved rounds in a rotated order, for each of `--placements` input
+sets; a row's score is its median. With `--ncu` each row runs twice inside
+cudaProfilerStart/Stop after a warm-up, for Nsight Compute (labels are printed in order).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from mapreduce import PROGRAMS, inputs_for  # noqa: E402
+
+import tilefuse  # noqa: E402
+from tilefuse.analyze.bench import timings_ms  # noqa: E402
+from tilefuse.codegen.mapreduce import MapReduceSchedule as S  # noqa: E402
+from tilefuse.runtime.launch import compile_kernel  # noqa: E402
+
+
+def short_row_schedules(C: int) -> list[S]:
+    """Neighbours of the short-row defaults: a row per 8/16/32 threads, 128-1024 threads."""
+    return [S(threads=128, group=32, vector=8, min_blocks=16), S(threads=256, group=32, vector=8, min_blocks=8),
+            S(threads=512, group=32, vector=8, min_blocks=4), S(threads=128, group=16, vector=8, min_blocks=16),
+            S(threads=256, group=16, vector=8, min_blocks=8), S(threads=1024, group=16, vector=8, min_blocks=2),
+            S(threads=256, group=8, vector=8, min_blocks=3), S(threads=256, group=32, vector=8, stage="smem", min_blocks=8)]
+
+
+def long_row_schedules(C: int) -> list[S]:
+    """The row held in registers (read once) by a CTA of 512 or 1024 threads."""
+    return [S(threads=1024, group=1024, vector=8, min_blocks=2), S(threads=512, group=512, vector=8, min_blocks=4),
+            S(threads=512, group=512, vector=8, min_blocks=2)]
+
+
+
+def rows_for(name: str, R: int, C: int, placements: int, extra: list[S]):
+    module = PROGRAMS[name](C).cuda().bfloat16()
+    compiled = torch.compile(module)
+    calls, checks = {}, {}
+    with torch.no_grad():
+        for p in range(placements):
+            inputs = inputs_for(name, R, C)
+            prog = tilefuse.compile(module, inputs)
+            thin = tilefuse.compile(module, inputs)
+            thin.graphs = False
+            want = prog(*inputs)
+            want = want if isinstance(want, torch.Tensor) else want[-1]
+            runner = thin.runner(inputs[0].device)
+            launches = [op for op in runner.ops if hasattr(op, "ck")]
+            if len(launches) != 1 or len(runner.ops) != 1:
+                raise SystemExit(f"{name}: expected a one-kernel program, got {len(runner.ops)} steps")
+            op = launches[0]
+            env = runner.base.copy()
+            env[:runner.n_inputs] = inputs
+            ptrs, outs = [], []
+            for kind, i, shape, dtype, _ in op.params:
+                if shape is None:
+                    ptrs.append(env[i].data_ptr())
+                else:
+                    t = torch.empty(shape, dtype=dtype, device="cuda")
+                    outs.append(t)
+                    ptrs.append(t.data_ptr())
+            lowered = next(iter(prog.kernels.values()))
+            scheds = [op.ck.source.schedule] + [s for s in extra if s != op.ck.source.schedule]
+            for s in scheds:
+                try:
+                    ck = compile_kernel(lowered.kernel, schedule=s)
+                except ValueError as e:
+                    print(f"  skip {s}: {e}", flush=True)
+                    continue
+                outs[-1].fill_(float("nan"))
+                ck.launch_ptrs(0, ptrs)
+                torch.cuda.synchronize()
+                err = (outs[-1].float() - want.float()).abs().max().item()
+                if not err <= 0.05 * want.float().abs().max().item():  # NaN fails too
+                    print(f"  {s}: differs from the program's output (max {err:.3g}); kept out", flush=True)
+                    continue
+                label = "kernel " + ("(program's) " if s == op.ck.source.schedule else "") + str(s)
+                calls[(label, p)] = (lambda ck=ck, ptrs=ptrs, keep=(inputs, outs): ck.launch_ptrs(0, ptrs))
+                checks[label] = (ck.info.registers, ck.info.spill_stores)
+            x = inputs[0]
+            y = torch.empty_like(x)
+            calls[("program", p)] = (lambda prog=prog, inputs=inputs: prog(*inputs))
+            calls[("program thin", p)] = (lambda thin=thin, inputs=inputs: thin(*inputs))
+            compiled(*inputs)
+            calls[("torch.compile", p)] = (lambda inputs=inputs: compiled(*inputs))
+            calls[("copy", p)] = (lambda x=x, y=y: y.copy_(x))
+    return calls, checks
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("cases", nargs="+", help="name:RxC as bench/mapreduce.py names them")
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--placements", type=int, default=2)
+    ap.add_argument("--ncu", action="store_true", help="each row twice inside cudaProfilerStart/Stop")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    results = []
+    for case in args.cases:
+        name, shape = case.split(":")
+        R, C = (int(v) for v in shape.split("x"))
+        extra = short_row_schedules(C) if C <= 1024 else long_row_schedules(C)
+        calls, regs = rows_for(name, R, C, 1 if args.ncu else args.placements, extra)
+        keys = list(calls)
+        if args.ncu:
+            for k in keys:
+                for _ in range(3):
+                    calls[k]()
+            torch.cuda.synchronize()
+            torch.cuda.cudart().cudaProfilerStart()
+            for k in keys:
+                print(f"ncu {case} | {k[0]}", flush=True)
+                for _ in range(2):
+                    calls[k]()
+                torch.cuda.synchronize()
+            torch.cuda.cudart().cudaProfilerStop()
+            continue
+        per = {k: [] for k in keys}
+        for rnd in range(args.rounds):
+            for k in keys[rnd % len(keys):] + keys[:rnd % len(keys)]:
+                per[k].append(statistics.median(timings_ms(calls[k], warmup=10, rep=50)) * 1e3)
+        labels = list(dict.fromkeys(k[0] for k in keys))
+        tc = statistics.median(statistics.median(per[("torch.compile", p)]) for p in range(args.placements))
+        rows = []
+        for label in labels:
+            meds = [statistics.median(per[(label, p)]) for p in range(args.placements) if (label, p) in per]
+            rows.append({"row": label, "us_per_set": meds, "us": statistics.median(meds), "vs_tc": tc / statistics.median(meds),
+                         "registers, spill stores": regs.get(label)})
+        rows.sort(key=lambda r: r["us"])
+        results.append({"case": case, "rows": rows})
+        print(f"\n{case} (torch.compile {tc:.2f} us)")
+        for r in rows:
+            sets = " ".join(f"{u:.2f}" for u in r["us_per_set"])
+            print(f"  {r['us']:8.2f} us  {r['vs_tc']:.3f}x t.c.  [{sets}]  {r['row']}")
+        if args.json:
+            Path(args.json).write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+                                                   "rounds": args.rounds, "placements": args.placements,
+                                                   "results": results}, indent=1))
+
+
+if __name__ == "__main__":
+    with torch.no_grad():  # as bench/mapreduce.py: torch.compile's inference graph, not a training one
+        main()
