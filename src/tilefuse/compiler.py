@@ -117,9 +117,11 @@ def compile(fn, example_inputs, *, arch: str | None = None, graphs: bool | None 
     """Compile a callable or nn.Module for these example inputs; returns a callable like it.
 
     The result runs generated CUDA kernels on CUDA tensors and the Loop IR interpreter on
-    CPU tensors. Shapes and dtypes are fixed to the examples'. On CUDA, calls replay a
-    captured CUDA graph after the first (`graphs=False` or TILEFUSE_CUDA_GRAPHS=0 turns
-    that off); a result you still hold is never overwritten by a later call.
+    CPU tensors. Shapes and dtypes are fixed to the examples'. On CUDA, a program of two or
+    more launches replays a captured CUDA graph after the first call (`graphs=False` or
+    TILEFUSE_CUDA_GRAPHS=0 turns that off; `graphs=True` replays single-kernel programs too,
+    which the default leaves out: their graph saves no host launch and costs GPU time); a
+    result you still hold is never overwritten by a later call.
     """
     if isinstance(example_inputs, torch.Tensor):
         example_inputs = (example_inputs,)

@@ -192,7 +192,7 @@ def test_programs_read_the_env_switch_when_built_and_an_explicit_choice_wins(mon
     st = compile_stages(_fn, [torch.randn(4, 16), W])
     assert st.program.graphs is False
     monkeypatch.setenv("TILEFUSE_CUDA_GRAPHS", "1")
-    assert compile_stages(_fn, [torch.randn(4, 16), W]).program.graphs is True
+    assert compile_stages(_fn, [torch.randn(4, 16), W]).program.graphs is None  # auto: by launches
     from tilefuse.runtime.program import Program
 
     p = st.program
@@ -208,7 +208,21 @@ def test_cpu_programs_report_why_they_run_without_graphs():
     assert not info["graphs"] and "not a CUDA device" in info["reason"]
 
 
-def _extern_program(target):
+def test_one_launch_programs_run_without_a_graph_unless_forced():
+    """The default (graphs=None) leaves a single-launch program on the thin path, with the
+    reason shown; graphs=True still captures it; two launches (a kernel and an extern) do not
+    count as one."""
+    cuda = torch.device("cuda", 0)
+    one = _extern_program("aten.cumsum.default")
+    assert graphs.launches(one) == 1
+    (why,) = graphs.blockers(one, cuda, auto=True)
+    assert "one launch" in why and "graphs=True" in why
+    assert graphs.blockers(one, cuda) == []
+    two = _extern_program("aten.cumsum.default", steps=2)
+    assert graphs.launches(two) == 2 and graphs.blockers(two, cuda, auto=True) == []
+
+
+def _extern_program(target, steps=1):
     t = ir.TensorType((4,), "f32")
     x = ir.Input("x", t)
     e = ir.Extern("e", t, target, (ir.Ref("x"),))
@@ -216,7 +230,7 @@ def _extern_program(target):
 
     class P:
         graph = g
-        plan = Plan(g, [Step("s0", "extern", ["e"])])
+        plan = Plan(g, [Step(f"s{i}", "extern", ["e"]) for i in range(steps)])
 
     return P
 

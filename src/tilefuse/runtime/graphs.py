@@ -30,7 +30,8 @@ without the wait the next call's copy and replay overwrite buffers the other str
 
 A call made while the caller is capturing a CUDA graph of its own runs the thin path, so
 its launches land in the caller's graph. Graphs are off on CPU devices, for programs with a step that cannot be captured (an extern
-that syncs with the host), with `Program(graphs=False)`, or with TILEFUSE_CUDA_GRAPHS=0.
+that syncs with the host), with `Program(graphs=False)`, or with TILEFUSE_CUDA_GRAPHS=0; by
+default (`graphs=None`) a program of a single launch runs without one too (`blockers`).
 A capture that fails turns them off for that program, with a warning naming why.
 """
 from __future__ import annotations
@@ -58,9 +59,21 @@ def enabled_by_env(environ=None) -> bool:
     return value.strip().lower() not in ("0", "false", "off", "no")
 
 
-def blockers(program, device: torch.device) -> list[str]:
-    """Why this program cannot run as a CUDA graph on `device` (empty when it can)."""
+def launches(program) -> int:
+    """Kernel, GEMM and extern launches per call (aliases are views: no launch)."""
+    return sum(1 for step in program.plan.steps if step.family != "alias")
+
+
+def blockers(program, device: torch.device, auto: bool = False) -> list[str]:
+    """Why this program does not run as a CUDA graph on `device` (empty when it does).
+
+    auto: also leave out a program of one launch. Its graph saves no launch on the host, and
+    on an H100 the replay cost 0.3-1.4 us of GPU time more than the same kernel launched
+    directly (same run, same inputs and output buffer: bench/program_schedules.py, LOG.md)."""
     reasons = []
+    if auto and launches(program) < 2:
+        reasons.append("one launch: a graph saves no host launches and its replay adds GPU time "
+                       "(graphs=True forces it)")
     if device.type != "cuda":
         reasons.append(f"its inputs are on {device}, not a CUDA device")
     for step in program.plan.steps:

@@ -33,7 +33,9 @@ class Program:
     out_spec: object = None
     arch: str | None = None
     poison: bool = False  # fill outputs with NaN (or -1) before each kernel: unwritten elements show
-    graphs: bool | None = None  # CUDA-graph replay; None: on unless TILEFUSE_CUDA_GRAPHS=0
+    # CUDA-graph replay. None (auto): programs of two or more launches, unless
+    # TILEFUSE_CUDA_GRAPHS=0; True: every program that can be captured, one launch or more; False: never
+    graphs: bool | None = None
     graph_slots: int = 2  # captures per input signature (results the caller may hold at once, plus one)
     graph_clone: bool = False  # return clones of the graph's outputs instead of tracking what the caller holds
     schedules: object = None  # (kernel, arch, device) -> schedule or None (tune.lookup.tuned_schedule); None: defaults
@@ -47,8 +49,8 @@ class Program:
         self._graphed: dict = {}   # (signature, poison) -> graphs.Graphed
         if self.gemms is None:
             self.gemms = {}
-        if self.graphs is None:
-            self.graphs = cuda_graphs.enabled_by_env()
+        if self.graphs is None and not cuda_graphs.enabled_by_env():
+            self.graphs = False
         self._pack = _packer(self.out_spec, len(self.graph.outputs))
 
     # -- running -------------------------------------------------------------------------------
@@ -65,8 +67,8 @@ class Program:
         device = check_inputs(self.graph, tensors)
         runner = self.runner(device)
         run = runner.run
-        if self.graphs:
-            notes = cuda_graphs.blockers(self, device)
+        if self.graphs is not False:
+            notes = cuda_graphs.blockers(self, device, auto=self.graphs is None)
             g = cuda_graphs.Graphed(runner, self.graph_slots, self.graph_clone)
             if notes:
                 g.off = "; ".join(notes)
