@@ -348,15 +348,21 @@ def default_schedule(kernel: ir.Kernel, arch: str = "sm_90a", stage: str | None 
             return MapReduceSchedule(threads=512, group=512, vector=v, stage="stream", unroll=2, min_blocks=4,
                                      l2_hints=True)
         chunks = -(-parts.col_extent // v)
-        if plain_norm and chunks <= 32 and not _centred(kernel):
-            # a row of at most 32 chunks (RMSNorm at <= 256 bf16 columns): one chunk per thread,
-            # the row one warp's (or sub-warp's); H100, 32768 x 256 bf16, three runs, each the
-            # same inputs for both (bench/results/s11/program_schedules_*): 12.83 / 12.94 /
-            # 12.83 us against 12.99 / 13.09 / 13.00 at 4 chunks per thread (group 8). With a
-            # (count, mean, M2) exchange (LayerNorm) the merge's five levels cost more than
-            # the parallelism buys (14.51 against 14.32 us), so it keeps group 8
-            words = staged_words(kernel, v)
-            return MapReduceSchedule(threads=256, group=_pow2ceil(chunks), vector=v, min_blocks=8 if words <= 8 else 3)
+        norm = kind == "norm" and n_ex == 1 and not online and len(row_streams) in (1, 2)
+        if norm and chunks <= 32 and not _centred(kernel):
+            # a row of at most 32 chunks (<= 256 bf16 columns) of a norm with a plain exchange:
+            # in registers, a chunk per thread for each row stream (RMSNorm: 1, the row one
+            # warp's; add+RMSNorm: 2, half a warp's). H100, 32768 x 256 bf16, each pair timed on
+            # the same inputs (bench/results/s11/program_schedules_*): RMSNorm 12.83 / 12.94 /
+            # 12.86 us in three runs against 12.99 / 13.09 / 13.15 at 4 chunks per thread (the
+            # old group 8) and 12.86 / 13.36 / 12.96 at 2; add+RMSNorm 21.30 us against 22.08
+            # staged (its old default) and 21.86 at 1 chunk per thread. With a (count, mean, M2)
+            # exchange (LayerNorm) the merge's five levels cost more than the parallelism buys
+            # (14.51 against 14.32 us), so it keeps group 8
+            per = len(row_streams)
+            words = staged_words(kernel, v) * per
+            return MapReduceSchedule(threads=256, group=_pow2ceil(-(-chunks // per)), vector=v,
+                                     min_blocks=8 if words <= 16 else 3)
         stage = "smem" if _smem_eligible(kernel, v) and not regs else "regs"
     if stage == "smem":
         if not _smem_eligible(kernel, v):
