@@ -68,8 +68,10 @@ def blockers(program, device: torch.device, auto: bool = False) -> list[str]:
     """Why this program does not run as a CUDA graph on `device` (empty when it does).
 
     auto: also leave out a program of one launch. Its graph saves no launch on the host, and
-    on an H100 the replay cost 0.3-1.4 us of GPU time more than the same kernel launched
-    directly (same run, same inputs and output buffer: bench/program_schedules.py, LOG.md)."""
+    on an H100 the replay cost up to 1.4 us of GPU time more than the same kernel launched
+    directly: more in 11 of 12 paired comparisons, a tie in one (same run, same inputs, the
+    kernel writing into the graph's own output buffer: bench/program_schedules.py, bench/LOG.md
+    session 11)."""
     reasons = []
     if auto and launches(program) < 2:
         reasons.append("one launch: a graph saves no host launches and its replay adds GPU time "
