@@ -9,13 +9,14 @@ tensors, next to the program itself and torch.compile.
 Rows: "program" (tilefuse.compile as by default: a one-kernel program launches its kernel
 directly), "program graph" (the same replayed as a CUDA graph, graphs=True), "kernel
 <schedule>" (the program's kernel re-rendered under that schedule and launched on the
-program's input and weight tensors into one output allocated once), "kernel (program's)
-into the graph's output" (the program's kernel writing where the graph writes),
-"torch.compile", and "copy" (x.copy_ into a preallocated tensor: the bandwidth floor for the
-same read + write). Every kernel row is checked against the program's output first. Timing: `analyze.bench.timings_ms` (CUDA events, L2 flushed by a
-read), `--rounds` interleaved rounds in a rotated order, for each of `--placements` input
-sets; a row's score is its median. With `--ncu` each row runs twice inside
-cudaProfilerStart/Stop after a warm-up, for Nsight Compute (labels are printed in order).
+program's input and weight tensors into one output allocated once), "kernel (program's) into
+the graph's output" (the program's kernel writing where the graph writes; one-output
+kernels), "torch.compile", and "copy" (x.copy_ into a preallocated tensor: the bandwidth
+floor for the same read + write). Every kernel row is checked against the program's output
+first. Timing: `analyze.bench.timings_ms` (CUDA events, L2 flushed by a read), `--rounds`
+interleaved rounds in a rotated order, for each of `--placements` input sets; a row's score
+is its median. With `--ncu` each row runs twice inside cudaProfilerStart/Stop after a
+warm-up, for Nsight Compute (labels are printed in order).
 """
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ from tilefuse.codegen.mapreduce import MapReduceSchedule as S  # noqa: E402
 from tilefuse.runtime.launch import compile_kernel  # noqa: E402
 
 
-def short_row_schedules(C: int) -> list[S]:
+def short_row_schedules() -> list[S]:
     """Neighbours of the short-row defaults: a row per 8/16/32 threads, 128-1024 threads."""
     return [S(threads=128, group=32, vector=8, min_blocks=16), S(threads=256, group=32, vector=8, min_blocks=8),
             S(threads=512, group=32, vector=8, min_blocks=4), S(threads=128, group=16, vector=8, min_blocks=16),
@@ -44,7 +45,7 @@ def short_row_schedules(C: int) -> list[S]:
             S(threads=256, group=8, vector=8, min_blocks=3), S(threads=256, group=32, vector=8, stage="smem", min_blocks=8)]
 
 
-def long_row_schedules(C: int) -> list[S]:
+def long_row_schedules() -> list[S]:
     """The row held in registers (read once) by a CTA of 512 or 1024 threads."""
     return [S(threads=1024, group=1024, vector=8, min_blocks=2), S(threads=512, group=512, vector=8, min_blocks=4),
             S(threads=512, group=512, vector=8, min_blocks=2)]
@@ -54,7 +55,7 @@ def long_row_schedules(C: int) -> list[S]:
 def rows_for(name: str, R: int, C: int, placements: int, extra: list[S]):
     module = PROGRAMS[name](C).cuda().bfloat16()
     compiled = torch.compile(module)
-    calls, checks = {}, {}
+    calls, regs = {}, {}
     with torch.no_grad():
         for p in range(placements):
             inputs = inputs_for(name, R, C)
@@ -95,13 +96,14 @@ def rows_for(name: str, R: int, C: int, placements: int, extra: list[S]):
                     continue
                 label = "kernel " + ("(program's) " if s == op.ck.source.schedule else "") + str(s)
                 calls[(label, p)] = (lambda ck=ck, ptrs=ptrs, keep=(inputs, outs): ck.launch_ptrs(0, ptrs))
-                checks[label] = (ck.info.registers, ck.info.spill_stores)
+                regs[label] = (ck.info.registers, ck.info.spill_stores)
             # the program's kernel writing where the program's CUDA graph writes: if this runs as
             # fast as the kernel above, the program's extra time is its output's placement
             # (which memory it lands in), not the graph launch
-            gptrs = ptrs[:-1] + [want.data_ptr()]
-            calls[("kernel (program's) into the graph's output", p)] = (
-                lambda ck=op.ck, ptrs=gptrs, keep=(inputs, want): ck.launch_ptrs(0, ptrs))
+            if len(outs) == 1:  # its one output is the last parameter
+                gptrs = ptrs[:-1] + [want.data_ptr()]
+                calls[("kernel (program's) into the graph's output", p)] = (
+                    lambda ck=op.ck, ptrs=gptrs, keep=(inputs, want): ck.launch_ptrs(0, ptrs))
             x = inputs[0]
             y = torch.empty_like(x)
             calls[("program graph", p)] = (lambda prog=prog, inputs=inputs: prog(*inputs))
@@ -109,7 +111,7 @@ def rows_for(name: str, R: int, C: int, placements: int, extra: list[S]):
             compiled(*inputs)
             calls[("torch.compile", p)] = (lambda inputs=inputs: compiled(*inputs))
             calls[("copy", p)] = (lambda x=x, y=y: y.copy_(x))
-    return calls, checks
+    return calls, regs
 
 
 def main() -> None:
@@ -124,7 +126,7 @@ def main() -> None:
     for case in args.cases:
         name, shape = case.split(":")
         R, C = (int(v) for v in shape.split("x"))
-        extra = short_row_schedules(C) if C <= 1024 else long_row_schedules(C)
+        extra = short_row_schedules() if C <= 1024 else long_row_schedules()
         calls, regs = rows_for(name, R, C, 1 if args.ncu else args.placements, extra)
         keys = list(calls)
         if args.ncu:

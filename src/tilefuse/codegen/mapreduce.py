@@ -325,7 +325,8 @@ def default_schedule(kernel: ir.Kernel, arch: str = "sm_90a", stage: str | None 
     v = _choose_vector(kernel, parts)
     auto = stage is None
     if stage is None:
-        short = -(-parts.col_extent // v) <= 32 * 4
+        chunks = -(-parts.col_extent // v)
+        short = chunks <= 32 * 4
         kind = _kind(parts)
         n_ex, online = exchanges(kernel)
         row_streams = [st for st in _analyse(kernel, parts, v).in_streams.values() if st.per_row]
@@ -347,7 +348,6 @@ def default_schedule(kernel: ir.Kernel, arch: str = "sm_90a", stage: str | None 
             # 0.68x, its second pass missing L2 (l2_probe_h100_a.json)
             return MapReduceSchedule(threads=512, group=512, vector=v, stage="stream", unroll=2, min_blocks=4,
                                      l2_hints=True)
-        chunks = -(-parts.col_extent // v)
         norm = kind == "norm" and n_ex == 1 and not online and len(row_streams) in (1, 2)
         if norm and chunks <= 32 and not _centred(kernel):
             # a row of at most 32 chunks (<= 256 bf16 columns) of a norm with a plain exchange:
