@@ -17,7 +17,8 @@ leaves them) and times the tuned schedule next to the default, each with its own
 Schedules: <bm>x<bn>s<stages>c<consumers>[g<group_m>][m2][d][p]: g = tile rows per raster group,
 m2 = 2-CTA clusters along M multicasting B, d = epilogue stores straight from registers
 instead of through shared memory and TMA, p = ping-pong consumers (each its own bm x bn tile,
-main loops in turn), k<S> = split-K in S slices. With --fused, each fused kernel and its plain GEMM run with every
+main loops in turn), k<S> = split-K in S slices, sk<G> = stream-K: a grid of G CTAs
+(clusters), the last waves' tiles shared out among them by K steps. With --fused, each fused kernel and its plain GEMM run with every
 schedule given (else the default).
 
 Random normal inputs; each tilefuse result is checked against a float32 reference (the 2x
@@ -66,14 +67,15 @@ def parse_schedule(text: str) -> GemmSchedule:
     along M, n2: along N, d: direct stores, p: ping-pong consumers, k<S>: split-K in S slices)."""
     import re
 
-    m = re.fullmatch(r"(\d+)x(\d+)s(\d+)c(\d+)(?:g(\d+))?(?:m(\d))?(?:n(\d))?(d)?(p)?(?:k(\d+))?", text)
+    m = re.fullmatch(r"(\d+)x(\d+)s(\d+)c(\d+)(?:g(\d+))?(?:m(\d))?(?:n(\d))?(d)?(p)?(?:k(\d+))?(?:sk(\d+))?",
+                     text)
     if not m:
         raise SystemExit(f"bad schedule {text!r}; want like 128x256s4c2 (g8: group_m, m2/n2: 2-CTA cluster, "
-                         f"d: direct stores, p: ping-pong, k4: split-K 4)")
-    bm, bn, s, c, g, cl, cn, d, p, sk = m.groups()
+                         f"d: direct stores, p: ping-pong, k4: split-K 4, sk132: stream-K over 132 CTAs)")
+    bm, bn, s, c, g, cl, cn, d, p, split, sk = m.groups()
     return GemmSchedule(int(bm), int(bn), stages=int(s), consumers=int(c), group_m=int(g or 8),
                         cluster_m=int(cl or 1), cluster_n=int(cn or 1), tma_store=not d, pingpong=bool(p),
-                        split_k=int(sk or 1))
+                        split_k=int(split or 1), stream_k=int(sk or 0))
 
 
 def reference(a, b, b_major):

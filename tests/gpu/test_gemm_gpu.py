@@ -159,6 +159,54 @@ def test_split_k_runs_the_epilogue_once_on_the_whole_sum():
     _bias_gelu_residual_batched(GemmSchedule(128, 128, stages=6, split_k=4), 200, 384, 1536)
 
 
+_SK132 = GemmSchedule(128, 256, stages=4, stream_k=132)
+_SK132_M2 = GemmSchedule(128, 256, stages=4, cluster_m=2, stream_k=132)   # 66 pairs
+_SK7 = GemmSchedule(128, 128, stages=6, stream_k=7)
+_SK10_N2 = GemmSchedule(64, 64, stages=12, consumers=1, cluster_n=2, tma_store=False, stream_k=10)  # 5 pairs
+STREAM_K = [((4096, 4096, 4096), _SK132), ((4096, 4096, 4096), _SK132_M2), ((4096, 4096, 4096), _SK10_N2),
+            ((4095, 4097, 4104), _SK132), ((4095, 4097, 4104), _SK132_M2), ((4095, 4097, 4104), _SK7),
+            ((1000, 1024, 520), _SK7), ((1000, 1024, 520), _SK10_N2),
+            ((300, 1280, 1000), _SK7), ((300, 1280, 1000), _SK10_N2)]   # the last: whole waves, nothing cut
+
+
+@pytest.mark.parametrize("shape,sched", STREAM_K, ids=lambda x: str(x) if isinstance(x, GemmSchedule) else None)
+def test_stream_k_matches_float32_and_leaves_its_counters_at_zero(shape, sched):
+    """The last waves' tiles cut by K steps between neighbouring CTAs and summed through the
+    workspace: right with tails, clusters along M and N, a cut in every shared tile or in
+    none, and three launches in a row give the same bits, so each left its counters at zero."""
+    m, n, k = shape
+    a, b, bt = _operands(m, n, k, "K")
+    g = compile_gemm(GemmProblem(m, n, k, "bf16"), sched)
+    _right_three_times(g, a, b, bt, (m, n))
+    flags = [f for _, f in g._workspaces.values()]
+    assert flags and all(int(f.abs().sum()) == 0 for f in flags)
+
+
+def test_stream_k_with_more_ctas_than_sms_finishes():
+    """Nobody spins on a cut, so a grid larger than the GPU (CTAs waiting for an SM) still
+    finishes, right: 256 tiles shared by 200 CTAs."""
+    m = n = 1024
+    a, b, bt = _operands(m, n, 2048, "K")
+    g = compile_gemm(GemmProblem(m, n, 2048, "bf16"), GemmSchedule(64, 64, stages=8, consumers=1, tma_store=False,
+                                                                   stream_k=200))
+    _right_three_times(g, a, b, bt, (m, n))
+
+
+def test_stream_k_sums_the_same_bits_whichever_half_comes_second():
+    """Which half of a cut tile arrives second varies between launches; one f32 add commutes,
+    so twenty launches give one result."""
+    a, b, _ = _operands(2048, 2048, 4096, "K")
+    g = compile_gemm(GemmProblem(2048, 2048, 4096, "bf16"), GemmSchedule(128, 128, stages=6, stream_k=100))
+    first = g(a, b).clone()
+    for _ in range(20):
+        assert torch.equal(g(a, b), first)
+
+
+def test_stream_k_runs_the_epilogue_once_on_the_whole_sum():
+    """Bias, GELU and residual apply to the whole K sum of a cut tile, batched."""
+    _bias_gelu_residual_batched(GemmSchedule(128, 128, stages=6, stream_k=5), 200, 384, 1536)
+
+
 CLUSTER_N = [GemmSchedule(64, 64, stages=12, consumers=1, cluster_n=2, tma_store=False),
              GemmSchedule(64, 128, stages=8, consumers=1, cluster_n=2), GemmSchedule(128, 128, stages=6, cluster_n=2),
              GemmSchedule(256, 128, stages=4, cluster_n=2)]

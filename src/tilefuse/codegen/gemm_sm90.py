@@ -96,6 +96,8 @@ class GemmSchedule:
     tma_store: bool = True      # registers -> swizzled shared memory -> TMA store, where the epilogue allows
     pingpong: bool = False      # each consumer its own tile, main loops in turn (needs 2 consumers)
     split_k: int = 1            # K cut in this many slices, each its own work unit; partial sums meet in a workspace
+    stream_k: int = 0           # > 0: the grid is this many CTAs (one per SM), and the last waves' tiles are
+                                # shared out among them by K steps, so every CTA ends at the same time
 
     def __post_init__(self):
         if self.consumers not in (1, 2):
@@ -108,6 +110,12 @@ class GemmSchedule:
             raise GemmError(f"split_k={self.split_k} must be in [1, 16]")
         if self.split_k > 1 and (self.pingpong or self.cluster_m > 1):
             raise GemmError("split_k > 1 takes neither ping-pong consumers nor 2-CTA clusters")
+        if not 0 <= self.stream_k <= 1024:
+            raise GemmError(f"stream_k={self.stream_k} must be 0 (off) or a CTA count up to 1024")
+        if self.stream_k and (self.split_k > 1 or self.pingpong):
+            raise GemmError("stream_k takes neither split-K nor ping-pong consumers")
+        if self.stream_k % (self.cluster_m * self.cluster_n):
+            raise GemmError(f"stream_k={self.stream_k} CTAs do not make whole 2-CTA clusters")
         if not self.pingpong and (self.bm % (64 * self.consumers) or self.bm // self.consumers > 128):
             raise GemmError(f"bm={self.bm} must be 64 or 128 rows per consumer warpgroup "
                             f"({self.consumers} consumers)")
@@ -157,6 +165,7 @@ class GemmSchedule:
         store = "" if self.tma_store else ", direct stores"
         wgs = "2 ping-pong consumers" if self.pingpong else f"{self.consumers} consumer warpgroups"
         split = f", split-K {self.split_k}" if self.split_k > 1 else ""
+        split += f", stream-K over {self.stream_k}" if self.stream_k else ""
         return (f"GemmSchedule(tile {self.bm}x{self.bn}x{self.bk}, {self.stages} stages, "
                 f"{wgs}, group_m {self.group_m}{cluster}{store}{split})")
 
@@ -193,9 +202,31 @@ def default_schedule(problem: GemmProblem, sms: int = 132) -> GemmSchedule:
     for s in candidates:
         if waves(s) >= 0.9 or s is candidates[-1]:
             if s is big and m >= 8192 and n <= 8192 and problem.batch == 1:
-                return GemmSchedule(128, 256, stages=4, cluster_m=2)
-            return _with_split(s, problem, sms)
+                return _with_stream_k(GemmSchedule(128, 256, stages=4, cluster_m=2), problem, sms)
+            return _with_stream_k(_with_split(s, problem, sms), problem, sms)
     return _with_split(candidates[-1], problem, sms)
+
+
+STREAM_K_IDLE = 0.06  # stream-K where whole tiles would leave more than this share of the last wave's time idle
+
+
+def _with_stream_k(s: GemmSchedule, problem: GemmProblem, sms: int) -> GemmSchedule:
+    """Stream-K where whole tiles would waste much of the last wave. Whole waves take
+    ceil(w) tile times for w waves of work; past STREAM_K_IDLE of waste, sharing the last
+    waves out by K steps pays. On an H100 (bench/LOG_gemm.md, session 12): 1152x4096x4096
+    (1.09 waves) 87.0 -> 60.0 us, 2304x4096x4096 133.3 -> 114.3, 3072x3072x4096 131.3 ->
+    114.1, 4096x4352x4096 (4.12 waves) 226.5 -> 211.5, 8192x4352x4096 (8.24) 427 -> 419.5;
+    at issue 4's shapes (3% waste or less) it was 0-7% slower (its cut tiles' f32 halves, and
+    L2 reuse lost where CTAs are not in step), the power-limited clock already making up
+    much of a short last wave."""
+    if s.split_k > 1 or s.pingpong:
+        return s
+    cl = s.cluster_m * s.cluster_n
+    tiles = -(-problem.m // s.span[0]) * -(-problem.n // s.span[1]) * problem.batch
+    workers = sms // cl
+    if tiles < workers or -(-tiles // workers) * workers / tiles - 1 <= STREAM_K_IDLE:
+        return s
+    return replace(s, stream_k=workers * cl)
 
 
 def _with_split(s: GemmSchedule, problem: GemmProblem, sms: int) -> GemmSchedule:
@@ -254,6 +285,7 @@ class GemmSource:
     workspace: int = 0                # split-K: f32 partial sums (elements), passed after the tensor maps
     flags: int = 0                    # split-K: int32 arrival counters, zero before a launch and left zero after
     pair_loads: tuple[str, ...] = ()  # operands read as 4-byte column pairs: they must start 4-byte aligned
+    exact_grid: bool = False          # stream-K: run exactly grid_tiles clusters, whatever the SM count
 
 
 # ---------------------------------------------------------------- layouts
@@ -1050,6 +1082,125 @@ def _full_tiles(problem: GemmProblem, sched: GemmSchedule) -> bool:
     return problem.m % sched.span[0] == 0 and problem.n % sched.span[1] == 0
 
 
+def stream_k_tiles(tiles: int, workers: int) -> int:
+    """How many of the first tiles stream-K shares out by K steps: one whole wave plus the last
+    partial one, so that every CTA's share is at least one tile's K steps long and a tile is
+    cut at most once (two halves, one workspace slot pair per cut); none when the tiles make
+    whole waves. Fewer tiles than CTAs is split-K's case, not this one."""
+    if tiles < workers:
+        raise GemmError(f"stream-K: {tiles} tiles (cluster pairs, with a cluster) are fewer than the {workers} "
+                        f"CTAs (clusters) to share them; split_k is for less than a wave")
+    return 0 if tiles % workers == 0 else workers + tiles % workers
+
+
+def stream_k_units(tiles: int, k_iters: int, workers: int, worker: int) -> list[tuple[int, int, int]]:
+    """CTA `worker`'s work units (tile, first K step, end K step) in the order it runs them.
+
+    Its share is an even cut of the first stream_k_tiles' K steps: the tail of one tile, maybe
+    a whole tile, the head of another. It runs the whole tile first, then the head, then the
+    tail, and then whole tiles a wave apart. That order keeps the CTAs in step along K: every
+    CTA starts at K step 0 and every tail ends at the share's end, so the CTAs that read one
+    row of A or one column of B read each K step of it at about the same time, and L2 serves
+    all but the first. Run in the share's own order (tail first), each CTA is at its own K
+    step, and every CTA streams its A and B rows from DRAM: 4096^3 took 1.3x as long (H100,
+    session 12). This is the kernel's `tf_units`, mirrored for the tests."""
+    shared = stream_k_tiles(tiles, workers) * k_iters
+    lo, hi = worker * shared // workers, (worker + 1) * shared // workers
+    whole = [(t, 0, k_iters) for t in range(-(-lo // k_iters), hi // k_iters)]
+    head = [(hi // k_iters, 0, hi % k_iters)] if hi % k_iters else []
+    tail = [(lo // k_iters, lo % k_iters, k_iters)] if lo % k_iters else []
+    return whole + head + tail + [(t, 0, k_iters) for t in range(stream_k_tiles(tiles, workers) + worker, tiles, workers)]
+
+
+def _slot_float4s(sched: GemmSchedule, mb_count: int) -> int:
+    """A warpgroup's partial tile in float4s: one per thread per four accumulators."""
+    return mb_count * (sched.bn // 2) // 4 * 128
+
+
+def _partial_io(sched: GemmSchedule, mb_count: int, dst: str, src: str, store_indent: int,
+                load_indent: int) -> tuple[str, str]:
+    """Lines that store the accumulators to `dst` and add them back from `src` (float4 pointers
+    already offset by the thread), in fragment order, one float4 per thread per step, so each
+    access is coalesced."""
+    quads = [(mb, j) for mb in range(mb_count) for j in range(0, sched.bn // 2, 4)]
+    store = "\n".join(f"{' ' * store_indent}__stcg({dst} + {q * 128}, make_float4(acc[{mb}][{j}], "
+                      f"acc[{mb}][{j + 1}], acc[{mb}][{j + 2}], acc[{mb}][{j + 3}]));"
+                      for q, (mb, j) in enumerate(quads))
+    load = "\n".join(f"{' ' * load_indent}{{ const float4 v = __ldcg({src} + {q * 128}); acc[{mb}][{j}] += v.x; "
+                     f"acc[{mb}][{j + 1}] += v.y; acc[{mb}][{j + 2}] += v.z; acc[{mb}][{j + 3}] += v.w; }}"
+                     for q, (mb, j) in enumerate(quads))
+    return store, load
+
+
+STREAM_K_PRELUDE = r"""
+__device__ __forceinline__ int tf_ld_acquire(const int* p) {
+  int v;
+  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+struct tf_units {  // stream-K: this CTA's share of the first SK_TILES tiles' K steps, then whole tiles
+  int whole, whole_end, head_t, head_hi, tail_t, tail_lo, dp;
+  __device__ __forceinline__ explicit tf_units(int w) {
+    const long long lo = (long long)w * SK_ITERS / STREAM_K, hi = (long long)(w + 1) * SK_ITERS / STREAM_K;
+    whole = (int)((lo + K_ITERS - 1) / K_ITERS);
+    whole_end = head_t = (int)(hi / K_ITERS);
+    head_hi = (int)(hi % K_ITERS);
+    tail_t = (int)(lo / K_ITERS);
+    tail_lo = (int)(lo % K_ITERS);
+    dp = SK_TILES + w;
+  }
+  // whole tiles of the share, its last tile's head, its first tile's tail (in step along K), then a wave apart
+  __device__ __forceinline__ bool next(int& t, int& k_lo, int& k_hi) {
+    k_lo = 0;
+    k_hi = K_ITERS;
+    if (whole < whole_end) { t = whole++; return true; }
+    if (head_hi) { t = head_t; k_hi = head_hi; head_hi = 0; return true; }
+    if (tail_lo) { t = tail_t; k_lo = tail_lo; tail_lo = 0; return true; }
+    if (dp >= TILES) return false;
+    t = dp;
+    dp += STREAM_K;
+    return true;
+  }
+};
+"""
+
+
+def _stream_k_fixup(sched: GemmSchedule, mb_count: int) -> str:
+    """Stream-K: a tile cut between CTAs w and w + 1 (w runs its head, w + 1 its tail) meets in
+    the cut's slot pair. Each half first looks whether the other is in already; if so it only
+    reads that half (no write, no count), else it writes its own and counts in, as in
+    split-K, and whoever counts in second reads the other. The second adds the other's half
+    to its own registers and runs the epilogue; one f32 add commutes, so the sum is the same
+    bits whichever half that is. The tail ends its CTA's share, long after the head, so it
+    nearly always finds the head in. Nobody spins, so no CTA waits on one not resident."""
+    per = _slot_float4s(sched, mb_count)
+    store, load = _partial_io(sched, mb_count, "mine", "other", 10, 8)
+    return f"""      if (k_lo != 0 || k_hi != K_ITERS) {{  // stream-K: this tile is cut; its two halves meet in a slot pair
+        const int head = k_lo == 0;
+        const int cut = (head ? first + 1 : first) * CLUSTER + rank;
+        float4* slots = reinterpret_cast<float4*>(tf_ws) + (size_t)cut * {2 * sched.consumers * per} + c * {per} + tid;
+        float4* mine = slots + (head ? 0 : {sched.consumers * per});
+        const float4* other = slots + (head ? {sched.consumers * per} : 0);
+        int* flag = tf_flags + cut * {sched.consumers} + c;
+        int in = 0;
+        if (tid == 0) in = tf_ld_acquire(flag);  // the other half is in already
+        if (!tf_bar_any(1 + c, 128, in)) {{
+{store}
+          __threadfence();  // each thread's slot writes visible GPU-wide before the count says so
+          tf_named_bar(1 + c, 128);
+          int last = 0;
+          if (tid == 0) {{
+            last = atomicAdd(flag, 1) == 1;
+            if (last) __threadfence();
+          }}
+          if (!tf_bar_any(1 + c, 128, last)) continue;
+        }}
+        if (tid == 0) *flag = 0;  // for the next launch
+{load}
+      }}
+"""
+
+
 def _split_fixup(sched: GemmSchedule, mb_count: int) -> str:
     """Split-K: every slice writes its partial sums to its own workspace slot and counts itself
     in (an atomic per tile and warpgroup, after every writer's GPU-scope fence); the slice that counts last
@@ -1060,15 +1211,9 @@ def _split_fixup(sched: GemmSchedule, mb_count: int) -> str:
     slice comes last: adding the others onto its own registers rounded differently from
     launch to launch (the tuner's two-launch check caught it at 128x4096x4096, split 4).
     Slots are in fragment order, one float4 per thread per step: each access is coalesced."""
-    quads = [(mb, j) for mb in range(mb_count) for j in range(0, sched.bn // 2, 4)]
-    per = len(quads) * 128
-    store = "\n".join(f"        __stcg(ws + split * {per} + {q * 128}, make_float4(acc[{mb}][{j}], "
-                      f"acc[{mb}][{j + 1}], acc[{mb}][{j + 2}], acc[{mb}][{j + 3}]));"
-                      for q, (mb, j) in enumerate(quads))
-    load = "\n".join(f"            {{ const float4 v = __ldcg(ws + o + {q * 128}); acc[{mb}][{j}] += v.x; "
-                     f"acc[{mb}][{j + 1}] += v.y; acc[{mb}][{j + 2}] += v.z; acc[{mb}][{j + 3}] += v.w; }}"
-                     for q, (mb, j) in enumerate(quads))
-    zero = "\n".join(f"        acc[{mb}][{j + i}] = 0.f;" for mb, j in quads for i in range(4))
+    per = _slot_float4s(sched, mb_count)
+    store, load = _partial_io(sched, mb_count, f"ws + split * {per}", "ws + o", 8, 12)
+    zero = "\n".join(f"        acc[{mb}][{j}] = 0.f;" for mb in range(mb_count) for j in range(sched.bn // 2))
     return f"""      {{  // split-K: each slice leaves its partial sums in its slot; the last to count in adds them up
         float4* ws = reinterpret_cast<float4*>(tf_ws) + (size_t)(t * {sched.consumers} + c) * (SPLIT * {per}) + tid;
         int* flag = tf_flags + t * {sched.consumers} + c;
@@ -1107,7 +1252,8 @@ def kernel_name(problem: GemmProblem, sched: GemmSchedule, kernel: ir.Kernel) ->
             f"_{sched.bm}x{sched.bn}x{sched.bk}s{sched.stages}c{sched.consumers}g{sched.group_m}"
             f"{f'm{sched.cluster_m}' if sched.cluster_m > 1 else ''}{f'n{sched.cluster_n}' if sched.cluster_n > 1 else ''}"
             f"{'' if sched.tma_store else 'd'}"
-            f"{'p' if sched.pingpong else ''}{f'k{sched.split_k}' if sched.split_k > 1 else ''}_{h}")
+            f"{'p' if sched.pingpong else ''}{f'k{sched.split_k}' if sched.split_k > 1 else ''}"
+            f"{f'sk{sched.stream_k}' if sched.stream_k else ''}_{h}")
 
 
 def render(problem: GemmProblem, sched: GemmSchedule | None = None) -> GemmSource:
@@ -1150,6 +1296,10 @@ def render(problem: GemmProblem, sched: GemmSchedule | None = None) -> GemmSourc
         raise GemmError(f"split_k={split}: K={P.k} is {k_iters} steps of {S.bk}, too few for {split} "
                         f"non-empty slices")
     units = tiles * split
+    workers = S.stream_k // CL  # stream-K's clusters: each CTA of a pair runs its pair's share
+    sk_tiles = stream_k_tiles(tiles, workers) if S.stream_k else 0
+    sk_defines = (f"\n#define STREAM_K {workers}\n#define SK_TILES {sk_tiles}\n#define SK_ITERS {sk_tiles * k_iters}"
+                  if S.stream_k else "")
     stage_bytes = a.bytes + b.bytes
     trans_b = 1 if problem.b_major == "N" else 0
     ops_params = epi.operands(kernel)
@@ -1157,7 +1307,7 @@ def render(problem: GemmProblem, sched: GemmSchedule | None = None) -> GemmSourc
     cparams = ["const __grid_constant__ tf_tmap a_map", "const __grid_constant__ tf_tmap b_map"]
     if store_dt:
         cparams.append("const __grid_constant__ tf_tmap c_map")
-    if split > 1:
+    if split > 1 or S.stream_k:
         cparams += ["float* __restrict__ tf_ws", "int* __restrict__ tf_flags"]
     cparams += [f"{cexpr.storage_ctype(p.dtype)}* __restrict__ {_ident(p.name)}" for p in out_params]
     cparams += [f"const {cexpr.storage_ctype(p.dtype)}* __restrict__ {_ident(p.name)}" for p in ops_params]
@@ -1185,6 +1335,14 @@ def render(problem: GemmProblem, sched: GemmSchedule | None = None) -> GemmSourc
         k_range = "int kt = k_lo; kt < k_hi; ++kt"
         prod_head = """      for (int u = first; u < UNITS; u += step) {
         const int t = u / SPLIT, k_lo = (u % SPLIT) * K_SPLIT, k_hi = min(k_lo + K_SPLIT, K_ITERS);"""
+    elif S.stream_k:
+        loop_head = """    tf_units units(first);
+    int t, k_lo, k_hi;
+    while (units.next(t, k_lo, k_hi)) {"""
+        k_range = "int kt = k_lo; kt < k_hi; ++kt"
+        prod_head = """      tf_units units(first);
+      int t, k_lo, k_hi;
+      while (units.next(t, k_lo, k_hi)) {"""
     else:
         k_range = "int kt = 0; kt < K_ITERS; ++kt"
         prod_head = "      for (int t = first; t < TILES; t += step) {"
@@ -1241,7 +1399,7 @@ def render(problem: GemmProblem, sched: GemmSchedule | None = None) -> GemmSourc
 #define K_ITERS {k_iters}
 #define SPLIT {split}
 #define K_SPLIT {k_split}
-#define UNITS {units}
+#define UNITS {units}{sk_defines}
 #define GROUP_M {S.group_m}
 #define CLUSTER {CL}
 #define A_BYTES {a.bytes}
@@ -1258,7 +1416,7 @@ __device__ __forceinline__ void tf_tile_coords(int t, int& batch, int& tm, int& 
   tm = first_m + (t % per_group) % rows;
   tn = (t % per_group) / rows;
 }}
-
+{STREAM_K_PRELUDE if S.stream_k else ""}
 extern "C" __global__ void __launch_bounds__({S.threads}, 1)
 {name}({", ".join(cparams)}) {{
   extern __shared__ __align__(1024) unsigned char tf_smem_raw[];
@@ -1335,7 +1493,7 @@ extern "C" __global__ void __launch_bounds__({S.threads}, 1)
 {turn_pass}
       tf_wgmma_wait<0>();
       {release}
-{_split_fixup(S, mb_count) if split > 1 else ""}      const int row_base = tm * BM{row_offset};
+{_split_fixup(S, mb_count) if split > 1 else _stream_k_fixup(S, mb_count) if S.stream_k else ""}      const int row_base = tm * BM{row_offset};
       const int col_base = tn * BN;""")
     if store_dt:
         lines = _epilogue_code_tma(problem, sched, kernel, store_dt)
@@ -1356,10 +1514,14 @@ extern "C" __global__ void __launch_bounds__({S.threads}, 1)
 """)
     params = tuple(p.name for p in out_params) + tuple(p.name for p in ops_params)
     ws = tiles * S.consumers * mb_count * (S.bn // 2) * 128 * split if split > 1 else 0  # a slot per slice
+    flags = tiles * S.consumers if split > 1 else 0
+    if S.stream_k:  # a slot pair per cut, a cut at the start of each CTA (the first CTA's unused)
+        ws = S.stream_k * 2 * S.consumers * _slot_float4s(S, mb_count) * 4
+        flags = S.stream_k * S.consumers
     pair_loads = tuple(dict.fromkeys(x.buf for x in _pair_loads(kernel, epi.inner_body(kernel), store_dt is not None)))
-    return GemmSource(name=name, source="\n".join(src), grid_tiles=units, block=(S.threads, 1, 1),
-                      pair_loads=pair_loads,
-                      workspace=ws, flags=tiles * S.consumers if split > 1 else 0,
+    return GemmSource(name=name, source="\n".join(src), grid_tiles=workers or units, block=(S.threads, 1, 1),
+                      pair_loads=pair_loads, exact_grid=bool(S.stream_k),
+                      workspace=ws, flags=flags,
                       smem_bytes=smem, params=params, problem=problem, schedule=sched,
                       a_box=a_box, b_box=b_box, swizzle=hopper.tma_swizzle(a.layout, 16), cluster=CL,
                       c_box=hopper.tma_box(_store_layout(), "K", 16) if store_dt else None)

@@ -150,7 +150,10 @@ class GemmKernel:
 
         module, func, _ = load_function(self.cubin.data, self.source.name, device, self.source.smem_bytes)
         cl = self.source.cluster
-        grid = min(self.source.grid_tiles, _sm_count(device) // cl) * cl
+        if self.source.exact_grid:  # stream-K cut its shares for exactly this many CTAs
+            grid = self.source.grid_tiles * cl
+        else:
+            grid = min(self.source.grid_tiles, _sm_count(device) // cl) * cl
         cfg = None
         if cl > 1:
             cfg = driver.CUlaunchConfig()

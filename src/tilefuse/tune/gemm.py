@@ -27,6 +27,8 @@ knob added to the template is searched or carried without editing this file. Can
 - split_k in {1, 2, 4}, the slices only where the tiles would leave at least half the SMs
   idle, the (tile, slice) units still make at most 1.25 waves, and each slice has at least
   4 K steps.
+- stream_k in {0, 132} (a grid of one CTA per SM, the last waves shared out by K steps) only
+  where the tiles make at least a wave and not a whole number of waves (else it cuts nothing).
 - pingpong stays off: on an H100 its 128x128 tiles ran 2-7% slower than the cooperative
   128x256 at every plain and fused shape measured (bench/LOG_gemm.md, session 6), so the
   search does not spend its time there.
@@ -69,6 +71,7 @@ STAGE_DEPTHS = 3             # the deepest this-many stage counts that fit are c
 CLUSTER_M = (1, 2)
 GROUP_M = (1, 4, 8, 16)
 SPLIT_K = (1, 2, 4)
+STREAM_K = (0, SMS)
 SAMPLE_ROWS = 256
 
 
@@ -150,6 +153,11 @@ def space(task: GemmTask, arch: str = "sm_90a") -> Space:
                 return False  # slices only where whole tiles leave SMs idle, and at most 1.25 waves of units
             if _cdiv(p.k, knobs["bk"]) < 4 * k["split_k"]:
                 return False  # slices of at least 4 K steps (fewer: the reduction costs more than it saves)
+        if "stream_k" in k and k["stream_k"]:
+            workers = k["stream_k"] // (k["cluster_m"] * knobs["cluster_n"])
+            tiles = _cdiv(p.m, k["bm"] * k["cluster_m"]) * _cdiv(p.n, k["bn"] * knobs["cluster_n"]) * p.batch
+            if tiles < workers or tiles % workers == 0:
+                return False  # less than a wave (split-K's case), or whole waves: nothing to share out
         if "group_m" in k and k["group_m"] >= covering_from(k):
             return k["group_m"] == covering_pick(k)  # every group as tall as the grid rasters alike: one of them
         return True
@@ -173,7 +181,8 @@ def space(task: GemmTask, arch: str = "sm_90a") -> Space:
 
     bms = tuple(sorted({64 * r * c for r in ROWS_PER_CONSUMER for c in CONSUMERS}))
     candidates = {"bm": bms, "bn": BN, "consumers": CONSUMERS, "stages": STAGES, "cluster_m": CLUSTER_M,
-                  "group_m": GROUP_M, "split_k": SPLIT_K, "pingpong": (False,)}
+                  "group_m": GROUP_M, "split_k": SPLIT_K, "stream_k": STREAM_K,
+                  "pingpong": (False,)}
     for f in fields(g.GemmSchedule):  # knobs not named here: a bool both ways, else the heuristic's value
         if f.name not in candidates:
             candidates[f.name] = (False, True) if isinstance(knobs[f.name], bool) else (knobs[f.name],)
