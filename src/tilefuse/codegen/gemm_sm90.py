@@ -177,9 +177,13 @@ def default_schedule(problem: GemmProblem, sms: int = 132) -> GemmSchedule:
     - 128x256 tiles (the largest that fit 2 x 64 x 256 accumulators) wherever they make at
       least 0.9 waves, storing through shared memory and TMA (5-15% over 4-byte pair stores
       at large shapes);
-    - of those, 2-CTA clusters multicasting B where M >= 8192 and N <= 8192 (+1-10% there:
-      a third less L2 -> SM traffic); at N >= 11008 and at M <= 6144 the single-sample sweep
-      had the cluster 1-8% slower, so it stays off there until the tuner says otherwise;
+    - of those, 2-CTA clusters multicasting B where M >= 4096 (a third less L2 -> SM
+      traffic). Until session 12 only where also N <= 8192: the round-2 single-sample sweep
+      had the cluster 1-8% slower at N >= 11008 and M <= 6144. Session 12 timed both twice,
+      interleaved, in one run (bench/results/gemm_cluster_flip_h100_s12.json): with the
+      cluster 6144^3 631 against 667 us, 8192x14336x4096 1395 against 1410, 4096^3 184.4
+      against 185.5, 8192x11008x4096 1016 against 1027 (samples 987-1058); and the shapes
+      that had it were 1-4% slower without;
     - 128x128 next, storing through TMA (512x4096x4096, session 8: 0.985x cuBLAS against 0.881x
       storing from registers, same run);
     - smaller tiles for small M, storing straight from registers, 64x64 with a 12-deep ring
@@ -201,7 +205,7 @@ def default_schedule(problem: GemmProblem, sms: int = 132) -> GemmSchedule:
 
     for s in candidates:
         if waves(s) >= 0.9 or s is candidates[-1]:
-            if s is big and m >= 8192 and n <= 8192 and problem.batch == 1:
+            if s is big and m >= 4096 and problem.batch == 1:
                 return _with_stream_k(GemmSchedule(128, 256, stages=4, cluster_m=2), problem, sms)
             return _with_stream_k(_with_split(s, problem, sms), problem, sms)
     return _with_split(candidates[-1], problem, sms)
