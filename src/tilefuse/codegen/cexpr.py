@@ -28,6 +28,31 @@ from ..loop import ir
 
 # ---------------------------------------------------------------- the prelude
 
+# Phi(-t) = exp2(P(t - 6.6)) for 0 <= t <= 13.2: P's coefficients, lowest degree first, a
+# Chebyshev least-squares fit of log2 Phi(-t) at degree 12, rounded to f32 (tests/cpu/test_ncdf.py
+# checks the bound the prelude states, evaluating as the kernel does).
+NCDF_FAST_COEFFS = (-35.5015182, -9.73133564, -0.706711471, -0.00131022034, 0.000126948813, -1.32834148e-05,
+                    1.40535974e-06, -9.36264613e-08, 5.23482635e-09, -2.26306085e-09, 3.17959187e-10,
+                    2.61220863e-12, -1.73661953e-12)
+NCDF_FAST_RANGE = 13.2  # Phi(-13.2) = 4.7e-40: ex2.approx.ftz gives 0 from about 13.1 on
+
+
+def _ncdf_fast_source() -> str:
+    horner = "\n".join(f"  p = fmaf(p, u, {c!r}f);" for c in reversed(NCDF_FAST_COEFFS[:-1]))
+    return f"""// Phi(x), the standard normal CDF, for results rounded to 16 bits: log2 Phi(-t) for
+// t = min(|x|, 13.2) as a degree-12 polynomial in t - 6.6 (cexpr.NCDF_FAST_COEFFS), then ex2,
+// and Phi(x) = 1 - Phi(-x) for x >= 0. Within 2e-5 of Phi(-|x|) relatively wherever that is
+// a normal float (so within 1e-5 of Phi absolutely); 0 where it is not (x < -13.1).
+__device__ __forceinline__ float tf_ncdf_fast(float x) {{
+  const float u = tf_min(fabsf(x), {NCDF_FAST_RANGE!r}f) - {NCDF_FAST_RANGE / 2!r}f;  // NaN stays NaN
+  float p = {NCDF_FAST_COEFFS[-1]!r}f;
+{horner}
+  const float e = tf_ex2_ftz(p);
+  return x < 0.0f ? e : 1.0f - e;
+}}
+"""
+
+
 PRELUDE = r"""// ---- tilefuse prelude: storage <-> compute conversions, NaN-propagating max/min
 typedef unsigned short tf_bf16_t;  // bf16 bit pattern in memory
 typedef unsigned short tf_f16_t;   // f16 bit pattern in memory
@@ -60,7 +85,7 @@ __device__ __forceinline__ float tf_ex2_ftz(float x) { float r; asm("ex2.approx.
 __device__ __forceinline__ float tf_exp_fast(float x) { return tf_ex2_ftz(x * 1.44269504f); }
 __device__ __forceinline__ float tf_rcp_fast(float x) { float r; asm("rcp.approx.f32 %0, %1;" : "=f"(r) : "f"(x)); return r; }
 __device__ __forceinline__ float tf_div_fast(float a, float b) { return a * tf_rcp_fast(b); }
-// A partial sum of exp(x - m) rescaled to a larger max M (partial log-sum-exp states merge
+{ncdf_fast}// A partial sum of exp(x - m) rescaled to a larger max M (partial log-sum-exp states merge
 // max first: M = max of the maxima, then the sum of the rescaled sums). Equal maxima (-inf
 // included) need no exp; a NaN max propagates.
 __device__ __forceinline__ float tf_lse_scale(float s, float m, float M) { return m == M ? s : s * tf_ex2_ftz((m - M) * 1.44269504f); }
@@ -177,7 +202,7 @@ __device__ __forceinline__ void tf_lds16(unsigned* w, unsigned src) {
 __device__ __forceinline__ void tf_st4(void* p, const unsigned* w) { *(unsigned*)p = w[0]; }
 __device__ __forceinline__ void tf_st2(void* p, const unsigned* w) { *(unsigned short*)p = (unsigned short)w[0]; }
 __device__ __forceinline__ void tf_st1(void* p, const unsigned* w) { *(unsigned char*)p = (unsigned char)w[0]; }
-"""
+""".replace("{ncdf_fast}", _ncdf_fast_source())
 
 # The cluster prelude: distributed shared memory through PTX (sm_90).
 CLUSTER_PRELUDE = r"""// ---- thread-block cluster: rank, barrier, reads of another CTA's shared memory
@@ -364,6 +389,11 @@ def op(name: str, args: list[str], arg_dtypes: list[str], dtype: str, fast: bool
         e = f"tf_div_fast({conv(0)}, {conv(1)})"
     elif fast and name == "sigmoid":  # 1 / (1 + exp(-x)): inf for x < -88 gives rcp 0, as IEEE does
         e = f"tf_rcp_fast(1.0f + tf_exp_fast(-{conv(0)}))"
+    elif fast and name == "ncdf":
+        e = f"tf_ncdf_fast({conv(0)})"
+    elif name == "ncdf":  # 0.5 erfc(-x / sqrt 2): no cancellation in the lower tail
+        fn, half, r2 = ("erfc", "0.5", "0.7071067811865476") if f64 else ("erfcf", "0.5f", "0.70710678f")
+        e = f"({half} * {fn}(-{r2} * {conv(0)}))"
     elif name in _FLOAT_FN:
         fn = _FLOAT_FN[name][1 if f64 else 0]
         e = f"{fn}({', '.join(conv(i) for i in range(info.arity))})"

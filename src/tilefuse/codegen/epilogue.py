@@ -338,9 +338,8 @@ def _activate(e: EpilogueBuilder, x: str, act: str) -> str:
         return e.op(act, x)
     if act == "silu":
         return e.op("mul", x, e.op("sigmoid", x))
-    if act == "gelu":  # x * 0.5 * (1 + erf(x / sqrt 2))
-        t = e.op("erf", e.op("mul", x, e.const(0.7071067811865476)))
-        return e.op("mul", e.op("mul", x, e.const(0.5)), e.op("add", t, e.const(1.0)))
+    if act == "gelu":  # x Phi(x) = x * 0.5 * (1 + erf(x / sqrt 2))
+        return e.op("mul", x, e.op("ncdf", x))
     if act == "gelu_tanh":  # 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))
         x3 = e.op("mul", e.op("mul", x, x), x)
         inner = e.op("mul", e.op("add", x, e.op("mul", x3, e.const(0.044715))), e.const(0.7978845608028654))

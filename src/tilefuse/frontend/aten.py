@@ -114,8 +114,7 @@ def _gelu(b, args, kwargs, out):
                       b.map("add", x, b.map("mul", b.scalar(0.044715, x), b.map("mul", x, b.map("mul", x, x)))))
         y = b.map("mul", b.map("mul", half, x), b.map("add", b.scalar(1.0, x), b.map("tanh", inner)))
     elif approx == "none":
-        erf = b.map("erf", b.map("mul", x, b.scalar(1 / math.sqrt(2), x)))
-        y = b.map("mul", b.map("mul", half, x), b.map("add", b.scalar(1.0, x), erf))
+        y = b.map("mul", x, b.map("ncdf", x))  # x Phi(x) = x 0.5 (1 + erf(x / sqrt 2))
     else:
         raise Unsupported(f"approximate={approx!r}")
     return b.cast(y, out.dtype)
