@@ -4,7 +4,6 @@ prelude's polynomial the way the kernel does (f32 fused multiply-adds, then ex2)
 import math
 
 import numpy as np
-import pytest
 import torch
 
 from tilefuse import ops
@@ -74,7 +73,17 @@ def test_spellings():
     assert "__device__ __forceinline__ float tf_ncdf_fast(float x)" in cexpr.PRELUDE
 
 
-@pytest.mark.parametrize("act", ["gelu"])
-def test_gelu_epilogue_is_x_times_ncdf(act):
-    k = epi.standard(4, 8, "bf16", activation=act)
+def test_gelu_epilogue_is_x_times_ncdf_and_fast_only_for_16_bit_outputs():
+    """The GEMM's GELU epilogue is x ncdf(x); with a bf16 output every element takes the fast
+    spelling, with an f32 output the accurate erfc."""
+    from tilefuse.codegen import gemm_sm90 as g
+
+    k = epi.standard(256, 256, "bf16", bias="col", activation="gelu")
     assert "ncdf" in str(k) and "erf(" not in str(k)
+    src = g.render(g.GemmProblem(256, 256, 128, epilogue=k), g.GemmSchedule(128, 128, stages=4)).source
+    body = src[src.index("extern \"C\""):]
+    assert "tf_ncdf_fast(" in body and "erfcf(" not in body
+    k32 = epi.standard(256, 256, "f32", bias="col", activation="gelu")
+    src32 = g.render(g.GemmProblem(256, 256, 128, epilogue=k32), g.GemmSchedule(128, 128, stages=4)).source
+    body32 = src32[src32.index("extern \"C\""):]
+    assert "erfcf(" in body32 and "tf_ncdf_fast(" not in body32

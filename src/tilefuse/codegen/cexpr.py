@@ -353,6 +353,9 @@ _CMP = {"eq": "==", "ne": "!=", "lt": "<", "le": "<=", "gt": ">", "ge": ">="}
 _ARITH = {"add": "+", "sub": "-", "mul": "*", "div": "/"}
 
 
+FAST_OPS = ("exp", "div", "sigmoid", "ncdf")  # the ops with a special-function spelling (op's fast)
+
+
 def op(name: str, args: list[str], arg_dtypes: list[str], dtype: str, fast: bool = False) -> str:
     """C++ expression for `dtype = name(args)`; args are compute-type expressions.
 
