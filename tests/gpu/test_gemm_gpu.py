@@ -49,6 +49,17 @@ def _right_three_times(g, a, b, bt, shape):
         assert torch.equal(out, first), "two launches gave different bits"
 
 
+def _right_with_counters_at_zero(shape, sched):
+    """A workspace-summing schedule (split-K, stream-K): right three launches in a row, and
+    its turn counters back at zero after them."""
+    m, n, k = shape
+    a, b, bt = _operands(m, n, k, "K")
+    g = compile_gemm(GemmProblem(m, n, k, "bf16"), sched)
+    _right_three_times(g, a, b, bt, (m, n))
+    flags = [f for _, f in g._workspaces.values()]
+    assert flags and all(int(f.abs().sum()) == 0 for f in flags)
+
+
 def _bias_gelu_residual_batched(sched, m, n, k, batch=2):
     """GEMM + column bias + GELU + residual, batched, against float32."""
     a, b, bt = _operands(m, n, k, "K", batch=batch)
@@ -130,12 +141,7 @@ def test_split_k_matches_float32_and_leaves_its_counters_at_zero(shape, sched):
     """Slices of K summed through the workspace by whichever slice counts in last: right at one
     tile, at tails, and with more units than SMs (CTAs walk several); three launches in a row
     are right, so each left its counters at zero for the next."""
-    m, n, k = shape
-    a, b, bt = _operands(m, n, k, "K")
-    g = compile_gemm(GemmProblem(m, n, k, "bf16"), sched)
-    _right_three_times(g, a, b, bt, (m, n))
-    flags = [f for _, f in g._workspaces.values()]
-    assert flags and all(int(f.abs().sum()) == 0 for f in flags)
+    _right_with_counters_at_zero(shape, sched)
 
 
 def test_split_k_sums_the_same_bits_whichever_slice_comes_last():
@@ -174,12 +180,7 @@ def test_stream_k_matches_float32_and_leaves_its_counters_at_zero(shape, sched):
     """The last waves' tiles cut by K steps between neighbouring CTAs and summed through the
     workspace: right with tails, clusters along M and N, a cut in every shared tile or in
     none, and three launches in a row give the same bits, so each left its counters at zero."""
-    m, n, k = shape
-    a, b, bt = _operands(m, n, k, "K")
-    g = compile_gemm(GemmProblem(m, n, k, "bf16"), sched)
-    _right_three_times(g, a, b, bt, (m, n))
-    flags = [f for _, f in g._workspaces.values()]
-    assert flags and all(int(f.abs().sum()) == 0 for f in flags)
+    _right_with_counters_at_zero(shape, sched)
 
 
 def test_stream_k_with_more_ctas_than_sms_finishes():
