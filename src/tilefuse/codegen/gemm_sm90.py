@@ -1108,12 +1108,13 @@ def stream_k_units(tiles: int, k_iters: int, workers: int, worker: int) -> list[
     all but the first. Run in the share's own order (tail first), each CTA is at its own K
     step, and every CTA streams its A and B rows from DRAM: 4096^3 took 1.3x as long (H100,
     session 12). This is the kernel's `tf_units`, mirrored for the tests."""
-    shared = stream_k_tiles(tiles, workers) * k_iters
+    sk_tiles = stream_k_tiles(tiles, workers)
+    shared = sk_tiles * k_iters
     lo, hi = worker * shared // workers, (worker + 1) * shared // workers
     whole = [(t, 0, k_iters) for t in range(-(-lo // k_iters), hi // k_iters)]
     head = [(hi // k_iters, 0, hi % k_iters)] if hi % k_iters else []
     tail = [(lo // k_iters, lo % k_iters, k_iters)] if lo % k_iters else []
-    return whole + head + tail + [(t, 0, k_iters) for t in range(stream_k_tiles(tiles, workers) + worker, tiles, workers)]
+    return whole + head + tail + [(t, 0, k_iters) for t in range(sk_tiles + worker, tiles, workers)]
 
 
 def _slot_float4s(sched: GemmSchedule, mb_count: int) -> int:

@@ -108,8 +108,8 @@ def _silu(b, args, kwargs, out):
 def _gelu(b, args, kwargs, out):
     x = b.cast(args[0], _acc(b, args[0]))  # one rounding at the end, as PyTorch's fused op
     approx = kwargs.get("approximate", args[1] if len(args) > 1 else "none")
-    half = b.scalar(0.5, x)
     if approx == "tanh":
+        half = b.scalar(0.5, x)
         inner = b.map("mul", b.scalar(math.sqrt(2 / math.pi), x),
                       b.map("add", x, b.map("mul", b.scalar(0.044715, x), b.map("mul", x, b.map("mul", x, x)))))
         y = b.map("mul", b.map("mul", half, x), b.map("add", b.scalar(1.0, x), b.map("tanh", inner)))
