@@ -297,8 +297,9 @@ def test_a_residual_is_read_as_one_4_byte_load_per_register_pair(tma_store):
     an odd-width product keep their element loads."""
     ep = epi.standard(256, 512, "bf16", bias="col", residual=True)
     src = g.render(g.GemmProblem(256, 512, 64, epilogue=ep), g.GemmSchedule(128, 128, tma_store=tma_store))
-    body = src.source[src.source.index("tf_wgmma_wait<0>();"):]
-    loads = re.findall(r"const unsigned (pair_\w+) = \*\(const unsigned\*\)\(residual \+ \(m\) \* 512LL \+ n\);", body)
+    body = src.source[src.source.index('extern "C"'):]  # (TMA stores load pairs ahead, from the main loop)
+    loads = re.findall(r"(?:const unsigned )?((?:pair|pre)_\w+) = \*\(const unsigned\*\)\(residual \+ \(m\) \* 512LL \+ n\);",
+                       body)
     assert loads and len(loads) == body.count("residual[") + body.count("residual +")
     name = loads[0]
     assert f"tf_bf16_to_f32((unsigned short)({name} & 0xFFFFu))" in body
@@ -438,3 +439,52 @@ def test_rope_epilogue_rotates_adjacent_pairs_and_compiles():
     e.store("out", a, "f32")  # the same output at column n: neither width fits both
     with pytest.raises(g.GemmError):
         g.render(g.GemmProblem(8, 16, 64, epilogue=e.kernel()))
+
+
+
+@pytest.mark.parametrize("size", [1024, 1000], ids=["full-tiles", "tail-tiles"])
+@pytest.mark.parametrize("sched", [g.GemmSchedule(128, 256), g.GemmSchedule(128, 128, stages=6, pingpong=True),
+                                   g.GemmSchedule(64, 128, stages=8, consumers=1),
+                                   g.GemmSchedule(128, 256, cluster_m=2), g.GemmSchedule(128, 256, split_k=2)],
+                         ids=str)
+def test_residual_pairs_are_loaded_ahead_of_their_store_slot(sched, size):
+    """Each register pair's residual word is loaded once, into its own register, before the
+    store slot that uses it: the first PRELOAD_SLOTS slots' words from inside the main loop's
+    last K step (under its MMAs), each later slot's that many slots ahead. Tail tiles (guarded
+    loads) and split-K keep the loads in their own slot."""
+    m = n = size
+    ep = epi.standard(m, n, "bf16", bias="col", residual=True)
+    src = g.render(g.GemmProblem(m, n, 512, epilogue=ep), sched).source
+    kernel = src[src.index('extern "C"'):]
+    if sched.split_k > 1 or size == 1000:
+        assert "pre_" not in kernel and "const unsigned pair_" in kernel
+        return
+    loop_end = kernel.index("tf_wgmma_wait<0>();")
+    assigned = re.findall(r"(pre_\w+?)_(\d+) = \*\(const unsigned\*\)"
+                          rf"\(residual \+ \(m\) \* {size}LL \+ n\)", kernel)
+    blocks = sched.rows_per_wg // 64
+    words = sched.bn // 4  # register pairs per thread in a 64-row block
+    assert sorted(int(i) for _, i in assigned) == sorted(list(range(words)) * blocks)
+    frag = g.mma.sm90_64xN_c(sched.bn)
+    slot_of = {v // 2: frag(0, v)[1] // g.STORE_SPAN for v in range(0, frag.values, 2)}
+    # the early block holds exactly the first slots' words of the first 64-row block
+    early = re.search(r"if \(kt == K_ITERS - 1\) \{(.*?)\n        \}\n", kernel, re.S)
+    assert early and early.end() < loop_end
+    got = {int(i) for i in re.findall(r"pre_\w+?_(\d+) =", early.group(1))}
+    assert got == {w for w, j in slot_of.items() if j < g.PRELOAD_SLOTS}
+    # every word is loaded before the slot that uses it opens, and that many slots ahead
+    ahead = g.PRELOAD_SLOTS
+    epilogue = kernel[loop_end:]
+    opens = [x.start() for x in re.finditer(r"const unsigned slot = ", epilogue)]
+    for block in range(blocks):
+        for w, j in slot_of.items():
+            uses = [x.start() for x in re.finditer(rf"\(pre_\w+?_{w} ", epilogue)]
+            loads = [x.start() for x in re.finditer(rf"pre_\w+?_{w} = ", epilogue)]
+            slot = block * len(set(slot_of.values())) + j
+            use = [u for u in uses if opens[slot] < u < (opens[slot + 1] if slot + 1 < len(opens) else len(epilogue))]
+            assert use, f"word {w} unused in its slot {slot}"
+            if block == 0 and j < ahead:
+                continue  # loaded in the main loop
+            before = [x for x in loads if x < use[0]]
+            assert before, f"word {w} of slot {slot} used before it is loaded"
+            assert (opens[slot - ahead] if slot >= ahead else 0) <= before[-1] < opens[slot]

@@ -676,6 +676,7 @@ def _render_partial(kernel, red: ir.Reduce, mb: int, regs: list, frag, lines: li
 # are clipped by TMA, and the store runs while the warpgroup goes on to its next tile.
 STORE_SPAN = 64          # output columns per slot: one 128-byte swizzle span of 16-bit values
 STORE_SLOTS = 2          # slots per consumer warpgroup
+PRELOAD_SLOTS = 2        # slots ahead whose residual pairs are loaded (_preload_pairs; 0: in their own slot)
 
 
 def _store_layout():
@@ -721,7 +722,8 @@ def _store_staging_bytes(sched: GemmSchedule) -> int:
     return sched.consumers * STORE_SLOTS * hopper.smem_bytes(_store_layout(), 16)
 
 
-def _epilogue_code_tma(problem: GemmProblem, sched: GemmSchedule, kernel: ir.Kernel, dtype: str) -> list[str]:
+def _epilogue_code_tma(problem: GemmProblem, sched: GemmSchedule, kernel: ir.Kernel, dtype: str,
+                       early: dict | None = None) -> list[str]:
     """The TMA-store epilogue of one consumer warpgroup (see STORE_SPAN above).
 
     Per slot: thread 0 waits until the TMA store that last read the slot is done reading;
@@ -730,6 +732,11 @@ def _epilogue_code_tma(problem: GemmProblem, sched: GemmSchedule, kernel: ir.Ker
     layout); a proxy fence and a barrier; thread 0 issues the TMA store of the slot.
     Expects in scope: tid, c (warpgroup), row_base, col_base, batch, stage_out (slot
     base address of this warpgroup), ep_slot (running slot index).
+
+    With `early` (a dict), the pair loads of the first PRELOAD_SLOTS slots are not in the
+    returned lines: early["decl"] declares their registers (before the main loop) and
+    early["loads"] issues them (from inside its last K step, under the MMAs; they need
+    row_base, col_base, frag_row and frag_col there).
     """
     body = epi.inner_body(kernel)
     frag = mma.sm90_64xN_c(sched.bn)
@@ -746,7 +753,26 @@ def _epilogue_code_tma(problem: GemmProblem, sched: GemmSchedule, kernel: ir.Ker
     if epi.is_pairwise(kernel) and not full:
         return lines + _pairwise_tma_slots(problem, sched, kernel, dtype, frag, guarded, bar)
     pairs = _pair_loads(kernel, body, tma_store=True)
+    # Only whole tiles: a split-K or stream-K fixup leaves no registers for words held across
+    # slots (ptxas spills), and guarded tail-tile loads held ahead cost more than they hid
+    # (ncu, 8192x11008x4096: +1.4%; bench/LOG_gemm.md, session 13).
+    preload = bool(pairs) and PRELOAD_SLOTS > 0 and sched.split_k == 1 and not sched.stream_k and not guarded
     for mb in range(mb_count):
+        slot_vs = [[v for v in range(0, frag.values, 2) if j * STORE_SPAN <= frag(0, v)[1] < (j + 1) * STORE_SPAN]
+                   for j in range(sched.bn // STORE_SPAN)]
+        if preload:
+            lines.append("{")
+            decl = "unsigned " + ", ".join(f"pre_{_ident(x.dst)}_{v // 2}" for x in pairs
+                                           for v in range(0, frag.values, 2)) + ";"
+            ahead = lines
+            if mb == 0 and early is not None:  # the first slots' words from the main loop's last K step
+                early["decl"].append(decl)
+                ahead = early["loads"]
+                ahead += lines[:2]  # frag_row, frag_col
+            else:
+                lines.append(decl)
+            for vs in slot_vs[:PRELOAD_SLOTS]:
+                _preload_pairs(kernel, pairs, frag, mb, vs, ahead)
         for j in range(sched.bn // STORE_SPAN):
             _slot_open(lines, slot_bytes, bar)
             for v in range(0, frag.values, 2):
@@ -765,7 +791,8 @@ def _epilogue_code_tma(problem: GemmProblem, sched: GemmSchedule, kernel: ir.Ker
                                              n_expr="n2")
                 else:
                     vals = []
-                    halves = _issue_pair_loads(kernel, pairs, lines, "    ")
+                    halves = (_preloaded(pairs, v) if preload else
+                              _issue_pair_loads(kernel, pairs, lines, "    "))
                     for e in (0, 1):
                         vals.append(_render_element(kernel, body, f"acc[{mb}][{v + e}]", f"n + {e}", lines,
                                                     f"_{e}", store=False, loaded=halves[e]))
@@ -777,7 +804,11 @@ def _epilogue_code_tma(problem: GemmProblem, sched: GemmSchedule, kernel: ir.Ker
                 off = cgen.c_index(lay, (f"frag_row + {r}", f"frag_col + {cc - j * STORE_SPAN}"), shifts=True)
                 lines.append(f"    tf_sts32(slot + 2 * ({off}), packed);")
                 lines.append("  }")
+            if preload and j + PRELOAD_SLOTS < len(slot_vs):
+                _preload_pairs(kernel, pairs, frag, mb, slot_vs[j + PRELOAD_SLOTS], lines)
             _slot_close(lines, bar, f"col_base + {j * STORE_SPAN}", f"row_base + {mb * 64}")
+        if preload:
+            lines.append("}")
     return lines
 
 
@@ -792,6 +823,28 @@ def _pair_loads(kernel: ir.Kernel, body, tma_store: bool) -> list:
     return [x for x in body if isinstance(x, ir.Load) and x.buf != epi.ACC and x.index
             and x.index[-1] == ir.Var("n") and ir.Var("m") in _index_leaves(x.index)
             and kernel.buffer(x.buf).dtype in ("bf16", "f16") and kernel.buffer(x.buf).shape[-1] % 2 == 0]
+
+
+def _preload_pairs(kernel: ir.Kernel, loads, frag, mb: int, vs: list[int], lines: list):
+    """Issue the pair loads of register pairs `vs` (of 64-row block mb, whole tiles: no guard)
+    into registers named by pair, ahead of the slot that uses them (PRELOAD_SLOTS). Loaded in
+    their own slot, each slot's loads wait a whole memory round trip between two barriers;
+    ahead, they wait under the slots before (and the first under the last K step's MMAs).
+    Under ncu: 1-4% off residual GEMMs at 8192 x {4096, 2048} x K (bench/LOG_gemm.md, s13)."""
+    for v in vs:
+        r, cc = frag(0, v)
+        lines.append(f"{{ const int m = row_base + {mb * 64} + frag_row + {r}, n = col_base + frag_col + {cc};")
+        for x in loads:
+            buf = kernel.buffer(x.buf)
+            off = cexpr.flat_offset(buf, x.index, {"m": "m", "n": "n", "b": "batch"})
+            lines.append(f"  pre_{_ident(x.dst)}_{v // 2} = *(const unsigned*)({_ident(buf.name)} + {off});")
+        lines.append("}")
+
+
+def _preloaded(loads, v: int) -> list[dict]:
+    """The two elements' `loaded` maps of register pair (v, v + 1), from _preload_pairs."""
+    return [{x.dst: f"(unsigned short)(pre_{_ident(x.dst)}_{v // 2} {part})" for x in loads}
+            for part in ("& 0xFFFFu", ">> 16")]
 
 
 def _issue_pair_loads(kernel, loads, lines: list, indent: str) -> list[dict]:
@@ -1380,6 +1433,22 @@ def render(problem: GemmProblem, sched: GemmSchedule | None = None) -> GemmSourc
                        f"tn * BN + (rank * {per} + {j}) * 64, kt * BK, batch, full, 3);" for j in range(per)]
 
     b_load_lines = "\n".join("          " + x for x in b_loads)
+    early = {"decl": [], "loads": []} if store_dt and split == 1 and not S.stream_k else None
+    if store_dt:
+        lines = _epilogue_code_tma(problem, sched, kernel, store_dt, early)
+    elif epi.inner_body(kernel) or epi.partials_loop(kernel) is None:
+        lines = _epilogue_code(problem, sched, kernel)
+    else:  # partial row reductions only: the tile itself is not stored
+        lines = []
+    if pw is not None:  # (the element code, if any, has bound frag_row and frag_col)
+        lines += _partials_code(problem, sched, kernel, frag_coords=not lines)
+    decl_early, loads_early = "", ""
+    if early and early["loads"]:  # the first slots' epilogue operands, issued under the last K step's MMAs
+        decl_early = "\n".join("      " + x for x in early["decl"])
+        loads_early = "\n".join(
+            ["        if (kt == K_ITERS - 1) {",
+             f"          const int row_base = tm * BM{row_offset}, col_base = tn * BN;"]
+            + ["          " + x for x in early["loads"]] + ["        }"])
     pair_coord = "tn = tn * CLUSTER + rank;" if CLN > 1 else "tm = tm * CLUSTER + rank;"
     src = []
     w = src.append
@@ -1475,8 +1544,10 @@ extern "C" __global__ void __launch_bounds__({S.threads}, 1)
         #pragma unroll
         for (int j = 0; j < {S.bn // 2}; ++j) acc[i][j] = 0.f;
       int prev = -1;
+{decl_early}
 {turn_wait}
       for ({k_range}) {{
+{loads_early}
         tf_bar_wait(bars + 8 * stage, phase);
         const unsigned sa = base + stage * STAGE_BYTES{a_offset}, sb = base + stage * STAGE_BYTES + A_BYTES;
         tf_wgmma_fence();
@@ -1500,14 +1571,6 @@ extern "C" __global__ void __launch_bounds__({S.threads}, 1)
       {release}
 {_split_fixup(S, mb_count) if split > 1 else _stream_k_fixup(S, mb_count) if S.stream_k else ""}      const int row_base = tm * BM{row_offset};
       const int col_base = tn * BN;""")
-    if store_dt:
-        lines = _epilogue_code_tma(problem, sched, kernel, store_dt)
-    elif epi.inner_body(kernel) or epi.partials_loop(kernel) is None:
-        lines = _epilogue_code(problem, sched, kernel)
-    else:  # partial row reductions only: the tile itself is not stored
-        lines = []
-    if pw is not None:  # (the element code, if any, has bound frag_row and frag_col)
-        lines += _partials_code(problem, sched, kernel, frag_coords=not lines)
     for line in lines:
         w("      " + line)
     w("""    }""" + ("""
