@@ -747,7 +747,8 @@ def _epilogue_code_tma(problem: GemmProblem, sched: GemmSchedule, kernel: ir.Ker
     # loads of epilogue operands must stay inside their tensors on tail tiles
     guarded = not full_tiles and any(isinstance(x, ir.Load) and x.buf != epi.ACC for x in body)
     row0, col0 = cgen.c_tv_coords(frag, "tid", 0)
-    lines = [f"const int frag_row = {row0};", f"const int frag_col = {col0};"]
+    coords = [f"const int frag_row = {row0};", f"const int frag_col = {col0};"]
+    lines = list(coords)
     bar = "tf_named_bar(1 + c, 128);"
     full = _full_pair_store(kernel, body)
     if epi.is_pairwise(kernel) and not full:
@@ -757,9 +758,10 @@ def _epilogue_code_tma(problem: GemmProblem, sched: GemmSchedule, kernel: ir.Ker
     # slots (ptxas spills), and guarded tail-tile loads held ahead cost more than they hid
     # (ncu, 8192x11008x4096: +1.4%; bench/LOG_gemm.md, session 13).
     preload = bool(pairs) and PRELOAD_SLOTS > 0 and sched.split_k == 1 and not sched.stream_k and not guarded
+    # each slot's register pairs (v, v + 1), in fragment order
+    slot_vs = [[v for v in range(0, frag.values, 2) if j * STORE_SPAN <= frag(0, v)[1] < (j + 1) * STORE_SPAN]
+               for j in range(sched.bn // STORE_SPAN)]
     for mb in range(mb_count):
-        slot_vs = [[v for v in range(0, frag.values, 2) if j * STORE_SPAN <= frag(0, v)[1] < (j + 1) * STORE_SPAN]
-                   for j in range(sched.bn // STORE_SPAN)]
         if preload:
             lines.append("{")
             decl = "unsigned " + ", ".join(f"pre_{_ident(x.dst)}_{v // 2}" for x in pairs
@@ -768,17 +770,15 @@ def _epilogue_code_tma(problem: GemmProblem, sched: GemmSchedule, kernel: ir.Ker
             if mb == 0 and early is not None:  # the first slots' words from the main loop's last K step
                 early["decl"].append(decl)
                 ahead = early["loads"]
-                ahead += lines[:2]  # frag_row, frag_col
+                ahead += coords
             else:
                 lines.append(decl)
             for vs in slot_vs[:PRELOAD_SLOTS]:
                 _preload_pairs(kernel, pairs, frag, mb, vs, ahead)
-        for j in range(sched.bn // STORE_SPAN):
+        for j, vs in enumerate(slot_vs):
             _slot_open(lines, slot_bytes, bar)
-            for v in range(0, frag.values, 2):
+            for v in vs:
                 r, cc = frag(0, v)  # offsets relative to thread 0's element
-                if not j * STORE_SPAN <= cc < (j + 1) * STORE_SPAN:
-                    continue
                 lines.append("  {")
                 lines.append(f"    const int m = row_base + {mb * 64} + frag_row + {r};")
                 lines.append(f"    const int n = col_base + frag_col + {cc};")
@@ -1433,7 +1433,7 @@ def render(problem: GemmProblem, sched: GemmSchedule | None = None) -> GemmSourc
                        f"tn * BN + (rank * {per} + {j}) * 64, kt * BK, batch, full, 3);" for j in range(per)]
 
     b_load_lines = "\n".join("          " + x for x in b_loads)
-    early = {"decl": [], "loads": []} if store_dt and split == 1 and not S.stream_k else None
+    early = {"decl": [], "loads": []}  # (filled where the epilogue takes loads ahead: _epilogue_code_tma)
     if store_dt:
         lines = _epilogue_code_tma(problem, sched, kernel, store_dt, early)
     elif epi.inner_body(kernel) or epi.partials_loop(kernel) is None:
@@ -1443,7 +1443,7 @@ def render(problem: GemmProblem, sched: GemmSchedule | None = None) -> GemmSourc
     if pw is not None:  # (the element code, if any, has bound frag_row and frag_col)
         lines += _partials_code(problem, sched, kernel, frag_coords=not lines)
     decl_early, loads_early = "", ""
-    if early and early["loads"]:  # the first slots' epilogue operands, issued under the last K step's MMAs
+    if early["loads"]:  # the first slots' epilogue operands, issued under the last K step's MMAs
         decl_early = "\n".join("      " + x for x in early["decl"])
         loads_early = "\n".join(
             ["        if (kt == K_ITERS - 1) {",
