@@ -33,10 +33,11 @@ def kernels(path: str) -> list[dict]:
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("csv")
-    ap.add_argument("--labels", default="", help="comma-separated, one per kernel")
+    ap.add_argument("--labels", default="", help="one per kernel, separated by --sep")
+    ap.add_argument("--sep", default=",", help="the labels' separator (default ','; ' ' where labels hold commas)")
     ap.add_argument("--tag", default="")
     args = ap.parse_args()
-    labels = args.labels.split(",") if args.labels else []
+    labels = args.labels.split(args.sep) if args.labels else []
     for i, k in enumerate(kernels(args.csv)):
         label = labels[i] if i < len(labels) else f"kernel {i}"
         cells = "  ".join(f"{METRICS[m][0]} {k[m]:,.1f}" for m in METRICS if m in k)

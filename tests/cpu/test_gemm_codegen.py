@@ -2,6 +2,7 @@
 interpreter, index maps covering the tile, layouts taken from tilefuse.layout, knob
 instantiations compiling cleanly, and clear errors for problems it cannot take."""
 import re
+from dataclasses import replace
 
 import ml_dtypes
 import numpy as np
@@ -124,7 +125,10 @@ KNOBS = [g.GemmSchedule(128, 256, stages=4), g.GemmSchedule(128, 128, stages=6),
          g.GemmSchedule(64, 128, stages=9, consumers=1),
          g.GemmSchedule(64, 64, stages=12, consumers=1, cluster_n=2, tma_store=False),  # A multicast
          g.GemmSchedule(128, 128, stages=6, cluster_n=2),
-         g.GemmSchedule(64, 128, stages=8, consumers=1, cluster_n=2)]  # N-major: spilled at 40 producer regs
+         g.GemmSchedule(64, 128, stages=8, consumers=1, cluster_n=2),  # N-major: spilled at 40 producer regs
+         g.GemmSchedule(128, 256, stages=3, cluster_m=2, tma_loads=True),  # the residual by TMA
+         g.GemmSchedule(256, 128, stages=3, tma_loads=True), g.GemmSchedule(128, 128, stages=5, pingpong=True,
+                                                                             tma_loads=True)]
 
 
 @pytest.mark.parametrize("sched", KNOBS, ids=str)
@@ -442,44 +446,75 @@ def test_rope_epilogue_rotates_adjacent_pairs_and_compiles():
 
 
 
+def _residual_kernel(sched, size, k=512):
+    ep = epi.standard(size, size, "bf16", bias="col", residual=True)
+    src = g.render(g.GemmProblem(size, size, k, epilogue=ep), sched).source
+    return src[src.index('extern "C"'):]
+
+
+RESIDUAL_SCHEDULES = [g.GemmSchedule(128, 256), g.GemmSchedule(128, 128, stages=6, pingpong=True),
+                      g.GemmSchedule(64, 128, stages=8, consumers=1), g.GemmSchedule(128, 256, cluster_m=2),
+                      g.GemmSchedule(256, 128, stages=3), g.GemmSchedule(128, 256, split_k=2)]
+
+
+@pytest.mark.parametrize("k", [512, 128], ids=["8-steps", "2-steps"])
 @pytest.mark.parametrize("size", [1024, 1000], ids=["full-tiles", "tail-tiles"])
-@pytest.mark.parametrize("sched", [g.GemmSchedule(128, 256), g.GemmSchedule(128, 128, stages=6, pingpong=True),
-                                   g.GemmSchedule(64, 128, stages=8, consumers=1),
-                                   g.GemmSchedule(128, 256, cluster_m=2), g.GemmSchedule(128, 256, split_k=2)],
-                         ids=str)
-def test_residual_pairs_are_loaded_ahead_of_their_store_slot(sched, size):
-    """Each register pair's residual word is loaded once, into its own register, before the
-    store slot that uses it: the first PRELOAD_SLOTS slots' words from inside the main loop's
-    last K step (under its MMAs), each later slot's that many slots ahead. Tail tiles (guarded
-    loads) and split-K keep the loads in their own slot."""
-    m = n = size
-    ep = epi.standard(m, n, "bf16", bias="col", residual=True)
-    src = g.render(g.GemmProblem(m, n, 512, epilogue=ep), sched).source
-    kernel = src[src.index('extern "C"'):]
+@pytest.mark.parametrize("sched", RESIDUAL_SCHEDULES, ids=str)
+def test_residual_pairs_are_loaded_in_the_main_loop(sched, size, k):
+    """Where a thread's residual words fit MAINLOOP_PAIR_REGS registers, each register pair's
+    word is loaded exactly once, into its own register, inside the main loop: spread evenly
+    over its last PRELOAD_STEPS K steps (all of them where K has fewer), none in the epilogue.
+    Tail tiles (guarded loads) and split-K keep the loads in their own slot."""
+    kernel = _residual_kernel(sched, size, k)
     if sched.split_k > 1 or size == 1000:
         assert "pre_" not in kernel and "const unsigned pair_" in kernel
         return
     loop_end = kernel.index("tf_wgmma_wait<0>();")
-    assigned = re.findall(r"(pre_\w+?)_(\d+) = \*\(const unsigned\*\)"
+    load = rf"pre_\w+?_(\d+)_(\d+) = \*\(const unsigned\*\)\(residual \+ \(m\) \* {size}LL \+ n\)"
+    blocks, words = sched.rows_per_wg // 64, sched.bn // 4  # register pairs per thread in a 64-row block
+    assert blocks * words <= g.MAINLOOP_PAIR_REGS
+    got = sorted((int(b), int(w)) for b, w in re.findall(load, kernel[:loop_end]))
+    assert got == [(b, w) for b in range(blocks) for w in range(words)]
+    assert not re.findall(load, kernel[loop_end:]), "a residual word loaded in the epilogue"
+    steps = min(g.PRELOAD_STEPS, k // 64)
+    per_step = [len(re.findall(load, body)) for body in
+                re.findall(r"if \(kt == K_ITERS - (?:\d+)\) \{(.*?)\n        \}\n", kernel, re.S)]
+    assert sorted(int(x) for x in re.findall(r"if \(kt == K_ITERS - (\d+)\)", kernel)) == list(range(1, steps + 1))
+    assert sum(per_step) == blocks * words and max(per_step) - min(per_step) <= 1
+    for b in range(blocks):  # each word is used once, after the main loop
+        for w in range(words):
+            assert len(re.findall(rf"\(pre_\w+?_{b}_{w} ", kernel[loop_end:])) == 2  # its two halves
+
+
+@pytest.mark.parametrize("sched", RESIDUAL_SCHEDULES[:5], ids=str)
+def test_residual_pairs_beyond_the_main_loop_budget_are_loaded_ahead_of_their_slot(sched, monkeypatch):
+    """Words that do not fit MAINLOOP_PAIR_REGS: the first PRELOAD_SLOTS slots' words come from
+    inside the main loop's last K step (under its MMAs), each later slot's that many slots
+    ahead, each loaded once before the slot that uses it."""
+    monkeypatch.setattr(g, "MAINLOOP_PAIR_REGS", 0)
+    size = 1024
+    kernel = _residual_kernel(sched, size)
+    loop_end = kernel.index("tf_wgmma_wait<0>();")
+    assigned = re.findall(r"pre_\w+?_(\d+)_(\d+) = \*\(const unsigned\*\)"
                           rf"\(residual \+ \(m\) \* {size}LL \+ n\)", kernel)
     blocks = sched.rows_per_wg // 64
-    words = sched.bn // 4  # register pairs per thread in a 64-row block
-    assert sorted(int(i) for _, i in assigned) == sorted(list(range(words)) * blocks)
+    words = sched.bn // 4
+    assert sorted((int(b), int(i)) for b, i in assigned) == [(b, w) for b in range(blocks) for w in range(words)]
     frag = g.mma.sm90_64xN_c(sched.bn)
     slot_of = {v // 2: frag(0, v)[1] // g.STORE_SPAN for v in range(0, frag.values, 2)}
     # the early block holds exactly the first slots' words of the first 64-row block
     early = re.search(r"if \(kt == K_ITERS - 1\) \{(.*?)\n        \}\n", kernel, re.S)
     assert early and early.end() < loop_end
-    got = {int(i) for i in re.findall(r"pre_\w+?_(\d+) =", early.group(1))}
-    assert got == {w for w, j in slot_of.items() if j < g.PRELOAD_SLOTS}
+    got = {(int(b), int(i)) for b, i in re.findall(r"pre_\w+?_(\d+)_(\d+) =", early.group(1))}
+    assert got == {(0, w) for w, j in slot_of.items() if j < g.PRELOAD_SLOTS}
     # every word is loaded before the slot that uses it opens, and that many slots ahead
     ahead = g.PRELOAD_SLOTS
     epilogue = kernel[loop_end:]
     opens = [x.start() for x in re.finditer(r"const unsigned slot = ", epilogue)]
     for block in range(blocks):
         for w, j in slot_of.items():
-            uses = [x.start() for x in re.finditer(rf"\(pre_\w+?_{w} ", epilogue)]
-            loads = [x.start() for x in re.finditer(rf"pre_\w+?_{w} = ", epilogue)]
+            uses = [x.start() for x in re.finditer(rf"\(pre_\w+?_{block}_{w} ", epilogue)]
+            loads = [x.start() for x in re.finditer(rf"pre_\w+?_{block}_{w} = ", epilogue)]
             slot = block * len(set(slot_of.values())) + j
             use = [u for u in uses if opens[slot] < u < (opens[slot + 1] if slot + 1 < len(opens) else len(epilogue))]
             assert use, f"word {w} unused in its slot {slot}"
@@ -488,3 +523,93 @@ def test_residual_pairs_are_loaded_ahead_of_their_store_slot(sched, size):
             before = [x for x in loads if x < use[0]]
             assert before, f"word {w} of slot {slot} used before it is loaded"
             assert (opens[slot - ahead] if slot >= ahead else 0) <= before[-1] < opens[slot]
+
+
+TMA_RESIDUAL = [g.GemmSchedule(128, 256, stages=3, tma_loads=True),
+                g.GemmSchedule(128, 256, stages=3, cluster_m=2, tma_loads=True),
+                g.GemmSchedule(128, 128, stages=6, tma_loads=True),
+                g.GemmSchedule(128, 128, stages=4, pingpong=True, tma_loads=True),
+                g.GemmSchedule(256, 128, stages=3, tma_loads=True)]
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("size", [1024, 1000], ids=["full-tiles", "tail-tiles"])
+@pytest.mark.parametrize("sched", TMA_RESIDUAL, ids=str)
+def test_residual_by_tma_lands_in_the_slot_that_stores_its_box(sched, size, batch):
+    """With tma_loads, thread 0 of each consumer warpgroup loads every 64 x 64 box of its rows of
+    the residual tile, each once, into its own store slot, from the main loop (after the last
+    tile's stores have read the slots); the epilogue waits for them once, then every thread
+    reads each residual word exactly where it writes that pair's result. Nothing reads the
+    residual from global memory, and the slots are counted in the shared memory."""
+    lead = (batch,) if batch > 1 else ()
+    ep = epi.standard(size, size, "bf16", batch=batch, bias="col", residual=True)
+    src = g.render(g.GemmProblem(size, size, 512, batch=batch, epilogue=ep), sched)
+    body = src.source[src.source.index('extern "C"'):]
+    assert src.tma_loads == ("residual",) and src.schedule.tma_loads and src.name.split("_")[-2].endswith("r")
+    assert "tf_tmap c_map, const __grid_constant__ tf_tmap r_map" in body
+    assert "residual +" not in body and "residual[" not in body and "pre_" not in body
+    loop_end = body.index("tf_wgmma_wait<0>();")
+    nj, blocks = sched.bn // 64, sched.rows_per_wg // 64
+    issued = re.findall(r"tf_tma_load\w*\(stage_out \+ (\d+), &r_map, col_base \+ (\d+), row_base \+ (\d+), batch, "
+                        r"res_bar\);", body[:loop_end])
+    assert sorted((int(o), int(c), int(r)) for o, c, r in issued) == \
+        [(8192 * (mb * nj + j), 64 * j, 64 * mb) for mb in range(blocks) for j in range(nj)]
+    assert f"tf_bar_expect(res_bar, {8192 * blocks * nj});" in body[:loop_end]
+    assert body.index("tf_bulk_wait_read<0>();") < body.index("tf_bar_expect(res_bar")
+    epilogue = body[loop_end:]
+    assert epilogue.index("tf_bar_wait(res_bar, res_phase);") < epilogue.index("tf_lds32(")
+    slots = re.split(r"const unsigned slot = stage_out \+ \d+;", epilogue)[1:]
+    assert len(slots) == blocks * nj
+    for text in slots:
+        reads = re.findall(r"tf_lds32\(slot \+ 2 \* (.*?)\);\n", text)
+        writes = re.findall(r"tf_sts32\(slot \+ 2 \* (.*?), packed\);", text)
+        assert len(reads) == len(writes) == sched.bn // 4 // nj and sorted(reads) == sorted(writes)
+    bars = g.RESIDUAL_BARS * sched.consumers
+    assert src.smem_bytes == sched.smem_bytes() + sched.consumers * blocks * nj * 8192 + bars <= g.SMEM_LIMIT
+    assert src.c_box == (64, 64) and lead + (size, size) == ep.buffer("residual").shape
+
+
+def test_residual_by_tma_compiles_clean_for_sm90a():
+    ep = epi.standard(1000, 1024, "bf16", bias="col", activation="gelu", residual=True)
+    src = g.render(g.GemmProblem(1000, 1024, 520, epilogue=ep), g.GemmSchedule(128, 256, stages=3, tma_loads=True))
+    assert src.tma_loads == ("residual",)
+    assert nvrtc.compile_cuda(src.source, src.name, "sm_90a").info.clean
+
+
+def _two_residuals(m, n):
+    e = epi.EpilogueBuilder(m, n)
+    x = e.op("add", e.acc(), e.load("r1", "tile", "bf16"))
+    e.store("out", e.op("add", x, e.load("r2", "tile", "bf16")), "bf16")
+    return e.kernel()
+
+
+@pytest.mark.parametrize("why, sched, ep", [
+    ("no room beside 4 stages", g.GemmSchedule(128, 256, stages=4, tma_loads=True), "residual"),
+    ("split-K", g.GemmSchedule(128, 256, stages=3, split_k=2, tma_loads=True), "residual"),
+    ("stores from registers", g.GemmSchedule(128, 256, stages=3, tma_store=False, tma_loads=True), "residual"),
+    ("no residual", g.GemmSchedule(128, 256, stages=3, tma_loads=True), "plain"),
+    ("two tile operands", g.GemmSchedule(128, 256, stages=3, tma_loads=True), "two"),
+], ids=lambda x: x if isinstance(x, str) else "")
+def test_tma_loads_where_nothing_applies_is_the_kernel_without(why, sched, ep):
+    """A schedule asking for the residual by TMA where it cannot apply renders exactly the kernel
+    without the knob (name and source), so the tuner sees one kernel, not two."""
+    m = n = 1024
+    kernel = {"residual": lambda: epi.standard(m, n, "bf16", residual=True),
+              "plain": lambda: epi.standard(m, n, "bf16"), "two": lambda: _two_residuals(m, n)}[ep]()
+    p = g.GemmProblem(m, n, 512, epilogue=kernel)
+    with_knob = g.render(p, sched)
+    without = g.render(p, replace(sched, tma_loads=False))
+    assert with_knob.source == without.source and with_knob.name == without.name, why
+    assert with_knob.tma_loads == () and not with_knob.schedule.tma_loads
+
+
+def test_default_schedule_takes_the_residual_by_tma_where_k_is_short():
+    """The default loads the residual by TMA (3 stages) at the 4-layer Llama's O projection
+    (K = 2048: 32 steps), not at K = 4096, and never without a residual."""
+    def sched(m, n, k, residual=True):
+        ep = epi.standard(m, n, "bf16", residual=True) if residual else None
+        return g.default_schedule(g.GemmProblem(m, n, k, epilogue=ep))
+    short = sched(8192, 2048, 2048)
+    assert short.tma_loads and short.stages == 3 and short.bn == 256
+    assert not sched(8192, 4096, 4096).tma_loads and sched(8192, 4096, 4096).stages == 4
+    assert not sched(8192, 2048, 2048, residual=False).tma_loads

@@ -4,6 +4,8 @@ Fresh random normal inputs per case; outputs poisoned with NaN first, so an unwr
 element fails. Odd shapes (tails in M, N and K), both B layouts, batches, every schedule
 shape the heuristics pick, and each epilogue kind.
 """
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -394,3 +396,66 @@ def test_rope_epilogue_rotates_adjacent_pairs(shape, sched):
         return torch.stack([y0 * cos - y1 * sin, y0 * sin + y1 * cos], -1).reshape(m, n)
 
     _passes(out, rotate(x.float() @ w.float().T), rotate((x @ w.T).float()).bfloat16())
+
+
+TMA_RESIDUAL_CASES = [((257, 384, 192, 1), GemmSchedule(128, 256, stages=3, tma_loads=True)),
+                      ((300, 200, 136, 3), GemmSchedule(128, 128, stages=6, tma_loads=True)),
+                      ((333, 448, 256, 1), GemmSchedule(128, 128, stages=4, pingpong=True, tma_loads=True)),
+                      ((4095, 4160, 1000, 1), GemmSchedule(128, 256, stages=3, cluster_m=2, tma_loads=True)),
+                      ((520, 640, 64, 1), GemmSchedule(256, 128, stages=3, tma_loads=True))]
+
+
+@pytest.mark.parametrize("shape, sched", TMA_RESIDUAL_CASES, ids=lambda x: str(x) if isinstance(x, tuple) else "")
+def test_residual_by_tma_gives_the_bits_of_register_loads(shape, sched):
+    """The residual loaded by TMA into the store slots (tails in M and N, batches, ping-pong,
+    two 64-row blocks per warpgroup, a 1-step K, a cluster, several tiles per CTA so the slots
+    are refilled): within the 2x rule of float32, and bit for bit what the kernel reading it
+    into registers gives (the same sums in the same order), two launches on poisoned outputs."""
+    m, n, k, batch = shape
+    lead = (batch,) if batch > 1 else ()
+    a, b, bt = _operands(m, n, k, "K", batch)
+    res = torch.randn(*lead, m, n, device="cuda", dtype=torch.bfloat16)
+    bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    p = GemmProblem(m, n, k, "bf16", batch=batch,
+                    epilogue=epi.standard(m, n, "bf16", batch=batch, bias="col", activation="gelu", residual=True))
+    by_tma = compile_gemm(p, sched)
+    assert by_tma.source.tma_loads == ("residual",)
+    in_regs = compile_gemm(p, replace(sched, tma_loads=False))
+    want = in_regs(a, b, residual=res, bias=bias)
+    for fill in (float("nan"), 0.0):
+        out = torch.full(lead + (m, n), fill, device="cuda", dtype=torch.bfloat16)
+        by_tma(a, b, out=out, residual=res, bias=bias)
+        torch.cuda.synchronize()
+        assert torch.equal(out, want), "the residual by TMA gave other bits than read into registers"
+    f = torch.nn.functional.gelu
+    _passes(out, f(a.float() @ bt.float() + bias.float()) + res.float(), f(a @ bt + bias) + res)
+
+
+def test_residual_by_tma_needs_16_byte_alignment():
+    """TMA reads the residual: a view starting 4 bytes past a 16-byte boundary is refused with
+    the reason, and the same values in aligned memory give the right sum."""
+    m, n, k = 256, 256, 128
+    g = compile_gemm(GemmProblem(m, n, k, "bf16", epilogue=epi.standard(m, n, "bf16", residual=True)),
+                     GemmSchedule(128, 256, stages=3, tma_loads=True))
+    assert g.source.tma_loads == ("residual",)
+    a, b, bt = _operands(m, n, k, "K")
+    spare = torch.randn(m * n + 2, device="cuda", dtype=torch.bfloat16)
+    res = spare[2:].view(m, n)
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        g(a, b, residual=res)
+    out = g(a, b, residual=res.clone())
+    torch.cuda.synchronize()
+    _passes(out, a.float() @ bt.float() + res.float(), a @ bt + res)
+
+
+def test_default_residual_schedule_at_the_llama_o_projection():
+    """8192x2048x2048 + residual: the default takes the residual by TMA there; right at full size."""
+    m, n, k = 8192, 2048, 2048
+    g = compile_gemm(GemmProblem(m, n, k, "bf16", epilogue=epi.standard(m, n, "bf16", residual=True)))
+    assert g.source.tma_loads == ("residual",)
+    a, b, bt = _operands(m, n, k, "K")
+    res = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+    out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+    g(a, b, out=out, residual=res)
+    torch.cuda.synchronize()
+    _passes(out, a.float() @ bt.float() + res.float(), a @ bt + res)

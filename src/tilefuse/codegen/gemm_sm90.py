@@ -98,6 +98,8 @@ class GemmSchedule:
     split_k: int = 1            # K cut in this many slices, each its own work unit; partial sums meet in a workspace
     stream_k: int = 0           # > 0: the grid is this many CTAs (one per SM), and the last waves' tiles are
                                 # shared out among them by K steps, so every CTA ends at the same time
+    tma_loads: bool = False     # the epilogue's residual tile loaded by TMA into the store slots during the
+                                # main loop, a slot per 64-column box (where it applies: tma_residual)
 
     def __post_init__(self):
         if self.consumers not in (1, 2):
@@ -166,6 +168,7 @@ class GemmSchedule:
         wgs = "2 ping-pong consumers" if self.pingpong else f"{self.consumers} consumer warpgroups"
         split = f", split-K {self.split_k}" if self.split_k > 1 else ""
         split += f", stream-K over {self.stream_k}" if self.stream_k else ""
+        split += ", residual by TMA" if self.tma_loads else ""
         return (f"GemmSchedule(tile {self.bm}x{self.bn}x{self.bk}, {self.stages} stages, "
                 f"{wgs}, group_m {self.group_m}{cluster}{store}{split})")
 
@@ -206,9 +209,25 @@ def default_schedule(problem: GemmProblem, sms: int = 132) -> GemmSchedule:
     for s in candidates:
         if waves(s) >= 0.9 or s is candidates[-1]:
             if s is big and m >= 4096 and problem.batch == 1:
-                return _with_stream_k(GemmSchedule(128, 256, stages=4, cluster_m=2), problem, sms)
+                return _with_tma_residual(_with_stream_k(GemmSchedule(128, 256, stages=4, cluster_m=2), problem, sms),
+                                          problem)
             return _with_stream_k(_with_split(s, problem, sms), problem, sms)
     return _with_split(candidates[-1], problem, sms)
+
+
+TMA_RESIDUAL_MAX_K_STEPS = 32   # the residual by TMA (3 stages) where K takes at most this many steps
+
+
+def _with_tma_residual(s: GemmSchedule, problem: GemmProblem) -> GemmSchedule:
+    """The residual loaded by TMA into the store slots (tma_residual), which takes the 128x256
+    tile's ring from 4 stages to 3, where K is short. ncu, one launch each (bench/LOG_gemm.md,
+    session 14): 8192x2048x2048 103.2 us against 107.2 loading it into registers (plain 95.3);
+    at K = 4096 and 5632 the ring's fourth stage is worth more (374.7 against 365.6 us at
+    8192x4096x4096, 253.7 against 247.7 at 8192x2048x5632)."""
+    if s.bn != 256 or -(-problem.k // s.bk) > TMA_RESIDUAL_MAX_K_STEPS:
+        return s
+    t = replace(s, tma_loads=True, stages=3)
+    return t if problem.epilogue is not None and tma_residual(problem, t, problem.epilogue) else s
 
 
 STREAM_K_IDLE = 0.06  # stream-K where whole tiles would leave more than this share of the last wave's time idle
@@ -290,6 +309,7 @@ class GemmSource:
     flags: int = 0                    # split-K: int32 arrival counters, zero before a launch and left zero after
     pair_loads: tuple[str, ...] = ()  # operands read as 4-byte column pairs: they must start 4-byte aligned
     exact_grid: bool = False          # stream-K: run exactly grid_tiles clusters, whatever the SM count
+    tma_loads: tuple[str, ...] = ()   # epilogue operands also passed as tensor maps (after c_map), c_box boxes
 
 
 # ---------------------------------------------------------------- layouts
@@ -368,6 +388,13 @@ __device__ __forceinline__ void tf_tma_load(unsigned dst, const tf_tmap* map, in
   asm volatile("cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];"
                :: "r"(dst), "l"((tf_u64)map), "r"(c0), "r"(c1), "r"(c2), "r"(bar) : "memory");
 }
+__device__ __forceinline__ void tf_tma_load_evict_first(unsigned dst, const tf_tmap* map, int c0, int c1, int c2,
+                                                        unsigned bar) {
+  asm volatile("{\n\t.reg .b64 pol;\n\tcreatepolicy.fractional.L2::evict_first.b64 pol, 1.0;\n\t"
+               "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint"
+               " [%0], [%1, {%2, %3, %4}], [%5], pol;\n\t}"
+               :: "r"(dst), "l"((tf_u64)map), "r"(c0), "r"(c1), "r"(c2), "r"(bar) : "memory");
+}
 __device__ __forceinline__ void tf_tma_load_mc(unsigned dst, const tf_tmap* map, int c0, int c1, int c2, unsigned bar,
                                                unsigned short mask) {
   asm volatile("cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
@@ -383,6 +410,11 @@ __device__ __forceinline__ void tf_cluster_sync_all() {
 }
 __device__ __forceinline__ void tf_sts32(unsigned addr, unsigned v) {
   asm volatile("st.shared.b32 [%0], %1;" :: "r"(addr), "r"(v) : "memory");
+}
+__device__ __forceinline__ unsigned tf_lds32(unsigned addr) {
+  unsigned v;
+  asm volatile("ld.shared.b32 %0, [%1];" : "=r"(v) : "r"(addr) : "memory");
+  return v;
 }
 __device__ __forceinline__ void tf_sts16(unsigned addr, unsigned short v) {
   asm volatile("st.shared.b16 [%0], %1;" :: "r"(addr), "h"(v) : "memory");
@@ -677,6 +709,8 @@ def _render_partial(kernel, red: ir.Reduce, mb: int, regs: list, frag, lines: li
 STORE_SPAN = 64          # output columns per slot: one 128-byte swizzle span of 16-bit values
 STORE_SLOTS = 2          # slots per consumer warpgroup
 PRELOAD_SLOTS = 2        # slots ahead whose residual pairs are loaded (_preload_pairs; 0: in their own slot)
+MAINLOOP_PAIR_REGS = 64  # at most this many pair words per thread: all loaded in the main loop instead,
+PRELOAD_STEPS = 8        # spread over its last this many K steps (16 or more: 10-20% slower; s14)
 
 
 def _store_layout():
@@ -719,11 +753,73 @@ def _tma_store_dtype(problem: GemmProblem, sched: GemmSchedule, kernel: ir.Kerne
 
 
 def _store_staging_bytes(sched: GemmSchedule) -> int:
-    return sched.consumers * STORE_SLOTS * hopper.smem_bytes(_store_layout(), 16)
+    """STORE_SLOTS slots per consumer warpgroup, taken in turn; with tma_loads a slot per
+    64 x 64 box of the warpgroup's rows of the tile, each filled with its residual box."""
+    slots = sched.rows_per_wg // 64 * (sched.bn // STORE_SPAN) if sched.tma_loads else STORE_SLOTS
+    return sched.consumers * slots * hopper.smem_bytes(_store_layout(), 16)
+
+
+def tma_residual(problem: GemmProblem, sched: GemmSchedule, kernel: ir.Kernel) -> ir.Load | None:
+    """The epilogue's residual load that TMA brings into the store slots (sched.tma_loads), else None.
+
+    Most of a residual's cost is its bytes through L2, wherever they are read (ncu,
+    bench/LOG_gemm.md, session 14). By TMA they come in under the MMAs, as whole boxes, with an
+    L2 evict_first hint and no load instructions; each box lands in the slot that will store
+    the same box of the output, and each thread reads its words where it writes its results.
+    3.5% faster than the register loads at 8192x2048x2048, but the slots cost the 128x256
+    tile its fourth stage, worth more at longer K (see _with_tma_residual).
+    Needs the TMA-store path, one 16-bit residual at [(b,) m, n] shaped as the output (the
+    output's box coordinates then address it), whole K per tile (no split-K or stream-K), and
+    the slots' shared memory beside the stage ring (128x256 tiles: 3 stages, not 4)."""
+    if not sched.tma_loads or sched.split_k > 1 or sched.stream_k or epi.is_pairwise(kernel):
+        return None
+    if _tma_store_dtype(problem, sched, kernel) is None:
+        return None
+    loads = _pair_loads(kernel, epi.inner_body(kernel), tma_store=True)
+    if len(loads) != 1:
+        return None
+    x, out = loads[0], kernel.outputs[0]
+    want = ((ir.Var("b"),) if problem.batch > 1 else ()) + (ir.Var("m"), ir.Var("n"))
+    if tuple(x.index) != want or kernel.buffer(x.buf).shape != out.shape:
+        return None
+    if sched.smem_bytes() + _store_staging_bytes(sched) + RESIDUAL_BARS * sched.consumers > SMEM_LIMIT:
+        return None
+    return x
+
+
+RESIDUAL_BARS = 8   # bytes of shared memory per consumer for its residual mbarrier
+
+
+RESIDUAL_FIRST_STEP = 2     # the main loop's K step that issues the first residual box
+RESIDUAL_SPREAD = 1         # the boxes' K steps apart (0: all at once)
+RESIDUAL_HINT = "evict_first"  # the L2 eviction policy of the residual's boxes ("": the default policy)
+
+
+def residual_tma_issue(sched: GemmSchedule, k_iters: int) -> list[tuple[int, list[str]]]:
+    """Thread 0 of a consumer warpgroup loads its rows of the tile's residual into the slots, once
+    the last tile's TMA stores have read them: one 64 x 64 box per slot, slot mb * (bn / 64) + j
+    holding rows 64 mb.., columns 64 j... As (K step, lines) pairs; the lines need row_base,
+    col_base, batch, stage_out, res_bar."""
+    slot_bytes = hopper.smem_bytes(_store_layout(), 16)
+    nj = sched.bn // STORE_SPAN
+    boxes = sched.rows_per_wg // 64 * nj
+    first = min(RESIDUAL_FIRST_STEP, k_iters - 1)
+    out = {}
+    for i in range(boxes):
+        mb, j = divmod(i, nj)
+        kt = min(first + i * RESIDUAL_SPREAD, k_iters - 1)
+        lines = out.setdefault(kt, [])
+        if i == 0:
+            lines += ["tf_bulk_wait_read<0>();  // the last tile's stores have read the slots",
+                      f"tf_bar_expect(res_bar, {boxes * slot_bytes});"]
+        load = "tf_tma_load_evict_first" if RESIDUAL_HINT == "evict_first" else "tf_tma_load"
+        lines.append(f"{load}(stage_out + {i * slot_bytes}, &r_map, col_base + {j * STORE_SPAN}, "
+                     f"row_base + {mb * 64}, batch, res_bar);")
+    return sorted(out.items())
 
 
 def _epilogue_code_tma(problem: GemmProblem, sched: GemmSchedule, kernel: ir.Kernel, dtype: str,
-                       early: dict | None = None) -> list[str]:
+                       early: dict | None = None, res_load: ir.Load | None = None) -> list[str]:
     """The TMA-store epilogue of one consumer warpgroup (see STORE_SPAN above).
 
     Per slot: thread 0 waits until the TMA store that last read the slot is done reading;
@@ -733,10 +829,19 @@ def _epilogue_code_tma(problem: GemmProblem, sched: GemmSchedule, kernel: ir.Ker
     Expects in scope: tid, c (warpgroup), row_base, col_base, batch, stage_out (slot
     base address of this warpgroup), ep_slot (running slot index).
 
-    With `early` (a dict), the pair loads of the first PRELOAD_SLOTS slots are not in the
-    returned lines: early["decl"] declares their registers (before the main loop) and
-    early["loads"] issues them (from inside its last K step, under the MMAs; they need
-    row_base, col_base, frag_row and frag_col there).
+    With `early` (a dict), some pair loads are not in the returned lines: early["decl"]
+    declares their registers (before the main loop), early["coords"] binds frag_row and
+    frag_col, and early["groups"] lists blocks of loads (each needs row_base, col_base,
+    frag_row and frag_col) that the main loop spreads over its last early["steps"] K steps,
+    under the MMAs.
+    Where a thread's pair words fit MAINLOOP_PAIR_REGS registers, that is all of them (one
+    block per register pair); else the first PRELOAD_SLOTS slots' (one block), and each slot
+    loads the words of the slot PRELOAD_SLOTS ahead.
+
+    With `res_load` (tma_residual) the slots hold the residual, loaded by TMA during the main
+    loop (residual_tma_issue): each warpgroup waits for it once (res_bar, res_phase), then
+    fills and stores each slot in turn, reading each pair's residual word from where it
+    writes the pair's result.
     """
     body = epi.inner_body(kernel)
     frag = mma.sm90_64xN_c(sched.bn)
@@ -745,7 +850,8 @@ def _epilogue_code_tma(problem: GemmProblem, sched: GemmSchedule, kernel: ir.Ker
     mb_count = sched.rows_per_wg // 64
     full_tiles = _full_tiles(problem, sched)
     # loads of epilogue operands must stay inside their tensors on tail tiles
-    guarded = not full_tiles and any(isinstance(x, ir.Load) and x.buf != epi.ACC for x in body)
+    guarded = not full_tiles and any(isinstance(x, ir.Load) and x.buf != epi.ACC
+                                     and (res_load is None or x.dst != res_load.dst) for x in body)
     row0, col0 = cgen.c_tv_coords(frag, "tid", 0)
     coords = [f"const int frag_row = {row0};", f"const int frag_col = {col0};"]
     lines = list(coords)
@@ -753,45 +859,53 @@ def _epilogue_code_tma(problem: GemmProblem, sched: GemmSchedule, kernel: ir.Ker
     full = _full_pair_store(kernel, body)
     if epi.is_pairwise(kernel) and not full:
         return lines + _pairwise_tma_slots(problem, sched, kernel, dtype, frag, guarded, bar)
+    if res_load is not None:
+        return lines + _residual_slots(problem, sched, kernel, dtype, frag, guarded, bar, res_load)
     pairs = _pair_loads(kernel, body, tma_store=True)
     # Only whole tiles: a split-K or stream-K fixup leaves no registers for words held across
     # slots (ptxas spills), and guarded tail-tile loads held ahead cost more than they hid
     # (ncu, 8192x11008x4096: +1.4%; bench/LOG_gemm.md, session 13).
     preload = bool(pairs) and PRELOAD_SLOTS > 0 and sched.split_k == 1 and not sched.stream_k and not guarded
-    # each slot's register pairs (v, v + 1), in fragment order
-    slot_vs = [[v for v in range(0, frag.values, 2) if j * STORE_SPAN <= frag(0, v)[1] < (j + 1) * STORE_SPAN]
-               for j in range(sched.bn // STORE_SPAN)]
+    slot_vs = _slot_pairs(frag, sched.bn)
+    # The whole tile's words from the main loop's last PRELOAD_STEPS K steps, where they fit
+    # MAINLOOP_PAIR_REGS registers: 1-2.5% faster than two slots ahead (ncu, s14). Earlier or
+    # more spread out is slower: the loop then stalls at its back edge on loads in flight.
+    mainloop = preload and early is not None and len(pairs) * mb_count * frag.values // 2 <= MAINLOOP_PAIR_REGS
+    if mainloop:
+        early["coords"] += coords
+        early["steps"] = PRELOAD_STEPS
+        for mb in range(mb_count):
+            early["decl"].append(_preload_decl(pairs, frag, mb))
+            for vs in slot_vs:
+                for v in vs:
+                    group = []
+                    _preload_pairs(kernel, pairs, frag, mb, [v], group)
+                    early["groups"].append(group)
     for mb in range(mb_count):
-        if preload:
+        if preload and not mainloop:
             lines.append("{")
-            decl = "unsigned " + ", ".join(f"pre_{_ident(x.dst)}_{v // 2}" for x in pairs
-                                           for v in range(0, frag.values, 2)) + ";"
             ahead = lines
             if mb == 0 and early is not None:  # the first slots' words from the main loop's last K step
-                early["decl"].append(decl)
-                ahead = early["loads"]
-                ahead += coords
+                early["decl"].append(_preload_decl(pairs, frag, mb))
+                early["coords"] += coords
+                ahead = []
+                early["groups"].append(ahead)
             else:
-                lines.append(decl)
+                lines.append(_preload_decl(pairs, frag, mb))
             for vs in slot_vs[:PRELOAD_SLOTS]:
                 _preload_pairs(kernel, pairs, frag, mb, vs, ahead)
         for j, vs in enumerate(slot_vs):
             _slot_open(lines, slot_bytes, bar)
             for v in vs:
                 r, cc = frag(0, v)  # offsets relative to thread 0's element
-                lines.append("  {")
-                lines.append(f"    const int m = row_base + {mb * 64} + frag_row + {r};")
-                lines.append(f"    const int n = col_base + frag_col + {cc};")
-                lines.append("    unsigned packed = 0u;")
-                if guarded:
-                    lines.append(f"    if (m < {problem.m} && n < {problem.n}) {{")
+                _pair_open(lines, problem, mb, r, cc, guarded)
                 if full:  # the pair (n, n + 1) is one pairwise element's two outputs
                     lines.append("    const int n2 = n >> 1;")
                     _, x0, x1 = _pair_values(kernel, body, [f"acc[{mb}][{v}]", f"acc[{mb}][{v + 1}]"], lines,
                                              n_expr="n2")
                 else:
                     vals = []
-                    halves = (_preloaded(pairs, v) if preload else
+                    halves = (_preloaded(pairs, mb, v) if preload else
                               _issue_pair_loads(kernel, pairs, lines, "    "))
                     for e in (0, 1):
                         vals.append(_render_element(kernel, body, f"acc[{mb}][{v + e}]", f"n + {e}", lines,
@@ -804,11 +918,62 @@ def _epilogue_code_tma(problem: GemmProblem, sched: GemmSchedule, kernel: ir.Ker
                 off = cgen.c_index(lay, (f"frag_row + {r}", f"frag_col + {cc - j * STORE_SPAN}"), shifts=True)
                 lines.append(f"    tf_sts32(slot + 2 * ({off}), packed);")
                 lines.append("  }")
-            if preload and j + PRELOAD_SLOTS < len(slot_vs):
+            if preload and not mainloop and j + PRELOAD_SLOTS < len(slot_vs):
                 _preload_pairs(kernel, pairs, frag, mb, slot_vs[j + PRELOAD_SLOTS], lines)
             _slot_close(lines, bar, f"col_base + {j * STORE_SPAN}", f"row_base + {mb * 64}")
-        if preload:
+        if preload and not mainloop:
             lines.append("}")
+    return lines
+
+
+def _pair_open(lines: list, problem: GemmProblem, mb: int, r: int, cc: int, guarded: bool):
+    """Open one register pair's block in a slot: its (m, n), its packed result (zero unless
+    computed), and on tail tiles the guard that keeps its loads inside the tensors."""
+    lines.append("  {")
+    lines.append(f"    const int m = row_base + {mb * 64} + frag_row + {r};")
+    lines.append(f"    const int n = col_base + frag_col + {cc};")
+    lines.append("    unsigned packed = 0u;")
+    if guarded:
+        lines.append(f"    if (m < {problem.m} && n < {problem.n}) {{")
+
+
+def _slot_pairs(frag, bn: int) -> list[list[int]]:
+    """Each 64-column slot's register pairs (v, v + 1) of a 64-row block, in fragment order."""
+    return [[v for v in range(0, frag.values, 2) if j * STORE_SPAN <= frag(0, v)[1] < (j + 1) * STORE_SPAN]
+            for j in range(bn // STORE_SPAN)]
+
+
+def _residual_slots(problem, sched, kernel, dtype, frag, guarded, bar, res_load) -> list[str]:
+    """The slots of _epilogue_code_tma when TMA has loaded the residual into them (tma_residual)."""
+    body = epi.inner_body(kernel)
+    lay = _store_layout()
+    slot_bytes = hopper.smem_bytes(lay, 16)
+    slot_vs = _slot_pairs(frag, sched.bn)
+    lines = ["tf_bar_wait(res_bar, res_phase);  // this tile's residual is in the slots",
+             "res_phase ^= 1;"]
+    for mb in range(sched.rows_per_wg // 64):
+        for j, vs in enumerate(slot_vs):
+            lines.append("{")
+            lines.append(f"  const unsigned slot = stage_out + {(mb * len(slot_vs) + j) * slot_bytes};")
+            # the slot's words all read first: each read waits on the one store before it
+            # (both are volatile), so read between the stores, each would wait its latency
+            offs = [cgen.c_index(lay, (f"frag_row + {frag(0, v)[0]}", f"frag_col + {frag(0, v)[1] - j * STORE_SPAN}"),
+                                 shifts=True) for v in vs]
+            for i, off in enumerate(offs):
+                lines.append(f"  const unsigned res_w{i} = tf_lds32(slot + 2 * ({off}));")
+            for i, v in enumerate(vs):
+                r, cc = frag(0, v)  # offsets relative to thread 0's element
+                _pair_open(lines, problem, mb, r, cc, guarded)
+                halves = [{res_load.dst: f"(unsigned short)(res_w{i} {part})"} for part in ("& 0xFFFFu", ">> 16")]
+                vals = [_render_element(kernel, body, f"acc[{mb}][{v + e}]", f"n + {e}", lines, f"_{e}",
+                                        store=False, loaded=halves[e]) for e in (0, 1)]
+                lines.append(f"    packed = (unsigned){cexpr.to_storage(dtype, vals[0][1])} | "
+                             f"((unsigned){cexpr.to_storage(dtype, vals[1][1])} << 16);")
+                if guarded:
+                    lines.append("    }")
+                lines.append(f"    tf_sts32(slot + 2 * ({offs[i]}), packed);")
+                lines.append("  }")
+            _slot_close(lines, bar, f"col_base + {j * STORE_SPAN}", f"row_base + {mb * 64}", turn=False)
     return lines
 
 
@@ -825,6 +990,12 @@ def _pair_loads(kernel: ir.Kernel, body, tma_store: bool) -> list:
             and kernel.buffer(x.buf).dtype in ("bf16", "f16") and kernel.buffer(x.buf).shape[-1] % 2 == 0]
 
 
+def _preload_decl(loads, frag, mb: int) -> str:
+    """The registers of 64-row block mb's pair words (_preload_pairs), one per register pair."""
+    return "unsigned " + ", ".join(f"pre_{_ident(x.dst)}_{mb}_{v // 2}" for x in loads
+                                   for v in range(0, frag.values, 2)) + ";"
+
+
 def _preload_pairs(kernel: ir.Kernel, loads, frag, mb: int, vs: list[int], lines: list):
     """Issue the pair loads of register pairs `vs` (of 64-row block mb, whole tiles: no guard)
     into registers named by pair, ahead of the slot that uses them (PRELOAD_SLOTS). Loaded in
@@ -837,13 +1008,13 @@ def _preload_pairs(kernel: ir.Kernel, loads, frag, mb: int, vs: list[int], lines
         for x in loads:
             buf = kernel.buffer(x.buf)
             off = cexpr.flat_offset(buf, x.index, {"m": "m", "n": "n", "b": "batch"})
-            lines.append(f"  pre_{_ident(x.dst)}_{v // 2} = *(const unsigned*)({_ident(buf.name)} + {off});")
+            lines.append(f"  pre_{_ident(x.dst)}_{mb}_{v // 2} = *(const unsigned*)({_ident(buf.name)} + {off});")
         lines.append("}")
 
 
-def _preloaded(loads, v: int) -> list[dict]:
-    """The two elements' `loaded` maps of register pair (v, v + 1), from _preload_pairs."""
-    return [{x.dst: f"(unsigned short)(pre_{_ident(x.dst)}_{v // 2} {part})" for x in loads}
+def _preloaded(loads, mb: int, v: int) -> list[dict]:
+    """The two elements' `loaded` maps of register pair (v, v + 1) of block mb, from _preload_pairs."""
+    return [{x.dst: f"(unsigned short)(pre_{_ident(x.dst)}_{mb}_{v // 2} {part})" for x in loads}
             for part in ("& 0xFFFFu", ">> 16")]
 
 
@@ -869,12 +1040,14 @@ def _slot_open(lines: list, slot_bytes: int, bar: str):
     lines.append(f"  {bar}")
 
 
-def _slot_close(lines: list, bar: str, col: str, row: str):
-    """Close a filled slot: make the writes visible to TMA, sync, thread 0 stores it at (col, row)."""
+def _slot_close(lines: list, bar: str, col: str, row: str, turn: bool = True):
+    """Close a filled slot: make the writes visible to TMA, sync, thread 0 stores it at (col, row);
+    then (turn) the next slot is the other one."""
     lines.append("  tf_fence_async_smem();")
     lines.append(f"  {bar}")
     lines.append(f"  if (tid == 0) {{ tf_tma_store(&c_map, slot, {col}, {row}, batch); tf_bulk_commit(); }}")
-    lines.append("  ep_slot ^= 1;")
+    if turn:
+        lines.append("  ep_slot ^= 1;")
     lines.append("}")
 
 
@@ -1293,6 +1466,25 @@ def _split_fixup(sched: GemmSchedule, mb_count: int) -> str:
       }}"""
 
 
+def _early_loads(early: dict, k_iters: int, row_offset: str) -> list[str]:
+    """The main loop's lines that issue the epilogue's early load groups (_epilogue_code_tma),
+    spread evenly over its last early["steps"] K steps (all of them where it has fewer; one
+    step, the last, if not given), in order: the first slots' words first."""
+    groups = early["groups"]
+    steps = max(1, min(early.get("steps", 1), k_iters))
+    out = []
+    for s in range(steps):
+        mine = [g for i, g in enumerate(groups) if i * steps // len(groups) == s]
+        if not mine:
+            continue
+        out += [f"        if (kt == K_ITERS - {steps - s}) {{",
+                f"          const int row_base = tm * BM{row_offset}, col_base = tn * BN;"]
+        out += ["          " + x for x in early["coords"]]
+        out += ["          " + x for g in mine for x in g]
+        out.append("        }")
+    return out
+
+
 ONE_CONSUMER_PRODUCER_REGS = 56
 
 
@@ -1311,7 +1503,7 @@ def kernel_name(problem: GemmProblem, sched: GemmSchedule, kernel: ir.Kernel) ->
             f"{f'm{sched.cluster_m}' if sched.cluster_m > 1 else ''}{f'n{sched.cluster_n}' if sched.cluster_n > 1 else ''}"
             f"{'' if sched.tma_store else 'd'}"
             f"{'p' if sched.pingpong else ''}{f'k{sched.split_k}' if sched.split_k > 1 else ''}"
-            f"{f'sk{sched.stream_k}' if sched.stream_k else ''}_{h}")
+            f"{f'sk{sched.stream_k}' if sched.stream_k else ''}{'r' if sched.tma_loads else ''}_{h}")
 
 
 def render(problem: GemmProblem, sched: GemmSchedule | None = None) -> GemmSource:
@@ -1330,10 +1522,13 @@ def render(problem: GemmProblem, sched: GemmSchedule | None = None) -> GemmSourc
     if smem > SMEM_LIMIT:
         raise GemmError(f"{sched} needs {smem} bytes of shared memory; the limit is {SMEM_LIMIT}")
     store_dt = _tma_store_dtype(problem, sched, kernel)
+    res_load = tma_residual(problem, sched, kernel)
+    if sched.tma_loads and res_load is None:  # nothing TMA can load here: the kernel without
+        sched = replace(sched, tma_loads=False)
     staging = _store_staging_bytes(sched) if store_dt else 0
     if smem + staging > SMEM_LIMIT:  # no room for the store slots: store straight from registers
         store_dt, staging = None, 0
-    smem += staging
+    smem += staging + (RESIDUAL_BARS * sched.consumers if res_load is not None else 0)
 
     a = _operand(sched.bm, sched.bk, "K")
     b = _operand(sched.bn, sched.bk, "K" if problem.b_major == "K" else "MN")
@@ -1365,6 +1560,8 @@ def render(problem: GemmProblem, sched: GemmSchedule | None = None) -> GemmSourc
     cparams = ["const __grid_constant__ tf_tmap a_map", "const __grid_constant__ tf_tmap b_map"]
     if store_dt:
         cparams.append("const __grid_constant__ tf_tmap c_map")
+    if res_load is not None:
+        cparams.append("const __grid_constant__ tf_tmap r_map")
     if split > 1 or S.stream_k:
         cparams += ["float* __restrict__ tf_ws", "int* __restrict__ tf_flags"]
     cparams += [f"{cexpr.storage_ctype(p.dtype)}* __restrict__ {_ident(p.name)}" for p in out_params]
@@ -1433,22 +1630,29 @@ def render(problem: GemmProblem, sched: GemmSchedule | None = None) -> GemmSourc
                        f"tn * BN + (rank * {per} + {j}) * 64, kt * BK, batch, full, 3);" for j in range(per)]
 
     b_load_lines = "\n".join("          " + x for x in b_loads)
-    early = {"decl": [], "loads": []}  # (filled where the epilogue takes loads ahead: _epilogue_code_tma)
+    early = {"decl": [], "coords": [], "groups": []}  # (filled where the epilogue loads ahead: _epilogue_code_tma)
     if store_dt:
-        lines = _epilogue_code_tma(problem, sched, kernel, store_dt, early)
+        lines = _epilogue_code_tma(problem, sched, kernel, store_dt, early, res_load)
     elif epi.inner_body(kernel) or epi.partials_loop(kernel) is None:
         lines = _epilogue_code(problem, sched, kernel)
     else:  # partial row reductions only: the tile itself is not stored
         lines = []
     if pw is not None:  # (the element code, if any, has bound frag_row and frag_col)
         lines += _partials_code(problem, sched, kernel, frag_coords=not lines)
-    decl_early, loads_early = "", ""
-    if early["loads"]:  # the first slots' epilogue operands, issued under the last K step's MMAs
-        decl_early = "\n".join("      " + x for x in early["decl"])
-        loads_early = "\n".join(
-            ["        if (kt == K_ITERS - 1) {",
-             f"          const int row_base = tm * BM{row_offset}, col_base = tn * BN;"]
-            + ["          " + x for x in early["loads"]] + ["        }"])
+    decl_early = "\n".join("      " + x for x in early["decl"])
+    loads_early = "\n".join(_early_loads(early, k_iters, row_offset))
+    res_init = res_state = ""
+    if res_load is not None:  # the residual's TMA loads, issued from the main loop's third K step
+        res_init = (f"\n    for (int c = 0; c < {S.consumers}; ++c) "
+                    f"tf_bar_init(bars + 8 * (2 * STAGES) + {RESIDUAL_BARS} * c, 1);")
+        res_state = (f"\n    const unsigned res_bar = bars + 8 * (2 * STAGES) + {RESIDUAL_BARS} * c;"
+                     "\n    unsigned res_phase = 0;")
+        issue = []
+        for kt, box_lines in residual_tma_issue(S, k_iters):
+            issue += [f"        if (kt == {kt} && tid == 0) {{",
+                      f"          const int row_base = tm * BM{row_offset}, col_base = tn * BN;"]
+            issue += ["          " + x for x in box_lines] + ["        }"]
+        loads_early = "\n".join(issue) + ("\n" + loads_early if loads_early else "")
     pair_coord = "tn = tn * CLUSTER + rank;" if CLN > 1 else "tm = tm * CLUSTER + rank;"
     src = []
     w = src.append
@@ -1504,7 +1708,7 @@ extern "C" __global__ void __launch_bounds__({S.threads}, 1)
     for (int s = 0; s < STAGES; ++s) {{
       tf_bar_init(bars + 8 * s, 1);
       tf_bar_init(bars + 8 * (STAGES + s), {(1 if S.pingpong else S.consumers) * CL});
-    }}
+    }}{res_init}
     asm volatile("fence.mbarrier_init.release.cluster;\\n\\tfence.proxy.async.shared::cta;" ::: "memory");
   }}
   {"tf_cluster_sync_all();" if CL > 1 else "__syncthreads();"}
@@ -1533,7 +1737,7 @@ extern "C" __global__ void __launch_bounds__({S.threads}, 1)
     const int c = wg - 1;
     const int tid = threadIdx.x % 128;
     const unsigned stage_out = staging + c * {staging // S.consumers};
-    unsigned ep_slot = 0;
+    unsigned ep_slot = 0;{res_state}
 {loop_head}
       int batch, tm, tn;
       tf_tile_coords(t, batch, tm, tn);
@@ -1592,4 +1796,5 @@ extern "C" __global__ void __launch_bounds__({S.threads}, 1)
                       workspace=ws, flags=flags,
                       smem_bytes=smem, params=params, problem=problem, schedule=sched,
                       a_box=a_box, b_box=b_box, swizzle=hopper.tma_swizzle(a.layout, 16), cluster=CL,
-                      c_box=hopper.tma_box(_store_layout(), "K", 16) if store_dt else None)
+                      c_box=hopper.tma_box(_store_layout(), "K", 16) if store_dt else None,
+                      tma_loads=(res_load.buf,) if res_load is not None else ())

@@ -68,6 +68,7 @@ class GemmKernel:
         self._param_names = frozenset(self.source.params)
         # (subclasses for other targets may have no TMA store: no c_box on their source)
         self._tma_out_names = (ep.outputs[0].name,) if getattr(self.source, "c_box", None) is not None else ()
+        self._tma_load_names = tuple(getattr(self.source, "tma_loads", ()))  # operands TMA reads in (64 x 64) boxes
         self._split = getattr(self.source, "workspace", 0) > 0  # split-K: workspace and counters per stream
 
     @property
@@ -105,7 +106,7 @@ class GemmKernel:
         self._check_alignment(where, name, t)
 
     def _check_alignment(self, where: str, name: str, t):
-        if (name in ("a", "b") or name in self._tma_outputs) and t.data_ptr() % 16:
+        if (name in ("a", "b") or name in self._tma_outputs or name in self._tma_load_names) and t.data_ptr() % 16:
             raise ValueError(f"{where}: TMA needs 16-byte aligned operands; this one starts at "
                              f"{t.data_ptr() % 16} bytes past a boundary (use .clone())")
         if name in getattr(self.source, "pair_loads", ()) and t.data_ptr() % 4:
@@ -117,8 +118,8 @@ class GemmKernel:
         """Outputs the kernel writes through a TMA tensor map (they need 16-byte alignment)."""
         return self._tma_out_names
 
-    def _tensor_maps(self, a, b, out=None) -> tuple[bytes, ...]:
-        key = (a.data_ptr(), b.data_ptr(), None if out is None else out.data_ptr())
+    def _tensor_maps(self, a, b, out=None, loads: tuple = ()) -> tuple[bytes, ...]:
+        key = (a.data_ptr(), b.data_ptr(), None if out is None else out.data_ptr()) + tuple(t.data_ptr() for t in loads)
         hit = self._maps.get(key)
         if hit is not None:
             return hit
@@ -134,12 +135,14 @@ class GemmKernel:
         maps = (amap, bmap)
         if src.c_box is not None:
             # the output tile: [batch, M, N] of the epilogue's one 16-bit output, stored in
-            # (64 x 64) boxes from 128-byte swizzled slots; TMA clips rows/columns past the end
+            # (64 x 64) boxes from 128-byte swizzled slots; TMA clips rows/columns past the end.
+            # A residual loaded by TMA (shaped as the output) comes into the slots the same way.
             buf = self._out_bufs[0]
-            oe = dtypes.itemsize(buf.dtype)
-            n_out = buf.shape[-1]
-            maps += (encode_tma(out.data_ptr(), buf.dtype, (n_out, p.m, p.batch), (n_out * oe, p.m * n_out * oe),
-                                (src.c_box[0], src.c_box[1], 1), int(gemm_sm90.STORE_SWIZZLE)),)
+            for t, dt in [(out, buf.dtype)] + [(x, self._ep.buffer(nm).dtype) for x, nm in zip(loads, self._tma_load_names)]:
+                oe = dtypes.itemsize(dt)
+                n_out = buf.shape[-1]
+                maps += (encode_tma(t.data_ptr(), dt, (n_out, p.m, p.batch), (n_out * oe, p.m * n_out * oe),
+                                    (src.c_box[0], src.c_box[1], 1), int(gemm_sm90.STORE_SWIZZLE)),)
         if len(self._maps) > 64:
             self._maps.clear()
         self._maps[key] = maps
@@ -227,7 +230,7 @@ class GemmKernel:
         args = self._args.get(key)
         if args is None:  # encode the tensor maps and build the argument block once per pointer set
             tma_out = tensors[self._tma_out_names[0]] if self._tma_out_names else None
-            maps = self._tensor_maps(a, b, tma_out)
+            maps = self._tensor_maps(a, b, tma_out, tuple(tensors[x] for x in self._tma_load_names))
             bufs = [ctypes.create_string_buffer(m, 128) for m in maps]
             vals = [ctypes.c_void_p(p) for p in ptrs[2:]]
             if self._split:

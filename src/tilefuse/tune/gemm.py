@@ -29,6 +29,8 @@ knob added to the template is searched or carried without editing this file. Can
   4 K steps.
 - stream_k in {0, 132} (a grid of one CTA per SM, the last waves shared out by K steps) only
   where the tiles make at least a wave and not a whole number of waves (else it cuts nothing).
+- tma_loads (the residual by TMA into the store slots) only where `gemm_sm90.tma_residual`
+  says it applies: a residual epilogue with room for the slots beside this ring.
 - pingpong stays off: on an H100 its 128x128 tiles ran 2-7% slower than the cooperative
   128x256 at every plain and fused shape measured (bench/LOG_gemm.md, session 6), so the
   search does not spend its time there.
@@ -159,7 +161,14 @@ def space(task: GemmTask, arch: str = "sm_90a") -> Space:
             if tiles < workers or tiles % workers == 0:
                 return False  # less than a wave (split-K's case), or whole waves: nothing to share out
         if "group_m" in k and k["group_m"] >= covering_from(k):
-            return k["group_m"] == covering_pick(k)  # every group as tall as the grid rasters alike: one of them
+            if k["group_m"] != covering_pick(k):
+                return False  # every group as tall as the grid rasters alike: one of them
+        if k.get("tma_loads"):
+            try:
+                if g.tma_residual(p, sched(k), p.out_epilogue) is None:
+                    return False  # no residual TMA can bring into the slots here: the kernel without the knob
+            except g.GemmError:
+                return False
         return True
 
     rendered: dict = {}  # what a config renders to -> the first config that did
