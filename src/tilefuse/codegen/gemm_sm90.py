@@ -787,9 +787,7 @@ def tma_residual(problem: GemmProblem, sched: GemmSchedule, kernel: ir.Kernel) -
     return x
 
 
-RESIDUAL_BARS = 8   # bytes of shared memory per consumer for its residual mbarrier
-
-
+RESIDUAL_BARS = 8           # bytes of shared memory per consumer for its residual mbarrier
 RESIDUAL_FIRST_STEP = 2     # the main loop's K step that issues the first residual box
 RESIDUAL_SPREAD = 1         # the boxes' K steps apart (0: all at once)
 RESIDUAL_HINT = "evict_first"  # the L2 eviction policy of the residual's boxes ("": the default policy)
@@ -863,8 +861,8 @@ def _epilogue_code_tma(problem: GemmProblem, sched: GemmSchedule, kernel: ir.Ker
         return lines + _residual_slots(problem, sched, kernel, dtype, frag, guarded, bar, res_load)
     pairs = _pair_loads(kernel, body, tma_store=True)
     # Only whole tiles: a split-K or stream-K fixup leaves no registers for words held across
-    # slots (ptxas spills), and guarded tail-tile loads held ahead cost more than they hid
-    # (ncu, 8192x11008x4096: +1.4%; bench/LOG_gemm.md, session 13).
+    # slots (ptxas spills), and tail tiles keep their guarded loads in their slot (held ahead,
+    # never measured: the session-13 timing cited for them was of 8192x11008x4096, whole tiles).
     preload = bool(pairs) and PRELOAD_SLOTS > 0 and sched.split_k == 1 and not sched.stream_k and not guarded
     slot_vs = _slot_pairs(frag, sched.bn)
     # The whole tile's words from the main loop's last PRELOAD_STEPS K steps, where they fit
@@ -915,8 +913,7 @@ def _epilogue_code_tma(problem: GemmProblem, sched: GemmSchedule, kernel: ir.Ker
                              f"((unsigned){cexpr.to_storage(dtype, x1)} << 16);")
                 if guarded:
                     lines.append("    }")
-                off = cgen.c_index(lay, (f"frag_row + {r}", f"frag_col + {cc - j * STORE_SPAN}"), shifts=True)
-                lines.append(f"    tf_sts32(slot + 2 * ({off}), packed);")
+                lines.append(f"    tf_sts32(slot + 2 * ({_slot_offset(lay, frag, v, j)}), packed);")
                 lines.append("  }")
             if preload and not mainloop and j + PRELOAD_SLOTS < len(slot_vs):
                 _preload_pairs(kernel, pairs, frag, mb, slot_vs[j + PRELOAD_SLOTS], lines)
@@ -935,6 +932,12 @@ def _pair_open(lines: list, problem: GemmProblem, mb: int, r: int, cc: int, guar
     lines.append("    unsigned packed = 0u;")
     if guarded:
         lines.append(f"    if (m < {problem.m} && n < {problem.n}) {{")
+
+
+def _slot_offset(lay, frag, v: int, j: int) -> str:
+    """Register pair v's element offset in slot j's swizzled layout (C, from frag_row, frag_col)."""
+    r, cc = frag(0, v)
+    return cgen.c_index(lay, (f"frag_row + {r}", f"frag_col + {cc - j * STORE_SPAN}"), shifts=True)
 
 
 def _slot_pairs(frag, bn: int) -> list[list[int]]:
@@ -957,8 +960,7 @@ def _residual_slots(problem, sched, kernel, dtype, frag, guarded, bar, res_load)
             lines.append(f"  const unsigned slot = stage_out + {(mb * len(slot_vs) + j) * slot_bytes};")
             # the slot's words all read first: each read waits on the one store before it
             # (both are volatile), so read between the stores, each would wait its latency
-            offs = [cgen.c_index(lay, (f"frag_row + {frag(0, v)[0]}", f"frag_col + {frag(0, v)[1] - j * STORE_SPAN}"),
-                                 shifts=True) for v in vs]
+            offs = [_slot_offset(lay, frag, v, j) for v in vs]
             for i, off in enumerate(offs):
                 lines.append(f"  const unsigned res_w{i} = tf_lds32(slot + 2 * ({off}));")
             for i, v in enumerate(vs):

@@ -138,9 +138,9 @@ class GemmKernel:
             # (64 x 64) boxes from 128-byte swizzled slots; TMA clips rows/columns past the end.
             # A residual loaded by TMA (shaped as the output) comes into the slots the same way.
             buf = self._out_bufs[0]
+            n_out = buf.shape[-1]
             for t, dt in [(out, buf.dtype)] + [(x, self._ep.buffer(nm).dtype) for x, nm in zip(loads, self._tma_load_names)]:
                 oe = dtypes.itemsize(dt)
-                n_out = buf.shape[-1]
                 maps += (encode_tma(t.data_ptr(), dt, (n_out, p.m, p.batch), (n_out * oe, p.m * n_out * oe),
                                     (src.c_box[0], src.c_box[1], 1), int(gemm_sm90.STORE_SWIZZLE)),)
         if len(self._maps) > 64:
