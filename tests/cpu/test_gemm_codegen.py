@@ -314,42 +314,94 @@ def test_a_residual_is_read_as_one_4_byte_load_per_register_pair(tma_store):
     assert odd.pair_loads == () and "pair_" not in odd.source
 
 
-def _store_offsets(source: str):
-    """(row, col) -> shared-memory element offset of every tf_sts32 in a TMA-store epilogue,
-    for thread `tid`, evaluated from the C expressions in the source."""
-    frag_row, frag_col = _coords(source, "frag_row"), _coords(source, "frag_col")
-    stores = re.findall(r"const int m = row_base \+ (\d+) \+ frag_row \+ (\d+);\n"
-                        r"\s*const int n = col_base \+ frag_col \+ (\d+);.*?"
-                        r"tf_sts32\(slot \+ 2 \* \((.*?)\), packed\);", source, re.S)
-    return frag_row, frag_col, stores
+def _stsm_word_offsets(source: str, defs: str | None = None):
+    """Where each register pair of a TMA-store epilogue lands: [(mb, r, col, offset(tid))], one
+    per pair in source order, with (mb, r, col) its block, row and column offsets and offset(tid)
+    the shared-memory element offset its packed word goes to for thread `tid` (0..127),
+    evaluated from the C in the source as stmatrix.x4 places it: lane l's register q goes to
+    the address that lane 8 q + l / 4 of its warp gives, plus 2 (l % 4) elements. The lanes'
+    coordinates (sm_src, sm_row, sm_col) are read from `defs` (default: the source)."""
+    defs = source if defs is None else defs
+    coords = {v: _coords(defs, v) for v in ("sm_src",)}
+    sm_expr = {v: re.search(rf"const int {v} = (.*?);", defs).group(1).replace("/", "//")
+               for v in ("sm_row", "sm_col")}
+
+    def lane_vars(tid):
+        env = {"tid": tid, "sm_src": coords["sm_src"](tid)}
+        return {v: eval(e, env) for v, e in sm_expr.items()}
+
+    pair = (r"const int m = row_base \+ (\d+) \+ frag_row \+ (\d+);\n"
+            r"\s*const int n = col_base \+ frag_col \+ (\d+);.*?(\w+) = packed;")
+    stsm = r"tf_stsm4\(slot \+ 2 \* \((.*?)\), (\w+), (\w+), (\w+), (\w+)\);"
+    # registers a deferred epilogue packs once (dpk_*), wherever its stmatrix comes in the source
+    held = {x.group(4): (int(x.group(1)) // 64, int(x.group(2)), int(x.group(3)))
+            for x in re.finditer(pair, defs, re.S) if x.group(4).startswith("dpk_")}
+    pairs, out = {}, []
+    for x in re.finditer(pair + "|" + stsm, source, re.S):
+        if x.group(5) is None:
+            pairs[x.group(4)] = (int(x.group(1)) // 64, int(x.group(2)), int(x.group(3)))
+            continue
+        regs = [x.group(i) for i in range(6, 10)]
+        expr = x.group(5).replace("/", "//")
+
+        def offset(tid, q, expr=expr):
+            lane = tid % 32
+            src = tid - lane + 8 * q + lane // 4
+            return eval(expr, lane_vars(src)) + 2 * (lane % 4)
+        out += [(*(pairs.pop(r) if r in pairs else held[r]), lambda tid, q=q, f=offset: f(tid, q))
+                for q, r in enumerate(regs)]
+    assert not pairs, "packed pairs left without their stmatrix"
+    return out
 
 
+def _deferred_boxes(source: str) -> str:
+    """A deferring TMA-store epilogue's slot code (defers_stores), as the flush after the tile
+    loop has it, after checking that the main loop writes the same slots in the same order:
+    slot b at K step b of the peeled first steps, the rest right after the loop."""
+    flush = source[source.index("if (pending) {  // the last tile's slots"):source.index("tf_bulk_wait_read<0>();  //")]
+    loop = source[source.index("#pragma unroll\n      for (int kt = 0;"):source.index("\n      pending = false;")]
+    boxes = [re.sub(r"\s+", " ", b) for b in re.findall(r"const unsigned slot = .*?ep_slot \^= 1;", flush, re.S)]
+    in_loop = [re.sub(r"\s+", " ", b) for b in re.findall(r"const unsigned slot = .*?ep_slot \^= 1;", loop, re.S)]
+    assert boxes and in_loop == boxes
+    steps = [int(k) for k in re.findall(r"(?:if|else if) \(kt == (\d+)\) \{", loop)]
+    assert steps == list(range(len(steps))) and len(steps) <= len(boxes)
+    return flush
+
+
+@pytest.mark.parametrize("defer", [True, False], ids=["deferred", "in place"])
+@pytest.mark.parametrize("k", [64, 512])
 @pytest.mark.parametrize("sched", [g.GemmSchedule(128, 256), g.GemmSchedule(128, 128, stages=6),
                                    g.GemmSchedule(64, 64, consumers=1), g.GemmSchedule(256, 128)], ids=str)
-def test_tma_store_slots_hold_each_element_once_where_tma_reads_it(sched):
+def test_tma_store_slots_hold_each_element_once_where_tma_reads_it(sched, k, defer):
     """The TMA-store epilogue: every (thread, pair) writes a distinct 4-byte word of its
-    64x64 slot, the words of one slot cover it exactly, and each element lands where the
-    slot's swizzled layout (the one TMA reads the (64, 64) box from) puts its (row, col)."""
-    src = g.render(g.GemmProblem(4 * sched.bm, 4 * sched.bn, 64), sched)
+    64x64 slot (through stmatrix.x4, four pairs at a time), the words of one slot cover it
+    exactly, and each element lands where the slot's swizzled layout (the one TMA reads the
+    (64, 64) box from) puts its (row, col). Deferred (defer_stores), the next tile's main loop
+    writes the packed words (slot b at K step b, those past a short loop after it) and the
+    last tile's after the tile loop, the same slots in the same order."""
+    sched = replace(sched, defer_stores=defer)
+    src = g.render(g.GemmProblem(4 * sched.bm, 4 * sched.bn, k), sched)
     assert src.c_box == (64, 64) and "tf_tma_store(&c_map" in src.source
+    assert "tf_sts32" not in src.source[src.source.index('extern "C"'):]
+    assert src.schedule.defer_stores == defer and ("pending" in src.source.split('extern "C"')[1]) == defer
     lay = hopper.gmma_smem_layout("K", 128, 16, (64, 64))
-    frag_row, frag_col, stores = _store_offsets(src.source)
-    assert len(stores) == sched.rows_per_wg // 64 * sched.bn // 4   # one store per register pair
+    frag_row, frag_col = _coords(src.source, "frag_row"), _coords(src.source, "frag_col")
+    stores = _stsm_word_offsets(_deferred_boxes(src.source) if defer else src.source, defs=src.source)
+    assert len(stores) == sched.rows_per_wg // 64 * sched.bn // 4   # every register pair once
+    assert src.source.count("tf_stsm4(slot") == len(stores) // 4 * (2 if defer else 1)
     slots = {}
-    for mb, r, col, off in stores:
-        mb, r, col = int(mb) // 64, int(r), int(col)
+    for mb, r, col, offset in stores:
         span = col // 64
         for tid in range(128):
             row_t, col_t = frag_row(tid) + r, frag_col(tid) + col
-            offset = eval(off.replace("/", "//"), {"frag_row": frag_row(tid), "frag_col": frag_col(tid)})
-            assert offset == lay(row_t, col_t - 64 * span)   # from the layout algebra
+            assert offset(tid) == lay(row_t, col_t - 64 * span)   # from the layout algebra
             words = slots.setdefault((mb, span), set())
-            assert offset % 2 == 0 and offset // 2 not in words, "a word written twice"
-            words.add(offset // 2)
+            assert offset(tid) % 2 == 0 and offset(tid) // 2 not in words, "a word written twice"
+            words.add(offset(tid) // 2)
     for words in slots.values():
         assert words == set(range(64 * 64 // 2))
     # thread 0 of each warpgroup stores each slot with TMA, at the slot's tile coordinates
-    assert src.source.count("tf_tma_store(&c_map") == len(slots)
+    assert src.source.count("tf_tma_store(&c_map") == len(slots) * (2 if defer else 1)
 
 
 def test_tma_store_is_used_only_where_it_can_be():
@@ -560,10 +612,18 @@ def test_residual_by_tma_lands_in_the_slot_that_stores_its_box(sched, size, batc
     assert epilogue.index("tf_bar_wait(res_bar, res_phase);") < epilogue.index("tf_lds32(")
     slots = re.split(r"const unsigned slot = stage_out \+ \d+;", epilogue)[1:]
     assert len(slots) == blocks * nj
+    env = {"frag_row": _coords(body, "frag_row"), "frag_col": _coords(body, "frag_col")}
     for text in slots:
-        reads = re.findall(r"tf_lds32\(slot \+ 2 \* (.*?)\);\n", text)
-        writes = re.findall(r"tf_sts32\(slot \+ 2 \* (.*?), packed\);", text)
-        assert len(reads) == len(writes) == sched.bn // 4 // nj and sorted(reads) == sorted(writes)
+        reads = re.findall(r"const unsigned res_w(\d+) = tf_lds32\(slot \+ 2 \* (.*?)\);\n", text)
+        writes = _stsm_word_offsets(text, defs=body)
+        assert len(reads) == len(writes) == sched.bn // 4 // nj
+        uses = [int(w) for w in re.findall(r"\(unsigned short\)\(res_w(\d+) & 0xFFFFu\)", text)]
+        assert uses == list(range(len(writes)))   # pair i computes from word i
+        for (i, read), (_, _, _, offset) in zip(reads, writes):
+            expr = read.replace("/", "//")
+            for tid in range(128):
+                at = eval(expr, {k: f(tid) for k, f in env.items()})
+                assert at == offset(tid), "a residual word read where its result is not written"
     bars = g.RESIDUAL_BARS * sched.consumers
     assert src.smem_bytes == sched.smem_bytes() + sched.consumers * blocks * nj * 8192 + bars <= g.SMEM_LIMIT
     assert src.c_box == (64, 64) and lead + (size, size) == ep.buffer("residual").shape
@@ -613,3 +673,48 @@ def test_default_schedule_takes_the_residual_by_tma_where_k_is_short():
     assert short.tma_loads and short.stages == 3 and short.bn == 256
     assert not sched(8192, 4096, 4096).tma_loads and sched(8192, 4096, 4096).stages == 4
     assert not sched(8192, 2048, 2048, residual=False).tma_loads
+
+
+@pytest.mark.parametrize("why, sched, ep", [
+    ("split-K", g.GemmSchedule(128, 256, stages=4, split_k=2), "plain"),
+    ("stream-K", g.GemmSchedule(128, 256, stages=4, stream_k=4), "plain"),
+    ("ping-pong", g.GemmSchedule(128, 128, stages=4, pingpong=True), "plain"),
+    ("stores from registers", g.GemmSchedule(128, 256, stages=4, tma_store=False), "plain"),
+    ("residual words held from the main loop", g.GemmSchedule(128, 256, stages=4), "residual"),
+    ("residual by TMA in the slots", g.GemmSchedule(128, 256, stages=3, tma_loads=True), "residual"),
+    ("half-width GLU output", g.GemmSchedule(128, 256, stages=4), "glu"),
+], ids=lambda x: x if isinstance(x, str) else "")
+def test_deferred_stores_where_they_do_not_apply_is_the_kernel_without(why, sched, ep):
+    """defer_stores where the template cannot defer (no next tile in a whole-tile loop, or
+    registers and slots already carrying residual words across the main loop, or a store
+    path other than the packed-pair slots) renders exactly the kernel without the knob."""
+    m = n = 1024
+    kernel = {"plain": lambda: epi.standard(m, n, "bf16"), "residual": lambda: epi.standard(m, n, "bf16", residual=True),
+              "glu": lambda: epi.glu(m, n, "bf16")}[ep]()
+    p = g.GemmProblem(m, n, 512, epilogue=kernel)
+    with_knob = g.render(p, replace(sched, defer_stores=True))
+    without = g.render(p, replace(sched, defer_stores=False))
+    assert not g.defers_stores(p, replace(sched, defer_stores=True), kernel), why
+    assert with_knob.source == without.source and with_knob.name == without.name, why
+    assert not with_knob.schedule.defer_stores
+
+
+def test_deferred_stores_name_the_kernel_and_compile_clean():
+    """Where it applies the deferral is in the kernel's name ('l') and the source compiles for
+    sm_90a without spills, including a 1-step K (slots after the loop) and 256x128 tiles (two
+    64-row blocks a warpgroup: 64 packed registers beside 128 accumulators)."""
+    for (m, n, k), sched in [((1000, 1000, 64), g.GemmSchedule(128, 256)), ((520, 640, 520), g.GemmSchedule(256, 128)),
+                             ((300, 520, 136), g.GemmSchedule(64, 64, consumers=1, stages=8))]:
+        p = g.GemmProblem(m, n, k, epilogue=epi.standard(m, n, "bf16", bias="col", activation="gelu"))
+        src = g.render(p, sched)
+        assert src.schedule.defer_stores and src.name.split("_")[-2].endswith("l")
+        assert nvrtc.compile_cuda(src.source, src.name, "sm_90a").info.clean
+
+
+def test_default_defers_stores_only_where_a_cta_has_a_next_tile():
+    """One tile per CTA (512x4096x4096: 128 tiles of 128x128 on 132 SMs) stores in place:
+    deferring left every store to after the loop and ran 0.5% slower (ncu, s15); many tiles
+    per CTA defer."""
+    assert not g.default_schedule(g.GemmProblem(512, 4096, 4096)).defer_stores
+    assert g.default_schedule(g.GemmProblem(8192, 4096, 4096)).defer_stores
+    assert "stores not deferred" in str(g.default_schedule(g.GemmProblem(512, 4096, 4096)))

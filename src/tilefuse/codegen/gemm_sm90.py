@@ -100,6 +100,8 @@ class GemmSchedule:
                                 # shared out among them by K steps, so every CTA ends at the same time
     tma_loads: bool = False     # the epilogue's residual tile loaded by TMA into the store slots during the
                                 # main loop, a slot per 64-column box (where it applies: tma_residual)
+    defer_stores: bool = True   # a tile's TMA-store slots written under the next tile's first MMAs
+                                # (where it applies: defers_stores)
 
     def __post_init__(self):
         if self.consumers not in (1, 2):
@@ -169,12 +171,24 @@ class GemmSchedule:
         split = f", split-K {self.split_k}" if self.split_k > 1 else ""
         split += f", stream-K over {self.stream_k}" if self.stream_k else ""
         split += ", residual by TMA" if self.tma_loads else ""
+        split += "" if self.defer_stores else ", stores not deferred"
         return (f"GemmSchedule(tile {self.bm}x{self.bn}x{self.bk}, {self.stages} stages, "
                 f"{wgs}, group_m {self.group_m}{cluster}{store}{split})")
 
 
 def default_schedule(problem: GemmProblem, sms: int = 132) -> GemmSchedule:
-    """A heuristic pick until the tuner has one: the biggest tile that still fills the GPU.
+    """A heuristic pick until the tuner has one (_heuristic_schedule); stores deferred to the
+    next tile (defers_stores) only where some CTA has a next tile: at 512x4096x4096 (128
+    tiles, one per CTA) deferring was 0.5% slower under ncu, every store left to after the
+    loop (s15)."""
+    s = _heuristic_schedule(problem, sms)
+    if -(-problem.m // s.bm) * -(-problem.n // s.bn) * problem.batch <= sms:
+        s = replace(s, defer_stores=False)
+    return s
+
+
+def _heuristic_schedule(problem: GemmProblem, sms: int) -> GemmSchedule:
+    """The biggest tile that still fills the GPU.
 
     From the H100 sweep in bench/LOG_gemm.md (round 2):
     - 128x256 tiles (the largest that fit 2 x 64 x 256 accumulators) wherever they make at
@@ -410,6 +424,10 @@ __device__ __forceinline__ void tf_cluster_sync_all() {
 }
 __device__ __forceinline__ void tf_sts32(unsigned addr, unsigned v) {
   asm volatile("st.shared.b32 [%0], %1;" :: "r"(addr), "r"(v) : "memory");
+}
+__device__ __forceinline__ void tf_stsm4(unsigned addr, unsigned a, unsigned b, unsigned c, unsigned d) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};"
+               :: "r"(addr), "r"(a), "r"(b), "r"(c), "r"(d) : "memory");
 }
 __device__ __forceinline__ unsigned tf_lds32(unsigned addr) {
   unsigned v;
@@ -857,6 +875,7 @@ def _epilogue_code_tma(problem: GemmProblem, sched: GemmSchedule, kernel: ir.Ker
     full = _full_pair_store(kernel, body)
     if epi.is_pairwise(kernel) and not full:
         return lines + _pairwise_tma_slots(problem, sched, kernel, dtype, frag, guarded, bar)
+    lines += _stsm_coords(frag)
     if res_load is not None:
         return lines + _residual_slots(problem, sched, kernel, dtype, frag, guarded, bar, res_load)
     pairs = _pair_loads(kernel, body, tma_store=True)
@@ -879,6 +898,14 @@ def _epilogue_code_tma(problem: GemmProblem, sched: GemmSchedule, kernel: ir.Ker
                     group = []
                     _preload_pairs(kernel, pairs, frag, mb, [v], group)
                     early["groups"].append(group)
+    defer = early is not None and defers_stores(problem, sched, kernel)
+    if defer:  # (the main loop writes the slots: the lanes' stmatrix coordinates go before it)
+        regs = [f"dpk_{mb}_{v // 2}" for mb in range(mb_count) for v in range(0, frag.values, 2)]
+        lines = [x for x in lines if x not in _stsm_coords(frag)]
+        early["defer"] = {"decl": _stsm_coords(frag) + ["unsigned " + ", ".join(regs) + ";",
+                                                        "int d_row_base = 0, d_col_base = 0, d_batch = 0;",
+                                                        "bool pending = false;"],
+                          "boxes": []}
     for mb in range(mb_count):
         if preload and not mainloop:
             lines.append("{")
@@ -893,8 +920,17 @@ def _epilogue_code_tma(problem: GemmProblem, sched: GemmSchedule, kernel: ir.Ker
             for vs in slot_vs[:PRELOAD_SLOTS]:
                 _preload_pairs(kernel, pairs, frag, mb, vs, ahead)
         for j, vs in enumerate(slot_vs):
-            _slot_open(lines, slot_bytes, bar)
-            for v in vs:
+            if defer:  # the slot is written and stored by the next tile's main loop
+                box = []
+                _slot_open(box, slot_bytes, bar)
+                box += [_stsm_store(lay, r0, c0, j, [f"dpk_{mb}_{v // 2}" for v in g])
+                        for g, r0, c0 in _stsm_groups(frag, vs)]
+                _slot_close(box, bar, f"d_col_base + {j * STORE_SPAN}", f"d_row_base + {mb * 64}", batch="d_batch")
+                early["defer"]["boxes"].append(box)
+            else:
+                _slot_open(lines, slot_bytes, bar)
+                lines.append("  unsigned pk0, pk1, pk2, pk3;")
+            for q, v, group in ((q, v, g) for g in _stsm_groups(frag, vs) for q, v in enumerate(g[0])):
                 r, cc = frag(0, v)  # offsets relative to thread 0's element
                 _pair_open(lines, problem, mb, r, cc, guarded)
                 if full:  # the pair (n, n + 1) is one pairwise element's two outputs
@@ -913,13 +949,18 @@ def _epilogue_code_tma(problem: GemmProblem, sched: GemmSchedule, kernel: ir.Ker
                              f"((unsigned){cexpr.to_storage(dtype, x1)} << 16);")
                 if guarded:
                     lines.append("    }")
-                lines.append(f"    tf_sts32(slot + 2 * ({_slot_offset(lay, frag, v, j)}), packed);")
+                lines.append(f"    {f'dpk_{mb}_{v // 2}' if defer else f'pk{q}'} = packed;")
                 lines.append("  }")
+                if q == 3 and not defer:
+                    lines.append(_stsm_store(lay, group[1], group[2], j))
             if preload and not mainloop and j + PRELOAD_SLOTS < len(slot_vs):
                 _preload_pairs(kernel, pairs, frag, mb, slot_vs[j + PRELOAD_SLOTS], lines)
-            _slot_close(lines, bar, f"col_base + {j * STORE_SPAN}", f"row_base + {mb * 64}")
+            if not defer:
+                _slot_close(lines, bar, f"col_base + {j * STORE_SPAN}", f"row_base + {mb * 64}")
         if preload and not mainloop:
             lines.append("}")
+    if defer:
+        lines.append("d_row_base = row_base; d_col_base = col_base; d_batch = batch; pending = true;")
     return lines
 
 
@@ -946,6 +987,61 @@ def _slot_pairs(frag, bn: int) -> list[list[int]]:
             for j in range(bn // STORE_SPAN)]
 
 
+def _stsm_groups(frag, vs: list[int]) -> list[tuple[list[int], int, int]]:
+    """A slot's register pairs in fours that one stmatrix.x4 stores: pairs q = 0..3 of a group
+    cover, across a warp, the 8x8 blocks at (r0 + 8 (q & 1), c0 + 8 (q >> 1)) from thread 0's
+    element (rows and 16-bit columns), each lane holding the two values at (lane / 4, 2 (lane % 4))
+    of each block: stmatrix's fragment. Returns (pairs, r0, c0) per group."""
+    if len(vs) % 4:
+        raise GemmError(f"{len(vs)} register pairs in a slot do not make whole stmatrix.x4 groups")
+    out = []
+    for i in range(0, len(vs), 4):
+        group = vs[i:i + 4]
+        r0, c0 = frag(0, group[0])
+        want = [(r0 + 8 * (q & 1), c0 + 8 * (q >> 1)) for q in range(4)]
+        if [frag(0, v) for v in group] != want:
+            raise GemmError(f"register pairs {group} are not the four 8x8 blocks of one stmatrix.x4")
+        out.append((group, r0, c0))
+    return out
+
+
+def _stsm_coords(frag) -> list[str]:
+    """Each lane's row and column for stmatrix.x4's addresses: lane L gives row L % 8 of block
+    L / 8 of its group, i.e. (relative to the group's first block) thread 4 (L % 8) of its warp's
+    first element, moved by block L / 8's offset (8 rows for odd blocks, 8 columns for the
+    last two)."""
+    row, col = cgen.c_tv_coords(frag, "sm_src", 0)
+    return ["const int sm_src = (tid & ~31) | ((tid & 7) << 2);",
+            f"const int sm_row = {row} + ((tid >> 3) & 1) * 8;",
+            f"const int sm_col = {col} + ((tid >> 4) & 1) * 8;"]
+
+
+def _stsm_store(lay, r0: int, c0: int, j: int, regs=("pk0", "pk1", "pk2", "pk3")) -> str:
+    """The stmatrix.x4 of one group (_stsm_groups) into slot j, its four packed pairs `regs`."""
+    off = cgen.c_index(lay, (f"sm_row + {r0}", f"sm_col + {c0 - j * STORE_SPAN}"), shifts=True)
+    return f"  tf_stsm4(slot + 2 * ({off}), {', '.join(regs)});"
+
+
+def defers_stores(problem: GemmProblem, sched: GemmSchedule, kernel: ir.Kernel) -> bool:
+    """Whether the TMA-store epilogue leaves its slots to the next tile's main loop: it packs
+    the tile's results into registers (half the accumulators' count), and the next tile writes
+    them to the slots and stores them, one slot per K step, under its first MMAs (the last tile
+    right after its loop). The epilogue's slot waits, barriers and shared-memory writes cost
+    ~2000 cycles a tile per warpgroup, 3% of a 128x256x4096 tile, with the tensor cores idle
+    (clock64, s15). Whole-tile persistent loops only (not split-K, stream-K or ping-pong), and
+    not where registers or slots already carry residual words across the main loop. Where it
+    does not apply, render ignores the knob (the kernel is the one without it)."""
+    if not sched.defer_stores or sched.split_k > 1 or sched.stream_k or sched.pingpong:
+        return False
+    store_dt = _tma_store_dtype(problem, sched, kernel)
+    if store_dt is None or tma_residual(problem, sched, kernel) is not None:
+        return False
+    body = epi.inner_body(kernel)
+    if epi.is_pairwise(kernel) and not _full_pair_store(kernel, body):
+        return False
+    return not _pair_loads(kernel, body, tma_store=True)
+
+
 def _residual_slots(problem, sched, kernel, dtype, frag, guarded, bar, res_load) -> list[str]:
     """The slots of _epilogue_code_tma when TMA has loaded the residual into them (tma_residual)."""
     body = epi.inner_body(kernel)
@@ -960,10 +1056,12 @@ def _residual_slots(problem, sched, kernel, dtype, frag, guarded, bar, res_load)
             lines.append(f"  const unsigned slot = stage_out + {(mb * len(slot_vs) + j) * slot_bytes};")
             # the slot's words all read first: each read waits on the one store before it
             # (both are volatile), so read between the stores, each would wait its latency
-            offs = [_slot_offset(lay, frag, v, j) for v in vs]
-            for i, off in enumerate(offs):
-                lines.append(f"  const unsigned res_w{i} = tf_lds32(slot + 2 * ({off}));")
-            for i, v in enumerate(vs):
+            groups = _stsm_groups(frag, vs)
+            order = [v for g in groups for v in g[0]]
+            for i, v in enumerate(order):
+                lines.append(f"  const unsigned res_w{i} = tf_lds32(slot + 2 * ({_slot_offset(lay, frag, v, j)}));")
+            lines.append("  unsigned pk0, pk1, pk2, pk3;")
+            for i, v in enumerate(order):
                 r, cc = frag(0, v)  # offsets relative to thread 0's element
                 _pair_open(lines, problem, mb, r, cc, guarded)
                 halves = [{res_load.dst: f"(unsigned short)(res_w{i} {part})"} for part in ("& 0xFFFFu", ">> 16")]
@@ -973,8 +1071,10 @@ def _residual_slots(problem, sched, kernel, dtype, frag, guarded, bar, res_load)
                              f"((unsigned){cexpr.to_storage(dtype, vals[1][1])} << 16);")
                 if guarded:
                     lines.append("    }")
-                lines.append(f"    tf_sts32(slot + 2 * ({offs[i]}), packed);")
+                lines.append(f"    pk{i % 4} = packed;")
                 lines.append("  }")
+                if i % 4 == 3:
+                    lines.append(_stsm_store(lay, groups[i // 4][1], groups[i // 4][2], j))
             _slot_close(lines, bar, f"col_base + {j * STORE_SPAN}", f"row_base + {mb * 64}", turn=False)
     return lines
 
@@ -1042,12 +1142,12 @@ def _slot_open(lines: list, slot_bytes: int, bar: str):
     lines.append(f"  {bar}")
 
 
-def _slot_close(lines: list, bar: str, col: str, row: str, turn: bool = True):
+def _slot_close(lines: list, bar: str, col: str, row: str, turn: bool = True, batch: str = "batch"):
     """Close a filled slot: make the writes visible to TMA, sync, thread 0 stores it at (col, row);
     then (turn) the next slot is the other one."""
     lines.append("  tf_fence_async_smem();")
     lines.append(f"  {bar}")
-    lines.append(f"  if (tid == 0) {{ tf_tma_store(&c_map, slot, {col}, {row}, batch); tf_bulk_commit(); }}")
+    lines.append(f"  if (tid == 0) {{ tf_tma_store(&c_map, slot, {col}, {row}, {batch}); tf_bulk_commit(); }}")
     if turn:
         lines.append("  ep_slot ^= 1;")
     lines.append("}")
@@ -1505,7 +1605,8 @@ def kernel_name(problem: GemmProblem, sched: GemmSchedule, kernel: ir.Kernel) ->
             f"{f'm{sched.cluster_m}' if sched.cluster_m > 1 else ''}{f'n{sched.cluster_n}' if sched.cluster_n > 1 else ''}"
             f"{'' if sched.tma_store else 'd'}"
             f"{'p' if sched.pingpong else ''}{f'k{sched.split_k}' if sched.split_k > 1 else ''}"
-            f"{f'sk{sched.stream_k}' if sched.stream_k else ''}{'r' if sched.tma_loads else ''}_{h}")
+            f"{f'sk{sched.stream_k}' if sched.stream_k else ''}{'r' if sched.tma_loads else ''}"
+            f"{'l' if sched.defer_stores else ''}_{h}")
 
 
 def render(problem: GemmProblem, sched: GemmSchedule | None = None) -> GemmSource:
@@ -1527,6 +1628,8 @@ def render(problem: GemmProblem, sched: GemmSchedule | None = None) -> GemmSourc
     res_load = tma_residual(problem, sched, kernel)
     if sched.tma_loads and res_load is None:  # nothing TMA can load here: the kernel without
         sched = replace(sched, tma_loads=False)
+    if sched.defer_stores and not defers_stores(problem, sched, kernel):  # likewise
+        sched = replace(sched, defer_stores=False)
     staging = _store_staging_bytes(sched) if store_dt else 0
     if smem + staging > SMEM_LIMIT:  # no room for the store slots: store straight from registers
         store_dt, staging = None, 0
@@ -1642,6 +1745,20 @@ def render(problem: GemmProblem, sched: GemmSchedule | None = None) -> GemmSourc
     if pw is not None:  # (the element code, if any, has bound frag_row and frag_col)
         lines += _partials_code(problem, sched, kernel, frag_coords=not lines)
     decl_early = "\n".join("      " + x for x in early["decl"])
+    defer = early.get("defer")
+    defer_decl = defer_loop = defer_after = defer_flush = ""
+    if defer:  # (defers_stores) slot b of the last tile at K step b, those past the loop after it
+        boxes = defer["boxes"]
+        defer_decl = "\n" + "\n".join("    " + x for x in defer["decl"])
+        defer_peel = min(len(boxes), k_iters)
+        defer_loop = ("        if (pending) {\n" + "".join(
+            f"          {'if' if b == 0 else '} else if'} (kt == {b}) {{\n" + "\n".join("          " + x for x in box) + "\n"
+            for b, box in enumerate(boxes[:defer_peel])) + "          }\n        }\n")
+        late = [x for b, box in enumerate(boxes) if b >= k_iters for x in box]
+        defer_after = ("      if (pending) {\n" + "\n".join("      " + x for x in late) + "\n      }\n" if late else "") \
+            + "      pending = false;\n"
+        defer_flush = ("    if (pending) {  // the last tile's slots\n" + "\n".join("    " + x for b in boxes for x in b)
+                       + "\n    }\n")
     loads_early = "\n".join(_early_loads(early, k_iters, row_offset))
     res_init = res_state = ""
     if res_load is not None:  # the residual's TMA loads, issued from the main loop's third K step
@@ -1739,7 +1856,7 @@ extern "C" __global__ void __launch_bounds__({S.threads}, 1)
     const int c = wg - 1;
     const int tid = threadIdx.x % 128;
     const unsigned stage_out = staging + c * {staging // S.consumers};
-    unsigned ep_slot = 0;{res_state}
+    unsigned ep_slot = 0;{res_state}{defer_decl}
 {loop_head}
       int batch, tm, tn;
       tf_tile_coords(t, batch, tm, tn);
@@ -1751,35 +1868,37 @@ extern "C" __global__ void __launch_bounds__({S.threads}, 1)
         for (int j = 0; j < {S.bn // 2}; ++j) acc[i][j] = 0.f;
       int prev = -1;
 {decl_early}
-{turn_wait}
-      for ({k_range}) {{
-{loads_early}
+{turn_wait}""")
+    step_head = f"""{loads_early}
         tf_bar_wait(bars + 8 * stage, phase);
         const unsigned sa = base + stage * STAGE_BYTES{a_offset}, sb = base + stage * STAGE_BYTES + A_BYTES;
         tf_wgmma_fence();
-""")
-    for kk, (ka, kb) in enumerate(zip(a.k_offsets, b.k_offsets)):
-        for mb in range(mb_count):
-            w(f"        tf_wgmma(acc[{mb}], DESC_A | ((tf_u64)((sa + {mb * a.mn_stride + ka}) & 0x3FFFF) >> 4), "
-              f"DESC_B | ((tf_u64)((sb + {kb}) & 0x3FFFF) >> 4));")
+""" + "".join(f"        tf_wgmma(acc[{mb}], DESC_A | ((tf_u64)((sa + {mb * a.mn_stride + ka}) & 0x3FFFF) >> 4), "
+              f"DESC_B | ((tf_u64)((sb + {kb}) & 0x3FFFF) >> 4));\n"
+              for ka, kb in zip(a.k_offsets, b.k_offsets) for mb in range(mb_count)) + "        tf_wgmma_commit();\n"
     if CL == 1:
         release = "if (prev >= 0 && tid == 0) tf_bar_arrive(bars + 8 * (STAGES + prev));"
     else:  # the stage is refilled by multicast from both CTAs: release it in both
         release = ("if (prev >= 0 && tid < CLUSTER) tf_bar_arrive_cta(bars + 8 * (STAGES + prev), tid);")
-    w(f"""        tf_wgmma_commit();
-        tf_wgmma_wait<1>();
+    step_tail = f"""        tf_wgmma_wait<1>();
         {release}
         prev = stage;
         if (++stage == STAGES) {{ stage = 0; phase ^= 1; }}
       }}
-{turn_pass}
+"""
+    if defer_loop:  # the first K steps peeled (unrolled), each writing its slot of the last tile
+        w(f"      #pragma unroll\n      for (int kt = 0; kt < {defer_peel}; ++kt) {{\n" + step_head + defer_loop + step_tail
+          + f"      for (int kt = {defer_peel}; kt < K_ITERS; ++kt) {{\n" + step_head + step_tail)
+    else:
+        w(f"      for ({k_range}) {{\n" + step_head + step_tail)
+    w(f"""{turn_pass}
       tf_wgmma_wait<0>();
       {release}
-{_split_fixup(S, mb_count) if split > 1 else _stream_k_fixup(S, mb_count) if S.stream_k else ""}      const int row_base = tm * BM{row_offset};
+{defer_after}{_split_fixup(S, mb_count) if split > 1 else _stream_k_fixup(S, mb_count) if S.stream_k else ""}      const int row_base = tm * BM{row_offset};
       const int col_base = tn * BN;""")
     for line in lines:
         w("      " + line)
-    w("""    }""" + ("""
+    w("""    }""" + ("\n" + defer_flush.rstrip("\n") if defer_flush else "") + ("""
     if (tid == 0) tf_bulk_wait_read<0>();  // the slots must outlive the stores that read them""" if store_dt else "")
       + """
   }""" + ("""

@@ -31,6 +31,8 @@ knob added to the template is searched or carried without editing this file. Can
   where the tiles make at least a wave and not a whole number of waves (else it cuts nothing).
 - tma_loads (the residual by TMA into the store slots) only where `gemm_sm90.tma_residual`
   says it applies: a residual epilogue with room for the slots beside this ring.
+- defer_stores (the TMA-store slots written under the next tile's MMAs) only where
+  `gemm_sm90.defers_stores` says it applies.
 - pingpong stays off: on an H100 its 128x128 tiles ran 2-7% slower than the cooperative
   128x256 at every plain and fused shape measured (bench/LOG_gemm.md, session 6), so the
   search does not spend its time there.
@@ -167,6 +169,12 @@ def space(task: GemmTask, arch: str = "sm_90a") -> Space:
             try:
                 if g.tma_residual(p, sched(k), p.out_epilogue) is None:
                     return False  # no residual TMA can bring into the slots here: the kernel without the knob
+            except g.GemmError:
+                return False
+        if k.get("defer_stores"):
+            try:
+                if not g.defers_stores(p, sched(k), p.out_epilogue):
+                    return False  # nothing to defer here: the kernel without the knob
             except g.GemmError:
                 return False
         return True
