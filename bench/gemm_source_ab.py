@@ -13,9 +13,9 @@ then, in this tree on the GPU:
     python3 bench/ncu_table.py run.csv --labels "$(cat labels.txt)" --sep ' '
 
 Each case is M,N,K[,epilogue] with epilogue one of plain (default), residual, gelu (bias+GELU),
-rowscale. Both kernels are compiled from their own source with this tree's launcher (the old
-source must take the same parameters), run on the same random inputs, and must give the same
-bits before they are timed. Labels go to $OUT/labels.txt (or ./labels.txt), space-separated.
+rowscale, swiglu (N the interleaved gate/up width). Both kernels are compiled from their own
+source with this tree's launcher (the old source must take the same parameters), run on the
+same random inputs, and must give the same bits before they are timed. Labels go to $OUT/labels.txt (or ./labels.txt), space-separated.
 """
 import dataclasses
 import json
@@ -34,7 +34,8 @@ def problem(case: str) -> g.GemmProblem:
     kind = rest[0] if rest else "plain"
     ep = {"plain": None, "residual": lambda: epi.standard(m, n, "bf16", residual=True),
           "gelu": lambda: epi.standard(m, n, "bf16", bias="col", activation="gelu"),
-          "rowscale": lambda: epi.standard(m, n, "bf16", row_scale=True)}[kind]
+          "rowscale": lambda: epi.standard(m, n, "bf16", row_scale=True),
+          "swiglu": lambda: epi.glu(m, n, "bf16")}[kind]
     return g.GemmProblem(m, n, k, epilogue=ep() if ep else None)
 
 

@@ -713,7 +713,7 @@ def test_deferred_stores_name_the_kernel_and_compile_clean():
 
 def test_default_defers_stores_only_where_a_cta_has_a_next_tile():
     """One tile per CTA (512x4096x4096: 128 tiles of 128x128 on 132 SMs) stores in place:
-    deferring left every store to after the loop and ran 0.5% slower (ncu, s15); many tiles
+    deferring left every store to after the loop and ran 0.6% slower (ncu, s15); many tiles
     per CTA defer."""
     assert not g.default_schedule(g.GemmProblem(512, 4096, 4096)).defer_stores
     assert g.default_schedule(g.GemmProblem(8192, 4096, 4096)).defer_stores

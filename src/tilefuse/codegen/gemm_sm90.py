@@ -179,7 +179,7 @@ class GemmSchedule:
 def default_schedule(problem: GemmProblem, sms: int = 132) -> GemmSchedule:
     """A heuristic pick until the tuner has one (_heuristic_schedule); stores deferred to the
     next tile (defers_stores) only where some CTA has a next tile: at 512x4096x4096 (128
-    tiles, one per CTA) deferring was 0.5% slower under ncu, every store left to after the
+    tiles, one per CTA) deferring was 0.6% slower under ncu, every store left to after the
     loop (s15)."""
     s = _heuristic_schedule(problem, sms)
     if -(-problem.m // s.bm) * -(-problem.n // s.bn) * problem.batch <= sms:
