@@ -875,7 +875,11 @@ def _epilogue_code_tma(problem: GemmProblem, sched: GemmSchedule, kernel: ir.Ker
     full = _full_pair_store(kernel, body)
     if epi.is_pairwise(kernel) and not full:
         return lines + _pairwise_tma_slots(problem, sched, kernel, dtype, frag, guarded, bar)
-    lines += _stsm_coords(frag)
+    # deferred (render has kept the knob only where defers_stores holds), the main loop writes
+    # the slots: the lanes' stmatrix coordinates go before it, with the packed registers
+    defer = early is not None and sched.defer_stores
+    if not defer:
+        lines += _stsm_coords(frag)
     if res_load is not None:
         return lines + _residual_slots(problem, sched, kernel, dtype, frag, guarded, bar, res_load)
     pairs = _pair_loads(kernel, body, tma_store=True)
@@ -898,10 +902,8 @@ def _epilogue_code_tma(problem: GemmProblem, sched: GemmSchedule, kernel: ir.Ker
                     group = []
                     _preload_pairs(kernel, pairs, frag, mb, [v], group)
                     early["groups"].append(group)
-    defer = early is not None and defers_stores(problem, sched, kernel)
-    if defer:  # (the main loop writes the slots: the lanes' stmatrix coordinates go before it)
+    if defer:
         regs = [f"dpk_{mb}_{v // 2}" for mb in range(mb_count) for v in range(0, frag.values, 2)]
-        lines = [x for x in lines if x not in _stsm_coords(frag)]
         early["defer"] = {"decl": _stsm_coords(frag) + ["unsigned " + ", ".join(regs) + ";",
                                                         "int d_row_base = 0, d_col_base = 0, d_batch = 0;",
                                                         "bool pending = false;"],
