@@ -2,6 +2,7 @@
 tensors, next to the program itself and torch.compile.
 
     python3 bench/program_schedules.py rmsnorm:32768x256 --json FILE [--rounds 7] [--placements 2]
+    python3 bench/program_schedules.py layernorm:32768x256 --schedules layernorm --both-moments --rounds 5
     ncu --clock-control none --profile-from-start off --csv --metrics gpu__time_duration.sum,\\
         dram__bytes_read.sum,dram__bytes_write.sum python3 bench/program_schedules.py \\
         rmsnorm:32768x256 --ncu
@@ -24,6 +25,7 @@ import argparse
 import json
 import statistics
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -43,6 +45,25 @@ def short_row_schedules() -> list[S]:
             S(threads=512, group=32, vector=8, min_blocks=4), S(threads=128, group=16, vector=8, min_blocks=16),
             S(threads=256, group=16, vector=8, min_blocks=8), S(threads=1024, group=16, vector=8, min_blocks=2),
             S(threads=256, group=8, vector=8, min_blocks=3), S(threads=256, group=32, vector=8, stage="smem", min_blocks=8)]
+
+
+def grid_schedules() -> list[S]:
+    """Short rows: stage x threads per row (8, 16, 32) x threads per CTA (64-256) x a 32- or
+    64-register cap."""
+    return [S(threads=t, group=g, vector=8, stage=st, min_blocks=max(1, min(32, 65536 // (t * regs))))
+            for st in ("regs", "smem") for g in (8, 16, 32) for t in (64, 128, 256) for regs in (32, 64)]
+
+
+def layernorm_schedules() -> list[S]:
+    """LayerNorm's short rows: the layouts the grid found near the top, and the defaults."""
+    return [S(threads=256, group=8, vector=8, min_blocks=3), S(threads=128, group=16, vector=8, min_blocks=8),
+            S(threads=64, group=16, vector=8, min_blocks=16), S(threads=64, group=8, vector=8, stage="smem", min_blocks=16),
+            S(threads=256, group=32, vector=8, min_blocks=8), S(threads=128, group=32, vector=8, min_blocks=16),
+            S(threads=256, group=16, vector=8, min_blocks=4), S(threads=256, group=32, vector=8, min_blocks=3),
+            S(threads=128, group=32, vector=8, min_blocks=8), S(threads=256, group=16, vector=8, min_blocks=3)]
+
+
+SCHEDULE_SETS = {"grid": grid_schedules, "layernorm": layernorm_schedules}
 
 
 def long_row_schedules() -> list[S]:
@@ -121,12 +142,19 @@ def main() -> None:
     ap.add_argument("--placements", type=int, default=2)
     ap.add_argument("--ncu", action="store_true", help="each row twice inside cudaProfilerStart/Stop")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--schedules", choices=["auto", *SCHEDULE_SETS], default="auto",
+                    help="the schedules tried besides the program's: auto (short or long rows' list), or a named set")
+    ap.add_argument("--both-moments", action="store_true",
+                    help="each schedule with merged and with two-pass (count, mean, M2) (MapReduceSchedule.two_pass)")
     args = ap.parse_args()
     results = []
     for case in args.cases:
         name, shape = case.split(":")
         R, C = (int(v) for v in shape.split("x"))
-        extra = short_row_schedules() if C <= 1024 else long_row_schedules()
+        extra = (SCHEDULE_SETS[args.schedules]() if args.schedules != "auto"
+                 else short_row_schedules() if C <= 1024 else long_row_schedules())
+        if args.both_moments:
+            extra = [replace(s, two_pass=tp) for s in extra for tp in (True, False)]
         calls, regs = rows_for(name, R, C, 1 if args.ncu else args.placements, extra)
         keys = list(calls)
         if args.ncu:

@@ -205,9 +205,9 @@ def test_rows_up_to_64k_with_one_exchange_and_no_column_vector_stay_in_one_cta()
 def test_short_rows_of_a_plain_norm_stay_in_registers():
     """RMSNorm, add+RMSNorm and LayerNorm rows of 256 bf16 columns in registers, the plain
     norms at a chunk per thread for each row stream (RMSNorm a warp per row, add+RMSNorm half
-    a warp), LayerNorm at four chunks per thread (its merge wants fewer lanes); softmax and
+    a warp), LayerNorm at two chunks per thread (its merge wants fewer lanes); softmax and
     cross-entropy (the online pass) staged in shared memory."""
-    for name, stage, group in [("rmsnorm", "regs", 32), ("add_rmsnorm", "regs", 16), ("layernorm", "regs", 8),
+    for name, stage, group in [("rmsnorm", "regs", 32), ("add_rmsnorm", "regs", 16), ("layernorm", "regs", 16),
                                ("softmax", "smem", 8), ("cross_entropy", "smem", 8)]:
         s = default_schedule(fx.BUILDERS[name](32768, 256, "bf16"), "sm_90a")
         assert (s.stage, s.group) == (stage, group), (name, s)

@@ -117,6 +117,8 @@ SCHEDULES = [
     None,
     MapReduceSchedule(threads=256, group=4, vector=8),                                  # sub-warp rows, masked
     MapReduceSchedule(threads=256, group=32, vector=8, min_blocks=3),                   # a warp per row
+    MapReduceSchedule(threads=256, group=4, vector=8, two_pass=True),                   # the same, two passes
+    MapReduceSchedule(threads=256, group=32, vector=8, min_blocks=3, two_pass=True),
     MapReduceSchedule(threads=128, group=128, vector=8, stage="smem", min_blocks=12),   # masked tail
     MapReduceSchedule(threads=256, group=256, vector=8, stage="stream", unroll=2),
     MapReduceSchedule(threads=128, group=128, vector=8, cluster=2),                     # registers, cluster
@@ -141,12 +143,18 @@ def test_layernorm_schedules_compile_without_spills(sched, shape, dtype, arch):
     assert cubin.info.registers > 0, cubin.log
     assert cubin.info.clean, (src.schedule, cubin.info)
     body = _body(src)
-    assert "tf_var_merge" in body
-    # one pass over the row before the output pass (+ the staging loop, where staged)
-    staging = src.schedule.stage in ("smem", "regs") and src.schedule.vector > 1
-    assert body.count("for (int j = 0;") == 2 + staging, src.schedule
+    sch = src.schedule
+    two = sch.two_pass and sch.group <= 32 and sch.cluster == 1 and sch.stage in ("regs", "smem")
+    # a row a warp holds takes two passes and two butterflies; any other, one pass and merges
+    assert ("tf_var_merge" in body) == (not two), sch
+    assert ("pass 2: about the base" in body) == two, sch
+    # the passes over the row before the output pass (+ the staging loop, where staged)
+    staging = sch.stage in ("smem", "regs") and sch.vector > 1
+    assert body.count("for (int j = 0;") == 2 + two + staging, sch
     clustered = src.cluster[0] > 1  # warp 0 merges the CTAs' partials, then a barrier hands them out
-    assert body.count("__syncthreads();") == (1 if 32 < src.schedule.group else 0) + clustered
+    wpr = sch.group // 32  # a CTA of one row, 16+ warps: warp 0 merges their partials, a barrier hands them out
+    warp_tree = wpr >= 16 and sch.rows_per_cta == 1 and wpr & (wpr - 1) == 0 and not clustered
+    assert body.count("__syncthreads();") == (1 if 32 < sch.group else 0) + clustered + warp_tree
     assert body.count("tf_cluster_sync();") == clustered
 
 
@@ -230,7 +238,8 @@ def _row_moments(x, group, ctas, V):
     `ctas` CTAs computes them: chunk q of the row to thread q % P, each thread's chunks in
     order, a shuffle tree over each warp's (or sub-warp's) lanes down to its first lane
     (lane i merges lane i + o, lower first), then the warps' partials in order (in a
-    cluster: a tree in warp order), then a tree over the CTAs' (rank order). Where every thread holds as many values (no masked chunk) the merges take the
+    CTA of one row with 16+ warps, a power of two of them: a tree in warp order), then a tree
+    over the CTAs' (rank order). Where every thread holds as many values (no masked chunk) the merges take the
     kernels' constant weights."""
     C, P = len(x), group * ctas
     nq = -(-C // V)
@@ -261,20 +270,62 @@ def _row_moments(x, group, ctas, V):
     warps = [tree(st[w:w + lanes], per_thread) for w in range(0, P, lanes)]  # each warp's (sub-warp's) tree
     per_warp = per_thread and per_thread * lanes
     wpc = max(1, group // 32)
-    merge_warps = tree if ctas > 1 and wpc & (wpc - 1) == 0 else gather  # warp 0's tree in a cluster
+    # warp 0's tree in a cluster or a CTA of 16+ warps (one row per CTA here), else in order
+    merge_warps = tree if wpc & (wpc - 1) == 0 and (ctas > 1 or wpc >= 16) else gather
     ctas_p = [merge_warps(warps[c * wpc:(c + 1) * wpc], per_warp) for c in range(ctas)]
     n, k, u, m2 = tree(ctas_p, per_thread and per_thread * group) if ctas > 1 else ctas_p[0]
     n = f32(C) if full else n
     return _fma(n, k, f32(n * u)), (n, k, u, m2)
 
 
-def _mirror_layernorm(x, w, b, eps, group, ctas, V):
+def _two_pass_moments(x, group, V):
+    """(sum, (n, k, u, m2)) of one row as a kernel with `group` <= 32 threads per row in
+    its two-pass form computes them (mapreduce._emit_two_pass): chunk q to thread q % group;
+    each thread sums its chunks' values in order; a butterfly (lane i adds lane i ^ o, o =
+    group / 2 .. 1: every lane ends with the same sum); k = sum * f32(1 / C); the second pass
+    sums e = y - k and e^2 (an FMA) in the same order; a butterfly of both; u = T / C (times
+    the exact reciprocal where C is a power of two), M2 = max(0, Q - T u)."""
+    C = len(x)
+    nq = -(-C // V)
+    vals = [[v for q in range(p, nq, group) for v in x[q * V:(q + 1) * V]] for p in range(group)]
+
+    def butterfly(parts):
+        o = group // 2
+        while o:
+            parts = [f32(parts[i] + parts[i ^ o]) for i in range(group)]
+            o //= 2
+        return parts
+
+    s = []
+    for vs in vals:
+        a = f32(0)
+        for v in vs:
+            a = f32(a + v)
+        s.append(a)
+    k = f32(butterfly(s)[0] * f32(1 / C))
+    t, q = [], []
+    for vs in vals:
+        a = b = f32(0)
+        for v in vs:
+            e = f32(v - k)
+            a = f32(a + e)
+            b = _fma(e, e, b)
+        t.append(a)
+        q.append(b)
+    T, Q = butterfly(t)[0], butterfly(q)[0]
+    u = f32(T * f32(1 / C)) if C & (C - 1) == 0 else f32(T / f32(C))
+    m2 = max(f32(0), f32(Q - f32(T * u)))
+    n = f32(C)
+    return _fma(n, k, f32(n * u)), (n, k, u, m2)
+
+
+def _mirror_layernorm(x, w, b, eps, group, ctas, V, two_pass=False):
     """The kernel's LayerNorm in float32: mean = sum / C as k + u rounded once, the squares
-    about it from the merged state, then (x - mean) * rstd * w + b."""
+    about it from the merged state (or the two-pass one), then (x - mean) * rstd * w + b."""
     C = x.shape[1]
     out = np.empty(x.shape, np.float32)
     for r in range(x.shape[0]):
-        _, (n, k, u, m2) = _row_moments(x[r], group, ctas, V)
+        _, (n, k, u, m2) = _two_pass_moments(x[r], group, V) if two_pass else _row_moments(x[r], group, ctas, V)
         mean = f32(k + u)
         dm = f32(f32(k - mean) + u)
         var = f32(f32(m2 + f32(f32(f32(C) * dm) * dm)) / f32(C))
@@ -338,19 +389,52 @@ def test_merged_moments_keep_float32_accuracy_on_adversarial_rows(group, ctas, V
     assert abs(shifted - M2) > 4 * abs(np.float64(merged) - M2)
 
 
+TWO_PASS_LAYOUTS = [(8, 8, 256), (16, 8, 256), (32, 8, 256), (32, 8, 1000), (4, 8, 136), (32, 4, 2048),
+                    (1, 8, 64), (32, 1, 777)]  # (group, V, C): a warp or less per row, full and masked
+
+
+@pytest.mark.parametrize("group,V,C", TWO_PASS_LAYOUTS, ids=lambda v: str(v))
+def test_two_pass_moments_keep_float32_accuracy_on_adversarial_rows(group, V, C):
+    """The mirrored two-pass form's mean within 2 ulps of the exact one (plus a few ulps of
+    the row's spread), its M2 within 1e-5 relative, on every adversarial row (the first
+    pass's plain mean is off by its sum's rounding; the second pass takes that back out);
+    and that correction is needed: M2 taken as Q alone, about the plain mean, is further off
+    on the narrow row far from 0 than the corrected M2."""
+    rng = np.random.default_rng(C + 31 * group)
+    x = _adversarial_rows(C, rng)
+    for i, row in enumerate(x):
+        s, (n, k, u, m2) = _two_pass_moments(row, group, V)
+        exact = row.astype(np.float64)
+        mu, M2 = exact.mean(), ((exact - exact.mean()) ** 2).sum()
+        sigma = np.sqrt(M2 / C)
+        assert n == C
+        assert abs(np.float64(k) + np.float64(u) - mu) <= 2 * np.spacing(f32(abs(mu))) + 2.0**-21 * sigma, (i, k + u, mu)
+        assert abs(np.float64(s) - exact.sum()) <= 2 * np.spacing(f32(abs(exact.sum()))) + 2.0**-21 * sigma * C, i
+        assert abs(np.float64(m2) - M2) <= 1e-5 * M2 + 1e-30, (i, m2, M2)
+    narrow = x[3].astype(np.float64)
+    k = _two_pass_moments(x[3], group, V)[1][1]
+    uncorrected = ((narrow - np.float64(k)) ** 2).sum()  # Q exactly: M2 + C (k - mean)^2
+    exact = ((narrow - narrow.mean()) ** 2).sum()
+    assert abs(uncorrected - exact) > abs(np.float64(_two_pass_moments(x[3], group, V)[1][3]) - exact)
+
+
 @pytest.mark.parametrize("dtype", ["f32", "bf16"])
-@pytest.mark.parametrize("group,ctas,V,C", [(128, 8, 8, 65536), (256, 1, 8, 4000), (4, 1, 8, 136), (512, 1, 1, 4097)],
-                         ids=lambda v: str(v))
-def test_mirrored_layernorm_meets_the_2x_rule_row_by_row(group, ctas, V, C, dtype):
+@pytest.mark.parametrize("group,ctas,V,C,two_pass",
+                         [(128, 8, 8, 65536, False), (256, 1, 8, 4000, False), (4, 1, 8, 136, False),
+                          (512, 1, 1, 4097, False), (8, 1, 8, 256, True), (32, 1, 8, 1000, True), (4, 1, 8, 136, True),
+                          (32, 1, 4, 2048, True)], ids=lambda v: str(v))
+def test_mirrored_layernorm_meets_the_2x_rule_row_by_row(group, ctas, V, C, two_pass, dtype):
     """DESIGN.md's rule on each adversarial row alone: max |ours - ref| <= 2 max |torch -
     ref| + 1e-6 max(1, |ref|), ref being float64 PyTorch, torch PyTorch's LayerNorm in the
-    inputs' dtype (CPU), ours the mirrored kernel rounded to that dtype."""
+    inputs' dtype (CPU), ours the mirrored kernel (merged or two-pass moments) rounded to
+    that dtype."""
     rng = np.random.default_rng(C * 7 + group)
     tdt = torch.float32 if dtype == "f32" else torch.bfloat16
     x = torch.from_numpy(_adversarial_rows(C, rng)).to(tdt)
     w = torch.randn(C).to(tdt)
     b = torch.randn(C).to(tdt)
-    ours = _mirror_layernorm(x.float().numpy(), w.float().numpy(), b.float().numpy(), 1e-5, group, ctas, V)
+    ours = _mirror_layernorm(x.float().numpy(), w.float().numpy(), b.float().numpy(), 1e-5, group, ctas, V,
+                             two_pass)
     ours = torch.from_numpy(ours).to(tdt).double()
     ref = F.layer_norm(x.double(), (C,), w.double(), b.double(), 1e-5)
     lowp = F.layer_norm(x, (C,), w, b, 1e-5).double()
@@ -366,13 +450,14 @@ def test_mirrored_layernorm_meets_the_2x_rule_row_by_row(group, ctas, V, C, dtyp
 def test_long_layernorm_rows_take_the_one_exchange_cluster_shape():
     """With one (count, mean, M2) exchange, LayerNorm at 65536 bf16 columns takes a cluster of
     4 CTAs of 256 threads (H100 kernel bench: 369.7 us, against 440.1 for RMSNorm's 128 x 8
-    and 383.4 for 512 x 2, same run); its short rows stay in registers, 8 lanes per row at
-    256 columns (RMSNorm's take a warp); rows of 4096 and 8192 one CTA each."""
+    and 383.4 for 512 x 2, same run); its short rows stay in registers, 16 lanes per row at
+    256 columns in CTAs of 128 threads (RMSNorm's take a warp); rows of 4096 and 8192 one
+    CTA each."""
     s = default_schedule(fx.layernorm_kernel(4096, 65536, "bf16"), "sm_90a")
     assert (s.threads, s.cluster, s.stage) == (256, 4, "smem"), s
     assert default_schedule(fx.rmsnorm_kernel(4096, 65536, "bf16"), "sm_90a").threads == 128
     short = default_schedule(fx.layernorm_kernel(32768, 256, "bf16"), "sm_90a")
-    assert (short.stage, short.group) == ("regs", 8), short
+    assert (short.stage, short.group, short.threads, short.min_blocks) == ("regs", 16, 128, 8), short
     # RMSNorm's plain exchange is cheap enough for one chunk per thread (a warp per row)
     short_rms = default_schedule(fx.rmsnorm_kernel(32768, 256, "bf16"), "sm_90a")
     assert (short_rms.stage, short_rms.group, short_rms.threads) == ("regs", 32, 256), short_rms

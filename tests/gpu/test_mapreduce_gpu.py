@@ -193,8 +193,12 @@ LAYERNORM_CASES = [
     ((9, 4096), None),   # one CTA per row, staged, full
     ((9, 4097), None),   # odd row: scalar chunks, masked
     ((9, 1000), MapReduceSchedule(threads=256, group=32, vector=8, min_blocks=3)),  # a warp per row, masked
+    ((9, 1000), MapReduceSchedule(threads=256, group=32, vector=8, min_blocks=3, two_pass=True)),  # two passes
     ((9, 136), MapReduceSchedule(threads=256, group=4, vector=8)),  # a sub-warp per row, masked
+    ((9, 136), MapReduceSchedule(threads=256, group=4, vector=8, two_pass=True)),
     ((9, 256), None),    # short rows in registers, full
+    ((9, 256), MapReduceSchedule(threads=256, group=8, vector=8, min_blocks=3, two_pass=True)),
+    ((9, 256), MapReduceSchedule(threads=128, group=16, vector=8, stage="smem", min_blocks=8, two_pass=True)),  # staged
     ((9, 4000), MapReduceSchedule(threads=256, group=256, vector=8, stage="stream", unroll=2)),
     ((6, 300001), None),  # a long odd row
 ]
@@ -237,10 +241,10 @@ def _check_rows(ex: fx.Example, ours: dict, floor: float = 1e-6) -> None:
 @pytest.mark.parametrize("shape,sched", LAYERNORM_CASES, ids=lambda v: str(v))
 @pytest.mark.parametrize("dtype", ["bf16", "f16", "f32"])
 def test_layernorm_one_pass_variance_on_adversarial_rows(dtype, shape, sched):
-    """LayerNorm's mean and variance from one pass and one (count, mean, M2) exchange, row by
-    row within 2x PyTorch's own error against float64, on rows far from 0, with outliers,
-    constant, and on every schedule family (clusters, CTAs, warps, sub-warps, streams,
-    masked tails, scalar chunks)."""
+    """LayerNorm's mean and variance from one pass and one (count, mean, M2) exchange (or,
+    where a warp or less holds the row, the two-pass form), row by row within 2x PyTorch's
+    own error against float64, on rows far from 0, with outliers, constant, and on every
+    schedule family (clusters, CTAs, warps, sub-warps, streams, masked tails, scalar chunks)."""
     ex = _adversarial_layernorm(*shape, dtype, seed=_seed("ln-adversarial", dtype, shape, str(sched)))
     _check_rows(ex, _run(ex, sched))
 

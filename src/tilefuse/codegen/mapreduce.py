@@ -60,6 +60,11 @@ class MapReduceSchedule:
     l2_hints:   L2 eviction priorities on the row's 16-byte reads: evict_last where a later
                 pass reads the row again (the stream stage re-reads it from L2), evict_first
                 on its last read, so rows read once make room for rows still to be re-read.
+    two_pass:   a row held by at most a warp, in registers or shared memory, makes its
+                (count, mean, M2) in two passes over the held values (a plain sum, then the
+                sums of y - sum / C and their squares: two butterflies) instead of merging
+                partials down a shuffle tree (fewer registers; on an H100 from 2% faster to
+                1.3% slower by layout, so a tuner's knob); elsewhere it changes nothing.
     """
 
     threads: int = 256
@@ -71,6 +76,7 @@ class MapReduceSchedule:
     min_blocks: int = 1
     pipeline: bool = False
     l2_hints: bool = False
+    two_pass: bool = False
 
     def __post_init__(self):
         if not 1 <= self.threads <= 1024 or self.threads % 32:
@@ -100,7 +106,8 @@ class MapReduceSchedule:
         return (f"mapreduce(threads={self.threads}, group={self.group}, rows/cta={self.rows_per_cta}, "
                 f"vector={self.vector}, cluster={self.cluster}, stage={self.stage}, "
                 f"unroll={self.unroll}, min_blocks={self.min_blocks}"
-                + (", pipeline" if self.pipeline else "") + (", l2 hints" if self.l2_hints else "") + ")")
+                + (", pipeline" if self.pipeline else "") + (", l2 hints" if self.l2_hints else "")
+                + (", two-pass moments" if self.two_pass else "") + ")")
 
 
 @dataclass(frozen=True)
@@ -349,6 +356,13 @@ def default_schedule(kernel: ir.Kernel, arch: str = "sm_90a", stage: str | None 
             return MapReduceSchedule(threads=512, group=512, vector=v, stage="stream", unroll=2, min_blocks=4,
                                      l2_hints=True)
         norm = kind == "norm" and n_ex == 1 and not online and len(row_streams) in (1, 2)
+        if norm and chunks <= 32 and len(row_streams) == 1 and _centred(kernel):
+            # LayerNorm's short rows: two chunks per thread, 128 threads, 8 CTAs per SM (a
+            # 64-register cap, no spills). H100, 32768 x 256 bf16, two runs each over two input
+            # sets (bench/results/s16/ln_sched_{grid,moments}_h100.json): 13.76 / 13.76 us against 14.26 / 14.48
+            # for the old 256 threads with 8 lanes per row, and 13.76-14.39 for the other
+            # layouts tried (a warp, 4 or 16 lanes per row; 64-256 threads; staged)
+            return MapReduceSchedule(threads=128, group=_pow2ceil(-(-chunks // 2)), vector=v, min_blocks=8)
         if norm and chunks <= 32 and not _centred(kernel):
             # a row of at most 32 chunks (<= 256 bf16 columns) of a norm with a plain exchange:
             # in registers, a chunk per thread for each row stream (RMSNorm: 1, the row one
@@ -358,7 +372,7 @@ def default_schedule(kernel: ir.Kernel, arch: str = "sm_90a", stage: str | None 
             # old group 8) and 12.86 / 13.36 / 12.96 at 2; add+RMSNorm 21.30 us against 22.08
             # staged (its old default) and 21.86 at 1 chunk per thread. With a (count, mean, M2)
             # exchange (LayerNorm) the merge's five levels cost more than the parallelism buys
-            # (14.51 against 14.32 us), so it keeps group 8
+            # (14.51 against 14.32 us): LayerNorm takes its own layout, above
             per = len(row_streams)
             words = staged_words(kernel, v) * per
             return MapReduceSchedule(threads=256, group=_pow2ceil(-(-chunks // per)), vector=v,
@@ -560,6 +574,7 @@ class _Ctx:
     reads_left: dict = field(default_factory=dict)  # stream key -> passes still to read it (l2_hints)
     var_state: dict = field(default_factory=dict)  # id(CentredSquares) -> its merged (n, k, u, m2)
     var_sums: dict = field(default_factory=dict)   # a CentredSquares' sum -> (it, its merged state)
+    var_phase: dict = field(default_factory=dict)  # id(CentredSquares) -> pass 1 or 2 of its two-pass form
 
     def c(self, ssa: str) -> str:
         return self.names[ssa]
@@ -843,7 +858,10 @@ def _emit_pass(ctx: _Ctx, em: _Emitter, blocks: list, accs: list):
         if isinstance(blk, OnlineLse):
             _emit_online_chunk(ctx, em, blk, acc)
         elif isinstance(blk, CentredSquares):
-            _emit_var_chunk(ctx, em, blk, acc)
+            if id(blk) in ctx.var_phase:
+                _emit_two_pass_chunk(ctx, em, blk, acc)
+            else:
+                _emit_var_chunk(ctx, em, blk, acc)
     for st in outs:
         nbytes = ctx.V * st.itemsize
         ptr = f"{_param(st.buf.name)} + b_{st.name} + c0"
@@ -1101,6 +1119,75 @@ def _emit_var_finish(ctx: _Ctx, em: _Emitter, cs: CentredSquares):
     em(f"const {ct} {name} = {m2} + {cexpr.const(float(cs.sq.extent), dt)} * {n}_dm * {n}_dm;")
 
 
+def _two_pass_applies(ctx: _Ctx, r: CentredSquares) -> bool:
+    """Whether `r` takes the two-pass form: the schedule asks for it, a warp or less holds
+    the row (two butterflies, no shared memory), and every value its y reads is held
+    (registers or shared memory), so the second pass reads nothing from global memory."""
+    sch = ctx.sched
+    if not (sch.two_pass and sch.group <= 32 and sch.cluster == 1 and sch.stage in ("regs", "smem")):
+        return False
+    per_row = {k for k, st in ctx.ana.in_streams.items() if st.per_row or k in ctx.smem_offset}
+    used = {ctx.ana.load_stream[id(x)] for x in r.y_body if id(x) in ctx.ana.load_stream}
+    return used <= per_row
+
+
+def _two_pass_names(acc) -> tuple:
+    """The row's plain sum (pass 1), and the sums of y - base and (y - base)^2 (pass 2)."""
+    p = acc[0][:-2]  # acc_<sum>_n -> acc_<sum>
+    return f"{p}_s", f"{p}_t", f"{p}_q"
+
+
+def _emit_two_pass_chunk(ctx: _Ctx, em: _Emitter, blk: CentredSquares, acc):
+    """Pass 1 adds this chunk's values to the plain sum; pass 2 adds y - k and (y - k)^2,
+    k being that sum / C (the base; any value near the mean does, see _emit_two_pass)."""
+    ssum, t, q = _two_pass_names(acc)
+    ct, V, y = cexpr.ctype(blk.dtype), ctx.V, f"{acc[0]}_y"
+    em("#pragma unroll")
+    if ctx.var_phase[id(blk)] == 1:
+        em(f"for (int v = 0; v < {V}; ++v) {ssum} += {y}[v];  // {blk.sm.header()}: pass 1, the plain sum")
+        return
+    fma = "fmaf" if ct == "float" else "fma"
+    em(f"for (int v = 0; v < {V}; ++v) {{ const {ct} e = {y}[v] - {acc[1]}; {t} += e; {q} = {fma}(e, e, {q}); }}"
+       f"  // pass 2: about the base")
+
+
+def _emit_two_pass(ctx: _Ctx, em: _Emitter, twos: list):
+    """The corrected two-pass form (Chan, Golub and LeVeque) of each CentredSquares in
+    `twos`, once pass 1's sums crossed the group: base k = sum / C; a second pass over the
+    held values sums e = y - k and e^2; a butterfly; then mean - k = T / C and M2 = Q -
+    T^2 / C, the state (C, k, u, M2) the merge would have made. The sum's rounding moves k
+    off the mean by some d; T / C takes d back out of the mean (k + u, rounded once), and
+    T^2 / C its C d^2 out of Q: on 16-bit rows C d^2 is a vanishing share of M2, and on the
+    adversarial f32 rows (-7777.7 + 0.01 N(0, 1)) still under 1% (tests/cpu/
+    test_mapreduce_welford.py mirrors it). Two butterflies of one and two values replace a
+    shuffle tree of three with a merge per level and a broadcast: H100, LayerNorm 32768 x
+    256 bf16 (bench/LOG.md, session 16)."""
+    g = ctx.sched.group
+    for r, acc in twos:
+        ct, dt = cexpr.ctype(r.dtype), r.dtype
+        ssum, t, q = _two_pass_names(acc)
+        C = r.sm.extent
+        em(f"{acc[1]} = {ssum} * {cexpr.const(1.0 / C, dt)};  // the base: the plain mean")
+        em(f"{ct} {t} = {cexpr.const(0, dt)}, {q} = {cexpr.const(0, dt)};")
+        ctx.var_phase[id(r)] = 2
+    _emit_pass(ctx, em, [r for r, _ in twos], [acc for _, acc in twos])
+    if g > 1:
+        em(f"// the sums about the base across the {g} threads of the {'warp' if g == 32 else 'row group'}")
+        em("#pragma unroll")
+        em.open(f"for (int o = {g // 2}; o > 0; o >>= 1)")
+        for r, acc in twos:
+            _, t, q = _two_pass_names(acc)
+            ct = cexpr.ctype(r.dtype)
+            em(f"{t} += {_shfl(t, ct, 'o')}; {q} += {_shfl(q, ct, 'o')};")
+        em.close()
+    for r, acc in twos:
+        _, t, q = _two_pass_names(acc)
+        C, dt = r.sm.extent, r.dtype
+        quot = f"{t} * {cexpr.const(1.0 / C, dt)}" if C & (C - 1) == 0 else f"{t} / {cexpr.const(float(C), dt)}"
+        em(f"{acc[2]} = {quot};  // mean - base")
+        em(f"{acc[3]} = tf_max({cexpr.const(0, dt)}, {q} - {t} * {acc[2]});  // M2 = Q - T^2 / C")
+
+
 def _shfl(acc: str, ctype: str, off: int) -> str:
     if ctype in ("float", "double", "int", "long long", "unsigned", "unsigned long long"):
         return f"__shfl_xor_sync(0xffffffffu, {acc}, {off})"
@@ -1173,6 +1260,19 @@ def _emit_gather_combine(em: _Emitter, items, n: int, load, head: str, per: int 
             em(f"for (int i = 1; i < {n}; ++i) {a} = {cexpr.combine(r.op, a, load(nm, 'i'))};")
 
 
+def _emit_parts_to_shared(em: _Emitter, items, per, var: str, guard: str, dims: str = "", at: str = ""):
+    """A shared variable `var<part>dims` for each part of each member's accumulator, and the
+    parts written to them (at `at`) by the threads where `guard` holds."""
+    for r, acc in items:
+        for _, ct, nm in _parts(r, acc, per):
+            em(f"__shared__ {ct} {var}{nm}{dims};")
+    em.open(f"if ({guard})")
+    for r, acc in items:
+        for a, _, nm in _parts(r, acc, per):
+            em(f"{var}{nm}{at} = {a};")
+    em.close()
+
+
 def _emit_reduce_group(ctx: _Ctx, em: _Emitter, group: list):
     """A run of mutually independent Reduces (an OnlineLse or a CentredSquares counts as
     one): one pass, one exchange.
@@ -1181,13 +1281,18 @@ def _emit_reduce_group(ctx: _Ctx, em: _Emitter, group: list):
     max, each thread rescales its sum once, a second butterfly adds the sums; across warps
     and CTAs the partials are gathered, their max taken, and the sums rescaled to it.
     A CentredSquares' (n, k, u, m2) merges down a shuffle tree to the group's first lane
-    (_emit_var_warp), then in order across warps and CTAs; where every thread holds as many
-    values (no masked chunk) the weights are constants and no count is exchanged."""
+    (_emit_var_warp), then across warps (a tree in the first warp where the CTA is part of a
+    cluster or holds one row in 16+ warps, else in order in every thread) and CTAs; where every thread
+    holds as many values (no masked chunk) the weights are constants and no count is
+    exchanged. A row a warp or less holds may take two passes instead (_emit_two_pass)."""
     sch = ctx.sched
     gi = ctx.rgroup
     ctx.rgroup += 1
     items = _group_items(group)
     online = [(r, acc) for r, acc in items if isinstance(r, OnlineLse)]
+    twos = [(r, acc) for r, acc in items if isinstance(r, CentredSquares) and _two_pass_applies(ctx, r)]
+    for r, _ in twos:
+        ctx.var_phase[id(r)] = 1
     dsts = [d for r in group for d in ((r.mx.dst, r.sm.dst) if isinstance(r, OnlineLse)
                                        else (r.sm.dst,) if isinstance(r, CentredSquares) else (r.dst,))]
     em(f"// ---- reduce {', '.join('%' + d for d in dsts)} over the row")
@@ -1196,6 +1301,11 @@ def _emit_reduce_group(ctx: _Ctx, em: _Emitter, group: list):
             ct = cexpr.ctype(r.dtype)
             em(f"{ct} {acc[0]} = {cexpr.identity('max', r.dtype)};  // running max")
             em(f"{ct} {acc[1]} = {cexpr.identity('sum', r.dtype)};  // running sum of exp(y - max)")
+        elif isinstance(r, CentredSquares) and id(r) in ctx.var_phase:
+            ct, z = cexpr.ctype(r.dtype), cexpr.const(0, r.dtype)
+            em(f"{ct} {acc[0]} = {cexpr.const(float(r.sm.extent), r.dtype)}, {acc[1]} = {z}, {acc[2]} = {z}, "
+               f"{acc[3]} = {z};  // count, base k, mean - k, M2 of the row (two passes)")
+            em(f"{ct} {_two_pass_names(acc)[0]} = {z};  // the row's plain sum")
         elif isinstance(r, CentredSquares):
             ct, z = cexpr.ctype(r.dtype), cexpr.const(0, r.dtype)
             em(f"{ct} {acc[0]} = {z}, {acc[1]} = {z}, {acc[2]} = {z}, {acc[3]} = {z};  "
@@ -1208,12 +1318,13 @@ def _emit_reduce_group(ctx: _Ctx, em: _Emitter, group: list):
     _emit_pass(ctx, em, group, [acc for _, acc in items])
     g = sch.group
     per_thread = ctx.nchunk * ctx.V if ctx.full else None  # values each thread of the row holds
+    two_ids = {id(r) for r, _ in twos}
     for r, acc in items:
-        if isinstance(r, CentredSquares):
+        if isinstance(r, CentredSquares) and id(r) not in two_ids:
             _emit_var_thread(ctx, em, r, acc)
             if g > 1:
                 _emit_var_warp(ctx, em, r, acc, per_thread)
-    if g > 1 and any(not isinstance(r, CentredSquares) for r, _ in items):
+    if g > 1 and any(not isinstance(r, CentredSquares) or id(r) in two_ids for r, _ in items):
         em(f"// across the {min(g, 32)} threads of the {'warp' if g >= 32 else 'row group'} (butterfly: all lanes agree)")
         for r, acc in online:
             em(f"const {cexpr.ctype(r.dtype)} {acc[0]}_t = {acc[0]};  // this thread's max")
@@ -1223,6 +1334,9 @@ def _emit_reduce_group(ctx: _Ctx, em: _Emitter, group: list):
             if isinstance(r, OnlineLse):
                 ct = cexpr.ctype(r.dtype)
                 em(f"{acc[0]} = tf_max({acc[0]}, {_shfl(acc[0], ct, 'o')});")
+            elif id(r) in two_ids:
+                ssum = _two_pass_names(acc)[0]
+                em(f"{ssum} += {_shfl(ssum, cexpr.ctype(r.dtype), 'o')};")
             elif isinstance(r, CentredSquares):
                 continue  # _emit_var_warp
             else:
@@ -1237,39 +1351,39 @@ def _emit_reduce_group(ctx: _Ctx, em: _Emitter, group: list):
             for r, acc in online:
                 em(f"{acc[1]} = {acc[1]} + {_shfl(acc[1], cexpr.ctype(r.dtype), 'o')};")
             em.close()
+    if twos:
+        _emit_two_pass(ctx, em, twos)
     if g > 32:
         wpr = g // 32
         em(f"// across the {wpr} warps of the row, through shared memory")
         per = per_thread and per_thread * 32
-        for r, acc in items:
-            for a, ct, nm in _parts(r, acc, per):
-                em(f"__shared__ {ct} red{gi}_{nm}[{sch.rows_per_cta}][{wpr}];")
-        em.open("if ((lane & 31) == 0)")
-        for r, acc in items:
-            for a, ct, nm in _parts(r, acc, per):
-                em(f"red{gi}_{nm}[slot][{ctx.lay.c_warp('lane')}] = {a};")
-        em.close()
+        _emit_parts_to_shared(em, items, per, f"red{gi}_", "(lane & 31) == 0", f"[{sch.rows_per_cta}][{wpr}]",
+                              f"[slot][{ctx.lay.c_warp('lane')}]")
         em("__syncthreads();")
-        # a cluster's CTA partial is needed in thread 0 only (it hands it to the other CTAs):
-        # there, the first warp merges the warps' (count, mean, M2) partials as a tree
-        warp_tree = sch.cluster > 1 and wpr & (wpr - 1) == 0
+        # the first warp merges the warps' (count, mean, M2) partials as a tree. In a cluster
+        # the CTA's partial is needed in thread 0 only (it hands it to the other CTAs). In a
+        # CTA of one row and 16+ warps, thread 0 hands it to every thread through shared
+        # memory after a second barrier: every thread merging 16 partials in turn cost more
+        # instructions than its 2 chunks of the row (H100, LayerNorm 16384 x 8192, 512
+        # threads: 176.64 us against 177.57); with 8 warps the barrier costs more than the 7
+        # merges (32768 x 4096, 256 threads staged: 185.01 against 176.58; bench/LOG.md)
+        warp_tree = (sch.cluster > 1 or (sch.rows_per_cta == 1 and wpr >= 16)) and wpr & (wpr - 1) == 0
         seq = [(r, acc) for r, acc in items if not (warp_tree and isinstance(r, CentredSquares))]
         if seq:
             _emit_gather_combine(em, seq, wpr, lambda nm, i: f"red{gi}_{nm}[slot][{i}]", " of the warps", per)
-        for r, acc in items:
-            if warp_tree and isinstance(r, CentredSquares):
-                _emit_var_warps(em, r, acc, gi, wpr, per)
+        tree = [(r, acc) for r, acc in items if warp_tree and isinstance(r, CentredSquares)]
+        for r, acc in tree:
+            _emit_var_warps(em, r, acc, gi, wpr, per)
+        if tree and sch.cluster == 1:
+            _emit_parts_to_shared(em, tree, per, f"vr{gi}_", "threadIdx.x == 0")
+            em("__syncthreads();  // warp 0's merge of the warps' partials is written")
+            for r, acc in tree:
+                for a, _, nm in _parts(r, acc, per):
+                    em(f"{a} = vr{gi}_{nm};")
     if sch.cluster > 1:
         em(f"// across the {sch.cluster} CTAs of the cluster, through distributed shared memory (rank order: all CTAs agree)")
         per = per_thread and per_thread * g
-        for r, acc in items:
-            for a, ct, nm in _parts(r, acc, per):
-                em(f"__shared__ {ct} cl{gi}_{nm};")
-        em.open("if (threadIdx.x == 0)")
-        for r, acc in items:
-            for a, ct, nm in _parts(r, acc, per):
-                em(f"cl{gi}_{nm} = {a};")
-        em.close()
+        _emit_parts_to_shared(em, items, per, f"cl{gi}_", "threadIdx.x == 0")
         em("tf_cluster_sync();  // every CTA's value is written")
         plain = [(r, acc) for r, acc in items if not isinstance(r, CentredSquares)]
         centred = [(r, acc) for r, acc in items if isinstance(r, CentredSquares)]

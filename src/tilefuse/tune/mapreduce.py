@@ -4,7 +4,9 @@ Dimensions, most influential first (the search tree branches in this order): sta
 (smem | regs | stream), vector (the widest chunk, and half of it for the regs stage),
 threads per CTA, group (threads per row), cluster (CTAs per row, sm_90), min_blocks
 (__launch_bounds__'s CTAs per SM, i.e. the register cap), unroll (stream stage only),
-l2_hints (stream stage only, where a later pass re-reads a row from L2).
+l2_hints (stream stage only, where a later pass re-reads a row from L2), two_pass (a
+(count, mean, M2) of a row a warp or less holds: two passes and butterflies or a merge tree;
+where it renders the same kernel either way, the duplicate is dropped).
 
 `admits` prunes what cannot help: more threads per row than the row has chunks, more
 than 16 staged chunks per thread (regs, smem), more rows per CTA than the kernel has rows, a register cap

@@ -1,0 +1,90 @@
+"""A one-kernel bench/mapreduce.py program's kernel as this tree renders it against the same
+kernel as another revision rendered it: same launch, same tensors, interleaved rounds of
+CUDA-event timings (L2 flushed by a read), 7 rounds, alternating which goes first.
+
+On the CPU, with the old revision's `src` first on PYTHONPATH (e.g. `git archive REV src |
+tar -x -C /tmp/old`), save its default kernels' sources:
+
+    PYTHONPATH=/tmp/old/src python3 bench/mapreduce_source_ab.py dump old.json layernorm:16384x8192
+
+then, in this tree on the GPU:
+
+    python3 bench/mapreduce_source_ab.py run old.json layernorm:16384x8192
+
+Each kernel's output is compared with the program's first (the max difference is printed:
+a different reduction order may round differently); then "AB case: new .. us, old .. us".
+"""
+import dataclasses
+import json
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+def dump(path, cases):
+    import torch
+    from mapreduce import PROGRAMS
+    import tilefuse
+    from tilefuse.codegen import mapreduce as mr
+    out = {}
+    for case in cases:
+        name, shape = case.split(":")
+        R, C = (int(v) for v in shape.split("x"))
+        module = PROGRAMS[name](C).bfloat16()
+        prog = tilefuse.compile(module, (torch.randn(R, C, dtype=torch.bfloat16),))
+        k = next(iter(prog.kernels.values())).kernel
+        out[case] = mr.render(k, mr.default_schedule(k, "sm_90a"), "sm_90a").source
+    Path(path).write_text(json.dumps(out))
+
+def run(path, cases):
+    import torch
+    import tilefuse
+    from mapreduce import PROGRAMS, inputs_for
+    from tilefuse.analyze.bench import timings_ms
+    from tilefuse.runtime import cache
+    from tilefuse.runtime.launch import CompiledKernel, compile_kernel
+    old = json.loads(Path(path).read_text())
+    for case in cases:
+        name, shape = case.split(":")
+        R, C = (int(v) for v in shape.split("x"))
+        module = PROGRAMS[name](C).cuda().bfloat16()
+        inputs = inputs_for(name, R, C)
+        prog = tilefuse.compile(module, inputs)
+        want = prog(*inputs)
+        want = want if isinstance(want, torch.Tensor) else want[-1]
+        runner = prog.runner(inputs[0].device)
+        op = [o for o in runner.ops if hasattr(o, "ck")][0]
+        env = runner.base.copy(); env[:runner.n_inputs] = inputs
+        ptrs, outs = [], []
+        for kind, i, shp, dtype, _ in op.params:
+            if shp is None:
+                ptrs.append(env[i].data_ptr())
+            else:
+                t = torch.empty(shp, dtype=dtype, device="cuda"); outs.append(t); ptrs.append(t.data_ptr())
+        lowered = next(iter(prog.kernels.values()))
+        new = compile_kernel(lowered.kernel)
+        src = new.source
+        osrc_text = old[case]
+        assert src.name in osrc_text
+        cub, _ = cache.compile_cached(osrc_text, src.name, new.arch)
+        oldk = CompiledKernel(kernel=lowered.kernel, arch=new.arch, source=dataclasses.replace(src, source=osrc_text), cubin=cub, cache_hit=False)
+        for label, ck in (("new", new), ("old", oldk)):
+            outs[-1].fill_(float("nan")); ck.launch_ptrs(0, ptrs); torch.cuda.synchronize()
+            err = (outs[-1].float() - want.float()).abs().max().item()
+            print(f"{case} {label}: max |diff| vs program {err:.3g}, regs {ck.cubin.info.registers}", flush=True)
+        per = {"new": [], "old": []}
+        calls = {"new": lambda: new.launch_ptrs(0, ptrs), "old": lambda: oldk.launch_ptrs(0, ptrs)}
+        for rnd in range(7):
+            for lab in (("new", "old") if rnd % 2 == 0 else ("old", "new")):
+                per[lab].append(statistics.median(timings_ms(calls[lab], warmup=10, rep=50)) * 1e3)
+        n, o = statistics.median(per["new"]), statistics.median(per["old"])
+        print(f"AB {case}: new {n:.2f} us, old {o:.2f} us, new/old {n / o:.4f}  rounds new {[round(x,2) for x in per['new']]} old {[round(x,2) for x in per['old']]}", flush=True)
+
+if __name__ == "__main__":
+    cmd, path, *cases = sys.argv[1:]
+    if cmd == "dump":
+        dump(path, cases)
+    else:
+        with __import__("torch").no_grad():
+            run(path, cases)
