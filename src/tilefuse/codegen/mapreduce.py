@@ -1158,10 +1158,11 @@ def _emit_two_pass(ctx: _Ctx, em: _Emitter, twos: list):
     T^2 / C, the state (C, k, u, M2) the merge would have made. The sum's rounding moves k
     off the mean by some d; T / C takes d back out of the mean (k + u, rounded once), and
     T^2 / C its C d^2 out of Q: on 16-bit rows C d^2 is a vanishing share of M2, and on the
-    adversarial f32 rows (-7777.7 + 0.01 N(0, 1)) still under 1% (tests/cpu/
-    test_mapreduce_welford.py mirrors it). Two butterflies of one and two values replace a
-    shuffle tree of three with a merge per level and a broadcast: H100, LayerNorm 32768 x
-    256 bf16 (bench/LOG.md, session 16)."""
+    adversarial f32 rows (-7777.7 + 0.01 N(0, 1)) at most ~2% of it, taken back out to
+    5e-8 (tests/cpu/test_mapreduce_welford.py mirrors it). Two butterflies of one and two
+    values replace a shuffle tree of three with a merge per level and a broadcast, and take
+    fewer registers; on an H100 that ran from 2% faster to 1.3% slower by layout
+    (bench/LOG.md, session 16)."""
     g = ctx.sched.group
     for r, acc in twos:
         ct, dt = cexpr.ctype(r.dtype), r.dtype
