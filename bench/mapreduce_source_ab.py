@@ -41,6 +41,7 @@ def run(path, cases):
     import torch
     import tilefuse
     from mapreduce import PROGRAMS, inputs_for
+    from program_schedules import program_launch
     from tilefuse.analyze.bench import timings_ms
     from tilefuse.runtime import cache
     from tilefuse.runtime.launch import CompiledKernel, compile_kernel
@@ -53,16 +54,7 @@ def run(path, cases):
         prog = tilefuse.compile(module, inputs)
         want = prog(*inputs)
         want = want if isinstance(want, torch.Tensor) else want[-1]
-        runner = prog.runner(inputs[0].device)
-        op = [o for o in runner.ops if hasattr(o, "ck")][0]
-        env = runner.base.copy(); env[:runner.n_inputs] = inputs
-        ptrs, outs = [], []
-        for kind, i, shp, dtype, _ in op.params:
-            if shp is None:
-                ptrs.append(env[i].data_ptr())
-            else:
-                t = torch.empty(shp, dtype=dtype, device="cuda"); outs.append(t); ptrs.append(t.data_ptr())
-        lowered = next(iter(prog.kernels.values()))
+        lowered, _, ptrs, outs = program_launch(prog, inputs)
         new = compile_kernel(lowered.kernel)
         src = new.source
         osrc_text = old[case]

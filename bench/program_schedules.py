@@ -73,6 +73,28 @@ def long_row_schedules() -> list[S]:
 
 
 
+def program_launch(prog, inputs):
+    """(its lowered kernel, its launch step, the kernel's pointer list, the outputs it writes)
+    of a one-kernel program: inputs and weights where the program keeps them, each output a
+    fresh tensor allocated once (the last pointer is the last output)."""
+    runner = prog.runner(inputs[0].device)
+    launches = [op for op in runner.ops if hasattr(op, "ck")]
+    if len(launches) != 1 or len(runner.ops) != 1:
+        raise SystemExit(f"expected a one-kernel program, got {len(runner.ops)} steps")
+    op = launches[0]
+    env = runner.base.copy()
+    env[:runner.n_inputs] = inputs
+    ptrs, outs = [], []
+    for kind, i, shape, dtype, _ in op.params:
+        if shape is None:
+            ptrs.append(env[i].data_ptr())
+        else:
+            t = torch.empty(shape, dtype=dtype, device="cuda")
+            outs.append(t)
+            ptrs.append(t.data_ptr())
+    return next(iter(prog.kernels.values())), op, ptrs, outs
+
+
 def rows_for(name: str, R: int, C: int, placements: int, extra: list[S]):
     module = PROGRAMS[name](C).cuda().bfloat16()
     compiled = torch.compile(module)
@@ -85,22 +107,7 @@ def rows_for(name: str, R: int, C: int, placements: int, extra: list[S]):
             for _ in range(3):  # warm-up, capture, replay: the last result is the graph's own output
                 want = prog(*inputs)
             want = want if isinstance(want, torch.Tensor) else want[-1]
-            runner = thin.runner(inputs[0].device)
-            launches = [op for op in runner.ops if hasattr(op, "ck")]
-            if len(launches) != 1 or len(runner.ops) != 1:
-                raise SystemExit(f"{name}: expected a one-kernel program, got {len(runner.ops)} steps")
-            op = launches[0]
-            env = runner.base.copy()
-            env[:runner.n_inputs] = inputs
-            ptrs, outs = [], []
-            for kind, i, shape, dtype, _ in op.params:
-                if shape is None:
-                    ptrs.append(env[i].data_ptr())
-                else:
-                    t = torch.empty(shape, dtype=dtype, device="cuda")
-                    outs.append(t)
-                    ptrs.append(t.data_ptr())
-            lowered = next(iter(prog.kernels.values()))
+            lowered, op, ptrs, outs = program_launch(thin, inputs)
             scheds = [op.ck.source.schedule] + [s for s in extra if s != op.ck.source.schedule]
             for s in scheds:
                 try:

@@ -1292,6 +1292,7 @@ def _emit_reduce_group(ctx: _Ctx, em: _Emitter, group: list):
     items = _group_items(group)
     online = [(r, acc) for r, acc in items if isinstance(r, OnlineLse)]
     twos = [(r, acc) for r, acc in items if isinstance(r, CentredSquares) and _two_pass_applies(ctx, r)]
+    two_ids = {id(r) for r, _ in twos}
     for r, _ in twos:
         ctx.var_phase[id(r)] = 1
     dsts = [d for r in group for d in ((r.mx.dst, r.sm.dst) if isinstance(r, OnlineLse)
@@ -1302,7 +1303,7 @@ def _emit_reduce_group(ctx: _Ctx, em: _Emitter, group: list):
             ct = cexpr.ctype(r.dtype)
             em(f"{ct} {acc[0]} = {cexpr.identity('max', r.dtype)};  // running max")
             em(f"{ct} {acc[1]} = {cexpr.identity('sum', r.dtype)};  // running sum of exp(y - max)")
-        elif isinstance(r, CentredSquares) and id(r) in ctx.var_phase:
+        elif id(r) in two_ids:
             ct, z = cexpr.ctype(r.dtype), cexpr.const(0, r.dtype)
             em(f"{ct} {acc[0]} = {cexpr.const(float(r.sm.extent), r.dtype)}, {acc[1]} = {z}, {acc[2]} = {z}, "
                f"{acc[3]} = {z};  // count, base k, mean - k, M2 of the row (two passes)")
@@ -1319,7 +1320,6 @@ def _emit_reduce_group(ctx: _Ctx, em: _Emitter, group: list):
     _emit_pass(ctx, em, group, [acc for _, acc in items])
     g = sch.group
     per_thread = ctx.nchunk * ctx.V if ctx.full else None  # values each thread of the row holds
-    two_ids = {id(r) for r, _ in twos}
     for r, acc in items:
         if isinstance(r, CentredSquares) and id(r) not in two_ids:
             _emit_var_thread(ctx, em, r, acc)
@@ -1369,10 +1369,10 @@ def _emit_reduce_group(ctx: _Ctx, em: _Emitter, group: list):
         # threads: 176.64 us against 177.57); with 8 warps the barrier costs more than the 7
         # merges (32768 x 4096, 256 threads staged: 185.01 against 176.58; bench/LOG.md)
         warp_tree = (sch.cluster > 1 or (sch.rows_per_cta == 1 and wpr >= 16)) and wpr & (wpr - 1) == 0
-        seq = [(r, acc) for r, acc in items if not (warp_tree and isinstance(r, CentredSquares))]
+        tree = [(r, acc) for r, acc in items if warp_tree and isinstance(r, CentredSquares)]
+        seq = [(r, acc) for r, acc in items if (r, acc) not in tree]
         if seq:
             _emit_gather_combine(em, seq, wpr, lambda nm, i: f"red{gi}_{nm}[slot][{i}]", " of the warps", per)
-        tree = [(r, acc) for r, acc in items if warp_tree and isinstance(r, CentredSquares)]
         for r, acc in tree:
             _emit_var_warps(em, r, acc, gi, wpr, per)
         if tree and sch.cluster == 1:
