@@ -63,7 +63,37 @@ def layernorm_schedules() -> list[S]:
             S(threads=128, group=32, vector=8, min_blocks=8), S(threads=256, group=16, vector=8, min_blocks=3)]
 
 
-SCHEDULE_SETS = {"grid": grid_schedules, "layernorm": layernorm_schedules}
+def batch_schedules() -> list[S]:
+    """Short rows with several rows per row group in flight (MapReduceSchedule.batch): a row
+    per 8, 16 or 32 threads, 32-256 threads, a batch of 2 or 4, a 64-register cap (and 128
+    for a lone warp), next to the same layouts with a batch of 1."""
+    out = []
+    for g, shapes in ((32, ((32, 4), (32, 2), (64, 4), (64, 2), (128, 4), (128, 2), (256, 2))),
+                      (16, ((32, 4), (32, 2), (64, 2), (128, 2), (256, 2))),
+                      (8, ((32, 2), (64, 2), (128, 2)))):
+        for t, b in shapes:
+            out.append(S(threads=t, group=g, vector=8, batch=b, min_blocks=min(32, 65536 // (t * 64))))
+            if t == 32:
+                out.append(S(threads=t, group=g, vector=8, batch=b, min_blocks=16))
+        for t in sorted({t for t, _ in shapes}):
+            out.append(S(threads=t, group=g, vector=8, min_blocks=min(32, 65536 // (t * 64))))
+    return out
+
+
+def batch_top_schedules() -> list[S]:
+    """The batch sweep's leaders at 256 columns (RMSNorm, LayerNorm), each also with two-pass
+    moments and under an 80-register cap, next to the batch-1 defaults."""
+    lead = [S(threads=64, group=8, vector=8, batch=2, min_blocks=16), S(threads=128, group=8, vector=8, batch=2, min_blocks=8),
+            S(threads=32, group=8, vector=8, batch=2, min_blocks=32), S(threads=256, group=16, vector=8, batch=2, min_blocks=4),
+            S(threads=128, group=16, vector=8, batch=2, min_blocks=8), S(threads=256, group=32, vector=8, batch=2, min_blocks=4),
+            S(threads=128, group=32, vector=8, batch=4, min_blocks=8)]
+    capped = [replace(s, min_blocks=max(1, 65536 // (s.threads * 80))) for s in lead[:3]]
+    base = [S(threads=256, group=32, vector=8, min_blocks=8), S(threads=128, group=16, vector=8, min_blocks=8)]
+    return [x for s in lead + capped + base for x in (s, replace(s, two_pass=True))]
+
+
+SCHEDULE_SETS = {"grid": grid_schedules, "layernorm": layernorm_schedules, "batch": batch_schedules,
+                 "batch-top": batch_top_schedules}
 
 
 def long_row_schedules() -> list[S]:

@@ -203,14 +203,16 @@ def test_rows_up_to_64k_with_one_exchange_and_no_column_vector_stay_in_one_cta()
 
 
 def test_short_rows_of_a_plain_norm_stay_in_registers():
-    """RMSNorm, add+RMSNorm and LayerNorm rows of 256 bf16 columns in registers, the plain
-    norms at a chunk per thread for each row stream (RMSNorm a warp per row, add+RMSNorm half
-    a warp), LayerNorm at two chunks per thread (its merge wants fewer lanes); softmax and
-    cross-entropy (the online pass) staged in shared memory."""
-    for name, stage, group in [("rmsnorm", "regs", 32), ("add_rmsnorm", "regs", 16), ("layernorm", "regs", 16),
-                               ("softmax", "smem", 8), ("cross_entropy", "smem", 8)]:
+    """RMSNorm, add+RMSNorm and LayerNorm rows of 256 bf16 columns in registers: RMSNorm at
+    four chunks per thread and a batch of two rows per row group, add+RMSNorm at a chunk per
+    thread for each row stream (half a warp per row), LayerNorm at two chunks per thread and
+    a batch of two; softmax and cross-entropy (the online pass) staged in shared memory, a
+    row at a time."""
+    for name, stage, group, batch in [("rmsnorm", "regs", 8, 2), ("add_rmsnorm", "regs", 16, 1),
+                                      ("layernorm", "regs", 16, 2), ("softmax", "smem", 8, 1),
+                                      ("cross_entropy", "smem", 8, 1)]:
         s = default_schedule(fx.BUILDERS[name](32768, 256, "bf16"), "sm_90a")
-        assert (s.stage, s.group) == (stage, group), (name, s)
+        assert (s.stage, s.group, s.batch) == (stage, group, batch), (name, s)
 
 
 def test_clustered_schedule_is_refused_on_sm80():
@@ -667,3 +669,61 @@ def test_tensors_named_like_template_locals_compile():
     for lk in st.kernels.values():
         s = render(lk.kernel, None, arch="sm_90a")
         compile_cuda(s.source, s.name, "sm_90a")  # raises CompileError with NVRTC's log
+
+
+# ---------------------------------------------------------------- a batch of rows per row group
+
+def test_a_batch_layout_gives_every_row_to_exactly_one_thread_group():
+    """(slot, b, row block) -> row is a bijection onto the CTAs' rows, and a row group's
+    batch rows lie `slots` apart (each of a warp's loads then covers neighbouring rows)."""
+    from tilefuse.codegen.rowlayout import row_layouts
+    from tilefuse.layout import size
+    for threads, group, batch, R in [(128, 8, 2, 1000), (32, 32, 4, 37), (256, 16, 2, 32768), (64, 1, 8, 999)]:
+        lay = row_layouts(threads=threads, group=group, cluster=1, vector=8, nchunk=1, rows=R, batch=batch)
+        slots = threads // group
+        blocks = -(-R // (slots * batch))
+        rows = sorted(lay.row(s, b, blk) for s in range(slots) for b in range(batch) for blk in range(blocks))
+        assert rows == list(range(slots * batch * blocks)) and size(lay.row) == len(rows)
+        assert all(lay.row(s, b + 1, 0) - lay.row(s, b, 0) == slots for s in range(slots) for b in range(batch - 1))
+
+
+@pytest.mark.parametrize("name", ["rmsnorm", "layernorm", "softmax", "add_rmsnorm", "cross_entropy", "map"])
+def test_a_batch_loads_every_row_before_the_first_exchange(name):
+    """With a batch of B rows, a thread issues the 16-byte loads of all B rows before the
+    first row's body (its reductions and exchanges) begins; each row then has its own scope
+    with its own row index and row guard, the grid covers R / (slots * B) CTAs, and ptxas
+    reports no spills."""
+    R, C = 1001, 256
+    k = fx.BUILDERS[name](R, C, "bf16")
+    d = default_schedule(k, "sm_90a")
+    s = replace(d, stage="regs", pipeline=False, threads=128, group=min(d.group, 16), min_blocks=4, batch=2)
+    src, cubin = compile_source_only(k, "sm_90a", s)
+    body = _body(src)
+    first_body = body.index("// ---- row 0 of the batch")
+    staged_loads = [i for i in range(len(body)) if body.startswith("tf_ld16_stream(", i)]
+    one_row = _body(render(k, replace(s, batch=1), "sm_90a")).count("tf_ld16_stream(")
+    assert one_row >= 1 and len(staged_loads) == 2 * one_row and max(staged_loads) < first_body
+    assert "__shfl" not in body[:first_body] and "tf_var" not in body[:first_body]
+    for b in range(2):
+        assert f"// ---- row {b} of the batch" in body
+    assert body.count("const bool row_ok = r < 1001;") == 4  # two load scopes, two row scopes
+    assert src.grid == (-(-R // (128 // s.group * 2)), 1, 1)
+    assert cubin.info.clean, cubin.info
+
+
+def test_a_batch_needs_a_warp_row_group_in_registers():
+    """A batch is refused (with the reason) where its rows could not share a row group's
+    registers: batch sizes other than 1/2/4/8, row groups wider than a warp, clusters, the
+    smem and stream stages, and kernels with a grid reduction; the misaligned-data fallback
+    of a batched schedule streams one row at a time."""
+    for kw in (dict(batch=3), dict(group=64, batch=2), dict(group=128, threads=128, cluster=2, batch=2),
+               dict(stage="smem", batch=2), dict(stage="stream", batch=2)):
+        with pytest.raises(ValueError, match="batch"):
+            MapReduceSchedule(**{"threads": 128, "group": 16, "vector": 8, **kw})
+    grid = fx.BUILDERS["cross_entropy"](64, 256, "bf16")
+    if ir.grid_parts(grid) is not None:
+        with pytest.raises(ValueError, match="batch"):
+            render(grid, MapReduceSchedule(threads=128, group=16, vector=8, batch=2))
+    fb = mapreduce.scalar_fallback(MapReduceSchedule(threads=128, group=8, vector=8, batch=2))
+    assert fb.batch == 1 and fb.stage == "stream"
+    render(fx.rmsnorm_kernel(64, 256, "bf16"), fb, "sm_90a")

@@ -119,6 +119,8 @@ SCHEDULES = [
     MapReduceSchedule(threads=256, group=32, vector=8, min_blocks=3),                   # a warp per row
     MapReduceSchedule(threads=256, group=4, vector=8, two_pass=True),                   # the same, two passes
     MapReduceSchedule(threads=256, group=32, vector=8, min_blocks=3, two_pass=True),
+    MapReduceSchedule(threads=64, group=8, vector=8, batch=2),                          # a batch of rows
+    MapReduceSchedule(threads=128, group=16, vector=8, batch=4, two_pass=True),
     MapReduceSchedule(threads=128, group=128, vector=8, stage="smem", min_blocks=12),   # masked tail
     MapReduceSchedule(threads=256, group=256, vector=8, stage="stream", unroll=2),
     MapReduceSchedule(threads=128, group=128, vector=8, cluster=2),                     # registers, cluster
@@ -148,12 +150,13 @@ def test_layernorm_schedules_compile_without_spills(sched, shape, dtype, arch):
     # a row a warp holds takes two passes and two butterflies; any other, one pass and merges
     assert ("tf_var_merge" in body) == (not two), sch
     assert ("pass 2: about the base" in body) == two, sch
-    # the passes over the row before the output pass (+ the staging loop, where staged)
+    # the passes over the row before the output pass (+ the staging loop, where staged), for
+    # each row of a batch
     staging = sch.stage in ("smem", "regs") and sch.vector > 1
-    assert body.count("for (int j = 0;") == 2 + two + staging, sch
+    assert body.count("for (int j = 0;") == (2 + two + staging) * sch.batch, sch
     clustered = src.cluster[0] > 1  # warp 0 merges the CTAs' partials, then a barrier hands them out
     wpr = sch.group // 32  # a CTA of one row, 16+ warps: warp 0 merges their partials, a barrier hands them out
-    warp_tree = wpr >= 16 and sch.rows_per_cta == 1 and wpr & (wpr - 1) == 0 and not clustered
+    warp_tree = wpr >= 16 and sch.slots == 1 and wpr & (wpr - 1) == 0 and not clustered
     assert body.count("__syncthreads();") == (1 if 32 < sch.group else 0) + clustered + warp_tree
     assert body.count("tf_cluster_sync();") == clustered
 
@@ -451,16 +454,15 @@ def test_long_layernorm_rows_take_the_one_exchange_cluster_shape():
     """With one (count, mean, M2) exchange, LayerNorm at 65536 bf16 columns takes a cluster of
     4 CTAs of 256 threads (H100 kernel bench: 369.7 us, against 440.1 for RMSNorm's 128 x 8
     and 383.4 for 512 x 2, same run); its short rows stay in registers, 16 lanes per row at
-    256 columns in CTAs of 128 threads (RMSNorm's take a warp); rows of 4096 and 8192 one
-    CTA each."""
+    256 columns with a batch of two rows in CTAs of 256 threads (RMSNorm's: 8 lanes, a batch
+    of two, 128 threads); rows of 4096 and 8192 one CTA each."""
     s = default_schedule(fx.layernorm_kernel(4096, 65536, "bf16"), "sm_90a")
     assert (s.threads, s.cluster, s.stage) == (256, 4, "smem"), s
     assert default_schedule(fx.rmsnorm_kernel(4096, 65536, "bf16"), "sm_90a").threads == 128
     short = default_schedule(fx.layernorm_kernel(32768, 256, "bf16"), "sm_90a")
-    assert (short.stage, short.group, short.threads, short.min_blocks) == ("regs", 16, 128, 8), short
-    # RMSNorm's plain exchange is cheap enough for one chunk per thread (a warp per row)
+    assert (short.stage, short.group, short.threads, short.min_blocks, short.batch) == ("regs", 16, 256, 4, 2), short
     short_rms = default_schedule(fx.rmsnorm_kernel(32768, 256, "bf16"), "sm_90a")
-    assert (short_rms.stage, short_rms.group, short_rms.threads) == ("regs", 32, 256), short_rms
+    assert (short_rms.stage, short_rms.group, short_rms.threads, short_rms.batch) == ("regs", 8, 128, 2), short_rms
     for C in (4096, 8192):
         s = default_schedule(fx.layernorm_kernel(16384, C, "bf16"), "sm_90a")
         assert s.cluster == 1 and s.group == s.threads, s

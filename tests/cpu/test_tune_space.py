@@ -80,3 +80,17 @@ def test_families_are_registered_by_name():
         get_family("nope")
     fam = register_family("test-only", mrs.space, mrs.build, version="7")
     assert get_family("test-only") is fam and fam.version == "7"
+
+
+def test_a_batch_is_searched_only_where_a_row_group_holds_it_in_registers():
+    """batch > 1 appears in the space (RMSNorm's 256-column rows), and only with the regs
+    stage, a row group of at most a warp, no cluster, at most 16 staged chunks per thread
+    counting the batch's rows, and no more rows per CTA than the kernel has."""
+    k = kernel("rmsnorm", 64, 256)
+    space = mrs.space(k)
+    batched = [space.as_dict(c) for c in space.admitted() if space.as_dict(c)["batch"] > 1]
+    assert batched
+    for s in batched:
+        assert s["stage"] == "regs" and s["group"] <= 32 and s["cluster"] == 1
+        assert -(-(256 // s["vector"]) // s["group"]) * s["batch"] <= mrs.MAX_CHUNKS_PER_THREAD
+        assert s["threads"] // s["group"] * s["batch"] <= 64

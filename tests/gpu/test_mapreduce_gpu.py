@@ -17,6 +17,7 @@ import loop_fixtures as fx  # noqa: E402
 
 from tilefuse import dtypes  # noqa: E402
 from tilefuse.codegen.mapreduce import MapReduceSchedule, default_schedule  # noqa: E402
+from tilefuse.loop import ir  # noqa: E402
 from tilefuse.runtime.launch import compile_kernel  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -183,6 +184,43 @@ def test_cross_entropy_target_outside_the_row_selects_nothing():
     assert torch.allclose(loss.double(), lse - picked, rtol=0, atol=1e-5 * lse.abs().max().item())
 
 
+# ---------------------------------------------------------------- a batch of rows per row group
+
+BATCH_SHAPES = [(37, 256), (5, 136), (9, 1000), (130, 64)]
+
+
+def _batched(kernel, batch: int) -> MapReduceSchedule | None:
+    """The kernel's default chunk width, at most 4 chunks per thread (fewer where the batch's
+    rows would not fit the staged registers) in a row group of at most a warp, 64 threads (so
+    R is not a multiple of the CTA's rows), `batch` rows per group; None where no such group
+    can hold the batch or the kernel ends in a grid reduction (one row per group)."""
+    from tilefuse.codegen import mapreduce as mr
+
+    v = default_schedule(kernel).vector
+    chunks = -(-ir.row_kernel_parts(kernel).col_extent // v)
+    words = max(1, mr.staged_words(kernel, v))
+    per = min(4, mr.MAX_STAGED_WORDS // (words * batch))
+    g = 1 << max(0, (-(-chunks // max(1, per)) - 1).bit_length())
+    if per < 1 or g > 32 or ir.grid_parts(kernel) is not None:
+        return None
+    return MapReduceSchedule(threads=max(64, g), group=g, vector=v, batch=batch)
+
+
+@pytest.mark.parametrize("batch", [2, 4])
+@pytest.mark.parametrize("shape", BATCH_SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("dtype", ["bf16", "f16", "f32"])
+@pytest.mark.parametrize("name", fx.NAMES)
+def test_batched_rows_match_pytorch(name, dtype, shape, batch):
+    """Every fixture with a batch of 2 or 4 rows per row group (all of a thread's rows loaded
+    before the first is reduced) matches PyTorch under the 2x rule, with the last CTA's rows
+    partly past the end (guarded) and masked chunk tails."""
+    ex = fx.example(name, *shape, dtype, seed=_seed("batch", name, dtype, shape, batch))
+    sched = _batched(ex.kernel, batch)
+    if sched is None:
+        pytest.skip("no row group of at most a warp holds this batch in registers")
+    fx.check_against_torch(ex, _run(ex, sched))
+
+
 # ---------------------------------------------------------------- LayerNorm: one (count, mean, M2) pass
 
 LAYERNORM_CASES = [
@@ -199,6 +237,8 @@ LAYERNORM_CASES = [
     ((9, 256), None),    # short rows in registers, full
     ((9, 256), MapReduceSchedule(threads=256, group=8, vector=8, min_blocks=3, two_pass=True)),
     ((9, 256), MapReduceSchedule(threads=128, group=16, vector=8, stage="smem", min_blocks=8, two_pass=True)),  # staged
+    ((9, 136), MapReduceSchedule(threads=64, group=8, vector=8, batch=2)),  # a batch of rows per row group, masked
+    ((9, 1000), MapReduceSchedule(threads=64, group=32, vector=8, batch=2, two_pass=True)),
     ((9, 4000), MapReduceSchedule(threads=256, group=256, vector=8, stage="stream", unroll=2)),
     ((6, 300001), None),  # a long odd row
 ]

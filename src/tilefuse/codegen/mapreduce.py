@@ -65,6 +65,10 @@ class MapReduceSchedule:
                 sums of y - sum / C and their squares: two butterflies) instead of merging
                 partials down a shuffle tree (fewer registers; on an H100 from 2% faster to
                 1.3% slower by layout, so a tuner's knob); elsewhere it changes nothing.
+    batch:      rows each row group works on at once (a row group of at most a warp, chunks
+                in registers, one CTA per row): every row's chunks are loaded before the first
+                is reduced, so a thread keeps batch times the bytes in flight and the batch's
+                reductions overlap; the CTA covers threads / group * batch rows.
     """
 
     threads: int = 256
@@ -77,6 +81,7 @@ class MapReduceSchedule:
     pipeline: bool = False
     l2_hints: bool = False
     two_pass: bool = False
+    batch: int = 1
 
     def __post_init__(self):
         if not 1 <= self.threads <= 1024 or self.threads % 32:
@@ -97,17 +102,29 @@ class MapReduceSchedule:
             raise ValueError("a clustered schedule has one row per cluster: group must equal threads")
         if self.stage not in ("regs", "smem", "stream"):
             raise ValueError(f"stage must be 'regs', 'smem' or 'stream', not {self.stage!r}")
+        if self.batch not in (1, 2, 4, 8):
+            raise ValueError(f"a row group's batch must be 1, 2, 4 or 8 rows, not {self.batch}")
+        if self.batch > 1 and (self.group > 32 or self.cluster > 1 or self.stage != "regs"):
+            raise ValueError(f"a batch of {self.batch} rows per row group needs a group of at most 32 "
+                             f"threads, no cluster and stage='regs' (not group={self.group}, "
+                             f"cluster={self.cluster}, stage={self.stage!r})")
+
+    @property
+    def slots(self) -> int:
+        """Row groups per CTA."""
+        return self.threads // self.group
 
     @property
     def rows_per_cta(self) -> int:
-        return self.threads // self.group
+        return self.slots * self.batch
 
     def __str__(self):
         return (f"mapreduce(threads={self.threads}, group={self.group}, rows/cta={self.rows_per_cta}, "
                 f"vector={self.vector}, cluster={self.cluster}, stage={self.stage}, "
                 f"unroll={self.unroll}, min_blocks={self.min_blocks}"
                 + (", pipeline" if self.pipeline else "") + (", l2 hints" if self.l2_hints else "")
-                + (", two-pass moments" if self.two_pass else "") + ")")
+                + (", two-pass moments" if self.two_pass else "")
+                + (f", batch {self.batch}" if self.batch > 1 else "") + ")")
 
 
 @dataclass(frozen=True)
@@ -357,12 +374,14 @@ def default_schedule(kernel: ir.Kernel, arch: str = "sm_90a", stage: str | None 
                                      l2_hints=True)
         norm = kind == "norm" and n_ex == 1 and not online and len(row_streams) in (1, 2)
         if norm and chunks <= 32 and len(row_streams) == 1 and _centred(kernel):
-            # LayerNorm's short rows: two chunks per thread, 128 threads, 8 CTAs per SM (a
-            # 64-register cap, no spills). H100, 32768 x 256 bf16, two runs each over two input
-            # sets (bench/results/s16/ln_sched_{grid,moments}_h100.json): 13.76 / 13.76 us against 14.26 / 14.48
-            # for the old 256 threads with 8 lanes per row, and 13.76-14.39 for the other
-            # layouts tried (a warp, 4 or 16 lanes per row; 64-256 threads; staged)
-            return MapReduceSchedule(threads=128, group=_pow2ceil(-(-chunks // 2)), vector=v, min_blocks=8)
+            # LayerNorm's short rows: two chunks per thread, two rows per row group (a batch:
+            # four chunks in flight per thread), 256 threads, 4 CTAs per SM (a 64-register cap,
+            # no spills). H100, 32768 x 256 bf16, two runs (bench/results/s17/batch_{sweep,top}_h100.json):
+            # 13.89 / 13.54 us against 14.06 / 13.95 for session 16's one row per 16 lanes at
+            # 128 threads (which had beaten 14.26-14.48 for 8 lanes per row); a third run, the
+            # two defaults on the same tensors (s17/batch_defaults_ab_h100.json): 13.86 against
+            # 14.19. Eight lanes with a batch of two ran 13.44-13.72 but spills 4 bytes under that cap
+            return MapReduceSchedule(threads=256, group=_pow2ceil(-(-chunks // 2)), vector=v, min_blocks=4, batch=2)
         if norm and chunks <= 32 and not _centred(kernel):
             # a row of at most 32 chunks (<= 256 bf16 columns) of a norm with a plain exchange:
             # in registers, a chunk per thread for each row stream (RMSNorm: 1, the row one
@@ -374,6 +393,15 @@ def default_schedule(kernel: ir.Kernel, arch: str = "sm_90a", stage: str | None 
             # exchange (LayerNorm) the merge's five levels cost more than the parallelism buys
             # (14.51 against 14.32 us): LayerNorm takes its own layout, above
             per = len(row_streams)
+            if per == 1:
+                # one row stream (RMSNorm): four chunks per thread and a batch of two rows per
+                # row group, so eight 16-byte loads are in flight per thread; 128 threads, 8 CTAs
+                # per SM. H100, 32768 x 256 bf16, two runs (bench/results/s17/batch_{sweep,top}_h100.json):
+                # 12.97 / 12.51 us against 13.15 / 12.67 for a chunk per thread and a row per
+                # warp (the old default below); a third, paired (s17/batch_defaults_ab_h100.json):
+                # 12.75 against 12.98. add+RMSNorm gained nothing from a batch
+                return MapReduceSchedule(threads=128, group=_pow2ceil(-(-chunks // 4)), vector=v, min_blocks=8,
+                                         batch=2)
             words = staged_words(kernel, v) * per
             return MapReduceSchedule(threads=256, group=_pow2ceil(-(-chunks // per)), vector=v,
                                      min_blocks=8 if words <= 16 else 3)
@@ -1358,7 +1386,7 @@ def _emit_reduce_group(ctx: _Ctx, em: _Emitter, group: list):
         wpr = g // 32
         em(f"// across the {wpr} warps of the row, through shared memory")
         per = per_thread and per_thread * 32
-        _emit_parts_to_shared(em, items, per, f"red{gi}_", "(lane & 31) == 0", f"[{sch.rows_per_cta}][{wpr}]",
+        _emit_parts_to_shared(em, items, per, f"red{gi}_", "(lane & 31) == 0", f"[{sch.slots}][{wpr}]",
                               f"[slot][{ctx.lay.c_warp('lane')}]")
         em("__syncthreads();")
         # the first warp merges the warps' (count, mean, M2) partials as a tree. In a cluster
@@ -1368,7 +1396,7 @@ def _emit_reduce_group(ctx: _Ctx, em: _Emitter, group: list):
         # instructions than its 2 chunks of the row (H100, LayerNorm 16384 x 8192, 512
         # threads: 176.64 us against 177.57); with 8 warps the barrier costs more than the 7
         # merges (32768 x 4096, 256 threads staged: 185.01 against 176.58; bench/LOG.md)
-        warp_tree = (sch.cluster > 1 or (sch.rows_per_cta == 1 and wpr >= 16)) and wpr & (wpr - 1) == 0
+        warp_tree = (sch.cluster > 1 or (sch.slots == 1 and wpr >= 16)) and wpr & (wpr - 1) == 0
         tree = [(r, acc) for r, acc in items if warp_tree and isinstance(r, CentredSquares)]
         seq = [(r, acc) for r, acc in items if (r, acc) not in tree]
         if seq:
@@ -1624,6 +1652,9 @@ def render(kernel: ir.Kernel, schedule: MapReduceSchedule | None = None, arch: s
         kernel = gp.head
     parts = ir.row_kernel_parts(kernel)
     sch = schedule or default_schedule(kernel, arch)
+    if gp is not None and sch.batch > 1:
+        raise ValueError(f"kernel {kernel.name}: a grid reduction's rows take one row per row group "
+                         f"(batch 1), not {sch}")
     has_reduce = any(isinstance(x, ir.Reduce) for x in parts.body)
     hw_cluster = sch.cluster > 1 and has_reduce  # a map needs no exchange: plain CTAs split the row
     if hw_cluster and not supports_clusters(arch):
@@ -1638,7 +1669,7 @@ def render(kernel: ir.Kernel, schedule: MapReduceSchedule | None = None, arch: s
     if C + P * V >= 2**31 or R + sch.rows_per_cta >= 2**31:
         raise ValueError(f"kernel {kernel.name}: {R} rows of {C} elements are too many "
                          f"(row and column indices are 32-bit)")
-    staged_regs = nchunk * sum(_words(st.buf.dtype, V) for st in ana.in_streams.values() if st.per_row)
+    staged_regs = nchunk * sch.batch * sum(_words(st.buf.dtype, V) for st in ana.in_streams.values() if st.per_row)
     if sch.stage == "regs" and staged_regs > MAX_STAGED_WORDS:
         raise ValueError(f"kernel {kernel.name}: {sch} would hold {staged_regs} registers of row per thread "
                          f"(at most {MAX_STAGED_WORDS}); use more threads, a cluster, or stage='stream'")
@@ -1661,7 +1692,7 @@ def render(kernel: ir.Kernel, schedule: MapReduceSchedule | None = None, arch: s
     pieces = max([_words(st.buf.dtype, V) // 4 for st in ana.in_streams.values() if st.key in ctx.smem_offset],
                  default=1)
     ctx.lay = row_layouts(threads=sch.threads, group=sch.group, cluster=sch.cluster, vector=V, nchunk=nchunk,
-                          pieces=pieces, rows=R)
+                          pieces=pieces, rows=R, batch=sch.batch)
     lay = ctx.lay
     name = _ident(kernel.name)
     em = _Emitter()
@@ -1689,39 +1720,46 @@ def render(kernel: ir.Kernel, schedule: MapReduceSchedule | None = None, arch: s
     em("// ---- which row this thread works on, and its place in the row (layouts: codegen/rowlayout.py)")
     em(f"const int slot = {lay.c_slot()};  // row within the CTA: {lay.slot}")
     em(f"const int lane = {lay.c_lane()};  // thread within the row's group: {lay.lane}")
+    B = sch.batch
     if sch.cluster > 1:
         em(f"const unsigned rank = {lay.c_rank()};  // this CTA's part of the row (its cluster rank): {lay.rank}")
         em(f"const int rowblock = {lay.c_rowblock()};  // {lay.rowblock}")
         em(f"const long long r = {lay.c_row('slot', 'rowblock')};  // {lay.row}")
         em(f"const int p = {lay.c_p('lane', 'rank')};  // thread within the row (cluster-wide): {lay.p}")
-    else:
+    elif B == 1:
         em(f"const long long r = {lay.c_row('slot', 'blockIdx.x')};  // {lay.row}")
         em(f"const int p = {lay.c_p('lane', 0)};")
-    em(f"const bool row_ok = r < {R};")
-    em(f"(void)slot; (void)lane; (void)p;  // chunk j of thread p covers columns {lay.column} (v, (p, j))")
-
-    # ---- stream bases
-    if sch.l2_hints:
-        em("// L2 eviction priorities: rows read again later stay (evict_last), last reads go first")
-        em("const unsigned long long tf_pol_first = tf_l2_evict_first(), tf_pol_last = tf_l2_evict_last();")
-        em("(void)tf_pol_first; (void)tf_pol_last;")
-    env0 = _env(ctx, None)
-    for st in [x for x in list(ana.in_streams.values()) + list(ana.out_streams.values()) if not x.values]:
-        em(f"const long long b_{st.name} = {cexpr.flat_offset(st.buf, st.base_index, env0)};  // {st.buf.name} row base")
+    else:
+        em(f"// this row group's {B} rows: (slot, b, row block) -> row {lay.row}")
+        em(f"const int p = {lay.c_p('lane', 0)};")
+    if B == 1:
+        _emit_row_start(ctx, em, None)
+    else:
+        em(f"(void)slot; (void)lane; (void)p;  // chunk j of thread p covers columns {lay.column} (v, (p, j))")
+        if sch.l2_hints:
+            _emit_l2_policies(em)
 
     # ---- staging
     staged = [st for st in ana.in_streams.values() if st.per_row] if sch.stage == "regs" else []
     if staged:
-        em(f"// ---- this thread's {nchunk} chunk(s) of {V} element(s) of each input row: loaded once, all in flight")
-        for st in staged:
-            em(f"unsigned {st.name}_s[{nchunk}][{_words(st.buf.dtype, V)}];")
-        em("#pragma unroll")
-        em.open(f"for (int j = 0; j < {nchunk}; ++j)")
-        em(f"const int c0 = {lay.c_column(0)};")
-        guard = "row_ok" if full else f"row_ok && c0 < {C}"
-        for st in staged:
-            _emit_chunk_load(ctx, em, st, f"{st.name}_s[j]", guard, ctx.hint())
-        em.close()
+        em(f"// ---- this thread's {nchunk} chunk(s) of {V} element(s) of each input row"
+           + (f", for each of its {B} rows" if B > 1 else "") + ": loaded once, all in flight")
+        for b in range(B):
+            for st in staged:
+                em(f"unsigned {st.name}_s{b if B > 1 else ''}[{nchunk}][{_words(st.buf.dtype, V)}];")
+        for b in range(B):
+            if B > 1:
+                em.open("")
+                _emit_row_start(ctx, em, b, staged=True)
+            em("#pragma unroll")
+            em.open(f"for (int j = 0; j < {nchunk}; ++j)")
+            em(f"const int c0 = {lay.c_column(0)};")
+            guard = "row_ok" if full else f"row_ok && c0 < {C}"
+            for st in staged:
+                _emit_chunk_load(ctx, em, st, f"{st.name}_s{b if B > 1 else ''}[j]", guard, ctx.hint())
+            em.close()
+            if B > 1:
+                em.close()
 
     pipelined = False
     if ctx.smem_offset:
@@ -1750,31 +1788,23 @@ def render(kernel: ir.Kernel, schedule: MapReduceSchedule | None = None, arch: s
     # ---- the row body: statements that need no reduction first (their loads overlap the row's)
     early, rest, selects = _row_plan(kernel, list(parts.body))
     steps = _row_steps(rest, selects)
-    ctx.reads_left = _pass_reads(ana, steps)  # a row stream's last read is evict_first (l2_hints)
-    if early:
-        em("// ---- row values that depend on no reduction")
-    for s in early:
-        if id(s) in selects:
-            _emit_select(ctx, em, selects[id(s)])
-        else:
-            _emit_stmt(ctx, em, s, _env(ctx, None), inner=False)
-    if ctx.smem_offset:
-        if pipelined:
-            ctx.pending_wait = True
-        else:
-            em("tf_cp_async_wait_all();  // each thread reads back only its own chunks: no barrier needed")
-    for kind, x in steps:
-        if kind == "select":  # a target select that waited for a value it reads
-            _emit_select(ctx, em, x)
-        elif kind == "reduce":
-            _emit_reduce_group(ctx, em, x)
-        elif kind == "squares":
-            _emit_var_finish(ctx, em, x)
-        elif kind == "loop":
-            em(f"// ---- map over the row: {x.header()}")
-            _emit_pass(ctx, em, [x], [None])
-        elif not _emit_var_mean(ctx, em, x):
-            _emit_stmt(ctx, em, x, _env(ctx, None), inner=False)
+    if ctx.smem_offset and not pipelined:
+        wait_line = "tf_cp_async_wait_all();  // each thread reads back only its own chunks: no barrier needed"
+    else:
+        wait_line = None
+    if B == 1:
+        _emit_row_body(ctx, em, early, steps, selects, pipelined, wait_line)
+    else:
+        fresh = _ctx_state(ctx)
+        for b in range(B):
+            _set_ctx_state(ctx, fresh)  # every row of the batch renders the same body, in its own scope
+            em.open("")
+            em(f"// ---- row {b} of the batch")
+            _emit_row_start(ctx, em, b, staged=False)
+            for st in staged:
+                em(f"auto& {st.name}_s = {st.name}_s{b};")
+            _emit_row_body(ctx, em, early, steps, selects, pipelined, wait_line)
+            em.close()
     if ctx.cluster_done is not None:  # done reading the other CTAs: say so early, wait at the end
         em.lines.insert(ctx.cluster_done, "  tf_cluster_arrive();  // done reading the other CTAs' "
                         "shared memory (each waits for every arrival before it exits)")
@@ -1800,6 +1830,74 @@ def render(kernel: ir.Kernel, schedule: MapReduceSchedule | None = None, arch: s
                         cluster=(sch.cluster if hw_cluster else 1, 1, 1), params=tuple(b.name for b in whole.params),
                         alignment=tuple(sorted(align_d.items())), schedule=sch,
                         workspace_bytes=ws.nbytes if ws is not None else 0)
+
+
+def _emit_row_start(ctx: _Ctx, em: _Emitter, b: int | None, staged: bool | None = None):
+    """Row b of the group's batch (None: the one row, `r` already defined): its index, whether
+    it exists, and its streams' bases (staged=True: only the streams staged in registers, for
+    the batch's loads; False: only the others, for its rows' bodies; None: all)."""
+    if b is not None:
+        em(f"const long long r = {ctx.lay.c_row('slot', 'blockIdx.x', b)};")
+    em(f"const bool row_ok = r < {ctx.parts.rows};")
+    if b is None:
+        em(f"(void)slot; (void)lane; (void)p;  // chunk j of thread p covers columns {ctx.lay.column} (v, (p, j))")
+    if ctx.sched.l2_hints and b is None:
+        _emit_l2_policies(em)
+    env0 = _env(ctx, None)
+    ana = ctx.ana
+    held = [x for x in ana.in_streams.values() if x.per_row] if ctx.sched.stage == "regs" else []
+    for st in [x for x in list(ana.in_streams.values()) + list(ana.out_streams.values()) if not x.values]:
+        if staged is None or staged == any(st is x for x in held):
+            em(f"const long long b_{st.name} = {cexpr.flat_offset(st.buf, st.base_index, env0)};  // {st.buf.name} row base")
+
+
+def _emit_l2_policies(em: _Emitter):
+    em("// L2 eviction priorities: rows read again later stay (evict_last), last reads go first")
+    em("const unsigned long long tf_pol_first = tf_l2_evict_first(), tf_pol_last = tf_l2_evict_last();")
+    em("(void)tf_pol_first; (void)tf_pol_last;")
+
+
+_CTX_STATE = ("names", "dtype_of", "rgroup", "reads_left", "var_state", "var_sums", "var_phase", "pending_wait")
+
+
+def _ctx_state(ctx: _Ctx) -> dict:
+    """What emitting a row's body changes in ctx (copied: a batch renders each row from it)."""
+    return {k: (dict(v) if isinstance(v := getattr(ctx, k), dict) else v) for k in _CTX_STATE}
+
+
+def _set_ctx_state(ctx: _Ctx, state: dict):
+    for k, v in state.items():
+        setattr(ctx, k, dict(v) if isinstance(v, dict) else v)
+
+
+def _emit_row_body(ctx: _Ctx, em: _Emitter, early: list, steps: list, selects: dict, pipelined: bool,
+                   wait_line: str | None):
+    """A row's statements: those that need no reduction first (their loads overlap the row's),
+    then its reductions and passes in order."""
+    ctx.reads_left = _pass_reads(ctx.ana, steps)  # a row stream's last read is evict_first (l2_hints)
+    if early:
+        em("// ---- row values that depend on no reduction")
+    for s in early:
+        if id(s) in selects:
+            _emit_select(ctx, em, selects[id(s)])
+        else:
+            _emit_stmt(ctx, em, s, _env(ctx, None), inner=False)
+    if pipelined:
+        ctx.pending_wait = True
+    elif wait_line:
+        em(wait_line)
+    for kind, x in steps:
+        if kind == "select":  # a target select that waited for a value it reads
+            _emit_select(ctx, em, x)
+        elif kind == "reduce":
+            _emit_reduce_group(ctx, em, x)
+        elif kind == "squares":
+            _emit_var_finish(ctx, em, x)
+        elif kind == "loop":
+            em(f"// ---- map over the row: {x.header()}")
+            _emit_pass(ctx, em, [x], [None])
+        elif not _emit_var_mean(ctx, em, x):
+            _emit_stmt(ctx, em, x, _env(ctx, None), inner=False)
 
 
 # ---------------------------------------------------------------- grid reductions
@@ -1971,5 +2069,6 @@ def _emit_grid_tail(ctx: _Ctx, em: _Emitter, gp: ir.GridParts, ws: Workspace, cs
 
 
 def scalar_fallback(schedule: MapReduceSchedule) -> MapReduceSchedule:
-    """The same layout with scalar accesses, re-reading the row (for misaligned data pointers)."""
-    return replace(schedule, vector=1, stage="stream", unroll=8)
+    """The same layout with scalar accesses, re-reading the row (for misaligned data pointers);
+    a streamed row group works on one row at a time."""
+    return replace(schedule, vector=1, stage="stream", unroll=8, batch=1)

@@ -5,8 +5,9 @@ columns of the row its chunks cover, where a staged chunk sits in shared memory,
 warp of a row a thread is in) is `cgen.c_index` of a layout built here; render() never
 writes such a formula by hand. `row_layouts(schedule, C, ...)` is the entry point:
 
-    thread -> (lane, slot)       (group, rows_per_cta):(1, group)        threadIdx.x's digits
-    (slot, row block) -> row     (rows_per_cta, blocks):(1, rows_per_cta)
+    thread -> (lane, slot)       (group, slots):(1, group)               threadIdx.x's digits
+    (slot, row block) -> row     (slots, blocks):(1, slots)
+    (slot, b, row block) -> row  (slots, batch, blocks):(1, slots, slots*batch)   batch > 1
     block -> (rank, row block)   (cluster, blocks):(1, cluster)          blockIdx.x's digits
     (lane, rank) -> p            (group, cluster):(1, group)             thread within the row
     (p, j) -> chunk              (P, nchunk):(1, P)                      chunk j of thread p
@@ -39,7 +40,7 @@ class RowLayouts:
     lane: Layout     # threadIdx.x -> thread within the row's group (projection of `thread`)
     slot: Layout     # threadIdx.x -> row within the CTA (projection of `thread`)
     thread: Layout   # (lane, slot) -> threadIdx.x
-    row: Layout      # (slot, row block) -> row
+    row: Layout      # (slot, row block) -> row, or (slot, b, row block) -> row with a batch
     rank: Layout     # blockIdx.x -> CTA of the cluster (projection of `block`)
     rowblock: Layout  # blockIdx.x -> row block (projection of `block`)
     block: Layout    # (rank, row block) -> blockIdx.x
@@ -56,8 +57,11 @@ class RowLayouts:
     def c_slot(self, tid: str = "threadIdx.x") -> str:
         return c_index(self.slot, tid)
 
-    def c_row(self, slot: str = "slot", rowblock: str = "blockIdx.x") -> str:
-        return c_index(self.row, (slot, rowblock))
+    def c_row(self, slot: str = "slot", rowblock: str = "blockIdx.x", b: int | None = None) -> str:
+        """The row of `slot` in `rowblock` (row b of the group's batch where there is one)."""
+        if b is None:
+            return c_index(self.row, (slot, rowblock))
+        return c_index(self.row, (slot, b, rowblock))
 
     def c_rank(self, bid: str = "blockIdx.x") -> str:
         return c_index(self.rank, bid)
@@ -92,13 +96,16 @@ class RowLayouts:
 
 
 def row_layouts(*, threads: int, group: int, cluster: int, vector: int, nchunk: int,
-                pieces: int = 1, rows: int = 1) -> RowLayouts:
+                pieces: int = 1, rows: int = 1, batch: int = 1) -> RowLayouts:
     """The layouts of a schedule: `threads` per CTA in row groups of `group`, `cluster` CTAs
     per row, chunks of `vector` elements, `nchunk` chunks per thread, chunks of `pieces`
-    16-byte pieces (staged streams), `rows` rows in all."""
+    16-byte pieces (staged streams), `rows` rows in all, `batch` rows per row group (a
+    group's rows `slots` apart, so each of a warp's loads covers neighbouring rows)."""
     rpc = threads // group
     P = group * cluster
-    blocks = max(1, -(-rows // rpc))
+    blocks = max(1, -(-rows // (rpc * batch)))
+    row = (Layout((rpc, blocks), (1, rpc)) if batch == 1
+           else Layout((rpc, batch, blocks), (1, rpc, rpc * batch)))
     thread = Layout((group, rpc), (1, group))
     block = Layout((cluster, blocks), (1, cluster))
     chunk = Layout((P, nchunk), (1, P))
@@ -106,7 +113,7 @@ def row_layouts(*, threads: int, group: int, cluster: int, vector: int, nchunk: 
         lane=Layout((group, rpc), (1, 0)),
         slot=Layout((group, rpc), (0, 1)),
         thread=thread,
-        row=Layout((rpc, blocks), (1, rpc)),
+        row=row,
         rank=Layout((cluster, blocks), (1, 0)),
         rowblock=Layout((cluster, blocks), (0, 1)),
         block=block,

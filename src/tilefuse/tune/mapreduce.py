@@ -6,10 +6,12 @@ threads per CTA, group (threads per row), cluster (CTAs per row, sm_90), min_blo
 (__launch_bounds__'s CTAs per SM, i.e. the register cap), unroll (stream stage only),
 l2_hints (stream stage only, where a later pass re-reads a row from L2), two_pass (a
 (count, mean, M2) of a row a warp or less holds: two passes and butterflies or a merge tree;
-where it renders the same kernel either way, the duplicate is dropped).
+where it renders the same kernel either way, the duplicate is dropped), batch (rows a row
+group of at most a warp works on at once, chunks in registers: 1, 2 or 4).
 
 `admits` prunes what cannot help: more threads per row than the row has chunks, more
-than 16 staged chunks per thread (regs, smem), more rows per CTA than the kernel has rows, a register cap
+than 16 staged chunks per thread (regs, smem; a batch's rows counted), more rows per CTA than the
+kernel has rows, a register cap
 other than none / 1024 / 2048 resident threads per SM (or the heuristic's own), unroll
 away from its default where it changes nothing. `valid` is the codegen's own word: the
 schedule constructs and the kernel renders for the target (staged registers, shared
@@ -38,6 +40,7 @@ GROUPS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 CLUSTERS = (1, 2, 4, 8)
 MIN_BLOCKS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 UNROLLS = (2, 4, 8)
+BATCHES = (1, 2, 4)
 MAX_CHUNKS_PER_THREAD = 16
 SM_THREADS = 2048  # resident threads per SM on sm_80 and sm_90
 # Spaces with at most this many distinct kernels are measured whole: enumerating them
@@ -93,6 +96,13 @@ def space(kernel: ir.Kernel, arch: str = "sm_90a") -> Space:
                 return False
         if k.get("l2_hints") and (k["stage"] != "stream" or not rereads):
             return False  # a row read once gains nothing from a priority: only re-read rows get hints
+        if k.get("batch", 1) > 1:
+            if k["stage"] != "regs" or k["group"] > 32 or k["cluster"] > 1:
+                return False  # a batch is held in registers by a row group of at most a warp
+            if k["threads"] // k["group"] * k["batch"] > _pow2ceil(R):
+                return False  # more rows per CTA than the kernel has
+            if -(-row_chunks(k) // k["group"]) * k["batch"] > MAX_CHUNKS_PER_THREAD:
+                return False
         if "unroll" in k and k["unroll"] != d.unroll:
             # unroll shapes only the stream stage's chunk loop, and only up to its trip count
             if k["stage"] != "stream" or k["unroll"] > -(-row_chunks(k) // (k["group"] * k["cluster"])):
@@ -117,7 +127,7 @@ def space(kernel: ir.Kernel, arch: str = "sm_90a") -> Space:
 
     valid(knobs)  # the default claims its kernel first
     candidates = {"stage": STAGES, "vector": vectors, "threads": THREADS, "group": GROUPS, "cluster": clusters,
-                  "min_blocks": MIN_BLOCKS, "unroll": UNROLLS}
+                  "min_blocks": MIN_BLOCKS, "unroll": UNROLLS, "batch": BATCHES}
     for f in fields(mr.MapReduceSchedule):
         if f.name not in candidates:
             candidates[f.name] = (False, True) if isinstance(knobs[f.name], bool) else (knobs[f.name],)
