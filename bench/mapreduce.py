@@ -7,7 +7,8 @@
         --no-compile-baseline --kernel-times                # a few cases, GPU time of each kernel
 
 Each program is compiled with tilefuse.compile and timed (median, CUDA events, L2 flushed)
-next to PyTorch eager and torch.compile (default mode) on random normal inputs; GB/s count
+next to PyTorch eager and torch.compile (default mode) on random normal inputs, in `--rounds`
+interleaved rounds (the order rotated each round; each time is the median over rounds); GB/s count
 each input/weight read once and each output written once; % of copy is against a
 device-to-device copy measured in the same run. tilefuse runs as it does by default (CUDA
 graph replay after a warm-up call for programs of two or more kernels, a direct launch for
@@ -196,6 +197,7 @@ def run_table(args):
            "results": []}
     tuner = tuning.make_tuner() if args.tune else None
     out["tuned"] = bool(args.tune)
+    out["rounds"] = args.rounds
     for name, (rows, cols) in cases(args.quick, args.cases):
         t0 = time.perf_counter()
         module = PROGRAMS[name](cols).cuda().bfloat16()
@@ -203,7 +205,8 @@ def run_table(args):
         tuned = tuning.tune(tuner, module, inputs) if tuner else None
         prog = tilefuse.compile(module, inputs)
         nbytes = program_bytes(module, inputs)
-        rows_ = compare(prog, module, inputs, nbytes, copy_bps, with_compile=not args.no_compile_baseline)
+        rows_ = compare(prog, module, inputs, nbytes, copy_bps, with_compile=not args.no_compile_baseline,
+                        rounds=args.rounds)
         out["results"].append(_record(name, rows, cols, rows_, prog, nbytes, time.perf_counter() - t0))
         out["results"][-1]["schedules"] = {k[0]: str(ck.source.schedule) for k, ck in prog._compiled.items()
                                            if getattr(getattr(ck, "source", None), "schedule", None) is not None}
@@ -303,6 +306,8 @@ def main():
     ap.add_argument("--no-compile-baseline", action="store_true", help="skip torch.compile (it takes a while)")
     ap.add_argument("--cases", help="only these program:RxC cases, comma-separated (e.g. softmax:4096x65536)")
     ap.add_argument("--kernel-times", action="store_true", help="GPU time of each kernel (torch.profiler)")
+    ap.add_argument("--rounds", type=int, default=5,
+                    help="interleaved timing rounds per case (rotated order; each time is the median of its rounds)")
     ap.add_argument("--tune", action="store_true", help="tune each program's kernels first (as `tilefuse tune` "
                     "does; picks cached in TILEFUSE_CACHE_DIR), so tilefuse runs with the tuned schedules")
     args = ap.parse_args()

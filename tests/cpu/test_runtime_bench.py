@@ -79,3 +79,29 @@ def test_median_ms_flushes_before_every_timed_call_and_times_only_the_call(monke
 
     with pytest.raises(ValueError, match="flush must be"):
         bench.median_ms(lambda: None, flush="zero")
+
+
+
+def test_compare_interleaves_rounds_and_takes_each_implementations_median(monkeypatch):
+    """With rounds=R every implementation is timed R times, the order rotated each round (so
+    no implementation always runs first), and its time is the median of its own rounds."""
+    import pytest
+
+    results = {"tilefuse": [3.0, 1.0, 2.0, 9.0, 2.5], "eager": [4.0, 8.0, 5.0, 6.0, 7.0]}
+    order, last = [], []
+
+    def fake_median_ms(fn):
+        fn()  # the implementation says who it is
+        name = last.pop()
+        order.append(name)
+        return results[name][order.count(name) - 1]
+
+    monkeypatch.setattr(bench, "median_ms", fake_median_ms)
+    monkeypatch.setattr(bench, "host_us", lambda fn: 1.0)
+    prog = lambda *a: last.append("tilefuse")  # noqa: E731
+    module = lambda *a: last.append("eager")  # noqa: E731
+    rows = bench.compare(prog, module, (), nbytes=10**6, copy_bps=1e12, with_compile=False, rounds=5)
+    assert {r.name: r.ms for r in rows} == {"tilefuse": 2.5, "eager": 6.0}
+    assert order == ["tilefuse", "eager", "eager", "tilefuse"] * 2 + ["tilefuse", "eager"]
+    with pytest.raises(ValueError, match="rounds"):
+        bench.compare(prog, module, (), nbytes=1, copy_bps=1e12, with_compile=False, rounds=0)

@@ -115,8 +115,14 @@ class Row:
 
 
 def compare(prog, module, inputs, nbytes: int, copy_bps: float | None = None, with_compile=True,
-            extra: dict | None = None) -> list[Row]:
-    """Time tilefuse, eager, torch.compile (and any `extra` named callables) in this run."""
+            extra: dict | None = None, rounds: int = 1) -> list[Row]:
+    """Time tilefuse, eager, torch.compile (and any `extra` named callables) in this run.
+
+    rounds > 1: each implementation is timed once per round, the order rotated from round to
+    round, and its time is the median of its rounds (a 13 us kernel's one-off median moves by
+    a few % with the GPU's state; interleaving puts the baselines through the same states)."""
+    if rounds < 1:
+        raise ValueError(f"rounds must be at least 1, not {rounds}")
     copy_bps = copy_bps or copy_bandwidth()
     runs = {"tilefuse": lambda: prog(*inputs)}
     with torch.no_grad():
@@ -129,7 +135,12 @@ def compare(prog, module, inputs, nbytes: int, copy_bps: float | None = None, wi
             compiled(*inputs)
             runs["torch.compile"] = lambda: compiled(*inputs)
         runs.update(extra or {})
-        times = {k: median_ms(f) for k, f in runs.items()}
+        names = list(runs)
+        per: dict = {k: [] for k in names}
+        for i in range(rounds):
+            for k in names[i % len(names):] + names[:i % len(names)]:
+                per[k].append(median_ms(runs[k]))
+        times = {k: float(statistics.median(per[k])) for k in names}
         hosts = {k: host_us(f) for k, f in runs.items()}
     base = times["tilefuse"]
     return [Row(k, t, nbytes / (t * 1e-3) / 1e9, 100 * nbytes / (t * 1e-3) / copy_bps, t / base, hosts[k])
