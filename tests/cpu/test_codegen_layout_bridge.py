@@ -36,6 +36,8 @@ CASES = [
                                                 pipeline=True)),
     ("softmax", 4, 4097, MapReduceSchedule(threads=128, group=128, vector=1, cluster=4, stage="stream")),
     ("rmsnorm", 6, 1000, MapReduceSchedule(threads=256, group=32, vector=8, stage="smem", min_blocks=3)),
+    ("rmsnorm", 1001, 256, MapReduceSchedule(threads=128, group=8, vector=8, batch=2)),  # a batch of rows
+    ("layernorm", 37, 136, MapReduceSchedule(threads=64, group=8, vector=8, batch=4)),
 ]
 
 
@@ -46,7 +48,7 @@ def _case(name, R, C, sched):
     nchunk, _ = mapreduce._plan_chunks(C, sched.vector, sched.group * sched.cluster)
     pieces = max(1, sched.vector * 2 // 16)
     lay = rowlayout.row_layouts(threads=sched.threads, group=sched.group, cluster=sched.cluster,
-                                vector=sched.vector, nchunk=nchunk, pieces=pieces, rows=R)
+                                vector=sched.vector, nchunk=nchunk, pieces=pieces, rows=R, batch=sched.batch)
     return k, sched, src, lay, nchunk
 
 
@@ -68,7 +70,10 @@ def test_rendered_index_lines_are_c_index_of_the_layouts(name, R, C, sched):
     assert _lines(src, "const int slot") == [c_index(lay.slot, "threadIdx.x")]
     assert _lines(src, "const int lane") == [c_index(lay.lane, "threadIdx.x")]
     rb = "rowblock" if sched.cluster > 1 else "blockIdx.x"
-    assert _lines(src, "const long long r") == [c_index(lay.row, ("slot", rb))]
+    if sched.batch == 1:
+        assert _lines(src, "const long long r") == [c_index(lay.row, ("slot", rb))]
+    else:  # each row of the batch: once where its chunks are loaded, once where its body runs
+        assert _lines(src, "const long long r") == [c_index(lay.row, ("slot", b, rb)) for b in range(sched.batch)] * 2
     if sched.cluster > 1:
         assert _lines(src, "const unsigned rank") == [c_index(lay.rank, "blockIdx.x")]
         assert _lines(src, "const int rowblock") == [c_index(lay.rowblock, "blockIdx.x")]
@@ -126,8 +131,8 @@ def test_layouts_cover_every_element_exactly_once(name, R, C, sched):
     masked = 0
     for bid in range(src.grid[0]):
         rank, rb = lay.rank(bid), lay.rowblock(bid)
-        for tid in range(sched.threads):
-            row = lay.row(lay.slot(tid), rb)
+        for tid, b in product(range(sched.threads), range(sched.batch)):
+            row = lay.row(lay.slot(tid), rb) if sched.batch == 1 else lay.row(lay.slot(tid), b, rb)
             p = lay.p(lay.lane(tid), rank)
             for j in range(nchunk):
                 c0 = lay.column(0, (p, j))
@@ -137,9 +142,9 @@ def test_layouts_cover_every_element_exactly_once(name, R, C, sched):
                 # a chunk is V consecutive columns (column = logical_product(V:1, chunk))
                 assert c0 + sched.vector <= C, "an unmasked chunk runs past the row"
                 assert (row, c0) not in seen, f"chunk at ({row}, {c0}) covered twice"
-                seen[(row, c0)] = (bid, tid, j)
+                seen[(row, c0)] = (bid, tid, b, j)
     assert len(seen) * sched.vector == R * C
-    assert masked * sched.vector == src.grid[0] * sched.threads * nchunk * sched.vector - R * C
+    assert masked * sched.vector == src.grid[0] * sched.threads * sched.batch * nchunk * sched.vector - R * C
 
 
 def test_column_layout_is_the_chunk_layout_times_the_vector():

@@ -6,6 +6,7 @@ the properties the design promises (16-byte row loads issued once per row, clust
 very long rows on Hopper only); the cubin cache hits, and rebuilds corrupted entries; bad
 inputs get clear errors.
 """
+import re
 import time
 from dataclasses import replace
 
@@ -704,8 +705,13 @@ def test_a_batch_loads_every_row_before_the_first_exchange(name):
     one_row = _body(render(k, replace(s, batch=1), "sm_90a")).count("tf_ld16_stream(")
     assert one_row >= 1 and len(staged_loads) == 2 * one_row and max(staged_loads) < first_body
     assert "__shfl" not in body[:first_body] and "tf_var" not in body[:first_body]
+    rows = re.findall(r"const long long r = (.*?);", body)
+    assert len(rows) == 4 and rows[:2] == rows[2:] and rows[0] != rows[1]  # loads, then bodies, of rows 0 and 1
     for b in range(2):
-        assert f"// ---- row {b} of the batch" in body
+        scope = body.split(f"// ---- row {b} of the batch")[1].split("// ---- row ")[0]
+        assert scope.count("const long long r = ") == 1 and rows[b] in scope
+        staged = re.findall(r"auto& (\w+)_s = (\w+);", scope)
+        assert staged and all(alias == f"{st}_s{b}" for st, alias in staged)  # row b reads row b's chunks
     assert body.count("const bool row_ok = r < 1001;") == 4  # two load scopes, two row scopes
     assert src.grid == (-(-R // (128 // s.group * 2)), 1, 1)
     assert cubin.info.clean, cubin.info
@@ -714,16 +720,28 @@ def test_a_batch_loads_every_row_before_the_first_exchange(name):
 def test_a_batch_needs_a_warp_row_group_in_registers():
     """A batch is refused (with the reason) where its rows could not share a row group's
     registers: batch sizes other than 1/2/4/8, row groups wider than a warp, clusters, the
-    smem and stream stages, and kernels with a grid reduction; the misaligned-data fallback
-    of a batched schedule streams one row at a time."""
+    smem and stream stages (grid reductions: tests/cpu/test_grid_reduce.py); the
+    misaligned-data fallback of a batched schedule streams one row at a time."""
     for kw in (dict(batch=3), dict(group=64, batch=2), dict(group=128, threads=128, cluster=2, batch=2),
                dict(stage="smem", batch=2), dict(stage="stream", batch=2)):
         with pytest.raises(ValueError, match="batch"):
             MapReduceSchedule(**{"threads": 128, "group": 16, "vector": 8, **kw})
-    grid = fx.BUILDERS["cross_entropy"](64, 256, "bf16")
-    if ir.grid_parts(grid) is not None:
-        with pytest.raises(ValueError, match="batch"):
-            render(grid, MapReduceSchedule(threads=128, group=16, vector=8, batch=2))
     fb = mapreduce.scalar_fallback(MapReduceSchedule(threads=128, group=8, vector=8, batch=2))
     assert fb.batch == 1 and fb.stage == "stream"
     render(fx.rmsnorm_kernel(64, 256, "bf16"), fb, "sm_90a")
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("dtype", ["bf16", "f32"])
+@pytest.mark.parametrize("name", ["rmsnorm", "layernorm", "add_rmsnorm", "softmax"])
+def test_every_short_row_default_compiles_without_spills(name, dtype, arch):
+    """The short-row defaults (batches included) at every row length up to 256 that is a
+    multiple of 8: no spills, no stack frame. The fixture sweep above tries only 256, where
+    the batched RMSNorm layout sits at its 64-register cap; 128 columns once spilled."""
+    bad = []
+    for C in range(8, 257, 8):
+        k = fx.BUILDERS[name](4096, C, dtype)
+        src, cubin = compile_source_only(k, arch)
+        if not cubin.info.clean:
+            bad.append((C, str(src.schedule), cubin.info))
+    assert not bad, bad

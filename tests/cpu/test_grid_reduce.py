@@ -324,3 +324,31 @@ def test_the_tuner_tunes_a_kernel_with_a_workspace_launched_as_the_runtime_launc
         assert not any(x["zero"] for x in rest), "no reset between launches: the runtime does none"
         if first["stage"] != "stream":
             assert len(launches) >= 3  # the two checks, then the timed repetitions on the same workspace
+
+
+def _norm_rows_and_total(x, w):
+    xf = x.float()
+    return (xf * w.float()).bfloat16(), xf.sum(-1).sum()
+
+
+def test_a_grid_reduction_takes_one_row_per_row_group():
+    """A short-row kernel ending in a grid reduction: its default schedule has batch 1 (the
+    short-row defaults of its head would batch two rows), it renders, the tuner's default is
+    valid and no candidate batches rows; a batch named explicitly is refused, saying why."""
+    from dataclasses import replace
+
+    from tilefuse.tune import mapreduce as mrs
+
+    stages = compile_stages(_norm_rows_and_total, (torch.randn(1000, 256).bfloat16(), torch.randn(256).bfloat16()))
+    (k,) = [lk.kernel for lk in stages.kernels.values() if lk.kernel.scratch]
+    assert ir.grid_parts(k) is not None
+    d = default_schedule(k, "sm_90a")
+    assert d.batch == 1
+    assert render(k, None, "sm_90a").schedule.batch == 1
+    _, cubin = compile_source_only(k, "sm_90a")
+    assert cubin.info.clean
+    space = mrs.space(k, "sm_90a")
+    assert space.valid(space.as_dict(space.default))
+    assert all(space.as_dict(c)["batch"] == 1 for c in space.admitted())
+    with pytest.raises(ValueError, match="batch"):
+        render(k, replace(d, stage="regs", group=min(d.group, 32), threads=128, batch=2), "sm_90a")

@@ -1,6 +1,7 @@
 """Host overhead measurement in analyze/bench.py (timing logic only; no GPU needed)."""
 import time
 
+import pytest
 import torch
 
 from tilefuse.analyze import bench
@@ -81,12 +82,9 @@ def test_median_ms_flushes_before_every_timed_call_and_times_only_the_call(monke
         bench.median_ms(lambda: None, flush="zero")
 
 
-
 def test_compare_interleaves_rounds_and_takes_each_implementations_median(monkeypatch):
     """With rounds=R every implementation is timed R times, the order rotated each round (so
     no implementation always runs first), and its time is the median of its own rounds."""
-    import pytest
-
     results = {"tilefuse": [3.0, 1.0, 2.0, 9.0, 2.5], "eager": [4.0, 8.0, 5.0, 6.0, 7.0]}
     order, last = [], []
 

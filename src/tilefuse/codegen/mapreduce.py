@@ -66,7 +66,7 @@ class MapReduceSchedule:
                 partials down a shuffle tree (fewer registers; on an H100 from 2% faster to
                 1.3% slower by layout, so a tuner's knob); elsewhere it changes nothing.
     batch:      rows each row group works on at once (a row group of at most a warp, chunks
-                in registers, one CTA per row): every row's chunks are loaded before the first
+                in registers, no cluster): every row's chunks are loaded before the first
                 is reduced, so a thread keeps batch times the bytes in flight and the batch's
                 reductions overlap; the CTA covers threads / group * batch rows.
     """
@@ -337,6 +337,13 @@ def _smem_eligible(kernel: ir.Kernel, vector: int) -> bool:
 
 
 def default_schedule(kernel: ir.Kernel, arch: str = "sm_90a", stage: str | None = None) -> MapReduceSchedule:
+    """A schedule from the row length, the kernel's kind, the staged bytes and the target
+    (see _default_schedule); a kernel ending in a grid reduction takes one row per row group."""
+    sch = _default_schedule(kernel, arch, stage)
+    return replace(sch, batch=1) if sch.batch > 1 and ir.grid_parts(kernel) is not None else sch
+
+
+def _default_schedule(kernel: ir.Kernel, arch: str = "sm_90a", stage: str | None = None) -> MapReduceSchedule:
     """A schedule from the row length, the kernel's kind, the staged bytes and the target.
 
     stage=None picks "smem" where the rows come in 16-byte chunks (except short rows of a
@@ -393,13 +400,15 @@ def default_schedule(kernel: ir.Kernel, arch: str = "sm_90a", stage: str | None 
             # exchange (LayerNorm) the merge's five levels cost more than the parallelism buys
             # (14.51 against 14.32 us): LayerNorm takes its own layout, above
             per = len(row_streams)
-            if per == 1:
+            if per == 1 and chunks == 32:
                 # one row stream (RMSNorm): four chunks per thread and a batch of two rows per
                 # row group, so eight 16-byte loads are in flight per thread; 128 threads, 8 CTAs
                 # per SM. H100, 32768 x 256 bf16, two runs (bench/results/s17/batch_{sweep,top}_h100.json):
                 # 12.97 / 12.51 us against 13.15 / 12.67 for a chunk per thread and a row per
                 # warp (the old default below); a third, paired (s17/batch_defaults_ab_h100.json):
-                # 12.75 against 12.98. add+RMSNorm gained nothing from a batch
+                # 12.75 against 12.98. add+RMSNorm gained nothing from a batch. Only rows of 32
+                # chunks: at some other lengths this layout spills under its 64-register cap
+                # (128 columns on sm_90a, 200-248 on sm_80), so they keep a chunk per thread
                 return MapReduceSchedule(threads=128, group=_pow2ceil(-(-chunks // 4)), vector=v, min_blocks=8,
                                          batch=2)
             words = staged_words(kernel, v) * per
@@ -1652,6 +1661,8 @@ def render(kernel: ir.Kernel, schedule: MapReduceSchedule | None = None, arch: s
         kernel = gp.head
     parts = ir.row_kernel_parts(kernel)
     sch = schedule or default_schedule(kernel, arch)
+    if schedule is None and gp is not None:
+        sch = replace(sch, batch=1)  # its rows take one row per row group (default_schedule(whole) says so too)
     if gp is not None and sch.batch > 1:
         raise ValueError(f"kernel {kernel.name}: a grid reduction's rows take one row per row group "
                          f"(batch 1), not {sch}")

@@ -64,6 +64,10 @@ def space(kernel: ir.Kernel, arch: str = "sm_90a") -> Space:
     vectors = tuple(v for v in (d.vector, d.vector // 2) if v >= 1)
     clusters = CLUSTERS if mr.supports_clusters(arch) else (1,)
     rereads = mr.rereads_rows(kernel)
+    # a batch overlaps the loads of its rows' staged chunks: a kernel with no row stream to
+    # stage (a gather) or ending in a grid reduction (one row per row group) has none to batch
+    batches = ir.grid_parts(kernel) is None and any(
+        st.per_row for st in mr._analyse(kernel, parts, d.vector).in_streams.values())
 
     def occupancies(t: int) -> set:
         return {1, max(1, 1024 // t), SM_THREADS // t} | ({d.min_blocks} if t == d.threads else set())
@@ -97,7 +101,7 @@ def space(kernel: ir.Kernel, arch: str = "sm_90a") -> Space:
         if k.get("l2_hints") and (k["stage"] != "stream" or not rereads):
             return False  # a row read once gains nothing from a priority: only re-read rows get hints
         if k.get("batch", 1) > 1:
-            if k["stage"] != "regs" or k["group"] > 32 or k["cluster"] > 1:
+            if not batches or k["stage"] != "regs" or k["group"] > 32 or k["cluster"] > 1:
                 return False  # a batch is held in registers by a row group of at most a warp
             if k["threads"] // k["group"] * k["batch"] > _pow2ceil(R):
                 return False  # more rows per CTA than the kernel has
