@@ -1660,9 +1660,7 @@ def render(kernel: ir.Kernel, schedule: MapReduceSchedule | None = None, arch: s
     if gp is not None:  # the row kernel is rendered as usual, then its grid reduction (_emit_grid_tail)
         kernel = gp.head
     parts = ir.row_kernel_parts(kernel)
-    sch = schedule or default_schedule(kernel, arch)
-    if schedule is None and gp is not None:
-        sch = replace(sch, batch=1)  # its rows take one row per row group (default_schedule(whole) says so too)
+    sch = schedule or default_schedule(whole, arch)  # the whole kernel's: a grid reduction's takes batch 1
     if gp is not None and sch.batch > 1:
         raise ValueError(f"kernel {kernel.name}: a grid reduction's rows take one row per row group "
                          f"(batch 1), not {sch}")
@@ -1743,15 +1741,20 @@ def render(kernel: ir.Kernel, schedule: MapReduceSchedule | None = None, arch: s
     else:
         em(f"// this row group's {B} rows: (slot, b, row block) -> row {lay.row}")
         em(f"const int p = {lay.c_p('lane', 0)};")
+    # the streams whose row bases a row's code needs: a batch's loads take those staged in
+    # registers, its rows' bodies the others
+    based = [x for x in list(ana.in_streams.values()) + list(ana.out_streams.values()) if not x.values]
+    staged = [st for st in ana.in_streams.values() if st.per_row] if sch.stage == "regs" else []
+    held = [x for x in based if any(x is st for st in staged)]
+    unstaged = [x for x in based if not any(x is st for st in staged)]
     if B == 1:
-        _emit_row_start(ctx, em, None)
+        _emit_row_start(ctx, em, None, based)
     else:
         em(f"(void)slot; (void)lane; (void)p;  // chunk j of thread p covers columns {lay.column} (v, (p, j))")
         if sch.l2_hints:
             _emit_l2_policies(em)
 
     # ---- staging
-    staged = [st for st in ana.in_streams.values() if st.per_row] if sch.stage == "regs" else []
     if staged:
         em(f"// ---- this thread's {nchunk} chunk(s) of {V} element(s) of each input row"
            + (f", for each of its {B} rows" if B > 1 else "") + ": loaded once, all in flight")
@@ -1761,7 +1764,7 @@ def render(kernel: ir.Kernel, schedule: MapReduceSchedule | None = None, arch: s
         for b in range(B):
             if B > 1:
                 em.open("")
-                _emit_row_start(ctx, em, b, staged=True)
+                _emit_row_start(ctx, em, b, held)
             em("#pragma unroll")
             em.open(f"for (int j = 0; j < {nchunk}; ++j)")
             em(f"const int c0 = {lay.c_column(0)};")
@@ -1811,7 +1814,7 @@ def render(kernel: ir.Kernel, schedule: MapReduceSchedule | None = None, arch: s
             _set_ctx_state(ctx, fresh)  # every row of the batch renders the same body, in its own scope
             em.open("")
             em(f"// ---- row {b} of the batch")
-            _emit_row_start(ctx, em, b, staged=False)
+            _emit_row_start(ctx, em, b, unstaged)
             for st in staged:
                 em(f"auto& {st.name}_s = {st.name}_s{b};")
             _emit_row_body(ctx, em, early, steps, selects, pipelined, wait_line)
@@ -1843,23 +1846,19 @@ def render(kernel: ir.Kernel, schedule: MapReduceSchedule | None = None, arch: s
                         workspace_bytes=ws.nbytes if ws is not None else 0)
 
 
-def _emit_row_start(ctx: _Ctx, em: _Emitter, b: int | None, staged: bool | None = None):
+def _emit_row_start(ctx: _Ctx, em: _Emitter, b: int | None, streams: list):
     """Row b of the group's batch (None: the one row, `r` already defined): its index, whether
-    it exists, and its streams' bases (staged=True: only the streams staged in registers, for
-    the batch's loads; False: only the others, for its rows' bodies; None: all)."""
+    it exists, and the row bases of `streams`."""
     if b is not None:
         em(f"const long long r = {ctx.lay.c_row('slot', 'blockIdx.x', b)};")
     em(f"const bool row_ok = r < {ctx.parts.rows};")
     if b is None:
         em(f"(void)slot; (void)lane; (void)p;  // chunk j of thread p covers columns {ctx.lay.column} (v, (p, j))")
-    if ctx.sched.l2_hints and b is None:
-        _emit_l2_policies(em)
+        if ctx.sched.l2_hints:
+            _emit_l2_policies(em)
     env0 = _env(ctx, None)
-    ana = ctx.ana
-    held = [x for x in ana.in_streams.values() if x.per_row] if ctx.sched.stage == "regs" else []
-    for st in [x for x in list(ana.in_streams.values()) + list(ana.out_streams.values()) if not x.values]:
-        if staged is None or staged == any(st is x for x in held):
-            em(f"const long long b_{st.name} = {cexpr.flat_offset(st.buf, st.base_index, env0)};  // {st.buf.name} row base")
+    for st in streams:
+        em(f"const long long b_{st.name} = {cexpr.flat_offset(st.buf, st.base_index, env0)};  // {st.buf.name} row base")
 
 
 def _emit_l2_policies(em: _Emitter):
