@@ -1,7 +1,8 @@
 """What a sum-of-squares partial costs a residual GEMM: the GEMM + residual epilogue as the
 planner builds it, against the same epilogue that also writes sum(y^2) per row per 128
 columns (EpilogueBuilder.partial_sum; what an RMSNorm after the GEMM would need), on the same
-random inputs. Both default schedules; CUDA events, L2 flushed by a read, 5 interleaved rounds.
+random inputs. Both default schedules (since session 18 the partials run beside the element
+code and keep the plain one); CUDA events, L2 flushed by a read, 5 interleaved rounds.
 Prints how far apart the two stored tiles are, and how far the partials' row sums are from
 the stored row's sum of squares (the partials square y before its bf16 rounding).
 

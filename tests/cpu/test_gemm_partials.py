@@ -246,3 +246,107 @@ def test_a_partial_indexing_with_c_otherwise_is_refused():
     k = ir.Kernel("bad", (acc, out), (body,), family="epilogue")
     with pytest.raises(g.GemmError, match="indexes with c"):
         g.render(g.GemmProblem(m, n, 64, epilogue=k), g.GemmSchedule(128, 256))
+
+
+def with_sq(m, n, operand="residual", width=W, also_max=False):
+    """y = acc + residual[m, n] (or + bias[n]) stored as bf16, and sum(y * y) per group."""
+    e = epi.EpilogueBuilder(m, n)
+    y = e.op("add", e.acc(), e.load(operand, "tile" if operand == "residual" else "col", "bf16"))
+    e.store("out", y, "bf16")
+    e.partial_sum("sq", e.op("mul", y, y), width)
+    if also_max:
+        e.partial_max("mx", y, width)
+    return e.kernel(f"{operand}_sq")
+
+
+def test_inline_partials_bind_the_element_values_and_decline_a_shifted_sum():
+    """A sum of squares and a max need nothing between the reductions: the element code can add
+    them up, every statement of their bodies a copy of an element statement (only the masks of
+    a short last group are their own). The LM head's sum of exp(y - max) needs the group's max
+    first: no."""
+    for n, masks in [(1024, 0), (1000, 5)]:
+        p = g.GemmProblem(256, n, 64, epilogue=with_sq(256, n, also_max=True))
+        inl = g.inline_partials(p, p.epilogue)
+        assert inl is not None and [r.op for r in inl.reds] == ["sum", "max"]
+        for red, twins, rest in zip(inl.reds, inl.twins, inl.rest):
+            assert len(twins) + len(rest) == len(red.body)
+            assert len(rest) == masks, rest
+            loads = [x.dst for x in red.body if isinstance(x, ir.Load)]
+            assert loads and set(loads) <= set(twins), "the residual and acc are the element's own reads"
+    p = g.GemmProblem(256, 1000, 64, epilogue=lm_head(256, 1000, also_store=True))
+    assert g.inline_partials(p, p.epilogue) is None
+    p = g.GemmProblem(256, 1024, 64, epilogue=lm_head(256, 1024))
+    assert g.inline_partials(p, p.epilogue) is None, "no element code to put them in"
+
+
+INLINE_SCHEDS = [g.GemmSchedule(128, 256, stages=3, cluster_m=2, tma_loads=True), g.GemmSchedule(128, 128, stages=6),
+                 g.GemmSchedule(128, 256, stages=4, tma_store=False), g.GemmSchedule(64, 128, stages=8, consumers=1),
+                 g.GemmSchedule(128, 128, stages=6, pingpong=True), g.GemmSchedule(128, 128, stages=6, split_k=2)]
+
+
+def _adds(src: str):
+    """(acc block mb, register v, partial register (i, mb, r, g)) for each term added, read in
+    source order: a register's term follows its `acc[mb][v]` read."""
+    out, cur = [], None
+    for line in src.splitlines():
+        a = re.search(r"= acc\[(\d+)\]\[(\d+)\];", line)
+        if a:
+            cur = (int(a.group(1)), int(a.group(2)))
+        b = re.search(r"^\s*pp(\d+)_(\d+)_(\d+)_(\d+) = ", line)
+        if b and "__shfl" not in line:
+            out.append((cur, tuple(int(x) for x in b.groups())))
+    return out
+
+
+@pytest.mark.parametrize("sched", INLINE_SCHEDS, ids=str)
+@pytest.mark.parametrize("operand", ["residual", "bias"])
+def test_inline_partials_take_each_register_once_into_its_row_group(sched, operand):
+    """Read back from the rendered source: every accumulator register (mb, v) adds one term to
+    each partial, into the register of its own 64-row block, row (frag row 0 or 8) and column
+    group (the wgmma fragment's); the residual is read once per element (from its TMA slot or
+    one pair load), not again for the partials; the tile keeps its TMA store where the
+    schedule has one."""
+    m, n = 2 * sched.span[0], 2 * sched.span[1]
+    p = g.GemmProblem(m, n, 128, epilogue=with_sq(m, n, operand, also_max=True))
+    src = g.render(p, sched)
+    frag = mma.sm90_64xN_c(sched.bn)
+    adds = _adds(src.source)
+    want = {(mb, v) for mb in range(sched.rows_per_wg // 64) for v in range(frag.values)}
+    for i in (0, 1):
+        mine = [(reg, key) for reg, key in adds if key[0] == i]
+        assert sorted(reg for reg, _ in mine) == sorted(want), f"partial {i}: each register once"
+        for (mb, v), (_, pmb, r, grp) in mine:
+            row, col = frag(0, v)
+            assert (pmb, r, grp) == (mb, row, col // W)
+    code = src.source.split("#define BM")[1]  # (after the header comments)
+    assert "reduce sum c in" not in code, "no partials loop re-rendered"
+    if operand == "residual":
+        reads = len(re.findall(r"\(residual \+|residual\[", code)) + len(re.findall(r"tf_lds32\(slot", code))
+        assert reads == (sched.rows_per_wg // 64) * frag.values // 2, "one read per register pair"
+    assert (src.c_box is not None) == sched.tma_store
+
+
+@pytest.mark.parametrize("shape", [(1000, 1000, 136), (8192, 2048, 2048), (300, 384, 64)])
+@pytest.mark.parametrize("operand", ["residual", "bias"])
+def test_inline_partials_compile_without_spills_on_every_store_path(shape, operand):
+    m, n, k = shape
+    p = g.GemmProblem(m, n, k, epilogue=with_sq(m, n, operand, also_max=True))
+    for sched in INLINE_SCHEDS + [None]:
+        try:
+            src = g.render(p, sched)
+        except g.GemmError as e:
+            assert "split_k" in str(e) and k < 128, e  # only K too short to split
+            continue
+        info = nvrtc.compile_cuda(src.source, src.name, "sm_90a").info
+        assert info.clean, (src.schedule, info)
+
+
+def test_inline_partials_keep_the_plain_default_schedule():
+    """Beside the element code the partials cost the residual GEMM ~0.5% (bench/LOG_gemm.md,
+    s18): the default is the plain epilogue's, cluster and residual by TMA included."""
+    m, n, k = 8192, 2048, 2048
+    plain = g.default_schedule(g.GemmProblem(m, n, k, epilogue=epi.standard(m, n, "bf16", residual=True)))
+    s = g.default_schedule(g.GemmProblem(m, n, k, epilogue=with_sq(m, n)))
+    assert s == plain and s.cluster_m == 2 and s.tma_loads and s.tma_store
+    lm = g.default_schedule(g.GemmProblem(m, 32000, k, epilogue=lm_head(m, 32000)))
+    assert not lm.tma_store, "the loop form (no element code) keeps the partials' own default"

@@ -8,7 +8,7 @@ import torch
 
 from tilefuse.check import rel_error
 from tilefuse.codegen import epilogue as epi
-from tilefuse.codegen.gemm_sm90 import GemmProblem, GemmSchedule
+from tilefuse.codegen.gemm_sm90 import GemmError, GemmProblem, GemmSchedule
 from tilefuse.runtime.gemm import compile_gemm
 
 pytestmark = pytest.mark.gpu
@@ -160,3 +160,61 @@ def test_compiled_transformers_loss(name, vocab):
     ids, labels = b.inputs
     labels[0, :5] = -100
     _program_loss(b.model, (ids, labels))
+
+
+def _with_sq(m, n, operand, width=W):
+    """out = acc + residual[m, n] (or + bias[n]) in bf16, and per 128 columns the sum of its
+    squares (before rounding) and its max: what an RMSNorm after a residual GEMM needs, beside
+    the tile's own store."""
+    e = epi.EpilogueBuilder(m, n)
+    y = e.op("add", e.acc(), e.load(operand, "tile" if operand == "residual" else "col", "bf16"))
+    e.store("out", y, "bf16")
+    e.partial_sum("sq", e.op("mul", y, y), width)
+    e.partial_max("mx", y, width)
+    return e.kernel(f"{operand}_sq")
+
+
+def _grouped(y: torch.Tensor, width=W):
+    """(sum of squares, max) of y [M, N] per group of `width` columns, in float64 (a short last
+    group padded with what adds nothing)."""
+    m, n = y.shape
+    t = -(-n // width)
+    sq = torch.zeros(m, t * width, dtype=torch.float64, device=y.device)
+    mx = torch.full((m, t * width), float("-inf"), dtype=torch.float64, device=y.device)
+    sq[:, :n], mx[:, :n] = y.double() ** 2, y.double()
+    return sq.view(m, t, width).sum(-1), mx.view(m, t, width).amax(-1)
+
+
+INLINE = [None, GemmSchedule(128, 256, stages=3, cluster_m=2, tma_loads=True), GemmSchedule(128, 128, stages=6),
+          GemmSchedule(128, 256, stages=4, defer_stores=False), GemmSchedule(128, 256, stages=4, tma_store=False),
+          GemmSchedule(64, 128, stages=8, consumers=1), GemmSchedule(128, 256, stages=4, stream_k=132),
+          GemmSchedule(128, 128, stages=6, split_k=2), GemmSchedule(128, 128, stages=6, pingpong=True)]
+
+
+@pytest.mark.parametrize("operand", ["residual", "bias"])
+@pytest.mark.parametrize("sched", INLINE, ids=str)
+@pytest.mark.parametrize("shape", [(1000, 1000, 136), (2048, 2048, 512), (300, 384, 64), (4096, 2048, 2048)])
+def test_sum_of_squares_beside_the_tile_store(shape, sched, operand):
+    """Partials a GEMM's element code adds up as it goes (gemm_sm90.InlinePartials), on every
+    store path (TMA store, residual by TMA, a cluster, stores deferred to the next tile (with a
+    bias, not a residual), direct stores, stream-K, split-K, ping-pong): the tile and each
+    (row, group)'s sum of squares and max, with tails in M and N (N = 1000: a short last group)."""
+    m, n, k = shape
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k ** -0.5
+    r = torch.randn(m, n, device="cuda", dtype=torch.bfloat16) if operand == "residual" else \
+        torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    problem = GemmProblem(m, n, k, "bf16", epilogue=_with_sq(m, n, operand))
+    try:
+        gemm = compile_gemm(problem, sched)
+    except GemmError as e:  # a schedule this shape cannot take (stated), not a wrong result
+        pytest.skip(f"{sched}: {e}")
+    assert gemm.info.clean, gemm.info
+    outs = gemm.allocate_outputs(poison=True)
+    gemm(x, w, **{operand: r}, **outs)
+    torch.cuda.synchronize()
+    ref = x.double() @ w.double().T + r.double()
+    lowp = (x @ w.T + r).float()  # torch's bf16 result
+    _passes("out", outs["out"], ref, lowp)
+    for name, got, want, lp in zip(("sq", "mx"), (outs["sq"], outs["mx"]), _grouped(ref), _grouped(lowp)):
+        _passes(name, got, want, lp)

@@ -465,6 +465,12 @@ def partial_outputs(kernel: ir.Kernel) -> tuple[ir.Buffer, ...]:
     return tuple(b for b in kernel.outputs if b.name in names)
 
 
+def tile_outputs(kernel: ir.Kernel) -> tuple[ir.Buffer, ...]:
+    """The outputs the element loop stores (the tile's), without the partials'."""
+    part = {b.name for b in partial_outputs(kernel)}
+    return tuple(b for b in kernel.outputs if b.name not in part)
+
+
 def operands(kernel: ir.Kernel) -> tuple[ir.Buffer, ...]:
     """Buffers the epilogue reads besides the accumulator, in parameter order."""
     return tuple(b for b in kernel.inputs if b.name != ACC)

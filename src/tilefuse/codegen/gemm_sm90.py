@@ -209,6 +209,12 @@ def _heuristic_schedule(problem: GemmProblem, sms: int) -> GemmSchedule:
     m, n = problem.m, problem.n
     width = epi.partial_width(problem.epilogue) if problem.epilogue is not None else None
     if width is not None:  # partial row reductions: tiles of whole column groups only
+        if inline_partials(problem, problem.epilogue) is not None:
+            # beside the element code, the partials leave it its store path: the plain pick
+            # where its tile holds whole groups
+            s = _heuristic_schedule(replace(problem, epilogue=_without_partials(problem.epilogue)), sms)
+            if s.bn % width == 0:
+                return s
         return _default_for_partials(problem, width, sms)
     big = GemmSchedule(128, 256, stages=4)
     candidates = [big, GemmSchedule(128, 128, stages=6),
@@ -280,6 +286,19 @@ def _with_split(s: GemmSchedule, problem: GemmProblem, sms: int) -> GemmSchedule
         if tiles * split <= sms and k_iters >= 16 * split:
             return replace(s, split_k=split)
     return s
+
+
+def _without_partials(kernel: ir.Kernel) -> ir.Kernel:
+    """The epilogue with its partials loop taken out (what the element code alone is)."""
+    def strip(x):
+        if isinstance(x, ir.Loop):
+            body = tuple(strip(y) for y in x.body if not (isinstance(y, ir.Loop) and y.var == "t"))
+            return replace(x, body=body)
+        return x
+
+    part = {b.name for b in epi.partial_outputs(kernel)}
+    return replace(kernel, params=tuple(p for p in kernel.params if p.name not in part),
+                   body=tuple(strip(x) for x in kernel.body))
 
 
 def _default_for_partials(problem: GemmProblem, width: int, sms: int) -> GemmSchedule:
@@ -485,8 +504,10 @@ def _ident(name: str) -> str:
     return "".join(c if c.isalnum() else "_" for c in name)
 
 
-def _epilogue_code(problem: GemmProblem, sched: GemmSchedule, kernel: ir.Kernel) -> list[str]:
-    """Per accumulator register: bind (b, m, n), run the epilogue body, store.
+def _epilogue_code(problem: GemmProblem, sched: GemmSchedule, kernel: ir.Kernel,
+                   inl: InlinePartials | None = None) -> list[str]:
+    """Per accumulator register: bind (b, m, n), run the epilogue body, store (with `inl`, also
+    add its terms to the partials' registers: InlinePartials).
 
     The (thread, value) -> (row, col) map is the wgmma accumulator fragment's; each value's
     column offset is a constant, so every index below folds at compile time except the
@@ -535,8 +556,12 @@ def _epilogue_code(problem: GemmProblem, sched: GemmSchedule, kernel: ir.Kernel)
                 vals = []
                 halves = _issue_pair_loads(kernel, pairs, lines, "  ")
                 for e in (0, 1):
+                    scope = ({}, {})
                     vals.append(_render_element(kernel, body, f"acc[{mb}][{v + e}]", f"n + {e}", lines,
-                                                f"_{e}", store=False, loaded=halves[e]))
+                                                f"_{e}", store=False, loaded=halves[e], scope=scope))
+                    if inl is not None:
+                        inline_partials_add(kernel, inl, frag, mb, v + e, f"acc[{mb}][{v + e}]", f"n + {e}",
+                                            lines, scope, f"_{e}")
                 (buf, off), (x0, x1) = vals[0][0], (vals[0][1], vals[1][1])
                 lines.append(f"  *(unsigned*)({buf} + {off}) = "
                              f"(unsigned){cexpr.to_storage(packs, x0)} | ((unsigned){cexpr.to_storage(packs, x1)} << 16);")
@@ -544,7 +569,10 @@ def _epilogue_code(problem: GemmProblem, sched: GemmSchedule, kernel: ir.Kernel)
                     lines.append("  }")
             else:
                 lines.append(f"  if (m < {problem.m} && n < {problem.n}) {{")
-                _render_element(kernel, body, f"acc[{mb}][{v}]", "n", lines, "", store=True)
+                scope = ({}, {})
+                _render_element(kernel, body, f"acc[{mb}][{v}]", "n", lines, "", store=True, scope=scope)
+                if inl is not None:
+                    inline_partials_add(kernel, inl, frag, mb, v, f"acc[{mb}][{v}]", "n", lines, scope, "")
                 lines.append("  }")
             lines.append("}")
     return lines
@@ -689,6 +717,152 @@ def _partials_code(problem: GemmProblem, sched: GemmSchedule, kernel: ir.Kernel,
     return lines
 
 
+# Partials beside the element code ("inline"): where each partial is a sum, max or min of a
+# body that needs nothing the partials loop computes between them (a sum of squares, a max;
+# not a log-sum-exp's shifted sum), every element the element code computes also adds its term
+# to a register per (64-row block, row of the two, group), from the values the element code has
+# just made: the statements of a partial's body that copy the element's (codegen/epilogue.py's
+# `chain`) reuse the element's registers, so a residual is read once, and the element code keeps
+# its own store path (TMA store, residual by TMA, clusters). After the tile's last element: the
+# quad exchange and the stores of _partials_code. (The loop form above re-renders each body from
+# the accumulators after the element code: a second read of every tile operand, and stores from
+# registers; s17 measured it +14-60% on a residual GEMM, bench/gemm_partials_cost.py.)
+@dataclass(frozen=True)
+class InlinePartials:
+    reds: tuple                  # the partials loop's Reduces
+    twins: tuple                 # per Reduce: {copy's SSA name: the element statement's}
+    rest: tuple                  # per Reduce: its body's statements that are not copies (masks), n for the column
+    width: int
+
+
+def inline_partials(problem: GemmProblem, kernel: ir.Kernel) -> InlinePartials | None:
+    """The partials of `kernel` as the element code can take them, else None (no partials, no
+    element code, or a partial that reads a value the partials loop computes)."""
+    loop = epi.partials_loop(kernel)
+    body = epi.inner_body(kernel)
+    if loop is None or not body or epi.is_pairwise(kernel):
+        return None
+    if any(not isinstance(x, (ir.Reduce, ir.Store)) for x in loop.body):
+        return None
+    w = epi.partial_width(kernel)
+    col = ir.IBin("+", ir.IBin("*", ir.Var("t"), ir.IConst(w)), ir.Var("c"))
+    wrapped = ir.IBin("%", col, ir.IConst(problem.n))
+    elem = {x.dst: x for x in body if not isinstance(x, ir.Store)}
+    reds, twins, rests = [], [], []
+    for red in loop.body:
+        if not isinstance(red, ir.Reduce):
+            continue
+        defined = {x.dst for x in red.body}
+        if any(isinstance(x, ir.Op) and not set(x.args) <= defined for x in red.body):
+            return None
+        tw: dict[str, str] = {}
+        rest = []
+        for x in red.body:
+            y = _partial_indices(x, col, wrapped, False)
+            e = _twin_of(y, elem, tw)
+            if e is not None:
+                tw[x.dst] = e
+            else:
+                rest.append(y)
+        reds.append(red)
+        twins.append(tw)
+        rests.append(tuple(rest))
+    return InlinePartials(tuple(reds), tuple(twins), tuple(rests), w)
+
+
+def _twin_of(y, elem: dict, twins: dict) -> str | None:
+    """The element statement that partial statement `y` (its column spelled n) copies, or None:
+    `y` is named e's name + _p<k> and computes what e does (its args the copies of e's)."""
+    base = y.dst.rsplit("_p", 1)[0] if "_p" in y.dst else None
+    e = elem.get(base)
+    if e is None or type(e) is not type(y):
+        return None
+    if isinstance(y, ir.Op):
+        same = (y.op, y.dtype, len(y.args)) == (e.op, e.dtype, len(e.args)) and all(
+            twins.get(a) == b for a, b in zip(y.args, e.args))
+    elif isinstance(y, ir.Load):
+        same = y.buf == e.buf and tuple(y.index) == tuple(e.index)
+    elif isinstance(y, ir.Const):
+        same = (y.value, y.dtype) == (e.value, e.dtype)
+    elif isinstance(y, ir.IndexValue):
+        same = (y.expr, y.dtype) == (e.expr, e.dtype)
+    else:
+        same = False
+    return base if same else None
+
+
+def _inline_acc(i: int, mb: int, r: int, g: int) -> str:
+    return f"pp{i}_{mb}_{r}_{g}"
+
+
+def inline_partials_decl(sched: GemmSchedule, inl: InlinePartials) -> list[str]:
+    """The partials' registers of one tile, at their identities (before the element code)."""
+    frag = mma.sm90_64xN_c(sched.bn)
+    halves = sorted({frag(0, v)[0] for v in range(frag.values)})
+    out = []
+    for i, red in enumerate(inl.reds):
+        ident = cexpr.const(_PARTIAL_COMBINE[red.op][1], "f32")
+        names = [_inline_acc(i, mb, r, g) for mb in range(sched.rows_per_wg // 64) for r in halves
+                 for g in range(sched.bn // inl.width)]
+        out.append(f"float {', '.join(f'{x} = {ident}' for x in names)};")
+    return out
+
+
+def inline_partials_add(kernel, inl: InlinePartials, frag, mb: int, v: int, acc_expr: str, n_expr: str,
+                        lines: list, scope: tuple[dict, dict], suffix: str):
+    """Element (mb, v)'s terms, added to its (row, group) registers; `scope` is the element's
+    (C names, dtypes) just rendered, `n_expr` its column."""
+    r, cc = frag(0, v)
+    for i, red in enumerate(inl.reds):
+        names, dts = dict(scope[0]), dict(scope[1])
+        for copy, orig in inl.twins[i].items():
+            names[copy], dts[copy] = names[orig], dts[orig]
+        _render_element(kernel, list(inl.rest[i]), acc_expr, n_expr, lines, f"{suffix}_q{i}", store=False,
+                        scope=(names, dts))
+        acc = _inline_acc(i, mb, r, cc // inl.width)
+        lines.append(f"    {acc} = {_PARTIAL_COMBINE[red.op][0].format(a=acc, b=names[red.value])};")
+
+
+def inline_partials_finish(problem: GemmProblem, sched: GemmSchedule, kernel: ir.Kernel,
+                           inl: InlinePartials) -> list[str]:
+    """After the tile's element code: each register across its quad, then one lane stores it
+    (needs frag_row, row_base, tn, batch in scope)."""
+    loop = epi.partials_loop(kernel)
+    frag = mma.sm90_64xN_c(sched.bn)
+    partial_quads(frag, inl.width)
+    halves = sorted({frag(0, v)[0] for v in range(frag.values)})
+    groups = sched.bn // inl.width
+    tail_m = problem.m % sched.span[0] != 0
+    store_env = {"m": "m", "t": "grp", "b": "batch"}
+    lines = ["// the partials: each across its quad, one lane stores"]
+    for mb in range(sched.rows_per_wg // 64):
+        for r in halves:
+            for g in range(groups):
+                lines.append("{")
+                names = {}
+                for i, red in enumerate(inl.reds):
+                    acc = names[red.dst] = _inline_acc(i, mb, r, g)
+                    for mask in QUAD_XOR:
+                        other = f"__shfl_xor_sync(0xffffffffu, {acc}, {mask})"
+                        lines.append(f"  {acc} = {_PARTIAL_COMBINE[red.op][0].format(a=acc, b=other)};")
+                lines.append(f"  const int m = row_base + {mb * 64} + frag_row + {r};")
+                lines.append(f"  const int grp = tn * {groups} + {g};")
+                guard = [f"(tid & {max(QUAD_XOR) * 2 - 1}) == 0"]
+                if tail_m:
+                    guard.append(f"m < {problem.m}")
+                if -(-problem.n // inl.width) % groups:
+                    guard.append(f"grp < {loop.extent}")
+                lines.append(f"  if ({' && '.join(guard)}) {{")
+                for x in loop.body:
+                    if isinstance(x, ir.Store):
+                        buf = kernel.buffer(x.buf)
+                        off = cexpr.flat_offset(buf, x.index, store_env)
+                        lines.append(f"    {_ident(buf.name)}[{off}] = {cexpr.to_storage(buf.dtype, names[x.value])};")
+                lines.append("  }")
+                lines.append("}")
+    return lines
+
+
 def _render_partial(kernel, red: ir.Reduce, mb: int, regs: list, frag, lines: list, env: dict, scope,
                     col, wrapped, tail_n: bool, n_total: int):
     """One Reduce of the partials loop: over the thread's registers `regs` of the group, then
@@ -752,13 +926,13 @@ def _tma_store_dtype(problem: GemmProblem, sched: GemmSchedule, kernel: ir.Kerne
     if full:  # two 16-bit values per register pair, at the pair's own columns: packed as below
         return full if problem.n * 2 % 16 == 0 else None
     if half:  # one 16-bit value per register pair: any single 16-bit output will do
-        outs, stores = kernel.outputs, [x for x in body if isinstance(x, ir.Store)]
+        outs, stores = epi.tile_outputs(kernel), [x for x in body if isinstance(x, ir.Store)]
         dt = outs[0].dtype if len(outs) == 1 and len(stores) == 1 and outs[0].dtype in ("bf16", "f16") else None
     else:
         dt = _pair_store(kernel, body)
     if dt is None:
         return None
-    out = kernel.outputs[0]
+    out = epi.tile_outputs(kernel)[0]
     out_n = problem.n // 2 if half else problem.n
     store = next(x for x in body if isinstance(x, ir.Store))
     want = ((ir.Var("b"),) if problem.batch > 1 else ()) + (ir.Var("m"), ir.Var("n"))
@@ -796,7 +970,7 @@ def tma_residual(problem: GemmProblem, sched: GemmSchedule, kernel: ir.Kernel) -
     loads = _pair_loads(kernel, epi.inner_body(kernel), tma_store=True)
     if len(loads) != 1:
         return None
-    x, out = loads[0], kernel.outputs[0]
+    x, out = loads[0], epi.tile_outputs(kernel)[0]
     want = ((ir.Var("b"),) if problem.batch > 1 else ()) + (ir.Var("m"), ir.Var("n"))
     if tuple(x.index) != want or kernel.buffer(x.buf).shape != out.shape:
         return None
@@ -835,7 +1009,8 @@ def residual_tma_issue(sched: GemmSchedule, k_iters: int) -> list[tuple[int, lis
 
 
 def _epilogue_code_tma(problem: GemmProblem, sched: GemmSchedule, kernel: ir.Kernel, dtype: str,
-                       early: dict | None = None, res_load: ir.Load | None = None) -> list[str]:
+                       early: dict | None = None, res_load: ir.Load | None = None,
+                       inl: InlinePartials | None = None) -> list[str]:
     """The TMA-store epilogue of one consumer warpgroup (see STORE_SPAN above).
 
     Per slot: thread 0 waits until the TMA store that last read the slot is done reading;
@@ -858,6 +1033,8 @@ def _epilogue_code_tma(problem: GemmProblem, sched: GemmSchedule, kernel: ir.Ker
     loop (residual_tma_issue): each warpgroup waits for it once (res_bar, res_phase), then
     fills and stores each slot in turn, reading each pair's residual word from where it
     writes the pair's result.
+
+    With `inl`, each element also adds its terms to the partials' registers (InlinePartials).
     """
     body = epi.inner_body(kernel)
     frag = mma.sm90_64xN_c(sched.bn)
@@ -881,7 +1058,7 @@ def _epilogue_code_tma(problem: GemmProblem, sched: GemmSchedule, kernel: ir.Ker
     if not defer:
         lines += _stsm_coords(frag)
     if res_load is not None:
-        return lines + _residual_slots(problem, sched, kernel, dtype, frag, guarded, bar, res_load)
+        return lines + _residual_slots(problem, sched, kernel, dtype, frag, guarded, bar, res_load, inl)
     pairs = _pair_loads(kernel, body, tma_store=True)
     # Only whole tiles: a split-K or stream-K fixup leaves no registers for words held across
     # slots (ptxas spills), and tail tiles keep their guarded loads in their slot (held ahead,
@@ -944,8 +1121,12 @@ def _epilogue_code_tma(problem: GemmProblem, sched: GemmSchedule, kernel: ir.Ker
                     halves = (_preloaded(pairs, mb, v) if preload else
                               _issue_pair_loads(kernel, pairs, lines, "    "))
                     for e in (0, 1):
+                        scope = ({}, {})
                         vals.append(_render_element(kernel, body, f"acc[{mb}][{v + e}]", f"n + {e}", lines,
-                                                    f"_{e}", store=False, loaded=halves[e]))
+                                                    f"_{e}", store=False, loaded=halves[e], scope=scope))
+                        if inl is not None:
+                            inline_partials_add(kernel, inl, frag, mb, v + e, f"acc[{mb}][{v + e}]", f"n + {e}",
+                                                lines, scope, f"_{e}")
                     x0, x1 = vals[0][1], vals[1][1]
                 lines.append(f"    packed = (unsigned){cexpr.to_storage(dtype, x0)} | "
                              f"((unsigned){cexpr.to_storage(dtype, x1)} << 16);")
@@ -1032,8 +1213,12 @@ def defers_stores(problem: GemmProblem, sched: GemmSchedule, kernel: ir.Kernel) 
     ~2000 cycles a tile per warpgroup, 3% of a 128x256x4096 tile, with the tensor cores idle
     (clock64, s15). Whole-tile persistent loops only (not split-K, stream-K or ping-pong), and
     not where registers or slots already carry residual words across the main loop. Where it
-    does not apply, render ignores the knob (the kernel is the one without it)."""
+    does not apply, render ignores the knob (the kernel is the one without it). Nor with
+    partials beside the element code on tail tiles: their registers and masks on top of the
+    packed results spilled 16 bytes (1000x1000x136, 128x256 tiles in a cluster; s18)."""
     if not sched.defer_stores or sched.split_k > 1 or sched.stream_k or sched.pingpong:
+        return False
+    if not _full_tiles(problem, sched) and inline_partials(problem, kernel) is not None:
         return False
     store_dt = _tma_store_dtype(problem, sched, kernel)
     if store_dt is None or tma_residual(problem, sched, kernel) is not None:
@@ -1044,7 +1229,7 @@ def defers_stores(problem: GemmProblem, sched: GemmSchedule, kernel: ir.Kernel) 
     return not _pair_loads(kernel, body, tma_store=True)
 
 
-def _residual_slots(problem, sched, kernel, dtype, frag, guarded, bar, res_load) -> list[str]:
+def _residual_slots(problem, sched, kernel, dtype, frag, guarded, bar, res_load, inl=None) -> list[str]:
     """The slots of _epilogue_code_tma when TMA has loaded the residual into them (tma_residual)."""
     body = epi.inner_body(kernel)
     lay = _store_layout()
@@ -1067,8 +1252,14 @@ def _residual_slots(problem, sched, kernel, dtype, frag, guarded, bar, res_load)
                 r, cc = frag(0, v)  # offsets relative to thread 0's element
                 _pair_open(lines, problem, mb, r, cc, guarded)
                 halves = [{res_load.dst: f"(unsigned short)(res_w{i} {part})"} for part in ("& 0xFFFFu", ">> 16")]
-                vals = [_render_element(kernel, body, f"acc[{mb}][{v + e}]", f"n + {e}", lines, f"_{e}",
-                                        store=False, loaded=halves[e]) for e in (0, 1)]
+                vals = []
+                for e in (0, 1):
+                    scope = ({}, {})
+                    vals.append(_render_element(kernel, body, f"acc[{mb}][{v + e}]", f"n + {e}", lines, f"_{e}",
+                                                store=False, loaded=halves[e], scope=scope))
+                    if inl is not None:
+                        inline_partials_add(kernel, inl, frag, mb, v + e, f"acc[{mb}][{v + e}]", f"n + {e}",
+                                            lines, scope, f"_{e}")
                 lines.append(f"    packed = (unsigned){cexpr.to_storage(dtype, vals[0][1])} | "
                              f"((unsigned){cexpr.to_storage(dtype, vals[1][1])} << 16);")
                 if guarded:
@@ -1220,7 +1411,7 @@ def _pair_values(kernel, body, accs: list, lines: list, n_expr: str = "n"):
 def _pair_store(kernel: ir.Kernel, body) -> str | None:
     """The 16-bit dtype when the epilogue has one output that two adjacent columns can
     share a 4-byte store to (N even, so every pair starts 4-byte aligned); else None."""
-    outs = kernel.outputs
+    outs = epi.tile_outputs(kernel)
     stores = [s for s in body if isinstance(s, ir.Store)]
     if len(outs) != 1 or len(stores) != 1 or outs[0].dtype not in ("bf16", "f16"):
         return None
@@ -1738,13 +1929,16 @@ def render(problem: GemmProblem, sched: GemmSchedule | None = None) -> GemmSourc
 
     b_load_lines = "\n".join("          " + x for x in b_loads)
     early = {"decl": [], "coords": [], "groups": []}  # (filled where the epilogue loads ahead: _epilogue_code_tma)
+    inl = inline_partials(problem, kernel)
     if store_dt:
-        lines = _epilogue_code_tma(problem, sched, kernel, store_dt, early, res_load)
+        lines = _epilogue_code_tma(problem, sched, kernel, store_dt, early, res_load, inl)
     elif epi.inner_body(kernel) or epi.partials_loop(kernel) is None:
-        lines = _epilogue_code(problem, sched, kernel)
+        lines = _epilogue_code(problem, sched, kernel, inl)
     else:  # partial row reductions only: the tile itself is not stored
         lines = []
-    if pw is not None:  # (the element code, if any, has bound frag_row and frag_col)
+    if inl is not None:  # (the element code has bound frag_row)
+        lines = inline_partials_decl(sched, inl) + lines + inline_partials_finish(problem, sched, kernel, inl)
+    elif pw is not None:  # (the element code, if any, has bound frag_row and frag_col)
         lines += _partials_code(problem, sched, kernel, frag_coords=not lines)
     decl_early = "\n".join("      " + x for x in early["decl"])
     defer = early.get("defer")

@@ -14,7 +14,7 @@ import ctypes
 from dataclasses import dataclass, field
 
 from .. import dtypes
-from ..codegen import gemm_sm90
+from ..codegen import epilogue as epi, gemm_sm90
 from ..codegen.gemm_sm90 import GemmError, GemmProblem, GemmSchedule
 from . import cache, nvrtc
 from .launch import _drv, _raw_stream, load_function
@@ -67,7 +67,7 @@ class GemmKernel:
         self._param_bufs = tuple(ep.buffer(name) for name in self.source.params)
         self._param_names = frozenset(self.source.params)
         # (subclasses for other targets may have no TMA store: no c_box on their source)
-        self._tma_out_names = (ep.outputs[0].name,) if getattr(self.source, "c_box", None) is not None else ()
+        self._tma_out_names = (epi.tile_outputs(ep)[0].name,) if getattr(self.source, "c_box", None) is not None else ()
         self._tma_load_names = tuple(getattr(self.source, "tma_loads", ()))  # operands TMA reads in (64 x 64) boxes
         self._split = getattr(self.source, "workspace", 0) > 0  # split-K: workspace and counters per stream
 
