@@ -57,6 +57,14 @@ def lower_plan(graph: ir.Graph, p: Plan) -> tuple[dict[str, Lowered], dict[str, 
     return kernels, gemms
 
 
+def norm_partials_enabled() -> bool:
+    """RMSNorm's sum of squares in the producing GEMM's epilogue (graph/rules/rmsnorm_partials.py);
+    on by default; TILEFUSE_NORM_PARTIALS=0 turns it off (to compare, bench/LOG_blocks.md)."""
+    import os
+
+    return os.environ.get("TILEFUSE_NORM_PARTIALS", "1") != "0"
+
+
 def rope_epilogue_enabled() -> bool:
     """RoPE moved into the Q/K projections' epilogues (graph/rules/rope_epilogue.py); on by
     default since it was checked and timed on an H100 (bench/LOG_blocks.md);
@@ -101,8 +109,10 @@ def compile_stages(fn, example_inputs, *, expr: str | None = None, arch: str | N
         fired = fired + more
     if gemm and _partials_target(arch):  # GEMM-epilogue partials: the sm_90a template (or the interpreter)
         from .graph.rules.lmhead_ce import lmhead_ce_partials
+        from .graph.rules.rmsnorm_partials import rmsnorm_partials
 
-        graph, more = run_rewrites(graph, (lmhead_ce_partials,))
+        rules = (lmhead_ce_partials, rmsnorm_partials) if norm_partials_enabled() else (lmhead_ce_partials,)
+        graph, more = run_rewrites(graph, rules)
         fired = fired + more
     p = plan(graph, gemm=gemm)
     kernels, gemms = lower_plan(graph, p)

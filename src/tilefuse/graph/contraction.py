@@ -64,9 +64,11 @@ class GemmSpec:
     # composed index (loop/views.py), so the broadcast copy is never made
     viewed: tuple[tuple[str, str], ...] = ()
     # partial row reductions of the epilogue's value `partial_of` over groups of
-    # `partial_width` columns (rules/lmhead_ce.py): (kind, the [M, T] tensors it writes,
-    # the target operand or None) with kind "lse" (pmax, psum) or "select" (psel); the
-    # value itself is then not written (`outs` are the partials)
+    # `partial_width` columns: (kind, the [M, T] tensors it writes, an argument) with kind
+    # "lse" (pmax, psum) or "select" (psel, its argument the target operand), cross-entropy's
+    # (rules/lmhead_ce.py), the value itself then not written (`outs` are the partials); or
+    # "sum" (psq, its argument the value summed: RMSNorm's square of the stored value,
+    # rules/rmsnorm_partials.py), `outs` the value and the partials
     partials: tuple[tuple[str, tuple[str, ...], str | None], ...] = ()
     partial_of: str | None = None
     partial_width: int = 0
@@ -318,7 +320,10 @@ def match(g: ir.Graph, c: ir.Contraction, users=None, taken: frozenset = frozens
             else:
                 multi = (i, esc)
     best, outs = single
-    if multi and multi[0] > best and _extra_outputs_pay(g, c, multi[1], single[1], users):
+    # (a square of the one output reduced per group is RMSNorm's partials, below: not a second output)
+    sums = (len(outs) == 1 and batch == 1 and not any(x in slices for x, _ in candidates[:best])
+            and _sum_partials_after(g, users, outs[0]) is not None)
+    if multi and multi[0] > best and not sums and _extra_outputs_pay(g, c, multi[1], single[1], users):
         best, outs = multi
     chosen = candidates[:best]
     paired = any(x in slices for x, _ in chosen)
@@ -349,8 +354,23 @@ def match(g: ir.Graph, c: ir.Contraction, users=None, taken: frozenset = frozens
                 bound += ((found.select[1], "target"),)
             maps += found.members
             outs = list(found.outs)
+        else:
+            # RMSNorm's sum of squares after the stored value (rules/rmsnorm_partials.py): the
+            # epilogue also reduces it per column group, beside its store
+            sums = _sum_partials_after(g, users, outs[0])
+            if sums is not None:
+                partial_of, width = outs[0], sums.width
+                partials = (("sum", (sums.psq,), sums.value),)
+                maps += sums.members
+                outs = list(outs) + [sums.psq]
     return GemmSpec(c.name, c.a, b, b_major, m, n, k, batch, a.dtype, pairwise, maps, bound, tuple(outs),
                     absorbed + (pairwise or ()) + views, taken_stacks, viewed, partials, partial_of, width)
+
+
+def _sum_partials_after(g: ir.Graph, users, y: str):
+    from .rules.rmsnorm_partials import sum_partials_after
+
+    return sum_partials_after(g, users, y)
 
 
 def last_dim_pair(n, target: str) -> tuple[str, str] | None:

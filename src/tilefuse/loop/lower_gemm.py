@@ -7,8 +7,9 @@ where the graph casts it explicitly, and once where it is stored. Operands are r
 not depend on the graph's names (equal programs share a cubin and a tuning entry). A tile
 operand that broadcasts a tensor through views (`GemmSpec.viewed`) binds that tensor, read at
 the index the views compose to (loop/views.py): RoPE's cos[m % S, n % (D/2)]. A GEMM whose
-epilogue ends in partial row reductions (`GemmSpec.partials`, cross-entropy's) reduces the
-value per column group (EpilogueBuilder.partial_lse / partial_select) and stores only those.
+epilogue ends in partial row reductions (`GemmSpec.partials`) reduces the value per column
+group: cross-entropy's (EpilogueBuilder.partial_lse / partial_select) store only those,
+RMSNorm's sum of squares (partial_sum) is stored beside the value.
 """
 from __future__ import annotations
 
@@ -113,24 +114,27 @@ def lower_gemm_step(graph: g_ir.Graph, step: Step, name: str | None = None) -> L
     # outputs are half-width in a pairwise epilogue (parity None), but for what a stack made
     # full width again: those are stored at columns 2n and 2n + 1
     names = ["out"] if len(s.outs) == 1 else [f"out{i}" for i in range(len(s.outs))]
-    if s.partials:  # the epilogue's value reduced per column group; the value itself is not stored
-        y = value(s.partial_of, None)
-        buf_of = dict(zip(s.outs, names))
-        for kind, outs, target in s.partials:
-            if kind == "lse":
-                e.partial_lse(buf_of[outs[0]], buf_of[outs[1]], y, s.partial_width)
-            elif kind == "select":
-                e.partial_select(buf_of[outs[0]], y, bufs[(target, "target")], s.partial_width)
-            else:
-                raise ValueError(f"step {step.name}: unknown partial {kind!r}")
-    for buf, o in zip(names, s.outs):
-        if s.partials:
+    part_outs = {o for _, outs, _ in s.partials for o in outs}
+    for buf, o in zip(names, s.outs):  # (cross-entropy's partials store nothing else)
+        if o in part_outs:
             continue
         if s.pairwise and graph[o].type.shape[-1] == s.n:
             for p in (0, 1):
                 e.store(buf, value(o, p), graph[o].type.dtype, pair=p)
         else:
             e.store(buf, value(o, None), graph[o].type.dtype)
+    if s.partials:  # the epilogue's value reduced per column group
+        y = value(s.partial_of, None)
+        buf_of = dict(zip(s.outs, names))
+        for kind, outs, arg in s.partials:
+            if kind == "lse":
+                e.partial_lse(buf_of[outs[0]], buf_of[outs[1]], y, s.partial_width)
+            elif kind == "select":
+                e.partial_select(buf_of[outs[0]], y, bufs[(arg, "target")], s.partial_width)
+            elif kind == "sum":
+                e.partial_sum(buf_of[outs[0]], value(arg, None), s.partial_width)
+            else:
+                raise ValueError(f"step {step.name}: unknown partial {kind!r}")
     kernel = e.kernel(name or f"epilogue_{step.name}")
     for (t, _), b in bufs.items():
         bindings.append(Binding(b, t, kernel.buffer(b).shape))

@@ -1,0 +1,167 @@
+"""rmsnorm_partials: an RMSNorm's sum of squares becomes per-group partials in the epilogue of
+the GEMM that wrote x, and a small finishing reduction over [M, N / 128].
+
+Properties: the rewritten graph computes the same function (float64 to rounding: the graphs
+run at f64 precision, the sum is regrouped; bf16 within DESIGN.md's 2x rule); the plan's
+producing GEMM writes x and the [M, N / 128] partials, and no kernel but GEMMs reads x any more;
+the finishing sum, the mean, ε and rsqrt are one map-reduce kernel; the epilogue takes the
+partials beside its element code (gemm_sm90.InlinePartials) and compiles for sm_90a without
+spills, keeping its TMA store; the compiled program (CPU: the Loop IR interpreter) matches
+PyTorch on a Llama block; graphs where partials would save nothing (a norm whose output a
+kernel reads anyway, x a program input, N not a multiple of 128, sm_80) come back unchanged.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import tilefuse
+from coda_fixtures import EXACT, capture, randomise_norms
+from tilefuse import models
+from tilefuse.check import compare, float64_reference, rel_error
+from tilefuse.codegen import epilogue as epi
+from tilefuse.codegen import gemm_sm90
+from tilefuse.compiler import lower_plan
+from tilefuse.graph import ir
+from tilefuse.graph.fusion import plan
+from tilefuse.graph.interp import run_graph
+from tilefuse.graph.rules import run_coda
+from tilefuse.graph.rules.rmsnorm_partials import rmsnorm_partials
+from tilefuse.runtime import nvrtc
+from tilefuse.tensors import to_torch
+
+W = epi.PARTIAL_WIDTH
+
+
+class ResidualNormLinear(nn.Module):
+    """h = x + O(a) (a residual GEMM), then RMSNorm(h) into one or two projections; h returned
+    too (the residual stream goes on), and with `norm_out` the normalised tensor itself."""
+
+    def __init__(self, d=256, n=384, heads=2, norm_out=False):
+        super().__init__()
+        self.o = nn.Linear(d, d, bias=False)
+        self.norm = nn.RMSNorm(d, eps=1e-5)
+        self.proj = nn.ModuleList(nn.Linear(d, n, bias=False) for _ in range(heads))
+        self.norm_out = norm_out
+
+    def forward(self, x, a):
+        h = x + self.o(a)
+        z = self.norm(h)
+        y = sum(p(z) for p in self.proj)
+        return (y, h, z) if self.norm_out else (y, h)
+
+
+def _graphs(module, *inputs):
+    """The module in bf16, captured, through the CODA rules, and rmsnorm_partials' result."""
+    module = randomise_norms(module).to(torch.bfloat16).eval()
+    xs = [x.bfloat16() for x in inputs]
+    g = run_coda(capture(module, *xs))[0]
+    return module, xs, g, rmsnorm_partials(g)
+
+
+def run(g: ir.Graph, inputs, precision: str = "native") -> list[torch.Tensor]:
+    """Every output of g, run by the Graph IR interpreter."""
+    return [to_torch(o).reshape(o.shape) for o in run_graph(g, dict(zip(g.inputs, inputs)), precision)]
+
+
+def _inputs(*lead, d=256, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(*lead, d, generator=gen), torch.randn(*lead, d, generator=gen)
+
+
+@pytest.mark.parametrize("lead", [(2, 40), (33,), (1, 1)])
+def test_same_function_and_the_row_reduction_gone(lead):
+    torch.manual_seed(0)
+    m, xs, g, g2 = _graphs(ResidualNormLinear(), *_inputs(*lead))
+    assert g2 is not g, "rmsnorm_partials did not fire"
+    err = max(rel_error(a, b) for a, b in zip(run(g2, xs, "f64"), run(g, xs, "f64")))
+    assert err <= EXACT, f"rewritten graph differs by {err:.3g}"
+    rows = 1
+    for d in lead:
+        rows *= d
+    parts = [n for n in g2.nodes if isinstance(n, ir.Reduce) and n.type.shape == (rows, 256 // W)]
+    assert len(parts) == 1
+    assert not any(isinstance(n, ir.Reduce) and g2[n.arg].type.shape[-1] == 256 and n is not parts[0]
+                   and g2[n.arg].type.numel == rows * 256 for n in g2.nodes), "no whole-row reduce left"
+
+
+def test_bf16_within_the_2x_rule():
+    torch.manual_seed(1)
+    m, xs, g, g2 = _graphs(ResidualNormLinear(), *_inputs(3, 17))
+    assert g2 is not g
+    with torch.no_grad():
+        eager = m(*xs)
+    ref = float64_reference(m, xs)
+    for name, got, r, e in zip(("y", "h"), run(g2, xs), ref, eager):
+        c = compare(name, got, r, e)
+        assert c.ok, c
+
+
+def test_plan_reads_x_only_in_gemms_and_finishes_in_one_kernel():
+    """The O GEMM writes h and the partials [M, 2]; the finishing kernel reads only those; no
+    map-reduce step reads h; the epilogue takes the partials beside its element code (TMA
+    store kept) and compiles for sm_90a without spills."""
+    torch.manual_seed(2)
+    _, xs, _, g2 = _graphs(ResidualNormLinear(), *_inputs(2, 40))
+    p = plan(g2)
+    gemms = [s for s in p.steps if s.family == "gemm"]
+    with_parts = [s for s in gemms if s.gemm.partials]
+    assert len(with_parts) == 1
+    s = with_parts[0]
+    assert [k for k, _, _ in s.gemm.partials] == ["sum"]
+    h, psq = s.gemm.outs
+    assert g2[h].type.shape == (2, 40, 256) and g2[psq].type.shape == (80, 2)
+    readers = [t for t in p.steps if t.family == "mapreduce" and h in t.inputs]
+    assert not readers, f"{[t.name for t in readers]} still read x"
+    finish = [t for t in p.steps if t.family == "mapreduce" and any(g2[i].type.numel == 80 * 2 for i in t.inputs)]
+    assert len(finish) == 1 and {g2[o].type.shape for o in finish[0].outputs} == {(2, 40, 1)}
+    _, lowered = lower_plan(g2, p)
+    problem = lowered[s.name].problem()
+    assert gemm_sm90.inline_partials(problem, problem.epilogue) is not None
+    for sched in (None, gemm_sm90.GemmSchedule(128, 128, stages=6)):
+        src = gemm_sm90.render(problem, sched)
+        assert (src.c_box is not None) == src.schedule.tma_store, "the tile keeps its TMA store"
+        assert nvrtc.compile_cuda(src.source, src.name, "sm_90a").info.clean
+
+
+@pytest.mark.parametrize("case", ["norm output read", "x an input", "N not a multiple of 128"])
+def test_not_fired_where_nothing_is_saved(case):
+    torch.manual_seed(3)
+    if case == "norm output read":  # a kernel reads h to normalise it: its sum of squares is free there
+        _, _, g, g2 = _graphs(ResidualNormLinear(norm_out=True), *_inputs(2, 8))
+    elif case == "x an input":  # no GEMM wrote x
+        class NormLinear(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.norm, self.proj = nn.RMSNorm(256), nn.Linear(256, 384, bias=False)
+
+            def forward(self, x):
+                return self.proj(self.norm(x))
+
+        _, _, g, g2 = _graphs(NormLinear(), _inputs(2, 8)[0])
+    else:
+        _, _, g, g2 = _graphs(ResidualNormLinear(d=200), *_inputs(2, 8, d=200))
+    assert g2 is g
+
+
+def test_llama_block_compiled_matches_pytorch_and_the_rule_runs_only_for_sm90a():
+    """Both norms of a two-layer Llama stack after the first: the post-attention norm's sum of
+    squares comes from the O GEMM, the second layer's input norm's from the first's down GEMM;
+    the compiled program (CPU interpreter) matches PyTorch's bf16 block within the 2x rule.
+    sm_80's template declines partials: there the rule does not run."""
+    torch.manual_seed(4)
+    block = randomise_norms(nn.Sequential(models.llama_block(256, 512, 4, 2, max_seq=16),
+                                          models.llama_block(256, 512, 4, 2, max_seq=16))).to(torch.bfloat16).eval()
+    x = torch.randn(2, 8, 256, dtype=torch.bfloat16)
+    c = tilefuse.compiler.compile_stages(block, (x,), arch="sm_90a")
+    assert "rmsnorm_partials" in [f.rule for f in c.fired]
+    parts = [s for s in c.plan.steps if s.family == "gemm" and s.gemm.partials]
+    assert len(parts) == 3, "O of both layers, down of the first"
+    out = tilefuse.compile(block, (x,))(x)
+    with torch.no_grad():
+        eager = block(x)
+    res = compare("block", out, float64_reference(block, (x,)), eager)
+    assert res.ok, res
+    ampere = tilefuse.compiler.compile_stages(block, (x,), arch="sm_80")
+    assert "rmsnorm_partials" not in [f.rule for f in ampere.fired]
