@@ -114,7 +114,7 @@ def compile_stages(fn, example_inputs, *, expr: str | None = None, arch: str | N
         rules = (lmhead_ce_partials, rmsnorm_partials) if norm_partials_enabled() else (lmhead_ce_partials,)
         graph, more = run_rewrites(graph, rules)
         fired = fired + more
-    p = plan(graph, gemm=gemm)
+    p = plan(graph, gemm=gemm, partials=_partials_target(arch))
     kernels, gemms = lower_plan(graph, p)
     t2 = time.perf_counter()
     program = Program(graph, p, kernels, out_spec=ep.call_spec.out_spec, arch=arch, schedules=tuned_schedule,

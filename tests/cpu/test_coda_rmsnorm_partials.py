@@ -112,6 +112,7 @@ def test_plan_reads_x_only_in_gemms_and_finishes_in_one_kernel():
     assert [k for k, _, _ in s.gemm.partials] == ["sum"]
     h, psq = s.gemm.outs
     assert g2[h].type.shape == (2, 40, 256) and g2[psq].type.shape == (80, 2)
+    assert f"partials of {h} per {W} columns: sum -> {psq}" in str(p), "the plan says where they go"
     readers = [t for t in p.steps if t.family == "mapreduce" and h in t.inputs]
     assert not readers, f"{[t.name for t in readers]} still read x"
     finish = [t for t in p.steps if t.family == "mapreduce" and any(g2[i].type.numel == 80 * 2 for i in t.inputs)]
@@ -165,3 +166,98 @@ def test_llama_block_compiled_matches_pytorch_and_the_rule_runs_only_for_sm90a()
     assert res.ok, res
     ampere = tilefuse.compiler.compile_stages(block, (x,), arch="sm_80")
     assert "rmsnorm_partials" not in [f.rule for f in ampere.fired]
+
+
+class Bf16Norm(nn.Module):
+    """An RMSNorm computed in bf16 throughout (no upcast): its square is bf16."""
+
+    def __init__(self, d=256, n=384):
+        super().__init__()
+        self.o, self.p = nn.Linear(d, d, bias=False), nn.Linear(d, n, bias=False)
+        self.w = nn.Parameter(1 + 0.3 * torch.randn(d))
+
+    def forward(self, x, a):
+        h = x + self.o(a)
+        r = torch.rsqrt((h * h).mean(-1, keepdim=True) + 1e-5)
+        return self.p(h * r * self.w), h
+
+
+class GroupedSquares(nn.Module):
+    """A user's own sum of squares over groups of W columns of a GEMM's output."""
+
+    def __init__(self, width, d=256, n=1024):
+        super().__init__()
+        self.p, self.width = nn.Linear(d, n, bias=False), width
+
+    def forward(self, x):
+        y = self.p(x)
+        f = y.float()
+        return y, (f * f).reshape(x.shape[0], -1, self.width).sum(-1)
+
+
+def _matches_pytorch(m, inputs):
+    out = tilefuse.compile(m, inputs)(*inputs)
+    with torch.no_grad():
+        eager = m(*inputs)
+    for i, (o, r, e) in enumerate(zip(out, float64_reference(m, inputs), eager)):
+        c = compare(f"out{i}", o, r, e)
+        assert c.ok, c
+
+
+def test_a_bf16_square_is_left_to_the_row_kernel():
+    """Epilogue partials are f32: a square computed in bf16 is not theirs (the rule and the
+    planner leave it), and the program still matches PyTorch."""
+    torch.manual_seed(5)
+    m = Bf16Norm().to(torch.bfloat16).eval()
+    x, a = (t.bfloat16() for t in _inputs(2, 40))
+    c = tilefuse.compiler.compile_stages(m, (x, a), arch="sm_90a")
+    assert "rmsnorm_partials" not in [f.rule for f in c.fired]
+    assert not any(s.gemm.partials for s in c.plan.steps if s.family == "gemm")
+    _matches_pytorch(m, (x, a))
+
+
+@pytest.mark.parametrize("width,arch,taken", [(4, "sm_90a", False), (512, "sm_90a", False), (W, "sm_80", False),
+                                              (W, "sm_90a", True)])
+def test_a_users_grouped_squares_get_partials_only_where_they_render(width, arch, taken):
+    """The planner attaches sum partials only over the template's 128-column groups and only
+    for a target that renders them (not sm_80): anything else stays a map-reduce kernel and
+    compiles as before."""
+    torch.manual_seed(6)
+    m = GroupedSquares(width).to(torch.bfloat16).eval()
+    x = torch.randn(80, 256, dtype=torch.bfloat16)
+    c = tilefuse.compiler.compile_stages(m, (x,), arch=arch)
+    gemm = [s for s in c.plan.steps if s.family == "gemm"]
+    assert len(gemm) == 1 and bool(gemm[0].gemm.partials) == taken
+    if arch == "sm_90a":
+        src = gemm_sm90.render(c.gemms[gemm[0].name].problem(), None)
+        assert nvrtc.compile_cuda(src.source, src.name, "sm_90a").info.clean
+    _matches_pytorch(m, (x,))
+
+
+def test_the_epilogue_squares_x_as_stored():
+    """The lowered epilogue (run by the Loop IR interpreter on a random accumulator and
+    residual) sums the squares of the bf16 values it stores, as a row kernel reading x would:
+    each group's partial equals the f64 sum of the stored tile's squares to f32 rounding."""
+    import numpy as np
+
+    from tilefuse import dtypes
+    from tilefuse.loop.interp import run_kernel
+
+    torch.manual_seed(7)
+    _, xs, _, g2 = _graphs(ResidualNormLinear(), *_inputs(2, 40))
+    p = plan(g2)
+    s = next(s for s in p.steps if s.family == "gemm" and s.gemm.partials)
+    _, lowered = lower_plan(g2, p)
+    lg = lowered[s.name]
+    rng = np.random.default_rng(0)
+    feeds = {"acc": (rng.standard_normal((80, 256)) * 3).astype(np.float32)}
+    for b in lg.bindings:
+        buf = lg.epilogue.buffer(b.buffer)
+        if buf.role == "in":
+            feeds[b.buffer] = rng.standard_normal(buf.shape).astype(dtypes.to_numpy(buf.dtype))
+    out = run_kernel(lg.epilogue, feeds)
+    tile = [b.buffer for b in lg.outputs if lg.epilogue.buffer(b.buffer).shape == (80, 256)][0]
+    part = [b.buffer for b in lg.outputs if b.buffer != tile][0]
+    stored = np.asarray(out[tile], dtype=np.float64)
+    want = (stored ** 2).reshape(80, 2, W).sum(-1)
+    np.testing.assert_allclose(out[part], want, rtol=2e-6)

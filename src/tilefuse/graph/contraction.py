@@ -216,9 +216,12 @@ def why_not(g: ir.Graph, c: ir.Contraction) -> str | None:
     return None
 
 
-def match(g: ir.Graph, c: ir.Contraction, users=None, taken: frozenset = frozenset()) -> GemmSpec | str:
+def match(g: ir.Graph, c: ir.Contraction, users=None, taken: frozenset = frozenset(),
+          partials: bool = True) -> GemmSpec | str:
     """The GEMM (with its epilogue) contraction c runs as, or why it cannot. Maps in `taken` are
-    in an earlier GEMM's epilogue already (act(g) * u can join g's or u's, not both)."""
+    in an earlier GEMM's epilogue already (act(g) * u can join g's or u's, not both).
+    `partials=False`: no partial row reductions in the epilogue (a target whose template does
+    not render them: sm_80)."""
     reason = why_not(g, c)
     if reason:
         return reason
@@ -321,7 +324,7 @@ def match(g: ir.Graph, c: ir.Contraction, users=None, taken: frozenset = frozens
                 multi = (i, esc)
     best, outs = single
     # (a square of the one output reduced per group is RMSNorm's partials, below: not a second output)
-    sums = (len(outs) == 1 and batch == 1 and not any(x in slices for x, _ in candidates[:best])
+    sums = (partials and len(outs) == 1 and batch == 1 and not any(x in slices for x, _ in candidates[:best])
             and _sum_partials_after(g, users, outs[0]) is not None)
     if multi and multi[0] > best and not sums and _extra_outputs_pay(g, c, multi[1], single[1], users):
         best, outs = multi
@@ -339,8 +342,9 @@ def match(g: ir.Graph, c: ir.Contraction, users=None, taken: frozenset = frozens
     through = dict(viewed)
     bound = tuple(dict.fromkeys((through.get(t, t), kind) for t, kind in operands.items()))
     views = tuple(dict.fromkeys(v for t, _ in viewed for v in reversed(view_chain(g, t))))
+    allow_partials = partials
     partials, partial_of, width = (), None, 0
-    if len(outs) == 1 and batch == 1 and not pairwise:
+    if allow_partials and len(outs) == 1 and batch == 1 and not pairwise:
         # per-group row reductions after the epilogue's one value (cross-entropy's, rules/lmhead_ce.py):
         # they run in the epilogue too, which then writes the partials instead of the value
         from .rules.lmhead_ce import partials_after

@@ -117,7 +117,8 @@ def partial_rows(align: Align, space) -> bool:
 
 
 class _Planner:
-    def __init__(self, g: ir.Graph, gemm: bool = True, whole_rows: frozenset = frozenset()):
+    def __init__(self, g: ir.Graph, gemm: bool = True, whole_rows: frozenset = frozenset(), partials: bool = True):
+        self.partials = partials
         self.g = g
         self.whole_rows = whole_rows  # nodes that may only join kernels whose every row they run along
         self.users = g.users()
@@ -152,7 +153,7 @@ class _Planner:
         for n in g.nodes:
             if not isinstance(n, ir.Contraction):
                 continue
-            spec = match_gemm(g, n, self.users, frozenset(self.gemm_member))
+            spec = match_gemm(g, n, self.users, frozenset(self.gemm_member), self.partials)
             if isinstance(spec, str):
                 self.gemm_notes[n.name] = spec
                 continue
@@ -435,8 +436,10 @@ def _extern_note(n) -> str:
     return "runs in PyTorch"
 
 
-def plan(g: ir.Graph, gemm: bool = True) -> Plan:
-    """Group the graph into kernels. `gemm=False` leaves every contraction to torch.matmul.
+def plan(g: ir.Graph, gemm: bool = True, partials: bool = True) -> Plan:
+    """Group the graph into kernels. `gemm=False` leaves every contraction to torch.matmul;
+    `partials=False` puts no partial row reductions in GEMM epilogues (sm_80's template
+    declines them).
 
     A value that is constant along some of a kernel's rows (a per-batch scalar inside a
     per-token kernel) may be computed there, but not written from there: every row would write
@@ -445,7 +448,7 @@ def plan(g: ir.Graph, gemm: bool = True) -> Plan:
     """
     whole_rows: set[str] = set()
     for _ in range(8):
-        p = _Planner(g, gemm, frozenset(whole_rows)).plan()
+        p = _Planner(g, gemm, frozenset(whole_rows), partials).plan()
         coarse = set()
         for s in p.steps:
             if s.family != "mapreduce":
@@ -565,6 +568,10 @@ def format_plan(p: Plan) -> str:
             ops = ", ".join([f"{g[m].op}" for m in sp.maps] + ["stack to columns (2j, 2j+1)" for _ in sp.stacks])
             lines.append(f"    epilogue {'pairwise on columns (2j, 2j+1): ' if sp.pairwise else ''}{ops}"
                          + (f"; reads {', '.join(f'{t} ({k})' for t, k in sp.operands)}" if sp.operands else ""))
+        if s.gemm and s.gemm.partials:
+            sp = s.gemm
+            lines.append(f"    partials of {sp.partial_of} per {sp.partial_width} columns: "
+                         + "; ".join(f"{kind} -> {', '.join(outs)}" for kind, outs, _ in sp.partials))
         if s.note:
             lines.append(f"    note   {s.note}")
     return "\n".join(lines)

@@ -124,6 +124,10 @@ def lower_gemm_step(graph: g_ir.Graph, step: Step, name: str | None = None) -> L
         else:
             e.store(buf, value(o, None), graph[o].type.dtype)
     if s.partials:  # the epilogue's value reduced per column group
+        for o in s.outs:  # what the partials compute from a stored output, they read as stored
+            dt = graph[o].type.dtype
+            if o not in part_outs and (o, None) in values and dt in ("bf16", "f16"):
+                values[(o, None)] = e.op("cast", e.op("cast", values[(o, None)], dtype=dt), dtype="f32")
         y = value(s.partial_of, None)
         buf_of = dict(zip(s.outs, names))
         for kind, outs, arg in s.partials:

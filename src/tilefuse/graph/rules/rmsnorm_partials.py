@@ -18,8 +18,9 @@ the same function to rounding.
 Fires when N is a multiple of W, q and the casts under it are read only by this chain, every
 reader of r (through reshapes) is a row scale of a contraction's accumulator (where a kernel
 reads x to normalise it, the sum of squares is free there and partials would only add a
-kernel), and the rewritten graph's GEMM takes the partials (a generated GEMM produced x).
-Otherwise the graph is left as it is.
+kernel), the square is f32 (the partials are), and the rewritten graph's GEMM takes the
+partials (a generated GEMM produced x). Otherwise the graph is left as it is. The epilogue
+squares x as stored (rounded to its dtype), as the row kernel reading x would.
 """
 from __future__ import annotations
 
@@ -50,7 +51,7 @@ def _square(g: ir.Graph, users, ms: str) -> str | None:
     only by the next (or by q); else None."""
     n = g[ms]
     q = g[n.arg]
-    if users[n.arg] != [ms] or n.arg in g.outputs:
+    if users[n.arg] != [ms] or n.arg in g.outputs or q.type.dtype != "f32":  # (epilogue partials are f32)
         return None
     x = q.args[0]
     while isinstance(g[x], ir.Map) and g[x].op == "cast":
@@ -126,8 +127,8 @@ class SumPartials:
 
 def sum_partials_after(g: ir.Graph, users, y: str) -> SumPartials | None:
     """The partials the rule above leaves after y ([..., N], the epilogue's stored value): y's
-    casts, their square q, q3 = reshape(q, [M, T, W]) and psq = sum(q3, axis 2), each read only
-    by the next; None otherwise."""
+    casts, their f32 square q, q3 = reshape(q, [M, T, W]) (W = PARTIAL_WIDTH, the groups the
+    template renders) and psq = sum(q3, axis 2), each read only by the next; None otherwise."""
     yt = g[y].type
     if len(yt.shape) < 2:
         return None
@@ -141,17 +142,17 @@ def sum_partials_after(g: ir.Graph, users, y: str) -> SumPartials | None:
             prev, x = x, users[x][0]
         sq = g[x]
         if not (isinstance(sq, ir.Map) and sq.op == "mul" and sq.args == (prev, prev) and sq.type.shape == yt.shape
-                and len(users[x]) == 1 and x not in g.outputs):
+                and sq.type.dtype == "f32" and len(users[x]) == 1 and x not in g.outputs):
             continue
         q3 = users[x][0]
         v = g[q3]
-        if not (isinstance(v, ir.View) and v.op == "reshape" and len(v.type.shape) == 3 and v.type.shape[0] == m
-                and v.type.shape[1] * v.type.shape[2] == n and len(users[q3]) == 1 and q3 not in g.outputs):
+        if not (isinstance(v, ir.View) and v.op == "reshape" and v.type.shape == (m, n // PARTIAL_WIDTH, PARTIAL_WIDTH)
+                and n % PARTIAL_WIDTH == 0 and len(users[q3]) == 1 and q3 not in g.outputs):
             continue
         psq = users[q3][0]
         p = g[psq]
         if not (isinstance(p, ir.Reduce) and p.op == "sum" and p.arg == q3 and tuple(p.axes) == (2,)
                 and not p.keepdim):
             continue
-        return SumPartials(psq, x, v.type.shape[2], tuple(members + [x, q3, psq]))
+        return SumPartials(psq, x, PARTIAL_WIDTH, tuple(members + [x, q3, psq]))
     return None
