@@ -681,7 +681,6 @@ def _partials_code(problem: GemmProblem, sched: GemmSchedule, kernel: ir.Kernel,
     row0, col0 = cgen.c_tv_coords(frag, "tid", 0)
     lines = [f"const int frag_row = {row0};", f"const int frag_col = {col0};"] if frag_coords else []
     env = {"m": "mc", "t": "grp", "nc": "nc", "n": "n"}
-    store_env = {"m": "m", "t": "grp", "b": "batch"}
     halves = sorted({frag(0, v)[0] for v in range(frag.values)})
     for mb in range(sched.rows_per_wg // 64):
         for r in halves:
@@ -702,17 +701,7 @@ def _partials_code(problem: GemmProblem, sched: GemmSchedule, kernel: ir.Kernel,
                                         P.n)
                     else:
                         _render_element(kernel, [x], None, "n", lines, "", store=False, env=env, scope=(names, dts))
-                guard = [f"(tid & {max(QUAD_XOR) * 2 - 1}) == 0"]
-                if tail_m:
-                    guard.append(f"m < {P.m}")
-                if -(-P.n // w) % groups_per_tile:
-                    guard.append(f"grp < {loop.extent}")
-                lines.append(f"  if ({' && '.join(guard)}) {{")
-                for x in stores:
-                    buf = kernel.buffer(x.buf)
-                    off = cexpr.flat_offset(buf, x.index, store_env)
-                    lines.append(f"    {_ident(buf.name)}[{off}] = {cexpr.to_storage(buf.dtype, names[x.value])};")
-                lines.append("  }")
+                lines += _partial_stores(P, kernel, stores, names, groups_per_tile, tail_m)
                 lines.append("}")
     return lines
 
@@ -833,7 +822,6 @@ def inline_partials_finish(problem: GemmProblem, sched: GemmSchedule, kernel: ir
     halves = sorted({frag(0, v)[0] for v in range(frag.values)})
     groups = sched.bn // inl.width
     tail_m = problem.m % sched.span[0] != 0
-    store_env = {"m": "m", "t": "grp", "b": "batch"}
     lines = ["// the partials: each across its quad, one lane stores"]
     for mb in range(sched.rows_per_wg // 64):
         for r in halves:
@@ -847,20 +835,29 @@ def inline_partials_finish(problem: GemmProblem, sched: GemmSchedule, kernel: ir
                         lines.append(f"  {acc} = {_PARTIAL_COMBINE[red.op][0].format(a=acc, b=other)};")
                 lines.append(f"  const int m = row_base + {mb * 64} + frag_row + {r};")
                 lines.append(f"  const int grp = tn * {groups} + {g};")
-                guard = [f"(tid & {max(QUAD_XOR) * 2 - 1}) == 0"]
-                if tail_m:
-                    guard.append(f"m < {problem.m}")
-                if -(-problem.n // inl.width) % groups:
-                    guard.append(f"grp < {loop.extent}")
-                lines.append(f"  if ({' && '.join(guard)}) {{")
-                for x in loop.body:
-                    if isinstance(x, ir.Store):
-                        buf = kernel.buffer(x.buf)
-                        off = cexpr.flat_offset(buf, x.index, store_env)
-                        lines.append(f"    {_ident(buf.name)}[{off}] = {cexpr.to_storage(buf.dtype, names[x.value])};")
-                lines.append("  }")
+                lines += _partial_stores(problem, kernel, [x for x in loop.body if isinstance(x, ir.Store)], names,
+                                         groups, tail_m)
                 lines.append("}")
     return lines
+
+
+def _partial_stores(problem: GemmProblem, kernel: ir.Kernel, stores: list, names: dict, groups: int,
+                    tail_m: bool) -> list[str]:
+    """One lane of the quad stores a (row m, group grp)'s partials (`names`: their C values),
+    inside the output's rows (`tail_m`: some tile passes M) and groups (`groups` a tile)."""
+    loop = epi.partials_loop(kernel)
+    guard = [f"(tid & {max(QUAD_XOR) * 2 - 1}) == 0"]
+    if tail_m:
+        guard.append(f"m < {problem.m}")
+    if -(-problem.n // epi.partial_width(kernel)) % groups:
+        guard.append(f"grp < {loop.extent}")
+    lines = [f"  if ({' && '.join(guard)}) {{"]
+    store_env = {"m": "m", "t": "grp", "b": "batch"}
+    for x in stores:
+        buf = kernel.buffer(x.buf)
+        off = cexpr.flat_offset(buf, x.index, store_env)
+        lines.append(f"    {_ident(buf.name)}[{off}] = {cexpr.to_storage(buf.dtype, names[x.value])};")
+    return lines + ["  }"]
 
 
 def _render_partial(kernel, red: ir.Reduce, mb: int, regs: list, frag, lines: list, env: dict, scope,
