@@ -206,16 +206,21 @@ def _heuristic_schedule(problem: GemmProblem, sms: int) -> GemmSchedule:
     - smaller tiles for small M, storing straight from registers, 64x64 with a 12-deep ring
       (128x4096x4096, session 8: 1.016x cuBLAS against 0.971x with 8 stages).
     """
-    m, n = problem.m, problem.n
     width = epi.partial_width(problem.epilogue) if problem.epilogue is not None else None
     if width is not None:  # partial row reductions: tiles of whole column groups only
         if inline_partials(problem, problem.epilogue) is not None:
             # beside the element code, the partials leave it its store path: the plain pick
             # where its tile holds whole groups
-            s = _heuristic_schedule(replace(problem, epilogue=_without_partials(problem.epilogue)), sms)
+            s = _plain_schedule(problem, sms)
             if s.bn % width == 0:
                 return s
         return _default_for_partials(problem, width, sms)
+    return _plain_schedule(problem, sms)
+
+
+def _plain_schedule(problem: GemmProblem, sms: int) -> GemmSchedule:
+    """_heuristic_schedule's pick, partials aside."""
+    m, n = problem.m, problem.n
     big = GemmSchedule(128, 256, stages=4)
     candidates = [big, GemmSchedule(128, 128, stages=6),
                   GemmSchedule(128, 64, stages=8, consumers=2, tma_store=False),
@@ -286,19 +291,6 @@ def _with_split(s: GemmSchedule, problem: GemmProblem, sms: int) -> GemmSchedule
         if tiles * split <= sms and k_iters >= 16 * split:
             return replace(s, split_k=split)
     return s
-
-
-def _without_partials(kernel: ir.Kernel) -> ir.Kernel:
-    """The epilogue with its partials loop taken out (what the element code alone is)."""
-    def strip(x):
-        if isinstance(x, ir.Loop):
-            body = tuple(strip(y) for y in x.body if not (isinstance(y, ir.Loop) and y.var == "t"))
-            return replace(x, body=body)
-        return x
-
-    part = {b.name for b in epi.partial_outputs(kernel)}
-    return replace(kernel, params=tuple(p for p in kernel.params if p.name not in part),
-                   body=tuple(strip(x) for x in kernel.body))
 
 
 def _default_for_partials(problem: GemmProblem, width: int, sms: int) -> GemmSchedule:
@@ -556,12 +548,8 @@ def _epilogue_code(problem: GemmProblem, sched: GemmSchedule, kernel: ir.Kernel,
                 vals = []
                 halves = _issue_pair_loads(kernel, pairs, lines, "  ")
                 for e in (0, 1):
-                    scope = ({}, {})
-                    vals.append(_render_element(kernel, body, f"acc[{mb}][{v + e}]", f"n + {e}", lines,
-                                                f"_{e}", store=False, loaded=halves[e], scope=scope))
-                    if inl is not None:
-                        inline_partials_add(kernel, inl, frag, mb, v + e, f"acc[{mb}][{v + e}]", f"n + {e}",
-                                            lines, scope, f"_{e}")
+                    vals.append(_element(kernel, body, inl, frag, mb, v + e, f"n + {e}", lines, f"_{e}",
+                                         store=False, loaded=halves[e]))
                 (buf, off), (x0, x1) = vals[0][0], (vals[0][1], vals[1][1])
                 lines.append(f"  *(unsigned*)({buf} + {off}) = "
                              f"(unsigned){cexpr.to_storage(packs, x0)} | ((unsigned){cexpr.to_storage(packs, x1)} << 16);")
@@ -569,10 +557,7 @@ def _epilogue_code(problem: GemmProblem, sched: GemmSchedule, kernel: ir.Kernel,
                     lines.append("  }")
             else:
                 lines.append(f"  if (m < {problem.m} && n < {problem.n}) {{")
-                scope = ({}, {})
-                _render_element(kernel, body, f"acc[{mb}][{v}]", "n", lines, "", store=True, scope=scope)
-                if inl is not None:
-                    inline_partials_add(kernel, inl, frag, mb, v, f"acc[{mb}][{v}]", "n", lines, scope, "")
+                _element(kernel, body, inl, frag, mb, v, "n", lines, "", store=True)
                 lines.append("  }")
             lines.append("}")
     return lines
@@ -794,6 +779,16 @@ def inline_partials_decl(sched: GemmSchedule, inl: InlinePartials) -> list[str]:
         names = [_inline_acc(i, mb, r, g) for mb in range(sched.rows_per_wg // 64) for r in halves
                  for g in range(sched.bn // inl.width)]
         out.append(f"float {', '.join(f'{x} = {ident}' for x in names)};")
+    return out
+
+
+def _element(kernel, body, inl: InlinePartials | None, frag, mb: int, v: int, n_expr: str, lines: list,
+             suffix: str, **kw):
+    """_render_element of accumulator register (mb, v), and with `inl` its partials' terms."""
+    scope = ({}, {})
+    out = _render_element(kernel, body, f"acc[{mb}][{v}]", n_expr, lines, suffix, scope=scope, **kw)
+    if inl is not None:
+        inline_partials_add(kernel, inl, frag, mb, v, f"acc[{mb}][{v}]", n_expr, lines, scope, suffix)
     return out
 
 
@@ -1118,12 +1113,8 @@ def _epilogue_code_tma(problem: GemmProblem, sched: GemmSchedule, kernel: ir.Ker
                     halves = (_preloaded(pairs, mb, v) if preload else
                               _issue_pair_loads(kernel, pairs, lines, "    "))
                     for e in (0, 1):
-                        scope = ({}, {})
-                        vals.append(_render_element(kernel, body, f"acc[{mb}][{v + e}]", f"n + {e}", lines,
-                                                    f"_{e}", store=False, loaded=halves[e], scope=scope))
-                        if inl is not None:
-                            inline_partials_add(kernel, inl, frag, mb, v + e, f"acc[{mb}][{v + e}]", f"n + {e}",
-                                                lines, scope, f"_{e}")
+                        vals.append(_element(kernel, body, inl, frag, mb, v + e, f"n + {e}", lines, f"_{e}",
+                                             store=False, loaded=halves[e]))
                     x0, x1 = vals[0][1], vals[1][1]
                 lines.append(f"    packed = (unsigned){cexpr.to_storage(dtype, x0)} | "
                              f"((unsigned){cexpr.to_storage(dtype, x1)} << 16);")
@@ -1249,14 +1240,8 @@ def _residual_slots(problem, sched, kernel, dtype, frag, guarded, bar, res_load,
                 r, cc = frag(0, v)  # offsets relative to thread 0's element
                 _pair_open(lines, problem, mb, r, cc, guarded)
                 halves = [{res_load.dst: f"(unsigned short)(res_w{i} {part})"} for part in ("& 0xFFFFu", ">> 16")]
-                vals = []
-                for e in (0, 1):
-                    scope = ({}, {})
-                    vals.append(_render_element(kernel, body, f"acc[{mb}][{v + e}]", f"n + {e}", lines, f"_{e}",
-                                                store=False, loaded=halves[e], scope=scope))
-                    if inl is not None:
-                        inline_partials_add(kernel, inl, frag, mb, v + e, f"acc[{mb}][{v + e}]", f"n + {e}",
-                                            lines, scope, f"_{e}")
+                vals = [_element(kernel, body, inl, frag, mb, v + e, f"n + {e}", lines, f"_{e}", store=False,
+                                 loaded=halves[e]) for e in (0, 1)]
                 lines.append(f"    packed = (unsigned){cexpr.to_storage(dtype, vals[0][1])} | "
                              f"((unsigned){cexpr.to_storage(dtype, vals[1][1])} << 16);")
                 if guarded:

@@ -324,9 +324,9 @@ def match(g: ir.Graph, c: ir.Contraction, users=None, taken: frozenset = frozens
                 multi = (i, esc)
     best, outs = single
     # (a square of the one output reduced per group is RMSNorm's partials, below: not a second output)
-    sums = (partials and len(outs) == 1 and batch == 1 and not any(x in slices for x, _ in candidates[:best])
-            and _sum_partials_after(g, users, outs[0]) is not None)
-    if multi and multi[0] > best and not sums and _extra_outputs_pay(g, c, multi[1], single[1], users):
+    sums = (_sum_partials_after(g, users, outs[0]) if partials and len(outs) == 1 and batch == 1
+            and not any(x in slices for x, _ in candidates[:best]) else None)
+    if multi and multi[0] > best and sums is None and _extra_outputs_pay(g, c, multi[1], single[1], users):
         best, outs = multi
     chosen = candidates[:best]
     paired = any(x in slices for x, _ in chosen)
@@ -358,15 +358,13 @@ def match(g: ir.Graph, c: ir.Contraction, users=None, taken: frozenset = frozens
                 bound += ((found.select[1], "target"),)
             maps += found.members
             outs = list(found.outs)
-        else:
+        elif sums is not None:
             # RMSNorm's sum of squares after the stored value (rules/rmsnorm_partials.py): the
             # epilogue also reduces it per column group, beside its store
-            sums = _sum_partials_after(g, users, outs[0])
-            if sums is not None:
-                partial_of, width = outs[0], sums.width
-                partials = (("sum", (sums.psq,), sums.value),)
-                maps += sums.members
-                outs = list(outs) + [sums.psq]
+            partial_of, width = outs[0], sums.width
+            partials = (("sum", (sums.psq,), sums.value),)
+            maps += sums.members
+            outs = list(outs) + [sums.psq]
     return GemmSpec(c.name, c.a, b, b_major, m, n, k, batch, a.dtype, pairwise, maps, bound, tuple(outs),
                     absorbed + (pairwise or ()) + views, taken_stacks, viewed, partials, partial_of, width)
 
