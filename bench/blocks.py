@@ -8,6 +8,8 @@ randomised so folding them is exercised):
   layer7b  a Llama-7B decoder layer in prefill (1 x 8192 tokens, d=4096, 32 heads), attention through SDPA
   llama4   a 4-layer Llama, d=2048, ffn=5632, 16 heads, vocab 32000, batch 2 x seq 4096, ids -> logits
   lmhead_ce  LM head (d=4096, vocab 32000) + mean cross-entropy over 8192 tokens (--cases lmhead_ce)
+  gpt2     a 4-layer transformers GPT-2, d=1024, 16 heads, vocab 32000, batch 4 x seq 1024, ids -> logits
+           (--cases gpt2; needs transformers; no target in the issue: LayerNorm's partials measured here)
 
 Each tilefuse result is checked against a float64 reference under the 2x rule before it is
 timed. Times are medians of CUDA-event timings (analyze.bench.median_ms, L2 flushed by a read), all
@@ -64,8 +66,10 @@ class LMHeadLoss(nn.Module):
 def _randomise_norms(m: nn.Module) -> nn.Module:
     with torch.no_grad():
         for mod in m.modules():
-            if isinstance(mod, nn.RMSNorm):
+            if isinstance(mod, (nn.RMSNorm, nn.LayerNorm)):
                 mod.weight.copy_(1 + 0.1 * torch.randn(mod.weight.shape))
+            if isinstance(mod, nn.LayerNorm) and mod.bias is not None:
+                mod.bias.copy_(0.1 * torch.randn(mod.bias.shape))
     return m
 
 
@@ -84,8 +88,11 @@ def build(case: str):
     elif case == "lmhead_ce":
         m = LMHeadLoss(4096, 32000)
         inputs, tokens = [torch.randn(8192, 4096), torch.randint(0, 32000, (8192,))], 8192
+    elif case == "gpt2":
+        b = models.build("gpt2", 4, hidden=1024, seq=1024, batch=4, vocab=32000, heads=16, ffn=4096)
+        m, inputs, tokens = b.model, list(b.inputs), 4096
     else:
-        raise SystemExit(f"unknown case {case!r}; known: mlp, layer7b, llama4, lmhead_ce")
+        raise SystemExit(f"unknown case {case!r}; known: mlp, layer7b, llama4, lmhead_ce, gpt2")
     m = _randomise_norms(m).to("cuda", torch.bfloat16).eval()
     inputs = [t.cuda().to(torch.bfloat16) if t.is_floating_point() else t.cuda() for t in inputs]
     return m, inputs, tokens

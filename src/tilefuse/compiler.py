@@ -58,8 +58,9 @@ def lower_plan(graph: ir.Graph, p: Plan) -> tuple[dict[str, Lowered], dict[str, 
 
 
 def norm_partials_enabled() -> bool:
-    """RMSNorm's sum of squares in the producing GEMM's epilogue (graph/rules/rmsnorm_partials.py);
-    on by default; TILEFUSE_NORM_PARTIALS=0 turns it off (to compare, bench/LOG_blocks.md)."""
+    """A norm's row sums in the producing GEMM's epilogue (graph/rules/rmsnorm_partials.py,
+    layernorm_partials.py); on by default; TILEFUSE_NORM_PARTIALS=0 turns them off (to compare,
+    bench/LOG_blocks.md)."""
     import os
 
     return os.environ.get("TILEFUSE_NORM_PARTIALS", "1") != "0"
@@ -109,9 +110,11 @@ def compile_stages(fn, example_inputs, *, expr: str | None = None, arch: str | N
         fired = fired + more
     if gemm and _partials_target(arch):  # GEMM-epilogue partials: the sm_90a template (or the interpreter)
         from .graph.rules.lmhead_ce import lmhead_ce_partials
+        from .graph.rules.layernorm_partials import layernorm_partials
         from .graph.rules.rmsnorm_partials import rmsnorm_partials
 
-        rules = (lmhead_ce_partials, rmsnorm_partials) if norm_partials_enabled() else (lmhead_ce_partials,)
+        rules = ((lmhead_ce_partials, rmsnorm_partials, layernorm_partials) if norm_partials_enabled()
+                 else (lmhead_ce_partials,))
         graph, more = run_rewrites(graph, rules)
         fired = fired + more
     p = plan(graph, gemm=gemm, partials=_partials_target(arch))

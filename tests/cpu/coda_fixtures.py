@@ -30,6 +30,21 @@ def run(g: ir.Graph, inputs, precision: str = "native") -> torch.Tensor:
     return to_torch(outs[0]).reshape(outs[0].shape)
 
 
+def run_all(g: ir.Graph, inputs, precision: str = "native") -> list[torch.Tensor]:
+    """Every output of g, run by the Graph IR interpreter."""
+    return [to_torch(o).reshape(o.shape) for o in run_graph(g, dict(zip(g.inputs, inputs)), precision)]
+
+
+def bf16_through_coda(module: torch.nn.Module, rule, *inputs):
+    """(the module in bf16, its bf16 inputs, its graph after the CODA rules, `rule` applied to that)."""
+    from tilefuse.graph.rules import run_coda
+
+    module = randomise_norms(module).to(torch.bfloat16).eval()
+    xs = [x.bfloat16() for x in inputs]
+    g = run_coda(capture(module, *xs))[0]
+    return module, xs, g, rule(g)
+
+
 def randomise_norms(module: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
     """Norm weights (and biases) away from their 1 / 0 init, so folding them is really tested."""
     g = torch.Generator().manual_seed(seed)

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 import tilefuse
-from coda_fixtures import EXACT, capture, randomise_norms
+from coda_fixtures import EXACT, bf16_through_coda, randomise_norms, run_all
 from tilefuse import models
 from tilefuse.check import compare, float64_reference, rel_error
 from tilefuse.codegen import epilogue as epi
@@ -25,11 +25,8 @@ from tilefuse.codegen import gemm_sm90
 from tilefuse.compiler import lower_plan
 from tilefuse.graph import ir
 from tilefuse.graph.fusion import plan
-from tilefuse.graph.interp import run_graph
-from tilefuse.graph.rules import run_coda
 from tilefuse.graph.rules.rmsnorm_partials import rmsnorm_partials
 from tilefuse.runtime import nvrtc
-from tilefuse.tensors import to_torch
 
 W = epi.PARTIAL_WIDTH
 
@@ -54,15 +51,10 @@ class ResidualNormLinear(nn.Module):
 
 def _graphs(module, *inputs):
     """The module in bf16, captured, through the CODA rules, and rmsnorm_partials' result."""
-    module = randomise_norms(module).to(torch.bfloat16).eval()
-    xs = [x.bfloat16() for x in inputs]
-    g = run_coda(capture(module, *xs))[0]
-    return module, xs, g, rmsnorm_partials(g)
+    return bf16_through_coda(module, rmsnorm_partials, *inputs)
 
 
-def run(g: ir.Graph, inputs, precision: str = "native") -> list[torch.Tensor]:
-    """Every output of g, run by the Graph IR interpreter."""
-    return [to_torch(o).reshape(o.shape) for o in run_graph(g, dict(zip(g.inputs, inputs)), precision)]
+run = run_all
 
 
 def _inputs(*lead, d=256, seed=0):

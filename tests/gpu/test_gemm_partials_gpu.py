@@ -221,6 +221,19 @@ def test_sum_of_squares_beside_the_tile_store(shape, sched, operand):
         _passes(name, got, want, lp)
 
 
+def _two_calls_pass(prog, m, inputs):
+    """Both outputs (y, h) of the thin call and of the CUDA-graph replay under the 2x rule."""
+    from tilefuse.check import compare, float64_reference
+
+    ref = float64_reference(m, inputs)
+    with torch.no_grad():
+        eager = m(*inputs)
+    for call in range(2):
+        for name, o, r, e in zip(("y", "h"), prog(*inputs), ref, eager):
+            c = compare(f"{name} call{call}", o, r, e)
+            assert c.ok, c
+
+
 class _ResidualNormLinear(torch.nn.Module):
     """h = x + O(a), then RMSNorm(h) into two projections: rules/rmsnorm_partials.py moves the
     norm's sum of squares into the O GEMM's epilogue."""
@@ -243,7 +256,6 @@ def test_compiled_rmsnorm_partials(rows, d):
     """tilefuse.compile (its thin call, then its CUDA-graph replay) with the O GEMM writing h and
     its per-group sums of squares: both outputs under the 2x rule, outputs poisoned."""
     import tilefuse
-    from tilefuse.check import compare, float64_reference
 
     torch.manual_seed(0)
     m = _ResidualNormLinear(d, 384).cuda().to(torch.bfloat16).eval()
@@ -255,10 +267,63 @@ def test_compiled_rmsnorm_partials(rows, d):
     prog.poison = True
     assert "rmsnorm_partials" in [f.rule for f in prog.stages.fired]
     assert sum(1 for s in prog.plan.steps if s.family == "gemm" and s.gemm.partials) == 1
-    ref = float64_reference(m, (x, a))
+    _two_calls_pass(prog, m, (x, a))
+
+
+class _ResidualLayerNormLinear(torch.nn.Module):
+    """h = x + O(a) + b, then LayerNorm(h) into two projections: rules/layernorm_partials.py moves
+    the norm's sum and sum of squares into the O GEMM's epilogue."""
+
+    def __init__(self, d, n):
+        super().__init__()
+        self.o = torch.nn.Linear(d, d)
+        self.norm = torch.nn.LayerNorm(d, eps=1e-5)
+        self.q = torch.nn.Linear(d, n)
+        self.k = torch.nn.Linear(d, n, bias=False)
+
+    def forward(self, x, a):
+        h = x + self.o(a)
+        z = self.norm(h)
+        return self.q(z) + self.k(z), h
+
+
+@pytest.mark.parametrize("rows,d", [(2 * 1000, 512), (8192, 2048), (37, 256), (300, 128)])
+def test_compiled_layernorm_partials(rows, d):
+    """tilefuse.compile (thin call, then CUDA-graph replay) with the O GEMM writing h and the
+    per-group sums of h and of h², the rank-1 correction after: both outputs under the 2x rule,
+    outputs poisoned; rows of a non-zero mean, so the correction matters."""
+    import tilefuse
+
+    torch.manual_seed(0)
+    m = _ResidualLayerNormLinear(d, 384).cuda().to(torch.bfloat16).eval()
     with torch.no_grad():
-        eager = m(x, a)
-    for call in range(2):
-        for name, o, r, e in zip(("y", "h"), prog(x, a), ref, eager):
-            c = compare(f"{name} call{call}", o, r, e)
-            assert c.ok, c
+        m.norm.weight.copy_(1 + 0.3 * torch.randn(d))
+        m.norm.bias.copy_(0.3 * torch.randn(d))
+    x = torch.randn(rows, d, device="cuda", dtype=torch.bfloat16) + 1.0
+    a = torch.randn(rows, d, device="cuda", dtype=torch.bfloat16)
+    prog = tilefuse.compile(m, (x, a))
+    prog.poison = True
+    assert "layernorm_partials" in [f.rule for f in prog.stages.fired]
+    parts = [s for s in prog.plan.steps if s.family == "gemm" and s.gemm.partials]
+    assert len(parts) == 1 and len(parts[0].gemm.partials) == 2
+    _two_calls_pass(prog, m, (x, a))
+
+
+@pytest.mark.parametrize("hidden", [128, 768])
+def test_compiled_gpt2_with_layernorm_partials(hidden):
+    """A 2-layer transformers GPT-2 (bf16, random weights) compiled with its LayerNorm statistics
+    in the output projections' epilogues: logits under the 2x rule against float64."""
+    pytest.importorskip("transformers")
+    import tilefuse
+    from tilefuse import models
+    from tilefuse.check import compare, float64_reference
+
+    b = models.build("gpt2", 2, hidden=hidden, seq=64, batch=2, vocab=512, dtype=torch.bfloat16, device="cuda")
+    prog = tilefuse.compile(b.model, b.inputs)
+    assert "layernorm_partials" in [f.rule for f in prog.stages.fired]
+    assert sum(1 for s in prog.plan.steps if s.family == "gemm" and s.gemm.partials) == 4
+    ref = float64_reference(b.model, b.inputs)
+    with torch.no_grad():
+        eager = b.model(*b.inputs)
+    c = compare("gpt2 logits", prog(*b.inputs), ref, eager)
+    assert c.ok, c

@@ -68,7 +68,8 @@ class GemmSpec:
     # "lse" (pmax, psum) or "select" (psel, its argument the target operand), cross-entropy's
     # (rules/lmhead_ce.py), the value itself then not written (`outs` are the partials); or
     # "sum" (psq, its argument the value summed: RMSNorm's square of the stored value,
-    # rules/rmsnorm_partials.py), `outs` the value and the partials
+    # rules/rmsnorm_partials.py, or LayerNorm's value and its square, rules/layernorm_partials.py),
+    # `outs` the value and the partials
     partials: tuple[tuple[str, tuple[str, ...], str | None], ...] = ()
     partial_of: str | None = None
     partial_width: int = 0
@@ -323,10 +324,10 @@ def match(g: ir.Graph, c: ir.Contraction, users=None, taken: frozenset = frozens
             else:
                 multi = (i, esc)
     best, outs = single
-    # (a square of the one output reduced per group is RMSNorm's partials, below: not a second output)
+    # (the one output, or its square, reduced per group is a norm's partials, below: not a second output)
     sums = (_sum_partials_after(g, users, outs[0]) if partials and len(outs) == 1 and batch == 1
-            and not any(x in slices for x, _ in candidates[:best]) else None)
-    if multi and multi[0] > best and sums is None and _extra_outputs_pay(g, c, multi[1], single[1], users):
+            and not any(x in slices for x, _ in candidates[:best]) else ())
+    if multi and multi[0] > best and not sums and _extra_outputs_pay(g, c, multi[1], single[1], users):
         best, outs = multi
     chosen = candidates[:best]
     paired = any(x in slices for x, _ in chosen)
@@ -358,13 +359,14 @@ def match(g: ir.Graph, c: ir.Contraction, users=None, taken: frozenset = frozens
                 bound += ((found.select[1], "target"),)
             maps += found.members
             outs = list(found.outs)
-        elif sums is not None:
-            # RMSNorm's sum of squares after the stored value (rules/rmsnorm_partials.py): the
-            # epilogue also reduces it per column group, beside its store
-            partial_of, width = outs[0], sums.width
-            partials = (("sum", (sums.psq,), sums.value),)
-            maps += sums.members
-            outs = list(outs) + [sums.psq]
+        elif sums:
+            # a norm's row sums after the stored value (RMSNorm's sum of squares, LayerNorm's sum
+            # and sum of squares: rules/rmsnorm_partials.py, rules/layernorm_partials.py): the
+            # epilogue also reduces them per column group, beside its store
+            partial_of, width = outs[0], sums[0].width
+            partials = tuple(("sum", (s.psq,), s.value) for s in sums)
+            maps += tuple(sorted({x for s in sums for x in s.members}, key=order.get))
+            outs = list(outs) + [s.psq for s in sums]
     return GemmSpec(c.name, c.a, b, b_major, m, n, k, batch, a.dtype, pairwise, maps, bound, tuple(outs),
                     absorbed + (pairwise or ()) + views, taken_stacks, viewed, partials, partial_of, width)
 

@@ -80,37 +80,29 @@ def _centred(g: ir.Graph, d: str):
 
 
 def layernorm_into_matmul(g: ir.Graph) -> ir.Graph:
-    """Every contraction of a LayerNorm output with a weight: fold γ and β, correct per row."""
-    return rewrite_contractions(g, _rewrite)
+    """Every contraction of a LayerNorm output with a weight: fold γ and β, correct per row.
+    The row statistics are made once per norm, for all the contractions it feeds."""
+    stats: dict = {}
+    return rewrite_contractions(g, lambda g, ed, n: _rewrite(g, ed, n, stats))
 
 
-def _rewrite(g: ir.Graph, ed: Editor, n: ir.Contraction):
+def _rewrite(g: ir.Graph, ed: Editor, n: ir.Contraction, stats: dict):
     found = norm_feeding(g, n, match)
     if found is None:
         return None
     m, wb, a_shape = found
     src, a_dtype = n.source, g[n.a].type.dtype
-    stat = g[m.mean].type.dtype  # the norm's own compute type (f32 for bf16 inputs)
-    row_shape = g[m.mean].type.shape
     nodes = []
 
     def new(base, shape, dtype, op, *args):
         return _add(nodes, ir.Map(ed.fresh(base), ir.TensorType(shape, dtype), op, args, src))
 
-    # row statistics from Σx and Σx²: mean (reused) and var = mean(x²) − mean², clamped at 0
-    sq = new(f"{m.x}_sq", g[m.xf].type.shape, stat, "mul", m.xf, m.xf)
-    msq = _add(nodes, ir.Reduce(ed.fresh(f"{m.x}_msq"), ir.TensorType(row_shape, stat), "mean", sq,
-                                (len(row_shape) - 1,), True, src))
-    var = new(f"{m.x}_var", row_shape, stat, "sub", msq, new(f"{m.x}_mean2", row_shape, stat, "mul", m.mean, m.mean))
-    zero = _add(nodes, ir.Constant(ed.fresh("zero"), ir.TensorType((), stat), 0.0, src))
-    var = new(f"{m.x}_var0", row_shape, stat, "max", var, zero)
-    rstd = new(f"{m.x}_rstd", row_shape, stat, "rsqrt", new(f"{m.x}_vareps", row_shape, stat, "add", var, m.eps))
-    shift = new(f"{m.x}_shift", row_shape, stat, "mul", rstd, m.mean)  # s·μ
-    r_shape = tuple(a_shape[:-1]) + (1,)
-    if row_shape != r_shape:
-        rstd, shift = (_add(nodes, ir.View(ed.fresh(f"{v}_rows"), ir.TensorType(r_shape, stat), "reshape", v, r_shape,
-                                           src)) for v in (rstd, shift))
+    key = (m.xf, m.mean, m.eps, tuple(a_shape[:-1]))
+    if key not in stats:  # (an earlier contraction's nodes, before this one's: the rewrite goes in graph order)
+        stats[key] = _statistics(g, ed, m, a_shape, new, nodes, src)
+    rstd, shift = stats[key]
     # the matmul of x itself with W' = γ ⊙ W, and the two column vectors
+    stat = g[m.mean].type.dtype
     x = m.x
     if g[x].type.dtype != a_dtype:
         x = new(f"{x}_{a_dtype}", g[x].type.shape, a_dtype, "cast", x)
@@ -141,3 +133,23 @@ def _rewrite(g: ir.Graph, ed: Editor, n: ir.Contraction):
         last = ("add", y, bias.name)
     nodes.append(ir.Map(n.name, n.type, last[0], last[1:], src))
     return nodes
+
+
+def _statistics(g: ir.Graph, ed: Editor, m: LayerNormMatch, a_shape, new, nodes, src) -> tuple[str, str]:
+    """(s, s·μ) as rows of the matmul's left operand, from Σx and Σx²: the mean (reused) and
+    var = mean(x²) − mean², clamped at 0."""
+    stat = g[m.mean].type.dtype  # the norm's own compute type (f32 for bf16 inputs)
+    row_shape = g[m.mean].type.shape
+    sq = new(f"{m.x}_sq", g[m.xf].type.shape, stat, "mul", m.xf, m.xf)
+    msq = _add(nodes, ir.Reduce(ed.fresh(f"{m.x}_msq"), ir.TensorType(row_shape, stat), "mean", sq,
+                                (len(row_shape) - 1,), True, src))
+    var = new(f"{m.x}_var", row_shape, stat, "sub", msq, new(f"{m.x}_mean2", row_shape, stat, "mul", m.mean, m.mean))
+    zero = _add(nodes, ir.Constant(ed.fresh("zero"), ir.TensorType((), stat), 0.0, src))
+    var = new(f"{m.x}_var0", row_shape, stat, "max", var, zero)
+    rstd = new(f"{m.x}_rstd", row_shape, stat, "rsqrt", new(f"{m.x}_vareps", row_shape, stat, "add", var, m.eps))
+    shift = new(f"{m.x}_shift", row_shape, stat, "mul", rstd, m.mean)  # s·μ
+    r_shape = tuple(a_shape[:-1]) + (1,)
+    if row_shape != r_shape:
+        rstd, shift = (_add(nodes, ir.View(ed.fresh(f"{v}_rows"), ir.TensorType(r_shape, stat), "reshape", v, r_shape,
+                                           src)) for v in (rstd, shift))
+    return rstd, shift

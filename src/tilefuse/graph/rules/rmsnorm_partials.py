@@ -71,13 +71,15 @@ def rmsnorm_partials(g: ir.Graph, width: int = PARTIAL_WIDTH) -> ir.Graph:
         q = _square(g, users, ms)
         if q is None or g[q].type.shape[-1] % width:
             continue
-        new, psq = _rewrite(out, ms, q, width)
-        if _fused(new, psq):
+        new, psq = mean_as_partials(out, ms, q, width)
+        if taken_by_gemm(new, (psq,)) is not None:
             out = new
     return out
 
 
-def _rewrite(g: ir.Graph, ms: str, q: str, width: int) -> tuple[ir.Graph, str]:
+def mean_as_partials(g: ir.Graph, ms: str, q: str, width: int) -> tuple[ir.Graph, str]:
+    """g with the row mean ms = mean(q, last axis, keepdim) as the sum over t of per-group sums
+    psq[m, t] of reshape(q, [M, T, W]), divided by N; and psq's name."""
     ed = Editor(g)
     f = ed.fresh
     qt, mt, src = g[q].type, g[ms].type, g[ms].source
@@ -87,37 +89,40 @@ def _rewrite(g: ir.Graph, ms: str, q: str, width: int) -> tuple[ir.Graph, str]:
     def T(shape, dtype=qt.dtype):
         return ir.TensorType(tuple(shape), dtype)
 
-    lead = tuple(qt.shape[:-1])
+    lead = tuple(mt.shape[:-1])  # (q may be the rows of x under a reshape: layernorm_partials.py)
     q3 = ir.View(f(f"{q}_groups"), T((m, t, width)), "reshape", q, (m, t, width), src)
     psq = ir.Reduce(f(f"{ms}_partials"), T((m, t)), "sum", q3.name, (2,), False, src)
-    # (the rows' own shape before the finishing sum: it, the mean and what follows are one kernel)
-    rows = ir.View(f(f"{ms}_partials_rows"), T(lead + (t,)), "reshape", psq.name, lead + (t,), src)
-    tot = ir.Reduce(f(f"{ms}_sum"), mt, "sum", rows.name, (len(lead),), True, src)
+    if t == 1:  # one group: its partial is the row's sum (a sum over an axis of 1 is no kernel's)
+        finish = [ir.View(f(f"{ms}_sum"), mt, "reshape", psq.name, tuple(mt.shape), src)]
+    else:  # (the rows' own shape before the finishing sum: it, the mean and what follows are one kernel)
+        rows = ir.View(f(f"{ms}_partials_rows"), T(lead + (t,)), "reshape", psq.name, lead + (t,), src)
+        finish = [rows, ir.Reduce(f(f"{ms}_sum"), mt, "sum", rows.name, (len(lead),), True, src)]
     cols = ir.Constant(f(f"{ms}_n"), T(()), float(n), src)
-    mean = ir.Map(ms, mt, "div", (tot.name, cols.name), src)
+    mean = ir.Map(ms, mt, "div", (finish[-1].name, cols.name), src)
     nodes = []
     for x in g.nodes:
-        nodes += [q3, psq, rows, tot, cols, mean] if x.name == ms else [x]
+        nodes += [q3, psq, *finish, cols, mean] if x.name == ms else [x]
     return ed.graph(nodes), psq.name
 
 
-def _fused(g: ir.Graph, psq: str) -> bool:
-    """Does the planner put psq into a GEMM's epilogue?"""
+def taken_by_gemm(g: ir.Graph, psqs):
+    """The GemmSpec of the generated GEMM whose epilogue writes every one of the partials psqs,
+    else None."""
     from ..contraction import GemmSpec, match
 
     users = g.users()
     for n in g.nodes:
         if isinstance(n, ir.Contraction):
             spec = match(g, n, users)
-            if isinstance(spec, GemmSpec) and psq in spec.outs:
-                return True
-    return False
+            if isinstance(spec, GemmSpec) and set(psqs) <= set(spec.outs):
+                return spec
+    return None
 
 
 @dataclass(frozen=True)
 class SumPartials:
     """What the planner puts in a GEMM's epilogue after its output y: psq = the per-group sums
-    of `value` (a square of y under casts), and the nodes computing it there (`members`)."""
+    of `value` (y under casts, or its square), and the nodes computing it there (`members`)."""
 
     psq: str
     value: str
@@ -125,34 +130,56 @@ class SumPartials:
     members: tuple[str, ...]
 
 
-def sum_partials_after(g: ir.Graph, users, y: str) -> SumPartials | None:
-    """The partials the rule above leaves after y ([..., N], the epilogue's stored value): y's
-    casts, their f32 square q, q3 = reshape(q, [M, T, W]) (W = PARTIAL_WIDTH, the groups the
-    template renders) and psq = sum(q3, axis 2), each read only by the next; None otherwise."""
+def sum_partials_after(g: ir.Graph, users, y: str) -> tuple[SumPartials, ...]:
+    """The partials this rule and layernorm_partials.py leave after y ([..., N], the epilogue's
+    stored value): along y's chain of casts, an f32 value v (a cast, or y) or its square
+    q = v·v, reshaped to [M, T, W] (W = PARTIAL_WIDTH, the groups the template renders) and
+    summed over axis 2. Each node after y is read only by what the partials compute from it
+    (the next cast, the reshape, the square), so that the epilogue holds all of them; () when
+    there are none."""
     yt = g[y].type
-    if len(yt.shape) < 2:
+    if len(yt.shape) < 2 or yt.shape[-1] % PARTIAL_WIDTH:
+        return ()
+    m, t = math.prod(yt.shape[:-1]), yt.shape[-1] // PARTIAL_WIDTH
+
+    def grouped_sum(v: str) -> tuple[str, str] | None:
+        """(q3, psq) for psq = sum(q3 = reshape(v, [M, T, W]), axis 2), q3 read only by psq."""
+        for q3 in dict.fromkeys(users[v]):
+            r = g[q3]
+            if not (isinstance(r, ir.View) and r.op == "reshape" and r.arg == v and r.type.shape == (m, t, PARTIAL_WIDTH)
+                    and len(users[q3]) == 1 and q3 not in g.outputs):
+                continue
+            p = g[users[q3][0]]
+            if isinstance(p, ir.Reduce) and p.op == "sum" and tuple(p.axes) == (2,) and not p.keepdim:
+                return q3, p.name
         return None
-    m, n = math.prod(yt.shape[:-1]), yt.shape[-1]
-    for u in users[y]:
-        members, x, prev = [], u, y
-        while isinstance(g[x], ir.Map) and g[x].op == "cast" and g[x].type.dtype in ("f32", "f64", "bf16", "f16"):
-            if len(set(users[x])) != 1 or x in g.outputs:
-                break
-            members.append(x)
-            prev, x = x, users[x][0]
-        sq = g[x]
-        if not (isinstance(sq, ir.Map) and sq.op == "mul" and sq.args == (prev, prev) and sq.type.shape == yt.shape
-                and sq.type.dtype == "f32" and len(users[x]) == 1 and x not in g.outputs):
-            continue
-        q3 = users[x][0]
-        v = g[q3]
-        if not (isinstance(v, ir.View) and v.op == "reshape" and v.type.shape == (m, n // PARTIAL_WIDTH, PARTIAL_WIDTH)
-                and n % PARTIAL_WIDTH == 0 and len(users[q3]) == 1 and q3 not in g.outputs):
-            continue
-        psq = users[q3][0]
-        p = g[psq]
-        if not (isinstance(p, ir.Reduce) and p.op == "sum" and p.arg == q3 and tuple(p.axes) == (2,)
-                and not p.keepdim):
-            continue
-        return SumPartials(psq, x, PARTIAL_WIDTH, tuple(members + [x, q3, psq]))
-    return None
+
+    def square(v: str) -> str | None:
+        for q in dict.fromkeys(users[v]):
+            n = g[q]
+            if (isinstance(n, ir.Map) and n.op == "mul" and n.args == (v, v) and n.type.shape == yt.shape
+                    and n.type.dtype == "f32" and q not in g.outputs):
+                return q
+        return None
+
+    found: list[SumPartials] = []
+    casts: list[str] = []
+    v = y
+    while True:
+        taken: set[str] = set()
+        if g[v].type.dtype == "f32":
+            for value in (v, square(v)):
+                s = grouped_sum(value) if value is not None else None
+                if s is not None and (value == v or set(users[value]) == {s[0]}):
+                    found.append(SumPartials(s[1], value, PARTIAL_WIDTH, tuple(casts) + ((value,) if value != v else ())
+                                             + s))
+                    taken |= {s[0]} if value == v else {value}
+        nxt = [u for u in dict.fromkeys(users[v]) if u not in taken and isinstance(g[u], ir.Map) and g[u].op == "cast"
+               and g[u].type.dtype in ("f32", "f64", "bf16", "f16") and u not in g.outputs]
+        if v != y and set(users[v]) - taken - set(nxt):
+            return ()  # a cast the epilogue would compute that something else reads too
+        if found or len(nxt) != 1:
+            break
+        casts.append(nxt[0])
+        v = nxt[0]
+    return tuple(found)

@@ -1,0 +1,203 @@
+"""layernorm_partials: a LayerNorm's two row sums (of x and of x·x) become per-group partials in
+the epilogue of the GEMM that wrote x, and a small kernel finishes the statistics from them.
+
+Properties: the rewritten graph computes the same function (float64 to rounding: the sums are
+regrouped; bf16 within DESIGN.md's 2x rule); the producing GEMM writes x and both [M, N / 128]
+partials, no kernel but GEMMs reads x any more, and one map-reduce kernel finishes mean, var,
+rstd and s·μ; the epilogue takes both partials beside its element code (gemm_sm90.InlinePartials)
+and compiles for sm_90a without spills, keeping its TMA store; the epilogue sums x and x·x as
+stored; a GPT-2 (transformers) compiles with the rule on its four residual GEMMs and matches
+PyTorch (CPU: the Loop IR interpreter), one 128-column group a row included; graphs where
+partials would save nothing (the norm's output read by a kernel, x a program input, N not a
+multiple of 128, sm_80) come back unchanged.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import tilefuse
+import tilefuse.compiler
+from coda_fixtures import EXACT, bf16_through_coda, run_all
+from tilefuse import dtypes, models
+from tilefuse.check import compare, float64_reference, rel_error
+from tilefuse.codegen import epilogue as epi
+from tilefuse.codegen import gemm_sm90
+from tilefuse.compiler import lower_plan
+from tilefuse.graph import ir
+from tilefuse.graph.fusion import plan
+from tilefuse.graph.rules.layernorm_partials import layernorm_partials
+from tilefuse.loop.interp import run_kernel
+from tilefuse.runtime import nvrtc
+
+W = epi.PARTIAL_WIDTH
+
+
+class ResidualLayerNormLinear(nn.Module):
+    """h = x + O(a) (a residual GEMM with a bias), then LayerNorm(h) into one or two
+    projections; h returned too, and with `norm_out` the normalised tensor itself."""
+
+    def __init__(self, d=256, n=384, heads=2, norm_out=False):
+        super().__init__()
+        self.o = nn.Linear(d, d)
+        self.norm = nn.LayerNorm(d, eps=1e-5)
+        self.proj = nn.ModuleList(nn.Linear(d, n, bias=i == 0) for i in range(heads))
+        self.norm_out = norm_out
+
+    def forward(self, x, a):
+        h = x + self.o(a)
+        z = self.norm(h)
+        y = sum(p(z) for p in self.proj)
+        return (y, h, z) if self.norm_out else (y, h)
+
+
+def _inputs(*lead, d=256, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    # (an offset mean per row, so that the rank-1 correction and the mean's partials matter)
+    return torch.randn(*lead, d, generator=gen) + 0.5, torch.randn(*lead, d, generator=gen)
+
+
+def _graphs(module, *inputs):
+    """The module in bf16, captured, through the CODA rules, and layernorm_partials' result."""
+    return bf16_through_coda(module, layernorm_partials, *inputs)
+
+
+run = run_all
+
+
+def _row_reductions(g: ir.Graph, rows: int, n: int) -> list[ir.Reduce]:
+    """The reductions in g that read whole rows of n elements."""
+    return [x for x in g.nodes if isinstance(x, ir.Reduce) and g[x.arg].type.numel == rows * n
+            and g[x.arg].type.shape[-1] == n]
+
+
+@pytest.mark.parametrize("lead", [(2, 40), (33,), (1, 1)])
+def test_same_function_and_both_row_reductions_gone(lead):
+    torch.manual_seed(0)
+    _, xs, g, g2 = _graphs(ResidualLayerNormLinear(), *_inputs(*lead))
+    assert g2 is not g, "layernorm_partials did not fire"
+    err = max(rel_error(a, b) for a, b in zip(run(g2, xs, "f64"), run(g, xs, "f64")))
+    assert err <= EXACT, f"rewritten graph differs by {err:.3g}"
+    rows = int(np.prod(lead))
+    assert len(_row_reductions(g, rows, 256)) == 2, "the folded LayerNorm reduces x twice"
+    assert not _row_reductions(g2, rows, 256), "no whole-row reduction left"
+    parts = [x for x in g2.nodes if isinstance(x, ir.Reduce) and x.type.shape == (rows, 256 // W)]
+    assert len(parts) == 2
+
+
+def test_bf16_within_the_2x_rule():
+    torch.manual_seed(1)
+    m, xs, g, g2 = _graphs(ResidualLayerNormLinear(), *_inputs(3, 17))
+    assert g2 is not g
+    with torch.no_grad():
+        eager = m(*xs)
+    for name, got, r, e in zip(("y", "h"), run(g2, xs), float64_reference(m, xs), eager):
+        c = compare(name, got, r, e)
+        assert c.ok, c
+
+
+def _partials_step(g2):
+    p = plan(g2)
+    steps = [s for s in p.steps if s.family == "gemm" and s.gemm.partials]
+    assert len(steps) == 1
+    return p, steps[0]
+
+
+def test_plan_reads_x_only_in_gemms_and_finishes_in_one_kernel():
+    """The O GEMM writes h and two [M, 2] partials (of h' and of h'·h'); the finishing kernel
+    reads only those; no map-reduce step reads h; the epilogue takes both partials beside its
+    element code (TMA store kept) and compiles for sm_90a without spills."""
+    torch.manual_seed(2)
+    _, xs, _, g2 = _graphs(ResidualLayerNormLinear(), *_inputs(2, 40))
+    p, s = _partials_step(g2)
+    assert [k for k, _, _ in s.gemm.partials] == ["sum", "sum"]
+    (_, _, v0), (_, _, v1) = s.gemm.partials
+    assert g2[v0].op == "cast" and g2[v1].op == "mul" and g2[v1].args == (v0, v0), "x' and x'·x'"
+    h, p_sum, p_sq = s.gemm.outs
+    assert g2[h].type.shape == (80, 256) or g2[h].type.shape == (2, 40, 256)
+    assert g2[p_sum].type.shape == g2[p_sq].type.shape == (80, 2)
+    assert f"partials of {h} per {W} columns: sum -> {p_sum}; sum -> {p_sq}" in str(p)
+    hs = {h} | {x.name for x in g2.nodes if isinstance(x, ir.View) and x.arg == h}
+    readers = [t for t in p.steps if t.family == "mapreduce" and hs & set(t.inputs)]
+    assert not readers, f"{[t.name for t in readers]} still read x"
+    finish = [t for t in p.steps if t.family == "mapreduce"]
+    assert len(finish) == 1 and {g2[o].type.shape for o in finish[0].outputs} == {(2, 40, 1)}, "rstd and s·μ"
+    assert all(g2[i].type.numel == 80 * 2 for i in finish[0].inputs)
+    _, lowered = lower_plan(g2, p)
+    problem = lowered[s.name].problem()
+    inline = gemm_sm90.inline_partials(problem, problem.epilogue)
+    assert inline is not None and len(inline.reds) == 2
+    for sched in (None, gemm_sm90.GemmSchedule(128, 128, stages=6), gemm_sm90.GemmSchedule(128, 256, stages=4)):
+        src = gemm_sm90.render(problem, sched)
+        assert (src.c_box is not None) == src.schedule.tma_store, "the tile keeps its TMA store"
+        assert nvrtc.compile_cuda(src.source, src.name, "sm_90a").info.clean
+
+
+def test_the_epilogue_sums_x_and_its_square_as_stored():
+    """The lowered epilogue (run by the Loop IR interpreter on a random accumulator, bias and
+    residual) sums the bf16 values it stores and their squares, as a row kernel reading x
+    would: each group's partials equal the f64 sums over the stored tile to f32 rounding."""
+    torch.manual_seed(7)
+    _, _, _, g2 = _graphs(ResidualLayerNormLinear(), *_inputs(2, 40))
+    p, s = _partials_step(g2)
+    _, lowered = lower_plan(g2, p)
+    lg = lowered[s.name]
+    rng = np.random.default_rng(0)
+    feeds = {"acc": (rng.standard_normal((80, 256)) * 3 + 1).astype(np.float32)}
+    for b in lg.bindings:
+        buf = lg.epilogue.buffer(b.buffer)
+        if buf.role == "in":
+            feeds[b.buffer] = rng.standard_normal(buf.shape).astype(dtypes.to_numpy(buf.dtype))
+    out = run_kernel(lg.epilogue, feeds)
+    by_tensor = {b.tensor: b.buffer for b in lg.outputs}
+    h, p_sum, p_sq = s.gemm.outs
+    stored = np.asarray(out[by_tensor[h]], dtype=np.float64).reshape(80, 2, W)
+    np.testing.assert_allclose(out[by_tensor[p_sum]], stored.sum(-1), rtol=2e-6, atol=1e-5)
+    np.testing.assert_allclose(out[by_tensor[p_sq]], (stored ** 2).sum(-1), rtol=2e-6)
+
+
+class NormLinear(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm, self.proj = nn.LayerNorm(256), nn.Linear(256, 384)
+
+    def forward(self, x):
+        return self.proj(self.norm(x))
+
+
+@pytest.mark.parametrize("case", ["norm output read", "x an input", "N not a multiple of 128"])
+def test_not_fired_where_nothing_is_saved(case):
+    torch.manual_seed(3)
+    if case == "norm output read":  # a kernel reads h to normalise it: its row sums are free there
+        _, _, g, g2 = _graphs(ResidualLayerNormLinear(norm_out=True), *_inputs(2, 8))
+    elif case == "x an input":  # no GEMM wrote x
+        _, _, g, g2 = _graphs(NormLinear(), _inputs(2, 8)[0])
+    else:
+        _, _, g, g2 = _graphs(ResidualLayerNormLinear(d=200), *_inputs(2, 8, d=200))
+    assert g2 is g
+
+
+@pytest.mark.parametrize("hidden", [128, 256])
+def test_gpt2_compiled_matches_pytorch_and_the_rule_runs_only_for_sm90a(hidden):
+    """GPT-2's LayerNorms after the first take their statistics from the attention and MLP
+    output projections (bias + residual in their epilogues): four GEMMs with partials in two
+    layers, ln_f's from the last. At hidden 128 a row is one group, and its partial is the row's
+    sum. The compiled program (CPU interpreter) matches PyTorch's bf16 model within the 2x rule.
+    sm_80's template declines partials: there the rule does not run."""
+    pytest.importorskip("transformers")
+    b = models.build("gpt2", 2, hidden=hidden, seq=8, batch=2, vocab=64, dtype=torch.bfloat16)
+    c = tilefuse.compiler.compile_stages(b.model, b.inputs, arch="sm_90a")
+    assert "layernorm_partials" in [f.rule for f in c.fired]
+    parts = [s for s in c.plan.steps if s.family == "gemm" and s.gemm.partials]
+    assert len(parts) == 4, "attention and MLP output projections of both layers"
+    assert not any(s.family == "extern" and any(o.endswith("_sum") for o in s.outputs) for s in c.plan.steps), \
+        "the finishing sums run in tilefuse kernels"
+    prog = tilefuse.compile(b.model, b.inputs)
+    with torch.no_grad():
+        eager = b.model(*b.inputs)
+    res = compare("gpt2", prog(*b.inputs), float64_reference(b.model, b.inputs), eager)
+    assert res.ok, res
+    ampere = tilefuse.compiler.compile_stages(b.model, b.inputs, arch="sm_80")
+    assert "layernorm_partials" not in [f.rule for f in ampere.fired]
