@@ -170,12 +170,21 @@ def _identity_cast_graph():
     return ir.Graph(nodes, ("x",), ("y", "same")), [torch.randn(3, 4)]
 
 
+def _small_powers_graph():
+    """x², x³ and a bf16 x³ (computed in f32, rounded once) on quarter-integers, where the
+    products are exact in f32, so pow and the products agree bit for bit."""
+    x = torch.randint(-12, 12, (5, 7)).float() / 4
+    g = to_graph(export(Fn(lambda x: (x.pow(2) + 1, torch.pow(x, 3.0), x.bfloat16().pow(3))), [x]))
+    return g, [x]
+
+
 REWRITE_CASES = {  # rule -> a graph (and inputs) that makes it fire, after the rules before it in RULES
     "drop_one_element_reductions": lambda: _captured(lambda x: (torch.softmax(x, -1), x.sum(-1), (x > 0).sum(-1)),
                                                      (6, 1)),
     "drop_identity_reshapes": lambda: _captured(lambda x: x.amax(-1, keepdim=True) * 2, (6, 1)),
     "drop_identity_casts": _identity_cast_graph,
     "flatten_full_reductions": lambda: _captured(lambda x: (x.exp().sum(), x.amax()), (3, 4, 5)),
+    "small_powers_as_products": _small_powers_graph,
 }
 
 

@@ -124,7 +124,41 @@ def drop_identity_reshapes(g: ir.Graph) -> ir.Graph:
     return substitute(g, alias)
 
 
-RULES = (drop_one_element_reductions, drop_identity_reshapes, drop_identity_casts, flatten_full_reductions)
+def small_powers_as_products(g: ir.Graph) -> ir.Graph:
+    """pow(x, 2) and pow(x, 3) (a constant exponent) are x·x and x·x·x, computed in f32 for a
+    bf16/f16 x and rounded once, as pow rounds: powf is a library call of some forty
+    instructions, which in a GEMM epilogue (GPT-2's GELU, x + 0.044715 x³) cost more than the
+    whole map kernel it replaced (bench/LOG_blocks.md, session 19)."""
+    names = {n.name for n in g.nodes}
+    out, changed = [], False
+    for n in g.nodes:
+        c = g[n.args[1]] if isinstance(n, ir.Map) and n.op == "pow" else None
+        x = n.args[0] if c is not None else None
+        if not (isinstance(c, ir.Constant) and c.type.shape == () and float(c.value) in (2.0, 3.0)
+                and g[x].type.shape == n.type.shape and n.type.dtype in ("bf16", "f16", "f32", "f64")
+                and g[x].type.dtype == n.type.dtype):
+            out.append(n)
+            continue
+        wide = "f32" if n.type.dtype in ("bf16", "f16") else n.type.dtype
+        t = ir.TensorType(n.type.shape, wide)
+        steps = ["mul"] * (int(c.value) - 1) + (["cast"] if wide != n.type.dtype else [])
+        if wide != n.type.dtype:
+            xw = fresh_name(names, f"{n.name}_x")
+            out.append(ir.Map(xw, t, "cast", (x,), n.source))
+        else:
+            xw = x
+        p = xw
+        for i, op in enumerate(steps):
+            last = i == len(steps) - 1
+            name = n.name if last else fresh_name(names, f"{n.name}_p{i + 2}")
+            out.append(ir.Map(name, n.type if last else t, op, (p, xw) if op == "mul" else (p,), n.source))
+            p = name
+        changed = True
+    return g.replace(nodes=out) if changed else g
+
+
+RULES = (drop_one_element_reductions, drop_identity_reshapes, drop_identity_casts, flatten_full_reductions,
+         small_powers_as_products)
 
 
 def run_rewrites(g: ir.Graph, rules=RULES) -> tuple[ir.Graph, list[Fired]]:
