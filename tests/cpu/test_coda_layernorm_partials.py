@@ -201,3 +201,76 @@ def test_gpt2_compiled_matches_pytorch_and_the_rule_runs_only_for_sm90a(hidden):
     assert res.ok, res
     ampere = tilefuse.compiler.compile_stages(b.model, b.inputs, arch="sm_80")
     assert "layernorm_partials" not in [f.rule for f in ampere.fired]
+
+
+class ReluToo(nn.Module):
+    """h = x + O(a), LayerNorm(h) into a projection, and relu(h): a kernel reads h anyway."""
+
+    def __init__(self, d=256):
+        super().__init__()
+        self.o, self.norm, self.p = nn.Linear(d, d), nn.LayerNorm(d), nn.Linear(d, 384)
+
+    def forward(self, x, a):
+        h = x + self.o(a)
+        return self.p(self.norm(h)), torch.relu(h)
+
+
+def test_not_fired_where_another_kernel_reads_x():
+    """The statistics' partials would only add work to the GEMM when a map kernel reads h
+    anyway (its row sums are free there): the rule's last check leaves the graph."""
+    torch.manual_seed(4)
+    _, _, g, g2 = _graphs(ReluToo(), *_inputs(2, 8))
+    assert any(isinstance(n, ir.Map) and n.op == "rsqrt" for n in g.nodes), "the norm was folded"
+    assert g2 is g
+
+
+class RowShapes(nn.Module):
+    """One LayerNorm into two projections whose operands are rows of different shapes."""
+
+    def __init__(self, d=256):
+        super().__init__()
+        self.o, self.norm = nn.Linear(d, d), nn.LayerNorm(d)
+        self.q, self.k = nn.Linear(d, 128), nn.Linear(d, 128, bias=False)
+
+    def forward(self, x, a):
+        h = x + self.o(a)
+        z = self.norm(h)
+        return self.q(z).sum(-1), self.k(z.reshape(-1, z.shape[-1])).sum(-1), h
+
+
+def test_one_norm_one_set_of_statistics_for_matmuls_of_any_row_shape():
+    """The folded norm reduces x twice however many matmuls it feeds, even of rows shaped
+    differently, so the partials rule can take both sums; the result is the same function."""
+    torch.manual_seed(5)
+    _, xs, g, g2 = _graphs(RowShapes(), *_inputs(2, 8))
+    assert len(_row_reductions(g, 16, 256)) == 2
+    assert g2 is not g and not _row_reductions(g2, 16, 256)
+    err = max(rel_error(a, b) for a, b in zip(run(g2, xs, "f64"), run(g, xs, "f64")))
+    assert err <= EXACT
+
+
+@pytest.mark.parametrize("affine", ["none", "no bias"])
+def test_layernorm_without_affine_or_bias_compiles_and_matches_pytorch(affine):
+    """A LayerNorm with no weight (matched as an RMSNorm of x − μ) or no bias before a matmul
+    compiles (the folded graph's cast of x is new: its shape is x's) and matches PyTorch."""
+    torch.manual_seed(6)
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.o = nn.Linear(256, 256)
+            self.norm = nn.LayerNorm(256, elementwise_affine=affine != "none", bias=affine != "no bias")
+            self.p = nn.Linear(256, 384)
+
+        def forward(self, x, a):
+            h = x + self.o(a)
+            return self.p(self.norm(h)), h
+
+    m = M().to(torch.bfloat16).eval()
+    xs = [t.bfloat16() for t in _inputs(2, 40)]
+    out = tilefuse.compile(m, xs)(*xs)
+    with torch.no_grad():
+        eager = m(*xs)
+    for i, (o, r, e) in enumerate(zip(out, float64_reference(m, xs), eager)):
+        c = compare(f"out{i}", o, r, e)
+        assert c.ok, c

@@ -253,3 +253,36 @@ def test_the_epilogue_squares_x_as_stored():
     stored = np.asarray(out[tile], dtype=np.float64)
     want = (stored ** 2).reshape(80, 2, W).sum(-1)
     np.testing.assert_allclose(out[part], want, rtol=2e-6)
+
+
+class GroupedSquaresAndMore(nn.Module):
+    """A user's grouped sum of squares of a GEMM's f32 output, and another reader: of the f32
+    cast the partials square (`cast read`), or of y through a cast of its own (`second cast`)."""
+
+    def __init__(self, case, d=256):
+        super().__init__()
+        self.p, self.case = nn.Linear(d, d, bias=False), case
+
+    def forward(self, x):
+        y = self.p(x)
+        f = y.float()
+        other = f.half() * 2 if self.case == "cast read" else y.half() * 3
+        return y, (f * f).reshape(x.shape[0], -1, W).sum(-1), other
+
+
+@pytest.mark.parametrize("case,taken", [("cast read", False), ("second cast", True)])
+def test_partials_only_where_the_epilogue_holds_every_reader(case, taken):
+    """Partials put a cast into the epilogue without storing it: where another kernel reads
+    that cast, the planner leaves the squares to a map-reduce kernel (every step reads what an
+    earlier one wrote); where y has a second cast of its own, the partials still go in. Both
+    programs match PyTorch."""
+    from test_fusion import check_invariants
+
+    torch.manual_seed(8)
+    m = GroupedSquaresAndMore(case).to(torch.bfloat16).eval()
+    x = torch.randn(80, 256, dtype=torch.bfloat16)
+    c = tilefuse.compiler.compile_stages(m, (x,), arch="sm_90a")
+    check_invariants(c.graph, c.plan)
+    gemm = [s for s in c.plan.steps if s.family == "gemm"]
+    assert len(gemm) == 1 and bool(gemm[0].gemm.partials) == taken
+    _matches_pytorch(m, (x,))

@@ -341,3 +341,14 @@ def test_a_value_constant_along_some_rows_is_never_written_by_every_row():
     out = Program(g, p, kernels_, gemms=gemms)(x, m)
     for got, want in zip(out, f(x, m)):
         torch.testing.assert_close(got, want)
+
+
+def test_bitwise_and_of_integers_is_a_visible_extern_and_of_bools_a_map():
+    """& of two bool masks is a logical-and map (one fused kernel with the comparisons); & of
+    integer tensors is a bitwise op tilefuse does not generate: an extern step saying why."""
+    x, y = torch.randint(-4, 4, (6, 32)), torch.randint(-4, 4, (6, 32))
+    g, p = planned(lambda x, y: (x > 0) & (y < x), [x, y])
+    assert [s.family for s in p.steps] == ["mapreduce"]
+    assert any(isinstance(n, ir.Map) and n.op == "and" for n in g.nodes)
+    g, p = planned(lambda x, y: x & y, [x, y])
+    assert [s.family for s in p.steps] == ["extern"] and "not both bool" in p.steps[0].note

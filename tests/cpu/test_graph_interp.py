@@ -156,6 +156,13 @@ def _(draw, dtype):
         [small_ints(s, dtype), small_ints(s, dtype)]
 
 
+@case("bool_and_or", "__and__", "__or__", "bitwise_and", "bitwise_or", "gt", "lt")
+def _(draw, dtype):
+    s = draw(shapes())
+    return (lambda x, y: (((x > 0) & (y < 0)) | (x < y), torch.bitwise_or(torch.bitwise_and(x > 0, y > 0), x > y))), \
+        [small_ints(s, dtype), small_ints(s, dtype)]
+
+
 @case("where", "where", "gt")
 def _(draw, dtype):
     s = draw(shapes())

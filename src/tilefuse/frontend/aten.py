@@ -55,6 +55,20 @@ for _aten, _op in [("add", "add"), ("sub", "sub"), ("mul", "mul"), ("div", "div"
     HANDLERS[_aten] = _binary(_op)
 
 
+def _bool_logic(op):
+    """& and | of bool tensors (attention masks) are logical and / or; of integers, bitwise
+    ops tilefuse does not generate."""
+    def handler(b, args, kwargs, out):
+        if not all(_is_tensor(b, a) and b.types[a].dtype == "bool" for a in args[:2]):
+            raise Unsupported("& / | of tensors that are not both bool")
+        return b.map(op, args[0], args[1])
+    return handler
+
+
+for _aten, _op in [("__and__", "and"), ("bitwise_and", "and"), ("__or__", "or"), ("bitwise_or", "or")]:
+    HANDLERS[_aten] = _bool_logic(_op)
+
+
 @handles("rsub")
 def _rsub(b, args, kwargs, out):
     return _binary("sub")(b, (args[1], args[0]), kwargs, out)

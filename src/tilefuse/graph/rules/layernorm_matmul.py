@@ -97,16 +97,20 @@ def _rewrite(g: ir.Graph, ed: Editor, n: ir.Contraction, stats: dict):
     def new(base, shape, dtype, op, *args):
         return _add(nodes, ir.Map(ed.fresh(base), ir.TensorType(shape, dtype), op, args, src))
 
-    key = (m.xf, m.mean, m.eps, tuple(a_shape[:-1]))
+    key = (m.xf, m.mean, m.eps)
     if key not in stats:  # (an earlier contraction's nodes, before this one's: the rewrite goes in graph order)
-        stats[key] = _statistics(g, ed, m, a_shape, new, nodes, src)
+        stats[key] = _statistics(g, ed, m, new, nodes, src)
     rstd, shift = stats[key]
-    # the matmul of x itself with W' = γ ⊙ W, and the two column vectors
     stat = g[m.mean].type.dtype
+    r_shape = tuple(a_shape[:-1]) + (1,)
+    if g[m.mean].type.shape != r_shape:  # (as rows of this matmul's left operand)
+        rstd, shift = (_add(nodes, ir.View(ed.fresh(f"{v}_rows"), ir.TensorType(r_shape, stat), "reshape", v, r_shape,
+                                           src)) for v in (rstd, shift))
+    # the matmul of x itself with W' = γ ⊙ W, and the two column vectors
     x = m.x
     if g[x].type.dtype != a_dtype:
         x = new(f"{x}_{a_dtype}", g[x].type.shape, a_dtype, "cast", x)
-    if g[x].type.shape != a_shape:
+    if g[m.x].type.shape != a_shape:  # (x may be the cast just made: its shape is m.x's)
         x = _add(nodes, ir.View(ed.fresh(f"{x}_rows"), ir.TensorType(a_shape, a_dtype), "reshape", x, a_shape, src))
     w = wb.matrix(g)
     note = g[wb.weight].source or wb.weight
@@ -135,9 +139,9 @@ def _rewrite(g: ir.Graph, ed: Editor, n: ir.Contraction, stats: dict):
     return nodes
 
 
-def _statistics(g: ir.Graph, ed: Editor, m: LayerNormMatch, a_shape, new, nodes, src) -> tuple[str, str]:
-    """(s, s·μ) as rows of the matmul's left operand, from Σx and Σx²: the mean (reused) and
-    var = mean(x²) − mean², clamped at 0."""
+def _statistics(g: ir.Graph, ed: Editor, m: LayerNormMatch, new, nodes, src) -> tuple[str, str]:
+    """(s, s·μ) per row of x, from Σx and Σx²: the mean (reused) and var = mean(x²) − mean²,
+    clamped at 0."""
     stat = g[m.mean].type.dtype  # the norm's own compute type (f32 for bf16 inputs)
     row_shape = g[m.mean].type.shape
     sq = new(f"{m.x}_sq", g[m.xf].type.shape, stat, "mul", m.xf, m.xf)
@@ -148,8 +152,4 @@ def _statistics(g: ir.Graph, ed: Editor, m: LayerNormMatch, a_shape, new, nodes,
     var = new(f"{m.x}_var0", row_shape, stat, "max", var, zero)
     rstd = new(f"{m.x}_rstd", row_shape, stat, "rsqrt", new(f"{m.x}_vareps", row_shape, stat, "add", var, m.eps))
     shift = new(f"{m.x}_shift", row_shape, stat, "mul", rstd, m.mean)  # s·μ
-    r_shape = tuple(a_shape[:-1]) + (1,)
-    if row_shape != r_shape:
-        rstd, shift = (_add(nodes, ir.View(ed.fresh(f"{v}_rows"), ir.TensorType(r_shape, stat), "reshape", v, r_shape,
-                                           src)) for v in (rstd, shift))
     return rstd, shift

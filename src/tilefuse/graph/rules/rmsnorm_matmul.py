@@ -93,7 +93,7 @@ def _rewrite(g: ir.Graph, ed: Editor, n: ir.Contraction):
     x = m.x
     if g[x].type.dtype != a_dtype:
         x = _add(nodes, ir.Map(ed.fresh(f"{x}_{a_dtype}"), ir.TensorType(g[x].type.shape, a_dtype), "cast", (x,), src))
-    if g[x].type.shape != a_shape:
+    if g[m.x].type.shape != a_shape:  # (x may be the cast just made: its shape is m.x's)
         x = _add(nodes, ir.View(ed.fresh(f"{x}_rows"), ir.TensorType(a_shape, a_dtype), "reshape", x, a_shape, src))
     r = m.r
     r_shape = tuple(a_shape[:-1]) + (1,)

@@ -162,24 +162,29 @@ def sum_partials_after(g: ir.Graph, users, y: str) -> tuple[SumPartials, ...]:
                 return q
         return None
 
-    found: list[SumPartials] = []
-    casts: list[str] = []
-    v = y
-    while True:
-        taken: set[str] = set()
+    def at(v: str, casts: tuple[str, ...]) -> tuple[SumPartials, ...]:
+        """The partials of v (y or a cast after it, `casts` the casts from y to v) or of a
+        later cast: after y, every reader of each cast must be what the partials compute."""
+        found, taken = [], set()
         if g[v].type.dtype == "f32":
             for value in (v, square(v)):
                 s = grouped_sum(value) if value is not None else None
                 if s is not None and (value == v or set(users[value]) == {s[0]}):
-                    found.append(SumPartials(s[1], value, PARTIAL_WIDTH, tuple(casts) + ((value,) if value != v else ())
-                                             + s))
+                    found.append(SumPartials(s[1], value, PARTIAL_WIDTH, casts + ((value,) if value != v else ()) + s))
                     taken |= {s[0]} if value == v else {value}
-        nxt = [u for u in dict.fromkeys(users[v]) if u not in taken and isinstance(g[u], ir.Map) and g[u].op == "cast"
+        rest = set(users[v]) - taken
+        if v != y and found:
+            return tuple(found) if not rest else ()  # (a cast the epilogue computes that something else reads)
+        if found:
+            return tuple(found)
+        nxt = [u for u in dict.fromkeys(users[v]) if isinstance(g[u], ir.Map) and g[u].op == "cast"
                and g[u].type.dtype in ("f32", "f64", "bf16", "f16") and u not in g.outputs]
-        if v != y and set(users[v]) - taken - set(nxt):
-            return ()  # a cast the epilogue would compute that something else reads too
-        if found or len(nxt) != 1:
-            break
-        casts.append(nxt[0])
-        v = nxt[0]
-    return tuple(found)
+        if v != y and (len(nxt) != 1 or rest != set(nxt)):
+            return ()
+        for u in nxt:  # (y itself may have other readers: it is stored)
+            r = at(u, casts + (u,))
+            if r:
+                return r
+        return ()
+
+    return at(y, ())
