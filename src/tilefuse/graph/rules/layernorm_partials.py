@@ -22,7 +22,7 @@ from ...codegen.epilogue import PARTIAL_WIDTH
 from .. import ir
 from .layernorm_matmul import _row_mean
 from .match import Editor
-from .rmsnorm_partials import mean_as_partials, taken_by_gemm
+from .rmsnorm_partials import gemm_specs, mean_as_partials, taken_by_gemm
 
 
 def _stats(g: ir.Graph, users) -> list[tuple[str, str, str]]:
@@ -50,7 +50,8 @@ def layernorm_partials(g: ir.Graph, width: int = PARTIAL_WIDTH) -> ir.Graph:
         new = _from_the_source(out, xf, sq)
         new, p_sum = mean_as_partials(new, mean, xf, width)
         new, p_sq = mean_as_partials(new, msq, sq, width)
-        if taken_by_gemm(new, (p_sum, p_sq)) is not None and _read_only_by_gemms(new, new[xf].args[0]):
+        specs = gemm_specs(new)
+        if taken_by_gemm(specs, (p_sum, p_sq)) is not None and _read_only_by_gemms(new, specs, new[xf].args[0]):
             out = new
     return out
 
@@ -73,18 +74,11 @@ def _from_the_source(g: ir.Graph, xf: str, sq: str) -> ir.Graph:
     return Editor(g).graph([swap.get(x.name, x) for x in g.nodes])
 
 
-def _read_only_by_gemms(g: ir.Graph, x: str) -> bool:
-    """Is x (and every reshape of it) read only by generated GEMMs, as an operand or in their
-    epilogues (the planner's own match), so that no other kernel reads x?"""
-    from ..contraction import GemmSpec, match
-
+def _read_only_by_gemms(g: ir.Graph, specs, x: str) -> bool:
+    """Is x (and every reshape of it) read only by the generated GEMMs of `specs` (gemm_specs'),
+    as an operand or in their epilogues, so that no other kernel reads x?"""
     users = g.users()
-    members = set()
-    for n in g.nodes:
-        if isinstance(n, ir.Contraction):
-            spec = match(g, n, users)
-            if isinstance(spec, GemmSpec):
-                members |= set(spec.maps) | {spec.contraction}
+    members = {m for s in specs for m in s.maps} | {s.contraction for s in specs}
     todo = [x]
     while todo:
         for u in set(users[todo.pop()]):

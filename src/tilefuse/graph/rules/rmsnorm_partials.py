@@ -72,7 +72,7 @@ def rmsnorm_partials(g: ir.Graph, width: int = PARTIAL_WIDTH) -> ir.Graph:
         if q is None or g[q].type.shape[-1] % width:
             continue
         new, psq = mean_as_partials(out, ms, q, width)
-        if taken_by_gemm(new, (psq,)) is not None:
+        if taken_by_gemm(gemm_specs(new), (psq,)) is not None:
             out = new
     return out
 
@@ -105,18 +105,19 @@ def mean_as_partials(g: ir.Graph, ms: str, q: str, width: int) -> tuple[ir.Graph
     return ed.graph(nodes), psq.name
 
 
-def taken_by_gemm(g: ir.Graph, psqs):
-    """The GemmSpec of the generated GEMM whose epilogue writes every one of the partials psqs,
-    else None."""
+def gemm_specs(g: ir.Graph) -> list:
+    """The GemmSpec of every contraction of g the planner makes a generated GEMM."""
     from ..contraction import GemmSpec, match
 
     users = g.users()
-    for n in g.nodes:
-        if isinstance(n, ir.Contraction):
-            spec = match(g, n, users)
-            if isinstance(spec, GemmSpec) and set(psqs) <= set(spec.outs):
-                return spec
-    return None
+    specs = (match(g, n, users) for n in g.nodes if isinstance(n, ir.Contraction))
+    return [s for s in specs if isinstance(s, GemmSpec)]
+
+
+def taken_by_gemm(specs, psqs):
+    """The spec (of `specs`, gemm_specs') whose epilogue writes every one of the partials
+    psqs, else None."""
+    return next((s for s in specs if set(psqs) <= set(s.outs)), None)
 
 
 @dataclass(frozen=True)
