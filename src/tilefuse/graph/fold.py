@@ -110,7 +110,7 @@ def _fold(g: ir.Graph, users, n, values: dict, weighty: set) -> np.ndarray | Non
         return None
     if n.type.numel > max(g[a].type.numel for a in args) and n.type.nbytes > GROW_MAX_BYTES:
         return None
-    return _evaluate(n, [values[a] for a in args])
+    return evaluate(n, [values[a] for a in args])
 
 
 def _known(g: ir.Graph, n, values: dict) -> np.ndarray | None:
@@ -120,10 +120,10 @@ def _known(g: ir.Graph, n, values: dict) -> np.ndarray | None:
     args = ir.node_args(n)
     if not all(a in values for a in args):
         return None
-    return _evaluate(n, [values[a] for a in args])
+    return evaluate(n, [values[a] for a in args])
 
 
-def _evaluate(n, vals: list) -> np.ndarray:
+def evaluate(n, vals: list) -> np.ndarray:
     """A map, view, reduction or gather on its arguments' values, by the graph interpreter."""
     if isinstance(n, ir.Map):
         return np.asarray(eval_map(n, vals))

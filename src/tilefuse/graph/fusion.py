@@ -395,6 +395,8 @@ class _Planner:
                 elif isinstance(n, ir.Attention):
                     q, k = g[n.q].type.shape, g[n.k].type.shape
                     s.flops = 4 * q[-2] * k[-2] * q[-1] * int(n.type.numel // (q[-2] * q[-1]))
+                    if n.causal:  # the kernel skips the blocks above the diagonal
+                        s.flops //= 2
         return self._ordered()
 
     def _ordered(self) -> list[Step]:

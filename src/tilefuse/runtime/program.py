@@ -166,6 +166,18 @@ def _packer(spec, n: int):
     return lambda outs: torch.utils._pytree.tree_unflatten(list(outs), spec)
 
 
+def strided_view(n: ir.View, x: torch.Tensor) -> torch.Tensor:
+    """A permute, expand or slice of x as PyTorch's strided view (no copy)."""
+    if n.op == "permute":
+        return x.permute(*n.params)
+    if n.op == "expand":
+        return x.expand(n.type.shape)
+    if n.op == "slice":
+        dim, start, end, step = n.params
+        return x.narrow(dim, start, end - start)[(slice(None),) * dim + (slice(None, None, step),)]
+    raise ValueError(f"unknown view {n.op}")
+
+
 def run_extern(n, get) -> torch.Tensor:
     """Run one graph node in PyTorch: the explicit fallback the plan shows."""
     if isinstance(n, ir.Contraction):
@@ -177,13 +189,7 @@ def run_extern(n, get) -> torch.Tensor:
         x = get(n.arg)
         if n.op == "reshape":
             return x.reshape(n.type.shape)
-        if n.op == "permute":
-            return x.permute(*n.params).contiguous()
-        if n.op == "expand":
-            return x.expand(n.type.shape).contiguous()
-        if n.op == "slice":
-            dim, start, end, step = n.params
-            return x.narrow(dim, start, end - start)[(slice(None),) * dim + (slice(None, None, step),)].contiguous()
+        return strided_view(n, x).contiguous()
     if isinstance(n, ir.Gather):
         return torch.gather(get(n.arg), n.axis, get(n.index))
     if isinstance(n, ir.Reduce):

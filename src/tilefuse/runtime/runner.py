@@ -93,7 +93,7 @@ class Runner:
             if isinstance(n, (ir.Constant, ir.Iota)):
                 base[slot(n.name)] = _constant(n, device)
         self.ops = []
-        strided = attention_only_permutes(g, plan)
+        strided = attention_only_views(g, plan)
         for step in plan.steps:
             if step.family == "alias":
                 n = g[step.nodes[0]]
@@ -143,24 +143,35 @@ def _constant(n, device) -> torch.Tensor:
     return idx.reshape(view).expand(shape).contiguous()
 
 
-def attention_only_permutes(graph: ir.Graph, plan) -> frozenset:
-    """Permute externs read only by attention externs: SDPA takes the strided view, so the
-    head transpose of q/k/v (a full copy each) is skipped; its output, transposed back, is
-    then already contiguous. Not program outputs (the caller gets contiguous tensors)."""
+def attention_only_views(graph: ir.Graph, plan) -> frozenset:
+    """Permute and slice externs whose values only attention externs read, directly or through
+    aliases and other such views: SDPA takes strided q/k/v, so the head transposes and the
+    split of a fused QKV projection (GPT-2's c_attn; a full copy each) are skipped, and the
+    attention output, transposed back, is then already contiguous. Never a program output
+    (the caller gets contiguous tensors)."""
     readers: dict[str, list] = {}
     for n in graph.nodes:
         for a in ir.node_args(n):
             readers.setdefault(a, []).append(n)
     extern = {step.nodes[0] for step in plan.steps if step.family == "extern"}
-    out = set()
-    for name in extern:
-        n = graph[name]
-        if not (isinstance(n, ir.View) and n.op == "permute") or name in graph.outputs:
-            continue
-        users = readers.get(name, [])
-        if users and all(isinstance(u, ir.Attention) and u.name in extern for u in users):
-            out.add(name)
-    return frozenset(out)
+    alias = {step.nodes[0] for step in plan.steps if step.family == "alias"}
+    memo: dict[str, bool] = {}
+
+    def for_attention_only(name: str) -> bool:
+        if name not in memo:
+            memo[name] = False  # a cycle cannot happen in a graph; this only guards the recursion
+            users = readers.get(name, [])
+            memo[name] = (name not in graph.outputs and bool(users)
+                          and all((isinstance(u, ir.Attention) and u.name in extern)
+                                  or ((u.name in alias or _viewable(u, extern)) and for_attention_only(u.name))
+                                  for u in users))
+        return memo[name]
+
+    return frozenset(name for name in extern if _viewable(graph[name], extern) and for_attention_only(name))
+
+
+def _viewable(n, extern) -> bool:
+    return n.name in extern and isinstance(n, ir.View) and n.op in ("permute", "slice")
 
 
 class _Alias:
@@ -182,10 +193,10 @@ class _Extern:
         self.strided = strided
 
     def __call__(self, env):
-        from .program import run_extern
+        from .program import run_extern, strided_view
 
-        if self.strided:  # a view for attention (attention_only_permutes)
-            env[self.dst] = env[self.index[self.node.arg]].permute(*self.node.params)
+        if self.strided:  # a view for attention (attention_only_views)
+            env[self.dst] = strided_view(self.node, env[self.index[self.node.arg]])
             return
         out = run_extern(self.node, lambda a: env[self.index[a]])
         env[self.dst] = out.to(self.dtype).reshape(self.shape)

@@ -1,0 +1,90 @@
+"""An attention mask known when compiling that is the causal one becomes `is_causal`.
+
+Under torch.export, transformers cannot drop its causal mask as it does in eager (it skips
+the mask only when not tracing), so GPT-2, Llama and Qwen2 capture SDPA with an explicit
+boolean mask built from index compares (`kv_idx <= q_idx`, `batch_idx == batch_idx`): a
+[B, 1, L, S] mask kernel on every call, and a masked attention kernel that visits every
+key block. With `is_causal` the mask is gone and the attention kernel skips the upper
+triangle (about half the work in prefill).
+
+The rule evaluates the mask's cone when it depends on weights, constants and indices alone
+(fold_weights has already folded the externs among them) and compares it, broadcast, with
+SDPA's own causal mask, tril(ones(L, S)) (top-left aligned): equal everywhere, the
+attention becomes causal with no mask. An additive float mask qualifies when its allowed
+entries are 0 and its masked ones -inf or the dtype's lowest value (exp underflows to 0 in
+both; a causal row always keeps its diagonal, so no row is fully masked). Anything else
+(a padding mask from an input, a sliding window) is left as it is.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import torch
+
+from ... import dtypes
+from ...tensors import to_numpy
+from .. import ir
+from ..fold import evaluate
+from ..interp import iota_value
+from .match import prune
+
+MAX_MASK_ELEMENTS = 1 << 28  # masks larger than this are not evaluated (compile-time memory)
+_LEAVES = (ir.Weight, ir.Constant, ir.Iota)
+_COMPUTED = (ir.Map, ir.View, ir.Reduce, ir.Gather)
+
+
+def causal_masks(g: ir.Graph) -> ir.Graph:
+    nodes, changed = [], False
+    for n in g.nodes:
+        if isinstance(n, ir.Attention) and n.mask is not None and _is_causal_mask(g, n):
+            n = dataclasses.replace(n, causal=True, mask=None)
+            changed = True
+        nodes.append(n)
+    return prune(g.replace(nodes)) if changed else g
+
+
+def _is_causal_mask(g: ir.Graph, n: ir.Attention) -> bool:
+    L, S = g[n.q].type.shape[-2], g[n.k].type.shape[-2]
+    m = g[n.mask].type
+    if tuple(m.shape[-2:]) != (L, S) or m.numel > MAX_MASK_ELEMENTS:
+        return False
+    value = known_value(g, n.mask)
+    if value is None:
+        return False
+    tri = np.tri(L, S, dtype=bool)  # [i, j] = j <= i: SDPA's is_causal
+    if value.dtype == bool:
+        return bool(np.all(value == tri))
+    if not dtypes.is_float(m.dtype):
+        return False
+    lowest = torch.finfo(dtypes.to_torch(m.dtype)).min  # -inf is below it too
+    return bool(np.all(np.where(tri, value == 0, value <= lowest)))
+
+
+def known_value(g: ir.Graph, name: str) -> np.ndarray | None:
+    """name's value when everything it depends on is a weight, constant or index, else None."""
+    cone, stack = set(), [name]
+    while stack:
+        x = stack.pop()
+        if x in cone:
+            continue
+        n = g[x]
+        if not isinstance(n, _LEAVES + _COMPUTED) or n.type.numel > MAX_MASK_ELEMENTS:
+            return None
+        cone.add(x)
+        stack.extend(ir.node_args(n))
+    values: dict[str, np.ndarray] = {}
+    for n in g.nodes:
+        if n.name not in cone:
+            continue
+        if isinstance(n, ir.Weight):
+            w = g.weights[n.name]
+            values[n.name] = w if isinstance(w, np.ndarray) else to_numpy(w)
+        elif isinstance(n, ir.Constant):
+            values[n.name] = np.asarray(n.value)
+        elif isinstance(n, ir.Iota):
+            values[n.name] = iota_value(n)
+        else:
+            values[n.name] = evaluate(n, [values[a] for a in ir.node_args(n)])
+    return np.broadcast_to(values[name], g[name].type.shape)
+

@@ -1,0 +1,135 @@
+"""The causal_masks rule: an attention mask known when compiling that equals SDPA's causal mask
+becomes is_causal (no mask kernel per call; the attention kernel skips the upper triangle).
+
+Each case checks through the Graph IR interpreter in float64 that the rewritten graph computes
+the same function as the graph before it, and that the rule fires exactly where the mask is
+tril(ones(L, S)) (top-left aligned), boolean or additive."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from coda_fixtures import EXACT, capture, nodes_of, run
+from tilefuse.check import rel_error
+from tilefuse.compiler import compile_stages
+from tilefuse.graph import ir
+from tilefuse.graph.fold import fold_weights
+from tilefuse.graph.rules.causal_mask import causal_masks
+
+NEG = float("-inf")
+
+
+class MaskedAttention(nn.Module):
+    """SDPA with a mask built from index compares of the sequence positions (as transformers does)."""
+
+    def __init__(self, mask_fn, batch_mask: bool = False):
+        super().__init__()
+        self.mask_fn, self.batch_mask = mask_fn, batch_mask
+
+    def forward(self, q, k, v):
+        L, S = q.shape[-2], k.shape[-2]
+        i = torch.arange(L).view(L, 1)
+        j = torch.arange(S).view(1, S)
+        mask = self.mask_fn(i, j, q.dtype)
+        if self.batch_mask:  # [B, 1, L, S], as transformers' masks are
+            mask = mask[None, None].expand(q.shape[0], 1, L, S)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def _causal_bool(i, j, dtype):
+    return j <= i
+
+
+def _causal_additive_inf(i, j, dtype):
+    return torch.where(j <= i, torch.zeros((), dtype=dtype), torch.full((), NEG, dtype=dtype))
+
+
+def _causal_additive_lowest(i, j, dtype):
+    return torch.where(j <= i, torch.zeros((), dtype=dtype), torch.full((), torch.finfo(dtype).min, dtype=dtype))
+
+
+def _one_ahead(i, j, dtype):  # sees one key past the diagonal: not causal
+    return j <= i + 1
+
+
+def _window(i, j, dtype):  # sliding window of 3: not causal
+    return (j <= i) & (j > i - 3)
+
+
+def _additive_small(i, j, dtype):  # -1e4 does not make exp underflow to 0: not the same function
+    return torch.where(j <= i, torch.zeros((), dtype=dtype), torch.full((), -1e4, dtype=dtype))
+
+
+def _qkv(L=6, S=6, b=2, h=3, d=8, dtype=torch.float64):
+    g = torch.Generator().manual_seed(L * 100 + S)
+    return [torch.randn(b, h, n, d, generator=g, dtype=dtype) for n in (L, S, S)]
+
+
+def _rewrite(module, inputs):
+    """(graph with the mask folded as when compiling, the rule applied to it)."""
+    g = fold_weights(capture(module, *inputs))
+    return g, causal_masks(g)
+
+
+@pytest.mark.parametrize("mask_fn, batch_mask, L, S", [
+    (_causal_bool, False, 6, 6),
+    (_causal_bool, True, 6, 6),
+    (_causal_bool, False, 5, 9),    # L < S: is_causal is top-left aligned, so is this mask
+    (_causal_bool, False, 9, 5),
+    (_causal_additive_inf, True, 7, 7),
+    (_causal_additive_lowest, False, 7, 7),
+])
+def test_a_causal_mask_becomes_is_causal_and_the_function_is_unchanged(mask_fn, batch_mask, L, S):
+    inputs = _qkv(L, S)
+    g, g2 = _rewrite(MaskedAttention(mask_fn, batch_mask), inputs)
+    (before,), (after,) = nodes_of(g, ir.Attention), nodes_of(g2, ir.Attention)
+    assert before.mask is not None and not before.causal
+    assert after.mask is None and after.causal
+    assert not any(n.type.dtype == "bool" for n in g2.nodes)  # the mask's cone is pruned
+    err = rel_error(run(g2, inputs, "f64"), run(g, inputs, "f64"))
+    assert err <= EXACT, err
+
+
+@pytest.mark.parametrize("mask_fn", [_one_ahead, _window, _additive_small])
+def test_a_mask_that_is_not_the_causal_one_stays(mask_fn):
+    inputs = _qkv()
+    g, g2 = _rewrite(MaskedAttention(mask_fn, batch_mask=True), inputs)
+    assert g2 is g
+    (att,) = nodes_of(g2, ir.Attention)
+    assert att.mask is not None and not att.causal
+
+
+def test_a_mask_given_as_an_input_stays_even_when_it_is_causal():
+    """Its value is only known per call, so the rule must not assume it."""
+    q, k, v = _qkv()
+    mask = torch.ones(6, 6, dtype=torch.bool).tril()
+    g, g2 = _rewrite(lambda q, k, v, m: F.scaled_dot_product_attention(q, k, v, attn_mask=m), [q, k, v, mask])
+    assert g2 is g
+
+
+def test_compile_reports_the_rule_and_the_program_matches_pytorch():
+    inputs = _qkv(dtype=torch.float32)
+    m = MaskedAttention(_causal_bool, batch_mask=True)
+    c = compile_stages(m, inputs)
+    assert "causal_masks" in [f.rule for f in c.fired]
+    (att,) = nodes_of(c.graph, ir.Attention)
+    assert att.causal and att.mask is None
+    torch.testing.assert_close(c.program(*inputs), m(*inputs), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_transformers_causal_masks_become_is_causal(name):
+    """transformers builds its mask from index compares under export; after folding it is
+    known and causal, so every layer's SDPA becomes causal and the logits are unchanged."""
+    pytest.importorskip("transformers")
+    from tilefuse import models
+
+    b = models.build(name, 2, hidden=64, seq=12, batch=2, vocab=96, heads=4, dtype=torch.float64)
+    g, g2 = _rewrite(b.model, list(b.inputs))
+    assert all(a.mask is not None and not a.causal for a in nodes_of(g, ir.Attention))
+    after = nodes_of(g2, ir.Attention)
+    assert len(after) == 2 and all(a.mask is None and a.causal for a in after)
+    err = rel_error(run(g2, list(b.inputs), "f64"), run(g, list(b.inputs), "f64"))
+    assert err <= EXACT, err
