@@ -30,8 +30,8 @@ class MaskedAttention(nn.Module):
 
     def forward(self, q, k, v):
         L, S = q.shape[-2], k.shape[-2]
-        i = torch.arange(L).view(L, 1)
-        j = torch.arange(S).view(1, S)
+        i = torch.arange(L, device=q.device).view(L, 1)
+        j = torch.arange(S, device=q.device).view(1, S)
         mask = self.mask_fn(i, j, q.dtype)
         if self.batch_mask:  # [B, 1, L, S], as transformers' masks are
             mask = mask[None, None].expand(q.shape[0], 1, L, S)

@@ -1,7 +1,7 @@
-"""What runs around SDPA and GPT-2's GELU on the GPU: a causal mask known when compiling run as
-is_causal (rules/causal_mask.py), the split of a fused QKV projection passed to SDPA as strided
-views (runtime.runner.attention_only_views), and the fast tanh (cexpr's tf_tanh_fast) in
-kernels with 16-bit results. Outputs poisoned first; compared with float64 under the 2x rule."""
+"""What runs around SDPA on the GPU: a causal mask known when compiling run as is_causal
+(rules/causal_mask.py), and the split of a fused QKV projection passed to SDPA as strided views
+(runtime.runner.attention_only_views). Outputs poisoned first; compared with float64 under the
+2x rule, on the thin call and a CUDA-graph replay."""
 from __future__ import annotations
 
 import sys
@@ -36,11 +36,6 @@ def _check(fn, inputs, calls: int = 2):
     return prog
 
 
-def _sources(prog) -> str:
-    """The CUDA C++ of the program's compiled kernels."""
-    return "".join(ck.source.source for ck in prog._compiled.values())
-
-
 @pytest.mark.parametrize("b,h,L,d", [(2, 4, 1024, 64), (1, 3, 77, 32)])
 def test_causal_mask_runs_as_is_causal(b, h, L, d):
     from test_causal_mask import MaskedAttention, _causal_bool
@@ -69,28 +64,3 @@ def test_fused_qkv_split_reaches_sdpa_as_views(b, s, heads, d):
     views = attention_only_views(prog.graph, prog.plan)
     slices = {n for n in views if prog.graph[n].op == "slice"}
     assert len(slices) == 3
-
-
-@pytest.mark.parametrize("dtype", [BF16, torch.float16])
-def test_fast_tanh_in_a_16_bit_kernel(dtype):
-    """tanh over a wide range rounded to 16 bits: every element within one rounding step of
-    the float64 tanh, and equal to its correctly rounded value but in rare ties."""
-    x = torch.cat([torch.randn(1 << 20, device="cuda") * 3, torch.logspace(-20, 1.7, 4096, device="cuda"),
-                   -torch.logspace(-20, 1.7, 4096, device="cuda")]).to(dtype).reshape(-1, 1024)
-    prog = _check(lambda t: torch.tanh(t) * 1.0, (x,))
-    assert "tf_tanh_fast(" in _sources(prog)
-    got = prog(x).double()
-    want = torch.tanh(x.double())
-    rounded = want.to(dtype).double()
-    step = torch.finfo(dtype).eps * want.abs().clamp_min(torch.finfo(dtype).tiny)
-    assert ((got - want).abs() <= step).all()
-    assert (got != rounded).double().mean().item() < 1e-3
-
-
-def test_tanh_with_a_float32_result_stays_accurate():
-    """An f32 result keeps tanhf: within 2 f32 ulp of the float64 tanh."""
-    x = torch.randn(4096, 1024, device="cuda") * 3
-    prog = _check(lambda t: torch.tanh(t), (x,))
-    assert "tf_tanh_fast(" not in _sources(prog)
-    got, want = prog(x).double(), torch.tanh(x.double())
-    assert ((got - want).abs() <= 2 * torch.finfo(torch.float32).eps * want.abs()).all()

@@ -12,8 +12,9 @@ needs in inline PTX (sm_80+), so NVRTC compiles it on a machine with no CUDA too
 Math: IEEE-accurate library calls (`expf`, `logf`, `erff`, `tanhf`, ...) rather than the
 `__expf` family, whose error grows with |x|; `rsqrtf` (2 ulp) for rsqrt. Two exceptions use
 the special-function unit (one instruction instead of about ten): sums of exp(y - max)
-(y <= max bounds the error), and, with `op(..., fast=True)`, exp, division, sigmoid, Phi and
-tanh where the result is rounded to bf16/f16 (mapreduce.fast_math says why that is safe). max/min on floats propagate NaN like NumPy (PTX `max.NaN`), so a NaN input can never
+(y <= max bounds the error), and, with `op(..., fast=True)`, exp, division and sigmoid in a kernel
+whose every float result is rounded to bf16/f16 (mapreduce.fast_math says why that is
+safe). max/min on floats propagate NaN like NumPy (PTX `max.NaN`), so a NaN input can never
 vanish in a reduction.
 """
 from __future__ import annotations
@@ -84,17 +85,6 @@ __device__ __forceinline__ float tf_ex2_ftz(float x) { float r; asm("ex2.approx.
 __device__ __forceinline__ float tf_exp_fast(float x) { return tf_ex2_ftz(x * 1.44269504f); }
 __device__ __forceinline__ float tf_rcp_fast(float x) { float r; asm("rcp.approx.f32 %0, %1;" : "=f"(r) : "f"(x)); return r; }
 __device__ __forceinline__ float tf_div_fast(float a, float b) { return a * tf_rcp_fast(b); }
-// tanh(x) for results rounded to 16 bits: 1 - 2 / (e^2|x| + 1) by ex2.approx and rcp.approx
-// where |x| >= 1/4 (1 - r is exact there: r is in [1/2, 1]), the odd Taylor polynomial
-// x - x^3/3 + 2x^5/15 - 17x^7/315 below; the sign of x restored. Within 1.5e-6 relatively
-// everywhere (tests/cpu/test_fast_tanh.py); e^2|x| overflowing (|x| > 44) gives exactly 1;
-// NaN stays NaN.
-__device__ __forceinline__ float tf_tanh_fast(float x) {
-  const float a = fabsf(x), x2 = x * x;
-  const float p = x * fmaf(x2, fmaf(x2, fmaf(x2, -0.053968254f, 0.133333333f), -0.333333333f), 1.0f);
-  const float t = 1.0f - 2.0f * tf_rcp_fast(tf_ex2_ftz(a * 2.88539008f) + 1.0f);
-  return a < 0.25f ? p : copysignf(t, x);
-}
 {ncdf_fast}// A partial sum of exp(x - m) rescaled to a larger max M (partial log-sum-exp states merge
 // max first: M = max of the maxima, then the sum of the rescaled sums). Equal maxima (-inf
 // included) need no exp; a NaN max propagates.
@@ -363,7 +353,7 @@ _CMP = {"eq": "==", "ne": "!=", "lt": "<", "le": "<=", "gt": ">", "ge": ">="}
 _ARITH = {"add": "+", "sub": "-", "mul": "*", "div": "/"}
 
 
-FAST_OPS = ("exp", "div", "sigmoid", "ncdf", "tanh")  # the ops with a special-function spelling (op's fast)
+FAST_OPS = ("exp", "div", "sigmoid", "ncdf")  # the ops with a special-function spelling (op's fast)
 
 
 def op(name: str, args: list[str], arg_dtypes: list[str], dtype: str, fast: bool = False) -> str:
@@ -374,8 +364,7 @@ def op(name: str, args: list[str], arg_dtypes: list[str], dtype: str, fast: bool
     as tf_div_fast (a times rcp.approx of b: a row-constant divisor's reciprocal is then
     computed once per row, the asm being pure), and an f32 sigmoid as the rcp.approx of
     1 + ex2.approx: two special-function instructions, no branch (the IEEE division's slow
-    path is a call site per element, which keeps ptxas from overlapping the elements), and an
-    f32 tanh as the prelude's tf_tanh_fast (tanhf cost GPT-2's GELU epilogue a third of its GEMM).
+    path is a call site per element, which keeps ptxas from overlapping the elements).
     """
     info = ops.info(name)
     if len(args) != info.arity:
@@ -405,8 +394,6 @@ def op(name: str, args: list[str], arg_dtypes: list[str], dtype: str, fast: bool
         e = f"tf_rcp_fast(1.0f + tf_exp_fast(-{conv(0)}))"
     elif fast and name == "ncdf":
         e = f"tf_ncdf_fast({conv(0)})"
-    elif fast and name == "tanh":
-        e = f"tf_tanh_fast({conv(0)})"
     elif name == "ncdf":  # 0.5 erfc(-x / sqrt 2): no cancellation in the lower tail
         fn, half, r2 = ("erfc", "0.5", "0.7071067811865476") if f64 else ("erfcf", "0.5f", "0.70710678f")
         e = f"({half} * {fn}(-{r2} * {conv(0)}))"

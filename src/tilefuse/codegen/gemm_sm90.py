@@ -1428,14 +1428,14 @@ def _column_parity(e) -> int:
 
 
 def _fast_ops(kernel: ir.Kernel, body) -> frozenset:
-    """The exp, division, sigmoid, ncdf and tanh ops of an element body that may use the
-    special-function unit: those whose own result is bf16 or f16, and the f32 ones too when
-    every output of the epilogue is (mapreduce.fast_math and cexpr's tf_ncdf_fast and
-    tf_tanh_fast give the error bounds: the rounding to 16 bits hides them)."""
+    """The exp, division, sigmoid and ncdf ops of an element body that may use the special-
+    function unit: all of them when every output of the epilogue is bf16 or f16
+    (mapreduce.fast_math and cexpr's tf_ncdf_fast give the error bounds: the rounding to the
+    output hides them)."""
     from .mapreduce import fast_math
-    every = fast_math(kernel)
-    return frozenset(x.dst for x in body if isinstance(x, ir.Op) and x.op in cexpr.FAST_OPS
-                     and (x.dtype in ("bf16", "f16") or (every and x.dtype == "f32")))
+    if not fast_math(kernel):
+        return frozenset()
+    return frozenset(x.dst for x in body if isinstance(x, ir.Op) and x.op in cexpr.FAST_OPS and x.dtype == "f32")
 
 
 def _render_element(kernel, body, acc_expr, n_expr, lines, suffix, *, store: bool, every: bool = False,

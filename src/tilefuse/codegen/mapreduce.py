@@ -703,8 +703,7 @@ def _emit_stmt(ctx: _Ctx, em: _Emitter, s, env: dict, *, inner: bool, src_chunk=
         if s.dst in ctx.store_only_casts:  # the store's conversion rounds it
             expr = cexpr.cast(args[0], arg_dtypes[0], "f32")
         else:
-            # fast where the kernel's outputs, or the op's own result, round to 16 bits
-            expr = cexpr.op(s.op, args, arg_dtypes, s.dtype, fast=ctx.fast or s.dtype in ("bf16", "f16"))
+            expr = cexpr.op(s.op, args, arg_dtypes, s.dtype, fast=ctx.fast)
         name = ctx.define(s.dst, s.dtype)
         em(f"const {cexpr.ctype(s.dtype)} {name} = {expr};")
         env[s.dst] = name
@@ -1638,9 +1637,8 @@ def fast_math(kernel: ir.Kernel) -> bool:
     softmax's two exps and its division one instruction each instead of about 25 (at 4096
     columns the accurate form was issue-bound: 255 us for 179 us of memory traffic, H100).
     GELU's Phi (the ncdf op) becomes one polynomial and one ex2, within 2e-5 relatively
-    (cexpr's tf_ncdf_fast), and tanh two special-function instructions within 1.5e-6
-    (tf_tanh_fast). An f32 (or integer, or bool) output keeps the accurate library calls,
-    but for ops whose own result is bf16 or f16 (rounded right there, the same argument)."""
+    (cexpr's tf_ncdf_fast). An f32 (or integer, or bool) output keeps the accurate library
+    calls."""
     outs = [b for b in kernel.params if b.role == "out"]
     return bool(outs) and all(b.dtype in ("bf16", "f16") for b in outs)
 
