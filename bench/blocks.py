@@ -12,6 +12,8 @@ randomised so folding them is exercised):
            (--cases gpt2; needs transformers; no target in the issue: LayerNorm's partials measured here)
   hf_llama a 4-layer transformers LlamaForCausalLM shaped as llama4 (d=2048, ffn=5632, 16 heads,
            vocab 32000, batch 2 x seq 4096, ids -> logits; --cases hf_llama; needs transformers)
+  hf_qwen2 the same shape as a transformers Qwen2ForCausalLM (q/k/v biases, 8 KV heads for 16 query
+           heads; --cases hf_qwen2; needs transformers)
 
 Each tilefuse result is checked against a float64 reference under the 2x rule before it is
 timed. Times are medians of CUDA-event timings (analyze.bench.median_ms, L2 flushed by a read), all
@@ -96,8 +98,12 @@ def build(case: str):
     elif case == "hf_llama":
         b = models.build("llama", 4, hidden=2048, seq=4096, batch=2, vocab=32000, heads=16, ffn=5632)
         m, inputs, tokens = b.model, list(b.inputs), 8192
+    elif case == "hf_qwen2":
+        b = models.build("qwen2", 4, hidden=2048, seq=4096, batch=2, vocab=32000, heads=16, kv_heads=8, ffn=5632)
+        m, inputs, tokens = b.model, list(b.inputs), 8192
     else:
-        raise SystemExit(f"unknown case {case!r}; known: mlp, layer7b, llama4, lmhead_ce, gpt2, hf_llama")
+        raise SystemExit(f"unknown case {case!r}; known: mlp, layer7b, llama4, lmhead_ce, gpt2, hf_llama, "
+                         "hf_qwen2")
     m = _randomise_norms(m).to("cuda", torch.bfloat16).eval()
     inputs = [t.cuda().to(torch.bfloat16) if t.is_floating_point() else t.cuda() for t in inputs]
     return m, inputs, tokens

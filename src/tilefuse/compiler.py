@@ -9,6 +9,7 @@ from .frontend.capture import export, to_graph
 from .graph import ir
 from .graph.fold import fold_weights
 from .graph.rules.causal_mask import causal_masks
+from .graph.rules.gqa_attention import repeated_kv_into_attention
 from .graph.fusion import Plan, plan
 from .graph.rewrites import Fired, run_rewrites
 from .loop.lower import Lowered, lower_step
@@ -100,8 +101,9 @@ def compile_stages(fn, example_inputs, *, expr: str | None = None, arch: str | N
 
         graph, more = run_coda(graph)
         fired = fired + more
-    # after CODA: it folds what the rules built, too; a causal mask known by then becomes is_causal
-    graph, more = run_rewrites(graph, (fold_weights, causal_masks))
+    # after CODA: it folds what the rules built, too; a causal mask known by then becomes
+    # is_causal; grouped-query attention reads k and v before their repeat
+    graph, more = run_rewrites(graph, (fold_weights, causal_masks, repeated_kv_into_attention))
     fired = fired + more
     if gemm and rope_epilogue_enabled():  # needs the folded cos/sin tables
         from .graph.rules.rope_epilogue import rope_into_projection

@@ -199,11 +199,10 @@ def test_head_transposes_read_only_by_attention_are_views_not_copies():
     """A permute that only SDPA reads runs as a strided view (no copy); one that is also a
     program output stays a contiguous tensor; either way the results equal PyTorch's."""
     from tilefuse.graph import ir
-    from tilefuse.runtime.runner import attention_only_views
 
     ins = [torch.randn(2, 5, 16)] + [torch.randn(16, 16) for _ in range(3)]
     p = _prog(_attention, *ins)
-    strided = attention_only_views(p.graph, p.plan)
+    strided = {s.nodes[0] for s in p.plan.steps if s.view}
     permutes = [n.name for n in p.graph.nodes if isinstance(n, ir.View) and n.op == "permute"]
     readers = {n.name: [u for u in p.graph.nodes if n.name in ir.node_args(u)] for n in p.graph.nodes}
     assert len(strided) == 2  # k and v; q is also returned, so it stays contiguous
@@ -229,13 +228,14 @@ def test_the_split_of_a_fused_qkv_projection_for_attention_is_a_view_not_a_copy(
     """The slices of a fused QKV output that only SDPA reads (through the head reshape and
     transpose) run as strided views of the projection's output, and the result equals PyTorch's."""
     from tilefuse.graph import ir
-    from tilefuse.runtime.runner import attention_only_views
 
     ins = [torch.randn(2, 5, 16), torch.randn(16, 48)]
     p = _prog(_fused_qkv_attention, *ins)
-    strided = attention_only_views(p.graph, p.plan)
+    strided = {s.nodes[0] for s in p.plan.steps if s.view}
     slices = {n.name for n in p.graph.nodes if isinstance(n, ir.View) and n.op == "slice"}
     permutes = {n.name for n in p.graph.nodes if isinstance(n, ir.View) and n.op == "permute"}
     assert len(slices) == 3 and slices <= strided
     assert len(strided & permutes) == 3  # q, k and v's head transposes; the one back is a copy
+    assert str(p.plan).count("strided view for attention") == 6  # --ir graph says so
+    assert all(s.bytes == 0 for s in p.plan.steps if s.view)
     torch.testing.assert_close(p(*ins), _fused_qkv_attention(*ins), atol=1e-5, rtol=1e-5)

@@ -511,8 +511,6 @@ def _sdpa(b, args, kwargs, out):
     scale = kwargs.get("scale", args[6] if len(args) > 6 else None)
     if dropout:
         raise Unsupported("attention dropout")
-    if kwargs.get("enable_gqa"):
-        raise Unsupported("grouped-query attention through enable_gqa")
     return b.add(ir.Attention(b.fresh("attention"), ir.TensorType(out.shape, out.dtype), q, k, v,
                               bool(causal), scale, mask if _is_tensor(b, mask) else None, b.source))
 

@@ -46,6 +46,7 @@ class Step:
     head: "Step | None" = None    # a grid reduction: the row kernel as planned alone
     tail: "Step | None" = None    # ... and the one-row kernel that reduced its per-row outputs
     scratch: list[str] = field(default_factory=list)  # per-row values passed from head to tail on chip
+    view: bool = False  # family "extern": a strided view for attention, no copy (attention_only_views)
 
     @property
     def floor_s(self) -> float:
@@ -467,9 +468,46 @@ def plan(g: ir.Graph, gemm: bool = True, partials: bool = True) -> Plan:
             # grid reductions are opt-in (TILEFUSE_GRID_REDUCE=1) until their CUDA path has been
             # checked and measured on a GPU (tests/gpu/test_mapreduce_gpu.py -k grid); otherwise
             # the finishing reduction stays a kernel of its own, as before
-            return grid_reductions(p) if grid_reduce_enabled() else p
+            p = grid_reductions(p) if grid_reduce_enabled() else p
+            return _mark_attention_views(p)
         whole_rows |= coarse
     raise RuntimeError("internal: the fusion plan did not settle")
+
+
+def attention_only_views(g: ir.Graph, steps) -> frozenset:
+    """Permute and slice externs whose values only attention externs read, directly or through
+    aliases and other such views: SDPA takes strided q/k/v, so the head transposes and the
+    split of a fused QKV projection (GPT-2's c_attn; a full copy each) are skipped, and the
+    attention output, transposed back, is then already contiguous. Never a program output
+    (the caller gets contiguous tensors)."""
+    users = g.users()
+    extern = {s.nodes[0] for s in steps if s.family == "extern"}
+    alias = {s.nodes[0] for s in steps if s.family == "alias"}
+    memo: dict[str, bool] = {}
+
+    def viewable(name: str) -> bool:
+        n = g[name]
+        return name in extern and isinstance(n, ir.View) and n.op in ("permute", "slice")
+
+    def for_attention_only(name: str) -> bool:
+        if name not in memo:
+            us = users.get(name, [])
+            memo[name] = (name not in g.outputs and bool(us)
+                          and all((isinstance(g[u], ir.Attention) and u in extern)
+                                  or ((u in alias or viewable(u)) and for_attention_only(u))
+                                  for u in us))
+        return memo[name]
+
+    return frozenset(name for name in extern if viewable(name) and for_attention_only(name))
+
+
+def _mark_attention_views(p: "Plan") -> "Plan":
+    views = attention_only_views(p.graph, p.steps)
+    for s in p.steps:
+        if s.family == "extern" and s.nodes[0] in views:
+            s.view, s.bytes = True, 0
+            s.note = "strided view for attention: SDPA reads it in place, no copy"
+    return p
 
 
 GRID_REDUCE_OPS = ("sum", "max", "min")

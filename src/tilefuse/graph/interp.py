@@ -83,6 +83,9 @@ def eval_view(n: ir.View, x):
 def _attention(n: ir.Attention, q, k, v, mask, precision):
     t = np.float64 if precision == "f64" else np.float32
     q, k, v = (a.astype(t) for a in (q, k, v))
+    if k.shape[-3] != q.shape[-3]:  # grouped-query: query head h reads KV head h // (H / Hkv)
+        rep = q.shape[-3] // k.shape[-3]
+        k, v = np.repeat(k, rep, axis=-3), np.repeat(v, rep, axis=-3)
     scale = n.scale if n.scale is not None else 1.0 / np.sqrt(q.shape[-1])
     s = np.matmul(q, np.swapaxes(k, -1, -2)) * scale
     if n.causal:

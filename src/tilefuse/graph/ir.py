@@ -161,7 +161,10 @@ class Contraction:
 
 @dataclass(frozen=True)
 class Attention:
-    """scaled_dot_product_attention(q, k, v). Runs as extern until the attention family lands."""
+    """scaled_dot_product_attention(q, k, v). Runs as extern until the attention family lands.
+
+    k and v may have fewer heads than q (grouped-query attention, SDPA's enable_gqa): query
+    head h then reads KV head h // (H / Hkv)."""
 
     name: str
     type: TensorType

@@ -183,8 +183,10 @@ def run_extern(n, get) -> torch.Tensor:
     if isinstance(n, ir.Contraction):
         return torch.matmul(get(n.a), get(n.b))
     if isinstance(n, ir.Attention):
-        return F.scaled_dot_product_attention(get(n.q), get(n.k), get(n.v), attn_mask=get(n.mask) if n.mask else None,
-                                              is_causal=n.causal, scale=n.scale)
+        q, k = get(n.q), get(n.k)
+        return F.scaled_dot_product_attention(q, k, get(n.v), attn_mask=get(n.mask) if n.mask else None,
+                                              is_causal=n.causal, scale=n.scale,
+                                              enable_gqa=k.shape[-3] != q.shape[-3])
     if isinstance(n, ir.View):
         x = get(n.arg)
         if n.op == "reshape":

@@ -93,7 +93,7 @@ class Runner:
             if isinstance(n, (ir.Constant, ir.Iota)):
                 base[slot(n.name)] = _constant(n, device)
         self.ops = []
-        strided = attention_only_views(g, plan)
+        strided = {s.nodes[0] for s in plan.steps if s.view}  # fusion.attention_only_views
         for step in plan.steps:
             if step.family == "alias":
                 n = g[step.nodes[0]]
@@ -143,37 +143,6 @@ def _constant(n, device) -> torch.Tensor:
     return idx.reshape(view).expand(shape).contiguous()
 
 
-def attention_only_views(graph: ir.Graph, plan) -> frozenset:
-    """Permute and slice externs whose values only attention externs read, directly or through
-    aliases and other such views: SDPA takes strided q/k/v, so the head transposes and the
-    split of a fused QKV projection (GPT-2's c_attn; a full copy each) are skipped, and the
-    attention output, transposed back, is then already contiguous. Never a program output
-    (the caller gets contiguous tensors)."""
-    readers: dict[str, list] = {}
-    for n in graph.nodes:
-        for a in ir.node_args(n):
-            readers.setdefault(a, []).append(n)
-    extern = {step.nodes[0] for step in plan.steps if step.family == "extern"}
-    alias = {step.nodes[0] for step in plan.steps if step.family == "alias"}
-    memo: dict[str, bool] = {}
-
-    def for_attention_only(name: str) -> bool:
-        if name not in memo:
-            memo[name] = False  # a cycle cannot happen in a graph; this only guards the recursion
-            users = readers.get(name, [])
-            memo[name] = (name not in graph.outputs and bool(users)
-                          and all((isinstance(u, ir.Attention) and u.name in extern)
-                                  or ((u.name in alias or _viewable(u, extern)) and for_attention_only(u.name))
-                                  for u in users))
-        return memo[name]
-
-    return frozenset(name for name in extern if _viewable(graph[name], extern) and for_attention_only(name))
-
-
-def _viewable(n, extern) -> bool:
-    return n.name in extern and isinstance(n, ir.View) and n.op in ("permute", "slice")
-
-
 class _Alias:
     __slots__ = ("src", "dst", "shape")
 
@@ -195,7 +164,7 @@ class _Extern:
     def __call__(self, env):
         from .program import run_extern, strided_view
 
-        if self.strided:  # a view for attention (attention_only_views)
+        if self.strided:  # a view for attention (fusion.attention_only_views)
             env[self.dst] = strided_view(self.node, env[self.index[self.node.arg]])
             return
         out = run_extern(self.node, lambda a: env[self.index[a]])
