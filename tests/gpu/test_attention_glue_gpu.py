@@ -1,7 +1,8 @@
 """What runs around SDPA on the GPU: a causal mask known when compiling run as is_causal
 (rules/causal_mask.py), the split of a fused QKV projection passed to SDPA as strided views
-(fusion.attention_only_views), and repeated KV heads read unrepeated (rules/gqa_attention.py). Outputs poisoned first; compared with float64 under the
-2x rule, on the thin call and a CUDA-graph replay."""
+(fusion.attention_only_views), and repeated KV heads read unrepeated (rules/gqa_attention.py).
+Outputs poisoned first; compared with float64 under the 2x rule, on the thin call and a
+CUDA-graph replay."""
 from __future__ import annotations
 
 import sys
