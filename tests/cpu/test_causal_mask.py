@@ -58,6 +58,10 @@ def _window(i, j, dtype):  # sliding window of 3: not causal
     return (j <= i) & (j > i - 3)
 
 
+def _bottom_right(i, j, dtype):  # decode-style alignment (L < S): not SDPA's top-left is_causal
+    return j <= i + (j.shape[-1] - i.shape[0])
+
+
 def _additive_small(i, j, dtype):  # -1e4 does not make exp underflow to 0: not the same function
     return torch.where(j <= i, torch.zeros((), dtype=dtype), torch.full((), -1e4, dtype=dtype))
 
@@ -92,9 +96,10 @@ def test_a_causal_mask_becomes_is_causal_and_the_function_is_unchanged(mask_fn, 
     assert err <= EXACT, err
 
 
-@pytest.mark.parametrize("mask_fn", [_one_ahead, _window, _additive_small])
-def test_a_mask_that_is_not_the_causal_one_stays(mask_fn):
-    inputs = _qkv()
+@pytest.mark.parametrize("mask_fn, L, S", [(_one_ahead, 6, 6), (_window, 6, 6), (_additive_small, 6, 6),
+                                           (_bottom_right, 4, 9)])
+def test_a_mask_that_is_not_the_causal_one_stays(mask_fn, L, S):
+    inputs = _qkv(L, S)
     g, g2 = _rewrite(MaskedAttention(mask_fn, batch_mask=True), inputs)
     assert g2 is g
     (att,) = nodes_of(g2, ir.Attention)
@@ -133,3 +138,40 @@ def test_transformers_causal_masks_become_is_causal(name):
     assert len(after) == 2 and all(a.mask is None and a.causal for a in after)
     err = rel_error(run(g2, list(b.inputs), "f64"), run(g, list(b.inputs), "f64"))
     assert err <= EXACT, err
+
+
+class BatchVaryingMask(nn.Module):
+    """Causal for the first sequence, one key more for the second: not one mask for all."""
+
+    def forward(self, q, k, v):
+        L = q.shape[-2]
+        i = torch.arange(L).view(1, L, 1)
+        j = torch.arange(L).view(1, 1, L)
+        extra = torch.arange(q.shape[0]).view(-1, 1, 1)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=(j <= i + extra)[:, None])
+
+
+def test_a_mask_that_varies_across_the_batch_stays():
+    inputs = _qkv()
+    g, g2 = _rewrite(BatchVaryingMask(), inputs)
+    assert g2 is g
+
+
+def test_a_mask_shared_by_layers_is_evaluated_once(monkeypatch):
+    """Every layer of a model reads the same mask; the rule evaluates it once, not per layer."""
+    from tilefuse.graph.rules import causal_mask
+
+    class TwoLayers(nn.Module):
+        def forward(self, q, k, v):
+            L = q.shape[-2]
+            mask = torch.arange(L).view(1, L) <= torch.arange(L).view(L, 1)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            return F.scaled_dot_product_attention(o, k, v, attn_mask=mask)
+
+    calls = []
+    real = causal_mask.known_value
+    monkeypatch.setattr(causal_mask, "known_value", lambda g, name: calls.append(name) or real(g, name))
+    inputs = _qkv()
+    g, g2 = _rewrite(TwoLayers(), inputs)
+    assert all(a.causal and a.mask is None for a in nodes_of(g2, ir.Attention))
+    assert len(calls) == 1

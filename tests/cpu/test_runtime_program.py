@@ -238,4 +238,25 @@ def test_the_split_of_a_fused_qkv_projection_for_attention_is_a_view_not_a_copy(
     assert len(strided & permutes) == 3  # q, k and v's head transposes; the one back is a copy
     assert str(p.plan).count("strided view for attention") == 6  # --ir graph says so
     assert all(s.bytes == 0 for s in p.plan.steps if s.view)
+    assert sum(getattr(op, "strided", False) for op in p.runner(torch.device("cpu")).ops) == 6
     torch.testing.assert_close(p(*ins), _fused_qkv_attention(*ins), atol=1e-5, rtol=1e-5)
+
+
+def _strided_split_attention(x, w):
+    b, s, _ = x.shape
+    y = x @ w
+    q, k, v = y[..., 0::3], y[..., 1::3], y[..., 2::3]  # interleaved columns: last-dim stride 3
+    q, k, v = (t.reshape(b, s, 2, 8).transpose(1, 2) for t in (q, k, v))
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, 16)
+
+
+def test_a_slice_with_a_step_on_the_last_dim_is_copied_for_attention():
+    """SDPA's fast kernels need a contiguous last dim: a stepped slice of it stays a copy."""
+    from tilefuse.graph import ir
+
+    ins = [torch.randn(2, 5, 16), torch.randn(16, 48)]
+    p = _prog(_strided_split_attention, *ins)
+    views = {s.nodes[0] for s in p.plan.steps if s.view}
+    slices = {n.name for n in p.graph.nodes if isinstance(n, ir.View) and n.op == "slice"}
+    assert slices and not (slices & views)
+    torch.testing.assert_close(p(*ins), _strided_split_attention(*ins), atol=1e-5, rtol=1e-5)

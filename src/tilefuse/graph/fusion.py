@@ -396,8 +396,10 @@ class _Planner:
                 elif isinstance(n, ir.Attention):
                     q, k = g[n.q].type.shape, g[n.k].type.shape
                     s.flops = 4 * q[-2] * k[-2] * q[-1] * int(n.type.numel // (q[-2] * q[-1]))
-                    if n.causal:  # the kernel skips the blocks above the diagonal
-                        s.flops //= 2
+                    if n.causal:  # the kernel skips what lies above the (top-left) diagonal
+                        L, S = q[-2], k[-2]
+                        kept = L * (L + 1) // 2 if L <= S else S * (S + 1) // 2 + (L - S) * S
+                        s.flops = s.flops * kept // (L * S)
         return self._ordered()
 
     def _ordered(self) -> list[Step]:
@@ -485,9 +487,17 @@ def attention_only_views(g: ir.Graph, steps) -> frozenset:
     alias = {s.nodes[0] for s in steps if s.family == "alias"}
     memo: dict[str, bool] = {}
 
-    def viewable(name: str) -> bool:
+    def viewable(name: str) -> bool:  # and keeps the last dim contiguous: SDPA's fast kernels need that
         n = g[name]
-        return name in extern and isinstance(n, ir.View) and n.op in ("permute", "slice")
+        if name not in extern or not isinstance(n, ir.View):
+            return False
+        rank = len(n.type.shape)
+        if n.op == "permute":
+            return n.params[-1] % rank == rank - 1
+        if n.op == "slice":
+            dim, _, _, step = n.params
+            return step == 1 or dim % rank != rank - 1
+        return False
 
     def for_attention_only(name: str) -> bool:
         if name not in memo:

@@ -29,27 +29,34 @@ from ..fold import evaluate
 from ..interp import iota_value
 from .match import prune
 
-MAX_MASK_ELEMENTS = 1 << 28  # masks larger than this are not evaluated (compile-time memory)
+MAX_MASK_ELEMENTS = 1 << 28  # larger masks (batch 4 x 8192^2) stay: evaluating one takes seconds and GBs
 _LEAVES = (ir.Weight, ir.Constant, ir.Iota)
 _COMPUTED = (ir.Map, ir.View, ir.Reduce, ir.Gather)
 
 
 def causal_masks(g: ir.Graph) -> ir.Graph:
     nodes, changed = [], False
+    seen: dict[tuple, bool] = {}  # every layer reads the same mask: evaluated once
     for n in g.nodes:
-        if isinstance(n, ir.Attention) and n.mask is not None and _is_causal_mask(g, n):
-            n = dataclasses.replace(n, causal=True, mask=None)
-            changed = True
+        if isinstance(n, ir.Attention) and n.mask is not None:
+            key = (n.mask, g[n.q].type.shape[-2], g[n.k].type.shape[-2])
+            if key not in seen:
+                seen[key] = _is_causal_mask(g, n.mask, *key[1:])
+            if seen[key]:
+                n = dataclasses.replace(n, causal=True, mask=None)
+                changed = True
         nodes.append(n)
     return prune(g.replace(nodes)) if changed else g
 
 
-def _is_causal_mask(g: ir.Graph, n: ir.Attention) -> bool:
-    L, S = g[n.q].type.shape[-2], g[n.k].type.shape[-2]
-    m = g[n.mask].type
+def _is_causal_mask(g: ir.Graph, mask: str, L: int, S: int) -> bool:
+    m = g[mask].type
     if tuple(m.shape[-2:]) != (L, S) or m.numel > MAX_MASK_ELEMENTS:
         return False
-    value = known_value(g, n.mask)
+    try:
+        value = known_value(g, mask)
+    except (ValueError, IndexError, TypeError):  # a cone the interpreter refuses: leave the mask
+        return False
     if value is None:
         return False
     tri = np.tri(L, S, dtype=bool)  # [i, j] = j <= i: SDPA's is_causal
