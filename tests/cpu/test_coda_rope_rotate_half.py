@@ -121,6 +121,34 @@ def test_fires_on_transformers_apply_rotary_pos_emb_read_only_by_sdpa():
     assert rel_error(run(g2, [x], "f64"), run(g, [x], "f64")) <= EXACT
 
 
+class MatmulRotary(LlamaRotaryEmbedding):
+    """The rotary angles as transformers computed them before 5.2x: inv_freq @ positions, a
+    batched matmul (a Contraction in the graph, which fold_weights must fold for the tables to
+    become weights), not an elementwise product."""
+
+    def forward(self, x, position_ids):
+        inv = self.inv_freq[None, :, None].float().expand(position_ids.shape[0], -1, 1)
+        freqs = (inv @ position_ids[:, None, :].float()).transpose(1, 2)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return (emb.cos() * self.attention_scaling).to(x.dtype), (emb.sin() * self.attention_scaling).to(x.dtype)
+
+
+def test_fires_when_the_rotary_angles_are_a_matmul():
+    """Older transformers' inv_freq @ positions folds (a contraction of known values) and the
+    rule fires on the tables it gives, with the function unchanged."""
+    torch.manual_seed(0)
+    m = HFAttention()
+    m.rotary = MatmulRotary(m.rotary.config)
+    m = m.double().eval()
+    x = torch.randn(2, 16, 64, dtype=torch.float64)
+    g = _prepared(m, x)
+    assert [n for n in g.nodes if isinstance(n, ir.Contraction)] == [
+        n for n in g.nodes if isinstance(n, ir.Contraction) and n.a not in g.weights]  # only x @ W are left
+    g2 = rotate_half_to_pairs(g)
+    assert g2 is not g and not _cats(g2)
+    assert rel_error(run(g2, [x], "f64"), run(g, [x], "f64")) <= EXACT
+
+
 @pytest.mark.parametrize("escape", ["q", "k"])
 def test_left_alone_when_rotated_q_or_k_escapes(escape):
     """Returned (as a KV cache returns k), the rotated tensor would leave in the permuted order:

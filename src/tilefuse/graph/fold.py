@@ -10,7 +10,9 @@ interpreter and becomes a Weight holding its value:
   what follows it may fold too), unless it draws random numbers or reads uninitialised memory
   (`new_ones(x, ...)` and the like need only x's shape and dtype, so x need not be known);
 - a map, view, reduction or gather of known values of which at least one came from a weight or
-  an extern (maps of constants and indices alone stay: kernels generate those in registers).
+  an extern (maps of constants and indices alone stay: kernels generate those in registers);
+- a contraction of such values, of any size (older transformers compute the rotary angles as
+  inv_freq @ positions: a matmul per call, and the RoPE rules need the tables as weights).
 
 Left alone: transposes that generated GEMMs read through (they read the stored matrix as a
 K-major B, so folding would only copy the weight), results larger than their largest argument
@@ -25,7 +27,7 @@ from .. import dtypes
 from ..tensors import to_numpy, to_torch
 from . import ir
 from .contraction import why_not
-from .interp import _extern, _gather, eval_map, eval_reduce, eval_view, iota_value
+from .interp import _extern, _gather, eval_contraction, eval_map, eval_reduce, eval_view, iota_value
 from .rules.match import prune
 
 FOLD_MAX_BYTES = 256 << 20  # no folded value larger than this
@@ -103,6 +105,9 @@ def _fold(g: ir.Graph, users, n, values: dict, weighty: set) -> np.ndarray | Non
         if not all(r in env for r in refs):
             return None
         return np.asarray(_extern(n, env, "native"))
+    if isinstance(n, ir.Contraction):  # known operands (transformers' rotary angles, inv_freq @ positions)
+        known = n.a in values and n.b in values and (n.a in weighty or n.b in weighty)
+        return evaluate(n, [values[n.a], values[n.b]]) if known else None
     if not isinstance(n, (ir.Map, ir.View, ir.Reduce, ir.Gather)) or _read_through(g, users, n):
         return None
     args = ir.node_args(n)
@@ -124,7 +129,10 @@ def _known(g: ir.Graph, n, values: dict) -> np.ndarray | None:
 
 
 def evaluate(n, vals: list) -> np.ndarray:
-    """A map, view, reduction or gather on its arguments' values, by the graph interpreter."""
+    """A map, view, reduction, gather or contraction on its arguments' values, by the graph
+    interpreter."""
+    if isinstance(n, ir.Contraction):
+        return np.asarray(eval_contraction(n, vals[0], vals[1]))
     if isinstance(n, ir.Map):
         return np.asarray(eval_map(n, vals))
     if isinstance(n, ir.View):

@@ -99,6 +99,11 @@ def _attention(n: ir.Attention, q, k, v, mask, precision):
     return np.matmul(p, v)
 
 
+def eval_contraction(n: ir.Contraction, a, b, precision="native"):
+    t = _float_type(n.type.dtype, precision)
+    return np.matmul(a.astype(t), b.astype(t)).astype(_store_type(n.type.dtype, precision))
+
+
 def _gather(n: ir.Gather, x, index):
     """torch.gather: the index may be smaller than x in every dim (not only `axis`); no broadcasting."""
     index = index.astype(np.int64)
@@ -164,8 +169,7 @@ def run_graph(g: ir.Graph, inputs: dict, precision: str = "native") -> list[np.n
         elif isinstance(n, ir.Gather):
             env[n.name] = _gather(n, env[n.arg], env[n.index])
         elif isinstance(n, ir.Contraction):
-            t = _float_type(n.type.dtype, precision)
-            env[n.name] = np.matmul(env[n.a].astype(t), env[n.b].astype(t)).astype(_store_type(n.type.dtype, precision))
+            env[n.name] = eval_contraction(n, env[n.a], env[n.b], precision)
         elif isinstance(n, ir.Attention):
             r = _attention(n, env[n.q], env[n.k], env[n.v], env.get(n.mask) if n.mask else None, precision)
             env[n.name] = r.astype(_store_type(n.type.dtype, precision))
