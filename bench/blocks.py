@@ -191,8 +191,13 @@ def main(argv=None) -> int:
         print(json.dumps(rows[-1]), flush=True)
     if TUNER is not None:
         tuning.close(TUNER)
-    result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "tuned": TUNER is not None,
-              "rows": rows}
+    try:
+        import transformers
+        hf_version = transformers.__version__
+    except ImportError:
+        hf_version = None
+    result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "transformers": hf_version,
+              "tuned": TUNER is not None, "rows": rows}
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=1))
