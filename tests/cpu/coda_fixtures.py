@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 
 import torch
+import torch.nn as nn
 
 from tilefuse.check import compare, float64_reference, rel_error
 from tilefuse.frontend.capture import export, to_graph
@@ -84,3 +85,23 @@ def assert_bf16(module: torch.nn.Module, rule, *inputs) -> ir.Graph:
 
 def nodes_of(g: ir.Graph, kind) -> list:
     return [n for n in g.nodes if isinstance(n, kind)]
+
+
+class ResidualNormLinear(nn.Module):
+    """h = x + O(a) (a residual GEMM), then a norm of h into one or more projections; h returned
+    too (the residual stream goes on), and with `norm_out` the normalised tensor itself.
+    norm="rms": RMSNorm, no biases; norm="layer": LayerNorm, biases on O and the first projection."""
+
+    def __init__(self, d=256, n=384, heads=2, norm_out=False, norm="rms"):
+        super().__init__()
+        layer = {"rms": False, "layer": True}[norm]
+        self.o = nn.Linear(d, d, bias=layer)
+        self.norm = nn.LayerNorm(d, eps=1e-5) if layer else nn.RMSNorm(d, eps=1e-5)
+        self.proj = nn.ModuleList(nn.Linear(d, n, bias=layer and i == 0) for i in range(heads))
+        self.norm_out = norm_out
+
+    def forward(self, x, a):
+        h = x + self.o(a)
+        z = self.norm(h)
+        y = sum(p(z) for p in self.proj)
+        return (y, h, z) if self.norm_out else (y, h)

@@ -20,7 +20,7 @@ from torch import nn
 
 import tilefuse
 import tilefuse.compiler
-from coda_fixtures import EXACT, bf16_through_coda, run_all
+from coda_fixtures import EXACT, ResidualNormLinear, bf16_through_coda, run_all
 from tilefuse import dtypes, models
 from tilefuse.check import compare, float64_reference, rel_error
 from tilefuse.codegen import epilogue as epi
@@ -35,22 +35,9 @@ from tilefuse.runtime import nvrtc
 W = epi.PARTIAL_WIDTH
 
 
-class ResidualLayerNormLinear(nn.Module):
-    """h = x + O(a) (a residual GEMM with a bias), then LayerNorm(h) into one or two
-    projections; h returned too, and with `norm_out` the normalised tensor itself."""
-
-    def __init__(self, d=256, n=384, heads=2, norm_out=False):
-        super().__init__()
-        self.o = nn.Linear(d, d)
-        self.norm = nn.LayerNorm(d, eps=1e-5)
-        self.proj = nn.ModuleList(nn.Linear(d, n, bias=i == 0) for i in range(heads))
-        self.norm_out = norm_out
-
-    def forward(self, x, a):
-        h = x + self.o(a)
-        z = self.norm(h)
-        y = sum(p(z) for p in self.proj)
-        return (y, h, z) if self.norm_out else (y, h)
+def ResidualLayerNormLinear(**kw):
+    """coda_fixtures.ResidualNormLinear with a LayerNorm (biases on O and the first projection)."""
+    return ResidualNormLinear(norm="layer", **kw)
 
 
 def _inputs(*lead, d=256, seed=0):

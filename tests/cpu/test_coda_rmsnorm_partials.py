@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 import tilefuse
-from coda_fixtures import EXACT, bf16_through_coda, randomise_norms, run_all
+from coda_fixtures import EXACT, ResidualNormLinear, bf16_through_coda, randomise_norms, run_all
 from tilefuse import models
 from tilefuse.check import compare, float64_reference, rel_error
 from tilefuse.codegen import epilogue as epi
@@ -29,24 +29,6 @@ from tilefuse.graph.rules.rmsnorm_partials import rmsnorm_partials
 from tilefuse.runtime import nvrtc
 
 W = epi.PARTIAL_WIDTH
-
-
-class ResidualNormLinear(nn.Module):
-    """h = x + O(a) (a residual GEMM), then RMSNorm(h) into one or two projections; h returned
-    too (the residual stream goes on), and with `norm_out` the normalised tensor itself."""
-
-    def __init__(self, d=256, n=384, heads=2, norm_out=False):
-        super().__init__()
-        self.o = nn.Linear(d, d, bias=False)
-        self.norm = nn.RMSNorm(d, eps=1e-5)
-        self.proj = nn.ModuleList(nn.Linear(d, n, bias=False) for _ in range(heads))
-        self.norm_out = norm_out
-
-    def forward(self, x, a):
-        h = x + self.o(a)
-        z = self.norm(h)
-        y = sum(p(z) for p in self.proj)
-        return (y, h, z) if self.norm_out else (y, h)
 
 
 def _graphs(module, *inputs):

@@ -3,6 +3,9 @@
 logits x @ W.T over 128-column groups, and the row log-sum-exp and loss finished from them.
 Outputs are poisoned (NaN) first, so a (row, group) no lane writes fails. Shapes with tails
 in M and N (N not a multiple of 128 nor of the tile), every schedule the partials allow."""
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -10,6 +13,9 @@ from tilefuse.check import rel_error
 from tilefuse.codegen import epilogue as epi
 from tilefuse.codegen.gemm_sm90 import GemmError, GemmProblem, GemmSchedule
 from tilefuse.runtime.gemm import compile_gemm
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "cpu"))
+from coda_fixtures import ResidualNormLinear  # noqa: E402  h = x + O(a), a norm, two projections
 
 pytestmark = pytest.mark.gpu
 
@@ -234,23 +240,6 @@ def _two_calls_pass(prog, m, inputs):
             assert c.ok, c
 
 
-class _ResidualNormLinear(torch.nn.Module):
-    """h = x + O(a), then RMSNorm(h) into two projections: rules/rmsnorm_partials.py moves the
-    norm's sum of squares into the O GEMM's epilogue."""
-
-    def __init__(self, d, n):
-        super().__init__()
-        self.o = torch.nn.Linear(d, d, bias=False)
-        self.norm = torch.nn.RMSNorm(d, eps=1e-5)
-        self.q = torch.nn.Linear(d, n, bias=False)
-        self.k = torch.nn.Linear(d, n, bias=False)
-
-    def forward(self, x, a):
-        h = x + self.o(a)
-        z = self.norm(h)
-        return self.q(z) + self.k(z), h
-
-
 @pytest.mark.parametrize("rows,d", [(2 * 1000, 512), (8192, 2048), (37, 256)])
 def test_compiled_rmsnorm_partials(rows, d):
     """tilefuse.compile (its thin call, then its CUDA-graph replay) with the O GEMM writing h and
@@ -258,7 +247,7 @@ def test_compiled_rmsnorm_partials(rows, d):
     import tilefuse
 
     torch.manual_seed(0)
-    m = _ResidualNormLinear(d, 384).cuda().to(torch.bfloat16).eval()
+    m = ResidualNormLinear(d, 384).cuda().to(torch.bfloat16).eval()
     with torch.no_grad():
         m.norm.weight.copy_(1 + 0.3 * torch.randn(d))
     x = torch.randn(rows, d, device="cuda", dtype=torch.bfloat16)
@@ -270,23 +259,6 @@ def test_compiled_rmsnorm_partials(rows, d):
     _two_calls_pass(prog, m, (x, a))
 
 
-class _ResidualLayerNormLinear(torch.nn.Module):
-    """h = x + O(a) + b, then LayerNorm(h) into two projections: rules/layernorm_partials.py moves
-    the norm's sum and sum of squares into the O GEMM's epilogue."""
-
-    def __init__(self, d, n):
-        super().__init__()
-        self.o = torch.nn.Linear(d, d)
-        self.norm = torch.nn.LayerNorm(d, eps=1e-5)
-        self.q = torch.nn.Linear(d, n)
-        self.k = torch.nn.Linear(d, n, bias=False)
-
-    def forward(self, x, a):
-        h = x + self.o(a)
-        z = self.norm(h)
-        return self.q(z) + self.k(z), h
-
-
 @pytest.mark.parametrize("rows,d", [(2 * 1000, 512), (8192, 2048), (37, 256), (300, 128)])
 def test_compiled_layernorm_partials(rows, d):
     """tilefuse.compile (thin call, then CUDA-graph replay) with the O GEMM writing h and the
@@ -295,7 +267,7 @@ def test_compiled_layernorm_partials(rows, d):
     import tilefuse
 
     torch.manual_seed(0)
-    m = _ResidualLayerNormLinear(d, 384).cuda().to(torch.bfloat16).eval()
+    m = ResidualNormLinear(d, 384, norm="layer").cuda().to(torch.bfloat16).eval()
     with torch.no_grad():
         m.norm.weight.copy_(1 + 0.3 * torch.randn(d))
         m.norm.bias.copy_(0.3 * torch.randn(d))

@@ -52,6 +52,18 @@ def _op(n: ir.Extern) -> str:
     return parts[1] if len(parts) > 1 else parts[0]
 
 
+def leaf_value(g: ir.Graph, n) -> np.ndarray | None:
+    """The value of a weight, constant or index node; None for any other node."""
+    if isinstance(n, ir.Weight):
+        w = g.weights[n.name]
+        return w if isinstance(w, np.ndarray) else to_numpy(w)
+    if isinstance(n, ir.Constant):
+        return np.asarray(n.value)
+    if isinstance(n, ir.Iota):
+        return iota_value(n)
+    return None
+
+
 def _deterministic(n: ir.Extern) -> bool:
     return not any(word in _op(n) for word in _RANDOM)
 
@@ -63,14 +75,11 @@ def fold_weights(g: ir.Graph) -> ir.Graph:
     folded: set[str] = set()
     nodes = []
     for n in g.nodes:
-        if isinstance(n, ir.Weight):
-            w = g.weights[n.name]
-            values[n.name] = w if isinstance(w, np.ndarray) else to_numpy(w)
-            weighty.add(n.name)
-        elif isinstance(n, ir.Constant):
-            values[n.name] = np.asarray(n.value)
-        elif isinstance(n, ir.Iota):
-            values[n.name] = iota_value(n)
+        leaf = leaf_value(g, n)
+        if leaf is not None:
+            values[n.name] = leaf
+            if isinstance(n, ir.Weight):
+                weighty.add(n.name)
         value = _fold(g, users, n, values, weighty)
         if value is None:
             nodes.append(n)

@@ -23,10 +23,8 @@ import numpy as np
 import torch
 
 from ... import dtypes
-from ...tensors import to_numpy
 from .. import ir
-from ..fold import evaluate
-from ..interp import iota_value
+from ..fold import evaluate, leaf_value
 from .match import prune
 
 MAX_MASK_ELEMENTS = 1 << 28  # larger masks (batch 4 x 8192^2) stay: evaluating one takes seconds and GBs
@@ -84,14 +82,7 @@ def known_value(g: ir.Graph, name: str) -> np.ndarray | None:
     for n in g.nodes:
         if n.name not in cone:
             continue
-        if isinstance(n, ir.Weight):
-            w = g.weights[n.name]
-            values[n.name] = w if isinstance(w, np.ndarray) else to_numpy(w)
-        elif isinstance(n, ir.Constant):
-            values[n.name] = np.asarray(n.value)
-        elif isinstance(n, ir.Iota):
-            values[n.name] = iota_value(n)
-        else:
-            values[n.name] = evaluate(n, [values[a] for a in ir.node_args(n)])
+        leaf = leaf_value(g, n)
+        values[n.name] = leaf if leaf is not None else evaluate(n, [values[a] for a in ir.node_args(n)])
     return np.broadcast_to(values[name], g[name].type.shape)
 
