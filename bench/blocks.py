@@ -17,7 +17,8 @@ randomised so folding them is exercised):
 
 Each tilefuse result is checked against a float64 reference under the 2x rule before it is
 timed. Times are medians of CUDA-event timings (analyze.bench.median_ms, L2 flushed by a read), all
-three measured in the same run; compile times are wall time of the first call (torch.compile
+three measured in the same run, in --rounds rounds (default 3) with the order rotated from round
+to round, each one's time the median of its rounds (the JSON keeps every round's); compile times are wall time of the first call (torch.compile
 compiles lazily) or of tilefuse.compile plus its first call; host us is the Python time of one
 call with the GPU idle (tilefuse replays a CUDA graph). Prints a table last.
 """
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -110,6 +112,7 @@ def build(case: str):
 
 
 PROFILE = False
+ROUNDS = 1  # --rounds
 TUNER = None  # bench/tuning.py's tuner when --tune
 
 
@@ -154,9 +157,15 @@ def run_case(case: str) -> dict:
             return row
         tc = torch.compile(m)
         row["torch_compile_s"] = first_call_s(tc, inputs)
-        row["eager_ms"] = median_ms(lambda: m(*inputs))
-        row["torch_compile_ms"] = median_ms(lambda: tc(*inputs))
-        row["tilefuse_ms"] = median_ms(lambda: prog(*inputs))
+        runs = {"eager": lambda: m(*inputs), "torch_compile": lambda: tc(*inputs), "tilefuse": lambda: prog(*inputs)}
+        names = list(runs)
+        per: dict = {k: [] for k in names}
+        for i in range(ROUNDS):  # each once per round, the order rotated; the median of the rounds
+            for k in names[i % len(names):] + names[:i % len(names)]:
+                per[k].append(median_ms(runs[k]))
+        for k in names:
+            row[f"{k}_ms"] = float(statistics.median(per[k]))
+            row[f"{k}_rounds_ms"] = per[k]
         row["tilefuse_host_us"] = host_us(lambda: prog(*inputs), reps=20)  # Python time of one call, GPU idle
         row["torch_compile_host_us"] = host_us(lambda: tc(*inputs), reps=20)
         row["graph_replay"] = [i["graphs"] for i in prog.graph_info()]
@@ -176,9 +185,14 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", action="store_true", help="also record each implementation's GPU time per kernel")
     ap.add_argument("--tune", action="store_true", help="tune each block's kernels first (as `tilefuse tune` does; "
                     "picks cached in TILEFUSE_CACHE_DIR), so tilefuse runs with the tuned schedules")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="time eager, torch.compile and tilefuse once per round, the order rotated, and report "
+                         "each one's median over the rounds (default 3)")
     args = ap.parse_args(argv)
-    global PROFILE, TUNER
-    PROFILE = args.profile
+    if args.rounds < 1:
+        ap.error(f"--rounds must be at least 1, not {args.rounds}")
+    global PROFILE, TUNER, ROUNDS
+    PROFILE, ROUNDS = args.profile, args.rounds
     TUNER = tuning.make_tuner() if args.tune else None
     rows = []
     for case in args.cases.split(","):

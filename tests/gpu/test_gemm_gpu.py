@@ -404,6 +404,47 @@ def test_rope_epilogue_rotates_adjacent_pairs(shape, sched):
     _passes(out, rotate(x.float() @ w.float().T), rotate((x @ w.T).float()).bfloat16())
 
 
+TABLE_ROPE_CASES = [((1024, 1024, 256), (512, 64), GemmSchedule(128, 256, stages=4)),
+                    ((1024, 1024, 256), (512, 64), GemmSchedule(128, 256, stages=4, cluster_m=2)),
+                    ((768, 512, 192), (384, 32), GemmSchedule(128, 128, stages=6)),
+                    ((512, 1024, 128), (256, 128), GemmSchedule(128, 256, stages=4, defer_stores=False)),
+                    ((1024, 512, 256), (256, 64), GemmSchedule(128, 128, stages=4, pingpong=True)),
+                    ((1000, 1024, 256), (500, 64), GemmSchedule(128, 256, stages=4))]  # tail tiles: unpacked
+
+
+@pytest.mark.parametrize("shape, table, sched", TABLE_ROPE_CASES, ids=lambda x: str(x) if isinstance(x, tuple) else "")
+def test_rope_from_position_tables_reads_them_packed(shape, table, sched):
+    """RoPE with Llama's [S, W] tables read at (m mod S, pair mod W), the kernel reading them as
+    16-byte words of a column-permuted copy (gemm_sm90.packed_tables) where it applies: within
+    the 2x rule of float32, outputs poisoned first; and the same bits whether the kernel packs
+    the tables itself or is given them packed (as a compiled program passes its constants)."""
+    from tilefuse.codegen.gemm_sm90 import pack_table
+
+    (m, n, k), (s, w) = shape, table
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    wq = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+    ang = torch.rand(s, w, device="cuda") * 6.28
+    cos, sin = ang.cos().bfloat16(), ang.sin().bfloat16()
+    g = compile_gemm(GemmProblem(m, n, k, "bf16", epilogue=epi.rope(m, n, "bf16", table_dtype="bf16", table=table)),
+                     sched)
+    assert bool(g.source.packed_tables) == (m % 128 == 0), g.source.packed_tables
+    out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+    g(x, wq, out=out, cos=cos, sin=sin)
+    rows = torch.arange(m, device="cuda") % s
+    c, sn = cos.float()[rows].repeat(1, n // 2 // w), sin.float()[rows].repeat(1, n // 2 // w)
+
+    def rotate(y):
+        y0, y1 = y[:, 0::2], y[:, 1::2]
+        return torch.stack([y0 * c - y1 * sn, y0 * sn + y1 * c], -1).reshape(m, n)
+
+    _passes(out, rotate(x.float() @ wq.float().T), rotate((x @ wq.T).float()).bfloat16())
+    if g.source.packed_tables:
+        again = torch.full_like(out, float("nan"))
+        g(x, wq, out=again, cos=pack_table(cos, w), sin=pack_table(sin, w), prepacked={"cos", "sin"})
+        torch.cuda.synchronize()
+        assert torch.equal(again, out)
+
+
 TMA_RESIDUAL_CASES = [((257, 384, 192, 1), GemmSchedule(128, 256, stages=3, tma_loads=True)),
                       ((300, 200, 136, 3), GemmSchedule(128, 128, stages=6, tma_loads=True)),
                       ((333, 448, 256, 1), GemmSchedule(128, 128, stages=4, pingpong=True, tma_loads=True)),

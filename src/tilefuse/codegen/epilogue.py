@@ -385,7 +385,8 @@ def glu(m: int, n: int, out_dtype: str, *, activation: str = "silu", batch: int 
     return e.kernel("glu_epilogue")
 
 
-def rope(m: int, n: int, out_dtype: str, *, batch: int = 1, table_dtype: str = "f32") -> ir.Kernel:
+def rope(m: int, n: int, out_dtype: str, *, batch: int = 1, table_dtype: str = "f32",
+         table: tuple[int, int] | None = None) -> ir.Kernel:
     """RoPE on adjacent column pairs of the product: for output columns (2j, 2j + 1),
 
         out[m, 2j]     = acc[m, 2j] * cos[m, j] - acc[m, 2j + 1] * sin[m, j]
@@ -393,10 +394,16 @@ def rope(m: int, n: int, out_dtype: str, *, batch: int = 1, table_dtype: str = "
 
     with the angle tables `cos`, `sin` given per row (a token's position) and pair. The rows of a
     Q or K projection's weight are ordered so each rotated pair is adjacent (Llama's form; the
-    half-split form of transformers is the same after a permutation of each head's rows)."""
+    half-split form of transformers is the same after a permutation of each head's rows).
+    With `table` = (S, W) the tables are [S, W], read at [m % S, j % W]: a model's, shared by
+    the sequences of a batch (S positions) and by the heads (W frequencies each)."""
     e = EpilogueBuilder(m, n, batch, pairwise=True)
     x0, x1 = e.acc(0), e.acc(1)
-    c, s_ = e.load("cos", "tile", table_dtype), e.load("sin", "tile", table_dtype)
+    if table is None:
+        c, s_ = e.load("cos", "tile", table_dtype), e.load("sin", "tile", table_dtype)
+    else:
+        at = (ir.IBin("%", ir.Var("m"), ir.IConst(table[0])), ir.IBin("%", ir.Var("n"), ir.IConst(table[1])))
+        c, s_ = (e.load_at(name, table, table_dtype, at) for name in ("cos", "sin"))
     e.store("out", e.op("sub", e.op("mul", x0, c), e.op("mul", x1, s_)), out_dtype, pair=0)
     e.store("out", e.op("add", e.op("mul", x0, s_), e.op("mul", x1, c)), out_dtype, pair=1)
     return e.kernel("rope_epilogue")

@@ -335,6 +335,7 @@ class GemmSource:
     pair_loads: tuple[str, ...] = ()  # operands read as 4-byte column pairs: they must start 4-byte aligned
     exact_grid: bool = False          # stream-K: run exactly grid_tiles clusters, whatever the SM count
     tma_loads: tuple[str, ...] = ()   # epilogue operands also passed as tensor maps (after c_map), c_box boxes
+    packed_tables: tuple[tuple[str, int], ...] = ()  # (operand, W): read in pack_table's column order
 
 
 # ---------------------------------------------------------------- layouts
@@ -1077,7 +1078,10 @@ def _epilogue_code_tma(problem: GemmProblem, sched: GemmSchedule, kernel: ir.Ker
                                                         "int d_row_base = 0, d_col_base = 0, d_batch = 0;",
                                                         "bool pending = false;"],
                           "boxes": []}
+    tables = packed_tables(problem, sched, kernel) if full else ()
     for mb in range(mb_count):
+        if tables:  # (full tiles only: no guard)
+            table_regs = _table_words(kernel, tables, mb, sorted({frag(0, v)[0] for v in range(frag.values)}), lines)
         if preload and not mainloop:
             lines.append("{")
             ahead = lines
@@ -1107,7 +1111,8 @@ def _epilogue_code_tma(problem: GemmProblem, sched: GemmSchedule, kernel: ir.Ker
                 if full:  # the pair (n, n + 1) is one pairwise element's two outputs
                     lines.append("    const int n2 = n >> 1;")
                     _, x0, x1 = _pair_values(kernel, body, [f"acc[{mb}][{v}]", f"acc[{mb}][{v + 1}]"], lines,
-                                             n_expr="n2")
+                                             n_expr="n2",
+                                             loaded=_table_values(tables, table_regs, r, cc) if tables else None)
                 else:
                     vals = []
                     halves = (_preloaded(pairs, mb, v) if preload else
@@ -1133,6 +1138,82 @@ def _epilogue_code_tma(problem: GemmProblem, sched: GemmSchedule, kernel: ir.Ker
     if defer:
         lines.append("d_row_base = row_base; d_col_base = col_base; d_batch = batch; pending = true;")
     return lines
+
+
+def packed_tables(problem: GemmProblem, sched: GemmSchedule, kernel: ir.Kernel) -> tuple[tuple[ir.Load, int], ...]:
+    """The loads of a pairwise rotation's (RoPE's) angle tables that each thread reads as whole
+    16-byte words from a column-permuted copy (pack_table): a 16-bit [R, W] operand read at
+    [row(m), n % W] (n the pair index), W a multiple of 32 dividing the tile's bn / 2 pairs.
+
+    Why: the C fragment gives the quad's thread t the pairs t + 4j of each row, so read in
+    place each thread makes W/4 two-byte loads per row and table, each touching 8 rows' lines
+    per warp. At 8192 x 2048 x 2048 (Llama's Q and K) those loads cost the GEMM 8.8 of the
+    10 us its RoPE epilogue adds over a plain row scale (H100, bench/LOG_gemm.md, session 21).
+    Permuted so thread t's W/4 values are contiguous (pack_table), they are W/32 16-byte
+    loads per row and table. Full tiles of the TMA-store epilogue that writes each rotated
+    pair whole (_full_pair_store) only."""
+    if not epi.is_pairwise(kernel) or not sched.tma_store or not _full_tiles(problem, sched):
+        return ()
+    body = epi.inner_body(kernel)
+    if not _full_pair_store(kernel, body) or _tma_store_dtype(problem, sched, kernel) is None:
+        return ()
+    frag = mma.sm90_64xN_c(sched.bn)
+    # the fragment this relies on: pair v of thread 0 at column 8 (v // 4), thread t 2t columns on
+    if any(frag(0, v)[1] != 8 * (v // 4) for v in range(0, frag.values, 2)):
+        return ()
+    row0, col0 = cgen.c_tv_coords(frag, "tid", 0)
+    if col0.replace(" ", "") != "(tid%4)*2":
+        return ()
+    out = []
+    for x in body:
+        if not isinstance(x, ir.Load) or x.buf == epi.ACC:
+            continue
+        buf = kernel.buffer(x.buf)
+        if buf.dtype not in ("bf16", "f16") or len(buf.shape) != 2 or len(x.index) != 2:
+            continue
+        w = buf.shape[1]
+        col = x.index[1]
+        if not (isinstance(col, ir.IBin) and col.op == "%" and col.a == ir.Var("n") and col.b == ir.IConst(w)):
+            continue
+        if ir.Var("n") in _index_leaves(x.index[:1]) or w % 32 or (sched.bn // 2) % w:
+            continue
+        out.append((x, w))
+    return tuple(out)
+
+
+def pack_table(t, w: int):
+    """The column order packed_tables reads a [R, W] table in: thread t's pairs t + 4k (k < W/4)
+    side by side, at t * W/4 + k. A torch tensor in, a new contiguous one out."""
+    r = t.shape[0]
+    return t.reshape(r, w // 4, 4).transpose(1, 2).contiguous().reshape(r, w)
+
+
+def _table_words(kernel: ir.Kernel, tables, mb: int, rows: list[int], lines: list) -> dict:
+    """Load each packed table's row segments of 64-row block mb (its W/4 values of each of the
+    thread's rows, as uint4 words); return {(load dst, row offset): register name prefix}."""
+    names = {}
+    for x, w in tables:
+        buf = kernel.buffer(x.buf)
+        for r in rows:
+            name = f"tq_{_ident(x.dst)}_{mb}_{r}"
+            names[(x.dst, r)] = name
+            off = cexpr.flat_offset(buf, x.index, {"m": f"(row_base + {mb * 64} + frag_row + {r})", "n": "0",
+                                                   "b": "batch"})
+            base = f"{_ident(buf.name)} + {off} + {w // 4} * (tid % 4)"
+            lines.append("uint4 " + ", ".join(f"{name}_{q}" for q in range(w // 32)) + ";")
+            lines += [f"{name}_{q} = __ldg((const uint4*)({base}) + {q});" for q in range(w // 32)]
+    return names
+
+
+def _table_values(tables, names: dict, r: int, cc: int) -> dict:
+    """The `loaded` map (_render_element) of the pair at column offset cc of row offset r: the
+    packed segment's value k = (cc / 8) mod W/4, as 16-bit storage."""
+    out = {}
+    for x, w in tables:
+        k = (cc // 8) % (w // 4)
+        word = f"{names[(x.dst, r)]}_{k // 8}.{'xyzw'[k % 8 // 2]}"
+        out[x.dst] = f"(unsigned short)({word} >> 16)" if k % 2 else f"(unsigned short)({word} & 0xFFFFu)"
+    return out
 
 
 def _pair_open(lines: list, problem: GemmProblem, mb: int, r: int, cc: int, guarded: bool):
@@ -1382,10 +1463,11 @@ def _full_pair_store(kernel: ir.Kernel, body) -> str | None:
     return outs[0].dtype
 
 
-def _pair_values(kernel, body, accs: list, lines: list, n_expr: str = "n"):
+def _pair_values(kernel, body, accs: list, lines: list, n_expr: str = "n", loaded: dict | None = None):
     """One pairwise element whose two stores fill columns 2n and 2n + 1: ((out, offset of the
-    2n store), value at 2n, value at 2n + 1), each value before its rounding to the output."""
-    found = _render_element(kernel, body, accs, n_expr, lines, "", store=False, every=True)
+    2n store), value at 2n, value at 2n + 1), each value before its rounding to the output.
+    `loaded` as _render_element takes it."""
+    found = _render_element(kernel, body, accs, n_expr, lines, "", store=False, every=True, loaded=loaded)
     by = {_column_parity(s.index[-1]): (target, val) for s, target, val in found}
     return by[0][0], by[0][1], by[1][1]
 
@@ -2096,4 +2178,6 @@ extern "C" __global__ void __launch_bounds__({S.threads}, 1)
                       smem_bytes=smem, params=params, problem=problem, schedule=sched,
                       a_box=a_box, b_box=b_box, swizzle=hopper.tma_swizzle(a.layout, 16), cluster=CL,
                       c_box=hopper.tma_box(_store_layout(), "K", 16) if store_dt else None,
-                      tma_loads=(res_load.buf,) if res_load is not None else ())
+                      tma_loads=(res_load.buf,) if res_load is not None else (),
+                      packed_tables=tuple((x.buf, w) for x, w in packed_tables(problem, sched, kernel))
+                      if store_dt else ())

@@ -70,6 +70,7 @@ class GemmKernel:
         self._tma_out_names = (epi.tile_outputs(ep)[0].name,) if getattr(self.source, "c_box", None) is not None else ()
         self._tma_load_names = tuple(getattr(self.source, "tma_loads", ()))  # operands TMA reads in (64 x 64) boxes
         self._split = getattr(self.source, "workspace", 0) > 0  # split-K: workspace and counters per stream
+        self._packed = tuple(getattr(self.source, "packed_tables", ()))
 
     @property
     def problem(self) -> GemmProblem:
@@ -195,8 +196,11 @@ class GemmKernel:
             outs[buf.name] = t
         return outs
 
-    def __call__(self, a, b, **tensors):
-        """Run; outputs not passed are allocated. Returns the output, or a dict of outputs."""
+    def __call__(self, a, b, *, prepacked=(), **tensors):
+        """Run; outputs not passed are allocated. Returns the output, or a dict of outputs.
+        Tables the kernel reads column-permuted (source.packed_tables) are given as the
+        epilogue indexes them and permuted here on every call, except those named in
+        `prepacked`, given already through gemm_sm90.pack_table."""
         from cuda.bindings import driver
 
         sa, sb = self.operand_shapes()
@@ -214,6 +218,11 @@ class GemmKernel:
             if unknown:
                 raise ValueError(f"GEMM {self.source.name}: unknown tensors {sorted(unknown)}; "
                                  f"it takes {', '.join(self.source.params)}")
+        for name, w in self._packed:
+            t = tensors.get(name)
+            if t is not None and name not in prepacked:
+                self._check(name, t, self._ep.buffer(name).shape, self._ep.buffer(name).dtype)
+                tensors[name] = gemm_sm90.pack_table(t, w)
         ptrs = [a.data_ptr(), b.data_ptr()]
         for buf in self._param_bufs:
             name = buf.name

@@ -40,8 +40,9 @@ class Sm80GemmKernel(GemmKernel):
         self._loaded[device] = (module, func)
         return self._loaded[device]
 
-    def __call__(self, a, b, **tensors):
-        """Run; outputs not passed are allocated. Returns the output, or a dict of outputs."""
+    def __call__(self, a, b, *, prepacked=(), **tensors):
+        """Run; outputs not passed are allocated. Returns the output, or a dict of outputs.
+        (`prepacked` as the sm_90a kernel takes it: this template reads no table packed.)"""
         from cuda.bindings import driver
 
         sa, sb = self.operand_shapes()

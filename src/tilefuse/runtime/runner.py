@@ -18,6 +18,7 @@ import math
 import torch
 
 from .. import dtypes
+from ..codegen import gemm_sm90
 from ..graph import ir
 
 _GIVEN = (ir.Input, ir.Weight, ir.Constant, ir.Iota)
@@ -227,7 +228,7 @@ class _Gemm:
     """One generated GEMM: A and B viewed as the GEMM reads them, the epilogue's operands and
     outputs by name."""
 
-    __slots__ = ("gk", "a", "b", "ashape", "bshape", "operands", "outs", "device", "poison")
+    __slots__ = ("gk", "a", "b", "ashape", "bshape", "operands", "outs", "device", "poison", "packed", "fixed")
 
     def __init__(self, gk, lowered, g: ir.Graph, slot, device: torch.device, poison: bool):
         s = lowered.spec
@@ -236,6 +237,12 @@ class _Gemm:
         self.ashape, self.bshape = lowered.operand_shapes()
         outs = lowered.outputs
         self.operands = tuple((b.buffer, slot(b.tensor), b.shape) for b in lowered.bindings if b not in outs)
+        # tables the kernel reads column-permuted (gemm_sm90.packed_tables): weights and
+        # constants are permuted once, on the first call; anything else by the kernel, per call
+        tables = dict(getattr(gk.source, "packed_tables", ()))
+        self.packed = {b.buffer: tables[b.buffer] for b in lowered.bindings
+                       if b.buffer in tables and isinstance(g[b.tensor], (ir.Weight, ir.Constant))}
+        self.fixed: dict = {}
         self.outs = tuple((b.buffer, slot(b.tensor), g[b.tensor].type.shape, b.shape,
                            dtypes.to_torch(lowered.epilogue.buffer(b.buffer).dtype)) for b in outs)
 
@@ -248,13 +255,18 @@ class _Gemm:
 
     def __call__(self, env):
         kw = {name: self._operand(env[i], shape) for name, i, shape in self.operands}
+        for name, w in self.packed.items():
+            if name not in self.fixed:
+                self.fixed[name] = gemm_sm90.pack_table(kw[name], w)
+            kw[name] = self.fixed[name]
         for name, i, shape, view, dtype in self.outs:
             out = torch.empty(shape, dtype=dtype, device=self.device)
             if self.poison:
                 out.fill_(float("nan"))
             env[i] = out
             kw[name] = out.view(view)
-        self.gk(self._operand(env[self.a], self.ashape), self._operand(env[self.b], self.bshape), **kw)
+        self.gk(self._operand(env[self.a], self.ashape), self._operand(env[self.b], self.bshape),
+                prepacked=self.fixed.keys(), **kw)
 
 
 class _InterpretGemm:
