@@ -104,3 +104,34 @@ def test_schedule_knobs_do_not_change_which_tables_pack():
     base = _rope(8192, 2048)
     for sched in (g.default_schedule(base), replace(g.default_schedule(base), stages=3)):
         assert g.packed_tables(base, sched, base.out_epilogue)
+
+
+def _two_reads(second_col):
+    """A rotation reading `cos` twice: at (m % S, n % W) and at (m % S, second_col)."""
+    from tilefuse.loop import ir
+
+    m, n, s, w = 512, 512, 256, 64
+    e = epi.EpilogueBuilder(m, n, 1, pairwise=True)
+    x0, x1 = e.acc(0), e.acc(1)
+    at = (ir.IBin("%", ir.Var("m"), ir.IConst(s)), ir.IBin("%", ir.Var("n"), ir.IConst(w)))
+    c = e.load_at("cos", (s, w), "bf16", at)
+    c2 = e.load_at("cos", (s, w), "bf16", (at[0], second_col))
+    sn = e.load_at("sin", (s, w), "bf16", at)
+    e.store("out", e.op("sub", e.op("mul", x0, c), e.op("mul", x1, sn)), "bf16", pair=0)
+    e.store("out", e.op("add", e.op("mul", x0, sn), e.op("mul", x1, c2)), "bf16", pair=1)
+    return g.GemmProblem(m, n, 256, epilogue=e.kernel("two_reads"))
+
+
+def test_a_table_read_twice_at_its_index_is_packed_once_and_one_read_elsewhere_keeps_it_unpacked():
+    """Every read of a packed table must take the packed positions: a second read at the same
+    index is packed with it (listed once, so it is permuted once), a read at another column
+    keeps the whole table in place."""
+    from tilefuse.loop import ir
+
+    sched = g.GemmSchedule(128, 128)
+    same = g.render(_two_reads(ir.IBin("%", ir.Var("n"), ir.IConst(64))), sched)
+    assert same.packed_tables == (("cos", 64), ("sin", 64))
+    other = g.render(_two_reads(ir.IBin("%", ir.IBin("+", ir.Var("n"), ir.IConst(1)), ir.IConst(64))), sched)
+    assert other.packed_tables == (("sin", 64),)
+    code = "\n".join(line for line in other.source.splitlines() if not line.startswith("//"))
+    assert "cos[" in code and "uint4*)(cos" not in code

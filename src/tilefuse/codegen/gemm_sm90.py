@@ -1164,21 +1164,32 @@ def packed_tables(problem: GemmProblem, sched: GemmSchedule, kernel: ir.Kernel) 
     row0, col0 = cgen.c_tv_coords(frag, "tid", 0)
     if col0.replace(" ", "") != "(tid%4)*2":
         return ()
-    out = []
-    for x in body:
-        if not isinstance(x, ir.Load) or x.buf == epi.ACC:
-            continue
+    def fits(x: ir.Load) -> bool:
         buf = kernel.buffer(x.buf)
         if buf.dtype not in ("bf16", "f16") or len(buf.shape) != 2 or len(x.index) != 2:
-            continue
-        w = buf.shape[1]
-        col = x.index[1]
+            return False
+        w, col = buf.shape[1], x.index[1]
         if not (isinstance(col, ir.IBin) and col.op == "%" and col.a == ir.Var("n") and col.b == ir.IConst(w)):
-            continue
-        if ir.Var("n") in _index_leaves(x.index[:1]) or w % 32 or (sched.bn // 2) % w:
-            continue
-        out.append((x, w))
-    return tuple(out)
+            return False
+        return ir.Var("n") not in _index_leaves(x.index[:1]) and not w % 32 and not (sched.bn // 2) % w
+
+    loads = [x for x in body if isinstance(x, ir.Load) and x.buf != epi.ACC]
+    elsewhere = set()  # a buffer the partials also read, or read outside the pattern, stays unpacked
+    part = epi.partials_loop(kernel)
+    if part is not None:
+        elsewhere |= {x.buf for x in _loads_in(part.body)}
+    elsewhere |= {x.buf for x in loads if not fits(x)}
+    return tuple((x, kernel.buffer(x.buf).shape[1]) for x in loads if x.buf not in elsewhere)
+
+
+def _loads_in(stmts) -> list:
+    out = []
+    for s in stmts:
+        if isinstance(s, ir.Load):
+            out.append(s)
+        elif hasattr(s, "body"):
+            out += _loads_in(s.body)
+    return out
 
 
 def pack_table(t, w: int):
@@ -2179,5 +2190,5 @@ extern "C" __global__ void __launch_bounds__({S.threads}, 1)
                       a_box=a_box, b_box=b_box, swizzle=hopper.tma_swizzle(a.layout, 16), cluster=CL,
                       c_box=hopper.tma_box(_store_layout(), "K", 16) if store_dt else None,
                       tma_loads=(res_load.buf,) if res_load is not None else (),
-                      packed_tables=tuple((x.buf, w) for x, w in packed_tables(problem, sched, kernel))
+                      packed_tables=tuple(dict.fromkeys((x.buf, w) for x, w in packed_tables(problem, sched, kernel)))
                       if store_dt else ())

@@ -257,7 +257,10 @@ class _Gemm:
         kw = {name: self._operand(env[i], shape) for name, i, shape in self.operands}
         for name, w in self.packed.items():
             if name not in self.fixed:
+                if torch.cuda.is_current_stream_capturing():
+                    continue  # a graph would only record the packing: the kernel packs it in the graph
                 self.fixed[name] = gemm_sm90.pack_table(kw[name], w)
+                torch.cuda.current_stream().synchronize()  # once: ready for calls on any stream
             kw[name] = self.fixed[name]
         for name, i, shape, view, dtype in self.outs:
             out = torch.empty(shape, dtype=dtype, device=self.device)
