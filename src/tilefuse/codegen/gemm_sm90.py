@@ -1161,7 +1161,7 @@ def packed_tables(problem: GemmProblem, sched: GemmSchedule, kernel: ir.Kernel) 
     # the fragment this relies on: pair v of thread 0 at column 8 (v // 4), thread t 2t columns on
     if any(frag(0, v)[1] != 8 * (v // 4) for v in range(0, frag.values, 2)):
         return ()
-    row0, col0 = cgen.c_tv_coords(frag, "tid", 0)
+    _, col0 = cgen.c_tv_coords(frag, "tid", 0)
     if col0.replace(" ", "") != "(tid%4)*2":
         return ()
     def fits(x: ir.Load) -> bool:
@@ -1177,19 +1177,9 @@ def packed_tables(problem: GemmProblem, sched: GemmSchedule, kernel: ir.Kernel) 
     elsewhere = set()  # a buffer the partials also read, or read outside the pattern, stays unpacked
     part = epi.partials_loop(kernel)
     if part is not None:
-        elsewhere |= {x.buf for x in _loads_in(part.body)}
+        elsewhere |= {x.buf for x in ir.walk(part.body) if isinstance(x, ir.Load)}
     elsewhere |= {x.buf for x in loads if not fits(x)}
     return tuple((x, kernel.buffer(x.buf).shape[1]) for x in loads if x.buf not in elsewhere)
-
-
-def _loads_in(stmts) -> list:
-    out = []
-    for s in stmts:
-        if isinstance(s, ir.Load):
-            out.append(s)
-        elif hasattr(s, "body"):
-            out += _loads_in(s.body)
-    return out
 
 
 def pack_table(t, w: int):
