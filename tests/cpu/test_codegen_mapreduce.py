@@ -400,6 +400,21 @@ def test_cache_key_covers_source_arch_flags_and_version():
     assert k != cache.cache_key("src", "sm_90a", ("-O3",), (13, 1))
 
 
+def test_sources_that_differ_only_in_whole_line_comments_share_a_cache_entry(tmp_path):
+    """The same kernel in every layer of a model differs only in the comment naming its
+    epilogue: one compile serves all. Code (and a comment after code on its line) still counts."""
+    k = fx.rmsnorm_kernel(4, 64, "bf16")
+    src = render(k)
+    c = cache.CubinCache(tmp_path)
+    cubin, hit = cache.compile_cached("// kernel of layer 0\n" + src.source, src.name, "sm_90a", cache=c)
+    assert not hit
+    again, hit = cache.compile_cached("  // kernel of layer 1\n" + src.source, src.name, "sm_90a", cache=c)
+    assert hit and again.data == cubin.data
+    changed = src.source + "\n__device__ int tf_extra_symbol;  // code\n"
+    assert cache.compile_cached(changed, src.name, "sm_90a", cache=c)[1] is False
+    assert cache.code_of("a\n  // b\nc // d") == "a\nc // d"
+
+
 def test_cache_dir_follows_the_environment(monkeypatch, tmp_path):
     monkeypatch.setenv("TILEFUSE_CACHE_DIR", str(tmp_path / "x"))
     assert cache.cache_dir() == tmp_path / "x"

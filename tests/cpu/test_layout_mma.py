@@ -10,6 +10,7 @@ from tilefuse.layout import (
     sm90_64x16_a,
     sm90_64xN_c,
 )
+from tilefuse.layout.inttuple import idx2crd
 from tilefuse.layout.mma import fragment
 
 FRAGMENTS = [sm80_16x8x16_a(), sm80_16x8x16_b(), sm80_16x8x16_c(), sm90_64x16_a(),
@@ -39,6 +40,20 @@ def test_sm80_fragments_match_ptx():
         for v in range(4):
             assert b(lane, v) == (g, 2 * q + (v & 1) + 8 * (v >> 1))  # (n, k)
             assert c(lane, v) == (g + 8 * (v >> 1), 2 * q + (v & 1))
+
+
+@pytest.mark.parametrize("frag", FRAGMENTS, ids=lambda f: f.name)
+def test_fragment_lookups_equal_the_layout(frag):
+    """frag(t, v) answers from a table built once; it must be the layout's own answer."""
+    for t in range(frag.threads):
+        for v in range(frag.values):
+            assert frag(t, v) == idx2crd(frag.tv(t, v), frag.tile)
+
+
+def test_a_wgmma_accumulator_is_built_once_per_width():
+    """Renderers ask for the same accumulator fragment many times: one object (and one table)."""
+    assert sm90_64xN_c(128) is sm90_64xN_c(128)
+    assert sm90_64xN_c(128) != sm90_64xN_c(256)
 
 
 @pytest.mark.parametrize("n", [8, 64, 128, 256])

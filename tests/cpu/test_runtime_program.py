@@ -45,6 +45,28 @@ def test_runner_is_built_once_per_device():
     assert len(p._runners) == 1 and len(p._entries) == 1
 
 
+def test_a_gemm_prepared_for_cuda_is_not_compiled_again_for_cuda_0(monkeypatch):
+    """Program.prepare("cuda") (tilefuse.compile) and the first call (tensors on "cuda:0")
+    name one GPU: each GEMM is rendered and compiled once, not once per spelling."""
+    import tilefuse.runtime.gemm as gemm_mod
+    import tilefuse.tune.lookup as lookup
+
+    built = []
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(lookup, "tuned_gemm_schedule", lambda *a, **k: None)
+    monkeypatch.setattr(gemm_mod, "compile_gemm", lambda problem, sched, arch: built.append(problem) or object())
+    p = _prog(lambda a, b: (a @ b).relu(), torch.randn(64, 32, dtype=torch.bfloat16),
+              torch.randn(32, 48, dtype=torch.bfloat16))
+    steps = [s for s in p.plan.steps if s.family == "gemm"]
+    assert steps, p.plan
+    p.prepare("cuda")
+    for device in ("cuda", "cuda:0", torch.device("cuda", 0)):
+        for s in steps:
+            p.compiled_gemm(p.gemms[s.name], device)
+    assert len(built) == len(steps)
+
+
 @pytest.mark.parametrize("bad, message", [
     (lambda: (torch.randn(4, 16, dtype=torch.float64), torch.randn(16)), "input .*compiled for f32\\[4, 16\\], got f64"),
     (lambda: (torch.randn(4, 17), torch.randn(16)), "compiled for f32\\[4, 16\\], got f32\\[4, 17\\]"),

@@ -26,6 +26,7 @@ offsets, and the accumulator's (thread, value) -> (row, col) map (`sm90_64xN_c`)
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field, replace
 
 from ..layout import cgen, hopper, mma
@@ -584,6 +585,13 @@ def partial_quads(frag, width: int) -> dict[tuple[int, int], list[tuple[int, int
     the threads holding a (row, group) are one quad {q, q ^ 1, q ^ 2, q ^ 3} (so the xor
     shuffles of QUAD_XOR reach exactly them), every thread of it holds registers there, and
     every element of the tile is in exactly one (row, group)."""
+    return {key: list(held) for key, held in _quad_owners(frag, width)}
+
+
+@functools.lru_cache(maxsize=64)
+def _quad_owners(frag, width: int) -> tuple:
+    # partial_quads' check, once per (fragment, width): it visits every element of the tile,
+    # and every render of a GEMM with partials asks for it.
     rows, cols = frag.tile
     if cols % width:
         raise GemmError(f"{cols} columns do not split into groups of {width}")
@@ -605,7 +613,7 @@ def partial_quads(frag, width: int) -> dict[tuple[int, int], list[tuple[int, int
         q = min(threads) & ~3
         if threads != {q | j for j in range(4)}:
             raise GemmError(f"row {key[0]}, group {key[1]}: held by threads {sorted(threads)}, not one quad")
-    return owners
+    return tuple((key, tuple(held)) for key, held in owners.items())
 
 
 def _fast_exps(body, outer: set) -> frozenset:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import IntEnum
+from functools import lru_cache
 
 from .inttuple import product_each
 from .layout import Layout, cosize, tile_to_shape
@@ -142,6 +143,9 @@ class GmmaDescriptor:
         return f"GmmaDescriptor({self.layout_type.name}, lbo={self.lbo}B, sbo={self.sbo}B)"
 
 
+# Cached: its check walks every element of the slice through the layout (~0.1 s), and each
+# GEMM render asks twice for the same few layouts.
+@lru_cache(maxsize=256)
 def gmma_descriptor(layout, major: str, elem_bits: int, k_bytes: int = 32) -> GmmaDescriptor:
     """Descriptor fields for a wgmma reading an (MN, k_bytes of K) slice of `layout` at (0, 0).
 

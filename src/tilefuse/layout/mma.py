@@ -8,6 +8,7 @@ B tiles are (N, K), C/D tiles are (M, N). Values are numbered in register order.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property, lru_cache
 
 from .inttuple import idx2crd, to_str
 from .layout import Layout, parse_layout, size
@@ -19,16 +20,24 @@ class Fragment:
     tv: Layout            # (thread, value) -> column-major index into `tile`
     tile: tuple[int, int]  # (rows, cols)
 
-    @property
+    @cached_property
     def threads(self) -> int:
         return size(self.tv[0])
 
-    @property
+    @cached_property
     def values(self) -> int:
         return size(self.tv[1])
 
+    @cached_property
+    def _elements(self) -> tuple[tuple[int, int], ...]:
+        # Every (thread, value)'s element, evaluated once: code generators ask for them ~10^5
+        # times a GEMM, and the layout algebra takes ~20 us a call (most of a render's time).
+        return tuple(idx2crd(self.tv(t, v), self.tile) for t in range(self.threads) for v in range(self.values))
+
     def __call__(self, thread: int, value: int) -> tuple[int, int]:
         """(row, col) of register `value` of `thread`."""
+        if 0 <= thread < self.threads and 0 <= value < self.values:
+            return self._elements[thread * self.values + value]
         return idx2crd(self.tv(thread, value), self.tile)
 
     def owner(self) -> dict[tuple[int, int], tuple[int, int]]:
@@ -66,6 +75,7 @@ def sm80_16x8x16_c() -> Fragment:
 # col 8*(v >> 2) + 2*quad + (v & 1).
 
 
+@lru_cache(maxsize=None)
 def sm90_64xN_c(n: int) -> Fragment:
     """Accumulator of wgmma m64nNk16 (N = 8, 16, ..., 256)."""
     if n % 8 or not 8 <= n <= 256:

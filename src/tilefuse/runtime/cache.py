@@ -1,7 +1,9 @@
 """Content-addressed cubin cache on disk.
 
 key = sha256(source, arch, NVRTC options, NVRTC version): a changed generator, flag or
-compiler is a new key, never a stale hit. One file per entry, written to a temporary name
+compiler is a new key, never a stale hit. compile_cached keys the source without its
+whole-line comments, which compile to nothing: kernels that differ only in the comments
+naming them (the same GEMM in every layer of a model) share one entry and one compile. One file per entry, written to a temporary name
 and renamed into place (atomic: readers see a whole entry or none). An entry carries a
 checksum; a truncated or corrupted one is ignored and rebuilt.
 
@@ -91,13 +93,18 @@ class CubinCache:
             pass
 
 
+def code_of(source: str) -> str:
+    """`source` without its whole-line // comments (what the cache keys)."""
+    return "\n".join(line for line in source.splitlines() if not line.lstrip().startswith("//"))
+
+
 def compile_cached(source: str, name: str, arch: str, options: tuple[str, ...] | None = None,
                    cache: CubinCache | None = None) -> tuple[nvrtc.Cubin, bool]:
     """(cubin, hit): from the cache when an intact entry exists, else compiled and stored."""
     arch = nvrtc.normalize_arch(arch)
     opts = options if options is not None else nvrtc.options_for(arch)
     cache = cache or CubinCache()
-    key = cache_key(source, arch, opts, nvrtc.version())
+    key = cache_key(code_of(source), arch, opts, nvrtc.version())
     hit = cache.get(key)
     if hit is not None:
         return hit, True

@@ -110,11 +110,13 @@ class Program:
     def compiled_gemm(self, lowered, device):
         """The generated GEMM for a planned step, compiled once per device: the TMA/wgmma
         kernel on sm_90a, the cp.async/mma.sync one (docs/gemm_sm80.md) on other GPUs from sm_80."""
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:  # "cuda" and "cuda:0" are one key
+            device = torch.device("cuda", torch.cuda.current_device())
         key = (lowered.epilogue.name, str(device))
         if key not in self._compiled:
             from ..codegen.gemm_sm90 import GemmError
 
-            device = torch.device(device)
             cap = torch.cuda.get_device_capability(device)
             problem = lowered.problem()
             if cap == (9, 0):
