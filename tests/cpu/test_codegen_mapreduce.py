@@ -415,6 +415,34 @@ def test_sources_that_differ_only_in_whole_line_comments_share_a_cache_entry(tmp
     assert cache.code_of("a\n  // b\nc // d") == "a\nc // d"
 
 
+def test_threads_compiling_one_key_share_one_compile(tmp_path, monkeypatch):
+    """Program.prepare compiles in threads: a key another thread is compiling is waited for
+    and then read from the cache, not compiled twice; every caller gets the same cubin."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tilefuse.runtime import nvrtc
+
+    calls, gate = [], threading.Event()
+
+    def slow_compile(source, name, arch, opts):
+        calls.append(name)
+        gate.wait(5)
+        return nvrtc.Cubin(b"\x00cubin of " + name.encode(), arch, nvrtc.CompileInfo(32, 0, 0, 0), "")
+
+    monkeypatch.setattr(nvrtc, "compile_cuda", slow_compile)
+    c = cache.CubinCache(tmp_path)
+    sources = [f"// layer {i}\n__global__ void k() {{}}\n" for i in range(6)]
+    with ThreadPoolExecutor(6) as pool:
+        futures = [pool.submit(cache.compile_cached, s, "k", "sm_90a", None, c) for s in sources]
+        time.sleep(0.2)  # all six are in: one compiling, five waiting on it
+        gate.set()
+        results = [f.result() for f in futures]
+    assert calls == ["k"]
+    assert len({r[0].data for r in results}) == 1 and sorted(hit for _, hit in results) == [False] + [True] * 5
+    assert not cache._inflight
+
+
 def test_cache_dir_follows_the_environment(monkeypatch, tmp_path):
     monkeypatch.setenv("TILEFUSE_CACHE_DIR", str(tmp_path / "x"))
     assert cache.cache_dir() == tmp_path / "x"

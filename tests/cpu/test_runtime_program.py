@@ -67,6 +67,49 @@ def test_a_gemm_prepared_for_cuda_is_not_compiled_again_for_cuda_0(monkeypatch):
     assert len(built) == len(steps)
 
 
+def test_prepare_compiles_every_kernel_once_across_threads_and_raises_the_first_failure(monkeypatch):
+    """prepare() compiles the plan's kernels in parallel threads: each step's kernel exactly
+    once, all of them kept for the first call, and a kernel that fails to compile fails
+    prepare() with that kernel's error (the first in plan order)."""
+    import tilefuse.runtime.gemm as gemm_mod
+    import tilefuse.runtime.launch as launch_mod
+    import tilefuse.tune.lookup as lookup
+
+    built = []
+
+    def fake(name):
+        built.append(name)
+        return object()
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(lookup, "tuned_gemm_schedule", lambda *a, **k: None)
+    monkeypatch.setattr(gemm_mod, "compile_gemm", lambda problem, sched, arch: fake(problem.out_epilogue.name))
+    monkeypatch.setattr(launch_mod, "compile_kernel", lambda kernel, arch=None, schedule=None: fake(kernel.name))
+    monkeypatch.setattr(program_mod, "PREPARE_THREADS", 4)
+    monkeypatch.setattr(program_mod.os, "cpu_count", lambda: 4)
+    a, w1, w2 = (torch.randn(64, 32, dtype=torch.bfloat16), torch.randn(32, 48, dtype=torch.bfloat16),
+                 torch.randn(48, 40, dtype=torch.bfloat16))
+    p = _prog(lambda a, b, c: torch.softmax(torch.softmax(a @ b, -1) @ c, -1), a, w1, w2)
+    families = [s.family for s in p.plan.steps if s.family in ("gemm", "mapreduce")]
+    assert families.count("gemm") >= 2 and families.count("mapreduce") >= 1, families
+    p.prepare("cuda")
+    assert len(built) == len(set(built)) == len(families)
+    assert len(p._compiled) == len(families)
+    before = len(built)
+    p.prepare("cuda")  # all compiled: nothing again
+    assert len(built) == before
+
+    def broken(problem, sched, arch):
+        raise RuntimeError(f"cannot compile {problem.out_epilogue.name}")
+
+    monkeypatch.setattr(gemm_mod, "compile_gemm", broken)
+    q = _prog(lambda a, b, c: torch.softmax(torch.softmax(a @ b, -1) @ c, -1), a, w1, w2)
+    first = next(s for s in q.plan.steps if s.family == "gemm")
+    with pytest.raises(RuntimeError, match=f"cannot compile {q.gemms[first.name].epilogue.name}$"):
+        q.prepare("cuda")
+
+
 @pytest.mark.parametrize("bad, message", [
     (lambda: (torch.randn(4, 16, dtype=torch.float64), torch.randn(16)), "input .*compiled for f32\\[4, 16\\], got f64"),
     (lambda: (torch.randn(4, 17), torch.randn(16)), "compiled for f32\\[4, 16\\], got f32\\[4, 17\\]"),

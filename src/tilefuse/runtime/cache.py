@@ -16,6 +16,7 @@ import json
 import os
 import struct
 import tempfile
+import threading
 from dataclasses import asdict
 from pathlib import Path
 
@@ -108,6 +109,30 @@ def compile_cached(source: str, name: str, arch: str, options: tuple[str, ...] |
     hit = cache.get(key)
     if hit is not None:
         return hit, True
-    cubin = nvrtc.compile_cuda(source, name, arch, opts)
-    cache.put(key, cubin)
+    with _inflight_lock:  # another thread compiling this key: wait for its entry
+        done = _inflight.get(key)
+        if done is None:
+            done = _inflight[key] = threading.Event()
+            mine = True
+        else:
+            mine = False
+    if not mine:
+        done.wait()
+        hit = cache.get(key)
+        if hit is not None:
+            return hit, True
+        return nvrtc.compile_cuda(source, name, arch, opts), False  # its entry could not be stored
+    try:
+        cubin = nvrtc.compile_cuda(source, name, arch, opts)
+        cache.put(key, cubin)
+    finally:
+        with _inflight_lock:
+            del _inflight[key]
+        done.set()
     return cubin, False
+
+
+# Keys being compiled in this process (Program.prepare compiles kernels in parallel threads,
+# and kernels that differ only in comments share a key).
+_inflight: dict[str, threading.Event] = {}
+_inflight_lock = threading.Lock()
