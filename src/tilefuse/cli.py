@@ -243,6 +243,7 @@ def cmd_run(args) -> int:
         return cmd_run_model(args)
     import torch
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     from .check import compare, flatten, float64_reference
@@ -269,7 +270,7 @@ def cmd_run(args) -> int:
         eager = flatten(module(*inputs))
     ref = flatten(float64_reference(module, inputs))
     where = "CUDA kernels" if device == "cuda" else "the Loop IR interpreter (no GPU)"
-    table = Table(title=f"tilefuse run: {args.expr}  [{where}]")
+    table = Table(title=escape(f"tilefuse run: {args.expr}  [{where}]"))  # a title is markup: [..] would vanish
     for col in ("output", "shape", "error", "torch error", "bound", "result"):
         table.add_column(col)
     ok = True
@@ -295,6 +296,7 @@ def cmd_run_model(args) -> int:
     """A transformers model through torch.compile(backend="tilefuse"): check, summary, optional bench."""
     import torch
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     from . import models
@@ -323,7 +325,7 @@ def cmd_run_model(args) -> int:
     ref = flatten(float64_reference(model, inputs))
     where = "CUDA kernels" if device == "cuda" else "the Loop IR interpreter (no GPU)"
     shape = f"{args.layers} layers, hidden {args.hidden}, batch {args.batch} x seq {args.seq}, vocab {args.vocab}"
-    table = Table(title=f"tilefuse run --model {args.model} ({shape}, {args.dtype or 'bf16'}) [{where}]")
+    table = Table(title=escape(f"tilefuse run --model {args.model} ({shape}, {args.dtype or 'bf16'}) [{where}]"))
     for col in ("output", "shape", "error", "torch error", "bound", "result"):
         table.add_column(col)
     ok = True

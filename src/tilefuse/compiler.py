@@ -1,6 +1,7 @@
 """The pipeline, stage by stage: capture -> Graph IR -> rewrites -> plan -> Loop IR -> program."""
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
 
 import torch
@@ -52,11 +53,24 @@ def lower_plan(graph: ir.Graph, p: Plan) -> tuple[dict[str, Lowered], dict[str, 
     """Loop IR for every generated kernel of a plan: map-reduce kernels and GEMM epilogues."""
     kernels, gemms = {}, {}
     for step in p.steps:
+        if step.family in ("mapreduce", "gemm"):
+            _refuse_empty(graph, step)
         if step.family == "mapreduce":
             kernels[step.name] = lower_step(graph, step, f"tf_{step.name}")
         elif step.family == "gemm":
             gemms[step.name] = lower_gemm_step(graph, step, f"tf_{step.name}_epilogue")
     return kernels, gemms
+
+
+def _refuse_empty(graph: ir.Graph, step) -> None:
+    """A generated kernel's loops need at least one element: a zero-size tensor in one (an
+    empty batch, a slice of nothing) is refused by name, not left to a Loop IR verifier error."""
+    for name in (*step.inputs, *step.nodes):
+        n = graph[name]
+        if 0 in n.type.shape:
+            where = n.source or ("an input" if isinstance(n, ir.Input) else n.describe())
+            raise ValueError(f"{name}: {n.type} has no elements ({where}); tilefuse's kernels do not take "
+                             f"zero-size tensors")
 
 
 def norm_partials_enabled() -> bool:
@@ -88,6 +102,21 @@ def _partials_target(arch: str | None) -> bool:
 
 
 def compile_stages(fn, example_inputs, *, expr: str | None = None, arch: str | None = None) -> Compiled:
+    try:
+        return _stages(fn, example_inputs, expr, arch)
+    except RecursionError:
+        import sys
+
+        from .frontend.capture import CaptureError
+
+        # the passes walk dependency chains recursively: a long unbroken chain of ops (hundreds of
+        # elementwise steps in a Python loop, say) exhausts Python's stack; say so, not a stack dump
+        raise CaptureError(f"{expr or getattr(fn, '__name__', type(fn).__name__)}: its chain of dependent ops is "
+                           f"too long for tilefuse's passes (Python's recursion limit, "
+                           f"{sys.getrecursionlimit()}, ran out)") from None
+
+
+def _stages(fn, example_inputs, expr: str | None, arch: str | None) -> Compiled:
     import time
 
     t0 = time.perf_counter()
@@ -130,6 +159,67 @@ def compile_stages(fn, example_inputs, *, expr: str | None = None, arch: str | N
                     {"export_s": t1 - t0, "lower_s": t2 - t1}, gemms)
 
 
+_VERSION = operator.attrgetter("_version")
+
+
+class WeightGuard:
+    """Whether the tensors a program took its weights from still hold what it compiled.
+
+    Weights are read once, and rewrites fold some into new tensors (RMSNorm's gamma into the
+    next matmul's weight, say), so a program must not outlive an in-place update of one
+    (`optimizer.step()`, `load_state_dict`, `with torch.no_grad(): w.mul_(2)`): its version
+    counter moves. A module's parameter or buffer replaced by another tensor is caught too.
+    Calling the guard returns "" while everything is as compiled, else what changed.
+    """
+
+    def __init__(self, fn, graph: ir.Graph):
+        self.tensors, self.versions, self.names = [], [], []
+        self.slots = []  # (owner module's _parameters or _buffers, key, the tensor there when compiled)
+        module = fn if isinstance(fn, torch.nn.Module) else None
+        for node in graph.nodes:
+            if not isinstance(node, ir.Weight) or node.name not in graph.weights:
+                continue
+            t = graph.weights[node.name]
+            if not isinstance(t, torch.Tensor):
+                continue
+            self.tensors.append(t)  # detached from the original: it shares its version counter
+            self.versions.append(t._version)
+            self.names.append(node.source or node.name)
+            if module is not None and node.source:
+                self._slot(module, node.source, t)
+
+    def _slot(self, module, target: str, t: torch.Tensor):
+        prefix, _, key = target.rpartition(".")
+        try:
+            owner = module.get_submodule(prefix) if prefix else module
+        except AttributeError:
+            return
+        for table in (owner._parameters, owner._buffers):
+            orig = table.get(key)
+            if isinstance(orig, torch.Tensor) and orig.data_ptr() == t.data_ptr():
+                self.slots.append((table, key, orig, target))
+                return
+
+    def __call__(self) -> str:
+        # every call pays this (~0.2 us a weight on a CPU core), so the common answer is found in bulk
+        if list(map(_VERSION, self.tensors)) == self.versions and all(
+                [table.get(key) is orig for table, key, orig, _ in self.slots]):
+            return ""
+        for t, v, name in zip(self.tensors, self.versions, self.names):
+            if t._version != v:
+                return f"weight {name} was updated in place"
+        return next(f"weight {target} was replaced by another tensor"
+                    for table, key, orig, target in self.slots if table.get(key) is not orig)
+
+
+def _guarded(graph: ir.Graph, fn) -> WeightGuard | None:
+    try:
+        guard = WeightGuard(fn, graph)
+    except RuntimeError:  # inference tensors keep no version counter: nothing to check against
+        return None
+    return guard if guard.tensors else None
+
+
 def compile(fn, example_inputs, *, arch: str | None = None, graphs: bool | None = None):
     """Compile a callable or nn.Module for these example inputs; returns a callable like it.
 
@@ -138,7 +228,9 @@ def compile(fn, example_inputs, *, arch: str | None = None, graphs: bool | None 
     more launches replays a captured CUDA graph after the first call (`graphs=False` or
     TILEFUSE_CUDA_GRAPHS=0 turns that off; `graphs=True` replays single-kernel programs too,
     which the default leaves out: their graph saves no host launch and costs GPU time); a
-    result you still hold is never overwritten by a later call.
+    result you still hold is never overwritten by a later call. A weight updated in place after
+    compiling (`optimizer.step()`, `load_state_dict`), or a module's parameter or buffer replaced,
+    compiles the program again at its next call.
     """
     if isinstance(example_inputs, torch.Tensor):
         example_inputs = (example_inputs,)
@@ -148,4 +240,8 @@ def compile(fn, example_inputs, *, arch: str | None = None, graphs: bool | None 
     if any(isinstance(x, torch.Tensor) and x.is_cuda for x in example_inputs):
         c.program.prepare("cuda")
     c.program.stages = c
+    # a weight updated in place (or a module's replaced) compiles again at the next call: a value
+    # folded at compile time is never served stale
+    c.program.guard = _guarded(c.captured, fn)
+    c.program.rebuild = lambda args: compile(fn, args, arch=arch, graphs=graphs)
     return c.program

@@ -312,3 +312,48 @@ def test_in_place_write_through_a_view_is_refused_not_lost():
 
     with pytest.raises(CaptureError, match=r"aten\.add_.*in place.*test_frontend\.py"):
         tilefuse.compile(g, (torch.randn(4),))
+
+
+def test_a_tensor_literal_in_the_program_is_a_constant_not_an_in_place_write():
+    """torch.export lifts `torch.tensor([...])` as lift_fresh_copy + detach_; detach_ writes
+    autograd state only, so the program compiles (transformers' KV cache makes one too)."""
+    import tilefuse
+
+    def f(x):
+        return x * torch.tensor([1.0, -2.0, 3.0])
+
+    x = torch.randn(2, 3)
+    torch.testing.assert_close(tilefuse.compile(f, (x,))(x), f(x))
+
+
+@pytest.mark.parametrize("fn, dim", [(lambda x: x.softmax(dim=5), 5), (lambda x: torch.softmax(x, -3), -3)],
+                         ids=["softmax-5", "softmax--3"])
+def test_a_dim_out_of_range_is_refused_as_pytorch_does(fn, dim):
+    """torch.export does not check softmax's dim; wrapping it modulo the rank would compute a
+    softmax over another axis, where PyTorch raises."""
+    import tilefuse
+    from tilefuse.frontend.capture import CaptureError
+
+    with pytest.raises(CaptureError, match=rf"aten\.softmax: dim {dim} is out of range for a 2-d tensor"):
+        tilefuse.compile(fn, (torch.randn(2, 3),))
+
+
+def test_a_chain_too_long_for_the_passes_is_one_capture_error():
+    """A long chain of dependent elementwise ops compiles and runs right, or, where it exhausts
+    the recursive passes' Python stack (800 ops do today), is one CaptureError naming the
+    program, never a RecursionError's thousand-frame dump."""
+    import tilefuse
+    from tilefuse.frontend.capture import CaptureError
+
+    def chain(x):
+        for _ in range(400):
+            x = x * 1.001 + 0.01
+        return x
+
+    x = torch.randn(2, 4)
+    try:
+        fast = tilefuse.compile(chain, (x,))
+    except CaptureError as e:
+        assert "chain: its chain of dependent ops is too long" in str(e)
+    else:
+        torch.testing.assert_close(fast(x), chain(x))

@@ -325,3 +325,61 @@ def test_a_slice_with_a_step_on_the_last_dim_is_copied_for_attention():
     slices = {n.name for n in p.graph.nodes if isinstance(n, ir.View) and n.op == "slice"}
     assert slices and not (slices & views)
     torch.testing.assert_close(p(*ins), _strided_split_attention(*ins), atol=1e-5, rtol=1e-5)
+
+
+# -- weights changed after compiling ------------------------------------------------------------------
+
+
+def _norm_linear():
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.RMSNorm(32), torch.nn.Linear(32, 16, bias=False))
+    with torch.no_grad():
+        m[0].weight.copy_(torch.randn(32))
+    return m
+
+
+def test_a_weight_updated_in_place_compiles_the_program_again():
+    """RMSNorm's gamma is folded into the next matmul's weight at compile time; after an in-place
+    update (an optimizer step) the program's next call equals a fresh compilation of the updated
+    module, never the stale fold."""
+    import tilefuse
+
+    m, x = _norm_linear(), torch.randn(4, 32)
+    fast = tilefuse.compile(m, (x,))
+    assert "rmsnorm_into_matmul" in [f.rule for f in fast.stages.fired]
+    before = fast(x)
+    with torch.no_grad():
+        m[0].weight.mul_(-3)
+        m[1].weight.add_(1)
+    after = fast(x)
+    assert not torch.allclose(after, before)
+    assert torch.equal(after, tilefuse.compile(m, (x,))(x))
+    torch.testing.assert_close(after, m(x), rtol=1e-5, atol=1e-5)
+
+
+def test_a_replaced_parameter_compiles_the_program_again():
+    import tilefuse
+
+    m, x = _norm_linear(), torch.randn(4, 32)
+    fast = tilefuse.compile(m, (x,))
+    fast(x)
+    m[0].weight = torch.nn.Parameter(torch.randn(32))
+    torch.testing.assert_close(fast(x), m(x), rtol=1e-5, atol=1e-5)
+
+
+def test_a_call_of_the_wrong_shape_after_an_update_is_still_refused():
+    """The recompilation takes the call's tensors as its examples only once they fit the program."""
+    import tilefuse
+
+    m, x = _norm_linear(), torch.randn(4, 32)
+    fast = tilefuse.compile(m, (x,))
+    with torch.no_grad():
+        m[0].weight.add_(1)
+    with pytest.raises(ValueError, match=r"compiled for f32\[4, 32\], got f32\[5, 32\]"):
+        fast(torch.randn(5, 32))
+
+
+def test_keyword_arguments_are_refused_saying_inputs_go_by_position():
+    p = _prog(_rms, torch.randn(4, 16), torch.randn(16))
+    with pytest.raises(TypeError, match="takes its inputs by position.*got keyword argument.*x, w"):
+        p(x=torch.randn(4, 16), w=torch.randn(16))

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 
 from ..graph import ir
-from .builder import Builder
+from .builder import Builder, wrap_dim
 
 HANDLERS = {}
 
@@ -212,7 +212,7 @@ def _dims(arg, rank):
         return tuple(range(rank))
     if isinstance(arg, int):
         arg = [arg]
-    return tuple(a % rank for a in arg)
+    return tuple(wrap_dim(a, rank) for a in arg)
 
 
 def _reduction(op):
@@ -429,6 +429,9 @@ def _gather(b, args, kwargs, out):
 
 
 def _matmul(b, x, y, shape, dtype):
+    tx, ty = b.type(x).dtype, b.type(y).dtype
+    if tx != ty:  # torch.export lets it through; PyTorch's kernels refuse it when run
+        raise ValueError(f"operands of different dtypes ({tx} @ {ty}); PyTorch's matmul needs one dtype")
     return b.add(ir.Contraction(b.fresh("matmul"), ir.TensorType(tuple(shape), dtype), x, y, b.source))
 
 

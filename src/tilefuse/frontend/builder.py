@@ -29,6 +29,14 @@ def promote(*dts: str) -> str:
     return "bool"
 
 
+def wrap_dim(d: int, rank: int) -> int:
+    """A dim in [-rank, rank) (a scalar's: [-1, 0]) as an index from 0; ValueError beyond, as PyTorch."""
+    n = max(rank, 1)
+    if not -n <= d < n:
+        raise ValueError(f"dim {d} is out of range for a {rank}-d tensor (expected [{-n}, {n - 1}])")
+    return d % n
+
+
 class Builder:
     def __init__(self):
         self.nodes: list = []
@@ -90,7 +98,7 @@ class Builder:
     def reduce(self, op: str, x: str, axes, keepdim: bool, dtype: str | None = None) -> str:
         t = self.type(x)
         rank = len(t.shape)
-        axes = tuple(sorted({a % rank for a in axes})) if rank else ()
+        axes = tuple(sorted({wrap_dim(a, rank) for a in axes})) if rank else ()
         if not axes and rank:
             axes = tuple(range(rank))
         shape = tuple(1 if i in axes else s for i, s in enumerate(t.shape)) if keepdim else tuple(

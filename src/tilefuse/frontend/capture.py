@@ -238,6 +238,11 @@ def _mutates(target) -> bool:
 
 def _translate(b: Builder, node, resolve, env, tuple_outputs, expr):
     name = _op_name(node.target)
+    if name == "detach_":
+        # writes autograd metadata only, never values: torch.export emits it after lifting a
+        # `torch.tensor(...)` literal (lift_fresh_copy + detach_), and transformers' KV cache makes one
+        env[node] = resolve(node.args[0])
+        return
     if _mutates(node.target):
         # The Graph IR is pure: an in-place write (perhaps through a view) would be lost,
         # which would be a wrong answer. Refuse instead.

@@ -16,6 +16,27 @@ MODELS = ("llama", "qwen2", "gpt2")
 OUTPUTS = ("logits", "hidden", "loss")
 
 
+def check_sizes(name: str, layers: int, hidden: int, seq: int, batch: int, vocab: int, heads: int | None = None,
+                kv_heads: int | None = None) -> None:
+    """ValueError naming the first size a model cannot be built with (rather than a failure deep
+    inside transformers, or a model of no layers)."""
+    if name not in MODELS:
+        raise ValueError(f"unknown model {name!r}; tilefuse builds {', '.join(MODELS)}")
+    for what, v in (("layers", layers), ("hidden", hidden), ("seq", seq), ("batch", batch), ("vocab", vocab),
+                    ("heads", heads), ("kv_heads", kv_heads)):
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+            raise ValueError(f"{what} must be a positive integer, got {v!r}")
+    h = heads or default_heads(hidden)
+    how = "" if heads else " (the default for this hidden size)"
+    if hidden % h:
+        raise ValueError(f"hidden {hidden} is not a multiple of the {h} attention heads{how}")
+    if name != "gpt2" and (hidden // h) % 2:
+        raise ValueError(f"{name}: the head width, hidden {hidden} / {h} head(s){how}, is {hidden // h}: "
+                         f"odd, and rotary embeddings rotate pairs")
+    if kv_heads is not None and h % kv_heads:
+        raise ValueError(f"{h} attention heads are not a multiple of {kv_heads} kv heads")
+
+
 class TransformersMissing(ImportError):
     """transformers is not installed: says how to get it."""
 
@@ -100,6 +121,7 @@ def build(name: str, layers: int = 2, hidden: int = 64, seq: int = 16, batch: in
           dtype: torch.dtype = torch.float32, *, output: str = "logits", device="cpu", vocab: int = 256,
           heads: int | None = None, kv_heads: int | None = None, ffn: int | None = None, seed: int = 0) -> Built:
     """A random `name` model ("llama" | "qwen2" | "gpt2") and inputs of (batch, seq) token ids."""
+    check_sizes(name, layers, hidden, seq, batch, vocab, heads, kv_heads)
     cfg = config(name, layers, hidden, seq=max(seq, 1), vocab=vocab, heads=heads, kv_heads=kv_heads, ffn=ffn)
     torch.manual_seed(seed)
     model = CausalLM(causal_lm(cfg), output).to(device=device, dtype=dtype).eval()

@@ -44,6 +44,10 @@ class Program:
     graph_clone: bool = False  # return clones of the graph's outputs instead of tracking what the caller holds
     schedules: object = None  # (kernel, arch, device) -> schedule or None (tune.lookup.tuned_schedule); None: defaults
     gemms: dict = None  # step name -> loop.lower_gemm.LoweredGemm
+    # () -> "" or what changed in the weights since compiling (compiler.WeightGuard); with
+    # `rebuild(args) -> Program`, a changed weight compiles the program again at the next call
+    guard: object = None
+    rebuild: object = None
 
     def __post_init__(self):
         self._compiled: dict = {}
@@ -58,13 +62,31 @@ class Program:
         self._pack = _packer(self.out_spec, len(self.graph.outputs))
 
     # -- running -------------------------------------------------------------------------------
-    def __call__(self, *args):
+    def __call__(self, *args, **kwargs):
+        if kwargs:
+            raise TypeError(f"a compiled program takes its inputs by position, in the order of the example "
+                            f"inputs it was compiled with; got keyword argument(s) {', '.join(kwargs)}")
+        if self.guard is not None and self.guard():
+            self._recompile(args)
         tensors = args if all([type(a) is torch.Tensor for a in args]) else _tensor_leaves(args)
         key = (signature(tensors), self.poison, self.graphs)
         run = self._entries.get(key)
         if run is None:
             run = self._entry(tensors, key)
         return self._pack(run(tensors))
+
+    def _recompile(self, args):
+        """Weights changed since compiling: become the program compiled from them now (the
+        caller's settings kept); without a way to rebuild, say so rather than run stale values."""
+        why = self.guard()
+        check_inputs(self.graph, args if all([type(a) is torch.Tensor for a in args]) else _tensor_leaves(args))
+        if self.rebuild is None:
+            raise ValueError(f"{why} since compiling; compile the program again")
+        keep = {k: getattr(self, k) for k in ("poison", "graphs", "graph_slots", "graph_clone")}
+        fresh = self.rebuild(args)
+        self.__dict__.update(fresh.__dict__)
+        self.__dict__.update(keep)
+        self._entries.clear()
 
     def _entry(self, tensors, key):
         """First call with this signature: check the arguments (clear errors), build the runner."""
