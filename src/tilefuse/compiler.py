@@ -228,20 +228,23 @@ def compile(fn, example_inputs, *, arch: str | None = None, graphs: bool | None 
     more launches replays a captured CUDA graph after the first call (`graphs=False` or
     TILEFUSE_CUDA_GRAPHS=0 turns that off; `graphs=True` replays single-kernel programs too,
     which the default leaves out: their graph saves no host launch and costs GPU time); a
-    result you still hold is never overwritten by a later call. A weight updated in place after
-    compiling (`optimizer.step()`, `load_state_dict`), or a module's parameter or buffer replaced,
-    compiles the program again at its next call.
+    result you still hold is never overwritten by a later call. A module's parameter or buffer
+    updated in place after compiling (`optimizer.step()`, `load_state_dict`), or replaced,
+    compiles the program again at its next call, with a warning (updates through `.data`, and
+    tensors a plain function closes over, are not seen: compile again after changing those).
     """
     if isinstance(example_inputs, torch.Tensor):
         example_inputs = (example_inputs,)
     c = compile_stages(fn, tuple(example_inputs), arch=arch)
     if graphs is not None:
         c.program.graphs = graphs
-    if any(isinstance(x, torch.Tensor) and x.is_cuda for x in example_inputs):
-        c.program.prepare("cuda")
+    cuda = [x.device for x in example_inputs if isinstance(x, torch.Tensor) and x.is_cuda]
+    if cuda:
+        c.program.prepare(cuda[0])
     c.program.stages = c
-    # a weight updated in place (or a module's replaced) compiles again at the next call: a value
-    # folded at compile time is never served stale
-    c.program.guard = _guarded(c.captured, fn)
+    # a module's weight updated in place (or replaced) compiles again at the next call: a value
+    # folded at compile time is not served stale. Only a module's: the tensors a plain function
+    # closes over are exported as constants that share their memory but not their version counter.
+    c.program.guard = _guarded(c.captured, fn) if isinstance(fn, torch.nn.Module) else None
     c.program.rebuild = lambda args: compile(fn, args, arch=arch, graphs=graphs)
     return c.program

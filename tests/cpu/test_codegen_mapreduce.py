@@ -413,6 +413,7 @@ def test_sources_that_differ_only_in_whole_line_comments_share_a_cache_entry(tmp
     changed = src.source + "\n__device__ int tf_extra_symbol;  // code\n"
     assert cache.compile_cached(changed, src.name, "sm_90a", cache=c)[1] is False
     assert cache.code_of("a\n  // b\nc // d") == "a\nc // d"
+    assert cache.code_of("// x \\\nfoo;") != cache.code_of("foo;")  # a comment continued onto the next line
 
 
 def test_threads_compiling_one_key_share_one_compile(tmp_path, monkeypatch):

@@ -67,6 +67,38 @@ def test_a_gemm_prepared_for_cuda_is_not_compiled_again_for_cuda_0(monkeypatch):
     assert len(built) == len(steps)
 
 
+def test_prepare_compiles_for_the_callers_gpu_in_every_worker_thread(monkeypatch):
+    """A thread's current CUDA device is its own (a new thread's is GPU 0): prepare("cuda") on
+    GPU 1 resolves the index in the calling thread, sets it in each worker, and keys the GEMMs
+    as the first call on cuda:1 will ask for them (map-reduce kernels as "cuda", as the runner does)."""
+    import threading
+
+    import tilefuse.runtime.gemm as gemm_mod
+    import tilefuse.runtime.launch as launch_mod
+    import tilefuse.tune.lookup as lookup
+
+    current = threading.local()
+    set_in = []
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: getattr(current, "index", 0))
+    monkeypatch.setattr(torch.cuda, "set_device", lambda i: (set_in.append(i), setattr(current, "index", i)))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(lookup, "tuned_gemm_schedule", lambda *a, **k: None)
+    seen = []
+    monkeypatch.setattr(gemm_mod, "compile_gemm", lambda problem, sched, arch: seen.append(torch.cuda.current_device()))
+    monkeypatch.setattr(launch_mod, "compile_kernel", lambda kernel, arch=None, schedule=None: seen.append(torch.cuda.current_device()))
+    monkeypatch.setattr(program_mod, "PREPARE_THREADS", 4)
+    monkeypatch.setattr(program_mod.os, "cpu_count", lambda: 4)
+    a, w1, w2 = (torch.randn(64, 32, dtype=torch.bfloat16), torch.randn(32, 48, dtype=torch.bfloat16),
+                 torch.randn(48, 40, dtype=torch.bfloat16))
+    p = _prog(lambda a, b, c: torch.softmax(torch.softmax(a @ b, -1) @ c, -1), a, w1, w2)
+    current.index = 1  # the caller works on GPU 1
+    p.prepare("cuda")
+    assert seen and set(seen) == {1} and set(set_in) == {1}
+    gemm_keys = {k[1] for k in p._compiled if k[0] in {lw.epilogue.name for lw in p.gemms.values()}}
+    assert gemm_keys == {"cuda:1"}
+    assert {k[1] for k in p._compiled} == {"cuda:1", "cuda"}
+
+
 def test_prepare_compiles_every_kernel_once_across_threads_and_raises_the_first_failure(monkeypatch):
     """prepare() compiles the plan's kernels in parallel threads: each step's kernel exactly
     once, all of them kept for the first call, and a kernel that fails to compile fails
@@ -88,6 +120,7 @@ def test_prepare_compiles_every_kernel_once_across_threads_and_raises_the_first_
     monkeypatch.setattr(launch_mod, "compile_kernel", lambda kernel, arch=None, schedule=None: fake(kernel.name))
     monkeypatch.setattr(program_mod, "PREPARE_THREADS", 4)
     monkeypatch.setattr(program_mod.os, "cpu_count", lambda: 4)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda index: None)
     a, w1, w2 = (torch.randn(64, 32, dtype=torch.bfloat16), torch.randn(32, 48, dtype=torch.bfloat16),
                  torch.randn(48, 40, dtype=torch.bfloat16))
     p = _prog(lambda a, b, c: torch.softmax(torch.softmax(a @ b, -1) @ c, -1), a, w1, w2)
@@ -351,7 +384,9 @@ def test_a_weight_updated_in_place_compiles_the_program_again():
     with torch.no_grad():
         m[0].weight.mul_(-3)
         m[1].weight.add_(1)
-    after = fast(x)
+    with pytest.warns(UserWarning, match="was updated in place since compiling; compiling the program again"):
+        after = fast(x)
+    assert fast.stages.program is fast
     assert not torch.allclose(after, before)
     assert torch.equal(after, tilefuse.compile(m, (x,))(x))
     torch.testing.assert_close(after, m(x), rtol=1e-5, atol=1e-5)
@@ -364,7 +399,18 @@ def test_a_replaced_parameter_compiles_the_program_again():
     fast = tilefuse.compile(m, (x,))
     fast(x)
     m[0].weight = torch.nn.Parameter(torch.randn(32))
-    torch.testing.assert_close(fast(x), m(x), rtol=1e-5, atol=1e-5)
+    with pytest.warns(UserWarning, match="was replaced by another tensor"):
+        torch.testing.assert_close(fast(x), m(x), rtol=1e-5, atol=1e-5)
+
+
+def test_a_plain_function_gets_no_weight_guard():
+    """A function's closed-over tensors are exported as constants that share memory but not a
+    version counter with them: a guard there could never fire, so none is kept (no per-call cost)."""
+    import tilefuse
+
+    lin = torch.nn.Linear(32, 8)
+    assert tilefuse.compile(lambda a: lin(a), (torch.randn(4, 32),)).guard is None
+    assert tilefuse.compile(lin, (torch.randn(4, 32),)).guard is not None
 
 
 def test_a_call_of_the_wrong_shape_after_an_update_is_still_refused():

@@ -96,7 +96,10 @@ class CubinCache:
 
 def code_of(source: str) -> str:
     """`source` without its whole-line // comments (what the cache keys)."""
-    return "\n".join(line for line in source.splitlines() if not line.lstrip().startswith("//"))
+    # a comment line ending in a backslash continues onto the next line: kept, so that line
+    # is not mistaken for code
+    return "\n".join(line for line in source.splitlines()
+                     if not line.lstrip().startswith("//") or line.rstrip().endswith("\\"))
 
 
 def compile_cached(source: str, name: str, arch: str, options: tuple[str, ...] | None = None,
@@ -121,8 +124,11 @@ def compile_cached(source: str, name: str, arch: str, options: tuple[str, ...] |
         hit = cache.get(key)
         if hit is not None:
             return hit, True
-        return nvrtc.compile_cuda(source, name, arch, opts), False  # its entry could not be stored
+        return nvrtc.compile_cuda(source, name, arch, opts), False  # it failed, or could not store it
     try:
+        hit = cache.get(key)  # stored by a thread that finished between our first look and the lock
+        if hit is not None:
+            return hit, True
         cubin = nvrtc.compile_cuda(source, name, arch, opts)
         cache.put(key, cubin)
     finally:

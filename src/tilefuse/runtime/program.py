@@ -13,6 +13,7 @@ program is captured and replayed, and a result the caller still holds is never o
 from __future__ import annotations
 
 import os
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -83,10 +84,14 @@ class Program:
         if self.rebuild is None:
             raise ValueError(f"{why} since compiling; compile the program again")
         keep = {k: getattr(self, k) for k in ("poison", "graphs", "graph_slots", "graph_clone")}
+        warnings.warn(f"tilefuse: {why} since compiling; compiling the program again (each time a "
+                      f"weight changes: compile once the weights are final)", stacklevel=3)
         fresh = self.rebuild(args)
         self.__dict__.update(fresh.__dict__)
         self.__dict__.update(keep)
         self._entries.clear()
+        if getattr(self, "stages", None) is not None:
+            self.stages.program = self
 
     def _entry(self, tensors, key):
         """First call with this signature: check the arguments (clear errors), build the runner."""
@@ -169,17 +174,32 @@ class Program:
         time: NVRTC runs outside the GIL (the 4-layer Llama's 16 distinct kernels compiled
         cold in ~9 s one at a time)."""
         device = torch.device(device)
-        jobs = [(self.compiled, self.kernels[s.name]) if s.family == "mapreduce" else
-                (self.compiled_gemm, self.gemms[s.name])
-                for s in self.plan.steps if s.family in ("mapreduce", "gemm")]
+        index = None
+        if device.type == "cuda":  # the caller's GPU: a worker thread's current device is GPU 0
+            index = torch.cuda.current_device() if device.index is None else device.index
+            device = torch.device("cuda", index)
+        jobs = [(self.compiled, self.kernels[s.name], torch.device("cuda") if index is not None else device)
+                if s.family == "mapreduce" else (self.compiled_gemm, self.gemms[s.name], device)
+                for s in self.plan.steps if s.family in ("mapreduce", "gemm")]  # keyed as the runner asks
+
+        def job(fn, lowered, dev):
+            if index is not None:
+                torch.cuda.set_device(index)  # this thread's current GPU: its arch, its tuned entries
+            return fn(lowered, dev)
+
         workers = min(len(jobs), os.cpu_count() or 1, PREPARE_THREADS)
         if workers <= 1:
-            for fn, lowered in jobs:
-                fn(lowered, device)
+            for fn, lowered, dev in jobs:
+                fn(lowered, dev)
             return
-        with ThreadPoolExecutor(workers, thread_name_prefix="tilefuse-compile") as pool:
-            for f in [pool.submit(fn, lowered, device) for fn, lowered in jobs]:
-                f.result()  # the first failure, as a sequential loop would raise it
+        pool = ThreadPoolExecutor(workers, thread_name_prefix="tilefuse-compile")
+        try:
+            for f in [pool.submit(job, *j) for j in jobs]:
+                f.result()  # the first failure in plan order, as a sequential loop would raise it
+        except BaseException:
+            pool.shutdown(wait=True, cancel_futures=True)  # the queued compiles are dropped
+            raise
+        pool.shutdown(wait=True)
 
 
 def _tensor_leaves(args) -> tuple:
