@@ -67,8 +67,10 @@ class Program:
         if kwargs:
             raise TypeError(f"a compiled program takes its inputs by position, in the order of the example "
                             f"inputs it was compiled with; got keyword argument(s) {', '.join(kwargs)}")
-        if self.guard is not None and self.guard():
-            self._recompile(args)
+        if self.guard is not None:
+            why = self.guard()
+            if why:
+                self._recompile(args, why)
         tensors = args if all([type(a) is torch.Tensor for a in args]) else _tensor_leaves(args)
         key = (signature(tensors), self.poison, self.graphs)
         run = self._entries.get(key)
@@ -76,10 +78,9 @@ class Program:
             run = self._entry(tensors, key)
         return self._pack(run(tensors))
 
-    def _recompile(self, args):
+    def _recompile(self, args, why: str):
         """Weights changed since compiling: become the program compiled from them now (the
         caller's settings kept); without a way to rebuild, say so rather than run stale values."""
-        why = self.guard()
         check_inputs(self.graph, args if all([type(a) is torch.Tensor for a in args]) else _tensor_leaves(args))
         if self.rebuild is None:
             raise ValueError(f"{why} since compiling; compile the program again")
