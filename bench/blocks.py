@@ -16,11 +16,17 @@ randomised so folding them is exercised):
            heads; --cases hf_qwen2; needs transformers)
 
 Each tilefuse result is checked against a float64 reference under the 2x rule before it is
-timed. Times are medians of CUDA-event timings (analyze.bench.median_ms, L2 flushed by a read), all
-three measured in the same run, in --rounds rounds (default 3) with the order rotated from round
-to round, each one's time the median of its rounds (the JSON keeps every round's); compile times are wall time of the first call (torch.compile
-compiles lazily) or of tilefuse.compile plus its first call; host us is the Python time of one
-call with the GPU idle (tilefuse replays a CUDA graph). Prints a table last.
+timed. All three are timed in the same run, in --rounds rounds (default 3) with the order rotated
+from round to round, each one's time the median of its rounds (the JSON keeps every round's).
+Each timing first runs that implementation back to back for --settle seconds (default 1), so it
+is timed at its own steady clock under the GPU's power limit, not at the one its predecessor
+left; then (--timing sustained, the default) CUDA events around ~0.5 s of back-to-back forwards
+give its ms per forward, as a model runs in continuous use (analyze.bench.sustained_ms); or
+(--timing per-call) the median of single forwards with L2 flushed before each
+(analyze.bench.median_ms), which moved by +-5% from round to round here. Compile times are
+wall time of the first call (torch.compile compiles lazily) or of tilefuse.compile plus its
+first call; host us is the Python time of one call with the GPU idle (tilefuse replays a CUDA
+graph). Prints a table last.
 """
 from __future__ import annotations
 
@@ -39,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import tilefuse  # noqa: E402
 from tilefuse import models  # noqa: E402
-from tilefuse.analyze.bench import host_us, median_ms  # noqa: E402
+from tilefuse.analyze.bench import host_us, median_ms, settle, sustained_ms  # noqa: E402
 from tilefuse.check import compare, flatten, float64_reference  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -113,6 +119,8 @@ def build(case: str):
 
 PROFILE = False
 ROUNDS = 1  # --rounds
+SETTLE = 1.0  # --settle, seconds
+TIMING = "sustained"  # --timing
 TUNER = None  # bench/tuning.py's tuner when --tune
 
 
@@ -162,7 +170,11 @@ def run_case(case: str) -> dict:
         per: dict = {k: [] for k in names}
         for i in range(ROUNDS):  # each once per round, the order rotated; the median of the rounds
             for k in names[i % len(names):] + names[:i % len(names)]:
-                per[k].append(median_ms(runs[k]))
+                if TIMING == "sustained":
+                    per[k].append(sustained_ms(runs[k], seconds=0.5, settle_s=SETTLE))
+                else:
+                    settle(runs[k], SETTLE)
+                    per[k].append(median_ms(runs[k]))
         for k in names:
             row[f"{k}_ms"] = float(statistics.median(per[k]))
             row[f"{k}_rounds_ms"] = per[k]
@@ -188,11 +200,20 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=3,
                     help="time eager, torch.compile and tilefuse once per round, the order rotated, and report "
                          "each one's median over the rounds (default 3)")
+    ap.add_argument("--timing", choices=("sustained", "per-call"), default="sustained",
+                    help="sustained (default): ms per forward over ~0.5 s of back-to-back forwards; per-call: the "
+                         "median of single forwards, L2 flushed before each (the method before session 23)")
+    ap.add_argument("--settle", type=float, default=1.0,
+                    help="seconds each implementation runs back to back before each of its timings, so it is "
+                         "timed at its own steady (power-limited) clock, not its predecessor's (default 1.0; "
+                         "0: none)")
     args = ap.parse_args(argv)
     if args.rounds < 1:
         ap.error(f"--rounds must be at least 1, not {args.rounds}")
-    global PROFILE, TUNER, ROUNDS
-    PROFILE, ROUNDS = args.profile, args.rounds
+    if args.settle < 0:
+        ap.error(f"--settle must be 0 or more seconds, not {args.settle}")
+    global PROFILE, TUNER, ROUNDS, SETTLE, TIMING
+    PROFILE, ROUNDS, SETTLE, TIMING = args.profile, args.rounds, args.settle, args.timing
     TUNER = tuning.make_tuner() if args.tune else None
     rows = []
     for case in args.cases.split(","):
@@ -211,7 +232,7 @@ def main(argv=None) -> int:
     except ImportError:
         hf_version = None
     result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "transformers": hf_version,
-              "tuned": TUNER is not None, "rows": rows}
+              "tuned": TUNER is not None, "timing": TIMING, "settle_s": SETTLE, "rows": rows}
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=1))

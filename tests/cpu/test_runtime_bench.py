@@ -103,3 +103,55 @@ def test_compare_interleaves_rounds_and_takes_each_implementations_median(monkey
     assert order == ["tilefuse", "eager", "eager", "tilefuse"] * 2 + ["tilefuse", "eager"]
     with pytest.raises(ValueError, match="rounds"):
         bench.compare(prog, module, (), nbytes=1, copy_bps=1e12, with_compile=False, rounds=0)
+
+
+def test_settle_queues_calls_back_to_back_for_about_the_time_asked(monkeypatch):
+    """settle syncs once before, once after the sizing call and once at the end: no sync between
+    the queued calls (a sync would let the GPU idle and cool); as many calls as fit the time."""
+    log = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: log.append("sync"))
+    bench.settle(lambda: (log.append("call"), time.sleep(0.002)), seconds=0.02)
+    calls = log.count("call")
+    assert 5 <= calls <= 12  # one sizing call (~2 ms) then ~0.02 / 0.002 more
+    assert log[:3] == ["sync", "call", "sync"] and log[-1] == "sync"
+    assert "sync" not in log[3:-1]
+    log.clear()
+    bench.settle(lambda: log.append("call"), seconds=0)
+    assert log == []
+
+
+def test_sustained_ms_times_back_to_back_calls_between_two_events(monkeypatch):
+    """After settling, one pair of events brackets n >= 5 back-to-back calls and the result is
+    the elapsed time over n: the time per call in continuous use, no flush."""
+    _FakeEvent.log = []
+    monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    settled = []
+    monkeypatch.setattr(bench, "settle", lambda fn, s: settled.append(s))
+    monkeypatch.setattr(bench, "_read_flush", lambda: pytest.fail("sustained timing must not flush"))
+    ms = bench.sustained_ms(lambda: _FakeEvent.log.append(("call", None)), seconds=0.0, settle_s=1.5)
+    kinds = [k for k, _ in _FakeEvent.log]
+    first, last = kinds.index("record"), len(kinds) - 1 - kinds[::-1].index("record")
+    n = kinds[first:last].count("call")
+    assert settled == [1.5] and n >= 5 and kinds.count("record") == 2
+    assert ms == (last - first) / n  # the fake clock: one unit per log entry
+
+
+def test_compare_sustained_times_each_implementation_with_sustained_ms(monkeypatch):
+    """sustained=True: every timing goes through sustained_ms, none through the flushed median."""
+    used = []
+    monkeypatch.setattr(bench, "sustained_ms", lambda fn: (used.append("sustained"), 2.0)[1])
+    monkeypatch.setattr(bench, "median_ms", lambda fn: pytest.fail("per-call timing used"))
+    monkeypatch.setattr(bench, "host_us", lambda fn: 1.0)
+    rows = bench.compare(lambda *a: None, lambda *a: None, (), nbytes=10**6, copy_bps=1e12, with_compile=False,
+                         rounds=3, sustained=True)
+    assert used == ["sustained"] * 6 and {r.name: r.ms for r in rows} == {"tilefuse": 2.0, "eager": 2.0}
+
+
+def test_sustained_timing_only_for_matrix_products_whose_data_outgrow_l2():
+    """Back-to-back timing would find a small program's data still in L2: those keep the flushed
+    single calls; so do programs without matrix products (memory-bound: no clock to settle)."""
+    l2 = 50 << 20
+    assert bench.sustained_timing(10**12, 2 * l2, l2)
+    assert not bench.sustained_timing(10**12, 2 * l2 - 1, l2)
+    assert not bench.sustained_timing(0, 100 * l2, l2)

@@ -7,6 +7,14 @@ H100, bench/LOG.md). Bytes are the program's unavoidable traffic: every input an
 once, every output written once. The copy ceiling is a device-to-device copy measured in
 the same run, counting bytes read plus bytes written.
 
+Matrix-bound programs are timed differently. Large bf16 GEMMs hold an H100 at its power limit,
+where the SM clock falls from 1980 MHz to ~1.5 GHz within a few hundred ms, and how far it falls
+depends on the energy the work takes. A short timing window right after another implementation
+inherits that one's clock (and a rotated order of three keeps who follows whom). So each such
+implementation first runs back to back on its own (`settle`), and `sustained_ms` times it in
+continuous use, as a serving or training loop runs it: events around back-to-back calls, no flush
+(the weights of such a program are far larger than L2 anyway). bench/LOG_blocks.md, session 23.
+
 Host overhead is the other half of a small program's time: the wall time of one Python
 call with the GPU idle (synchronize, then time the call until it returns, median). When
 it exceeds the GPU time, a loop of calls is bound by the host, whatever the kernels do.
@@ -72,6 +80,38 @@ def timings_ms(fn, warmup: int = 25, rep: int = 100, flush: str = "read") -> lis
     return [s.elapsed_time(e) for s, e in ev]
 
 
+def settle(fn, seconds: float) -> None:
+    """Run `fn` back to back for about `seconds` (calls queued without a sync between them, so the
+    GPU never idles): afterwards the GPU's clock is the steady one this work holds it at."""
+    if seconds <= 0:
+        return
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    for _ in range(int(seconds / max(time.perf_counter() - t0, 1e-5))):
+        fn()
+    torch.cuda.synchronize()
+
+
+def sustained_ms(fn, seconds: float = 0.5, settle_s: float = 1.0) -> float:
+    """ms per call of `fn` in continuous use: `settle_s` back to back first, then CUDA events
+    around back-to-back calls for about `seconds` (at least 5 calls)."""
+    settle(fn, settle_s)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    n = max(5, int(seconds / max(time.perf_counter() - t0, 1e-5)))
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(n):
+        fn()
+    b.record()
+    torch.cuda.synchronize()
+    return a.elapsed_time(b) / n
+
+
 def median_ms(fn, warmup: int = 25, rep: int = 100, flush: str = "read") -> float:
     """The median of `timings_ms` (see there for `flush`)."""
     return float(statistics.median(timings_ms(fn, warmup, rep, flush)))
@@ -115,14 +155,17 @@ class Row:
 
 
 def compare(prog, module, inputs, nbytes: int, copy_bps: float | None = None, with_compile=True,
-            extra: dict | None = None, rounds: int = 1) -> list[Row]:
+            extra: dict | None = None, rounds: int = 1, sustained: bool = False) -> list[Row]:
     """Time tilefuse, eager, torch.compile (and any `extra` named callables) in this run.
 
     rounds > 1: each implementation is timed once per round, the order rotated from round to
     round, and its time is the median of its rounds (a 13 us kernel's one-off median moves by
-    a few % with the GPU's state; interleaving puts the baselines through the same states)."""
+    a few % with the GPU's state; interleaving puts the baselines through the same states).
+    sustained: each timing is `sustained_ms` (its own steady clock, back to back) instead of the
+    median of single calls with L2 flushed: for matrix-bound programs (see the module's note)."""
     if rounds < 1:
         raise ValueError(f"rounds must be at least 1, not {rounds}")
+    timed = sustained_ms if sustained else median_ms
     copy_bps = copy_bps or copy_bandwidth()
     runs = {"tilefuse": lambda: prog(*inputs)}
     with torch.no_grad():
@@ -139,7 +182,7 @@ def compare(prog, module, inputs, nbytes: int, copy_bps: float | None = None, wi
         per: dict = {k: [] for k in names}
         for i in range(rounds):
             for k in names[i % len(names):] + names[:i % len(names)]:
-                per[k].append(median_ms(runs[k]))
+                per[k].append(timed(runs[k]))
         times = {k: float(statistics.median(per[k])) for k in names}
         hosts = {k: host_us(f) for k, f in runs.items()}
     base = times["tilefuse"]
@@ -151,11 +194,15 @@ def bench_program(prog, module, inputs, stages):
     from rich.table import Table
 
     copy_bps = copy_bandwidth()
-    rows = compare(prog, module, inputs, program_bytes(stages.graph), copy_bps)
-    table = Table(title=f"{torch.cuda.get_device_name()}: copy {copy_bps / 1e12:.2f} TB/s",
+    flops, nbytes = program_flops(stages.plan), program_bytes(stages.graph)
+    l2 = torch.cuda.get_device_properties(torch.cuda.current_device()).L2_cache_size
+    sustained = sustained_timing(flops, nbytes, l2)
+    rows = compare(prog, module, inputs, nbytes, copy_bps, sustained=sustained)
+    how = ("ms per call back to back, each after 1 s of its own calls (the GPU's steady clock)" if sustained
+           else "median of single calls, L2 flushed before each")
+    table = Table(title=f"{torch.cuda.get_device_name()}: copy {copy_bps / 1e12:.2f} TB/s; {how}",
                   caption="host: one call's Python time with the GPU idle; above the GPU time, a loop is host-bound"
                           + _graph_note(prog))
-    flops = program_flops(stages.plan)
     cols = ["impl", "time (us)", "GB/s", "% of copy"] + (["TFLOP/s"] if flops else []) + ["time / tilefuse",
                                                                                          "host us/call"]
     for col in cols:
@@ -166,6 +213,13 @@ def bench_program(prog, module, inputs, stages):
         table.add_row(r.name, f"{r.ms * 1e3:.1f}", f"{r.gbps:.0f}", f"{r.pct_copy:.0f}%", *rate,
                       f"{r.vs_tilefuse:.2f}x", f"{r.host_us:.1f}{bound}")
     return table
+
+
+def sustained_timing(flops: int, nbytes: int, l2_bytes: int) -> bool:
+    """Time back to back at the steady clock (`sustained_ms`) a program with matrix products whose
+    data cannot stay in L2 from one call to the next (twice the L2 or more); else single calls
+    with L2 flushed, so that no call finds the last one's data there."""
+    return flops > 0 and nbytes >= 2 * l2_bytes
 
 
 def program_flops(plan) -> int:

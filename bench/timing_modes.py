@@ -1,0 +1,107 @@
+"""One block under several timing methods, SM clock and power sampled throughout.
+
+    python3 bench/timing_modes.py [case]    (a bench/blocks.py case, default llama4; JSON to $OUT)
+
+Session 23 asked why a timed tilefuse forward of the 4-layer Llama took ~11% more than its
+profiled kernel span while torch.compile's timed time matched its profile. Per implementation,
+two rounds of: a profile from idle (cold clock), the flushed per-call median, the unflushed
+median, 30 and 200 back-to-back calls, a profile right after (hot clock); nvidia-smi logs the
+clock, power and temperature of each phase. Answer (bench/LOG_blocks.md): the power limit.
+"""
+import json, os, statistics, subprocess, sys, time
+from pathlib import Path
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import torch
+import blocks
+import tilefuse
+from tilefuse.analyze.bench import timings_ms
+
+case = sys.argv[1] if len(sys.argv) > 1 else "llama4"
+OUT = os.environ.get("OUT", "/tmp")
+smi = subprocess.Popen(["nvidia-smi", "--query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu",
+                        "--format=csv,noheader,nounits", "-lms", "20"], stdout=subprocess.PIPE, text=True)
+marks = []  # (wall time, label)
+
+
+def mark(label):
+    torch.cuda.synchronize()
+    marks.append((time.time(), label))
+
+
+m, inputs, tokens = blocks.build(case)
+with torch.no_grad():
+    prog = tilefuse.compile(m, inputs)
+    tc = torch.compile(m)
+    impls = {"tilefuse": lambda: prog(*inputs), "torch_compile": lambda: tc(*inputs)}
+    for f in impls.values():
+        for _ in range(3):
+            f()
+    torch.cuda.synchronize()
+
+    def span(fn, calls=5):
+        from torch.profiler import ProfilerActivity, profile
+        with profile(activities=[ProfilerActivity.CUDA]) as p:
+            for _ in range(calls):
+                fn()
+            torch.cuda.synchronize()
+        ev = [e for e in p.events() if e.device_type.name == "CUDA"]
+        ev.sort(key=lambda e: e.time_range.start)
+        busy = sum(e.time_range.end - e.time_range.start for e in ev)
+        total = ev[-1].time_range.end - ev[0].time_range.start
+        return total / calls / 1e3, busy / calls / 1e3, len(ev) // calls
+
+    def loop_ms(fn, n=30):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(n):
+            fn()
+        b.record()
+        torch.cuda.synchronize()
+        return a.elapsed_time(b) / n
+
+    res = {k: {} for k in impls}
+    for rnd in range(2):
+        for k, f in impls.items():
+            time.sleep(1.0)
+            mark(f"{k}:idle-profile-start")
+            res[k].setdefault("profile_cold", []).append(span(f))
+            mark(f"{k}:read-start")
+            res[k].setdefault("timed_read", []).append(statistics.median(timings_ms(f, 25, 100, "read")))
+            mark(f"{k}:none-start")
+            res[k].setdefault("timed_none", []).append(statistics.median(timings_ms(f, 25, 100, "none")))
+            mark(f"{k}:loop-start")
+            res[k].setdefault("loop30", []).append(loop_ms(f))
+            mark(f"{k}:hotprofile-start")
+            res[k].setdefault("profile_hot", []).append(span(f))
+            mark(f"{k}:long-start")
+            res[k].setdefault("loop200", []).append(loop_ms(f, 200))
+            mark(f"{k}:end")
+    stats = [g.stats for g in prog._graphed.values()]
+
+smi.terminate()
+samples = []
+for line in smi.stdout.read().splitlines():
+    try:
+        ts, clk, pw, temp = [x.strip() for x in line.split(",")]
+        t = time.mktime(time.strptime(ts.split(".")[0], "%Y/%m/%d %H:%M:%S")) + float("0." + ts.split(".")[1])
+        samples.append((t, float(clk), float(pw), float(temp)))
+    except Exception:
+        pass
+phases = []
+for (t0, lab), (t1, _) in zip(marks, marks[1:]):
+    s = [x for x in samples if t0 <= x[0] < t1]
+    if s and not lab.endswith(":end"):
+        phases.append((lab, t1 - t0, statistics.mean(x[1] for x in s), statistics.mean(x[2] for x in s),
+                       max(x[3] for x in s)))
+json.dump({"gpu": torch.cuda.get_device_name(), "res": res, "phases": phases, "graph_stats": stats},
+          open(f"{OUT}/timing_modes_{case}.json", "w"), indent=1)
+print("graph stats", stats)
+print(f"{'phase':32s} {'s':>6s} {'MHz':>6s} {'W':>6s} {'C':>4s}")
+for p in phases:
+    print(f"{p[0]:32s} {p[1]:6.2f} {p[2]:6.0f} {p[3]:6.0f} {p[4]:4.0f}")
+for k, r in res.items():
+    print(k)
+    for mode, v in r.items():
+        print(f"  {mode:14s}", "  ".join(str(tuple(round(y, 3) for y in x)) if isinstance(x, tuple) else f"{x:.3f}"
+                                         for x in v))
