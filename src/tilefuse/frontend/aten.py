@@ -529,6 +529,15 @@ def _target_logit(b, xf, target):
     return b.reduce("sum", b.map("where", hit, xf, b.scalar(0.0, xf)), (1,), False)
 
 
+def _nan_outside_classes(b, loss, target, valid, classes: int):
+    """NaN where a target that is not ignore_index lies outside [0, classes). Eager stops there
+    with a device-side assert; the masked row sum of `_target_logit` would find no column and
+    give the log-sum-exp alone, a plausible loss. A NaN carries through the mean, so it is seen."""
+    inside = b.map("and", b.map("ge", target, b.scalar(0, target)), b.map("lt", target, b.scalar(classes, target)))
+    fine = b.map("or", inside, b.map("not", valid))
+    return b.map("where", fine, loss, b.scalar(float("nan"), loss))
+
+
 def _reduce_loss(b, loss, valid, reduction):
     if reduction == 0:  # none
         return loss
@@ -556,6 +565,7 @@ def _cross_entropy(b, args, kwargs, out):
     loss = b.map("sub", b.reshape(lse, b.type(target).shape), _target_logit(b, xf, target))
     valid = b.map("ne", target, b.scalar(ignore, target))
     loss = b.map("where", valid, loss, b.scalar(0.0, loss))
+    loss = _nan_outside_classes(b, loss, target, valid, b.type(x).shape[1])
     return b.cast(_reduce_loss(b, loss, valid, reduction), out.dtype)
 
 
@@ -571,4 +581,5 @@ def _nll_loss(b, args, kwargs, out):
     loss = b.map("neg", _target_logit(b, xf, target))
     valid = b.map("ne", target, b.scalar(ignore, target))
     loss = b.map("where", valid, loss, b.scalar(0.0, loss))
+    loss = _nan_outside_classes(b, loss, target, valid, b.type(x).shape[1])
     return b.cast(_reduce_loss(b, loss, valid, reduction), out.dtype)
