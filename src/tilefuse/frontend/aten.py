@@ -212,7 +212,8 @@ def _dims(arg, rank):
         return tuple(range(rank))
     if isinstance(arg, int):
         arg = [arg]
-    return tuple(wrap_dim(a, rank) for a in arg)
+    dims = tuple(wrap_dim(a, rank) for a in arg)  # checked: a scalar's dim is -1 or 0
+    return dims if rank else ()  # a scalar reduces over no axes (one element)
 
 
 def _reduction(op):

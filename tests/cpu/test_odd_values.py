@@ -1,4 +1,5 @@
-"""Class targets outside [0, C): eager stops with an assert; a compiled loss must not look plausible."""
+"""Inputs at the edges of an op's domain: out-of-range class targets (eager stops with an assert;
+a compiled loss must not look plausible) and reductions of 0-d tensors over their one dim."""
 import math
 
 import pytest
@@ -35,3 +36,18 @@ def test_a_target_outside_the_classes_gives_nan_not_a_plausible_loss(loss, bad_t
         prog = tilefuse.compile(loss(reduction), [x, t])
         torch.testing.assert_close(prog(x, t), loss(reduction)(x, t))  # in range: unchanged
         assert math.isnan(prog(x, bad))
+
+
+@pytest.mark.parametrize("fn", [lambda x: x.var(0), lambda x: x.std(-1), lambda x: x.var(0, correction=0),
+                                lambda x: x.mean(0, keepdim=True)], ids=["var0", "std-1", "var0_c0", "mean0_keep"])
+def test_reductions_of_a_scalar_over_its_one_dim_match_eager(fn):
+    """A 0-d tensor's dim 0 (or -1) is its one element: var with correction 1 is NaN, as eager's."""
+    import warnings
+
+    x = torch.randn(())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # eager warns that the degrees of freedom are <= 0
+        want = fn(x)
+    got = tilefuse.compile(fn, [x])(x)
+    assert got.shape == want.shape
+    torch.testing.assert_close(got, want, equal_nan=True)
