@@ -24,6 +24,9 @@ for case in sys.argv[1].split(","):
         print(case, settle, {k: r.get(k) for k in ("eager_rounds_ms", "torch_compile_rounds_ms", "tilefuse_rounds_ms", "vs_torch_compile")}, flush=True)
         torch._dynamo.reset()
         torch.cuda.empty_cache()
-json.dump({"gpu": torch.cuda.get_device_name(), "rows": rows}, open(os.environ["OUT"] + "/settle_ab_s23.json", "w"), indent=1)
+json.dump({"gpu": torch.cuda.get_device_name(), "rows": rows}, open(os.environ.get("OUT", "/tmp") + "/settle_ab_s23.json", "w"), indent=1)
 for r in rows:
+    if "error" in r:
+        print(f"{r['case']:8} settle {r['settle']:.0f}  {r['error']}")
+        continue
     print(f"{r['case']:8} settle {r['settle']:.0f}  eager {r['eager_ms']:.3f}  t.c {r['torch_compile_ms']:.3f}  tf {r['tilefuse_ms']:.3f}  vs t.c {r['vs_torch_compile']:.3f}")

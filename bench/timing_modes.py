@@ -2,25 +2,26 @@
 
     python3 bench/timing_modes.py [case]    (a bench/blocks.py case, default llama4; JSON to $OUT)
 
-Session 23 asked why a timed tilefuse forward of the 4-layer Llama took ~11% more than its
+Session 23 asked why a timed tilefuse forward of the 4-layer Llama took ~12% more than its
 profiled kernel span while torch.compile's timed time matched its profile. Per implementation,
 two rounds of: a profile from idle (cold clock), the flushed per-call median, the unflushed
 median, 30 and 200 back-to-back calls, a profile right after (hot clock); nvidia-smi logs the
-clock, power and temperature of each phase. Answer (bench/LOG_blocks.md): the power limit.
+clock and power of each phase (power.draw.instant where the driver has it; session 23's run
+logged power.draw, a trailing 1 s average, and its temperature). Answer (bench/LOG_blocks.md): the power limit.
 """
-import json, os, statistics, subprocess, sys, time
+import json, os, statistics, sys, time
 from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch
 import blocks
+import power_state
 import tilefuse
 from tilefuse.analyze.bench import timings_ms
 
 case = sys.argv[1] if len(sys.argv) > 1 else "llama4"
 OUT = os.environ.get("OUT", "/tmp")
-smi = subprocess.Popen(["nvidia-smi", "--query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu",
-                        "--format=csv,noheader,nounits", "-lms", "20"], stdout=subprocess.PIPE, text=True)
+sampler = power_state.Sampler()  # drains nvidia-smi as it writes; instant power where the driver has it
 marks = []  # (wall time, label)
 
 
@@ -79,27 +80,19 @@ with torch.no_grad():
             mark(f"{k}:end")
     stats = [g.stats for g in prog._graphed.values()]
 
-smi.terminate()
-samples = []
-for line in smi.stdout.read().splitlines():
-    try:
-        ts, clk, pw, temp = [x.strip() for x in line.split(",")]
-        t = time.mktime(time.strptime(ts.split(".")[0], "%Y/%m/%d %H:%M:%S")) + float("0." + ts.split(".")[1])
-        samples.append((t, float(clk), float(pw), float(temp)))
-    except Exception:
-        pass
+samples = sampler.stop()
 phases = []
 for (t0, lab), (t1, _) in zip(marks, marks[1:]):
     s = [x for x in samples if t0 <= x[0] < t1]
     if s and not lab.endswith(":end"):
-        phases.append((lab, t1 - t0, statistics.mean(x[1] for x in s), statistics.mean(x[2] for x in s),
-                       max(x[3] for x in s)))
-json.dump({"gpu": torch.cuda.get_device_name(), "res": res, "phases": phases, "graph_stats": stats},
+        phases.append((lab, t1 - t0, statistics.mean(x[1] for x in s), statistics.mean(x[2] for x in s)))
+json.dump({"gpu": torch.cuda.get_device_name(), "power_field": sampler.fields, "res": res, "phases": phases,
+           "graph_stats": stats},
           open(f"{OUT}/timing_modes_{case}.json", "w"), indent=1)
 print("graph stats", stats)
-print(f"{'phase':32s} {'s':>6s} {'MHz':>6s} {'W':>6s} {'C':>4s}")
+print(f"{'phase':32s} {'s':>6s} {'MHz':>6s} {'W':>6s}")
 for p in phases:
-    print(f"{p[0]:32s} {p[1]:6.2f} {p[2]:6.0f} {p[3]:6.0f} {p[4]:4.0f}")
+    print(f"{p[0]:32s} {p[1]:6.2f} {p[2]:6.0f} {p[3]:6.0f}")
 for k, r in res.items():
     print(k)
     for mode, v in r.items():

@@ -344,10 +344,12 @@ def cmd_run_model(args) -> int:
             from .analyze.bench import median_ms, sustained_ms, sustained_timing
 
             weights = sum(p.numel() * p.element_size() for p in model.parameters())
+            tokens = inputs[0].numel()  # the ids: every weight meets every token once (2 FLOPs)
             l2 = torch.cuda.get_device_properties(torch.cuda.current_device()).L2_cache_size
-            # a model too large for L2 has matrix products that set the GPU's clock: each is timed
+            # a matrix-bound model too large for L2 sets the GPU's clock by its power: each is timed
             # back to back at its own steady clock (analyze.bench), else single calls, L2 flushed
-            sustained = sustained_timing(1, weights, l2)
+            flops = 2 * sum(p.numel() for p in model.parameters()) * tokens
+            sustained = sustained_timing(flops, weights, l2)
             timed = sustained_ms if sustained else median_ms
             how = ("ms per forward back to back, each after 1 s of its own (the GPU's steady clock)" if sustained
                    else "median of single forwards, L2 flushed before each")

@@ -80,24 +80,32 @@ def timings_ms(fn, warmup: int = 25, rep: int = 100, flush: str = "read") -> lis
     return [s.elapsed_time(e) for s, e in ev]
 
 
-def settle(fn, seconds: float) -> None:
-    """Run `fn` back to back for about `seconds` (calls queued without a sync between them, so the
-    GPU never idles): afterwards the GPU's clock is the steady one this work holds it at."""
+def settle(fn, seconds: float, chunk: float = 0.1) -> None:
+    """Run `fn` back to back for `seconds` of wall time: afterwards the GPU's clock is the steady
+    one this work holds it at. A first call is made and not counted (a compiled program captures
+    its CUDA graph on an early call, several times slower than a replay: sizing the loop by it cut
+    a 1 s settle to 0.2 s); then calls are queued in chunks of about `chunk` seconds, each sized by
+    one call, with a sync between chunks only (the GPU idles for one launch, not between calls)."""
     if seconds <= 0:
         return
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
     fn()
     torch.cuda.synchronize()
-    for _ in range(int(seconds / max(time.perf_counter() - t0, 1e-5))):
+    end = time.perf_counter() + seconds
+    while (left := end - time.perf_counter()) > 0:
+        t0 = time.perf_counter()
         fn()
-    torch.cuda.synchronize()
+        torch.cuda.synchronize()
+        per = max(time.perf_counter() - t0, 1e-5)
+        for _ in range(int(min(chunk, left) / per)):
+            fn()
+        torch.cuda.synchronize()
 
 
 def sustained_ms(fn, seconds: float = 0.5, settle_s: float = 1.0) -> float:
     """ms per call of `fn` in continuous use: `settle_s` back to back first, then CUDA events
     around back-to-back calls for about `seconds` (at least 5 calls)."""
     settle(fn, settle_s)
+    fn()  # settle_s=0: a first call is no measure of the next ones (see settle)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     fn()
@@ -215,11 +223,16 @@ def bench_program(prog, module, inputs, stages):
     return table
 
 
+MATRIX_BOUND_FLOP_PER_BYTE = 100  # an H100's ridge is ~250 (764 TFLOP/s over 3.0 TB/s); past 100 its
+                                  # tensor cores are busy enough to hold it near its power limit
+
+
 def sustained_timing(flops: int, nbytes: int, l2_bytes: int) -> bool:
-    """Time back to back at the steady clock (`sustained_ms`) a program with matrix products whose
-    data cannot stay in L2 from one call to the next (twice the L2 or more); else single calls
-    with L2 flushed, so that no call finds the last one's data there."""
-    return flops > 0 and nbytes >= 2 * l2_bytes
+    """Time back to back at the steady clock (`sustained_ms`) a matrix-bound program (at least
+    MATRIX_BOUND_FLOP_PER_BYTE) whose data cannot stay in L2 from one call to the next (twice
+    the L2 or more); else single calls with L2 flushed, so that no call finds the last one's data
+    there (a memory-bound program does not draw the power that moves the clock)."""
+    return nbytes >= 2 * l2_bytes and flops >= MATRIX_BOUND_FLOP_PER_BYTE * nbytes
 
 
 def program_flops(plan) -> int:
