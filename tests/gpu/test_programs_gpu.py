@@ -161,3 +161,25 @@ def test_add_rmsnorm_cast_on_many_fresh_inputs(dtype):
     if enabled_by_env():
         (info,) = prog.graph_info()
         assert info["graphs"] and info["replays"] == 199, info
+
+
+@pytest.mark.parametrize("shape", [(33, 1000), (64, 32768)], ids=str)
+def test_cross_entropy_with_a_target_outside_the_classes_is_nan_on_the_gpu(shape):
+    """The generated row kernels (short rows and cluster rows) make the out-of-range row's loss
+    NaN, and so the mean; ignore_index rows stay 0 and the rest match eager."""
+    rows, classes = shape
+    x = torch.randn(rows, classes, device="cuda", dtype=torch.bfloat16)
+    t = torch.randint(0, classes, (rows,), device="cuda")
+    t[1] = -100
+    bad = t.clone()
+    bad[5] = classes
+    per_row = tilefuse.compile(_xent_rows, [x, t])
+    got, eager = per_row(x, bad), _xent_rows(x, t)
+    ref = F.cross_entropy(x.double(), t, reduction="none")
+    assert torch.isnan(got[5]) and got[1] == 0
+    keep = torch.ones(rows, dtype=torch.bool, device="cuda")
+    keep[5] = False
+    c = compare("rows", got[keep], ref[keep], eager[keep])  # the 2x rule on the rows in range
+    assert c.ok, c
+    mean = tilefuse.compile(_xent, [x, t])
+    assert torch.isnan(mean(x, bad)) and not torch.isnan(mean(x, t))
