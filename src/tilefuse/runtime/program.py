@@ -56,6 +56,7 @@ class Program:
         self._runners: dict = {}   # (device, poison) -> Runner
         self._entries: dict = {}   # (signature, poison, graphs) -> callable(tensors) -> flat outputs
         self._graphed: dict = {}   # (signature, poison) -> graphs.Graphed
+        self._grad_warned = False  # warned once that results carry no gradient
         if self.gemms is None:
             self.gemms = {}
         if self.graphs is None and not cuda_graphs.enabled_by_env():
@@ -72,6 +73,11 @@ class Program:
             if why:
                 self._recompile(args, why)
         tensors = args if all([type(a) is torch.Tensor for a in args]) else _tensor_leaves(args)
+        if not self._grad_warned and torch.is_grad_enabled() and any([t.requires_grad for t in tensors]):
+            self._grad_warned = True
+            warnings.warn("tilefuse: an input requires grad, but a compiled program has no backward: its results "
+                          "carry no gradient (run it under torch.no_grad() or torch.inference_mode(), or detach "
+                          "the inputs)", stacklevel=2)
         key = (signature(tensors), self.poison, self.graphs)
         run = self._entries.get(key)
         if run is None:

@@ -1,0 +1,37 @@
+"""Compiled programs have no backward: an input that requires grad gets one warning, not silence."""
+import warnings
+
+import pytest
+import torch
+
+import tilefuse
+
+
+def _prog():
+    m = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU())
+    return tilefuse.compile(m, (torch.randn(4, 8),))
+
+
+def test_an_input_that_requires_grad_warns_once_that_results_carry_no_gradient():
+    prog, x = _prog(), torch.randn(4, 8, requires_grad=True)
+    with pytest.warns(UserWarning, match="no backward"):
+        y = prog(x)
+    assert y.grad_fn is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        prog(x)  # once per program
+
+
+@pytest.mark.parametrize("how", ["no_grad", "inference_mode", "plain input"])
+def test_no_warning_where_no_gradient_is_asked_for(how):
+    """Weights that require grad (every nn.Module's) are not a request for one: only inputs in grad mode are."""
+    prog = _prog()
+    x = torch.randn(4, 8, requires_grad=how != "plain input")
+    ctx = {"no_grad": torch.no_grad, "inference_mode": torch.inference_mode}.get(how)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        if ctx:
+            with ctx():
+                prog(x)
+        else:
+            prog(x)
