@@ -202,7 +202,8 @@ def main(argv=None) -> int:
                          "each one's median over the rounds (default 3)")
     ap.add_argument("--timing", choices=("sustained", "per-call"), default="sustained",
                     help="sustained (default): ms per forward over ~0.5 s of back-to-back forwards; per-call: the "
-                         "median of single forwards, L2 flushed before each (with --settle 0: the method before session 23)")
+                         "median of single forwards, L2 flushed before each (with --settle 0: the method before "
+                         "session 23)")
     ap.add_argument("--settle", type=float, default=1.0,
                     help="seconds each implementation runs back to back before each of its timings, so it is "
                          "timed at its own steady (power-limited) clock, not its predecessor's (default 1.0; "

@@ -56,9 +56,17 @@ SHAPES = [(4096, 4096, 4096), (6144, 6144, 6144), (8192, 8192, 8192), (8192, 409
 REP_MS = 300
 
 
-def median_ms(fn) -> float:
-    from tilefuse.analyze.bench import median_ms as timed
+TIMING = "per-call"  # --timing
 
+
+def median_ms(fn) -> float:
+    """One implementation's time: the flushed per-call median (default), or with --timing
+    sustained its time back to back after 0.8 s of its own calls (analyze.bench.sustained_ms:
+    each at its own steady clock under the power limit, bench/LOG_blocks.md session 23)."""
+    from tilefuse.analyze.bench import median_ms as timed, sustained_ms
+
+    if TIMING == "sustained":
+        return sustained_ms(fn, seconds=REP_MS / 1e3, settle_s=0.8)
     return timed(fn, warmup=50, rep=REP_MS)
 
 
@@ -284,12 +292,16 @@ def main(argv=None):
     ap.add_argument("--with-alternative", action="store_true",
                     help="also time each default schedule's nearest alternative (a second sample)")
     ap.add_argument("--rep", type=int, default=REP_MS, help="ms of timed repetitions per measurement")
+    ap.add_argument("--timing", choices=("per-call", "sustained"), default="per-call",
+                    help="per-call (default): the median of single calls, L2 flushed before each; sustained: "
+                         "after 0.8 s of its own calls, the time per call over --rep ms back to back")
     ap.add_argument("--tune", action="store_true",
                     help="tune each shape first (as `tilefuse tune`) and time the tuned schedule too")
     ap.add_argument("--compile-only", action="store_true",
                     help="compile (into the cubin cache) every kernel this run would time, then exit")
     args = ap.parse_args(argv)
     globals()["REP_MS"] = args.rep
+    globals()["TIMING"] = args.timing
     if args.compile_only:
         compile_all(args)
         return
@@ -298,7 +310,8 @@ def main(argv=None):
         rows = [r for m, n, k in FUSED_SHAPES for r in run_fused(m, n, k, fused_scheds, not args.no_baseline,
                                                                       [x for x in args.kinds.split(",") if x])]
         if args.json:
-            Path(args.json).write_text(json.dumps(dict(gpu=torch.cuda.get_device_name(), rows=rows), indent=1))
+            Path(args.json).write_text(json.dumps(dict(gpu=torch.cuda.get_device_name(), timing=TIMING, rows=rows),
+                                                  indent=1))
         print(f"\n{torch.cuda.get_device_name()}, bf16; speedup = best of (eager, torch.compile) / fused GEMM")
         print(f"{'epilogue':>10} {'M x N x K':>18} {'schedule':>30} {'ok':>3} {'ms':>7} {'plain':>7} {'eager':>7} "
               f"{'compile':>7} {'speedup':>8} {'vs plain':>8}")
@@ -336,7 +349,7 @@ def main(argv=None):
     peak = max(r["cublas_tflops"] for r in rows)
     gpu = torch.cuda.get_device_name()
     if args.json:
-        Path(args.json).write_text(json.dumps(dict(gpu=gpu, peak_tflops=peak, rows=rows), indent=1))
+        Path(args.json).write_text(json.dumps(dict(gpu=gpu, timing=TIMING, peak_tflops=peak, rows=rows), indent=1))
     print(f"\n{gpu}, bf16, B {args.b_major}-major; peak = best cuBLAS rate here = {peak:.0f} TFLOP/s")
     second = "tuned" if args.tune else "alt ratio"
     print(f"{'M x N x K':>17} {'schedule':>44} {'ok':>3} {'TFLOP/s':>8} {'cuBLAS':>7} {'ratio':>6} {'%peak':>6}"
