@@ -38,6 +38,52 @@ def test_a_target_outside_the_classes_gives_nan_not_a_plausible_loss(loss, bad_t
         assert math.isnan(prog(x, bad))
 
 
+@pytest.mark.parametrize("ignore_index", [-100, -1, 0, 5])
+def test_only_targets_outside_the_classes_and_not_ignored_are_nan(ignore_index):
+    """An ignored row (whatever ignore_index is, inside [0, C) or not) stays 0, as eager has it;
+    a bad row in the same batch is NaN; the others match eager."""
+    torch.manual_seed(1)
+    x = torch.randn(6, 10)
+    t = torch.tensor([1, 2, 3, 9, 0, 4])
+    t[2] = ignore_index
+    bad = t.clone()
+    bad[4] = 10 if ignore_index != 10 else 11
+    f = lambda x, t: F.cross_entropy(x, t, reduction="none", ignore_index=ignore_index)  # noqa: E731
+    got, want = tilefuse.compile(f, [x, t])(x, bad), f(x, t)
+    assert math.isnan(got[4]) and got[2] == 0
+    keep = [0, 1, 2, 3, 5]
+    torch.testing.assert_close(got[keep], want[keep])
+
+
+def test_the_lm_head_partials_path_marks_a_bad_label_and_not_the_rows_the_shift_drops():
+    """Linear + cross-entropy over shifted logits goes through the LM head's partials (the logits
+    never stored); a bad label where the shift drops it changes nothing, one in a kept row is NaN."""
+    from tilefuse.compiler import compile_stages
+
+    class Head(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.h = torch.nn.Linear(64, 300, bias=False)
+
+        def forward(self, x, t):
+            z = self.h(x).float()
+            return F.cross_entropy(z[:, :-1].reshape(-1, 300), t[:, 1:].reshape(-1))
+
+    torch.manual_seed(2)
+    m = Head().bfloat16()
+    x, t = torch.randn(2, 9, 64, dtype=torch.bfloat16), torch.randint(0, 300, (2, 9))
+    st = compile_stages(m, [x, t])
+    assert any(s.family == "gemm" and s.gemm.partials for s in st.plan.steps if s.gemm is not None)
+    prog = st.program
+    dropped = t.clone()
+    dropped[0, 0] = 300  # the shift never reads it
+    ok = prog(x, t)
+    assert not math.isnan(ok) and prog(x, dropped) == ok
+    kept = t.clone()
+    kept[1, 4] = 303
+    assert math.isnan(prog(x, kept))
+
+
 @pytest.mark.parametrize("fn", [lambda x: x.var(0), lambda x: x.std(-1), lambda x: x.var(0, correction=0),
                                 lambda x: x.mean(0, keepdim=True)], ids=["var0", "std-1", "var0_c0", "mean0_keep"])
 def test_reductions_of_a_scalar_over_its_one_dim_match_eager(fn):

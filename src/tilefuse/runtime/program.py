@@ -90,7 +90,7 @@ class Program:
         check_inputs(self.graph, args if all([type(a) is torch.Tensor for a in args]) else _tensor_leaves(args))
         if self.rebuild is None:
             raise ValueError(f"{why} since compiling; compile the program again")
-        keep = {k: getattr(self, k) for k in ("poison", "graphs", "graph_slots", "graph_clone")}
+        keep = {k: getattr(self, k) for k in ("poison", "graphs", "graph_slots", "graph_clone", "_grad_warned")}
         warnings.warn(f"tilefuse: {why} since compiling; compiling the program again (each time a "
                       f"weight changes: compile once the weights are final)", stacklevel=3)
         fresh = self.rebuild(args)
