@@ -103,16 +103,23 @@ def sustained(fn, seconds: float) -> tuple[float, float, float]:
     return a.elapsed_time(b) / n, w0, time.time()
 
 
-def run_case(case: str, rounds: int, seconds: float) -> dict:
+def compiled_pair(case: str):
+    """(tokens, tilefuse's program, {"tilefuse": call, "torch_compile": call}) for a blocks.py case,
+    each called 3 times already (graph capture, dynamo's compile). Call under torch.no_grad()."""
     m, inputs, tokens = blocks.build(case)
+    prog = tilefuse.compile(m, inputs)
+    tc = torch.compile(m)
+    impls = {"tilefuse": lambda: prog(*inputs), "torch_compile": lambda: tc(*inputs)}
+    for f in impls.values():
+        for _ in range(3):
+            f()
+    torch.cuda.synchronize()
+    return tokens, prog, impls
+
+
+def run_case(case: str, rounds: int, seconds: float) -> dict:
     with torch.no_grad():
-        prog = tilefuse.compile(m, inputs)
-        tc = torch.compile(m)
-        impls = {"tilefuse": lambda: prog(*inputs), "torch_compile": lambda: tc(*inputs)}
-        for f in impls.values():
-            for _ in range(3):
-                f()
-        torch.cuda.synchronize()
+        tokens, _, impls = compiled_pair(case)
         row: dict = {"case": case, "tokens": tokens, **{k: {"cold_ms": [], "sustained_ms": [], "window": []}
                                                         for k in impls}}
         names = list(impls)

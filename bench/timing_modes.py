@@ -14,9 +14,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch
-import blocks
 import power_state
-import tilefuse
 from tilefuse.analyze.bench import timings_ms
 
 case = sys.argv[1] if len(sys.argv) > 1 else "llama4"
@@ -30,15 +28,8 @@ def mark(label):
     marks.append((time.time(), label))
 
 
-m, inputs, tokens = blocks.build(case)
 with torch.no_grad():
-    prog = tilefuse.compile(m, inputs)
-    tc = torch.compile(m)
-    impls = {"tilefuse": lambda: prog(*inputs), "torch_compile": lambda: tc(*inputs)}
-    for f in impls.values():
-        for _ in range(3):
-            f()
-    torch.cuda.synchronize()
+    tokens, prog, impls = power_state.compiled_pair(case)
 
     def span(fn, calls=5):
         from torch.profiler import ProfilerActivity, profile
