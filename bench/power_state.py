@@ -34,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import blocks  # noqa: E402
+from tilefuse.analyze.bench import back_to_back_ms  # noqa: E402
 import tilefuse  # noqa: E402
 
 
@@ -92,15 +93,10 @@ def sustained(fn, seconds: float) -> tuple[float, float, float]:
     n = max(10, int(seconds / 2 / per))
     for _ in range(n):  # the first half: reach the power limit
         fn()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     torch.cuda.synchronize()
     w0 = time.time()
-    a.record()
-    for _ in range(n):
-        fn()
-    b.record()
-    torch.cuda.synchronize()
-    return a.elapsed_time(b) / n, w0, time.time()
+    ms = back_to_back_ms(fn, n)
+    return ms, w0, time.time()
 
 
 def compiled_pair(case: str):

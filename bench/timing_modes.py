@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch
 import power_state
-from tilefuse.analyze.bench import timings_ms
+from tilefuse.analyze.bench import back_to_back_ms, timings_ms
 
 case = sys.argv[1] if len(sys.argv) > 1 else "llama4"
 OUT = os.environ.get("OUT", "/tmp")
@@ -43,15 +43,6 @@ with torch.no_grad():
         total = ev[-1].time_range.end - ev[0].time_range.start
         return total / calls / 1e3, busy / calls / 1e3, len(ev) // calls
 
-    def loop_ms(fn, n=30):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(n):
-            fn()
-        b.record()
-        torch.cuda.synchronize()
-        return a.elapsed_time(b) / n
-
     res = {k: {} for k in impls}
     for rnd in range(2):
         for k, f in impls.items():
@@ -63,11 +54,11 @@ with torch.no_grad():
             mark(f"{k}:none-start")
             res[k].setdefault("timed_none", []).append(statistics.median(timings_ms(f, 25, 100, "none")))
             mark(f"{k}:loop-start")
-            res[k].setdefault("loop30", []).append(loop_ms(f))
+            res[k].setdefault("loop30", []).append(back_to_back_ms(f, 30))
             mark(f"{k}:hotprofile-start")
             res[k].setdefault("profile_hot", []).append(span(f))
             mark(f"{k}:long-start")
-            res[k].setdefault("loop200", []).append(loop_ms(f, 200))
+            res[k].setdefault("loop200", []).append(back_to_back_ms(f, 200))
             mark(f"{k}:end")
     stats = [g.stats for g in prog._graphed.values()]
 

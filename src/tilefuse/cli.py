@@ -343,13 +343,13 @@ def cmd_run_model(args) -> int:
         else:
             from .analyze.bench import median_ms, sustained_ms, sustained_timing
 
-            weights = sum(p.numel() * p.element_size() for p in model.parameters())
+            params = list(model.parameters())
+            weights = sum(p.numel() * p.element_size() for p in params)
             tokens = inputs[0].numel()  # the ids: every weight meets every token once (2 FLOPs)
             l2 = torch.cuda.get_device_properties(torch.cuda.current_device()).L2_cache_size
             # a matrix-bound model too large for L2 sets the GPU's clock by its power: each is timed
             # back to back at its own steady clock (analyze.bench), else single calls, L2 flushed
-            flops = 2 * sum(p.numel() for p in model.parameters()) * tokens
-            sustained = sustained_timing(flops, weights, l2)
+            sustained = sustained_timing(2 * sum(p.numel() for p in params) * tokens, weights, l2)
             timed = sustained_ms if sustained else median_ms
             how = ("ms per forward back to back, each after 1 s of its own (the GPU's steady clock)" if sustained
                    else "median of single forwards, L2 flushed before each")

@@ -104,13 +104,19 @@ def settle(fn, seconds: float, chunk: float = 0.1) -> None:
 def sustained_ms(fn, seconds: float = 0.5, settle_s: float = 1.0) -> float:
     """ms per call of `fn` in continuous use: `settle_s` back to back first, then CUDA events
     around back-to-back calls for about `seconds` (at least 5 calls)."""
-    settle(fn, settle_s)
-    fn()  # settle_s=0: a first call is no measure of the next ones (see settle)
+    if settle_s > 0:
+        settle(fn, settle_s)
+    else:
+        fn()  # a first call is no measure of the next ones (see settle)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     fn()
     torch.cuda.synchronize()
-    n = max(5, int(seconds / max(time.perf_counter() - t0, 1e-5)))
+    return back_to_back_ms(fn, max(5, int(seconds / max(time.perf_counter() - t0, 1e-5))))
+
+
+def back_to_back_ms(fn, n: int) -> float:
+    """ms per call of `fn` over `n` calls queued back to back between two CUDA events."""
     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     a.record()
     for _ in range(n):
