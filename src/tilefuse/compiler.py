@@ -109,8 +109,8 @@ def compile_stages(fn, example_inputs, *, expr: str | None = None, arch: str | N
 
         from .frontend.capture import CaptureError
 
-        # the passes walk dependency chains recursively: a long unbroken chain of ops (hundreds of
-        # elementwise steps in a Python loop, say) exhausts Python's stack; say so, not a stack dump
+        # the passes walk dependency chains with stacks of their own (tests/cpu/test_deep_programs.py);
+        # should one still recurse as deep as a chain of ops, say so, not a stack dump
         raise CaptureError(f"{expr or getattr(fn, '__name__', type(fn).__name__)}: its chain of dependent ops is "
                            f"too long for tilefuse's passes (Python's recursion limit, "
                            f"{sys.getrecursionlimit()}, ran out)") from None

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 import tilefuse
+from tilefuse.frontend.capture import CaptureError
 
 
 def _ce(reduction):
@@ -97,3 +98,22 @@ def test_reductions_of_a_scalar_over_its_one_dim_match_eager(fn):
     got = tilefuse.compile(fn, [x])(x)
     assert got.shape == want.shape
     torch.testing.assert_close(got, want, equal_nan=True)
+
+
+@pytest.mark.parametrize("loss", [_ce, _nll], ids=["cross_entropy", "nll_loss"])
+def test_uint8_class_targets_stop_at_capture_saying_to_pass_int64(loss):
+    """Eager takes uint8 targets; torch.export's trace cannot (it indexes with them): the error
+    says what to do instead of only what failed."""
+    x, t = torch.randn(4, 10), torch.tensor([1, 2, 9, 0], dtype=torch.uint8)
+    with pytest.raises(CaptureError, match=r"uint8 .*target\.long\(\)"):
+        tilefuse.compile(loss("mean"), [x, t])
+
+
+@pytest.mark.parametrize("loss", [_ce, _nll], ids=["cross_entropy", "nll_loss"])
+def test_int32_class_targets_give_the_loss_of_the_same_targets_as_int64(loss):
+    """Eager refuses int32 targets; a compiled loss takes them (export's trace does) and must then
+    compute what eager computes for the same classes as int64."""
+    torch.manual_seed(1)
+    x, t = torch.randn(5, 10), torch.tensor([1, 2, 9, 0, -100])
+    prog = tilefuse.compile(loss("mean"), [x, t.int()])
+    torch.testing.assert_close(prog(x, t.int()), loss("mean")(x, t))

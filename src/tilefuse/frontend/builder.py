@@ -41,14 +41,16 @@ class Builder:
     def __init__(self):
         self.nodes: list = []
         self.names: set[str] = set()
+        self.next_suffix: dict[str, int] = {}
         self.types: dict[str, ir.TensorType] = {}
         self.source = ""
 
     def fresh(self, base: str) -> str:
         base = base.replace(".", "_")
-        name, i = base, 1
+        name, i = base, self.next_suffix.get(base, 1)
         while name in self.names:
             name, i = f"{base}_{i}", i + 1
+        self.next_suffix[base] = i  # (the next try: a program of 1000 adds names them in linear time)
         self.names.add(name)
         return name
 

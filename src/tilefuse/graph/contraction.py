@@ -32,6 +32,11 @@ from . import ir
 
 GEMM_DTYPES = ("bf16", "f16")
 MAX_OUTPUTS = 3
+# Members an epilogue takes at most. The epilogue is rendered for every accumulator fragment of
+# the tile, unrolled (~60 CUDA lines a map), so a chain of a thousand maps after a matmul would
+# make one kernel of ~90k lines; what lies beyond runs as a map-reduce kernel. The models'
+# epilogues have up to 18 (GPT-2's GELU and the LM head's cross-entropy partials).
+MAX_EPILOGUE = 64
 FLOATS = ("bf16", "f16", "f32")
 
 
@@ -316,7 +321,7 @@ def match(g: ir.Graph, c: ir.Contraction, users=None, taken: frozenset = frozens
         return esc
 
     single, multi = (0, [c.name]), None
-    for i in range(1, len(candidates) + 1):
+    for i in range(1, min(len(candidates), MAX_EPILOGUE) + 1):
         esc = valid(candidates[:i])
         if esc is not None:
             if len(esc) == 1:

@@ -26,6 +26,12 @@ Align = tuple[Optional[int], ...]
 COPY_BYTES_PER_S = 3.0e12
 MATMUL_FLOPS_PER_S = 7.0e14
 ON_CHIP_BYTES = 16 * 200 * 1024  # a 16-CTA cluster's shared memory
+# A row kernel computes each reduction's argument again, element by element, from what it
+# loaded (nothing per element is kept between its passes over a row). A reduction joins a
+# kernel only while the per-element maps its passes compute, summed over the kernel's
+# reductions, stay within this many: a chain of k softmaxes would otherwise make one kernel
+# of ~k^2 maps per element (at k = 32, 4453 Loop IR lines), slower than reading the row again.
+RECOMPUTE_LIMIT = 64
 
 
 @dataclass
@@ -47,6 +53,7 @@ class Step:
     tail: "Step | None" = None    # ... and the one-row kernel that reduced its per-row outputs
     scratch: list[str] = field(default_factory=list)  # per-row values passed from head to tail on chip
     view: bool = False  # family "extern": a strided view for attention, no copy (attention_only_views)
+    recomputed: int = 0  # mapreduce: per-element maps its reductions' passes compute (RECOMPUTE_LIMIT)
 
     @property
     def floor_s(self) -> float:
@@ -249,11 +256,13 @@ class _Planner:
 
     def depends_on(self, step: Step, other: Step) -> bool:
         """Does `step` (transitively) read anything `other` writes?"""
-        seen, stack = set(), [step]
+        return id(other) in self.upstream([step])
+
+    def upstream(self, steps) -> set[int]:
+        """ids of `steps` and of every step they (transitively) read from."""
+        seen, stack = set(), list(steps)
         while stack:
             s = stack.pop()
-            if s is other:
-                return True
             if id(s) in seen:
                 continue
             seen.add(id(s))
@@ -261,12 +270,13 @@ class _Planner:
                 p = self.group_of.get(i)
                 if p is not None:
                     stack.append(p)
-        return False
+        return seen
 
     def fits(self, step: Step, extra: dict[str, Align]) -> bool:
         L, C = step.space
+        inside = set(step.nodes)
         row_tensors = {a for a, al in {**step.align, **extra}.items()
-                       if not is_row_level(al, step.space) and self._outside(a, step)}
+                       if a not in inside and not is_row_level(al, step.space)}
         return len(row_tensors) * C * 4 <= ON_CHIP_BYTES
 
     def coarse_in(self, name: str, align: Align, step: Step) -> bool:
@@ -274,8 +284,24 @@ class _Planner:
         when it must not (a value like that, written by every row, is written more than once)?"""
         return name in self.whole_rows and partial_rows(align, step.space)
 
-    def _outside(self, name, step):
-        return name not in step.nodes
+    def recompute(self, n, step: Step) -> int:
+        """Per-element maps a pass of reduction `n` would compute in `step`: the maps of the
+        step, not constant along rows, that its argument is computed from (itself included)."""
+        seen, stack, count = set(), [n.arg], 0
+        while stack:
+            a = stack.pop()
+            if a in seen or self.group_of.get(a) is not step or is_row_level(step.align[a], step.space):
+                continue
+            seen.add(a)
+            m = self.g[a]
+            count += isinstance(m, ir.Map)
+            stack.extend(ir.node_args(m))
+        return count
+
+    def recompute_fits(self, n, step: Step) -> bool:
+        if not isinstance(n, ir.Reduce):
+            return True
+        return step.recomputed + self.recompute(n, step) <= RECOMPUTE_LIMIT
 
     def try_join(self, n) -> Step | None:
         producers = []
@@ -287,6 +313,8 @@ class _Planner:
             al = self.align_in(n, s)
             if al is None or not self.fits(s, al) or self.coarse_in(n.name, al[n.name], s):
                 continue
+            if not self.recompute_fits(n, s):
+                continue
             if any(self.depends_on(self.group_of[a], s) for a in ir.node_args(n)
                    if a in self.group_of and self.group_of[a] is not s):
                 continue
@@ -296,8 +324,11 @@ class _Planner:
     def join_sibling(self, n, space):
         """A node none of whose producers it can join may still share a kernel of its row space,
         or, for a map, a kernel whose rows it runs along (a per-row value such as a target mask)."""
+        # a kernel its arguments come from (transitively) is no sibling: found in one walk, first,
+        # since a long chain of kernels makes every earlier kernel a candidate to rule out
+        upstream = self.upstream([self.group_of[a] for a in ir.node_args(n) if a in self.group_of])
         for s in reversed(self.steps):
-            if s.family != "mapreduce":
+            if s.family != "mapreduce" or id(s) in upstream:
                 continue
             if s.space != space and not (isinstance(n, ir.Map) and row_align(n.type.shape, s.space) is not None
                                          and right_align(n.type.shape, s.space) is None):
@@ -310,14 +341,16 @@ class _Planner:
             al = self.align_in(n, probe)
             if al is None or not self.fits(s, al) or self.coarse_in(n.name, al[n.name], s):
                 continue
+            if not self.recompute_fits(n, s):
+                continue
             if isinstance(n, ir.Reduce):
                 al = {n.arg: probe.align[n.arg], **al}
-            if any(self.depends_on(self.group_of[a], s) for a in ir.node_args(n) if a in self.group_of):
-                continue
             return s, al
         return None
 
     def add_to(self, step: Step, n, al):
+        if isinstance(n, ir.Reduce) and step.family == "mapreduce":
+            step.recomputed += self.recompute(n, step)
         step.nodes.append(n.name)
         step.align.update(al)
         step.inputs_all.update(a for a in ir.node_args(n) if a not in step.nodes)
@@ -403,23 +436,30 @@ class _Planner:
         return self._ordered()
 
     def _ordered(self) -> list[Step]:
-        """Steps in an order where each runs after the steps it reads from (joins can reorder)."""
-        done, order = set(), []
-
-        def visit(s, stack=()):
-            if id(s) in done:
-                return
-            if s in stack:
-                raise RuntimeError(f"internal: fusion made a cycle through {s.name}")
-            for t in s.inputs:
-                p = self.group_of.get(t)
-                if p is not None and p is not s:
-                    visit(p, stack + (s,))
-            done.add(id(s))
-            order.append(s)
-
-        for s in self.steps:
-            visit(s)
+        """Steps in an order where each runs after the steps it reads from (joins can reorder).
+        Depth first with an explicit stack: a program of a thousand layers is a chain that deep."""
+        done, on_path, order = set(), set(), []
+        for root in self.steps:
+            if id(root) in done:
+                continue
+            on_path.add(id(root))
+            stack = [(root, iter(root.inputs))]
+            while stack:
+                s, todo = stack[-1]
+                for t in todo:
+                    p = self.group_of.get(t)
+                    if p is None or p is s or id(p) in done:
+                        continue
+                    if id(p) in on_path:
+                        raise RuntimeError(f"internal: fusion made a cycle through {p.name}")
+                    on_path.add(id(p))
+                    stack.append((p, iter(p.inputs)))
+                    break
+                else:
+                    stack.pop()
+                    on_path.discard(id(s))
+                    done.add(id(s))
+                    order.append(s)
         return order
 
 

@@ -223,6 +223,25 @@ class Ref:
 Node = Union[Input, Weight, Constant, Map, Reduce, View, Iota, Gather, Contraction, Attention, Extern]
 
 
+def post_order(root, children) -> list:
+    """What `root` reaches through `children(x)` (an iterable; whatever it leaves out is a leaf
+    already done), each after all it reaches, depth first in `children` order, `root` last: the
+    order a memoising recursion would finish them in, walked with a list for a stack, so a chain
+    thousands of ops deep costs no Python recursion."""
+    order, seen, stack = [], {root}, [(root, iter(children(root)))]
+    while stack:
+        x, todo = stack[-1]
+        for c in todo:
+            if c not in seen:
+                seen.add(c)
+                stack.append((c, iter(children(c))))
+                break
+        else:
+            stack.pop()
+            order.append(x)
+    return order
+
+
 def node_args(n) -> tuple[str, ...]:
     """Names of the tensors a node reads."""
     if isinstance(n, Map):

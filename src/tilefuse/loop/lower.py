@@ -111,6 +111,8 @@ class _Lowerer:
             return self.emit(name, self.row_block, self.row_memo, None)
         if name in memo:
             return memo[name]
+        for dep in self.below(name, memo, col):  # a long chain emitted from its far end: no deep recursion
+            self.emit(dep, block, memo, col)
         n = self.g[name]
         if name not in self.step.nodes and not isinstance(n, (g_ir.Constant, g_ir.Iota)):
             v = self.load(name, block, col)
@@ -177,6 +179,19 @@ class _Lowerer:
         if self.dtype[v] in ("bf16", "f16") and dtype == dtypes.compute_type(self.dtype[v]):
             self.casts[(id(block), out, self.dtype[v])] = v  # an exact widening: rounding undoes it
         return out
+
+    def below(self, name: str, memo: dict, col: str | None) -> list[str]:
+        """The maps, views and leaves `name` is computed from in this block and not yet emitted,
+        in the order the recursive emission reaches them. Emitted first, they leave each emit()
+        only one level to recurse."""
+        def inner(x: str) -> tuple[str, ...]:
+            n = self.g[x]
+            if x in memo or x not in self.step.nodes or (col is not None and self.is_row(x)):
+                return ()
+            args = n.args if isinstance(n, g_ir.Map) else (n.arg,) if isinstance(n, g_ir.View) else ()
+            return tuple(a for a in args if a not in memo)
+
+        return g_ir.post_order(name, inner)[:-1]
 
     def emit_map(self, n: g_ir.Map, block, memo, col):
         args = [self.emit(a, block, memo, col) for a in n.args]

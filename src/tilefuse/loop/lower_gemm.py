@@ -77,10 +77,24 @@ def lower_gemm_step(graph: g_ir.Graph, step: Step, name: str | None = None) -> L
     bufs = {op: f"in_{i}" for i, op in enumerate(s.operands)}
     bindings = []
 
+    def below(key: tuple) -> tuple:
+        """The (value, parity) keys `key` is computed from, as `value` recurses into them."""
+        arg, p = key
+        if key in values or arg == s.contraction or arg in kinds or arg in through:
+            return ()
+        if arg in parity:
+            return ((graph[arg].arg, parity[arg]),)
+        if arg in stacked:
+            return ((stacked[arg][p], None),)
+        n = graph[arg]
+        return () if isinstance(n, g_ir.Constant) else tuple((a, p) for a in n.args if (a, p) not in values)
+
     def value(arg: str, p) -> str:
         key = (arg, p)
         if key in values:
             return values[key]
+        for k in g_ir.post_order(key, below)[:-1]:  # a long chain valued from its far end: no deep recursion
+            value(*k)
         n = graph[arg]
         if arg == s.contraction:
             v = e.acc(p)

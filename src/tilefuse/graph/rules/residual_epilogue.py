@@ -14,10 +14,30 @@ from .. import ir
 from .match import Editor, ancestors, low_precision, retype
 
 
-def _chain(g: ir.Graph, users, a: str):
+def _link(g: ir.Graph, users, n: ir.Node) -> str | None:
+    """The one full-shape argument of map `n`, used only by it, through which a map chain goes
+    down towards its contraction; None where the chain breaks."""
+    full = [x for x in n.args if g[x].type.shape == n.type.shape]
+    if len(full) != 1 or len(users[full[0]]) != 1 or not _float(n.type.dtype):
+        return None
+    return full[0]
+
+
+def _on_contractions(g: ir.Graph, users) -> set[str]:
+    """Nodes that are contractions, or maps whose chain of links ends in one: found in one
+    sweep in node order, so that _chain walks only chains that lead somewhere (walking every
+    chain from every add made a long chain of maps cost its length squared)."""
+    on: set[str] = set()
+    for n in g.nodes:
+        if isinstance(n, ir.Contraction) or (isinstance(n, ir.Map) and _link(g, users, n) in on):
+            on.add(n.name)
+    return on
+
+
+def _chain(g: ir.Graph, users, a: str, on: set[str]):
     """(contraction, [maps after it], tip) for `a` = [reshape|cast]*(map*(contraction)), each link
     used once; None if `a` is not one. `tip` is the last map (or the contraction) under the
-    reshapes and casts."""
+    reshapes and casts. `on`: _on_contractions(g, users)."""
     if len(users[a]) != 1:
         return None
     n = a
@@ -25,15 +45,12 @@ def _chain(g: ir.Graph, users, a: str):
         n = g[n].arg if isinstance(g[n], ir.View) else g[n].args[0]
         if len(users[n]) != 1:
             return None
+    if n not in on:
+        return None
     tip, maps = n, []
     while isinstance(g[n], ir.Map):
-        full = [x for x in g[n].args if g[x].type.shape == g[n].type.shape]
-        if len(full) != 1 or len(users[full[0]]) != 1 or not _float(g[n].type.dtype):
-            return None
         maps.append(n)
-        n = full[0]
-    if not isinstance(g[n], ir.Contraction):
-        return None
+        n = _link(g, users, g[n])
     return n, maps[::-1], tip
 
 
@@ -43,6 +60,7 @@ def _float(dtype: str) -> bool:
 
 def residual_into_epilogue(g: ir.Graph) -> ir.Graph:
     users = g.users()
+    on = _on_contractions(g, users)
     ed = Editor(g)
     retyped: dict[str, object] = {}
     replaced: dict[str, list] = {}
@@ -50,7 +68,7 @@ def residual_into_epilogue(g: ir.Graph) -> ir.Graph:
         if not (isinstance(h, ir.Map) and h.op == "add") or h.args[0] == h.args[1]:
             continue
         for a, res in (h.args, h.args[::-1]):
-            found = _chain(g, users, a)
+            found = _chain(g, users, a, on)
             if found is None:
                 continue
             mm, maps, tip = found

@@ -69,25 +69,26 @@ def _hoisted(g: ir.Graph, n: ir.Map):
     return shape, tuple(args), tuple(reshape)
 
 
-def _ends_in_matmuls(g: ir.Graph, users, name: str, memo: dict) -> bool:
-    """Does everything computed from `name` (through maps and views) end in matmuls or program
-    outputs? Where it reaches a reduction (a norm's statistics, a softmax) or an extern, a
-    kernel reads the chain as it is there, and moving maps up would only make the matmul
-    write more (f32 casts, say)."""
-    if name not in memo:
-        memo[name] = all(isinstance(g[u], ir.Contraction)
-                         or (isinstance(g[u], (ir.Map, ir.View)) and _ends_in_matmuls(g, users, u, memo))
-                         for u in users[name])
-    return memo[name]
+def _ends_in_matmuls(g: ir.Graph, users) -> dict[str, bool]:
+    """For each node: does everything computed from it (through maps and views) end in matmuls
+    or program outputs? Where it reaches a reduction (a norm's statistics, a softmax) or an
+    extern, a kernel reads the chain as it is there, and moving maps up would only make the
+    matmul write more (f32 casts, say). One sweep from the outputs back (users come later in
+    the node order), so a long chain costs no stack."""
+    ends: dict[str, bool] = {}
+    for n in reversed(g.nodes):
+        ends[n.name] = all(isinstance(g[u], ir.Contraction) or (isinstance(g[u], (ir.Map, ir.View)) and ends[u])
+                           for u in users[n.name])
+    return ends
 
 
 def maps_before_row_views(g: ir.Graph) -> ir.Graph:
     out = g
     for _ in range(len(g.nodes) + 1):  # (each pass moves a map up a level: at most one pass a node)
         ed, nodes, changed = Editor(out), [], False
-        users, memo = out.users(), {}
+        ends = _ends_in_matmuls(out, out.users())
         for n in out.nodes:
-            h = (_hoisted(out, n) if isinstance(n, ir.Map) and _ends_in_matmuls(out, users, n.name, memo)
+            h = (_hoisted(out, n) if isinstance(n, ir.Map) and ends[n.name]
                  else None)
             if h is None:
                 nodes.append(n)
