@@ -224,4 +224,25 @@ def test_in_place_writes_run_in_eager():
         ref(xs)
     assert torch.equal(m.mean, ref.mean)
     rs = tb.reports()
-    assert len(rs) == 2 and all(r.status == "eager" and "in-place" in r.reason for r in rs)
+    assert len(rs) == 2 and all(r.status == "eager" and "writes to a tensor in place" in r.reason for r in rs)
+
+
+def test_in_place_ops_on_the_graphs_own_tensors_compile():
+    """nn.ReLU(inplace=True) and `y += 1` on a tensor the graph made are value updates: the
+    graph compiles (no eager fallback) and computes what eager does."""
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.seq = nn.Sequential(nn.Linear(8, 8), nn.ReLU(inplace=True), nn.Linear(8, 4))
+
+        def forward(self, x):
+            y = self.seq(x)
+            y += 1
+            return y
+
+    m, x = M().eval(), torch.randn(3, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(torch.compile(m, backend="tilefuse")(x), m(x))
+    (r,) = tb.reports()
+    assert r.status == "tilefuse", r.reason

@@ -14,7 +14,6 @@ graph, the fused kernels, the externs grouped by reason and every fallback.
 """
 from __future__ import annotations
 
-import operator
 import os
 import sys
 import time
@@ -168,34 +167,6 @@ def _is_weight(node, value) -> bool:
     return "_buffers" in text or "_parameters" in text or "ParamBuffer" in text
 
 
-_INPLACE_OPERATORS = {operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
-                      operator.imod, operator.ipow, operator.iand, operator.ior, operator.ixor, operator.ilshift,
-                      operator.irshift, operator.imatmul, operator.setitem}
-
-
-def in_place_op(gm: torch.fx.GraphModule) -> str:
-    """The first op of the graph that writes into an existing tensor ("" if none).
-
-    tilefuse's capture does not functionalise yet: a write through a view, or into a buffer,
-    would be lost, so such graphs run in eager.
-    """
-    for n in gm.graph.nodes:
-        name = ""
-        if n.op == "call_method" and n.target.endswith("_") and not n.target.endswith("__"):
-            name = f"Tensor.{n.target}"
-        elif n.op == "call_function":
-            fn = getattr(n.target, "__name__", "")
-            if n.target in _INPLACE_OPERATORS:
-                name = f"operator.{fn}"
-            elif fn.endswith("_") and not fn.endswith("__") and getattr(n.target, "__module__", "") != "_operator":
-                name = fn
-            elif n.kwargs.get("inplace") is True or n.kwargs.get("out") is not None:
-                name = f"{fn}({'inplace=True' if n.kwargs.get('inplace') is True else 'out=...'})"
-        if name:
-            return name
-    return ""
-
-
 def _version(t: torch.Tensor) -> int:
     try:
         return t._version
@@ -272,9 +243,6 @@ class GraphRunner:
             return "sparse, quantized or nested tensor inputs"
         if len({t.device for t in tensors}) > 1:
             return f"inputs on several devices: {sorted({str(t.device) for t in tensors})}"
-        op = in_place_op(self.gm)
-        if op:
-            return f"in-place {op}: tilefuse's capture does not functionalise writes into tensors yet"
         if "input" not in self.kinds:  # a program of weights alone would not know its device
             return "the graph reads no tensors of the caller's, only weights and sizes"
         return ""

@@ -121,6 +121,7 @@ def to_graph(ep, expr: str | None = None) -> ir.Graph:
     outputs: list[str] = []
     state = dict(ep.state_dict)
     state.update(getattr(ep, "constants", {}) or {})
+    owned = owned_tensors(ep.graph)
 
     def resolve(a):
         if isinstance(a, torch.fx.Node):
@@ -152,7 +153,10 @@ def to_graph(ep, expr: str | None = None) -> ir.Graph:
             env[node] = tuple_outputs[node][0]
             return
         try:
-            _translate(b, node, resolve, env, tuple_outputs, expr)
+            if _mutates(node.target) and _op_name(node.target) != "detach_":
+                _translate_in_place(b, node, resolve, env, expr, owned)
+            else:
+                _translate(b, node, resolve, env, tuple_outputs, expr)
         except ValueError as e:  # an unsupported dtype, shapes that do not broadcast...
             raise CaptureError(f"aten.{_op_name(node.target)}: {e} ({b.source})") from e
 
@@ -240,18 +244,95 @@ def _mutates(target) -> bool:
                                       for a in schema.arguments)
 
 
-def _translate(b: Builder, node, resolve, env, tuple_outputs, expr):
+def _written(node) -> list:
+    """The arguments an aten op writes in place (`self` of add_, relu_, ...; `out=`)."""
+    schema = getattr(node.target, "_schema", None)
+    if schema is None:
+        return []
+    found = []
+    for i, a in enumerate(schema.arguments):
+        if a.alias_info is not None and a.alias_info.is_write:
+            v = node.args[i] if i < len(node.args) and not a.kwarg_only else node.kwargs.get(a.name)
+            found.append(v)
+    return found
+
+
+def _returns_alias(target) -> bool:
+    """Does an op's result (maybe) share its input's memory: a view, or `to`/`contiguous`,
+    which return their input itself when there is nothing to do."""
+    schema = getattr(target, "_schema", None)
+    return schema is not None and any(r.alias_info is not None for r in schema.returns)
+
+
+def owned_tensors(graph) -> dict:
+    """fx node -> the node that made its memory, for the tensors a program makes itself, and for
+    each in-place write to one made before any view of it was taken (nor `to`/`contiguous`,
+    which may return the same memory): such a write (`nn.ReLU(inplace=True)`, `y += 1`) is an
+    update of that tensor's value and nothing else, so it can run out of place. A view taken
+    after the last write is harmless (`relu_` then `.view(B, -1)`). Inputs, weights, buffers,
+    views, and tensors made inside a higher-order region are absent: writes to those, and to
+    a tensor with a view already taken, stay refused."""
+    root, first_view = {}, {}
+    for i, n in enumerate(graph.nodes):
+        if n.op != "call_function":
+            continue
+        if n.target is operator.getitem:
+            src = n.args[0]
+            if isinstance(src, torch.fx.Node) and not _returns_alias(src.target) and hasattr(src.target, "_schema"):
+                root[n] = n  # one result of a multi-output op, fresh memory (not split's views)
+            continue
+        if not hasattr(n.target, "_schema"):
+            continue  # a region: what it returns is not known fresh
+        written = _written(n)
+        if written:
+            w = written[0]
+            if len(written) == 1 and isinstance(w, torch.fx.Node) and w in root and root[w] not in first_view:
+                root[n] = root[w]
+            continue
+        if _returns_alias(n.target):
+            for a in n.all_input_nodes:
+                first_view.setdefault(root.get(a, a), i)
+            continue
+        root[n] = n
+    return root
+
+
+def _translate_in_place(b: Builder, node, resolve, env, expr, owned: dict):
+    """`x.op_(...)` on a tensor the program owns: x's value from here on is `op(x, ...)`. Every
+    later reader of x, or of an earlier in-place result on it, reads the new value (the graph
+    runs in order, so rebinding them all here is exactly eager's)."""
     name = _op_name(node.target)
+    written, root = _written(node), owned.get(node)
+    why = None
+    if root is None:
+        why = "an input, a weight or buffer, a view, or a tensor with a view"
+    elif len(written) != 1 or written[0] is not node.args[0]:
+        why = "an op writing other than its first argument"
+    elif name[:-1] not in aten.HANDLERS:
+        why = f"tilefuse has no out-of-place aten.{name[:-1]} to run it as"
+    if why is None:
+        _translate(b, node, resolve, env, {}, expr, functional=name[:-1])
+        if node not in env:
+            why = f"aten.{name[:-1]} does not lower here"
+    if why is not None:
+        # The Graph IR is pure: a write it cannot account for would be lost, a wrong answer. Refuse.
+        raise CaptureError(f"aten.{name} writes to a tensor in place, which tilefuse supports only on a tensor "
+                           f"the program made itself, with no view of it taken before the write (this is {why}); "
+                           f"write it out of place ({source_of(node, expr)})")
+    for other, r in owned.items():
+        if r is root and other in env:
+            env[other] = env[node]
+
+
+def _translate(b: Builder, node, resolve, env, tuple_outputs, expr, functional: str | None = None):
+    """One aten node to Graph IR. `functional`: the out-of-place op to translate an in-place
+    node as (its result becomes the node's value; see _translate_in_place)."""
+    name = functional or _op_name(node.target)
     if name == "detach_":
         # writes autograd metadata only, never values: torch.export emits it after lifting a
         # `torch.tensor(...)` literal (lift_fresh_copy + detach_), and transformers' KV cache makes one
         env[node] = resolve(node.args[0])
         return
-    if _mutates(node.target):
-        # The Graph IR is pure: an in-place write (perhaps through a view) would be lost,
-        # which would be a wrong answer. Refuse instead.
-        raise CaptureError(f"aten.{name} writes to a tensor in place, which tilefuse does not support; "
-                           f"write it out of place ({source_of(node, expr)})")
     val = node.meta.get("val")
     if val is None:
         if name == "_assert_tensor_metadata" or not node.users:
@@ -280,6 +361,8 @@ def _translate(b: Builder, node, resolve, env, tuple_outputs, expr):
         tuple_outputs[node] = result
         return
     if result is None:
+        if functional:
+            return  # (an extern would run the in-place op itself; the caller refuses)
         if multi:
             raise CaptureError(f"aten.{name} returns {len(val)} tensors and is not supported by tilefuse "
                                f"({b.source})")

@@ -1,0 +1,113 @@
+"""In-place ops in a captured program. On a tensor the program made itself, with no view of it
+taken before the write, an in-place op is an update of that tensor's value: it runs as its
+out-of-place form, and every later reader (the tensor's own later uses included) sees the new
+value, as in eager. A write into an input, a weight or buffer, through a view, or into a tensor
+with a view (or a maybe-alias such as `.float()` of a float tensor) is refused with one clear
+error: the Graph IR is pure, so such a write would otherwise be silently lost."""
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import tilefuse
+from tilefuse.graph import ir
+from tilefuse.frontend.capture import CaptureError
+
+
+def _iadd(x):
+    y = x * 2
+    y += 1
+    return y
+
+
+def _chain(x):
+    return x.clone().mul_(2).add_(1).clamp_(min=0.5)
+
+
+def _old_value_kept(x):
+    """z read y before the write: it keeps the old value; y's later readers see the new one."""
+    y = x * 2
+    z = y + 0
+    y.mul_(3)
+    return y, z, y * z
+
+
+def _view_after_the_write(x):
+    y = x * 2
+    F.relu(y, inplace=True)
+    return y.view(-1) * 3, y.reshape(6, 4)
+
+
+def _silu(x):
+    return F.silu(x - 0.5, inplace=True)
+
+
+COMPILED = {
+    "relu_inplace": nn.Sequential(nn.Linear(4, 4), nn.ReLU(inplace=True), nn.Flatten(0), nn.Linear(24, 3)),
+    "iadd": _iadd,
+    "chain": _chain,
+    "old_value_kept": _old_value_kept,
+    "view_after_the_write": _view_after_the_write,
+    "silu_inplace": _silu,
+    "dropout_inplace_eval": nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.3, inplace=True)).eval(),
+}
+
+
+@pytest.mark.parametrize("name", sorted(COMPILED))
+def test_an_in_place_op_on_the_programs_own_tensor_runs_out_of_place_as_eager(name):
+    fn = COMPILED[name]
+    x = torch.randn(6, 4)
+    with torch.no_grad():
+        prog = tilefuse.compile(fn, (x,))
+        fresh = torch.randn(6, 4)
+        got, want = prog(fresh.clone()), fn(fresh.clone())
+    got, want = torch.utils._pytree.tree_leaves(got), torch.utils._pytree.tree_leaves(want)
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
+    externs = [n.target for n in prog.stages.graph.nodes if isinstance(n, ir.Extern)]
+    assert not any(t.split(".")[1].endswith("_") for t in externs), externs  # no in-place op run by torch
+
+
+def _input(x):
+    x.add_(1)
+    return x * 2
+
+
+def _through_a_view(x):
+    y = x * 2
+    y[0].add_(1)
+    return y
+
+
+def _after_a_view(x):
+    y = x * 2
+    v = y.view(-1)
+    y.add_(1)
+    return v * 1
+
+
+def _through_a_maybe_alias(x):
+    y = x * 2
+    y.float().add_(1)  # y is float: .float() returns y itself, and eager's y changes
+    return y
+
+
+class _Buffer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("seen", torch.zeros(4))
+
+    def forward(self, x):
+        self.seen.add_(x.sum(0))
+        return x * 2
+
+
+REFUSED = {"input": _input, "through_a_view": _through_a_view, "after_a_view": _after_a_view,
+           "through_a_maybe_alias": _through_a_maybe_alias, "buffer": _Buffer()}
+
+
+@pytest.mark.parametrize("name", sorted(REFUSED))
+def test_a_write_the_graph_could_lose_is_refused_naming_the_op(name):
+    with torch.no_grad(), pytest.raises(CaptureError, match=r"aten\.add_ writes to a tensor in place"):
+        tilefuse.compile(REFUSED[name], (torch.randn(6, 4),))
