@@ -61,6 +61,21 @@ def _gelu_mul(x, y):
     return F.gelu(x) * y + 1.0
 
 
+def _max_rows(x):
+    return x.max(-1)  # (values, indices): a row reduction and an argmax extern
+
+
+def _layernorm_by_hand(x):
+    var, mean = torch.var_mean(x, -1, keepdim=True, correction=0)
+    return (x - mean) * torch.rsqrt(var + 1e-5)
+
+
+def _relu_in_place(x, y):
+    h = x * y
+    F.relu(h, inplace=True)  # a write into the program's own tensor: runs out of place
+    return h + 1.0
+
+
 def _programs(rows, cols, dtype):
     x = lambda: torch.randn(rows, cols, device="cuda", dtype=dtype)
     t = lambda: torch.randint(0, cols, (rows,), device="cuda")
@@ -73,6 +88,9 @@ def _programs(rows, cols, dtype):
         ("cross_entropy_rows", _xent_rows, lambda: (x(), t())),
         ("cross_entropy_sum", _xent_sum, lambda: (x(), t())),
         ("gelu_mul", _gelu_mul, lambda: (x(), x())),
+        ("max_rows", _max_rows, lambda: (x(),)),
+        ("layernorm_by_hand", _layernorm_by_hand, lambda: (x(),)),
+        ("relu_in_place", _relu_in_place, lambda: (x(), x())),
     ]
 
 

@@ -238,6 +238,16 @@ HANDLERS["amin"] = _reduction("min")
 
 @handles("var", "std")
 def _var(b, args, kwargs, out):
+    return _var_mean(b, args, kwargs, out, out.op == "std")[0]
+
+
+@handles("var_mean", "std_mean")
+def _var_and_mean(b, args, kwargs, out):
+    """(variance or standard deviation, mean): a hand-written LayerNorm's torch.var_mean."""
+    return _var_mean(b, args, kwargs, out, out.op == "std_mean")
+
+
+def _var_mean(b, args, kwargs, out, std: bool):
     x, rest = args[0], list(args[1:])
     rank = len(b.type(x).shape)
     if rest and isinstance(rest[0], bool):  # var.default(x, unbiased)
@@ -255,9 +265,30 @@ def _var(b, args, kwargs, out):
     d = b.map("sub", b.cast(x, _acc(b, x)), mean)
     s = b.reduce("sum", b.map("mul", d, d), dims, keep)
     v = b.map("mul", s, b.scalar(1.0 / max(n - corr, 0) if n - corr > 0 else math.inf, s))
-    if out.op == "std":
+    if std:
         v = b.map("sqrt", v)
-    return b.cast(v, out.dtype)
+    if not keep:
+        mean = b.reshape(mean, b.type(v).shape)
+    return b.cast(v, out.dtype), b.cast(mean, out.dtype)
+
+
+@handles("max", "min")
+def _max_min(b, args, kwargs, out):
+    """max/min of two tensors (elementwise), of all elements, or along a dim: (values, indices),
+    the values a row reduction and the indices PyTorch's argmax/argmin, an explicit extern."""
+    op = out.op
+    if len(args) > 1 and _is_tensor(b, args[1]) or _is_tensor(b, kwargs.get("other")):
+        return _binary(op)(b, [args[0], args[1] if len(args) > 1 else kwargs["other"]], {}, out)
+    x = args[0]
+    rank = len(b.type(x).shape)
+    dim = args[1] if len(args) > 1 else kwargs.get("dim")
+    if dim is None:
+        return b.reduce(op, x, _dims(None, rank), False)
+    keep = args[2] if len(args) > 2 else kwargs.get("keepdim", False)
+    values = b.reduce(op, x, _dims(dim, rank), keep)
+    indices = b.add(ir.Extern(b.fresh(f"arg{op}"), ir.TensorType(b.type(values).shape, "i64"), f"aten.arg{op}.default",
+                              (ir.Ref(x), dim, keep), (), f"the index of each {op} (arg{op}) runs in PyTorch", b.source))
+    return values, indices
 
 
 def _acc(b, x):
