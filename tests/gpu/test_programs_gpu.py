@@ -137,6 +137,9 @@ def test_program_matches_float64_reference(shape, dtype):
                 assert c.ok, f"{name} {shape} {dtype} ({call} call, {len(got)} draw(s)): {c}"
         if graphs:
             (info,) = prog.graph_info()
+            if name == "max_rows" and shape[1] == 1:  # the max of one element is the input itself: a view,
+                assert not info["graphs"] and "views an input" in info["reason"], info  # so no replay
+                continue
             assert info["graphs"] and info["replays"] == draws, f"{name}: {info}"
         else:
             assert prog.graph_info() == [], f"{name}: graphs ran with TILEFUSE_CUDA_GRAPHS=0"
