@@ -34,17 +34,21 @@ def test_a_map_chain_longer_than_the_recursion_limit_is_one_kernel_equal_to_eage
     torch.testing.assert_close(c(x), f(x), rtol=1e-5, atol=1e-6)
 
 
-def test_a_plan_of_more_steps_in_a_chain_than_the_recursion_limit_is_ordered():
-    """Each sum over rows (axis 0) is an extern and each add of it a kernel that cannot join the
-    kernel before it (that would read its own output): 2 steps a link, 1200 links deep."""
+def test_a_plan_whose_first_kernel_waits_on_a_chain_deeper_than_the_recursion_limit_is_ordered():
+    """The row kernel opened by the first node takes, as a sibling, the sum at the end of a chain
+    of 1200 matmuls (externs here): the plan's order must put the whole chain before it, a walk
+    as deep as the chain (the recursive one ran out of stack)."""
     b = Builder()
     x = b.add(ir.Input("x", ir.TensorType((4, 8), "f32")))
-    links = sys.getrecursionlimit() + 200
-    for _ in range(links):
-        x = b.map("add", x, b.reduce("sum", x, (0,), True))
-    g = ir.Graph(tuple(b.nodes), ("x",), (x,), {})
-    p = plan(g)
-    assert len(p.steps) == 2 * links
+    w = b.add(ir.Input("w", ir.TensorType((8, 8), "f32")))
+    a = b.reduce("sum", x, (-1,), True)
+    y = x
+    for _ in range(sys.getrecursionlimit() + 200):
+        y = b.add(ir.Contraction(b.fresh("mm"), ir.TensorType((4, 8), "f32"), y, w))
+    z = b.reduce("sum", y, (-1,), True)
+    g = ir.Graph(tuple(b.nodes), ("x", "w"), (a, z), {})
+    p = plan(g, gemm=False)
+    assert p.steps[-1].nodes == [a, z]  # the first kernel, run last
     check_invariants(g, p)
 
 
@@ -54,6 +58,20 @@ def _softmaxes(k):
             x = torch.softmax(x * 2, -1)
         return x
     return f
+
+
+def test_one_reduction_after_a_long_chain_stays_in_its_kernel():
+    """A kernel's first pass over its rows computes its maps once: 200 maps and a sum are one
+    kernel (split, the chain's result would be written and read back for nothing)."""
+    def f(x):
+        for _ in range(100):
+            x = x * 0.999 + 0.001
+        return x.sum(-1)
+
+    x = torch.randn(3, 40)
+    c = tilefuse.compile(f, (x,))
+    assert [(s.family, s.recomputed) for s in c.stages.plan.steps] == [("mapreduce", 0)]
+    torch.testing.assert_close(c(x), f(x))
 
 
 def test_two_softmaxes_stay_one_kernel():

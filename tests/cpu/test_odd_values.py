@@ -105,7 +105,7 @@ def test_uint8_class_targets_stop_at_capture_saying_to_pass_int64(loss):
     """Eager takes uint8 targets; torch.export's trace cannot (it indexes with them): the error
     says what to do instead of only what failed."""
     x, t = torch.randn(4, 10), torch.tensor([1, 2, 9, 0], dtype=torch.uint8)
-    with pytest.raises(CaptureError, match=r"uint8 .*target\.long\(\)"):
+    with pytest.raises(CaptureError, match=r"uint8 .*\.long\(\)"):
         tilefuse.compile(loss("mean"), [x, t])
 
 

@@ -84,8 +84,8 @@ def export(fn, example_inputs, expr: str | None = None):
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         if "for index, but got torch.uint8" in first:
             # eager takes uint8 class targets in cross_entropy / nll_loss, but export's trace of them
-            # indexes with the targets, which must be int32/int64 there
-            first += " (class targets of dtype uint8 cannot be captured: pass them as int64, target.long())"
+            # indexes with the targets, which must be int32/int64 there (as gather's index must be)
+            first += " (an index, or class targets, of dtype uint8 cannot be captured: pass it as int64, .long())"
         raise CaptureError(f"torch.export could not capture {expr or getattr(fn, '__name__', 'the program')}: {first}") from e
 
 

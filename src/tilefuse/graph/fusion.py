@@ -28,9 +28,11 @@ MATMUL_FLOPS_PER_S = 7.0e14
 ON_CHIP_BYTES = 16 * 200 * 1024  # a 16-CTA cluster's shared memory
 # A row kernel computes each reduction's argument again, element by element, from what it
 # loaded (nothing per element is kept between its passes over a row). A reduction joins a
-# kernel only while the per-element maps its passes compute, summed over the kernel's
-# reductions, stay within this many: a chain of k softmaxes would otherwise make one kernel
-# of ~k^2 maps per element (at k = 32, 4453 Loop IR lines), slower than reading the row again.
+# kernel only while the per-element maps its passes compute again (every pass after the
+# first), summed over the kernel's reductions, stay within this many: a chain of k softmaxes
+# would otherwise make one kernel of ~k^2 maps per element (at k = 32, 4453 Loop IR lines),
+# slower than reading the row again. The first pass is free: splitting it off would only
+# write and read back what it reduces (a review measured 2.8x slower for 70 maps and a sum).
 RECOMPUTE_LIMIT = 64
 
 
@@ -53,7 +55,8 @@ class Step:
     tail: "Step | None" = None    # ... and the one-row kernel that reduced its per-row outputs
     scratch: list[str] = field(default_factory=list)  # per-row values passed from head to tail on chip
     view: bool = False  # family "extern": a strided view for attention, no copy (attention_only_views)
-    recomputed: int = 0  # mapreduce: per-element maps its reductions' passes compute (RECOMPUTE_LIMIT)
+    passes: int = 0      # mapreduce: its reductions, each a pass over the row computing its argument
+    recomputed: int = 0  # ... and the per-element maps the passes after the first compute again (RECOMPUTE_LIMIT)
 
     @property
     def floor_s(self) -> float:
@@ -256,16 +259,19 @@ class _Planner:
 
     def depends_on(self, step: Step, other: Step) -> bool:
         """Does `step` (transitively) read anything `other` writes?"""
-        return id(other) in self.upstream([step])
+        return id(other) in self.upstream([step], until=other)
 
-    def upstream(self, steps) -> set[int]:
-        """ids of `steps` and of every step they (transitively) read from."""
+    def upstream(self, steps, until: Step | None = None) -> set[int]:
+        """ids of `steps` and of every step they (transitively) read from; the walk stops as
+        soon as it reaches `until` (a producer is usually a step or two up)."""
         seen, stack = set(), list(steps)
         while stack:
             s = stack.pop()
             if id(s) in seen:
                 continue
             seen.add(id(s))
+            if s is until:
+                break
             for i in s.inputs_all:
                 p = self.group_of.get(i)
                 if p is not None:
@@ -299,8 +305,8 @@ class _Planner:
         return count
 
     def recompute_fits(self, n, step: Step) -> bool:
-        if not isinstance(n, ir.Reduce):
-            return True
+        if not isinstance(n, ir.Reduce) or not step.passes:
+            return True  # (a kernel's first pass over its rows computes its maps once: nothing again)
         return step.recomputed + self.recompute(n, step) <= RECOMPUTE_LIMIT
 
     def try_join(self, n) -> Step | None:
@@ -350,7 +356,8 @@ class _Planner:
 
     def add_to(self, step: Step, n, al):
         if isinstance(n, ir.Reduce) and step.family == "mapreduce":
-            step.recomputed += self.recompute(n, step)
+            step.recomputed += self.recompute(n, step) if step.passes else 0
+            step.passes += 1
         step.nodes.append(n.name)
         step.align.update(al)
         step.inputs_all.update(a for a in ir.node_args(n) if a not in step.nodes)
@@ -655,7 +662,8 @@ def format_plan(p: Plan) -> str:
         lines.append(f"    fuses  {', '.join(s.nodes)}")
         if s.gemm and (s.gemm.maps or s.gemm.pairwise):
             sp = s.gemm
-            ops = ", ".join([f"{g[m].op}" for m in sp.maps] + ["stack to columns (2j, 2j+1)" for _ in sp.stacks])
+            ops = ", ".join([getattr(g[m], "op", type(g[m]).__name__.lower()) for m in sp.maps]  # (a Gather: "gather")
+                            + ["stack to columns (2j, 2j+1)" for _ in sp.stacks])
             lines.append(f"    epilogue {'pairwise on columns (2j, 2j+1): ' if sp.pairwise else ''}{ops}"
                          + (f"; reads {', '.join(f'{t} ({k})' for t, k in sp.operands)}" if sp.operands else ""))
         if s.gemm and s.gemm.partials:

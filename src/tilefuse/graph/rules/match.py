@@ -89,11 +89,13 @@ class Editor:
         self.g = g
         self.names = {n.name for n in g.nodes}
         self.weights = dict(g.weights)
+        self.next_suffix: dict[str, int] = {}
 
     def fresh(self, base: str) -> str:
-        name, i = base, 1
+        name, i = base, self.next_suffix.get(base, 1)
         while name in self.names:
             name, i = f"{base}_{i}", i + 1
+        self.next_suffix[base] = i  # (names only grow: the first free suffix never moves back)
         self.names.add(name)
         return name
 
