@@ -585,3 +585,16 @@ def test_einsums_tilefuse_cannot_map_to_a_matmul_stay_einsum_and_say_why():
     assert "einsum" in e.note and "repeated index" in e.note
     st = compile_stages(Fn(lambda s, a: torch.einsum("ij->j", a)), (torch.randn(4, 4),))
     assert "two operands" in [s for s in st.plan.steps if s.family == "extern"][0].note
+
+
+def test_the_plan_prints_an_epilogue_with_a_target_select():
+    """Cross-entropy over a matmul's product at a width the LM-head partials do not take puts the
+    target select (a Gather, which has no op name) in the GEMM's epilogue; `--ir graph` prints
+    it as "gather" (it raised AttributeError)."""
+    torch.manual_seed(0)
+    x, w, t = torch.randn(8, 64).to(BF), (torch.randn(64, 96) / 8).to(BF), torch.randint(0, 96, (8,))
+    st = compile_stages(lambda x, w, t: F.cross_entropy((x @ w).float(), t), (x, w, t))
+    gemm = [s for s in st.plan.steps if s.family == "gemm"]
+    assert gemm and any(isinstance(st.graph[m], ir.Gather) for s in gemm for m in s.gemm.maps)
+    (line,) = [ln for ln in str(st.plan).splitlines() if ln.strip().startswith("epilogue")]
+    assert "gather" in line
