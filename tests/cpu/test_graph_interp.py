@@ -257,6 +257,25 @@ def _(draw, dtype):
                        x.var(unbiased=False), x.std())), [randn(s, dtype) * 2 + 1]
 
 
+@case("var_mean_std_mean", "var_mean", "std_mean")
+def _(draw, dtype):
+    s = draw(shapes())
+    s = s[:-1] + (max(2, s[-1]),)
+    dims, keep = reduce_dims(draw, len(s)), draw(st.booleans())
+    corr = draw(st.sampled_from([0, 1]))
+    return (lambda x: (*torch.var_mean(x, dims, correction=corr, keepdim=keep), *torch.std_mean(x, -1))), \
+        [randn(s, dtype) * 2 + 1]
+
+
+@case("max_min_values", "max", "min")
+def _(draw, dtype):
+    """(The indices are PyTorch's argmax, an extern: test_multi_output_ops.py checks them.)"""
+    s = draw(shapes())
+    d, keep = draw(st.integers(-len(s), len(s) - 1)), draw(st.booleans())
+    return (lambda x: (x.max(d, keepdim=keep).values, x.min(d).values, x.max(), x.min(),
+                       torch.max(x, x * 0.5), torch.min(x, x * -1.0))), [randn(s, dtype)]
+
+
 @case("softmax", "softmax")
 def _(draw, dtype):
     s = draw(shapes())

@@ -27,13 +27,15 @@ COPY_BYTES_PER_S = 3.0e12
 MATMUL_FLOPS_PER_S = 7.0e14
 ON_CHIP_BYTES = 16 * 200 * 1024  # a 16-CTA cluster's shared memory
 # A row kernel computes each reduction's argument again, element by element, from what it
-# loaded (nothing per element is kept between its passes over a row). A reduction joins a
-# kernel only while the per-element maps its passes compute again (every pass after the
-# first), summed over the kernel's reductions, stay within this many: a chain of k softmaxes
-# would otherwise make one kernel of ~k^2 maps per element (at k = 32, 4453 Loop IR lines),
-# slower than reading the row again. The first pass is free: splitting it off would only
-# write and read back what it reduces (a review measured 2.8x slower for 70 maps and a sum).
-RECOMPUTE_LIMIT = 64
+# loaded (nothing per element is kept between its passes over a row), so a chain of k softmaxes
+# in one kernel computes ~k^2 maps per element: at k = 32, 4453 Loop IR lines and a long NVRTC
+# build. A reduction joins a kernel only while the maps its pass computes again, summed over
+# every pass after the kernel's first, stay within this many. It guards the kernel's size, not
+# its speed: measured on an H100 (bench/recompute_limit.py, bench/LOG.md session 24), splits
+# at 64 or 256 were as often slower as faster than one kernel (2.7x slower for two
+# GELU-LayerNorm blocks at 64, 1.6x faster for 12 softmaxes), so the limit sits above every
+# program measured (12 softmaxes: 862).
+RECOMPUTE_LIMIT = 1024
 
 
 @dataclass
