@@ -46,13 +46,7 @@ class Builder:
         self.source = ""
 
     def fresh(self, base: str) -> str:
-        base = base.replace(".", "_")
-        name, i = base, self.next_suffix.get(base, 1)
-        while name in self.names:
-            name, i = f"{base}_{i}", i + 1
-        self.next_suffix[base] = i  # (the next try: a program of 1000 adds names them in linear time)
-        self.names.add(name)
-        return name
+        return ir.fresh_name(base.replace(".", "_"), self.names, self.next_suffix)
 
     def add(self, node):
         self.nodes.append(node)

@@ -223,6 +223,18 @@ class Ref:
 Node = Union[Input, Weight, Constant, Map, Reduce, View, Iota, Gather, Contraction, Attention, Extern]
 
 
+def fresh_name(base: str, taken: set[str], next_suffix: dict[str, int]) -> str:
+    """`base`, or `base_1`, `base_2`... whichever is free first; taken into `taken`. Names are
+    only ever added, so the first free suffix never moves back: `next_suffix` remembers where
+    to look, and a program of a thousand adds is named in linear time."""
+    name, i = base, next_suffix.get(base, 1)
+    while name in taken:
+        name, i = f"{base}_{i}", i + 1
+    next_suffix[base] = i
+    taken.add(name)
+    return name
+
+
 def post_order(root, children) -> list:
     """What `root` reaches through `children(x)` (an iterable; whatever it leaves out is a leaf
     already done), each after all it reaches, depth first in `children` order, `root` last: the

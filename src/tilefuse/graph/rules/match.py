@@ -92,12 +92,7 @@ class Editor:
         self.next_suffix: dict[str, int] = {}
 
     def fresh(self, base: str) -> str:
-        name, i = base, self.next_suffix.get(base, 1)
-        while name in self.names:
-            name, i = f"{base}_{i}", i + 1
-        self.next_suffix[base] = i  # (names only grow: the first free suffix never moves back)
-        self.names.add(name)
-        return name
+        return ir.fresh_name(base, self.names, self.next_suffix)
 
     def weight(self, base: str, matrix: torch.Tensor, dtype: str, source: str) -> ir.Weight:
         """A new Weight holding `matrix` (computed in float64) rounded once to `dtype`."""
