@@ -76,6 +76,18 @@ def _relu_in_place(x, y):
     return h + 1.0
 
 
+def _softmax_chain(x):
+    for _ in range(3):  # each pass's exps are kept on chip for the next (codegen/keep.py)
+        x = torch.softmax(x * 2, -1)
+    return x
+
+
+def _gelu_layernorm_chain(x):
+    for _ in range(2):  # each GELU is computed once and kept for the LayerNorm's later passes
+        x = F.layer_norm(F.gelu(x, approximate="tanh"), (x.shape[-1],))
+    return x
+
+
 def _programs(rows, cols, dtype):
     x = lambda: torch.randn(rows, cols, device="cuda", dtype=dtype)
     t = lambda: torch.randint(0, cols, (rows,), device="cuda")
@@ -91,6 +103,8 @@ def _programs(rows, cols, dtype):
         ("max_rows", _max_rows, lambda: (x(),)),
         ("layernorm_by_hand", _layernorm_by_hand, lambda: (x(),)),
         ("relu_in_place", _relu_in_place, lambda: (x(), x())),
+        ("softmax_chain", _softmax_chain, lambda: (x(),)),
+        ("gelu_layernorm_chain", _gelu_layernorm_chain, lambda: (x(),)),
     ]
 
 

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field, replace
 
 from .. import dtypes
 from ..loop import ir
-from . import cexpr, patterns
+from . import cexpr, keep, patterns
 from .patterns import CentredSquares, OnlineLse, TargetSelect
 from .rowlayout import RowLayouts, row_layouts
 
@@ -141,6 +141,7 @@ class KernelSource:
     alignment: tuple[tuple[str, int], ...] = ()  # (buffer, bytes) its data pointer must be aligned to
     schedule: MapReduceSchedule | None = field(default=None, compare=False)
     workspace_bytes: int = 0        # > 0: a last parameter, zeroed device memory owned by the caller
+    kept: int = 0                   # values kept in registers between passes (codegen/keep.py)
 
 
 # ---------------------------------------------------------------- access analysis
@@ -612,6 +613,9 @@ class _Ctx:
     var_state: dict = field(default_factory=dict)  # id(CentredSquares) -> its merged (n, k, u, m2)
     var_sums: dict = field(default_factory=dict)   # a CentredSquares' sum -> (it, its merged state)
     var_phase: dict = field(default_factory=dict)  # id(CentredSquares) -> pass 1 or 2 of its two-pass form
+    kept: keep.KeepPlan = field(default_factory=keep.KeepPlan)  # values kept between passes (codegen/keep.py)
+    passes: list | None = None  # where given, each pass's blocks are recorded (for keep.plan)
+    pass_no: int = 0            # passes over the row emitted so far (this row)
 
     def c(self, ssa: str) -> str:
         return self.names[ssa]
@@ -828,6 +832,37 @@ def _block_var(blk) -> str:
     return blk.sm.var if isinstance(blk, (OnlineLse, CentredSquares)) else blk.var
 
 
+def _kept_as(ctx: _Ctx, k: keep.Kept) -> str:
+    """The dtype a kept value is held in: a 16-bit one two to a register where the row is staged
+    in shared memory (registers are few there), else as computed (f32): where the row is in
+    registers nvcc already reuses a value computed twice from them, and the packing only cost
+    instructions (GELU then LayerNorm, 1024 columns, H100: 0.94x of recomputing, packed)."""
+    return k.dtype if ctx.sched.stage != "regs" else "f32"  # keep.KEPT_DTYPES all compute in f32
+
+
+def _live_body(blk, writes: dict, reads: dict) -> tuple:
+    """A block's statements less those only a value read back from an earlier pass needed
+    (its loads of shared memory are volatile: nvcc would keep them)."""
+    body = _block_body(blk)
+    if not reads:
+        return body
+    need = set(_block_reads(blk)) | set(writes)
+    live = []
+    for s in reversed(body):
+        if isinstance(s, ir.Store) or s.dst in need:
+            live.append(s)
+            if getattr(s, "dst", None) not in reads:
+                need |= _reads(s)
+    return tuple(reversed(live))
+
+
+def _block_reads(blk) -> tuple:
+    """What a block reads after its statements: a reduction's operand."""
+    if isinstance(blk, (OnlineLse, CentredSquares)):
+        return (blk.y,)
+    return (blk.value,) if isinstance(blk, ir.Reduce) else ()
+
+
 def _block_header(blk) -> str:
     if isinstance(blk, CentredSquares):
         return f"{blk.sm.header()} and {blk.sq.header()}"
@@ -841,9 +876,19 @@ def _emit_pass(ctx: _Ctx, em: _Emitter, blocks: list, accs: list):
     an OnlineLse, the (count, base, mean - base, M2) state of a CentredSquares, None for a Loop.
     """
     regs = ctx.sched.stage == "regs"
+    p = ctx.pass_no
+    ctx.pass_no += 1
+    if ctx.passes is not None and len(ctx.passes) == p:
+        ctx.passes.append([keep.Block(_block_var(b), tuple(_block_body(b)), _block_reads(b)) for b in blocks])
+    writes, reads = ctx.kept.writes(p), ctx.kept.reads(p)
+    bodies = [_live_body(b, writes, reads) for b in blocks]
+    for k in ctx.kept.declared(p):
+        w = _words(_kept_as(ctx, k), ctx.V)
+        em(f"unsigned k{k.slot}[{ctx.nchunk}][{w}] = {{}};  // %{k.producer[1]} per element, kept for "
+           f"pass{'es' if len(k.readers) > 1 else ''} {', '.join(str(q) for q, _ in k.readers)} (codegen/keep.py)")
     _chunk_header(ctx, em, ctx.sched.stage != "stream")
     ctx.pending_wait = False
-    all_body = [s for b in blocks for s in _block_body(b)]
+    all_body = [s for body in bodies for s in body]
     staged = {k for k, st in ctx.ana.in_streams.items() if regs and st.per_row}
     for st in _streams_used(all_body, ctx.ana.in_streams, ctx.ana.load_stream):
         if st.key in ctx.smem_offset:  # staged in shared memory: this thread's own chunk
@@ -870,14 +915,23 @@ def _emit_pass(ctx: _Ctx, em: _Emitter, blocks: list, accs: list):
     em.open(f"for (int v = 0; v < {ctx.V}; ++v)")
     em(f"const int c = c0 + {ctx.lay.c_column('v', 0, 0)}; (void)c;  // a layout is affine: L(v,q) = L(0,q) + L(v,0)")
     saved = dict(ctx.names), dict(ctx.dtype_of)
-    for blk, acc in zip(blocks, accs):
+    for blk, acc, body in zip(blocks, accs, bodies):
         env = _env(ctx, None)
         env[_block_var(blk)] = "c"
         if len(blocks) > 1:
             em(f"// {_block_header(blk)}")
             em.open("")
-        for s in _block_body(blk):
+        for s in body:
+            k = reads.get(getattr(s, "dst", None))
+            if k is not None:  # an earlier pass computed it: read it back (what computed it here is dead)
+                name = ctx.define(s.dst, s.dtype)
+                em(f"const {cexpr.ctype(s.dtype)} {name} = tf_get_{_kept_as(ctx, k)}(k{k.slot}[j], v);  // kept")
+                env[s.dst] = name
+                continue
             _emit_stmt(ctx, em, s, env, inner=True, src_chunk=src_chunk, out_chunk=out_chunk)
+            k = writes.get(getattr(s, "dst", None))
+            if k is not None:
+                em(f"tf_put_{_kept_as(ctx, k)}(k{k.slot}[j], v, {ctx.c(s.dst)});  // kept for a later pass")
         if isinstance(blk, (OnlineLse, CentredSquares)):
             em(f"{acc[0]}_y[v] = {ctx.c(blk.y)};")
         elif isinstance(blk, ir.Reduce):
@@ -1576,14 +1630,16 @@ def rereads_rows(kernel: ir.Kernel) -> bool:
     return any(n > 1 for key, n in reads.items() if ana.in_streams[key].per_row)
 
 
-def _row_steps(rest: list, selects: dict):
+def _row_steps(rest: list, selects: dict, online: bool = True):
     """The row statements after the hoisted ones, as steps: ("select", TargetSelect),
     ("reduce", [Reduce, OnlineLse or CentredSquares, ...]: one pass and one exchange),
     ("squares", CentredSquares: its sum of squares, from the merged state), ("loop", Loop)
     or ("stmt", statement). Consecutive mutually independent reductions share a step; a max
     followed by a sum of exp(y - max) becomes one OnlineLse; a sum y, the statements making
     m from it, and a sum of (y - m)^2 become one CentredSquares (its pass and exchange at the
-    sum's place, the statements in between as they were, the squares at their own place)."""
+    sum's place, the statements in between as they were, the squares at their own place).
+    online=False leaves a max and its sum of exps two passes (so the sum's exp(y - max) can be
+    kept for the pass after it: codegen/keep.py)."""
     out, i, later = [], 0, {}
     while i < len(rest):
         s = rest[i]
@@ -1595,7 +1651,7 @@ def _row_steps(rest: list, selects: dict):
             group, dsts = [], set()
             while (i < len(rest) and isinstance(rest[i], ir.Reduce) and id(rest[i]) not in selects
                    and id(rest[i]) not in later):
-                pair = patterns.online_lse(rest[i], rest[i + 1]) if i + 1 < len(rest) else None
+                pair = patterns.online_lse(rest[i], rest[i + 1]) if online and i + 1 < len(rest) else None
                 item = pair or _centred_at(rest, i, selects) or rest[i]
                 if group and not _independent(dsts, item):
                     break
@@ -1653,8 +1709,43 @@ def _plan_chunks(C: int, V: int, P: int):
     return nchunk, (C == nchunk * P * V)
 
 
-def render(kernel: ir.Kernel, schedule: MapReduceSchedule | None = None, arch: str = "sm_90a") -> KernelSource:
-    """CUDA C++ for a map-reduce kernel under `schedule` (default_schedule(kernel, arch) if None)."""
+def render(kernel: ir.Kernel, schedule: MapReduceSchedule | None = None, arch: str = "sm_90a",
+           keep_values: bool = True) -> KernelSource:
+    """CUDA C++ for a map-reduce kernel under `schedule` (default_schedule(kernel, arch) if None).
+
+    Rendered once to see its passes over the row; where a later pass recomputes a costly value
+    an earlier one made and the row's chunks are unrolled (not the stream stage), rendered
+    again keeping those values in registers between the passes (codegen/keep.py)."""
+    if not keep_values or not keep.ENABLED:
+        return _render(kernel, schedule, arch, keep.KeepPlan(), None)
+    passes = []
+    online = not keep.SPLIT_LSE
+    src = _render(kernel, schedule, arch, keep.KeepPlan(), passes, online)
+    if src.schedule.stage == "stream":
+        return src if online else _render(kernel, schedule, arch, keep.KeepPlan(), None)
+    kp = keep_plan(kernel, src.schedule, passes)
+    if not kp.kept:
+        return src if online else _render(kernel, schedule, arch, keep.KeepPlan(), None)
+    return _render(kernel, schedule, arch, kp, None, online)
+
+
+def keep_plan(kernel: ir.Kernel, sch: MapReduceSchedule, passes: list) -> keep.KeepPlan:
+    """The values to keep between `passes` (recorded by a rendering under `sch`)."""
+    gp = ir.grid_parts(kernel)
+    head = gp.head if gp is not None else kernel
+    parts = ir.row_kernel_parts(head)
+    dtype_of = {}
+    for s in parts.body:
+        if isinstance(s, ir.Load):
+            dtype_of[s.dst] = head.buffer(s.buf).dtype
+        elif isinstance(s, (ir.Const, ir.Op, ir.IndexValue, ir.Reduce)):
+            dtype_of[s.dst] = s.dtype
+    outputs = frozenset(b.name for b in head.params if b.role == "out")
+    return keep.plan(passes, outputs, dtype_of)
+
+
+def _render(kernel: ir.Kernel, schedule: MapReduceSchedule | None, arch: str, kept: keep.KeepPlan,
+            passes: list | None, online: bool = True) -> KernelSource:
     whole = kernel
     gp = ir.grid_parts(kernel)
     if gp is not None:  # the row kernel is rendered as usual, then its grid reduction (_emit_grid_tail)
@@ -1682,7 +1773,7 @@ def render(kernel: ir.Kernel, schedule: MapReduceSchedule | None = None, arch: s
     if sch.stage == "regs" and staged_regs > MAX_STAGED_WORDS:
         raise ValueError(f"kernel {kernel.name}: {sch} would hold {staged_regs} registers of row per thread "
                          f"(at most {MAX_STAGED_WORDS}); use more threads, a cluster, or stage='stream'")
-    ctx = _Ctx(kernel, parts, sch, ana, V, C, P, nchunk, full)
+    ctx = _Ctx(kernel, parts, sch, ana, V, C, P, nchunk, full, kept=kept, passes=passes)
     ctx.store_only_casts = _cast_store_only(kernel, parts.body)
     ctx.fast = fast_math(whole)  # a grid reduction's scratch values are not outputs
     smem_bytes = 0
@@ -1801,7 +1892,7 @@ def render(kernel: ir.Kernel, schedule: MapReduceSchedule | None = None, arch: s
 
     # ---- the row body: statements that need no reduction first (their loads overlap the row's)
     early, rest, selects = _row_plan(kernel, list(parts.body))
-    steps = _row_steps(rest, selects)
+    steps = _row_steps(rest, selects, online)
     if ctx.smem_offset and not pipelined:
         wait_line = "tf_cp_async_wait_all();  // each thread reads back only its own chunks: no barrier needed"
     else:
@@ -1843,7 +1934,7 @@ def render(kernel: ir.Kernel, schedule: MapReduceSchedule | None = None, arch: s
     return KernelSource(name=name, source=code, grid=grid, block=(sch.threads, 1, 1), smem_bytes=smem_bytes,
                         cluster=(sch.cluster if hw_cluster else 1, 1, 1), params=tuple(b.name for b in whole.params),
                         alignment=tuple(sorted(align_d.items())), schedule=sch,
-                        workspace_bytes=ws.nbytes if ws is not None else 0)
+                        workspace_bytes=ws.nbytes if ws is not None else 0, kept=len(kept.kept))
 
 
 def _emit_row_start(ctx: _Ctx, em: _Emitter, b: int | None, streams: list):
@@ -1867,7 +1958,8 @@ def _emit_l2_policies(em: _Emitter):
     em("(void)tf_pol_first; (void)tf_pol_last;")
 
 
-_CTX_STATE = ("names", "dtype_of", "rgroup", "reads_left", "var_state", "var_sums", "var_phase", "pending_wait")
+_CTX_STATE = ("names", "dtype_of", "rgroup", "reads_left", "var_state", "var_sums", "var_phase", "pending_wait",
+              "pass_no")
 
 
 def _ctx_state(ctx: _Ctx) -> dict:

@@ -40,21 +40,26 @@ def _drv(result, what: str):
     return result[1] if len(result) == 2 else (result[1:] if len(result) > 2 else None)
 
 
-def _render(kernel: ir.Kernel, arch: str, schedule) -> mapreduce.KernelSource:
-    if kernel.family != "mapreduce":
-        raise ValueError(f"kernel {kernel.name}: no code generator for the {kernel.family!r} family yet")
-    return mapreduce.render(kernel, schedule or mapreduce.default_schedule(kernel, arch), arch)
+def _build(kernel: ir.Kernel, arch: str, schedule, use_cache: bool = True):
+    """(source, cubin, cache hit). Where values kept between passes (codegen/keep.py) would
+    spill, the kernel is built again recomputing them: ptxas, not an estimate, says what fits."""
+    for keep_values in (True, False):
+        if kernel.family != "mapreduce":
+            raise ValueError(f"kernel {kernel.name}: no code generator for the {kernel.family!r} family yet")
+        src = mapreduce.render(kernel, schedule or mapreduce.default_schedule(kernel, arch), arch, keep_values)
+        if use_cache:
+            cubin, hit = cache.compile_cached(src.source, src.name, arch)
+        else:
+            cubin, hit = nvrtc.compile_cuda(src.source, src.name, arch), False
+        if cubin.info.clean or not src.kept:
+            return src, cubin, hit
+    return src, cubin, hit
 
 
 def compile_source_only(kernel: ir.Kernel, arch: str = "sm_90a", schedule=None,
                         use_cache: bool = True) -> tuple[mapreduce.KernelSource, nvrtc.Cubin]:
     """Render and compile to a cubin without touching a GPU (CPU tests, `--ir cuda`)."""
-    arch = nvrtc.normalize_arch(arch)
-    src = _render(kernel, arch, schedule)
-    if use_cache:
-        cubin, _ = cache.compile_cached(src.source, src.name, arch)
-    else:
-        cubin = nvrtc.compile_cuda(src.source, src.name, arch)
+    src, cubin, _ = _build(kernel, nvrtc.normalize_arch(arch), schedule, use_cache)
     return src, cubin
 
 
@@ -321,6 +326,5 @@ def _raw_stream(device: int) -> int:
 def compile_kernel(kernel: ir.Kernel, arch: str | None = None, schedule=None) -> CompiledKernel:
     """Render `kernel` (default schedule for `arch`, the current device's if None) and compile it."""
     arch = nvrtc.normalize_arch(arch) if arch else nvrtc.current_arch()
-    src = _render(kernel, arch, schedule)
-    cubin, hit = cache.compile_cached(src.source, src.name, arch)
+    src, cubin, hit = _build(kernel, arch, schedule)
     return CompiledKernel(kernel=kernel, arch=arch, source=src, cubin=cubin, cache_hit=hit)
