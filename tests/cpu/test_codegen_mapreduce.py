@@ -251,15 +251,31 @@ def test_cross_entropy_is_one_pass_one_exchange_and_one_target_load():
 
 
 def test_softmax_reads_the_staged_row_twice_and_exchanges_once():
+    """Without kept values (and on rows a cluster holds, which keep none) a softmax's max and sum
+    of exps share one online pass and one exchange, then one pass maps the row."""
     for shape, sched in [((64, 4096), None),
                          ((8, 262144), None),
                          ((64, 136), MapReduceSchedule(threads=256, group=4, vector=8))]:
-        src = render(fx.softmax_kernel(*shape, "bf16"), sched, "sm_90a")
+        src = render(fx.softmax_kernel(*shape, "bf16"), sched, "sm_90a", keep_values=shape[1] > 65536)
+        assert src.kept == 0
         body = _body(src)
         exchanges = "tf_cluster_sync();" if src.cluster != (1, 1, 1) else "__syncthreads();"
         assert body.count(exchanges) == (1 if src.schedule.group > 32 else 0)
         assert "tf_lse_scale(" in body
         assert body.count("for (int j = 0;") == 2 + (src.schedule.stage != "stream")  # (+ the staging loop)
+
+
+def test_a_held_softmax_keeps_its_exps_for_the_map():
+    """With values kept (the default) a softmax whose row is held on chip takes a max pass and a
+    sum pass (two exchanges) and keeps the sum's exp(y - max) for the map over the row: one exp
+    per element, and no online rescaling."""
+    for shape, sched in [((64, 4096), None), ((64, 136), MapReduceSchedule(threads=256, group=4, vector=8))]:
+        src = render(fx.softmax_kernel(*shape, "bf16"), sched, "sm_90a")
+        body = _body(src)
+        assert src.kept == 1 and "tf_lse_scale(" not in body
+        assert body.count("tf_exp_fast(") == 1
+        assert body.count("__syncthreads();") == (2 if src.schedule.group > 32 else 0)
+        assert body.count("for (int j = 0;") == 3 + (src.schedule.stage != "stream")
 
 
 def test_special_function_unit_math_only_where_results_are_16_bit():

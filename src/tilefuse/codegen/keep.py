@@ -8,9 +8,9 @@ softmaxes therefore computes ~k^2 / 2 exps per element where k would do, and tor
 (bench/LOG.md, session 24). Here, where a later pass computes a value an earlier pass
 already computed (the same tree of ops over the same loads and row values) and that value is
 costly to recompute, the earlier pass writes it per element into registers and the later
-pass reads it back. The statements the read makes dead are left to nvcc's dead-code
-elimination. Values a program rounds to bf16 / f16 are kept at that width (the rounding made
-them exact there), two to a register.
+pass reads it back; what only that value needed is not emitted there. Where the row is staged
+in shared memory, values a program rounds to bf16 / f16 are kept at that width (the rounding
+made them exact there), two to a register; where it is in registers, as f32.
 
 A pass is what codegen/mapreduce.py's `_emit_pass` renders: blocks (a Reduce, a Loop, an
 online (max, sum-exp) or centred-squares pattern), each with its column variable, its
@@ -81,9 +81,6 @@ class KeepPlan:
             return 0
         last = max(k.last for k in self.kept)
         return max(sum(words(k.dtype) for k in self.kept if k.producer[0] <= p <= k.last) for p in range(last + 1))
-
-    def without(self, slots) -> "KeepPlan":
-        return KeepPlan(tuple(k for k in self.kept if k.slot not in slots))
 
     def __str__(self):
         return "\n".join(map(str, self.kept)) or "nothing kept"
@@ -183,7 +180,9 @@ def plan(passes: list[list[Block]], outputs: frozenset = frozenset(), dtype_of: 
                 keep = s.args[0]  # keep the 16-bit value the f32 one widens (exact, half the registers)
             ks = stmt[keep]
             if (cost[sid[keep]] >= MIN_COST and isinstance(ks, ir.Op) and ks.dtype in KEPT_DTYPES):
-                readers.setdefault(sid[keep], []).append((p, keep))
+                rs = readers.setdefault(sid[keep], [])
+                if (p, keep) not in rs:  # the value and its f32 widening may both be needed
+                    rs.append((p, keep))
             else:
                 work.extend(a for a in _args(s) if a in matched)
 

@@ -1700,6 +1700,7 @@ def fast_math(kernel: ir.Kernel) -> bool:
 
 
 MAX_STAGED_WORDS = 64  # beyond this an explicit schedule would spill whatever ptxas does
+MAX_KEPT_WORDS = 64    # kept values' registers per thread at once beyond which keeping is not tried
 
 
 def _plan_chunks(C: int, V: int, P: int):
@@ -1714,23 +1715,29 @@ def render(kernel: ir.Kernel, schedule: MapReduceSchedule | None = None, arch: s
     """CUDA C++ for a map-reduce kernel under `schedule` (default_schedule(kernel, arch) if None).
 
     Rendered once to see its passes over the row; where a later pass recomputes a costly value
-    an earlier one made and the row's chunks are unrolled (not the stream stage), rendered
-    again keeping those values in registers between the passes (codegen/keep.py)."""
+    an earlier one made and one CTA holds the row (not the stream stage, not a cluster),
+    rendered again keeping those values in registers between the passes (codegen/keep.py)."""
     if not keep_values or not keep.ENABLED:
         return _render(kernel, schedule, arch, keep.KeepPlan(), None)
     passes = []
     online = not keep.SPLIT_LSE
     src = _render(kernel, schedule, arch, keep.KeepPlan(), passes, online)
-    if src.schedule.stage == "stream":
+    if src.schedule.stage == "stream" or src.cluster != (1, 1, 1):
+        # rows not held, or held by a cluster, whose extra exchange (the split max and sum)
+        # crosses CTAs: issue 2's tuned kernels there are kept as they were (not measured)
         return src if online else _render(kernel, schedule, arch, keep.KeepPlan(), None)
-    kp = keep_plan(kernel, src.schedule, passes)
-    if not kp.kept:
+    kp = keep_plan(kernel, passes)
+    sch = src.schedule
+    gp = ir.grid_parts(kernel)
+    nchunk, _ = _plan_chunks(ir.row_kernel_parts(gp.head if gp else kernel).col_extent, sch.vector, sch.group)
+    words = lambda d: nchunk * _words(d if sch.stage != "regs" else "f32", sch.vector)  # noqa: E731 (as _kept_as)
+    if not kp.kept or kp.peak_words(words) > MAX_KEPT_WORDS:  # would spill: not worth a second build
         return src if online else _render(kernel, schedule, arch, keep.KeepPlan(), None)
     return _render(kernel, schedule, arch, kp, None, online)
 
 
-def keep_plan(kernel: ir.Kernel, sch: MapReduceSchedule, passes: list) -> keep.KeepPlan:
-    """The values to keep between `passes` (recorded by a rendering under `sch`)."""
+def keep_plan(kernel: ir.Kernel, passes: list) -> keep.KeepPlan:
+    """The values to keep between `passes` (recorded by a rendering of `kernel`)."""
     gp = ir.grid_parts(kernel)
     head = gp.head if gp is not None else kernel
     parts = ir.row_kernel_parts(head)
@@ -1774,7 +1781,8 @@ def _render(kernel: ir.Kernel, schedule: MapReduceSchedule | None, arch: str, ke
         raise ValueError(f"kernel {kernel.name}: {sch} would hold {staged_regs} registers of row per thread "
                          f"(at most {MAX_STAGED_WORDS}); use more threads, a cluster, or stage='stream'")
     ctx = _Ctx(kernel, parts, sch, ana, V, C, P, nchunk, full, kept=kept, passes=passes)
-    ctx.store_only_casts = _cast_store_only(kernel, parts.body)
+    # a kept value is read back by a later pass: its cast must round, whatever stores it
+    ctx.store_only_casts = _cast_store_only(kernel, parts.body) - {k.producer[1] for k in kept.kept}
     ctx.fast = fast_math(whole)  # a grid reduction's scratch values are not outputs
     smem_bytes = 0
     if sch.stage == "smem":
