@@ -64,6 +64,18 @@ def _compiled(fn, inputs, limit):
         fusion.RECOMPUTE_LIMIT = old
 
 
+def rotated_medians(impls: dict, inputs, rounds: int):
+    """({name: median ms over rounds}, {name: each round's ms}): every implementation timed once
+    a round, the order rotated each round."""
+    times = {k: [] for k in impls}
+    order = list(impls)
+    with torch.no_grad():
+        for r in range(rounds):
+            for k in order[r % len(order):] + order[:r % len(order)]:
+                times[k].append(statistics.median(timings_ms(lambda: impls[k](*inputs))))
+    return {k: statistics.median(v) for k, v in times.items()}, times
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", type=Path)
@@ -92,13 +104,7 @@ def main(argv=None):
                 (c,) = [compare(name, o, r, e) for o, r, e in zip(flatten(impls[k](*fresh)), ref, eager)]
                 if not c.ok:
                     raise SystemExit(f"{name} {cols} ({k}) fails the 2x rule: {c}")
-            times = {k: [] for k in impls}
-            order = list(impls)
-            with torch.no_grad():
-                for r in range(args.rounds):
-                    for k in order[r % len(order):] + order[:r % len(order)]:
-                        times[k].append(statistics.median(timings_ms(lambda: impls[k](*inputs))))
-            med = {k: statistics.median(v) for k, v in times.items()}
+            med, times = rotated_medians(impls, inputs, args.rounds)
             rows.append({"program": name, "cols": cols, "kernels": kernels, "ms": med, "rounds": times})
             print(f"{name:12s} {cols:5d} kernels {kernels[LIM]}/{kernels['no limit']}  "
                   + "  ".join(f"{k} {v * 1e3:8.1f} us" for k, v in med.items()), flush=True)

@@ -17,16 +17,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from recompute_limit import PROGRAMS as CHAINS
+from recompute_limit import rotated_medians
 
 import tilefuse
-from tilefuse.analyze.bench import timings_ms
 from tilefuse.check import compare, flatten, float64_reference
 from tilefuse.codegen import keep
 
@@ -89,13 +88,7 @@ def main(argv=None):
                 (c,) = [compare(name, o, r, e) for o, r, e in zip(flatten(impls[k](*fresh)), ref, eager)]
                 if not c.ok:
                     raise SystemExit(f"{name} {cols} ({k}) fails the 2x rule: {c}")
-            times = {k: [] for k in impls}
-            order = list(impls)
-            with torch.no_grad():
-                for r in range(args.rounds):
-                    for k in order[r % len(order):] + order[:r % len(order)]:
-                        times[k].append(statistics.median(timings_ms(lambda: impls[k](*inputs))))
-            med = {k: statistics.median(v) for k, v in times.items()}
+            med, times = rotated_medians(impls, inputs, args.rounds)
             rows.append({"program": name, "shape": shape, "ms": med, "rounds": times})
             print(f"{name:12s} {shape:>12s} " + "  ".join(f"{k} {v * 1e3:8.1f} us" for k, v in med.items()), flush=True)
     if args.json:
