@@ -334,7 +334,7 @@ def test_a_kept_cast_is_rounded_even_where_only_stores_use_it():
         return y, y.float().pow(2).sum(-1)
     c = compile_stages(fn, [torch.randn(64, 1024, dtype=torch.bfloat16)])
     (k,) = [canonicalize(lk.kernel) for lk in c.kernels.values()]
-    src = mapreduce.render(k, mapreduce.default_schedule(k, ARCH), ARCH)
+    src = mapreduce.render(k, mapreduce.default_schedule(k, ARCH, stage="regs"), ARCH)
     assert src.kept and src.schedule.stage == "regs"
     put = re.search(r"tf_put_f32\(k0\[j\], v, (\w+)\);", src.source)
     assert put, "the kept value is written as f32 under the regs stage"

@@ -362,14 +362,15 @@ def _default_schedule(kernel: ir.Kernel, arch: str = "sm_90a", stage: str | None
         kind = _kind(parts)
         n_ex, online = exchanges(kernel)
         row_streams = [st for st in _analyse(kernel, parts, v).in_streams.values() if st.per_row]
-        # short rows of a map, of a kernel with several exchanges (the two-pass LayerNorm was
-        # 64.4% of copy in registers, 59.9% staged, H100 32768 x 256 bf16), or of a norm with
-        # one row stream and one plain or (count, mean, M2) exchange (RMSNorm: 16.7 us in
-        # registers, 17.3 staged, same run; LayerNorm: 17.3 in registers, 17.5 staged) stay in
-        # registers; two row streams (add+RMSNorm: 28.0 us staged, 28.5 in registers) and the
-        # online (max, sum-exp) pass stay staged
+        # short rows of a map or of a kernel with several exchanges (the two-pass LayerNorm was
+        # 64.4% of copy in registers, 59.9% staged, H100 32768 x 256 bf16) stay in registers;
+        # a norm's rows of at most 32 chunks take the layouts below. Its rows of 33-128 chunks
+        # are staged: H100, bf16, 2^25 elements, same tensors (bench/results/s26/mid_rows_*_h100.json),
+        # RMSNorm and LayerNorm at 512-1024 columns held in registers took 1.014-1.038x the
+        # staged layouts' time; two row streams (add+RMSNorm) and the online (max, sum-exp)
+        # pass were already staged
         plain_norm = kind == "norm" and n_ex == 1 and not online and len(row_streams) == 1
-        regs = short and (kind == "map" or n_ex >= 2 or plain_norm)
+        regs = short and (kind == "map" or n_ex >= 2)
         row_bytes = parts.col_extent * sum(st.itemsize for st in row_streams)
         if plain_norm and 16384 <= row_bytes <= 32768 and _smem_eligible(kernel, v):  # hints need 16-byte reads
             # a plain norm's 16-32 KB rows: read twice through L2, the first pass's reads kept
@@ -491,11 +492,35 @@ def _smem_schedule(kernel, parts, v, arch) -> MapReduceSchedule:
     """
     C = parts.col_extent
     kind = _kind(parts)
-    chunk_bytes = sum(v * s.itemsize for s in _analyse(kernel, parts, v).in_streams.values() if s.per_row)
+    row_streams = [s for s in _analyse(kernel, parts, v).in_streams.values() if s.per_row]
+    chunk_bytes = sum(v * s.itemsize for s in row_streams)
     chunks = -(-C // v)
+    one_stream = len(row_streams) == 1
     if -(-chunks // 4) <= 32:  # a row per warp or sub-warp, several rows per CTA
-        return MapReduceSchedule(threads=256, group=_pow2ceil(-(-chunks // 4)), vector=v, stage="smem",
+        per = 4
+        if 32 < chunks and kind == "norm" and one_stream and exchanges(kernel) == (1, False) and not _centred(kernel):
+            # one row stream and one plain sum (RMSNorm): two chunks per thread. H100, bf16,
+            # 2^25 elements, same tensors (bench/results/s26/mid_rows_*_h100.json): at 768 and
+            # 1024 columns 1.4% and 2.1% faster than four; at 512, 0.5% slower
+            per = 2
+        return MapReduceSchedule(threads=256, group=_pow2ceil(-(-chunks // per)), vector=v, stage="smem",
                                  min_blocks=4)
+    uneven = chunks % 256 != 0  # a row per 256 threads below would leave them uneven
+    if kind == "norm" and ((one_stream and chunks < 3 * 256 and (chunks < 512 or uneven))
+                           or (chunks < 512 and uneven and _centred(kernel))):
+        # rows of 129-767 chunks (1032-6143 bf16 columns): a row per 32-128 threads, 3-6 chunks
+        # each, several rows per CTA (no cross-warp exchange below 64 threads). A row per CTA of
+        # 256 threads (below) leaves threads with one chunk, or none, or some with one more than
+        # others (a (count, mean, M2) merge of uneven counts divides at every level). H100, bf16,
+        # 2^25 elements, same tensors (bench/results/s26/mid_rows_*_h100.json): that layout took
+        # LayerNorm 1.13-2.01x this one's time at 1536-5120 columns, RMSNorm up to 1.05x, softmax
+        # up to 1.10x. Kept where it gives every thread the same two or more chunks (4096
+        # columns: within 0.3% either way) and for two row streams (add+RMSNorm: 1.8-2.4%
+        # faster), except for a (count, mean, M2) merge with under two chunks a thread, some
+        # with more than others (add+LayerNorm at 1536 / 2560 / 3072 columns: 1.20 / 1.01 /
+        # 1.01x this layout's time; at 2048 and 5120, 0.98x)
+        g = min(128, 1 << ((chunks // 3).bit_length() - 1))
+        return MapReduceSchedule(threads=256, group=g, vector=v, stage="smem", min_blocks=4)
     if kind == "reduce":
         t = _pow2ceil(-(-chunks // 8))
         if t <= 64:  # one warp per row, up to 16 chunks per lane: no exchange across warps

@@ -306,7 +306,13 @@ def load_function(data: bytes, name: str, device: int, smem_bytes: int = 0):
         loaded = driver.cuModuleLoadData(data)
     module = _drv(loaded, f"cuModuleLoadData({name})")
     func = _drv(driver.cuModuleGetFunction(module, name.encode()), f"cuModuleGetFunction({name})")
-    if smem_bytes > 48 * 1024:
+    # the 48 KB a launch may have without opting in counts the kernel's static shared memory
+    # (its exchange arrays) too: 48 KB of staged rows beside them needs the opt-in
+    static = 0
+    if smem_bytes:
+        static = _drv(driver.cuFuncGetAttribute(driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES, func),
+                      "cuFuncGetAttribute(static shared memory)")
+    if smem_bytes and smem_bytes + static > 48 * 1024:
         _drv(driver.cuFuncSetAttribute(
             func, driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
             smem_bytes), "cuFuncSetAttribute(max dynamic shared memory)")
