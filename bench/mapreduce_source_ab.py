@@ -32,7 +32,10 @@ def dump(path, cases):
         name, shape = case.split(":")
         R, C = (int(v) for v in shape.split("x"))
         module = PROGRAMS[name](C).bfloat16()
-        prog = tilefuse.compile(module, (torch.randn(R, C, dtype=torch.bfloat16),))
+        x = torch.randn(R, C, dtype=torch.bfloat16)
+        inputs = {"add+rmsnorm": (x, torch.randn_like(x)),
+                  "cross_entropy": (x, torch.randint(0, C, (R,)))}.get(name, (x,))
+        prog = tilefuse.compile(module, inputs)
         k = next(iter(prog.kernels.values())).kernel
         out[case] = mr.render(k, mr.default_schedule(k, "sm_90a"), "sm_90a").source
     Path(path).write_text(json.dumps(out))

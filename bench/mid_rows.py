@@ -10,8 +10,8 @@ elements (rows = elements / columns). Rows: "default" (this tree's schedule), "p
 (the default the tree at `--against` picks for the same program: computed there in a
 subprocess), with `--neighbours` the default's group halved and doubled and the same
 layout in registers, "copy" (x.copy_ into a preallocated tensor: the bandwidth floor for one
-read and one write), with `--torch-compile` torch.compile's default mode. Every kernel is
-checked against the program's output first. Timing: `analyze.bench.timings_ms` (CUDA events,
+read and one write), with `--torch-compile` torch.compile's default mode. Every kernel's
+outputs, written over NaN, are checked against eager's first. Timing: `analyze.bench.timings_ms` (CUDA events,
 L2 flushed by a read) in `--rounds` rounds, the order rotated each round; each row's time is
 its median over rounds. Prints a line per case; the JSON holds every round.
 """
@@ -52,8 +52,8 @@ def inputs_for(name, rows, cols, device="cuda"):
     return tuple(t.cpu() for t in mapreduce.inputs_for(name, rows, cols))
 
 
-def default_schedules(cases) -> dict:
-    """{case: this tree's default schedule as a dict} (sm_90a), from CPU tensors."""
+def default_schedules(cases, arch: str = "sm_90a") -> dict:
+    """{case: this tree's default schedule for `arch` as a dict}, from CPU tensors."""
     import tilefuse
     from tilefuse.codegen.mapreduce import default_schedule
 
@@ -65,13 +65,13 @@ def default_schedules(cases) -> dict:
         ins = (x, torch.randn_like(x)) if name.startswith("add+") else (x,)
         prog = tilefuse.compile(PROGRAMS[name](C).bfloat16(), ins)
         k = next(iter(prog.kernels.values())).kernel
-        out[case] = dataclasses.asdict(default_schedule(k, "sm_90a"))
+        out[case] = dataclasses.asdict(default_schedule(k, arch))
     return out
 
 
-def previous_defaults(src: str, cases) -> dict:
+def previous_defaults(src: str, cases, arch: str) -> dict:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([src, str(Path(__file__).resolve().parent)]))
-    res = subprocess.run([sys.executable, __file__, "--print-defaults", *cases], env=env, capture_output=True,
+    res = subprocess.run([sys.executable, __file__, "--print-defaults", arch, *cases], env=env, capture_output=True,
                          text=True, check=True)
     return json.loads(res.stdout.strip().splitlines()[-1])
 
@@ -103,7 +103,9 @@ def main() -> None:
     from tilefuse.runtime.launch import CudaError, compile_kernel
 
     cases = [f"{n}:{args.elements // int(c)}x{c}" for c in args.cols.split(",") for n in args.programs.split(",")]
-    prev = previous_defaults(args.against, cases) if args.against else {}
+    from tilefuse.runtime.nvrtc import current_arch
+
+    prev = previous_defaults(args.against, cases, current_arch()) if args.against else {}
     results = []
     for case in cases:
         name, shape = case.split(":")
@@ -111,8 +113,8 @@ def main() -> None:
         module = PROGRAMS[name](C).cuda().bfloat16()
         inputs = inputs_for(name, R, C)
         prog = tilefuse.compile(module, inputs)
-        want = prog(*inputs)
-        want = want if isinstance(want, torch.Tensor) else want[-1]
+        eager = module(*inputs)
+        eager = [eager] if isinstance(eager, torch.Tensor) else list(eager)
         lowered, op, ptrs, outs = program_launch(prog, inputs)
         rows = {"default": op.ck.source.schedule}
         if case in prev:
@@ -127,15 +129,17 @@ def main() -> None:
                 continue
             try:
                 ck = compile_kernel(lowered.kernel, schedule=s)
-                outs[-1].fill_(float("nan"))
+                for o in outs:
+                    o.fill_(float("nan"))
                 ck.launch_ptrs(0, ptrs)
                 torch.cuda.synchronize()
             except (ValueError, CudaError) as e:
                 print(f"  {case} {label} {s}: skipped ({e})", flush=True)
                 continue
-            err = (outs[-1].float() - want.float()).abs().max().item()
-            if not err <= 0.05 * want.float().abs().max().item():  # NaN fails too
-                raise SystemExit(f"{case} {label} {s}: differs from the program's output (max {err:.3g})")
+            for o, w in zip(outs, eager):  # every output against eager's (bf16: a few ulps at most)
+                err = (o.float() - w.float()).abs().max().item()
+                if not err <= 0.05 * w.float().abs().max().item():  # NaN fails too
+                    raise SystemExit(f"{case} {label} {s}: differs from eager's output (max {err:.3g})")
             scheds[label] = s
             calls[label] = (lambda ck=ck: ck.launch_ptrs(0, ptrs))
         y = torch.empty_like(inputs[0])
@@ -168,8 +172,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["--print-defaults"]:
-        print(json.dumps(default_schedules(sys.argv[2:])))
+    if sys.argv[1:2] == ["--print-defaults"]:  # --print-defaults ARCH CASE...: run by previous_defaults
+        print(json.dumps(default_schedules(sys.argv[3:], sys.argv[2])))
     else:
         with torch.no_grad():
             main()

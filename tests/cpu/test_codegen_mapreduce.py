@@ -805,3 +805,53 @@ def test_every_short_row_default_compiles_without_spills(name, dtype, arch):
         if not cubin.info.clean:
             bad.append((C, str(src.schedule), cubin.info))
     assert not bad, bad
+
+
+def _lowered_kernel(fn, inputs):
+    import tilefuse
+
+    (lk,) = tilefuse.compile(fn, inputs).kernels.values()
+    return lk.kernel
+
+
+def test_staged_rows_of_different_widths_get_areas_sized_by_the_widest_chunk():
+    """A bf16 row and an f32 row staged side by side: chunk j of every stream sits j times
+    the widest (f32) chunk into its area, so each area is sized by that chunk, and the f32
+    area starts where the bf16 one's last chunk ends (sized by its own 16-byte chunks it ran
+    into the f32 area from its second chunk on: NaN outputs on an H100 at 1032 columns)."""
+    import torch.nn.functional as F
+
+    def fn(x, r):
+        h = x.float() + r
+        return h, F.layer_norm(h, (h.shape[-1],))
+    for C in (520, 1032, 2056):
+        k = _lowered_kernel(fn, (torch.randn(8, C, dtype=torch.bfloat16), torch.randn(8, C)))
+        src = render(k, default_schedule(k, "sm_90a"), "sm_90a")
+        sch = src.schedule
+        nchunk = -(-C // (sch.vector * sch.group))
+        assert sch.stage == "smem" and nchunk >= 2, sch
+        area = nchunk * sch.threads * 32  # 8 f32 values a chunk
+        assert src.smem_bytes == 2 * area
+        assert sorted({int(m) for m in re.findall(r"smem0 \+ (\d+)u", src.source)}) == [0, area]
+        assert f"j * {sch.threads * 32})" in src.source  # a chunk's stride: the widest chunk
+
+
+def test_rows_of_many_streams_keep_a_row_per_cta_where_staging_would_outgrow_its_share():
+    """LayerNorm of the sum of 7 bf16 rows of 3064 columns: a row per 64 threads would stage
+    6 chunks a thread of each (172 KB, over sm_80's 163 KB); the default keeps a row per CTA
+    and renders for both targets. With 3 rows the several-rows layout fits (74 KB)."""
+    import torch.nn.functional as F
+
+    def many(n):
+        def fn(*xs):
+            h = xs[0]
+            for t in xs[1:]:
+                h = h + t
+            return F.layer_norm(h, (h.shape[-1],))
+        return _lowered_kernel(fn, [torch.randn(4, 3064, dtype=torch.bfloat16) for _ in range(n)])
+    k7, k3 = many(7), many(3)
+    for arch in ("sm_90a", "sm_80"):
+        s7 = render(k7, default_schedule(k7, arch), arch)
+        assert s7.schedule.group == s7.schedule.threads and s7.smem_bytes <= mapreduce.max_smem(arch)
+        s3 = render(k3, default_schedule(k3, arch), arch)
+        assert s3.schedule.group < s3.schedule.threads and s3.smem_bytes <= mapreduce.SMEM_PER_CTA

@@ -4,7 +4,9 @@ keep.plan on hand-built passes (what is kept, from which pass, read back where; 
 the CUDA mapreduce.render writes for lowered chains (kept arrays written once and read back,
 fewer exps, the statements a read-back value makes dead left out); every kept kernel
 compiles for sm_90a and sm_80 with no spills; runtime/launch.py's `_build` renders again
-recomputing the values when a kept kernel would spill.
+recomputing the values when a kept kernel would spill. Stores a later pass would make of a
+value an earlier pass computed are made by that earlier pass (keep.Moved): planned, rendered,
+and built again without moving when they would spill.
 """
 import functools
 import re
@@ -15,7 +17,7 @@ import torch.nn.functional as F
 
 from tilefuse.codegen import keep, mapreduce
 from tilefuse.compiler import compile_stages
-from tilefuse.loop.ir import Load, Loop, Op, Store, Var
+from tilefuse.loop.ir import Load, Loop, Op, Store, Val, Var
 from tilefuse.runtime import cache, launch, nvrtc
 from tilefuse.runtime.launch import compile_source_only
 
@@ -51,10 +53,26 @@ PROGRAMS = {
 }
 
 
+def _add_rmsnorm(x, r):
+    h = x + r
+    return h, h * torch.rsqrt(h.float().pow(2).mean(-1, keepdim=True) + 1e-6).to(h.dtype)
+
+
+def _add_then_scale_x(x, r):
+    h = x + r  # stored; the final map needs x only
+    return h, x * h.float().pow(2).sum(-1, keepdim=True).to(x.dtype)
+
+
+TWO_INPUTS = {"add_rmsnorm": _add_rmsnorm, "add_then_scale_x": _add_then_scale_x}
+
+
 @functools.lru_cache(maxsize=None)
 def lowered(name, shape=(64, 1024), dtype="bf16"):
-    """The one row kernel PROGRAMS[name] lowers to."""
-    c = compile_stages(PROGRAMS[name], [torch.randn(*shape, dtype=TORCH[dtype])])
+    """The one row kernel PROGRAMS[name] (or TWO_INPUTS[name]) lowers to."""
+    if name in TWO_INPUTS:
+        c = compile_stages(TWO_INPUTS[name], [torch.randn(*shape, dtype=TORCH[dtype]) for _ in range(2)])
+    else:
+        c = compile_stages(PROGRAMS[name], [torch.randn(*shape, dtype=TORCH[dtype])])
     (k,) = [lk.kernel for lk in c.kernels.values()]
     return k
 
@@ -265,6 +283,124 @@ def test_16_bit_values_are_packed_only_where_the_row_is_in_shared_memory():
     assert "tf_put_bf16(k" not in regs.source and re.search(r"unsigned k1\[\d+\]\[8\]", regs.source)
 
 
+# ---------------------------------------------------------------- stores moved to an earlier pass
+
+
+def _store_passes(index=None, buf="h"):
+    """Pass 0 reduces exp(x[r, c]); pass 1 computes it again, stores it into `buf` (at
+    `index`, else [r, c1]) and stores it times the row value %s into y."""
+    st = Store(buf, index or (R, Var("c1")), "t1")
+    p0 = [blk(0, ld("a0", 0), Op("t0", "exp", ("a0",), "f32"), reads=("t0",))]
+    p1 = [blk(1, ld("a1", 1, "x" if buf != "x" else "z"), Op("t1", "exp", ("a1",), "f32"), st,
+              Op("y1", "mul", ("t1", "s"), "f32"), Store("y", (R, Var("c1")), "y1"))]
+    return [p0, p1], st
+
+
+def test_a_store_of_a_value_an_earlier_pass_made_moves_there():
+    """exp(x) stored by pass 1 is stored by pass 0, which computes it first (as %t0); the
+    store of exp(x) * s, a value of pass 1 only, stays."""
+    passes, st = _store_passes()
+    kp = keep.plan(passes, frozenset({"h", "y"}), {"s": "f32"})
+    assert kp.moved == (keep.Moved(st, (0, "t0"), 1),)
+    assert kp.stores_at(0) == {"t0": [st]} and kp.stores_at(1) == {}
+    assert kp.moved_out(1) == {st} and kp.moved_out(0) == set()
+    assert kp.kept[0].producer == (0, "t0")  # exp is also kept for pass 1's product
+
+
+def test_stores_that_do_not_move():
+    """A store stays in its pass where its index needs a per-element value (a scatter), where
+    a pass loads its buffer (moving it would change what that load reads), or where no
+    earlier pass computes its value."""
+    scatter, _ = _store_passes(index=(R, Val("a1")))
+    assert keep.plan(scatter, frozenset({"h", "y"}), {"s": "f32"}).moved == ()
+    loaded, _ = _store_passes(buf="x")  # pass 1 stores x, which pass 0 loads
+    assert keep.plan(loaded, frozenset({"x", "y"}), {"s": "f32"}).moved == ()
+    p0 = [blk(0, ld("a0", 0), Op("t0", "exp", ("a0",), "f32"), reads=("t0",))]
+    p1 = [blk(1, ld("a1", 1), Op("u1", "tanh", ("a1",), "f32"), Store("h", (R, Var("c1")), "u1"))]
+    assert keep.plan([p0, p1], frozenset({"h"})).moved == ()
+
+
+def test_add_rmsnorm_stores_its_sum_in_the_pass_that_reduces_it():
+    """x + res is stored by the pass summing its squares, as each chunk is made, not beside
+    the normed output in the final map; one store of each output in the kernel."""
+    k = lowered("add_rmsnorm")
+    src = mapreduce.render(k, None, ARCH)
+    assert src.schedule.stage == "smem" and (src.kept, src.moved) == (0, 1)
+    first, last = body(src).split("// ---- map over the row")
+    assert "stored here, where its value is made" in first
+    add = [b.name for b in k.params if b.role == "out"]
+    assert len(add) == 2
+    stores = {n: body(src).count(f"tf_st16(g_{n} +") for n in add}
+    assert sorted(stores.values()) == [1, 1], stores
+    assert sum(f"tf_st16(g_{n} +" in first for n in add) == 1 and sum(f"tf_st16(g_{n} +" in last for n in add) == 1
+
+
+def test_no_store_moves_where_the_row_is_in_registers():
+    """Under the regs stage (the packed chunk would add to register pressure) the store stays
+    in the final map."""
+    k = lowered("add_rmsnorm")
+    sch = mapreduce.default_schedule(k, ARCH, stage="regs")
+    src = mapreduce.render(k, sch, ARCH)
+    assert src.moved == 0 and src.source == mapreduce.render(k, sch, ARCH, keep_values=False).source
+
+
+def test_a_moved_store_drops_what_only_it_needed():
+    """h = x + res stored early; the final map computes x * sum(h^2) and reads neither res
+    nor h there: one shared-memory read (x's chunk), where without moving it reads both."""
+    k = lowered("add_then_scale_x")
+    src, base = mapreduce.render(k, None, ARCH), mapreduce.render(k, None, ARCH, keep_values=False)
+    assert src.moved == 1
+    assert last_pass(src).count("tf_lds16(") == 1 and last_pass(base).count("tf_lds16(") == 2
+
+
+def test_build_renders_again_without_moving_when_it_would_spill(monkeypatch):
+    """_build gives up a moved store the way it gives up kept values: when ptxas spills."""
+    k = lowered("add_rmsnorm")
+    calls = _fake_compile(monkeypatch, lambda s: "stored here, where its value is made" in s)
+    src, cubin, _ = launch._build(k, ARCH, None)
+    assert len(calls) == 2 and src.moved == 0 and cubin.info.clean
+    assert src.source == mapreduce.render(k, None, ARCH, keep_values=False).source
+
+
+def test_build_halves_a_spilling_default_schedules_ctas_per_sm(monkeypatch):
+    """A default schedule whose kernel spills (with nothing kept or moved to give up) is built
+    again with half its min_blocks until ptxas reports none; a schedule given is built once,
+    spills and all. (add_then_scale_x at 32768 x 256 bf16 spilled 44 bytes on sm_90a under its
+    default's 8 CTAs an SM; at 4 it does not.)"""
+    k = lowered("rmsnorm", (32768, 256))
+    sch = mapreduce.default_schedule(k, ARCH)
+    assert sch.min_blocks == 8
+    calls = _fake_compile(monkeypatch, lambda s: f"__launch_bounds__({sch.threads}, 8)" in s)
+    src, cubin, _ = launch._build(k, ARCH, None)
+    assert len(calls) == 2 and cubin.info.clean and src.schedule.min_blocks == 4
+    calls = _fake_compile(monkeypatch, lambda s: True)
+    src, cubin, _ = launch._build(k, ARCH, sch)
+    assert len(calls) == 1 and src.schedule == sch and not cubin.info.clean
+    calls = _fake_compile(monkeypatch, lambda s: True)  # never clean: down to one CTA an SM, then given up
+    src, cubin, _ = launch._build(k, ARCH, None)
+    assert [src.schedule.min_blocks, len(calls)] == [1, 4] and not cubin.info.clean
+
+
+def test_a_spilling_default_is_built_clean():
+    """add_then_scale_x at 32768 x 256 bf16 compiles with no spills for sm_90a and sm_80."""
+    k = lowered("add_then_scale_x", (32768, 256))
+    for arch in ("sm_90a", "sm_80"):
+        src, cubin = compile_source_only(k, arch)
+        assert cubin.info.clean, (arch, src.schedule, cubin.info)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "f16", "f32"])
+@pytest.mark.parametrize("shape", [(64, 1024), (16, 4096), (5, 1000), (7, 4097), (9, 3072)], ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("name", ["add_rmsnorm", "add_then_scale_x"])
+def test_moved_stores_compile_without_spills(name, shape, dtype):
+    """Kernels with a store moved compile for sm_90a and sm_80 with no spills, or, where
+    moving would spill, are built without moving (the fallback)."""
+    k = lowered(name, shape, dtype)
+    for arch in ("sm_90a", "sm_80"):
+        src, cubin = compile_source_only(k, arch)
+        assert cubin.info.registers > 0 and cubin.info.clean, (arch, src.schedule, cubin.info)
+
+
 # ---------------------------------------------------------------- compiling
 
 
@@ -315,11 +451,13 @@ def test_build_recomputes_kept_values_that_would_spill(monkeypatch):
 
 
 def test_build_compiles_a_kernel_keeping_nothing_once(monkeypatch):
-    """A kernel with nothing kept is compiled once, even when its cubin spills (there is
-    nothing to give up)."""
+    """A kernel with nothing kept or moved, under a schedule given, is compiled once even when
+    its cubin spills (there is nothing to give up; a default schedule would try fewer CTAs an
+    SM, above)."""
+    k = lowered("rmsnorm")
     calls = _fake_compile(monkeypatch, lambda s: True)
-    src, cubin, _ = launch._build(lowered("rmsnorm"), ARCH, None)
-    assert len(calls) == 1 and src.kept == 0 and not cubin.info.clean
+    src, cubin, _ = launch._build(k, ARCH, mapreduce.default_schedule(k, ARCH))
+    assert len(calls) == 1 and src.kept == 0 and src.moved == 0 and not cubin.info.clean
 
 
 def test_a_kept_cast_is_rounded_even_where_only_stores_use_it():

@@ -12,6 +12,11 @@ pass reads it back; what only that value needed is not emitted there. Where the 
 in shared memory, values a program rounds to bf16 / f16 are kept at that width (the rounding
 made them exact there), two to a register; where it is in registers, as f32.
 
+Likewise, a per-element store the final pass makes of a value an earlier pass already
+computed (add+RMSNorm's x + res, which the pass summing its squares computes) is made by
+that earlier pass, as soon as each chunk of it exists (`Moved`; codegen/mapreduce.py takes
+these where rows are staged in shared memory without its cp.async pipeline).
+
 A pass is what codegen/mapreduce.py's `_emit_pass` renders: blocks (a Reduce, a Loop, an
 online (max, sum-exp) or centred-squares pattern), each with its column variable, its
 statements, and the values it reads after them (a reduction's operand).
@@ -59,8 +64,22 @@ class Kept:
 
 
 @dataclass(frozen=True)
+class Moved:
+    """A per-element store a later pass would make, made instead by the first pass that
+    computes its value (as soon as it computes it): the later pass stores nothing there."""
+
+    store: ir.Store          # the statement as the later pass holds it
+    at: tuple[int, str]      # (pass, SSA name there) of the value
+    later: int               # the pass that held it
+
+    def __str__(self):
+        return f"{self.store.buf} stored by pass {self.at[0]} (%{self.at[1]}), not by pass {self.later}"
+
+
+@dataclass(frozen=True)
 class KeepPlan:
     kept: tuple[Kept, ...] = ()
+    moved: tuple[Moved, ...] = ()
 
     def writes(self, p: int) -> dict:
         """SSA name -> Kept that pass p computes and stores."""
@@ -74,6 +93,22 @@ class KeepPlan:
         """Kept values whose arrays open before pass p (the pass that writes them)."""
         return [k for k in self.kept if k.producer[0] == p]
 
+    def stores_at(self, p: int) -> dict:
+        """SSA name -> the stores pass p makes as soon as it computes that value."""
+        out: dict = {}
+        for m in self.moved:
+            if m.at[0] == p:
+                out.setdefault(m.at[1], []).append(m.store)
+        return out
+
+    def moved_out(self, p: int) -> set:
+        """The stores pass p no longer makes."""
+        return {m.store for m in self.moved if m.later == p}
+
+    def only_moving(self, movable) -> "KeepPlan":
+        """This plan less the moves of stores `movable(store)` rejects."""
+        return KeepPlan(self.kept, tuple(m for m in self.moved if movable(m.store)))
+
     def peak_words(self, words) -> int:
         """The most 32-bit registers per thread kept values hold at once; `words(dtype)`:
         one value's registers per thread."""
@@ -83,7 +118,7 @@ class KeepPlan:
         return max(sum(words(k.dtype) for k in self.kept if k.producer[0] <= p <= k.last) for p in range(last + 1))
 
     def __str__(self):
-        return "\n".join(map(str, self.kept)) or "nothing kept"
+        return "\n".join([*map(str, self.kept), *map(str, self.moved)]) or "nothing kept"
 
 
 def _index_key(e: ir.Index, var: str, sid: dict) -> str:
@@ -191,4 +226,23 @@ def plan(passes: list[list[Block]], outputs: frozenset = frozenset(), dtype_of: 
         p0, name = first[i]
         s = per_pass[p0][1][name]
         kept.append(Kept(len(kept), s.dtype, (p0, name), tuple(rs)))
-    return KeepPlan(tuple(kept))
+    return KeepPlan(tuple(kept), _moves(passes, per_pass, first))
+
+
+def _moves(passes, per_pass, first) -> tuple[Moved, ...]:
+    """Stores of a value an earlier pass computed, at an index that needs no per-element
+    value, to a buffer no pass loads: made by that earlier pass. A row's output then leaves as
+    soon as its value exists (add+RMSNorm's x + res in the pass that sums its squares, not
+    beside the normed output at the end: 1.4-2.4% on an H100, bench/LOG.md session 26)."""
+    loaded = {s.buf for blocks in passes for blk in blocks for s in blk.body if isinstance(s, ir.Load)}
+    out = []
+    for p, blocks in enumerate(passes):
+        sid = per_pass[p][0]
+        for blk in blocks:
+            for s in blk.body:
+                if not isinstance(s, ir.Store) or s.buf in loaded or s.value not in sid:
+                    continue
+                q, name = first[sid[s.value]]
+                if q < p and not any(v in sid for e in s.index for v in ir.index_values(e)):
+                    out.append(Moved(s, (q, name), p))
+    return tuple(out)

@@ -142,6 +142,7 @@ class KernelSource:
     schedule: MapReduceSchedule | None = field(default=None, compare=False)
     workspace_bytes: int = 0        # > 0: a last parameter, zeroed device memory owned by the caller
     kept: int = 0                   # values kept in registers between passes (codegen/keep.py)
+    moved: int = 0                  # stores made by an earlier pass than the one holding them (keep.Moved)
 
 
 # ---------------------------------------------------------------- access analysis
@@ -493,33 +494,37 @@ def _smem_schedule(kernel, parts, v, arch) -> MapReduceSchedule:
     C = parts.col_extent
     kind = _kind(parts)
     row_streams = [s for s in _analyse(kernel, parts, v).in_streams.values() if s.per_row]
-    chunk_bytes = sum(v * s.itemsize for s in row_streams)
+    # staged bytes per chunk: every stream's area is sized by the widest chunk (_render)
+    chunk_bytes = max((v * s.itemsize for s in row_streams), default=0) * len(row_streams)
     chunks = -(-C // v)
     one_stream = len(row_streams) == 1
     if -(-chunks // 4) <= 32:  # a row per warp or sub-warp, several rows per CTA
         per = 4
         if 32 < chunks and kind == "norm" and one_stream and exchanges(kernel) == (1, False) and not _centred(kernel):
             # one row stream and one plain sum (RMSNorm): two chunks per thread. H100, bf16,
-            # 2^25 elements, same tensors (bench/results/s26/mid_rows_*_h100.json): at 768 and
-            # 1024 columns 1.4% and 2.1% faster than four; at 512, 0.5% slower
+            # 2^25 elements, same tensors (bench/results/s26/mid_rows_sweep_short_h100.json): at
+            # 512, 768 and 1024 columns 1.1%, 1.4% and 2.1% faster than four
             per = 2
         return MapReduceSchedule(threads=256, group=_pow2ceil(-(-chunks // per)), vector=v, stage="smem",
                                  min_blocks=4)
     uneven = chunks % 256 != 0  # a row per 256 threads below would leave them uneven
-    if kind == "norm" and ((one_stream and chunks < 3 * 256 and (chunks < 512 or uneven))
-                           or (chunks < 512 and uneven and _centred(kernel))):
+    g = min(128, 1 << ((chunks // 3).bit_length() - 1))  # chunks > 128 here
+    fits = -(-chunks // g) * 256 * chunk_bytes <= SMEM_PER_CTA
+    if kind == "norm" and fits and ((one_stream and chunks < 3 * 256 and (chunks < 512 or uneven))
+                                    or (chunks < 512 and uneven and _centred(kernel))):
         # rows of 129-767 chunks (1032-6143 bf16 columns): a row per 32-128 threads, 3-6 chunks
         # each, several rows per CTA (no cross-warp exchange below 64 threads). A row per CTA of
         # 256 threads (below) leaves threads with one chunk, or none, or some with one more than
         # others (a (count, mean, M2) merge of uneven counts divides at every level). H100, bf16,
-        # 2^25 elements, same tensors (bench/results/s26/mid_rows_*_h100.json): that layout took
-        # LayerNorm 1.13-2.01x this one's time at 1536-5120 columns, RMSNorm up to 1.05x, softmax
-        # up to 1.10x. Kept where it gives every thread the same two or more chunks (4096
+        # 2^25 elements, same tensors (bench/results/s26/mid_rows_ab_h100.json): that layout took
+        # LayerNorm 1.18-2.12x this one's time at 1536-5120 columns, RMSNorm up to 1.09x, softmax
+        # up to 1.13x. Kept where it gives every thread the same two or more chunks (4096
         # columns: within 0.3% either way) and for two row streams (add+RMSNorm: 1.8-2.4%
-        # faster), except for a (count, mean, M2) merge with under two chunks a thread, some
-        # with more than others (add+LayerNorm at 1536 / 2560 / 3072 columns: 1.20 / 1.01 /
-        # 1.01x this layout's time; at 2048 and 5120, 0.98x)
-        g = min(128, 1 << ((chunks // 3).bit_length() - 1))
+        # faster, mid_rows_sweep_mid_h100.json), except for a (count, mean, M2) merge with under
+        # two chunks a thread, some with more than others (add+LayerNorm at 1536 columns: 1.20x
+        # this layout's time; 1.00x at 2560 and 3072; at 2048 and 5120, where it is not taken,
+        # 0.98x). Rows of many input streams whose staging would outgrow SMEM_PER_CTA keep a
+        # row per CTA too
         return MapReduceSchedule(threads=256, group=g, vector=v, stage="smem", min_blocks=4)
     if kind == "reduce":
         t = _pow2ceil(-(-chunks // 8))
@@ -865,15 +870,18 @@ def _kept_as(ctx: _Ctx, k: keep.Kept) -> str:
     return k.dtype if ctx.sched.stage != "regs" else "f32"  # keep.KEPT_DTYPES all compute in f32
 
 
-def _live_body(blk, writes: dict, reads: dict) -> tuple:
-    """A block's statements less those only a value read back from an earlier pass needed
-    (its loads of shared memory are volatile: nvcc would keep them)."""
+def _live_body(blk, writes: dict, reads: dict, moved: set = frozenset()) -> tuple:
+    """A block's statements less the stores an earlier pass makes (`moved`) and those only a
+    value read back from an earlier pass, or only a moved store, needed (its loads of shared
+    memory are volatile: nvcc would keep them)."""
     body = _block_body(blk)
-    if not reads:
+    if not reads and not moved:
         return body
     need = set(_block_reads(blk)) | set(writes)
     live = []
     for s in reversed(body):
+        if isinstance(s, ir.Store) and s in moved:
+            continue
         if isinstance(s, ir.Store) or s.dst in need:
             live.append(s)
             if getattr(s, "dst", None) not in reads:
@@ -906,7 +914,11 @@ def _emit_pass(ctx: _Ctx, em: _Emitter, blocks: list, accs: list):
     if ctx.passes is not None and len(ctx.passes) == p:
         ctx.passes.append([keep.Block(_block_var(b), tuple(_block_body(b)), _block_reads(b)) for b in blocks])
     writes, reads = ctx.kept.writes(p), ctx.kept.reads(p)
-    bodies = [_live_body(b, writes, reads) for b in blocks]
+    moved_out = ctx.kept.moved_out(p)
+    bodies = [_live_body(b, writes, reads, moved_out) for b in blocks]
+    # stores a later pass would make, made here as soon as their value is (codegen/keep.py Moved)
+    current = {x: x for x in ir.walk(ctx.parts.body) if isinstance(x, ir.Store)}
+    early = {n: [current[st] for st in sts] for n, sts in ctx.kept.stores_at(p).items()}
     for k in ctx.kept.declared(p):
         w = _words(_kept_as(ctx, k), ctx.V)
         em(f"unsigned k{k.slot}[{ctx.nchunk}][{w}] = {{}};  // %{k.producer[1]} per element, kept for "
@@ -928,7 +940,8 @@ def _emit_pass(ctx: _Ctx, em: _Emitter, blocks: list, accs: list):
         st = ctx.ana.in_streams[key]
         return f"{st.name}_s[j]" if key in staged else f"{st.name}_c"
 
-    outs = _streams_used(all_body, ctx.ana.out_streams, ctx.ana.store_stream)
+    outs = _streams_used(all_body + [st for sts in early.values() for st in sts], ctx.ana.out_streams,
+                         ctx.ana.store_stream)
     for st in outs:
         w = _words(st.buf.dtype, ctx.V)
         em(f"unsigned {st.name}_o[{w}] = {{{', '.join(['0u'] * w)}}};")
@@ -957,6 +970,10 @@ def _emit_pass(ctx: _Ctx, em: _Emitter, blocks: list, accs: list):
             k = writes.get(getattr(s, "dst", None))
             if k is not None:
                 em(f"tf_put_{_kept_as(ctx, k)}(k{k.slot}[j], v, {ctx.c(s.dst)});  // kept for a later pass")
+            for st in early.get(getattr(s, "dst", None), ()):  # the later pass's store, of this value
+                ctx.names[st.value], ctx.dtype_of[st.value] = ctx.c(s.dst), ctx.dtype_of[s.dst]
+                em(f"// {st}: stored here, where its value is made (codegen/keep.py)")
+                _emit_stmt(ctx, em, st, env, inner=True, src_chunk=src_chunk, out_chunk=out_chunk)
         if isinstance(blk, (OnlineLse, CentredSquares)):
             em(f"{acc[0]}_y[v] = {ctx.c(blk.y)};")
         elif isinstance(blk, ir.Reduce):
@@ -1741,7 +1758,8 @@ def render(kernel: ir.Kernel, schedule: MapReduceSchedule | None = None, arch: s
 
     Rendered once to see its passes over the row; where a later pass recomputes a costly value
     an earlier one made and one CTA holds the row (not the stream stage, not a cluster),
-    rendered again keeping those values in registers between the passes (codegen/keep.py)."""
+    rendered again keeping those values in registers between the passes (codegen/keep.py),
+    and with the stores of values an earlier pass made moved to that pass (keep.Moved)."""
     if not keep_values or not keep.ENABLED:
         return _render(kernel, schedule, arch, keep.KeepPlan(), None)
     passes = []
@@ -1756,7 +1774,13 @@ def render(kernel: ir.Kernel, schedule: MapReduceSchedule | None = None, arch: s
     gp = ir.grid_parts(kernel)
     nchunk, _ = _plan_chunks(ir.row_kernel_parts(gp.head if gp else kernel).col_extent, sch.vector, sch.group)
     words = lambda d: nchunk * _words(d if sch.stage != "regs" else "f32", sch.vector)  # noqa: E731 (as _kept_as)
-    if not kp.kept or kp.peak_words(words) > MAX_KEPT_WORDS:  # would spill: not worth a second build
+    if kp.peak_words(words) > MAX_KEPT_WORDS:  # would spill: not worth a second build
+        kp = keep.KeepPlan(moved=kp.moved)
+    if not kp.kept:
+        # only stores to move: the passes recorded are the online render's too unless the
+        # kernel has a (max, sum-exp) pass, which keeps its online form without kept values
+        if kp.moved and not exchanges(gp.head if gp else kernel)[1]:
+            return _render(kernel, schedule, arch, kp, None)
         return src if online else _render(kernel, schedule, arch, keep.KeepPlan(), None)
     return _render(kernel, schedule, arch, kp, None, online)
 
@@ -1805,20 +1829,34 @@ def _render(kernel: ir.Kernel, schedule: MapReduceSchedule | None, arch: str, ke
     if sch.stage == "regs" and staged_regs > MAX_STAGED_WORDS:
         raise ValueError(f"kernel {kernel.name}: {sch} would hold {staged_regs} registers of row per thread "
                          f"(at most {MAX_STAGED_WORDS}); use more threads, a cluster, or stage='stream'")
+    stores = {x: x for x in ir.walk(parts.body) if isinstance(x, ir.Store)}
+    # a store moves to an earlier pass only as a chunk of its stream (the pass packs and stores
+    # it), and only where rows are staged in shared memory without the cp.async pipeline.
+    # add+RMSNorm, H100, bf16, old and new source on the same tensors, 7 rounds
+    # (bench/results/s26/add_rmsnorm_moved_store_ab_h100.txt): 0.6-2.4% faster with several
+    # rows a CTA (512 and 1024 columns), 0.3-0.7% slower with a pipelined row a CTA (2048-4096
+    # columns); where the row is in registers the packed chunk adds to their pressure (256
+    # columns, f16, sm_80: spilled under its 32-register cap)
+    movable = sch.stage == "smem" and not sch.pipeline
+    kept = kept.only_moving(lambda st: movable and st in stores and id(stores[st]) in ana.store_stream)
     ctx = _Ctx(kernel, parts, sch, ana, V, C, P, nchunk, full, kept=kept, passes=passes)
     # a kept value is read back by a later pass: its cast must round, whatever stores it
     ctx.store_only_casts = _cast_store_only(kernel, parts.body) - {k.producer[1] for k in kept.kept}
     ctx.fast = fast_math(whole)  # a grid reduction's scratch values are not outputs
     smem_bytes = 0
     if sch.stage == "smem":
-        for st in ana.in_streams.values():
-            if not st.per_row:
-                continue
+        staged = [st for st in ana.in_streams.values() if st.per_row]
+        for st in staged:
             if (V * st.itemsize) % 16:
                 raise ValueError(f"kernel {kernel.name}: stage='smem' needs 16-byte chunks; {st.buf.name} "
                                  f"has {V * st.itemsize}-byte chunks (vector={V})")
+        # one staging layout for every stream (rowlayout's smem: a chunk j at j times the widest
+        # stream's chunk), so each stream's area is sized by the widest chunk: a bf16 row beside
+        # an f32 one, sized by its own, ran into the f32 area from its second chunk on
+        widest = max((V * st.itemsize for st in staged), default=0)
+        for st in staged:
             ctx.smem_offset[st.key] = smem_bytes
-            smem_bytes += nchunk * sch.threads * V * st.itemsize
+            smem_bytes += nchunk * sch.threads * widest
         if smem_bytes > max_smem(arch):
             raise ValueError(f"kernel {kernel.name}: {sch} would stage {smem_bytes} bytes of shared memory "
                              f"per CTA ({arch} allows {max_smem(arch)}); use more CTAs per row or stage='stream'")
@@ -1967,7 +2005,8 @@ def _render(kernel: ir.Kernel, schedule: MapReduceSchedule | None, arch: str, ke
     return KernelSource(name=name, source=code, grid=grid, block=(sch.threads, 1, 1), smem_bytes=smem_bytes,
                         cluster=(sch.cluster if hw_cluster else 1, 1, 1), params=tuple(b.name for b in whole.params),
                         alignment=tuple(sorted(align_d.items())), schedule=sch,
-                        workspace_bytes=ws.nbytes if ws is not None else 0, kept=len(kept.kept))
+                        workspace_bytes=ws.nbytes if ws is not None else 0, kept=len(kept.kept),
+                        moved=len(kept.moved))
 
 
 def _emit_row_start(ctx: _Ctx, em: _Emitter, b: int | None, streams: list):

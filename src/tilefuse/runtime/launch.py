@@ -16,7 +16,7 @@ pointers are written into a parameter array built once per kernel.
 from __future__ import annotations
 
 import ctypes
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from .. import dtypes
 from ..codegen import mapreduce
@@ -41,19 +41,26 @@ def _drv(result, what: str):
 
 
 def _build(kernel: ir.Kernel, arch: str, schedule, use_cache: bool = True):
-    """(source, cubin, cache hit). Where values kept between passes (codegen/keep.py) would
-    spill, the kernel is built again recomputing them: ptxas, not an estimate, says what fits."""
-    for keep_values in (True, False):
-        if kernel.family != "mapreduce":
-            raise ValueError(f"kernel {kernel.name}: no code generator for the {kernel.family!r} family yet")
-        src = mapreduce.render(kernel, schedule or mapreduce.default_schedule(kernel, arch), arch, keep_values)
-        if use_cache:
-            cubin, hit = cache.compile_cached(src.source, src.name, arch)
-        else:
-            cubin, hit = nvrtc.compile_cuda(src.source, src.name, arch), False
-        if cubin.info.clean or not src.kept:
+    """(source, cubin, cache hit). Where values kept between passes (codegen/keep.py), or
+    stores moved to an earlier pass, would spill, the kernel is built again without them; a
+    default schedule whose kernel still spills is built again with half the CTAs per SM it
+    budgets registers for (min_blocks), down to one: ptxas, not an estimate, says what fits.
+    A schedule given (tuned, or asked for) is built as it is."""
+    if kernel.family != "mapreduce":
+        raise ValueError(f"kernel {kernel.name}: no code generator for the {kernel.family!r} family yet")
+    sched = schedule or mapreduce.default_schedule(kernel, arch)
+    while True:
+        for keep_values in (True, False):
+            src = mapreduce.render(kernel, sched, arch, keep_values)
+            if use_cache:
+                cubin, hit = cache.compile_cached(src.source, src.name, arch)
+            else:
+                cubin, hit = nvrtc.compile_cuda(src.source, src.name, arch), False
+            if cubin.info.clean or not (src.kept or src.moved):
+                break
+        if cubin.info.clean or schedule is not None or sched.min_blocks <= 1:
             return src, cubin, hit
-    return src, cubin, hit
+        sched = replace(sched, min_blocks=sched.min_blocks // 2)
 
 
 def compile_source_only(kernel: ir.Kernel, arch: str = "sm_90a", schedule=None,
