@@ -855,3 +855,25 @@ def test_rows_of_many_streams_keep_a_row_per_cta_where_staging_would_outgrow_its
         assert s7.schedule.group == s7.schedule.threads and s7.smem_bytes <= mapreduce.max_smem(arch)
         s3 = render(k3, default_schedule(k3, arch), arch)
         assert s3.schedule.group < s3.schedule.threads and s3.smem_bytes <= mapreduce.SMEM_PER_CTA
+
+
+def test_defaults_for_wide_mixed_rows_fit_shared_memory():
+    """Staging areas sized by the widest chunk (an f64 or f32 row beside a bf16 one) can
+    outgrow a CTA's shared memory under a row-per-CTA layout: the default then takes a
+    layout that fits (a cluster or the stream stage), and renders, on both targets."""
+    import torch.nn.functional as F
+
+    def with_f64(x, a):
+        return F.layer_norm(x.double() + a, (x.shape[-1],))
+
+    def with_3_f32(x, a, b, c):
+        h = x.float() + a + b + c
+        return h, F.layer_norm(h, (h.shape[-1],))
+    for C in (12288, 16384):
+        x = torch.randn(4, C, dtype=torch.bfloat16)
+        for fn, ins in ((with_f64, (x, torch.randn(4, C, dtype=torch.float64))),
+                        (with_3_f32, (x, *(torch.randn(4, C) for _ in range(3))))):
+            k = _lowered_kernel(fn, ins)
+            for arch in ("sm_90a", "sm_80"):
+                src = render(k, default_schedule(k, arch), arch)
+                assert src.smem_bytes <= mapreduce.max_smem(arch), (fn.__name__, C, arch, src.schedule)

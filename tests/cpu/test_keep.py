@@ -286,12 +286,12 @@ def test_16_bit_values_are_packed_only_where_the_row_is_in_shared_memory():
 # ---------------------------------------------------------------- stores moved to an earlier pass
 
 
-def _store_passes(index=None, buf="h"):
-    """Pass 0 reduces exp(x[r, c]); pass 1 computes it again, stores it into `buf` (at
-    `index`, else [r, c1]) and stores it times the row value %s into y."""
-    st = Store(buf, index or (R, Var("c1")), "t1")
+def _store_passes(index=None):
+    """Pass 0 reduces exp(x[r, c]); pass 1 computes it again, stores it into h (at `index`,
+    else [r, c1]) and stores it times the row value %s into y."""
+    st = Store("h", index or (R, Var("c1")), "t1")
     p0 = [blk(0, ld("a0", 0), Op("t0", "exp", ("a0",), "f32"), reads=("t0",))]
-    p1 = [blk(1, ld("a1", 1, "x" if buf != "x" else "z"), Op("t1", "exp", ("a1",), "f32"), st,
+    p1 = [blk(1, ld("a1", 1), Op("t1", "exp", ("a1",), "f32"), st,
               Op("y1", "mul", ("t1", "s"), "f32"), Store("y", (R, Var("c1")), "y1"))]
     return [p0, p1], st
 
@@ -313,8 +313,14 @@ def test_stores_that_do_not_move():
     earlier pass computes its value."""
     scatter, _ = _store_passes(index=(R, Val("a1")))
     assert keep.plan(scatter, frozenset({"h", "y"}), {"s": "f32"}).moved == ()
-    loaded, _ = _store_passes(buf="x")  # pass 1 stores x, which pass 0 loads
-    assert keep.plan(loaded, frozenset({"x", "y"}), {"s": "f32"}).moved == ()
+    # pass 0 reduces exp(x) + h; pass 1 stores exp(x) into h: stored by pass 0, h's load
+    # there would read it (without the check on loaded buffers this store moves)
+    p0 = [blk(0, ld("a0", 0), Op("t0", "exp", ("a0",), "f32"), ld("h0", 0, "h"), Op("u0", "add", ("t0", "h0"), "f32"),
+              reads=("u0",))]
+    p1 = [blk(1, ld("a1", 1), Op("t1", "exp", ("a1",), "f32"), Store("h", (R, Var("c1")), "t1"))]
+    assert keep.plan([p0, p1], frozenset({"h"})).moved == ()
+    p0_no_h = [blk(0, ld("a0", 0), Op("t0", "exp", ("a0",), "f32"), reads=("t0",))]
+    assert len(keep.plan([p0_no_h, p1], frozenset({"h"})).moved) == 1
     p0 = [blk(0, ld("a0", 0), Op("t0", "exp", ("a0",), "f32"), reads=("t0",))]
     p1 = [blk(1, ld("a1", 1), Op("u1", "tanh", ("a1",), "f32"), Store("h", (R, Var("c1")), "u1"))]
     assert keep.plan([p0, p1], frozenset({"h"})).moved == ()
@@ -389,16 +395,30 @@ def test_a_spilling_default_is_built_clean():
         assert cubin.info.clean, (arch, src.schedule, cubin.info)
 
 
+MOVING_SHAPES = {"bf16": [(64, 1024), (5, 1000), (9, 768), (3, 520)], "f16": [(64, 1024), (5, 1000), (9, 768), (3, 520)],
+                 "f32": [(7, 256), (9, 512), (5, 500), (3, 264)]}
+
+
 @pytest.mark.parametrize("dtype", ["bf16", "f16", "f32"])
-@pytest.mark.parametrize("shape", [(64, 1024), (16, 4096), (5, 1000), (7, 4097), (9, 3072)], ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("i", range(4))
 @pytest.mark.parametrize("name", ["add_rmsnorm", "add_then_scale_x"])
-def test_moved_stores_compile_without_spills(name, shape, dtype):
-    """Kernels with a store moved compile for sm_90a and sm_80 with no spills, or, where
-    moving would spill, are built without moving (the fallback)."""
-    k = lowered(name, shape, dtype)
+def test_moved_stores_compile_without_spills(name, i, dtype):
+    """Kernels whose default moves a store (rows staged in shared memory, several a CTA)
+    compile for sm_90a and sm_80 with the store moved and no spills."""
+    k = lowered(name, MOVING_SHAPES[dtype][i], dtype)
     for arch in ("sm_90a", "sm_80"):
+        assert mapreduce.render(k, None, arch).moved == 1
         src, cubin = compile_source_only(k, arch)
-        assert cubin.info.registers > 0 and cubin.info.clean, (arch, src.schedule, cubin.info)
+        assert src.moved == 1 and cubin.info.registers > 0 and cubin.info.clean, (arch, src.schedule, cubin.info)
+
+
+def test_a_stack_frame_without_spills_keeps_the_default():
+    """f32 sin keeps a 32-byte stack frame under any register cap (its slow path): that is
+    no spill, so the default's CTAs an SM are not cut (they were, down to one, in review)."""
+    c = compile_stages(lambda x: x.sin() + 1, [torch.randn(64, 1024)])
+    (k,) = [lk.kernel for lk in c.kernels.values()]
+    src, cubin = compile_source_only(k, ARCH)
+    assert cubin.info.spill_stores == 0 and src.schedule == mapreduce.default_schedule(k, ARCH)
 
 
 # ---------------------------------------------------------------- compiling

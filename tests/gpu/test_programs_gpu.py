@@ -215,6 +215,31 @@ def test_norms_of_mid_length_rows_match_float64_reference(shape, dtype):
             assert c.ok, f"{name} {shape} {dtype}: {c}"
 
 
+@pytest.mark.parametrize("shape", [(5, 1032), (3, 4104), (3, 16384), (2, 40000)], ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("other", [torch.float32, torch.float64], ids=str)
+def test_rows_of_mixed_widths_match_float64_reference(shape, other):
+    """A bf16 row added to an f32 or f64 row, then LayerNorm: the staged rows' chunks differ in
+    size (each staging area is sized by the widest; sized by its own, the bf16 area ran into
+    the next and outputs were NaN), and at 16384+ columns the default layout is whichever fits
+    shared memory. Outputs over NaN-poisoned buffers, the 2x rule against float64."""
+    rows, cols = shape
+
+    def fn(x, r):
+        h = x.to(r.dtype) + r
+        return h, F.layer_norm(h, (cols,))
+    make = lambda: (torch.randn(rows, cols, device="cuda", dtype=torch.bfloat16),
+                    torch.randn(rows, cols, device="cuda", dtype=other))
+    prog = tilefuse.compile(fn, make(), graphs=False)
+    prog.poison = True
+    inputs = make()
+    out = flatten(prog(*inputs))
+    with torch.no_grad():
+        eager = flatten(fn(*inputs))
+    for i, (o, r, e) in enumerate(zip(out, reference(fn, inputs), eager)):
+        c = compare(f"mixed[{i}]", o, r, e)
+        assert c.ok, f"{shape} bf16 + {other}: {c}"
+
+
 def _bf16_ulp(x: torch.Tensor) -> torch.Tensor:
     """The spacing of bf16 numbers (8 significant bits) at |x|: 2**(e - 8) for |x| in [2**(e-1), 2**e)."""
     _, e = torch.frexp(x.double())

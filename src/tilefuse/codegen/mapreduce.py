@@ -498,7 +498,7 @@ def _smem_schedule(kernel, parts, v, arch) -> MapReduceSchedule:
     chunk_bytes = max((v * s.itemsize for s in row_streams), default=0) * len(row_streams)
     chunks = -(-C // v)
     one_stream = len(row_streams) == 1
-    if -(-chunks // 4) <= 32:  # a row per warp or sub-warp, several rows per CTA
+    if -(-chunks // 4) <= 32 and 4 * 256 * chunk_bytes <= max_smem(arch):  # a row per warp or sub-warp, several rows per CTA
         per = 4
         if 32 < chunks and kind == "norm" and one_stream and exchanges(kernel) == (1, False) and not _centred(kernel):
             # one row stream and one plain sum (RMSNorm): two chunks per thread. H100, bf16,
@@ -532,7 +532,7 @@ def _smem_schedule(kernel, parts, v, arch) -> MapReduceSchedule:
             t = max(32, _pow2ceil(-(-chunks // 16)))
     else:
         t = max(_pow2ceil(-(-chunks // 4)), 256 if kind == "norm" else 64)
-    if t <= 512:  # a row per CTA
+    if t <= 512 and -(-chunks // t) * t * chunk_bytes <= max_smem(arch):  # a row per CTA
         return MapReduceSchedule(threads=t, group=t, vector=v, stage="smem", min_blocks=max(1, min(32, 1536 // t)),
                                  pipeline=True)
     n_ex, online = exchanges(kernel)

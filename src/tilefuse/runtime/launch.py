@@ -43,8 +43,8 @@ def _drv(result, what: str):
 def _build(kernel: ir.Kernel, arch: str, schedule, use_cache: bool = True):
     """(source, cubin, cache hit). Where values kept between passes (codegen/keep.py), or
     stores moved to an earlier pass, would spill, the kernel is built again without them; a
-    default schedule whose kernel still spills is built again with half the CTAs per SM it
-    budgets registers for (min_blocks), down to one: ptxas, not an estimate, says what fits.
+    default schedule whose kernel still spills registers is built again with half the CTAs per
+    SM it budgets registers for (min_blocks), down to one: ptxas, not an estimate, says what fits.
     A schedule given (tuned, or asked for) is built as it is."""
     if kernel.family != "mapreduce":
         raise ValueError(f"kernel {kernel.name}: no code generator for the {kernel.family!r} family yet")
@@ -58,7 +58,8 @@ def _build(kernel: ir.Kernel, arch: str, schedule, use_cache: bool = True):
                 cubin, hit = nvrtc.compile_cuda(src.source, src.name, arch), False
             if cubin.info.clean or not (src.kept or src.moved):
                 break
-        if cubin.info.clean or schedule is not None or sched.min_blocks <= 1:
+        spills = cubin.info.spill_stores or cubin.info.spill_loads  # a stack frame alone (f32 sin's) is no spill
+        if not spills or schedule is not None or sched.min_blocks <= 1:
             return src, cubin, hit
         sched = replace(sched, min_blocks=sched.min_blocks // 2)
 
