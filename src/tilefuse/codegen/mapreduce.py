@@ -493,7 +493,8 @@ def _smem_schedule(kernel, parts, v, arch) -> MapReduceSchedule:
     """
     C = parts.col_extent
     kind = _kind(parts)
-    row_streams = [s for s in _analyse(kernel, parts, v).in_streams.values() if s.per_row]
+    in_streams = _analyse(kernel, parts, v).in_streams.values()
+    row_streams = [s for s in in_streams if s.per_row]
     # staged bytes per chunk: every stream's area is sized by the widest chunk (_render)
     chunk_bytes = max((v * s.itemsize for s in row_streams), default=0) * len(row_streams)
     chunks = -(-C // v)
@@ -536,7 +537,7 @@ def _smem_schedule(kernel, parts, v, arch) -> MapReduceSchedule:
         return MapReduceSchedule(threads=t, group=t, vector=v, stage="smem", min_blocks=max(1, min(32, 1536 // t)),
                                  pipeline=True)
     n_ex, online = exchanges(kernel)
-    col_vectors = any(not s.per_row for s in _analyse(kernel, parts, v).in_streams.values())
+    col_vectors = len(row_streams) < len(in_streams)
     k = -(-chunks // 512)
     if n_ex == 1 and not col_vectors and k <= 16 and k * 512 * chunk_bytes <= max_smem(arch):
         # one exchange and nothing to load in the output pass: the whole row in one CTA
@@ -646,6 +647,7 @@ class _Ctx:
     kept: keep.KeepPlan = field(default_factory=keep.KeepPlan)  # values kept between passes (codegen/keep.py)
     passes: list | None = None  # where given, each pass's blocks are recorded (for keep.plan)
     pass_no: int = 0            # passes over the row emitted so far (this row)
+    stores: dict = field(default_factory=dict)  # each Store of the row body, by value: this render's own object
 
     def c(self, ssa: str) -> str:
         return self.names[ssa]
@@ -917,8 +919,7 @@ def _emit_pass(ctx: _Ctx, em: _Emitter, blocks: list, accs: list):
     moved_out = ctx.kept.moved_out(p)
     bodies = [_live_body(b, writes, reads, moved_out) for b in blocks]
     # stores a later pass would make, made here as soon as their value is (codegen/keep.py Moved)
-    current = {x: x for x in ir.walk(ctx.parts.body) if isinstance(x, ir.Store)}
-    early = {n: [current[st] for st in sts] for n, sts in ctx.kept.stores_at(p).items()}
+    early = {n: [ctx.stores[st] for st in sts] for n, sts in ctx.kept.stores_at(p).items()}
     for k in ctx.kept.declared(p):
         w = _words(_kept_as(ctx, k), ctx.V)
         em(f"unsigned k{k.slot}[{ctx.nchunk}][{w}] = {{}};  // %{k.producer[1]} per element, kept for "
@@ -1839,7 +1840,7 @@ def _render(kernel: ir.Kernel, schedule: MapReduceSchedule | None, arch: str, ke
     # columns, f16, sm_80: spilled under its 32-register cap)
     movable = sch.stage == "smem" and not sch.pipeline
     kept = kept.only_moving(lambda st: movable and st in stores and id(stores[st]) in ana.store_stream)
-    ctx = _Ctx(kernel, parts, sch, ana, V, C, P, nchunk, full, kept=kept, passes=passes)
+    ctx = _Ctx(kernel, parts, sch, ana, V, C, P, nchunk, full, kept=kept, passes=passes, stores=stores)
     # a kept value is read back by a later pass: its cast must round, whatever stores it
     ctx.store_only_casts = _cast_store_only(kernel, parts.body) - {k.producer[1] for k in kept.kept}
     ctx.fast = fast_math(whole)  # a grid reduction's scratch values are not outputs
