@@ -15,7 +15,7 @@ from .graph.fusion import Plan, plan
 from .graph.rewrites import Fired, run_rewrites
 from .loop.lower import Lowered, lower_step
 from .loop.lower_gemm import LoweredGemm, lower_gemm_step
-from .runtime.program import Program
+from .runtime.program import Program, skeleton
 from .tune.lookup import tuned_schedule
 
 
@@ -173,8 +173,11 @@ class WeightGuard:
     """
 
     def __init__(self, fn, graph: ir.Graph):
+        # parameters made under torch.inference_mode() keep no version counter: _guarded gives up
         self.tensors, self.versions, self.names = [], [], []
-        self.slots = []  # (owner module's _parameters or _buffers, key, the tensor there when compiled)
+        # (a module's _parameters, _buffers or _modules, key, what was there when compiled, what a change means)
+        self.slots = []
+        self._linked = set()
         module = fn if isinstance(fn, torch.nn.Module) else None
         for node in graph.nodes:
             if not isinstance(node, ir.Weight) or node.name not in graph.weights:
@@ -189,15 +192,25 @@ class WeightGuard:
                 self._slot(module, node.source, t)
 
     def _slot(self, module, target: str, t: torch.Tensor):
+        """Watch the tensor's place in the module, and each submodule on the way to it: a layer
+        replaced (`model[2] = nn.Linear(...)`) leaves the old one's tables as they were."""
         prefix, _, key = target.rpartition(".")
-        try:
-            owner = module.get_submodule(prefix) if prefix else module
-        except AttributeError:
-            return
+        owner, links, path = module, [], []
+        for part in prefix.split(".") if prefix else ():
+            child = getattr(owner, "_modules", {}).get(part)
+            if child is None:
+                return
+            path.append(part)
+            links.append((owner._modules, part, child, f"module {'.'.join(path)} was replaced by another module"))
+            owner = child
         for table in (owner._parameters, owner._buffers):
             orig = table.get(key)
             if isinstance(orig, torch.Tensor) and orig.data_ptr() == t.data_ptr():
-                self.slots.append((table, key, orig, target))
+                for link in links:
+                    if (id(link[0]), link[1]) not in self._linked:
+                        self._linked.add((id(link[0]), link[1]))
+                        self.slots.append(link)
+                self.slots.append((table, key, orig, f"weight {target} was replaced by another tensor"))
                 return
 
     def __call__(self) -> str:
@@ -208,8 +221,7 @@ class WeightGuard:
         for t, v, name in zip(self.tensors, self.versions, self.names):
             if t._version != v:
                 return f"weight {name} was updated in place"
-        return next(f"weight {target} was replaced by another tensor"
-                    for table, key, orig, target in self.slots if table.get(key) is not orig)
+        return next(why for table, key, orig, why in self.slots if table.get(key) is not orig)
 
 
 def _guarded(graph: ir.Graph, fn) -> WeightGuard | None:
@@ -242,6 +254,7 @@ def compile(fn, example_inputs, *, arch: str | None = None, graphs: bool | None 
     if cuda:
         c.program.prepare(cuda[0])
     c.program.stages = c
+    c.program.inputs = skeleton(tuple(example_inputs))
     # a module's weight updated in place (or replaced) compiles again at the next call: a value
     # folded at compile time is not served stale. Only a module's: the tensors a plain function
     # closes over are exported as constants that share their memory but not their version counter.

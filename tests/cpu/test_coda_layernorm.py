@@ -12,8 +12,13 @@ from torch import nn
 
 from coda_fixtures import assert_bf16, assert_exact, nodes_of, randomise_norms
 from tilefuse.graph import ir
-from tilefuse.graph.rules import layernorm_into_matmul
+from tilefuse.graph.rules import layernorm_into_matmul as rule_16bit
 from tilefuse.graph.rules.match import peel_casts
+
+
+def layernorm_into_matmul(g):
+    """The rule at any dtype, so its algebra is checked exactly in f64."""
+    return rule_16bit(g, any_dtype=True)
 
 
 class NormLinear(nn.Module):
@@ -86,3 +91,26 @@ def test_does_not_fire_on_a_norm_that_feeds_no_weight():
 
     torch.manual_seed(4)
     assert_exact(Plain(), layernorm_into_matmul, torch.randn(3, 8), torch.randn(8, 2), fires=False)
+
+
+def test_only_16bit_matmuls_by_default_and_f32_rows_far_from_zero_keep_their_digits():
+    """In f32 the matmul runs in PyTorch, so the rewrite saves nothing and its one-pass variance
+    would lose digits on rows with a large mean: it does not fire there, and a compiled
+    LayerNorm -> Linear of rows of mean 1e3 (spread 1) stays as close to float64 as eager."""
+    import copy
+
+    import tilefuse
+    from coda_fixtures import capture
+
+    torch.manual_seed(4)
+    m = randomise_norms(NormLinear(d=64, n=32)).eval()
+    x = torch.randn(8, 64) + 1000.0
+    g = capture(m, x)
+    assert rule_16bit(g) is g, "fired on an f32 matmul"
+    gb = capture(copy.deepcopy(m).to(torch.bfloat16), x.to(torch.bfloat16))
+    assert rule_16bit(gb) is not gb, "no longer fires on a bf16 matmul"
+    with torch.no_grad():
+        ref = copy.deepcopy(m).double()(x.double())
+        eager = m(x).double()
+        got = tilefuse.compile(m, (x,))(x).double()
+    assert (got - ref).abs().max() <= 2 * (eager - ref).abs().max() + 1e-6

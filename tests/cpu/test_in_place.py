@@ -42,7 +42,29 @@ def _silu(x):
     return F.silu(x - 0.5, inplace=True)
 
 
+def _without_a_translator(x):
+    """masked_fill_, zero_, fill_ and copy_ have no Graph IR translator: their out-of-place
+    forms run in PyTorch, as externs."""
+    sc = x @ x.T
+    sc.masked_fill_(torch.ones(6, 6, dtype=torch.bool).triu(1), float("-inf"))
+    y = x * 2
+    y.zero_()
+    y.fill_(3.0)
+    z = x + 1
+    z.copy_(x * 5)
+    return sc.softmax(-1), y + z
+
+
+def _after_a_cast(x):
+    """`.long()` of a float tensor is new memory, not a maybe-alias."""
+    y = (x * 10).long()
+    y.add_(3)
+    return y
+
+
 COMPILED = {
+    "without_a_translator": _without_a_translator,
+    "after_a_cast": _after_a_cast,
     "relu_inplace": nn.Sequential(nn.Linear(4, 4), nn.ReLU(inplace=True), nn.Flatten(0), nn.Linear(24, 3)),
     "iadd": _iadd,
     "chain": _chain,

@@ -403,6 +403,38 @@ def test_a_replaced_parameter_compiles_the_program_again():
         torch.testing.assert_close(fast(x), m(x), rtol=1e-5, atol=1e-5)
 
 
+def test_a_replaced_submodule_compiles_the_program_again():
+    """Replacing a layer leaves the old layer's parameter table untouched: the guard watches the
+    modules on the way to each weight too."""
+    import tilefuse
+
+    m, x = torch.nn.Sequential(torch.nn.Linear(32, 16), torch.nn.ReLU(), torch.nn.Linear(16, 8)), torch.randn(4, 32)
+    fast = tilefuse.compile(m, (x,))
+    fast(x)
+    with torch.no_grad():
+        m[2] = torch.nn.Linear(16, 8)
+        with pytest.warns(UserWarning, match="module 2 was replaced by another module"):
+            torch.testing.assert_close(fast(x), m(x), rtol=1e-5, atol=1e-5)
+
+
+def test_dict_inputs_are_matched_by_key_and_other_nestings_refused():
+    """A dict built in another order is the same argument; other keys, or a tuple where the
+    example had a dict, are refused by path instead of being taken in flattened order."""
+    import tilefuse
+
+    x, y = torch.randn(2, 3), torch.randn(2, 3)
+    fast = tilefuse.compile(lambda d, s: d["a"] - d["b"] * s[1], ({"a": x, "b": y}, [x, y]))
+    expect = x - y * y
+    torch.testing.assert_close(fast({"b": y, "a": x}, [x, y]), expect)
+    torch.testing.assert_close(fast({"a": x, "b": y}, (x, y)), expect)  # a tuple for a list: same items
+    for args, message in [(({"p": x, "q": y}, [x, y]), r"inputs\[0\]: expected a dict with keys 'a', 'b'"),
+                          (((x, y), [x, y]), r"inputs\[0\]: expected a dict"),
+                          (({"a": x, "b": y}, [x]), r"inputs\[1\]: expected a list of 2 items"),
+                          (({"a": x, "b": 2.0}, [x, y]), r"inputs\[0\]\['b'\]: expected a tensor")]:
+        with pytest.raises(ValueError, match=message):
+            fast(*args)
+
+
 def test_a_plain_function_gets_no_weight_guard():
     """A function's closed-over tensors are exported as constants that share memory but not a
     version counter with them: a guard there could never fire, so none is kept (no per-call cost)."""

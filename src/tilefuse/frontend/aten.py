@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 
+from .. import dtypes
 from ..graph import ir
 from .builder import Builder, wrap_dim
 
@@ -32,16 +33,16 @@ def _is_tensor(b: Builder, x) -> bool:
     return isinstance(x, str) and x in b.types
 
 
-def _operand(b: Builder, x, like: str) -> str:
-    return x if _is_tensor(b, x) else b.scalar(x, like)
+def _operand(b: Builder, x, like: str, op: str | None = None) -> str:
+    return x if _is_tensor(b, x) else b.scalar(x, like, op)
 
 
 def _binary(op):
     def handler(b: Builder, args, kwargs, out):
         x, y = args[0], args[1]
-        alpha = kwargs.get("alpha", 1)
+        alpha = kwargs.get("alpha", args[2] if len(args) > 2 else 1)  # rsub.Scalar takes it by position
         like = x if _is_tensor(b, x) else y
-        xs, ys = _operand(b, x, like), _operand(b, y, like)
+        xs, ys = _operand(b, x, like, op), _operand(b, y, like, op)
         if alpha != 1:
             ys = b.map("mul", ys, b.scalar(alpha, ys))
         return b.map(op, xs, ys)
@@ -71,7 +72,7 @@ for _aten, _op in [("__and__", "and"), ("bitwise_and", "and"), ("__or__", "or"),
 
 @handles("rsub")
 def _rsub(b, args, kwargs, out):
-    return _binary("sub")(b, (args[1], args[0]), kwargs, out)
+    return _binary("sub")(b, (args[1], args[0], *args[2:]), kwargs, out)
 
 
 @handles("div")
@@ -95,6 +96,8 @@ def _pow(b, args, kwargs, out):
             return b.map("rsqrt", x)
         if e == -1:
             return b.map("recip", x)
+    if not dtypes.is_float(out.dtype):  # the float pow would round results above 2^24 and saturate on overflow
+        raise Unsupported("an integer result")
     return _binary("pow")(b, args, kwargs, out)
 
 
@@ -108,8 +111,15 @@ for _aten, _op in [("neg", "neg"), ("abs", "abs"), ("exp", "exp"), ("exp2", "exp
                    ("log2", "log2"), ("log1p", "log1p"), ("expm1", "expm1"), ("sqrt", "sqrt"),
                    ("rsqrt", "rsqrt"), ("reciprocal", "recip"), ("tanh", "tanh"), ("sin", "sin"),
                    ("cos", "cos"), ("erf", "erf"), ("sigmoid", "sigmoid"), ("relu", "relu"),
-                   ("floor", "floor"), ("logical_not", "not"), ("bitwise_not", "not")]:
+                   ("floor", "floor"), ("logical_not", "not")]:
     HANDLERS[_aten] = _unary(_op)
+
+
+@handles("bitwise_not")
+def _bitwise_not(b, args, kwargs, out):
+    if b.types[args[0]].dtype != "bool":
+        raise Unsupported("an integer operand (~ of a bool tensor is logical not; of an integer, bitwise)")
+    return b.map("not", args[0])
 
 
 @handles("silu")
@@ -177,12 +187,14 @@ def _arange(b, args, kwargs, out):
     start, step = (0, 1) if len(nums) == 1 else (nums[0], nums[2] if len(nums) > 2 else 1)
     if not all(isinstance(v, int) for v in (start, step)):
         raise Unsupported("arange with float bounds")
-    i = b.add(ir.Iota(b.fresh("iota"), ir.TensorType(out.shape, out.dtype), 0, b.source))
+    # an index is an integer: a float arange is the integer one (exact), cast once
+    dt = out.dtype if not dtypes.is_float(out.dtype) else "i64"
+    i = b.add(ir.Iota(b.fresh("iota"), ir.TensorType(out.shape, dt), 0, b.source))
     if step != 1:
-        i = b.map("mul", i, b.const(step, out.dtype))
+        i = b.map("mul", i, b.const(step, dt))
     if start != 0:
-        i = b.map("add", i, b.const(start, out.dtype))
-    return i
+        i = b.map("add", i, b.const(start, dt))
+    return b.cast(i, out.dtype)
 
 
 @handles("_to_copy", "to", "type_as")
@@ -533,8 +545,13 @@ def _linear(b, args, kwargs, out):
 @handles("addmm")
 def _addmm(b, args, kwargs, out):
     bias, x, w = args[:3]
+    beta, alpha = kwargs.get("beta", 1), kwargs.get("alpha", 1)
     y = _matmul(b, x, w, out.shape, out.dtype)
-    return b.map("add", y, bias)
+    if alpha != 1:
+        y = b.map("mul", y, b.scalar(alpha, y))
+    if beta == 0:
+        return y  # PyTorch ignores the input then, NaN and inf included
+    return b.map("add", y, bias if beta == 1 else b.map("mul", bias, b.scalar(beta, bias)))
 
 
 @handles("scaled_dot_product_attention")

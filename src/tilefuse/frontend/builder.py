@@ -82,14 +82,24 @@ class Builder:
             return x
         return self.map("cast", x, dtype=dtype, base="cast")
 
-    def scalar(self, x, like: str) -> str:
-        """A Python number as a Constant, typed like PyTorch's weak scalars next to tensor `like`."""
+    def scalar(self, x, like: str, op: str | None = None) -> str:
+        """A Python number as a Constant, typed as PyTorch types a weak scalar next to tensor
+        `like`: a float next to an integer or bool tensor, or any number in a float op (`op`:
+        div, pow) on one, is f32 (the default dtype); an int next to a bool tensor is i64;
+        otherwise the tensor's dtype, an int out of an integer dtype's range wrapped into it as
+        PyTorch wraps it (`u8 + 300` adds 44, `u8 == -1` is `u8 == 255`)."""
         t = self.type(like).dtype
         if isinstance(x, bool):
             return self.const(x, "bool")
-        if isinstance(x, float) and not dtypes.is_float(t):
+        if dtypes.is_float(t):
+            return self.const(x, t)
+        if isinstance(x, float) or (op is not None and ops.info(op).kind == "float"):
             return self.const(x, "f32")
-        return self.const(x, t if dtypes.is_float(t) or isinstance(x, int) else "f32")
+        if t == "bool":
+            return self.const(x, "i64")
+        bits = 8 * dtypes.itemsize(t)
+        lo = 0 if t == "u8" else -(1 << (bits - 1))
+        return self.const((int(x) - lo) % (1 << bits) + lo, t)
 
     def reduce(self, op: str, x: str, axes, keepdim: bool, dtype: str | None = None) -> str:
         t = self.type(x)

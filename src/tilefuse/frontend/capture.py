@@ -264,6 +264,14 @@ def _returns_alias(target) -> bool:
     return schema is not None and any(r.alias_info is not None for r in schema.returns)
 
 
+def _converts(n) -> bool:
+    """A `to` that changes the dtype or device: it returns new memory, never its input."""
+    if _op_name(n.target) != "to" or not n.args or not isinstance(n.args[0], torch.fx.Node):
+        return False
+    a, r = n.args[0].meta.get("val"), n.meta.get("val")
+    return isinstance(a, torch.Tensor) and isinstance(r, torch.Tensor) and (a.dtype, a.device) != (r.dtype, r.device)
+
+
 def owned_tensors(graph) -> dict:
     """fx node -> the node that made its memory, for the tensors a program makes itself, and for
     each in-place write to one made before any view of it was taken (nor `to`/`contiguous`,
@@ -289,7 +297,7 @@ def owned_tensors(graph) -> dict:
             if len(written) == 1 and isinstance(w, torch.fx.Node) and w in root and root[w] not in first_view:
                 root[n] = root[w]
             continue
-        if _returns_alias(n.target):
+        if _returns_alias(n.target) and not _converts(n):
             for a in n.all_input_nodes:
                 first_view.setdefault(root.get(a, a), i)
             continue
@@ -305,20 +313,18 @@ def _translate_in_place(b: Builder, node, resolve, env, expr, owned: dict):
     written, root = _written(node), owned.get(node)
     why = None
     if root is None:
-        why = "an input, a weight or buffer, a view, or a tensor with a view"
+        why = "here it writes an input, a weight or buffer, a view, or a tensor a view was taken of"
     elif len(written) != 1 or written[0] is not node.args[0]:
-        why = "an op writing other than its first argument"
-    elif name[:-1] not in aten.HANDLERS:
-        why = f"tilefuse has no out-of-place aten.{name[:-1]} to run it as"
+        why = "here it writes other than its first argument"
     if why is None:
         _translate(b, node, resolve, env, {}, expr, functional=name[:-1])
         if node not in env:
-            why = f"aten.{name[:-1]} does not lower here"
+            why = f"PyTorch has no out-of-place aten.{name[:-1]}.{node.target._overloadname} to run it as"
     if why is not None:
         # The Graph IR is pure: a write it cannot account for would be lost, a wrong answer. Refuse.
         raise CaptureError(f"aten.{name} writes to a tensor in place, which tilefuse supports only on a tensor "
-                           f"the program made itself, with no view of it taken before the write (this is {why}); "
-                           f"write it out of place ({source_of(node, expr)})")
+                           f"the program made itself, with no view of it taken before the write ({why}); "
+                           f"write it out of place" + (f" ({where})" if (where := source_of(node, expr)) else ""))
     for other, r in owned.items():
         if r is root and other in env:
             env[other] = env[node]
@@ -342,7 +348,7 @@ def _translate(b: Builder, node, resolve, env, tuple_outputs, expr, functional: 
     first = val[0] if multi else val
     if not isinstance(first, torch.Tensor):
         raise CaptureError(f"{name} returns {type(first).__name__}, not a tensor ({b.source})")
-    out = Out(tuple(int(s) for s in first.shape), dtypes.from_torch(first.dtype), name)
+    out = Out(_static_shape(first, name, b.source), dtypes.from_torch(first.dtype), name)
     args = resolve(node.args)
     kwargs = {k: resolve(v) for k, v in node.kwargs.items()}
     handler = aten.HANDLERS.get(name)
@@ -360,9 +366,13 @@ def _translate(b: Builder, node, resolve, env, tuple_outputs, expr, functional: 
                                f"torch says {shapes} ({b.source})")
         tuple_outputs[node] = result
         return
+    if result is None and functional:
+        # the out-of-place overload runs in PyTorch (an extern of the in-place op would write its input)
+        target = getattr(getattr(torch.ops.aten, functional, None), node.target._overloadname, None)
+        if target is None or multi:
+            return  # the caller refuses
+        result = _extern(b, node, args, kwargs, out, reason, target)
     if result is None:
-        if functional:
-            return  # (an extern would run the in-place op itself; the caller refuses)
         if multi:
             raise CaptureError(f"aten.{name} returns {len(val)} tensors and is not supported by tilefuse "
                                f"({b.source})")
@@ -377,7 +387,20 @@ def _translate(b: Builder, node, resolve, env, tuple_outputs, expr, functional: 
     env[node] = result
 
 
-def _extern(b, node, args, kwargs, out, reason):
+def _static_shape(t, name: str, source) -> tuple[int, ...]:
+    """A result's shape as ints; one that depends on the data (x[mask], nonzero) is refused by
+    name, not left to torch's long guard error."""
+    try:
+        return tuple(int(s) for s in t.shape)
+    except Exception as e:  # torch's GuardOnDataDependentSymNode (an unbacked size)
+        if "data-dependent" not in str(e) and "DataDependent" not in type(e).__name__:
+            raise
+        where = f" ({source})" if source else ""
+        raise CaptureError(f"aten.{name}'s result has a size that depends on the tensors' values{where}; "
+                           f"tilefuse compiles programs of fixed shapes") from None
+
+
+def _extern(b, node, args, kwargs, out, reason, target=None):
     def refs(a):
         if isinstance(a, str) and a in b.types:
             return ir.Ref(a)
@@ -386,5 +409,5 @@ def _extern(b, node, args, kwargs, out, reason):
         return a
 
     kw = tuple((k, refs(v)) for k, v in kwargs.items() if k not in ("device", "pin_memory", "layout"))
-    return b.add(ir.Extern(b.fresh(out.op), ir.TensorType(out.shape, out.dtype), _target_text(node.target),
+    return b.add(ir.Extern(b.fresh(out.op), ir.TensorType(out.shape, out.dtype), _target_text(target or node.target),
                            refs(tuple(args)), kw, reason, b.source))

@@ -49,6 +49,9 @@ class Program:
     # `rebuild(args) -> Program`, a changed weight compiles the program again at the next call
     guard: object = None
     rebuild: object = None
+    # the example inputs' nesting, tensors as TENSOR (`skeleton`): a call's containers are matched
+    # against it, dicts by key; None: inputs flattened in pytree order
+    inputs: object = None
 
     def __post_init__(self):
         self._compiled: dict = {}
@@ -72,7 +75,7 @@ class Program:
             why = self.guard()
             if why:
                 self._recompile(args, why)
-        tensors = args if all([type(a) is torch.Tensor for a in args]) else _tensor_leaves(args)
+        tensors = args if all([type(a) is torch.Tensor for a in args]) else self._leaves(args)
         if not self._grad_warned and torch.is_grad_enabled() and any([t.requires_grad for t in tensors]):
             self._grad_warned = True
             warnings.warn("tilefuse: an input requires grad, but a compiled program has no backward: its results "
@@ -87,7 +90,7 @@ class Program:
     def _recompile(self, args, why: str):
         """Weights changed since compiling: become the program compiled from them now (the
         caller's settings kept); without a way to rebuild, say so rather than run stale values."""
-        check_inputs(self.graph, args if all([type(a) is torch.Tensor for a in args]) else _tensor_leaves(args))
+        check_inputs(self.graph, args if all([type(a) is torch.Tensor for a in args]) else self._leaves(args))
         if self.rebuild is None:
             raise ValueError(f"{why} since compiling; compile the program again")
         keep = {k: getattr(self, k) for k in ("poison", "graphs", "graph_slots", "graph_clone", "_grad_warned")}
@@ -99,6 +102,13 @@ class Program:
         self._entries.clear()
         if getattr(self, "stages", None) is not None:
             self.stages.program = self
+
+    def _leaves(self, args) -> tuple:
+        if self.inputs is None:
+            return _tensor_leaves(args)
+        out = []
+        _match(self.inputs, args, "inputs", out)
+        return tuple(out)
 
     def _entry(self, tensors, key):
         """First call with this signature: check the arguments (clear errors), build the runner."""
@@ -211,6 +221,47 @@ class Program:
 
 def _tensor_leaves(args) -> tuple:
     return tuple(a for a in torch.utils._pytree.tree_leaves(args) if isinstance(a, torch.Tensor))
+
+
+TENSOR = "<tensor>"
+
+
+def skeleton(example):
+    """The example inputs' nesting with each tensor as TENSOR (the tensors themselves are not
+    kept alive), or None where it holds a container this matcher does not know (a registered
+    pytree class): such inputs are flattened in pytree order."""
+    if isinstance(example, torch.Tensor):
+        return TENSOR
+    if type(example) in (tuple, list):
+        parts = [skeleton(e) for e in example]
+        return None if None in parts else type(example)(parts)
+    if type(example) is dict:
+        parts = {k: skeleton(v) for k, v in example.items()}
+        return None if None in parts.values() else parts
+    return None
+
+
+def _match(sk, arg, path: str, out: list):
+    """A call's tensors in the order of the example's: dicts matched by key (a dict built in
+    another order is the same argument), lists and tuples by position; a different nesting is
+    a clear error, not a silent reordering."""
+    if sk is TENSOR:
+        if not isinstance(arg, torch.Tensor):
+            raise ValueError(f"{path}: expected a tensor, as when compiling; got {type(arg).__name__}")
+        out.append(arg)
+    elif isinstance(sk, dict):
+        if not isinstance(arg, dict) or set(arg) != set(sk):
+            keys = lambda d: ", ".join(sorted(map(repr, d))) or "none"  # noqa: E731
+            got = f"keys {keys(arg)}" if isinstance(arg, dict) else type(arg).__name__
+            raise ValueError(f"{path}: expected a dict with keys {keys(sk)}, as when compiling; got {got}")
+        for k, v in sk.items():
+            _match(v, arg[k], f"{path}[{k!r}]", out)
+    else:
+        if not isinstance(arg, (tuple, list)) or len(arg) != len(sk):
+            got = f"{len(arg)} items" if isinstance(arg, (tuple, list)) else type(arg).__name__
+            raise ValueError(f"{path}: expected a {type(sk).__name__} of {len(sk)} items, as when compiling; got {got}")
+        for i, (v, a) in enumerate(zip(sk, arg)):
+            _match(v, a, f"{path}[{i}]", out)
 
 
 def _packer(spec, n: int):

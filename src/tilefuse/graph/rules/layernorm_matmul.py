@@ -79,14 +79,20 @@ def _centred(g: ir.Graph, d: str):
     return None
 
 
-def layernorm_into_matmul(g: ir.Graph) -> ir.Graph:
+def layernorm_into_matmul(g: ir.Graph, any_dtype: bool = False) -> ir.Graph:
     """Every contraction of a LayerNorm output with a weight: fold γ and β, correct per row.
-    The row statistics are made once per norm, for all the contractions it feeds."""
+    The row statistics are made once per norm, for all the contractions it feeds.
+
+    Only for 16-bit matmuls (a generated GEMM, whose epilogue takes the correction) unless
+    `any_dtype`: an f32 or f64 matmul runs in PyTorch, so nothing is saved, and the one-pass
+    variance would cost digits the input has (f32 rows of mean 1e3 and spread 1 lost 3 of them)."""
     stats: dict = {}
-    return rewrite_contractions(g, lambda g, ed, n: _rewrite(g, ed, n, stats))
+    return rewrite_contractions(g, lambda g, ed, n: _rewrite(g, ed, n, stats, any_dtype))
 
 
-def _rewrite(g: ir.Graph, ed: Editor, n: ir.Contraction, stats: dict):
+def _rewrite(g: ir.Graph, ed: Editor, n: ir.Contraction, stats: dict, any_dtype: bool):
+    if not any_dtype and not low_precision(g[n.a].type.dtype):
+        return None
     found = norm_feeding(g, n, match)
     if found is None:
         return None
