@@ -1,7 +1,8 @@
 """The correctness rule of DESIGN.md: within 2x PyTorch's own low-precision error.
 
-Errors are relative Frobenius norms against a float64 reference. Integer and bool outputs
-must match exactly; a NaN where the reference has none never passes.
+Errors are relative Frobenius norms against a float64 reference; for integer and bool outputs,
+the fraction of elements that differ from it (an output equal to PyTorch's passes). A NaN where
+the reference has none never passes.
 """
 from __future__ import annotations
 
@@ -34,8 +35,7 @@ def compare(name: str, out: torch.Tensor, ref64: torch.Tensor, torch_out: torch.
     if tuple(out.shape) != tuple(ref64.shape):
         return Check(name, False, float("inf"), 0.0, 0.0, f"shape {tuple(out.shape)} != {tuple(ref64.shape)}")
     if not out.is_floating_point():
-        same = torch.equal(out.cpu(), ref64.to(out.dtype).cpu())
-        return Check(name, same, 0.0 if same else 1.0, 0.0, 0.0, "exact match required")
+        return _compare_exact(name, out.cpu(), ref64.to(out.dtype).cpu(), torch_out.cpu())
     o, r, t = out.double().cpu(), ref64.double().cpu(), torch_out.double().cpu()
     nan_out = torch.isnan(o) & ~torch.isnan(r)
     if nan_out.any():
@@ -51,6 +51,20 @@ def compare(name: str, out: torch.Tensor, ref64: torch.Tensor, torch_out: torch.
     terr = rel_error(t[finite], r[finite])
     bound = 2 * terr + FLOOR
     return Check(name, err <= bound, err, terr, bound)
+
+
+def _compare_exact(name: str, out: torch.Tensor, ref: torch.Tensor, torch_out: torch.Tensor) -> Check:
+    """Integer and bool outputs: errors are the fractions of elements that differ from the
+    reference. One equal to PyTorch's own passes (in bf16, `x > 0.3` decides a few elements
+    otherwise than float64 does, in eager too); otherwise the 2x rule holds on those fractions,
+    so a program exact in float64 must match exactly."""
+    n = max(out.numel(), 1)
+    err = int((out != ref).sum()) / n
+    terr = int((torch_out.to(out.dtype) != ref).sum()) / n
+    if torch.equal(out, torch_out.to(out.dtype)):
+        return Check(name, True, err, terr, 2 * terr, "same as PyTorch" if err else "")
+    note = f"{int(round(err * n))} element(s) differ" if err else ""
+    return Check(name, err <= 2 * terr, err, terr, 2 * terr, note)
 
 
 def float64_reference(fn, inputs):

@@ -227,3 +227,98 @@ def test_compile_prints_the_gemm_for_the_target_architecture(capsys):
     assert main(["compile", "-c", e, "--ir", "cuda", "--arch", "sm_86"]) == 0
     out = capsys.readouterr().out
     assert "mma.sync" in out and "wgmma" not in out
+
+
+def _graph_of(expr):
+    return compile_stages(*parse(expr)[:2], expr=expr).graph
+
+
+def test_a_comprehension_builds_a_module_per_item_and_refuses_an_input_per_item(capfd):
+    """nn.Sequential(*[nn.Linear(8, 8) for _ in range(3)]) is three layers, as in Python, not one
+    layer hoisted once and applied three times; a factory per item is refused in one line."""
+    from tilefuse.graph import ir
+
+    g = _graph_of("nn.Sequential(*[nn.Linear(8,8) for _ in range(3)])(torch.randn(2,8))")
+    assert len([n for n in g.nodes if isinstance(n, ir.Weight)]) == 6, "three weights and three biases"
+    with pytest.raises(ExprError, match="would make a new input per item"):
+        parse("torch.stack([torch.randn(4) for _ in range(3)])")
+
+
+@pytest.mark.parametrize("expr", ["(lambda x: F.relu(x))(torch.randn(4))", "(x := torch.randn(4,8)) * x.sum()",
+                                  "torch.stack([F.relu(t) for t in torch.randn(3,4).unbind(0)])",
+                                  "torch.randn(4,8)" + ".exp()" * 300])
+def test_names_bound_inside_the_expression_and_long_chains_run(expr, capsys):
+    assert main(["run", "-c", expr, "--device", "cpu"]) == 0
+    assert "pass" in capsys.readouterr().out
+
+
+def test_expression_modules_run_in_eval_mode_and_random_programs_are_not_called_checked(capsys):
+    """nn.Dropout is the identity and BatchNorm uses its running statistics (eval mode); a program
+    that draws random numbers (F.dropout defaults to training) says its outputs are not checked."""
+    assert main(["run", "-c", "nn.Dropout(0.5)(nn.BatchNorm1d(8)(torch.randn(4,8)))", "--device", "cpu"]) == 0
+    assert "pass" in capsys.readouterr().out
+    assert main(["run", "-c", "F.dropout(torch.randn(16,8), 0.5) * 4", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "not checked" in out and "aten.dropout" in out and "pass" not in out
+
+
+def test_integer_outputs_equal_to_pytorchs_pass_and_others_are_held_to_the_2x_rule():
+    """In bf16, x > 0.3 decides some elements otherwise than float64 does, in eager too."""
+    from tilefuse.check import compare
+
+    ref = torch.tensor([True, False, True, True])
+    eager = torch.tensor([True, False, False, True])
+    assert compare("o", eager.clone(), ref.double(), eager).ok
+    assert compare("o", ref.clone(), ref.double(), eager).ok
+    worse = torch.tensor([False, True, False, True])
+    c = compare("o", worse, ref.double(), eager)
+    assert not c.ok and c.error == 0.75 and c.torch_error == 0.25
+    assert not compare("o", eager.clone(), ref.double(), ref.clone()).ok, "exact in PyTorch: exact here"
+
+
+def test_seed_repeats_a_run_weights_included_and_is_printed(capsys):
+    outs = []
+    for _ in range(2):
+        assert main(["run", "-c", "nn.Linear(32,24)(torch.randn(16,32))", "--device", "cpu", "--seed", "7"]) == 0
+        outs.append(capsys.readouterr().out)
+    errors = [next(line for line in o.splitlines() if "out0" in line) for o in outs]
+    assert errors[0] == errors[1] and "seed 7 (--seed 7 repeats this run)" in outs[0]
+    assert main(["run", "-c", "torch.randn(3).exp()", "--device", "cpu"]) == 0
+    assert "--seed" in capsys.readouterr().out, "a run without --seed prints the seed it drew"
+
+
+@pytest.mark.parametrize("argv,what", [
+    (["run", "-c", "torch.randn(4)*2", "--layers", "3"], "--layers is a --model option"),
+    (["compile", "-c", "torch.randn(4)*2", "--arch", "foo"], "unknown GPU architecture 'foo'"),
+])
+def test_options_that_do_not_apply_are_refused_in_one_line(capfd, argv, what):
+    assert main(argv) == 1
+    err = capfd.readouterr().err
+    assert what in err and err.count("\n") == 1
+
+
+def test_ir_loop_of_a_program_without_generated_kernels_says_so(capsys):
+    assert main(["compile", "-c", "torch.randn(4,8).cumsum(-1)", "--ir", "loop"]) == 0
+    assert "no generated kernels" in capsys.readouterr().out
+
+
+def test_layout_output_that_cannot_be_written_is_one_error_line(capfd, tmp_path):
+    assert main(["layout", "(4,8):(8,1)", "-o", str(tmp_path / "missing" / "x.svg")]) == 2
+    err = capfd.readouterr().err
+    assert "cannot write" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("expr", ["F.mse_loss(torch.randn(8,33), torch.randn(8,33))",
+                                  "F.l1_loss(torch.randn(8,33), torch.randn(33), reduction='none')",
+                                  "F.softmax(torch.randn(4,8), -1, dtype=torch.float64)",
+                                  "F.log_softmax(torch.randn(4,8), -1, dtype=torch.float64)"])
+def test_losses_with_broadcast_operands_and_f64_softmax_match_pytorch(expr):
+    """mse/l1 start with broadcast_tensors (two outputs: now expand views); softmax(dtype=f64)
+    computes in f64, as PyTorch's x.to(dtype) does (f32 was 1e-8 off, hidden by the 1e-5 floor)."""
+    module, inputs, _ = parse(expr)
+    prog = tilefuse.compile(module, inputs)
+    with torch.no_grad():
+        want = module(*inputs)
+    got = prog(*inputs)
+    assert got.dtype == want.dtype
+    torch.testing.assert_close(got, want, rtol=1e-12 if want.dtype == torch.float64 else 1e-6, atol=1e-12)

@@ -12,7 +12,7 @@ import math
 
 from .. import dtypes
 from ..graph import ir
-from .builder import Builder, wrap_dim
+from .builder import Builder, broadcast_shapes, wrap_dim
 
 HANDLERS = {}
 
@@ -163,6 +163,20 @@ def _where(b, args, kwargs, out):
     return b.map("where", c, _operand(b, x, like), _operand(b, y, like))
 
 
+@handles("broadcast_tensors")
+def _broadcast_tensors(b, args, kwargs, out):
+    """Every operand expanded to the common shape (mse_loss and l1_loss start with it)."""
+    xs = args[0]
+    shape = broadcast_shapes(*(b.type(x).shape for x in xs))
+    res = []
+    for x in xs:
+        s = b.type(x).shape
+        if s != shape:
+            x = b.view("expand", b.reshape(x, (1,) * (len(shape) - len(s)) + s), shape, shape)
+        res.append(x)
+    return tuple(res)
+
+
 @handles("scalar_tensor")
 def _scalar_tensor(b, args, kwargs, out):
     return b.const(args[0], out.dtype)
@@ -307,11 +321,18 @@ def _acc(b, x):
     return "f32" if b.type(x).dtype in ("bf16", "f16") else b.type(x).dtype
 
 
+def _softmax_input(b, x, out):
+    """x as a softmax computes it: in the result's dtype first (`dtype=torch.float64` computes
+    in f64, as PyTorch's `x.to(dtype)` does), then in f32 where that is 16-bit."""
+    x = b.cast(x, out.dtype) if dtypes.is_float(out.dtype) else x
+    return b.cast(x, _acc(b, x))
+
+
 @handles("_softmax", "softmax", "_safe_softmax")
 def _softmax(b, args, kwargs, out):
     x = args[0]
     dim = args[1] if len(args) > 1 else kwargs["dim"]
-    xf = b.cast(x, _acc(b, x))
+    xf = _softmax_input(b, x, out)
     m = b.reduce("max", xf, (dim,), True)
     e = b.map("exp", b.map("sub", xf, m))
     s = b.reduce("sum", e, (dim,), True)
@@ -322,7 +343,7 @@ def _softmax(b, args, kwargs, out):
 def _log_softmax(b, args, kwargs, out):
     x = args[0]
     dim = args[1] if len(args) > 1 else kwargs["dim"]
-    xf = b.cast(x, _acc(b, x))
+    xf = _softmax_input(b, x, out)
     m = b.reduce("max", xf, (dim,), True)
     sh = b.map("sub", xf, m)
     lse = b.map("log", b.reduce("sum", b.map("exp", sh), (dim,), True))

@@ -2,11 +2,14 @@
 
 "torch.nn.RMSNorm(2048)(torch.randn(1,32,2048))" becomes a module holding the RMSNorm
 whose forward takes one input of shape (1, 32, 2048). Sub-expressions that do not touch
-an input (module constructors, constants) are evaluated once, when the program is built.
+an input (module constructors, constants) are evaluated once, when the program is built,
+and the modules are put in eval mode.
 """
 from __future__ import annotations
 
 import ast
+import builtins
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -40,13 +43,35 @@ def _is_factory(node: ast.AST) -> bool:
             and f.value.id == "torch")
 
 
+def _free_names(node: ast.AST) -> set[str]:
+    """Names a sub-expression reads that it does not bind itself (a comprehension's targets, a
+    lambda's parameters and walrus targets inside it are bound there)."""
+    loaded, bound = set(), set()
+    for n in ast.walk(node):
+        if isinstance(n, ast.Name):
+            (loaded if isinstance(n.ctx, ast.Load) else bound).add(n.id)
+        elif isinstance(n, ast.arg):
+            bound.add(n.arg)
+    return loaded - bound
+
+
+_COMPREHENSIONS = (ast.ListComp, ast.SetComp, ast.GeneratorExp, ast.DictComp)
+
+
 class _Hoist(ast.NodeTransformer):
-    """Replace factory calls with input names and input-free calls with bound constants."""
+    """Replace factory calls with input names and input-free calls with bound constants.
+
+    A call is input-free when every name it reads is torch, nn, F, a builtin or a module hoisted
+    already: `x.sum()` of a walrus-bound x, or `F.relu(t)` of a comprehension's t, stays in the
+    forward. What a comprehension or lambda runs once per item is left as written, so
+    `nn.Sequential(*[nn.Linear(8, 8) for _ in range(3)])` is built whole, three layers; a
+    factory there (a new input per item) is refused."""
 
     def __init__(self, scope, text):
         self.scope, self.text = scope, text
         self.inputs: list[InputSpec] = []
         self.consts: dict[str, object] = {}
+        self.known = set(scope) | set(dir(builtins))
 
     def visit_Call(self, node):
         if _is_factory(node):
@@ -54,7 +79,7 @@ class _Hoist(ast.NodeTransformer):
             self.inputs.append(InputSpec(ast.get_source_segment(self.text, node) or ast.unparse(node)))
             return ast.copy_location(ast.Name(name, ast.Load()), node)
         node = self.generic_visit(node)
-        if not any(isinstance(n, ast.Name) and n.id.startswith("_in") for n in ast.walk(node)):
+        if _free_names(node) <= self.known | set(self.consts):
             try:  # modules hoisted already are in scope: `nn.Linear(4, 4).bfloat16()` calls a method of one
                 value = eval(compile(ast.Expression(node), "<tilefuse -c>", "eval"), {**self.scope, **self.consts})
             except Exception as e:
@@ -63,6 +88,26 @@ class _Hoist(ast.NodeTransformer):
                 name = next((k for k, v in self.consts.items() if v is value), f"_m{len(self.consts)}")
                 self.consts[name] = value
                 return ast.copy_location(ast.Name(name, ast.Load()), node)
+        return node
+
+    def _per_item(self, parts, what: str):
+        for part in parts:
+            if any(_is_factory(n) for n in ast.walk(part)):
+                raise ExprError(f"{what} would make a new input per item: write each input out "
+                                f"(e.g. torch.stack([torch.randn(4), torch.randn(4)]))")
+
+    def _visit_comprehension(self, node):
+        first, *rest = node.generators
+        first.iter = self.visit(first.iter)  # evaluated once, before the first item
+        parts = [node.key, node.value] if isinstance(node, ast.DictComp) else [node.elt]
+        parts += [*first.ifs, *(x for g in rest for x in (g.iter, *g.ifs))]
+        self._per_item(parts, f"a torch factory call inside {ast.unparse(node)!r}")
+        return node
+
+    visit_ListComp = visit_SetComp = visit_GeneratorExp = visit_DictComp = _visit_comprehension
+
+    def visit_Lambda(self, node):
+        self._per_item([node.body], f"a torch factory call inside {ast.unparse(node)!r}")
         return node
 
 
@@ -90,10 +135,19 @@ def parse(text: str, dtype: torch.dtype | None = None):
     except SyntaxError as e:
         raise ExprError(f"the expression does not parse: {e.msg} at column {e.offset}") from None
     hoist = _Hoist(_scope(), text.strip())
-    body = ast.fix_missing_locations(hoist.visit(tree))
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(max(limit, 20000))  # the AST of a long chain of calls is as deep as the chain
+    try:
+        body = ast.fix_missing_locations(hoist.visit(tree))
+    except RecursionError:
+        raise ExprError("the expression nests too deeply to read") from None
+    finally:
+        sys.setrecursionlimit(limit)
     if not hoist.inputs:
         raise ExprError("the expression has no inputs: make them with torch.randn(...) inside it")
-    module = ExprModule(text, body, hoist.consts, len(hoist.inputs))
+    # eval mode: tilefuse compiles forward programs (a BatchNorm uses its running statistics,
+    # nn.Dropout passes values through), as a model serving requests runs
+    module = ExprModule(text, body, hoist.consts, len(hoist.inputs)).eval()
     try:
         inputs = [s.make(_scope()) for s in hoist.inputs]
     except Exception as e:

@@ -289,6 +289,9 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 raise ValueError(f"output {args.output!r}: use a .svg or .png file name")
             print(f"wrote {args.output}")
+    except OSError as e:  # the output file cannot be written
+        print(f"tilefuse layout: error: cannot write {args.output}: {e.strerror or e}", file=sys.stderr)
+        return 2
     except (ValueError, RuntimeError, TypeError) as e:
         print(f"tilefuse layout: error: {e}", file=sys.stderr)
         return 2

@@ -66,12 +66,12 @@ def normalize_arch(arch: str) -> str:
     """'sm_90a', '90a', 'sm_80', (9, 0) -> 'sm_90a' / 'sm_80'. Hopper (sm_90) always gets sm_90a."""
     if isinstance(arch, tuple):
         arch = f"sm_{arch[0]}{arch[1]}"
-    arch = str(arch)
+    given = arch = str(arch)
     if not arch.startswith(("sm_", "compute_")):
         arch = "sm_" + arch
     m = re.fullmatch(r"sm_(\d+)(a?)", arch)
     if not m:
-        raise ValueError(f"unknown GPU architecture {arch!r} (expected e.g. sm_90a or sm_80)")
+        raise ValueError(f"unknown GPU architecture {given!r} (expected e.g. sm_90a or sm_80)")
     return "sm_90a" if m.group(1) == "90" else arch
 
 
