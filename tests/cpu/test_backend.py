@@ -246,3 +246,83 @@ def test_in_place_ops_on_the_graphs_own_tensors_compile():
         torch.testing.assert_close(torch.compile(m, backend="tilefuse")(x), m(x))
     (r,) = tb.reports()
     assert r.status == "tilefuse", r.reason
+
+
+def test_a_dtype_round_trip_of_the_module_is_not_served_stale():
+    """`m.half(); m.float()` swaps each parameter's data (same object, same version counter):
+    dynamo's guards pass again for the f32 graph, and the weights' new storage must compile again."""
+    torch.manual_seed(5)
+    m = nn.Linear(16, 8)
+    f = torch.compile(m, backend="tilefuse")
+    x = torch.randn(4, 16)
+    with torch.no_grad():
+        before = f(x)
+        m.half()
+        m.float()
+        after = f(x)
+        assert not torch.equal(after, before), "the f16-rounded weights were not used"
+        torch.testing.assert_close(after, m(x), rtol=1e-5, atol=1e-5)
+
+
+def test_compilations_of_freed_models_are_dropped_not_counted_against_the_limit(monkeypatch):
+    """One graph serves every instance of a class; a model freed leaves a variant no call can use.
+    Those go before MAX_VARIANTS is applied, so later models still compile, and a new weight
+    landing at a freed one's id is a new weight set, not 'a weight changed in place'."""
+    import gc
+
+    monkeypatch.setattr(tb, "MAX_VARIANTS", 4)
+    x = torch.randn(2, 8)
+    for _ in range(7):
+        m = nn.Linear(8, 8)
+        with torch.no_grad():
+            torch.compile(m, backend="tilefuse")(x)
+        del m
+        gc.collect()
+    (r,) = tb.reports()
+    assert r.calls_tilefuse == 7 and r.calls_eager == 0
+    assert not any("changed in place" in e or "more than" in e for e in r.events), r.events
+
+
+def test_graph_breaks_of_every_kind_are_counted_and_reset_forgets_them():
+    """A data-dependent `if` is filed by dynamo under "unimplemented", a print under
+    "graph_break": the summary names both (with dynamo's explanation); after reset() a graph
+    without breaks reports none."""
+    def f(x):
+        y = x.relu()
+        if y.sum() > 0:
+            y = y * 2
+        print("a graph break")
+        return y.exp()
+
+    with torch.no_grad():
+        torch.compile(f, backend="tilefuse")(torch.randn(2, 8))
+    s = tb.summary()
+    assert "dynamo graph breaks: 2" in s and "Data-dependent branching" in s and "`print`" in s
+    torch._dynamo.reset()
+    tb.reset()
+    with torch.no_grad():
+        torch.compile(lambda x: x.sin(), backend="tilefuse")(torch.randn(2, 8))
+    assert "graph breaks" not in tb.summary()
+
+
+def test_a_changing_python_float_falls_back_once_saying_so():
+    def g(x, a: float):
+        return x * a + 1
+
+    f = torch.compile(g, backend="tilefuse", dynamic=True)
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        for a, n in ((1.5, 4), (2.5, 4), (3.5, 5), (4.5, 6)):
+            xs = torch.randn(n, 8)
+            torch.testing.assert_close(f(xs, a), g(xs, a))
+    events = [e for r in tb.reports() for e in r.events]
+    said = [e for e in events if "Python number argument that changes between calls" in e]
+    assert len(said) == 1, events
+
+
+def test_inference_tensor_weights_are_said_to_go_unwatched():
+    with torch.inference_mode():
+        m = nn.Linear(8, 4)
+        torch.compile(m, backend="tilefuse")(torch.randn(3, 8))
+    (r,) = tb.reports()
+    assert any("inference tensors" in e for e in r.events)

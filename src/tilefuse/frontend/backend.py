@@ -47,6 +47,7 @@ class GraphReport:
     calls_tilefuse: int = 0
     calls_eager: int = 0
     events: list[str] = field(default_factory=list)
+    inference_weights: bool = False  # compiled with weights that keep no version counter (said once)
     stages: object = field(default=None, repr=False)  # the last variant's tilefuse.compiler.Compiled
 
     def line(self) -> str:
@@ -65,6 +66,7 @@ class GraphReport:
 
 REPORTS: list[GraphReport] = []
 _seen_breaks: Counter = Counter()
+_breaks_before: Counter = Counter()  # dynamo's counts at the last reset(): torch._dynamo.reset() keeps them
 
 
 def reports() -> list[GraphReport]:
@@ -73,9 +75,12 @@ def reports() -> list[GraphReport]:
 
 
 def reset() -> None:
-    """Forget the reports (dynamo's own caches are reset with torch._dynamo.reset())."""
+    """Forget the reports and the graph breaks seen so far (dynamo's own caches are reset with
+    torch._dynamo.reset())."""
     REPORTS.clear()
     _seen_breaks.clear()
+    _breaks_before.clear()
+    _breaks_before.update(_graph_breaks())
 
 
 def summary() -> str:
@@ -105,15 +110,27 @@ def _log(msg: str) -> None:
 
 
 def _graph_breaks() -> Counter:
-    """dynamo's graph-break reasons (first line each); the regions between graphs run in eager."""
+    """dynamo's graph-break reasons since the last reset(), each as its first line and its
+    explanation; the regions between graphs run in eager. dynamo files some breaks (a
+    data-dependent `if`) as "unimplemented", not "graph_break": both count."""
     try:
         from torch._dynamo.utils import counters
     except ImportError:
         return Counter()
     out: Counter = Counter()
-    for why, n in counters.get("graph_break", {}).items():
-        out[str(why).strip().splitlines()[0] if str(why).strip() else "?"] += n
-    return out
+    for kind in ("graph_break", "unimplemented"):
+        for why, n in counters.get(kind, {}).items():
+            out[_reason(str(why))] += n
+    return out - _breaks_before
+
+
+def _reason(text: str) -> str:
+    lines = [x.strip() for x in text.strip().splitlines() if x.strip()]
+    if not lines:
+        return "?"
+    expl = next((x.split(":", 1)[1].strip() for x in lines[1:] if x.startswith("Explanation:")), "")
+    head = f"{lines[0]}: {expl}" if expl else lines[0]
+    return head if len(head) <= 200 else head[:197] + "..."
 
 
 def _log_new_breaks() -> None:
@@ -182,9 +199,17 @@ class _Variant:
     weights: list  # weakrefs to the weight tensors it was compiled with
     versions: list[int]
     reason: str = ""
+    # where each weight's data lay: `module.half(); module.float()` swaps a parameter's data
+    # (same object, same version counter), so the values may have changed under the variant
+    pointers: list = field(default_factory=list)
 
     def fresh(self, weights) -> bool:
-        return all(r() is w and v == _version(w) for r, v, w in zip(self.weights, self.versions, weights))
+        return all(r() is w and v == _version(w) and p == w.data_ptr()
+                   for r, v, p, w in zip(self.weights, self.versions, self.pointers, weights))
+
+    def dead(self) -> bool:
+        """A weight it was compiled with is gone: no call can use it again."""
+        return any(r() is None for r in self.weights)
 
 
 class _Lifted(torch.nn.Module):
@@ -280,9 +305,10 @@ class GraphRunner:
         v = self.variants.get(key)
         if v is not None and v.fresh(weights):
             return v
-        if v is not None:
+        if v is not None and not v.dead():
             self._event("a weight changed in place since compiling: compiling again")
-        elif len(self.variants) >= MAX_VARIANTS:
+        self.variants = {k: x for k, x in self.variants.items() if not x.dead()}  # models since freed
+        if key not in self.variants and len(self.variants) >= MAX_VARIANTS:
             reason = f"more than {MAX_VARIANTS} sizes or weight sets: new ones run in eager"
             if reason not in (e.split(": ", 1)[-1] for e in self.report.events):
                 self._event(reason)
@@ -295,6 +321,12 @@ class GraphRunner:
         from ..compiler import compile_stages
 
         refs, versions = [weakref.ref(w) for w in weights], [_version(w) for w in weights]
+        pointers = [w.data_ptr() for w in weights]
+        if -1 in versions and not self.report.inference_weights:
+            self.report.inference_weights = True
+            self._event("its weights are inference tensors (made under torch.inference_mode()), which keep no "
+                        "version counter: an in-place update of them is not seen; after one, call "
+                        "torch._dynamo.reset() and compile again")
         ints = [a for a, k in zip(args, self.kinds) if k == "int"]
         user = [a for a, k in zip(args, self.kinds) if k == "input"]
         t0 = time.perf_counter()
@@ -309,12 +341,12 @@ class GraphRunner:
                 prog.prepare("cuda")
         except Exception as e:  # never a crash: the graph runs as its own forward, and says why
             reason = _first_line(e)
-            self._event(f"eager fallback: {reason}")
+            self._event(f"eager fallback: {reason}", once=True)
             if not self.report.variants:
                 self.report.status, self.report.reason = "eager", reason
-            return _Variant(None, refs, versions, reason)
+            return _Variant(None, refs, versions, reason, pointers)
         self._record(c, time.perf_counter() - t0)
-        return _Variant(prog, refs, versions)
+        return _Variant(prog, refs, versions, pointers=pointers)
 
     def _record(self, c, seconds: float) -> None:
         from ..graph import ir
@@ -337,9 +369,12 @@ class GraphRunner:
                 r.externs[(what, s.note)] += 1
         _log(r.line())
 
-    def _event(self, text: str) -> None:
-        self.report.events.append(f"graph {self.report.index}: {text}")
-        _log(f"graph {self.report.index}: {text}")
+    def _event(self, text: str, once: bool = False) -> None:
+        """`once`: recorded and logged once per graph (each new size failing the same way)."""
+        line = f"graph {self.report.index}: {text}"
+        if not (once and line in self.report.events):
+            self.report.events.append(line)
+            _log(line)
 
 
 class _Unsupported(Exception):

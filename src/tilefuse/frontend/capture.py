@@ -347,6 +347,9 @@ def _translate(b: Builder, node, resolve, env, tuple_outputs, expr, functional: 
     multi = isinstance(val, (tuple, list))
     first = val[0] if multi else val
     if not isinstance(first, torch.Tensor):
+        if name in ("item", "_local_scalar_dense"):
+            raise CaptureError(f"aten.{name} reads a tensor's value into Python ({b.source}); dynamo makes one for a "
+                               f"Python number argument that changes between calls: pass it as a tensor")
         raise CaptureError(f"{name} returns {type(first).__name__}, not a tensor ({b.source})")
     out = Out(_static_shape(first, name, b.source), dtypes.from_torch(first.dtype), name)
     args = resolve(node.args)
