@@ -238,7 +238,7 @@ def test_unsupported_dtype_names_the_dtype_and_op():
 
 
 def test_non_tensor_results_are_refused():
-    with pytest.raises(CaptureError, match="not a tensor"):
+    with pytest.raises(CaptureError, match="reads a tensor's value into Python"):
         graph_of(lambda x: x.sum().item(), torch.randn(3))
 
 

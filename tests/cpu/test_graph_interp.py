@@ -407,6 +407,18 @@ def _(draw, dtype):
     return (lambda x, y: x.expand(lead, *s) * 2 + x.expand_as(y)), [randn(src, dtype), randn((lead,) + s, dtype)]
 
 
+@case("broadcast_tensors", "broadcast_tensors")
+def _(draw, dtype):
+    s = draw(shapes(1, 2))
+    lead = draw(st.integers(1, 4))
+    src = tuple(1 if draw(st.booleans()) else d for d in s)
+
+    def fn(x, y):
+        a, b = torch.broadcast_tensors(x, y)
+        return a * 2 - b
+    return fn, [randn(src, dtype), randn((lead,) + s, dtype)]
+
+
 @case("broadcast_to", "broadcast_to")
 def _(draw, dtype):
     s = draw(shapes(1, 2))

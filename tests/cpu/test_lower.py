@@ -384,8 +384,9 @@ def test_generated_programs_lower_correctly(prog):
 
 
 def test_compare_is_not_vacuous():
-    """check.compare fails a 3% error, a NaN, a wrong shape and a wrong integer; passes torch's own
-    result; and where the reference is NaN/inf it requires the same there and measures the rest."""
+    """check.compare fails a 3% error, a NaN, a wrong shape and a wrong integer (where PyTorch is
+    exact, or more than twice as wrong as PyTorch); passes torch's own result, integers included;
+    and where the reference is NaN/inf it requires the same there and measures the rest."""
     ref = torch.randn(64, 33, dtype=torch.float64)
     eager = ref.bfloat16()
     assert compare("t", eager, ref, eager).ok
@@ -394,7 +395,10 @@ def test_compare_is_not_vacuous():
     poisoned[3, 4] = float("nan")
     assert not compare("t", poisoned, ref, eager).ok
     assert not compare("t", eager[:, :32], ref, eager).ok
-    assert not compare("t", torch.tensor([1, 2]), torch.tensor([1, 3]), torch.tensor([1, 2])).ok
+    assert not compare("t", torch.tensor([1, 2]), torch.tensor([1, 3]), torch.tensor([1, 3])).ok
+    assert compare("t", torch.tensor([1, 2]), torch.tensor([1, 3]), torch.tensor([1, 2])).ok  # PyTorch's own
+    z = [0] * 5
+    assert not compare("t", torch.tensor([5, 2, 4, *z]), torch.tensor([1, 3, 0, *z]), torch.tensor([1, 2, 0, *z])).ok
     ref[0, 0], ref[1, 1] = float("nan"), float("inf")
     eager = ref.bfloat16()
     assert compare("t", eager, ref, eager).ok
