@@ -310,7 +310,6 @@ def test_a_changing_python_float_falls_back_once_saying_so():
         return x * a + 1
 
     f = torch.compile(g, backend="tilefuse", dynamic=True)
-    x = torch.randn(4, 8)
     with torch.no_grad():
         for a, n in ((1.5, 4), (2.5, 4), (3.5, 5), (4.5, 6)):
             xs = torch.randn(n, 8)
