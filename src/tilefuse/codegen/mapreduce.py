@@ -509,7 +509,10 @@ def _smem_schedule(kernel, parts, v, arch) -> MapReduceSchedule:
         return MapReduceSchedule(threads=256, group=_pow2ceil(-(-chunks // per)), vector=v, stage="smem",
                                  min_blocks=4)
     uneven = chunks % 256 != 0  # a row per 256 threads below would leave them uneven
-    g = min(128, 1 << ((chunks // 3).bit_length() - 1))  # chunks > 128 here
+    # about 3 chunks a thread counted over every row stream (chunks > 128 here): add+LayerNorm's
+    # two rows at 1544, 2040 and 3064 columns took 3-4% less time with a row per 128 threads than
+    # per 64 (bench/results/s27/mid_rows_uneven_s27.json); one-stream rows keep 3-6 a thread
+    g = min(128, 1 << ((chunks * max(1, len(row_streams)) // 3).bit_length() - 1))
     fits = -(-chunks // g) * 256 * chunk_bytes <= SMEM_PER_CTA
     if kind == "norm" and fits and ((one_stream and chunks < 3 * 256 and (chunks < 512 or uneven))
                                     or (chunks < 512 and uneven and _centred(kernel))):
