@@ -56,15 +56,18 @@ def compare(name: str, out: torch.Tensor, ref64: torch.Tensor, torch_out: torch.
 def _compare_exact(name: str, out: torch.Tensor, ref: torch.Tensor, torch_out: torch.Tensor) -> Check:
     """Integer and bool outputs: errors are the fractions of elements that differ from the
     reference. One equal to PyTorch's own passes (in bf16, `x > 0.3` decides a few elements
-    otherwise than float64 does, in eager too); otherwise the 2x rule holds on those fractions,
-    so a program exact in float64 must match exactly."""
+    otherwise than float64 does, in eager too); otherwise every element must be the reference's
+    or PyTorch's, and the 2x rule holds on those fractions, so a program exact in float64 must
+    match exactly, and a value neither gives never passes."""
     n = max(out.numel(), 1)
+    eager = torch_out.to(out.dtype)
     err = int((out != ref).sum()) / n
-    terr = int((torch_out.to(out.dtype) != ref).sum()) / n
-    if torch.equal(out, torch_out.to(out.dtype)):
+    terr = int((eager != ref).sum()) / n
+    if torch.equal(out, eager):
         return Check(name, True, err, terr, 2 * terr, "same as PyTorch" if err else "")
-    note = f"{int(round(err * n))} element(s) differ" if err else ""
-    return Check(name, err <= 2 * terr, err, terr, 2 * terr, note)
+    stray = int(((out != ref) & (out != eager)).sum())
+    note = f"{int(round(err * n))} element(s) differ" + (f", {stray} from both" if stray else "") if err else ""
+    return Check(name, err <= 2 * terr and not stray, err, terr, 2 * terr, note)
 
 
 def float64_reference(fn, inputs):

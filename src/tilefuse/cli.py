@@ -335,7 +335,8 @@ def _seed(args) -> int:
 
 RANDOM_OPS = {"dropout", "native_dropout", "feature_dropout", "alpha_dropout", "bernoulli", "rand", "randn",
               "randint", "rand_like", "randn_like", "randint_like", "randperm", "multinomial", "normal", "uniform",
-              "exponential", "poisson"}
+              "exponential", "poisson", "cauchy", "log_normal", "geometric", "random", "rrelu",
+              "rrelu_with_noise"}
 
 
 def random_ops(graph) -> list[str]:

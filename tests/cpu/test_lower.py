@@ -398,6 +398,8 @@ def test_compare_is_not_vacuous():
     assert not compare("t", torch.tensor([1, 2]), torch.tensor([1, 3]), torch.tensor([1, 3])).ok
     assert compare("t", torch.tensor([1, 2]), torch.tensor([1, 3]), torch.tensor([1, 2])).ok  # PyTorch's own
     z = [0] * 5
+    assert not compare("t", torch.zeros(4, dtype=torch.long), torch.tensor([1, 3, 5, 7]),
+                       torch.tensor([1, 2, 4, 7])).ok, "values neither gives never pass"
     assert not compare("t", torch.tensor([5, 2, 4, *z]), torch.tensor([1, 3, 0, *z]), torch.tensor([1, 2, 0, *z])).ok
     ref[0, 0], ref[1, 1] = float("nan"), float("inf")
     eager = ref.bfloat16()

@@ -42,6 +42,8 @@ CASES = [
     ("~bool", lambda x: ~(x > 0), X),
     ("i64 ** 3", lambda t: t ** 3, I64),
     ("i64 ** 2", lambda t: t ** 2, I64),
+    ("i64 ** 2.0 is a float", lambda t: t ** 2.0, I64),
+    ("i64 ** 0.5", lambda t: t.abs() ** 0.5, I64),
     ("float arange", lambda x: x + torch.arange(4, dtype=torch.float32, device=x.device), X),
     ("bf16 arange with a step", lambda x: x + torch.arange(1, 9, 2, dtype=torch.bfloat16, device=x.device).float(), X),
     ("RoPE frequencies", lambda x: x * (1 / (10000 ** (torch.arange(0, 8, 2, dtype=torch.float32, device=x.device) / 8))), X),

@@ -85,7 +85,8 @@ def _div(b, args, kwargs, out):
 @handles("pow")
 def _pow(b, args, kwargs, out):
     x, e = args
-    if _is_tensor(b, x) and not _is_tensor(b, e):
+    # the shortcuts keep x's dtype: an integer x ** 2.0 is a float in PyTorch, not an integer square
+    if _is_tensor(b, x) and not _is_tensor(b, e) and (dtypes.is_float(b.type(x).dtype) or isinstance(e, int)):
         if e == 2:
             return b.map("mul", x, x)
         if e == 1:
