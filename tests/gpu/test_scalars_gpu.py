@@ -1,6 +1,8 @@
 """The CPU cases of test_scalars_and_int_ops.py as generated CUDA kernels: Python numbers
 beside bool and integer tensors (i64 beside bool, wrapped into u8/i8), integer ops run in
-PyTorch, float arange, softmax(dtype=f64), mse/l1 losses, addmm's beta and alpha in bf16.
+PyTorch, float arange, softmax(dtype=f64), mse/l1 losses, addmm's beta and alpha in bf16; Python
+floats beside bf16/f16 tensors (kept in arithmetic, rounded in comparisons, clamp, where, pow),
+where eager on the GPU is the expectation for the additions too (its CPU kernels round there).
 Each compared with eager on the GPU, dtype and value; outputs poisoned before each kernel."""
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import torch.nn.functional as F
 import tilefuse
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "cpu"))
-from test_scalars_and_int_ops import CASES  # noqa: E402
+from test_scalars_and_int_ops import ADDS_16, CASES, SCALARS_16, ULP  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -27,6 +29,26 @@ def test_same_dtype_and_values_as_eager_on_the_gpu(name, fn, x):
     want, got = fn(x), prog(x)
     assert got.dtype == want.dtype, f"{name}: {got.dtype} against eager's {want.dtype}"
     torch.testing.assert_close(got, want, rtol=1e-6, atol=0, equal_nan=True)
+
+
+CASES_16 = SCALARS_16 + [(name, fn, x) for name, fn, _, x in ADDS_16]
+
+
+@pytest.mark.parametrize("name,fn,x", CASES_16, ids=[c[0] for c in CASES_16])
+def test_a_float_beside_a_16_bit_tensor_as_eager_on_the_gpu(name, fn, x):
+    x = x.cuda()
+    prog = tilefuse.compile(fn, (x,))
+    prog.poison = True
+    want, got = fn(x), prog(x)
+    assert got.dtype == want.dtype, f"{name}: {got.dtype} against eager's {want.dtype}"
+    torch.testing.assert_close(got, want, rtol=ULP.get(name, 0), atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("name,fn,f32_once,x", ADDS_16, ids=[c[0] for c in ADDS_16])
+def test_eager_on_the_gpu_adds_a_float_to_a_16_bit_tensor_in_f32(name, fn, f32_once, x):
+    """What the CPU test expects of tilefuse is what eager does on the GPU."""
+    x = x.cuda()
+    torch.testing.assert_close(fn(x), f32_once(x), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("fn", [lambda a, b: F.mse_loss(a, b), lambda a, b: F.l1_loss(a, b, reduction="none"),

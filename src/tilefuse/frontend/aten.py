@@ -44,7 +44,7 @@ def _binary(op):
         like = x if _is_tensor(b, x) else y
         xs, ys = _operand(b, x, like, op), _operand(b, y, like, op)
         if alpha != 1:
-            ys = b.map("mul", ys, b.scalar(alpha, ys))
+            ys = b.map("mul", ys, b.scalar(alpha, ys, "alpha"))
         return b.map(op, xs, ys)
     return handler
 
@@ -151,9 +151,9 @@ def _clamp(b, args, kwargs, out):
     lo = kwargs.get("min", args[1] if len(args) > 1 else None)
     hi = kwargs.get("max", args[2] if len(args) > 2 else None)
     if lo is not None:
-        x = b.map("max", x, _operand(b, lo, x))
+        x = b.map("max", x, _operand(b, lo, x, "max"))
     if hi is not None:
-        x = b.map("min", x, _operand(b, hi, x))
+        x = b.map("min", x, _operand(b, hi, x, "min"))
     return x
 
 
@@ -161,7 +161,7 @@ def _clamp(b, args, kwargs, out):
 def _where(b, args, kwargs, out):
     c, x, y = args
     like = x if _is_tensor(b, x) else y if _is_tensor(b, y) else c
-    return b.map("where", c, _operand(b, x, like), _operand(b, y, like))
+    return b.map("where", c, _operand(b, x, like, "where"), _operand(b, y, like, "where"))
 
 
 @handles("broadcast_tensors")

@@ -1,6 +1,8 @@
 """A small helper that appends Graph IR nodes with fresh names and broadcasting shapes."""
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from .. import dtypes, ops
@@ -37,6 +39,27 @@ def wrap_dim(d: int, rank: int) -> int:
     return d % n
 
 
+# ops whose CUDA kernels round a Python number to the 16-bit tensor's dtype (measured with
+# torch 2.11 on an H100: `f16(0.1) == 0.1` is True, `clamp(bf16, max=257.)` gives 256,
+# `f16(2) ** 8.01` is 2 ** f16(8.01))
+_ROUNDS_SCALAR = frozenset({"eq", "ne", "lt", "le", "gt", "ge", "max", "min", "where", "pow"})
+
+
+def _check_fits(x, dtype: str):
+    """PyTorch's overflow check for a number converted to `dtype` (c10::overflows): an unsigned
+    type takes negatives down to -max (they wrap), a float type any value within its finite
+    range or an infinity or NaN."""
+    if dtypes.is_float(dtype):
+        top = float(np.finfo(dtypes.to_numpy(dtype)).max) if dtype != "bf16" else 3.3895313892515355e38
+        bad = math.isfinite(x) and abs(x) > top
+    else:
+        info = np.iinfo(dtypes.to_numpy(dtype))
+        lo = -int(info.max) if info.min == 0 else int(info.min)
+        bad = not lo <= int(x) <= int(info.max)
+    if bad:
+        raise ValueError(f"value {x} cannot be converted to {dtype} without overflow (PyTorch refuses it too)")
+
+
 class Builder:
     def __init__(self):
         self.nodes: list = []
@@ -58,7 +81,13 @@ class Builder:
         return self.types[name]
 
     # -- node makers; each returns the new tensor's name --------------------------------
-    def const(self, value, dtype: str, base="c") -> str:
+    def const(self, value, dtype: str, base="c", weak: bool = False) -> str:
+        """A scalar tensor of `dtype`: a bf16/f16 value is rounded to that dtype, as the tensor
+        holds it, unless `weak` (a Python number PyTorch keeps in f32 beside a 16-bit tensor;
+        see `scalar`)."""
+        if dtype in ("bf16", "f16") and not weak and not isinstance(value, bool):
+            with np.errstate(over="ignore"):  # beyond the dtype's range: inf, as in PyTorch
+                value = float(np.asarray(float(value), dtype=np.float64).astype(dtypes.to_numpy(dtype)))
         return self.add(ir.Constant(self.fresh(base), ir.TensorType((), dtype), value, self.source))
 
     def map(self, op: str, *args: str, dtype: str | None = None, base=None) -> str:
@@ -87,13 +116,24 @@ class Builder:
         `like`: a float next to an integer or bool tensor, or any number in a float op (`op`:
         div, pow) on one, is f32 (the default dtype); an int next to a bool tensor is i64;
         otherwise the tensor's dtype, an int out of an integer dtype's range wrapped into it as
-        PyTorch wraps it (`u8 + 300` adds 44, `u8 == -1` is `u8 == 255`)."""
+        PyTorch wraps it (`u8 + 300` adds 44, `u8 == -1` is `u8 == 255`).
+
+        Beside a bf16/f16 tensor the number keeps its value (a weak Constant) where PyTorch's CUDA
+        kernels compute with it in f32: arithmetic, and the constants of a decomposition (`op`
+        None): `f16 * 1e5` is 100.06 at 1e-3, not inf. It is rounded to the tensor's dtype where
+        they round it: comparisons, clamp, where, pow's exponent.
+
+        Where PyTorch refuses a number its tensor's dtype cannot hold (clamp's bounds, add's
+        `alpha` (op "alpha"), an integer `where`), a ValueError says so."""
         t = self.type(like).dtype
         if isinstance(x, bool):
             return self.const(x, "bool")
+        converted = dtypes.is_float(t) or (t != "bool" and not isinstance(x, float))  # to t itself
+        if converted and (op in ("max", "min", "alpha") or (op == "where" and not dtypes.is_float(t))):
+            _check_fits(x, t)
         if dtypes.is_float(t):
-            return self.const(x, t)
-        if isinstance(x, float) or (op is not None and ops.info(op).kind == "float"):
+            return self.const(x, t, weak=op not in _ROUNDS_SCALAR)
+        if isinstance(x, float) or (op not in (None, "alpha") and ops.info(op).kind == "float"):
             return self.const(x, "f32")
         if t == "bool":
             return self.const(x, "i64")

@@ -305,6 +305,23 @@ def owned_tensors(graph) -> dict:
     return root
 
 
+def _out_of_place(name: str) -> str:
+    """The out-of-place op of in-place `name`: add_ -> add, __iand__ -> __and__."""
+    if name.startswith("__i") and name.endswith("__"):
+        return "__" + name[3:]
+    return name[:-1]
+
+
+def _overload(name: str, overload: str):
+    """aten.`name`.`overload`, or its .default where the in-place op's is .Tensor (floor_divide_);
+    None if PyTorch has neither."""
+    packet = getattr(torch.ops.aten, name, None)
+    found = getattr(packet, overload, None)
+    if found is None and overload == "Tensor":
+        found = getattr(packet, "default", None)
+    return found
+
+
 def _translate_in_place(b: Builder, node, resolve, env, expr, owned: dict):
     """`x.op_(...)` on a tensor the program owns: x's value from here on is `op(x, ...)`. Every
     later reader of x, or of an earlier in-place result on it, reads the new value (the graph
@@ -317,9 +334,10 @@ def _translate_in_place(b: Builder, node, resolve, env, expr, owned: dict):
     elif len(written) != 1 or written[0] is not node.args[0]:
         why = "here it writes other than its first argument"
     if why is None:
-        _translate(b, node, resolve, env, {}, expr, functional=name[:-1])
+        functional = _out_of_place(name)
+        _translate(b, node, resolve, env, {}, expr, functional=functional)
         if node not in env:
-            why = f"PyTorch has no out-of-place aten.{name[:-1]}.{node.target._overloadname} to run it as"
+            why = f"PyTorch has no out-of-place aten.{functional}.{node.target._overloadname} to run it as"
     if why is not None:
         # The Graph IR is pure: a write it cannot account for would be lost, a wrong answer. Refuse.
         raise CaptureError(f"aten.{name} writes to a tensor in place, which tilefuse supports only on a tensor "
@@ -371,7 +389,7 @@ def _translate(b: Builder, node, resolve, env, tuple_outputs, expr, functional: 
         return
     if result is None and functional:
         # the out-of-place overload runs in PyTorch (an extern of the in-place op would write its input)
-        target = getattr(getattr(torch.ops.aten, functional, None), node.target._overloadname, None)
+        target = _overload(functional, node.target._overloadname)
         if target is None or multi:
             return  # the caller refuses
         result = _extern(b, node, args, kwargs, out, reason, target)

@@ -157,7 +157,9 @@ def run_graph(g: ir.Graph, inputs: dict, precision: str = "native") -> list[np.n
             w = to_numpy(w) if not isinstance(w, np.ndarray) else w
             env[n.name] = w.astype(_store_type(n.type.dtype, precision))
         elif isinstance(n, ir.Constant):
-            env[n.name] = np.asarray(n.value, dtype=_store_type(n.type.dtype, precision))
+            # at compute precision: a weak bf16/f16 Constant holds a value its dtype cannot (ir.Constant)
+            t = _float_type(n.type.dtype, precision) if dtypes.is_float(n.type.dtype) else _store_type(n.type.dtype, precision)
+            env[n.name] = np.asarray(n.value, dtype=t)
         elif isinstance(n, ir.Map):
             env[n.name] = eval_map(n, [env[a] for a in n.args], precision)
         elif isinstance(n, ir.Reduce):
@@ -177,4 +179,4 @@ def run_graph(g: ir.Graph, inputs: dict, precision: str = "native") -> list[np.n
             env[n.name] = _extern(n, env, precision)
         else:
             raise TypeError(f"unknown node {n!r}")
-    return [np.asarray(env[o]) for o in g.outputs]
+    return [np.asarray(env[o]).astype(_store_type(g[o].type.dtype, precision), copy=False) for o in g.outputs]

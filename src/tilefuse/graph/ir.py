@@ -61,7 +61,10 @@ class Weight:
 
 @dataclass(frozen=True)
 class Constant:
-    """A scalar (shape ()) constant."""
+    """A scalar (shape ()) constant. Kernels compute with `value` as given, in the compute type
+    (f32 for bf16/f16): a bf16/f16 Constant made from a Python number PyTorch keeps in f32 (a
+    weak scalar, `x * 1e5`) holds a value its dtype cannot; one that stands for a tensor
+    (`torch.full`) was rounded when made (frontend.builder)."""
 
     name: str
     type: TensorType

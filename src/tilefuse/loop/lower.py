@@ -12,7 +12,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import numpy as np
 
 from .. import dtypes
 from ..graph import ir as g_ir
@@ -119,10 +118,8 @@ class _Lowerer:
         elif isinstance(n, g_ir.Constant):
             v = self.fresh("k")
             ct = dtypes.compute_type(n.type.dtype)
-            value = n.value
-            if n.type.dtype in ("bf16", "f16"):  # the constant's value is a bf16/f16 number
-                value = float(np.asarray(value, dtype=np.float64).astype(dtypes.to_numpy(n.type.dtype)))
-            block.append(L.Const(v, value, ct))
+            # as given, as a float: a weak bf16/f16 Constant's value is not rounded (ir.Constant)
+            block.append(L.Const(v, float(n.value) if n.type.dtype in ("bf16", "f16") else n.value, ct))
             self.dtype[v] = ct
         elif isinstance(n, g_ir.Iota):
             al = self.step.align.get(name) or self.iota_align(name)

@@ -15,9 +15,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
-
-from .. import dtypes
 from ..codegen.epilogue import EpilogueBuilder
 from ..graph import ir as g_ir
 from ..graph.contraction import GemmSpec
@@ -53,11 +50,6 @@ class LoweredGemm:
         return lead + (s.m, s.k), lead + b
 
 
-def _const(n: g_ir.Constant) -> float:
-    value = float(n.value)
-    if n.type.dtype in ("bf16", "f16"):  # the constant is a bf16/f16 number
-        value = float(np.asarray(value, dtype=np.float64).astype(dtypes.to_numpy(n.type.dtype)))
-    return value
 
 
 def lower_gemm_step(graph: g_ir.Graph, step: Step, name: str | None = None) -> LoweredGemm:
@@ -103,7 +95,7 @@ def lower_gemm_step(graph: g_ir.Graph, step: Step, name: str | None = None) -> L
         elif arg in stacked:
             v = value(stacked[arg][p], None)
         elif isinstance(n, g_ir.Constant):
-            v = e.const(_const(n))
+            v = e.const(float(n.value))  # as given: a weak bf16/f16 Constant keeps its value
         elif arg in kinds:  # parity p: a full-width operand of a pairwise epilogue, at column 2n + p
             v = e.load(bufs[(arg, kinds[arg])], kinds[arg], n.type.dtype, pair=p)
         elif arg in through:  # the tensor under the views, at the element the tile index reaches
