@@ -87,12 +87,13 @@ def families() -> tuple[str, ...]:
 def _register_builtin():
     from . import gemm, mapreduce
 
-    register_family("mapreduce", mapreduce.space, mapreduce.build, knobs_fn=mapreduce.knobs_of, version="5")
+    register_family("mapreduce", mapreduce.space, mapreduce.build, knobs_fn=mapreduce.knobs_of, version="6")
     # mapreduce version 2: l2_hints joined the space and 16-32 KB norm rows got a new default;
     # version 3: two_pass joined it and LayerNorm's short rows got a new default;
     # version 4: batch joined it, and RMSNorm's and LayerNorm's short rows take a batch of 2;
     # version 5: the generator stores a value in the pass that makes it (keep.Moved), sizes
-    # staging by the widest chunk, and mid-length rows (1032-6143 bf16 columns) got new defaults
+    # staging by the widest chunk, and mid-length rows (1032-6143 bf16 columns) got new defaults;
+    # version 6: LayerNorm's one-pass variance folds its groups about the running mean
     register_family(gemm.FAMILY, gemm.space, gemm.build, compile_fn=gemm.compile_task, problem_fn=gemm.gemm_check,
                     knobs_fn=gemm.knobs_of, describe_fn=gemm.describe, version="2", portable=True)
     # gemm version 2: rings deeper than 8 stages joined the space (picks of version 1 are re-tuned)
