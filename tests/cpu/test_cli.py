@@ -244,6 +244,23 @@ def test_a_comprehension_builds_a_module_per_item_and_refuses_an_input_per_item(
         parse("torch.stack([torch.randn(4) for _ in range(3)])")
 
 
+@pytest.mark.parametrize("expr", ["(lambda x: nn.Linear(8, 8)(x))(torch.randn(2, 8))",
+                                  "sum(nn.Linear(8, 8)(x) for x in [torch.randn(2, 8)])"])
+def test_a_module_built_on_every_call_is_refused_in_one_line(expr, capsys):
+    """A module constructor in a lambda or comprehension the forward runs would build new
+    weights each call (and its initialisation would be traced): refused, naming it."""
+    assert main(["run", "-c", expr, "--device", "cpu"]) != 0
+    err = capsys.readouterr().err.strip()
+    assert "'nn.Linear(8, 8)' is built inside a lambda or comprehension" in err and "\n" not in err
+
+
+def test_a_module_passed_into_a_lambda_or_built_by_one_once_runs(capsys):
+    for expr in ["(lambda f, x: f(x))(nn.Linear(8, 8), torch.randn(2, 8))",
+                 "(lambda d: nn.Linear(d, d))(8)(torch.randn(2, 8))"]:
+        assert main(["run", "-c", expr, "--device", "cpu"]) == 0, expr
+        assert "pass" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("expr", ["(lambda x: F.relu(x))(torch.randn(4))", "(x := torch.randn(4,8)) * x.sum()",
                                   "torch.stack([F.relu(t) for t in torch.randn(3,4).unbind(0)])",
                                   "torch.randn(4,8)" + ".exp()" * 300])

@@ -65,13 +65,15 @@ class _Hoist(ast.NodeTransformer):
     already: `x.sum()` of a walrus-bound x, or `F.relu(t)` of a comprehension's t, stays in the
     forward. What a comprehension or lambda runs once per item is left as written, so
     `nn.Sequential(*[nn.Linear(8, 8) for _ in range(3)])` is built whole, three layers; a
-    factory there (a new input per item) is refused."""
+    factory there (a new input per item) is refused, and so is a module constructor left in
+    the forward (new weights on every call: `check_per_item_modules`)."""
 
     def __init__(self, scope, text):
         self.scope, self.text = scope, text
         self.inputs: list[InputSpec] = []
         self.consts: dict[str, object] = {}
         self.known = set(scope) | set(dir(builtins))
+        self.built_per_item: list[ast.Call] = []  # module constructors inside lambdas / comprehensions
 
     def visit_Call(self, node):
         if _is_factory(node):
@@ -95,6 +97,28 @@ class _Hoist(ast.NodeTransformer):
             if any(_is_factory(n) for n in ast.walk(part)):
                 raise ExprError(f"{what} would make a new input per item: write each input out "
                                 f"(e.g. torch.stack([torch.randn(4), torch.randn(4)]))")
+            self.built_per_item += [n for n in ast.walk(part) if self._makes_module(n)]
+
+    def _makes_module(self, node) -> bool:
+        """Whether `node` calls a module class (nn.Linear(8, 8)), as far as names known here tell."""
+        if not isinstance(node, ast.Call) or not _free_names(node.func) <= self.known | set(self.consts):
+            return False
+        try:
+            f = eval(compile(ast.Expression(node.func), "<tilefuse -c>", "eval"), {**self.scope, **self.consts})
+        except Exception:
+            return False
+        return isinstance(f, type) and issubclass(f, nn.Module)
+
+    def check_per_item_modules(self, body):
+        """Refuse a module the forward would build on every call (inside a lambda or a
+        comprehension that was not built whole, as `nn.Sequential(*[...])` is): tracing it
+        would trace its initialisation, and its weights would be new random ones each call."""
+        left = {id(n) for n in ast.walk(body)}
+        for n in self.built_per_item:
+            if id(n) in left:
+                raise ExprError(f"{ast.unparse(n)!r} is built inside a lambda or comprehension that runs in the "
+                                f"program, so it would be a new module with new weights on every call: build it "
+                                f"once outside and pass it in, e.g. (lambda f, x: f(x))({ast.unparse(n)}, torch.randn(...))")
 
     def _visit_comprehension(self, node):
         first, *rest = node.generators
@@ -143,6 +167,7 @@ def parse(text: str, dtype: torch.dtype | None = None):
         raise ExprError("the expression nests too deeply to read") from None
     finally:
         sys.setrecursionlimit(limit)
+    hoist.check_per_item_modules(body)
     if not hoist.inputs:
         raise ExprError("the expression has no inputs: make them with torch.randn(...) inside it")
     # eval mode: tilefuse compiles forward programs (a BatchNorm uses its running statistics,
