@@ -213,14 +213,14 @@ def _merge_w(a, b, fw, w):
     return f32(n + b[0]), k, f32(u + f32(d * fw)), f32(f32(m2 + m2b) + f32(f32(d * d) * w))
 
 
-def _thread(chunks, V):
+def _thread(chunks, V, planned=None):
     """_emit_var_chunk, tf_var_flush and _emit_var_thread: groups of 1, 1, 2, 4, then 8
     chunks (1 or 2 chunks: one group), the first summed about its own first chunk's mean,
     every later one about the thread's running mean k + u (y - gk and (y - gk)^2 in order),
     each merged into the thread's state as (count, gk, T / count, max(0, Q - T^2 / count))."""
     state = (f32(0),) * 4
     bounds = [j + 1 for j in range(len(chunks)) if ((j + 1) & j) == 0 or (j + 1) % 8 == 0]
-    if len(chunks) <= 2:  # one group about the first chunk's mean
+    if (len(chunks) if planned is None else planned) <= 2:  # one group (the kernel's planned chunks decide)
         bounds = []
     if not bounds or bounds[-1] != len(chunks):
         bounds.append(len(chunks))
@@ -259,7 +259,7 @@ def _row_moments(x, group, ctas, V):
     nq = -(-C // V)
     full = nq % P == 0
     per_thread = nq // P * V if full else None
-    st = [_thread([x[q * V:(q + 1) * V] for q in range(p, nq, P)], V) for p in range(P)]
+    st = [_thread([x[q * V:(q + 1) * V] for q in range(p, nq, P)], V, -(-nq // P)) for p in range(P)]
     def tree(parts, per):
         parts, lanes = list(parts), len(parts)
         o = lanes // 2

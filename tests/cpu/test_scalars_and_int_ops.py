@@ -13,14 +13,22 @@ tensor's dtype in comparisons, clamp, where and pow's exponent, as they round it
 kernels round it in add and sub too; there the f32 result rounded once is the expectation. A
 number PyTorch refuses to convert (clamp's bounds, alpha, an integer where) is refused in
 capture; one it wraps (u8 clamp min=-1) gives PyTorch's result.
+
+Mixed dtypes follow PyTorch's type promotion: a 0-d tensor raises the common dtype only from a
+higher category (`u8 > torch.tensor(300)` compares in u8), operands are converted to it before
+the op (an integer beside bf16 is rounded to bf16 first), alpha multiplies in the result's dtype;
+values folded at compile time keep their dtypes (`~full_like(u8, 1)` is 254).
 """
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import tilefuse
+from tilefuse.frontend.aten import Unsupported
 from tilefuse.frontend.capture import CaptureError
+from tilefuse.graph import ir
 
 X = torch.tensor([0.5, -1.0, 2.0, 0.0])
 U8 = torch.tensor([0, 1, 200, 255], dtype=torch.uint8)
@@ -77,6 +85,9 @@ SCALARS_16 = [
     ("bf16 == 0.1 (rounded)", lambda x: x == 0.1, B),
     ("bf16 clamp max 257 (rounded)", lambda x: torch.clamp(x * 100, max=257.0), B),
     ("f16 where 2049 (rounded)", lambda x: torch.where(x > 0.05, x, 2049.0), H),
+    # inside a fused chain, where no store rounds it afterwards: 256 + 0.5 and 2048 + 1 stay 256, 2048
+    ("bf16 clamp max 257, + 0.5", lambda x: torch.clamp(x * 1000, max=257.0) + 0.5, B),
+    ("f16 where 2049, + 1", lambda x: torch.where(x > 0.05, x, 2049.0) + 1.0, H),
     # powf's last bit may differ between libraries: 1 ulp allowed, 1/4 of the exponent's rounding
     ("f16 ** 2.01 (rounded)", lambda x: (x.abs() * 40) ** 2.01, H),
     ("bf16 ** 8.01 (rounded)", lambda x: x.abs() ** 8.01, B),
@@ -136,18 +147,99 @@ def test_a_data_dependent_size_is_refused_in_one_line(fn):
 @pytest.mark.parametrize("fn,x", [
     (lambda t: torch.clamp(t, max=300), U8), (lambda t: torch.where(t > 1, t, 300), U8),
     (lambda t: torch.add(t, t, alpha=300), U8), (lambda t: torch.clamp(t, min=-200), I8),
-    (lambda x: torch.clamp(x, max=1e6), H), (lambda x: torch.add(x, x, alpha=1e6), H),
-], ids=["u8 clamp 300", "u8 where 300", "u8 alpha 300", "i8 clamp -200", "f16 clamp 1e6", "f16 alpha 1e6"])
+    (lambda x: x ** 1e5, H), (lambda x: x + torch.full((5,), 1e6, dtype=torch.float16), H),
+    (lambda t: t + torch.full_like(t, 300), U8),
+], ids=["u8 clamp 300", "u8 where 300", "u8 alpha 300", "i8 clamp -200", "f16 ** 1e5", "full f16 1e6",
+        "full_like u8 300"])
 def test_a_number_pytorch_cannot_convert_is_refused_as_pytorch_refuses_it(fn, x):
+    """(on the CPU and, measured on an H100, on the GPU)"""
     with pytest.raises(RuntimeError, match="without overflow"):
         fn(x)
     with pytest.raises(CaptureError, match=r"cannot be converted to \w+ without overflow"):
         tilefuse.compile(fn, (x,))
 
 
+def test_a_16_bit_where_number_is_refused_as_pytorchs_cuda_kernels_refuse_it():
+    """torch.where(c, f16, 1e6): an error on the GPU (H100, torch 2.11), inf on the CPU."""
+    with pytest.raises(CaptureError, match="cannot be converted to f16 without overflow"):
+        tilefuse.compile(lambda x: torch.where(x > 1, x, 1e6), (H,))
+
+
 @pytest.mark.parametrize("fn,x", [
     (lambda t: torch.clamp(t, min=-1), U8), (lambda t: torch.where(t > 1, t, -255), U8),
-    (lambda t: t + 300, U8), (lambda x: torch.where(x > 1, x, 1e6), H),
-], ids=["u8 clamp -1 wraps", "u8 where -255 wraps", "u8 + 300 wraps", "f16 where 1e6 is inf"])
+    (lambda t: t + 300, U8),
+], ids=["u8 clamp -1 wraps", "u8 where -255 wraps", "u8 + 300 wraps"])
 def test_a_number_pytorch_converts_gives_its_result(fn, x):
     torch.testing.assert_close(tilefuse.compile(fn, (x,))(x), fn(x), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("fn,want", [
+    (lambda x: torch.clamp(x, max=1e6), lambda x: x),
+    (lambda x: torch.add(x, x, alpha=1e6), lambda x: (x.float() + 1e6 * x.float()).to(x.dtype)),
+], ids=["f16 clamp 1e6", "f16 alpha 1e6"])
+def test_16_bit_clamp_bounds_and_alpha_are_taken_in_f32_as_on_the_gpu(fn, want):
+    """PyTorch's CUDA kernels take these in f32 (H100, torch 2.11); its CPU kernels refuse them."""
+    torch.testing.assert_close(tilefuse.compile(fn, (H,))(H), want(H), rtol=0, atol=0)
+
+
+def _sdpa_with_a_full_mask(q):
+    return F.scaled_dot_product_attention(q, q, q, attn_mask=torch.full((4, 4), -1e4, device=q.device).triu(1))
+
+
+_I32, _I8 = torch.tensor([1, 2], dtype=torch.int32), torch.tensor([50, -3], dtype=torch.int8)
+_U8 = torch.tensor([50, 200], dtype=torch.uint8)
+
+# (name, fn, inputs): PyTorch's type promotion (the result dtype, and the operands converted to
+# it before the op), alpha in the result's dtype, integer floor, bool max/min indices, and
+# values folded at compile time in their own dtypes; each compared with eager exactly
+MIXED = [
+    ("i32 + alpha 100 i8 (no i8 wrap)", lambda a, b: torch.add(a, b, alpha=100), (_I32, _I8)),
+    ("i64 - alpha 2 u8 (no u8 wrap)", lambda a, b: torch.sub(a, b, alpha=2),
+     (torch.tensor([1000, 2]), torch.tensor([200, 3], dtype=torch.uint8))),
+    ("rsub i8, i32, alpha 100", lambda a, b: torch.rsub(a, b, alpha=100), (_I8, _I32)),
+    ("f16 + alpha 255 bf16 (in f32)", lambda a, b: torch.add(a, b, alpha=255),
+     (torch.tensor([1.5, -3.0], dtype=torch.float16), torch.tensor([1.3984375, 7.0], dtype=torch.bfloat16))),
+    ("floor of i64 is itself", lambda a: torch.floor(a), (torch.tensor([16777217, 2**40 + 1]),)),
+    ("i64 == bf16 (257 is bf16 256)", lambda a, b: a == b,
+     (torch.tensor([257, 2049]), torch.tensor([256.0, 2048.0], dtype=torch.bfloat16))),
+    ("i64 == f16", lambda a, b: a == b, (torch.tensor([2049]), torch.tensor([2048.0], dtype=torch.float16))),
+    ("i64 * bf16 (257 rounded first)", lambda a, b: a * b,
+     (torch.tensor([257, 3]), torch.tensor([1.5, 1.5], dtype=torch.bfloat16))),
+    ("u8 > 0-d i64 300 (in u8)", lambda a, s: a > s, (_U8, torch.tensor(300))),
+    ("maximum u8, 0-d i64", lambda a, s: torch.maximum(a, s), (_U8, torch.tensor(300))),
+    ("minimum i32, 0-d i64", lambda a, s: torch.minimum(a, s),
+     (torch.tensor([5, -5], dtype=torch.int32), torch.tensor(2**32 + 1))),
+    ("f32 > 0-d f64 (in f32)", lambda a, s: a > s, (torch.tensor([0.1]), torch.tensor(0.1, dtype=torch.float64))),
+    ("f16 == 0-d f32 (in f16)", lambda a, s: a == s, (torch.tensor([0.1], dtype=torch.float16), torch.tensor(0.1))),
+    ("where u8 < 0-d i64", lambda a, s: torch.where(a < s, a, 2), (_U8, torch.tensor(256))),
+    ("~full_like(u8) folded as u8", lambda x: torch.bitwise_not(torch.full_like(x, 1)).float() * x,
+     (torch.tensor([3, 0], dtype=torch.uint8),)),
+    ("sgn(~ones_like(u8))", lambda x: torch.sgn(~torch.ones_like(x)), (torch.tensor([3, 0], dtype=torch.uint8),)),
+    ("full f32 triu mask + x", lambda x: torch.full((3, 3), -1e4, device=x.device).triu(1) + x, (torch.zeros(3, 3),)),
+    ("x / floor_divide of ones", lambda x: x / torch.floor_divide(torch.ones_like(x), torch.ones_like(x)),
+     (torch.tensor([[1.5, -2.0, 3.25]]),)),
+    ("sdpa with a full().triu mask", _sdpa_with_a_full_mask, (torch.randn(1, 2, 4, 8, generator=torch.Generator().manual_seed(0)),)),
+    ("max(bool, dim)", lambda x: torch.max(x, dim=-1), (torch.tensor([[True, False], [False, False]]),)),
+    ("min(bool, dim) indices", lambda x: torch.min(x, dim=0)[1], (torch.tensor([[True, False], [False, False]]),)),
+]
+
+
+@pytest.mark.parametrize("name,fn,inputs", MIXED, ids=[c[0] for c in MIXED])
+def test_mixed_dtypes_and_folded_values_as_eager(name, fn, inputs):
+    want, got = fn(*inputs), tilefuse.compile(fn, inputs)(*inputs)
+    want, got = torch.utils._pytree.tree_leaves(want), torch.utils._pytree.tree_leaves(got)
+    for w, g in zip(want, got, strict=True):
+        assert g.dtype == w.dtype, f"{name}: {g.dtype} against eager's {w.dtype}"
+        torch.testing.assert_close(g, w, rtol=1e-6 if w.is_floating_point() else 0, atol=1e-6 if w.is_floating_point() else 0)
+
+
+@pytest.mark.parametrize("beta,alpha,want", [(0.5, 1, Unsupported), (1, 2.0, None)])
+def test_integer_addmm_with_float_factors(beta, alpha, want):
+    """A fractional beta/alpha on integer tensors runs in PyTorch (which truncates it); a whole
+    one is an integer factor, not an f32 one (16777217 * 2 stays exact)."""
+    b, x, w = torch.tensor([[0]]), torch.tensor([[16777217]]), torch.tensor([[1]])
+    fn = lambda b, x, w: torch.addmm(b, x, w, beta=beta, alpha=alpha)  # noqa: E731
+    prog = tilefuse.compile(fn, (b, x, w))
+    assert prog(b, x, w).tolist() == fn(b, x, w).tolist()
+    externs = [n.target for n in prog.stages.graph.nodes if isinstance(n, ir.Extern)]
+    assert ("aten.addmm.default" in externs) == (want is Unsupported), externs

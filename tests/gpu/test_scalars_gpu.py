@@ -2,7 +2,8 @@
 beside bool and integer tensors (i64 beside bool, wrapped into u8/i8), integer ops run in
 PyTorch, float arange, softmax(dtype=f64), mse/l1 losses, addmm's beta and alpha in bf16; Python
 floats beside bf16/f16 tensors (kept in arithmetic, rounded in comparisons, clamp, where, pow),
-where eager on the GPU is the expectation for the additions too (its CPU kernels round there).
+where eager on the GPU is the expectation for the additions too (its CPU kernels round there);
+mixed dtypes, 0-d operands, alpha and values folded at compile time, as PyTorch promotes them.
 Each compared with eager on the GPU, dtype and value; outputs poisoned before each kernel."""
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import torch.nn.functional as F
 import tilefuse
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "cpu"))
-from test_scalars_and_int_ops import ADDS_16, CASES, SCALARS_16, ULP  # noqa: E402
+from test_scalars_and_int_ops import ADDS_16, CASES, MIXED, SCALARS_16, ULP  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -49,6 +50,18 @@ def test_eager_on_the_gpu_adds_a_float_to_a_16_bit_tensor_in_f32(name, fn, f32_o
     """What the CPU test expects of tilefuse is what eager does on the GPU."""
     x = x.cuda()
     torch.testing.assert_close(fn(x), f32_once(x), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name,fn,inputs", MIXED, ids=[c[0] for c in MIXED])
+def test_mixed_dtypes_and_folded_values_as_eager_on_the_gpu(name, fn, inputs):
+    inputs = tuple(x.cuda() for x in inputs)
+    prog = tilefuse.compile(fn, inputs)
+    prog.poison = True
+    want, got = torch.utils._pytree.tree_leaves(fn(*inputs)), torch.utils._pytree.tree_leaves(prog(*inputs))
+    for w, g in zip(want, got, strict=True):
+        assert g.dtype == w.dtype, f"{name}: {g.dtype} against eager's {w.dtype}"
+        tol = 1e-5 if w.is_floating_point() else 0  # SDPA: PyTorch's own attention kernel against ours
+        torch.testing.assert_close(g, w, rtol=tol, atol=tol)
 
 
 @pytest.mark.parametrize("fn", [lambda a, b: F.mse_loss(a, b), lambda a, b: F.l1_loss(a, b, reduction="none"),

@@ -1116,8 +1116,8 @@ def _emit_var_chunk(ctx: _Ctx, em: _Emitter, blk: CentredSquares, acc):
     same (log2(3) bits) and a merge fewer (1.2% of a 32768x256 bf16 LayerNorm on an H100).
 
     The base: for the thread's first group (one chunk) that chunk's mean (V a power of two:
-    the scaling is exact); for every later group the thread's running mean k + u. A group
-    never holds more values than the state it merges into, so with d its mean's distance
+    the scaling is exact); for every later group the thread's running mean k + u. A later
+    group never holds more values than the state it merges into, so with d its mean's distance
     from the base, the state's M2 after the merge is at least d^2 n_g / 2, and the group's
     squares about the base, M2_g + n_g d^2, are at most M2_g + 2 M2 of the merged state:
     taking the shift's share back out loses at most log2(3) bits of what the row's M2 is

@@ -12,7 +12,7 @@ import math
 
 from .. import dtypes
 from ..graph import ir
-from .builder import Builder, broadcast_shapes, wrap_dim
+from .builder import Builder, broadcast_shapes, check_fits, wrap_dim
 
 HANDLERS = {}
 
@@ -43,7 +43,8 @@ def _binary(op):
         alpha = kwargs.get("alpha", args[2] if len(args) > 2 else 1)  # rsub.Scalar takes it by position
         like = x if _is_tensor(b, x) else y
         xs, ys = _operand(b, x, like, op), _operand(b, y, like, op)
-        if alpha != 1:
+        if alpha != 1:  # x + alpha y in the result's dtype, as PyTorch (not alpha y in y's: an i8 y wraps)
+            ys = b.cast(ys, b.result_type(xs, ys))
             ys = b.map("mul", ys, b.scalar(alpha, ys, "alpha"))
         return b.map(op, xs, ys)
     return handler
@@ -112,8 +113,15 @@ for _aten, _op in [("neg", "neg"), ("abs", "abs"), ("exp", "exp"), ("exp2", "exp
                    ("log2", "log2"), ("log1p", "log1p"), ("expm1", "expm1"), ("sqrt", "sqrt"),
                    ("rsqrt", "rsqrt"), ("reciprocal", "recip"), ("tanh", "tanh"), ("sin", "sin"),
                    ("cos", "cos"), ("erf", "erf"), ("sigmoid", "sigmoid"), ("relu", "relu"),
-                   ("floor", "floor"), ("logical_not", "not")]:
+                   ("logical_not", "not")]:
     HANDLERS[_aten] = _unary(_op)
+
+
+@handles("floor")
+def _floor(b, args, kwargs, out):
+    """floor of an integer tensor is the tensor, as in PyTorch (not a round trip through f32)."""
+    x = args[0]
+    return x if not dtypes.is_float(b.type(x).dtype) else b.map("floor", x)
 
 
 @handles("bitwise_not")
@@ -178,21 +186,28 @@ def _broadcast_tensors(b, args, kwargs, out):
     return tuple(res)
 
 
+def _filled(b, value, dtype: str) -> str:
+    """A tensor's fill value as a Constant, refused where PyTorch refuses it (300 as u8, 1e6 as f16)."""
+    if dtype != "bool" and not isinstance(value, bool):
+        check_fits(value, dtype)
+    return b.const(value, dtype)
+
+
 @handles("scalar_tensor")
 def _scalar_tensor(b, args, kwargs, out):
-    return b.const(args[0], out.dtype)
+    return _filled(b, args[0], out.dtype)
 
 
 @handles("full")
 def _full(b, args, kwargs, out):
-    c = b.const(args[1], out.dtype)
+    c = _filled(b, args[1], out.dtype)
     return b.view("expand", b.reshape(c, (1,) * len(out.shape)), out.shape, out.shape) if out.shape else c
 
 
 @handles("full_like", "zeros_like", "ones_like")
 def _full_like(b, args, kwargs, out):
     value = {"zeros_like": 0, "ones_like": 1}.get(out.op, args[1] if len(args) > 1 else 0)
-    c = b.const(value, out.dtype)
+    c = _filled(b, value, out.dtype)
     return b.view("expand", b.reshape(c, (1,) * len(out.shape)), out.shape, out.shape) if out.shape else c
 
 
@@ -313,8 +328,9 @@ def _max_min(b, args, kwargs, out):
         return b.reduce(op, x, _dims(None, rank), False)
     keep = args[2] if len(args) > 2 else kwargs.get("keepdim", False)
     values = b.reduce(op, x, _dims(dim, rank), keep)
+    of = b.cast(x, "u8") if b.type(x).dtype == "bool" else x  # PyTorch's argmax/argmin refuse bool
     indices = b.add(ir.Extern(b.fresh(f"arg{op}"), ir.TensorType(b.type(values).shape, "i64"), f"aten.arg{op}.default",
-                              (ir.Ref(x), dim, keep), (), f"the index of each {op} (arg{op}) runs in PyTorch", b.source))
+                              (ir.Ref(of), dim, keep), (), f"the index of each {op} (arg{op}) runs in PyTorch", b.source))
     return values, indices
 
 
@@ -568,6 +584,10 @@ def _linear(b, args, kwargs, out):
 def _addmm(b, args, kwargs, out):
     bias, x, w = args[:3]
     beta, alpha = kwargs.get("beta", 1), kwargs.get("alpha", 1)
+    if not dtypes.is_float(out.dtype) and any(isinstance(v, float) and not v.is_integer() for v in (beta, alpha)):
+        raise Unsupported("a fractional beta or alpha on integer tensors")  # PyTorch truncates them
+    if not dtypes.is_float(out.dtype):  # a whole float stays an integer factor (not an f32 one)
+        beta, alpha = int(beta), int(alpha)
     y = _matmul(b, x, w, out.shape, out.dtype)
     if alpha != 1:
         y = b.map("mul", y, b.scalar(alpha, y))

@@ -45,7 +45,7 @@ def wrap_dim(d: int, rank: int) -> int:
 _ROUNDS_SCALAR = frozenset({"eq", "ne", "lt", "le", "gt", "ge", "max", "min", "where", "pow"})
 
 
-def _check_fits(x, dtype: str):
+def check_fits(x, dtype: str):
     """PyTorch's overflow check for a number converted to `dtype` (c10::overflows): an unsigned
     type takes negatives down to -max (they wrap), a float type any value within its finite
     range or an infinity or NaN."""
@@ -55,7 +55,7 @@ def _check_fits(x, dtype: str):
     else:
         info = np.iinfo(dtypes.to_numpy(dtype))
         lo = -int(info.max) if info.min == 0 else int(info.min)
-        bad = not lo <= int(x) <= int(info.max)
+        bad = not math.isfinite(x) or not lo <= int(x) <= int(info.max)
     if bad:
         raise ValueError(f"value {x} cannot be converted to {dtype} without overflow (PyTorch refuses it too)")
 
@@ -86,22 +86,49 @@ class Builder:
         holds it, unless `weak` (a Python number PyTorch keeps in f32 beside a 16-bit tensor;
         see `scalar`)."""
         if dtype in ("bf16", "f16") and not weak and not isinstance(value, bool):
-            with np.errstate(over="ignore"):  # beyond the dtype's range: inf, as in PyTorch
+            with np.errstate(over="ignore"):  # beyond the range (inf): the handlers check what PyTorch checks
                 value = float(np.asarray(float(value), dtype=np.float64).astype(dtypes.to_numpy(dtype)))
         return self.add(ir.Constant(self.fresh(base), ir.TensorType((), dtype), value, self.source))
 
+    def result_type(self, *names: str) -> str:
+        """PyTorch's result dtype of tensors `names` (torch.result_type): a 0-d tensor (a Python
+        number made a Constant is one) raises it only from a higher category (bool < integer <
+        float) than every tensor with dimensions: `u8 > torch.tensor(300)` compares in u8."""
+        types = [self.type(n) for n in names]
+        dims, zeros = [t.dtype for t in types if t.shape], [t.dtype for t in types if not t.shape]
+        if not dims or not zeros:
+            return promote(*(dims or zeros))
+        hi, lo = promote(*dims), promote(*zeros)
+        if dtypes.is_float(hi):
+            return hi
+        return promote(hi, lo) if hi == "bool" or dtypes.is_float(lo) else hi
+
+    def _to_common(self, args, common: str) -> list:
+        """Operands converted to the op's common dtype where the kernel's own widening would
+        not give PyTorch's value: a wider 0-d operand (narrowed, wrapping or rounding), and an
+        integer or bool one beside a bf16/f16 result (rounded to it first: 257 -> 256)."""
+        out = []
+        for a in args:
+            t = self.type(a).dtype
+            if t != common and (promote(t, common) != common or (common in ("bf16", "f16") and not dtypes.is_float(t))):
+                a = self.cast(a, common)
+            out.append(a)
+        return out
+
     def map(self, op: str, *args: str, dtype: str | None = None, base=None) -> str:
+        kind = ops.info(op).kind
+        if op != "cast" and kind != "logic":
+            head, operands = (args[:1], args[1:]) if op == "where" else ((), args)
+            common = self.result_type(*operands)
+            args = (*head, *self._to_common(operands, common))
         types = [self.type(a) for a in args]
         shape = broadcast_shapes(*(t.shape for t in types))
-        kind = ops.info(op).kind
         if kind in ("cmp", "logic"):
             out = "bool"
         elif dtype is not None:
             out = dtype
-        elif op == "where":
-            out = promote(types[1].dtype, types[2].dtype)
         else:
-            out = promote(*(t.dtype for t in types))
+            out = common
             if kind == "float" and not dtypes.is_float(out):
                 out = "f32"
         return self.add(ir.Map(self.fresh(base or op), ir.TensorType(shape, out), op, tuple(args), self.source))
@@ -123,14 +150,17 @@ class Builder:
         None): `f16 * 1e5` is 100.06 at 1e-3, not inf. It is rounded to the tensor's dtype where
         they round it: comparisons, clamp, where, pow's exponent.
 
-        Where PyTorch refuses a number its tensor's dtype cannot hold (clamp's bounds, add's
-        `alpha` (op "alpha"), an integer `where`), a ValueError says so."""
+        Where PyTorch's CUDA kernels refuse a number the tensor's dtype cannot hold (an integer
+        tensor's clamp bounds, add's `alpha` (op "alpha") and `where`; a bf16/f16 tensor's
+        `where` and pow exponent), a ValueError says so. (Its CPU kernels also refuse 16-bit
+        clamp bounds and alpha, which its CUDA kernels take in f32.)"""
         t = self.type(like).dtype
         if isinstance(x, bool):
             return self.const(x, "bool")
-        converted = dtypes.is_float(t) or (t != "bool" and not isinstance(x, float))  # to t itself
-        if converted and (op in ("max", "min", "alpha") or (op == "where" and not dtypes.is_float(t))):
-            _check_fits(x, t)
+        if dtypes.is_float(t) and op in ("where", "pow") or (  # CUDA checks these (clamp, alpha: f32)
+                t not in ("bool",) and not dtypes.is_float(t) and not isinstance(x, float)
+                and op in ("max", "min", "alpha", "where")):
+            check_fits(x, t)
         if dtypes.is_float(t):
             return self.const(x, t, weak=op not in _ROUNDS_SCALAR)
         if isinstance(x, float) or (op not in (None, "alpha") and ops.info(op).kind == "float"):

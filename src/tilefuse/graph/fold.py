@@ -27,7 +27,7 @@ from .. import dtypes
 from ..tensors import to_numpy, to_torch
 from . import ir
 from .contraction import why_not
-from .interp import _extern, _gather, eval_contraction, eval_map, eval_reduce, eval_view, iota_value
+from .interp import _extern, _gather, constant_value, eval_contraction, eval_map, eval_reduce, eval_view, iota_value
 from .rules.match import prune
 
 FOLD_MAX_BYTES = 256 << 20  # no folded value larger than this
@@ -58,7 +58,7 @@ def leaf_value(g: ir.Graph, n) -> np.ndarray | None:
         w = g.weights[n.name]
         return w if isinstance(w, np.ndarray) else to_numpy(w)
     if isinstance(n, ir.Constant):
-        return np.asarray(n.value)
+        return constant_value(n)  # of its dtype: a Python int is no i64 where the Constant is u8
     if isinstance(n, ir.Iota):
         return iota_value(n)
     return None
@@ -85,9 +85,9 @@ def fold_weights(g: ir.Graph) -> ir.Graph:
             nodes.append(n)
             known = _known(g, n, values)  # a constant not worth a weight, but an extern may need it
             if known is not None:
-                values[n.name] = known
+                values[n.name] = _of_type(known, n)
             continue
-        values[n.name] = value
+        values[n.name] = _of_type(value, n)
         weighty.add(n.name)
         folded.add(n.name)
         nodes.append(ir.Weight(n.name, n.type, f"{n.describe()}, folded at compile time"))
@@ -97,6 +97,11 @@ def fold_weights(g: ir.Graph) -> ir.Graph:
     for name in folded:
         weights[name] = to_torch(np.ascontiguousarray(values[name]).reshape(g[name].type.shape))
     return prune(ir.Graph(tuple(nodes), g.inputs, g.outputs, weights))
+
+
+def _of_type(value, n) -> np.ndarray:
+    """A folded value as its node's dtype (an extern run on NumPy values may widen it)."""
+    return np.asarray(value).astype(dtypes.to_numpy(n.type.dtype), copy=False)
 
 
 def _fold(g: ir.Graph, users, n, values: dict, weighty: set) -> np.ndarray | None:

@@ -25,6 +25,19 @@ def _store_type(dtype: str, precision: str) -> np.dtype:
     return dtypes.to_numpy(dtype)
 
 
+def constant_value(n: ir.Constant, precision: str = "native") -> np.ndarray:
+    """A Constant's value as an array of its dtype, but for a weak bf16/f16 Constant holding a
+    value its dtype cannot (ir.Constant): that one in f32, the precision kernels compute it in."""
+    t = n.type.dtype
+    if precision != "f64" and t in ("bf16", "f16"):
+        with np.errstate(over="ignore"):  # beyond the dtype's range: that Constant is weak
+            held = np.asarray(float(n.value)).astype(dtypes.to_numpy(t))
+        if float(held) == float(n.value) or np.isnan(float(n.value)):
+            return held
+        return np.asarray(float(n.value), dtype=np.float32)
+    return np.asarray(n.value, dtype=_store_type(t, precision))
+
+
 def eval_map(n: ir.Map, args, precision="native"):
     kind = ops.info(n.op).kind
     out = n.type.dtype
@@ -157,9 +170,7 @@ def run_graph(g: ir.Graph, inputs: dict, precision: str = "native") -> list[np.n
             w = to_numpy(w) if not isinstance(w, np.ndarray) else w
             env[n.name] = w.astype(_store_type(n.type.dtype, precision))
         elif isinstance(n, ir.Constant):
-            # at compute precision: a weak bf16/f16 Constant holds a value its dtype cannot (ir.Constant)
-            t = _float_type(n.type.dtype, precision) if dtypes.is_float(n.type.dtype) else _store_type(n.type.dtype, precision)
-            env[n.name] = np.asarray(n.value, dtype=t)
+            env[n.name] = constant_value(n, precision)
         elif isinstance(n, ir.Map):
             env[n.name] = eval_map(n, [env[a] for a in n.args], precision)
         elif isinstance(n, ir.Reduce):
