@@ -26,16 +26,11 @@ def _store_type(dtype: str, precision: str) -> np.dtype:
 
 
 def constant_value(n: ir.Constant, precision: str = "native") -> np.ndarray:
-    """A Constant's value as an array of its dtype, but for a weak bf16/f16 Constant holding a
-    value its dtype cannot (ir.Constant): that one in f32, the precision kernels compute it in."""
-    t = n.type.dtype
-    if precision != "f64" and t in ("bf16", "f16"):
-        with np.errstate(over="ignore"):  # beyond the dtype's range: that Constant is weak
-            held = np.asarray(float(n.value)).astype(dtypes.to_numpy(t))
-        if float(held) == float(n.value) or np.isnan(float(n.value)):
-            return held
+    """A Constant's value as an array of its dtype, but a weak one (ir.Constant.weak) in f32,
+    the precision kernels compute it in."""
+    if precision != "f64" and n.weak():
         return np.asarray(float(n.value), dtype=np.float32)
-    return np.asarray(n.value, dtype=_store_type(t, precision))
+    return np.asarray(n.value, dtype=_store_type(n.type.dtype, precision))
 
 
 def eval_map(n: ir.Map, args, precision="native"):

@@ -72,7 +72,17 @@ class Constant:
     source: str = field(default="", compare=False)
 
     def describe(self):
-        return f"const {self.value!r}"
+        return f"const {self.value!r}" + (" (kept in f32)" if self.weak() else "")
+
+    def weak(self) -> bool:
+        """Whether this bf16/f16 Constant holds a value its dtype cannot: a Python number
+        PyTorch keeps in f32 beside a 16-bit tensor."""
+        if self.type.dtype not in ("bf16", "f16") or isinstance(self.value, bool):
+            return False
+        v = float(self.value)
+        with np.errstate(over="ignore"):
+            held = float(np.asarray(v).astype(dtypes.to_numpy(self.type.dtype)))
+        return held != v and v == v
 
 
 @dataclass(frozen=True)
