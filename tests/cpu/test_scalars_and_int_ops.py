@@ -190,8 +190,10 @@ _I32, _I8 = torch.tensor([1, 2], dtype=torch.int32), torch.tensor([50, -3], dtyp
 _U8 = torch.tensor([50, 200], dtype=torch.uint8)
 
 # (name, fn, inputs): PyTorch's type promotion (the result dtype, and the operands converted to
-# it before the op), alpha in the result's dtype, integer floor, bool max/min indices, and
-# values folded at compile time in their own dtypes; each compared with eager exactly
+# it before the op), alpha in the result's dtype, integer floor, bool max/min indices, values
+# folded at compile time in their own dtypes, a returned matmul in its own dtype (not the f32 of
+# the residual epilogue it also feeds), view(dtype) as the same bits, empty slices; each
+# compared with eager exactly (the matmul's small integers sum exactly)
 MIXED = [
     ("i32 + alpha 100 i8 (no i8 wrap)", lambda a, b: torch.add(a, b, alpha=100), (_I32, _I8)),
     ("i64 - alpha 2 u8 (no u8 wrap)", lambda a, b: torch.sub(a, b, alpha=2),
@@ -219,6 +221,13 @@ MIXED = [
     ("x / floor_divide of ones", lambda x: x / torch.floor_divide(torch.ones_like(x), torch.ones_like(x)),
      (torch.tensor([[1.5, -2.0, 3.25]]),)),
     ("sdpa with a full().triu mask", _sdpa_with_a_full_mask, (torch.randn(1, 2, 4, 8, generator=torch.Generator().manual_seed(0)),)),
+    ("a returned matmul keeps its bf16", lambda a, b, r: (lambda v: (v + r, v))(a @ b),
+     tuple(torch.randint(-3, 4, s, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+           for s in ((8, 16), (16, 8), (8, 8)))),
+    ("f32 .view(i32) is the bits", lambda x: x.view(torch.int32) + 1, (torch.tensor([1.0, -2.5, 3.0]),)),
+    ("f32 .view(u8).sum()", lambda x: x.view(torch.uint8).sum(), (torch.tensor([1.0, -2.5, 3.0]),)),
+    ("x[3:1] is empty", lambda a: a[3:1].sum(0) + 1, (torch.ones(4, 6),)),
+    ("x[:, -1:-3] is empty", lambda a: (a[:, -1:-3], a * 2), (torch.ones(4, 6),)),
     ("max(bool, dim)", lambda x: torch.max(x, dim=-1), (torch.tensor([[True, False], [False, False]]),)),
     ("min(bool, dim) indices", lambda x: torch.min(x, dim=0)[1], (torch.tensor([[True, False], [False, False]]),)),
 ]

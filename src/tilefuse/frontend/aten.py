@@ -412,6 +412,8 @@ def _layer_norm(b, args, kwargs, out):
 
 @handles("view", "_unsafe_view", "reshape", "flatten", "unflatten", "squeeze", "unsqueeze")
 def _reshape(b, args, kwargs, out):
+    if out.dtype != b.type(args[0]).dtype:  # x.view(torch.int32): the same bits read as another type
+        raise Unsupported("a dtype (a reinterpretation of the bits, not a conversion)")
     return b.reshape(args[0], out.shape)
 
 
@@ -460,6 +462,7 @@ def _slice(b, args, kwargs, out):
     end = args[3] if len(args) > 3 and args[3] is not None else shape[dim]
     step = args[4] if len(args) > 4 else 1
     start, end, _ = slice(start, end, step).indices(shape[dim])
+    end = max(end, start)  # x[3:1] is empty, as in Python
     if (start, end, step) == (0, shape[dim], 1):
         return x
     return b.view("slice", x, out.shape, (dim, start, end, step))

@@ -18,9 +18,14 @@ def _link(g: ir.Graph, users, n: ir.Node) -> str | None:
     """The one full-shape argument of map `n`, used only by it, through which a map chain goes
     down towards its contraction; None where the chain breaks."""
     full = [x for x in n.args if g[x].type.shape == n.type.shape]
-    if len(full) != 1 or len(users[full[0]]) != 1 or not _float(n.type.dtype):
+    if len(full) != 1 or not _once(g, users, full[0]) or not _float(n.type.dtype):
         return None
     return full[0]
+
+
+def _once(g: ir.Graph, users, x: str) -> bool:
+    """x has one reader and is not an output (a returned link would come back retyped)."""
+    return len(users[x]) == 1 and x not in g.outputs
 
 
 def _on_contractions(g: ir.Graph, users) -> set[str]:
@@ -38,12 +43,12 @@ def _chain(g: ir.Graph, users, a: str, on: set[str]):
     """(contraction, [maps after it], tip) for `a` = [reshape|cast]*(map*(contraction)), each link
     used once; None if `a` is not one. `tip` is the last map (or the contraction) under the
     reshapes and casts. `on`: _on_contractions(g, users)."""
-    if len(users[a]) != 1:
+    if not _once(g, users, a):
         return None
     n = a
     while (isinstance(g[n], ir.View) and g[n].op == "reshape") or (isinstance(g[n], ir.Map) and g[n].op == "cast"):
         n = g[n].arg if isinstance(g[n], ir.View) else g[n].args[0]
-        if len(users[n]) != 1:
+        if not _once(g, users, n):
             return None
     if n not in on:
         return None
