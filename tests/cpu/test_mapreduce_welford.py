@@ -228,23 +228,28 @@ def _thread(chunks, V, planned=None):
     for end in bounds:
         group = chunks[start:end]
         start = end
-        if state[0] > 0:
-            k = f32(state[1] + state[2])
-        else:
-            s = group[0][0]
-            for v in group[0][1:]:
-                s = f32(s + v)
-            k = f32(s * f32(1 / V))
-        t = q = f32(0)
-        for y in group:
-            for v in y:
-                e = f32(v - k)
-                t = f32(t + e)
-                q = _fma(e, e, q)
-        n = f32(len(group) * V)
-        u = f32(t * f32(1 / n))
-        state = _merge(state, (n, k, u, max(f32(0), f32(q - f32(t * u)))))
+        state = _fold_group(state, group, f32(state[1] + state[2]) if state[0] > 0 else _chunk_mean(group[0], V))
     return state
+
+
+def _chunk_mean(chunk, V):
+    s = chunk[0]
+    for v in chunk[1:]:
+        s = f32(s + v)
+    return f32(s * f32(1 / V))
+
+
+def _fold_group(state, group, k):
+    """tf_var_flush of a group's sums about base k (y - k and (y - k)^2 in order) into `state`."""
+    t = q = f32(0)
+    for y in group:
+        for v in y:
+            e = f32(v - k)
+            t = f32(t + e)
+            q = _fma(e, e, q)
+    n = f32(sum(len(y) for y in group))
+    u = f32(t * f32(1 / n))
+    return _merge(state, (n, k, u, max(f32(0), f32(q - f32(t * u)))))
 
 
 def _row_moments(x, group, ctas, V):
@@ -407,20 +412,7 @@ def _own_first_chunk_groups(chunks, V):
     """The previous form, for comparison: groups of 8 chunks, each about its own first chunk's mean."""
     state = (f32(0),) * 4
     for g in range(0, len(chunks), 8):
-        group = chunks[g:g + 8]
-        s = group[0][0]
-        for v in group[0][1:]:
-            s = f32(s + v)
-        k = f32(s * f32(1 / V))
-        t = q = f32(0)
-        for y in group:
-            for v in y:
-                e = f32(v - k)
-                t = f32(t + e)
-                q = _fma(e, e, q)
-        n = f32(len(group) * V)
-        u = f32(t * f32(1 / n))
-        state = _merge(state, (n, k, u, max(f32(0), f32(q - f32(t * u)))))
+        state = _fold_group(state, chunks[g:g + 8], _chunk_mean(chunks[g], V))
     return state
 
 
