@@ -91,6 +91,8 @@ SCALARS_16 = [
     # powf's last bit may differ between libraries: 1 ulp allowed, 1/4 of the exponent's rounding
     ("f16 ** 2.01 (rounded)", lambda x: (x.abs() * 40) ** 2.01, H),
     ("bf16 ** 8.01 (rounded)", lambda x: x.abs() ** 8.01, B),
+    ("2.01 ** f16 (base rounded)", lambda x: torch.pow(2.01, x.abs() * 0 + 8), H),
+    ("2.01 ** bf16 (base rounded)", lambda x: torch.pow(2.01, x.abs() * 0 + 8), B),
 ]
 ULP = {"f16 ** 2.01 (rounded)": 1e-3, "bf16 ** 8.01 (rounded)": 8e-3}
 
