@@ -303,8 +303,8 @@ class GraphRunner:
         weights = [a for a, k in zip(args, self.kinds) if k == "weight"]
         key = self._key(args)
         v = self.variants.get(key)
-        if v is not None and v.fresh(weights):
-            return v
+        if v is not None and (v.fresh(weights) or (v.program is None and not v.dead())):
+            return v  # a refused graph stays in eager: its own run moves a buffer's version (BatchNorm)
         if v is not None and not v.dead():
             self._event("a weight changed in place since compiling: compiling again")
         self.variants = {k: x for k, x in self.variants.items() if not x.dead()}  # models since freed
@@ -337,6 +337,9 @@ class GraphRunner:
             n_out = prog.out_spec.num_leaves if prog.out_spec is not None else len(c.graph.outputs)
             if n_out != len(c.graph.outputs):
                 raise _Unsupported("the graph mutates an input or a buffer in place")
+            aliased = _aliased_output(c.graph)
+            if aliased:
+                raise _Unsupported(aliased)
             if any(t.is_cuda for t in user):
                 prog.prepare("cuda")
         except Exception as e:  # never a crash: the graph runs as its own forward, and says why
@@ -379,6 +382,26 @@ class GraphRunner:
 
 class _Unsupported(Exception):
     pass
+
+
+def _aliased_output(g) -> str:
+    """Why an output must share memory with an input or another output, which tilefuse's fresh
+    results do not: dynamo runs the code after a graph break on the graph's outputs, so an
+    in-place write there through `x.t()`, `h[:, :2]` or `x.view(x.shape)` must reach x or h. ""
+    if none must (a reshape of an input to another shape is returned as a view of it)."""
+    from ..graph import ir
+
+    outs = set(g.outputs)
+    for o in g.outputs:
+        n, ops = g[o], []
+        while isinstance(n, ir.View):
+            ops.append(n.op)
+            n = g[n.arg]
+        if (ops and n.name in outs) or (isinstance(n, ir.Input) and set(ops) != {"reshape"}):
+            what = "another output" if ops and n.name in outs else "an input"
+            return (f"an output is {'a ' + ops[0] + ' view of ' + what if ops else 'an input itself'}, which "
+                    f"code after a graph break may write through; tilefuse returns fresh tensors")
+    return ""
 
 
 def _first_line(e: Exception) -> str:

@@ -367,7 +367,9 @@ def _translate(b: Builder, node, resolve, env, tuple_outputs, expr, functional: 
     if not isinstance(first, torch.Tensor):
         if name in ("item", "_local_scalar_dense"):
             raise CaptureError(f"aten.{name} reads a tensor's value into Python ({b.source}); dynamo makes one for a "
-                               f"Python number argument that changes between calls: pass it as a tensor")
+                               f"Python number it treats as dynamic (an argument that changes between calls, or a "
+                               f"module's float attribute under dynamic=True): pass it as a tensor, or compile "
+                               f"without dynamic=True")
         raise CaptureError(f"{name} returns {type(first).__name__}, not a tensor ({b.source})")
     out = Out(_static_shape(first, name, b.source), dtypes.from_torch(first.dtype), name)
     args = resolve(node.args)
