@@ -22,14 +22,21 @@ from test_scalars_and_int_ops import ADDS_16, CASES, MIXED, SCALARS_16, ULP  # n
 pytestmark = pytest.mark.gpu
 
 
+def _as_eager_on_the_gpu(name, fn, inputs, rtol, atol=0):
+    """The program's outputs (poisoned first) have eager's dtypes and values on the GPU."""
+    inputs = tuple(x.cuda() for x in inputs)
+    prog = tilefuse.compile(fn, inputs)
+    prog.poison = True
+    want, got = torch.utils._pytree.tree_leaves(fn(*inputs)), torch.utils._pytree.tree_leaves(prog(*inputs))
+    for w, g in zip(want, got, strict=True):
+        assert g.dtype == w.dtype, f"{name}: {g.dtype} against eager's {w.dtype}"
+        tol = (rtol, atol) if w.is_floating_point() else (0, 0)
+        torch.testing.assert_close(g, w, rtol=tol[0], atol=tol[1], equal_nan=True)
+
+
 @pytest.mark.parametrize("name,fn,x", CASES, ids=[c[0] for c in CASES])
 def test_same_dtype_and_values_as_eager_on_the_gpu(name, fn, x):
-    x = x.cuda()
-    prog = tilefuse.compile(fn, (x,))
-    prog.poison = True
-    want, got = fn(x), prog(x)
-    assert got.dtype == want.dtype, f"{name}: {got.dtype} against eager's {want.dtype}"
-    torch.testing.assert_close(got, want, rtol=1e-6, atol=0, equal_nan=True)
+    _as_eager_on_the_gpu(name, fn, (x,), rtol=1e-6)
 
 
 CASES_16 = SCALARS_16 + [(name, fn, x) for name, fn, _, x in ADDS_16]
@@ -37,12 +44,7 @@ CASES_16 = SCALARS_16 + [(name, fn, x) for name, fn, _, x in ADDS_16]
 
 @pytest.mark.parametrize("name,fn,x", CASES_16, ids=[c[0] for c in CASES_16])
 def test_a_float_beside_a_16_bit_tensor_as_eager_on_the_gpu(name, fn, x):
-    x = x.cuda()
-    prog = tilefuse.compile(fn, (x,))
-    prog.poison = True
-    want, got = fn(x), prog(x)
-    assert got.dtype == want.dtype, f"{name}: {got.dtype} against eager's {want.dtype}"
-    torch.testing.assert_close(got, want, rtol=ULP.get(name, 0), atol=0, equal_nan=True)
+    _as_eager_on_the_gpu(name, fn, (x,), rtol=ULP.get(name, 0))
 
 
 @pytest.mark.parametrize("name,fn,f32_once,x", ADDS_16, ids=[c[0] for c in ADDS_16])
@@ -54,14 +56,7 @@ def test_eager_on_the_gpu_adds_a_float_to_a_16_bit_tensor_in_f32(name, fn, f32_o
 
 @pytest.mark.parametrize("name,fn,inputs", MIXED, ids=[c[0] for c in MIXED])
 def test_mixed_dtypes_and_folded_values_as_eager_on_the_gpu(name, fn, inputs):
-    inputs = tuple(x.cuda() for x in inputs)
-    prog = tilefuse.compile(fn, inputs)
-    prog.poison = True
-    want, got = torch.utils._pytree.tree_leaves(fn(*inputs)), torch.utils._pytree.tree_leaves(prog(*inputs))
-    for w, g in zip(want, got, strict=True):
-        assert g.dtype == w.dtype, f"{name}: {g.dtype} against eager's {w.dtype}"
-        tol = 1e-5 if w.is_floating_point() else 0  # SDPA: PyTorch's own attention kernel against ours
-        torch.testing.assert_close(g, w, rtol=tol, atol=tol)
+    _as_eager_on_the_gpu(name, fn, inputs, rtol=1e-5, atol=1e-5)  # SDPA: PyTorch's attention kernel against ours
 
 
 @pytest.mark.parametrize("fn", [lambda a, b: F.mse_loss(a, b), lambda a, b: F.l1_loss(a, b, reduction="none"),

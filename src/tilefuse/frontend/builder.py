@@ -157,9 +157,11 @@ class Builder:
         t = self.type(like).dtype
         if isinstance(x, bool):
             return self.const(x, "bool")
-        if dtypes.is_float(t) and op in ("where", "pow") or (  # CUDA checks these (clamp, alpha: f32)
-                t not in ("bool",) and not dtypes.is_float(t) and not isinstance(x, float)
-                and op in ("max", "min", "alpha", "where")):
+        if dtypes.is_float(t):
+            checked = ("where", "pow")  # CUDA takes clamp bounds and alpha in f32
+        else:
+            checked = ("max", "min", "alpha", "where") if t != "bool" and not isinstance(x, float) else ()
+        if op in checked:
             check_fits(x, t)
         if dtypes.is_float(t):
             return self.const(x, t, weak=op not in _ROUNDS_SCALAR)
