@@ -177,6 +177,20 @@ def _(draw, dtype):
         [randn(draw(shapes()), dtype)]
 
 
+@case("clamp_min_max", "clamp_min", "clamp_max")
+def _(draw, dtype):
+    lo = draw(st.sampled_from([-1.5, 0.0, 0.25]))
+    return (lambda x: x.clamp_min(lo) + x.clamp_max(lo)), [randn(draw(shapes()), dtype)]
+
+
+@case("vector_norm", "linalg_vector_norm")
+def _(draw, dtype):
+    s = draw(shapes())
+    dims, keep = reduce_dims(draw, len(s)), draw(st.booleans())
+    p = draw(st.sampled_from([2, 1, 3, float("inf")]))
+    return (lambda x: (torch.linalg.vector_norm(x, p, dims, keep), F.normalize(x, dim=-1))), [randn(s, dtype)]
+
+
 @case("clamp_tensor_bounds", "clamp")
 def _(draw, dtype):
     s = draw(shapes())

@@ -230,6 +230,15 @@ __device__ __forceinline__ int tf_remote_ld(const int* p, unsigned rank) {
 __device__ __forceinline__ long long tf_remote_ld(const long long* p, unsigned rank) {
   long long v; asm volatile("ld.shared::cluster.s64 %0, [%1];" : "=l"(v) : "r"(tf_remote_addr(p, rank)) : "memory"); return v;
 }
+__device__ __forceinline__ signed char tf_remote_ld(const signed char* p, unsigned rank) {
+  int v; asm volatile("ld.shared::cluster.s8 %0, [%1];" : "=r"(v) : "r"(tf_remote_addr(p, rank)) : "memory"); return (signed char)v;
+}
+__device__ __forceinline__ unsigned char tf_remote_ld(const unsigned char* p, unsigned rank) {
+  unsigned v; asm volatile("ld.shared::cluster.u8 %0, [%1];" : "=r"(v) : "r"(tf_remote_addr(p, rank)) : "memory"); return (unsigned char)v;
+}
+__device__ __forceinline__ bool tf_remote_ld(const bool* p, unsigned rank) {
+  unsigned v; asm volatile("ld.shared::cluster.u8 %0, [%1];" : "=r"(v) : "r"(tf_remote_addr(p, rank)) : "memory"); return v != 0;
+}
 """
 
 # ---------------------------------------------------------------- types and constants
@@ -317,6 +326,10 @@ def cast(expr: str, src: str, dst: str) -> str:
         # Narrowing to bf16/f16 rounds; every other float destination holds the value (or
         # the C conversion rounds it, f64 -> f32 and int -> float).
         return round_to(dst, widened) if dst in ("bf16", "f16") else widened
+    if dst == "u8" and dtypes.is_float(src):
+        # PyTorch converts a float to uint8 through int64 (c10's cast: a negative value wraps,
+        # -1.5 -> 255, where a direct conversion would saturate to 0 on the GPU)
+        return f"(unsigned char)(long long)({expr})"
     # integer destination: floats truncate toward zero, like astype
     return f"({ctype(dst)})({expr})"
 
@@ -411,11 +424,13 @@ def op(name: str, args: list[str], arg_dtypes: list[str], dtype: str, fast: bool
         e = f"{'fabs' if f64 else 'fabsf'}({conv(0)})" if is_float else f"({conv(0)} < 0 ? -{conv(0)} : {conv(0)})"
     elif name == "relu":
         zero = const(0, dtypes.compute_type(dtype))
-        e = f"tf_max({conv(0)}, {zero})"
+        e = f"tf_max({conv(0)}, {zero if is_float else f'({ct})0'})"
     elif name in _ARITH:
         e = f"({conv(0)} {_ARITH[name]} {conv(1)})"
     elif name in ("max", "min"):
-        e = f"tf_{name}({conv(0)}, {conv(1)})"
+        # an integer literal is an int (or unsigned) in C++: name the type, or tf_max(T, T)
+        # cannot deduce T beside an 8- or 16-bit value
+        e = f"tf_{name}({conv(0)}, {conv(1)})" if is_float else f"tf_{name}(({ct})({args[0]}), ({ct})({args[1]}))"
     elif name == "where":
         e = f"({args[0]} ? {conv(1)} : {conv(2)})"
     else:  # pragma: no cover - every op of ops.OPS is spelled above

@@ -92,6 +92,9 @@ def _pow(b, args, kwargs, out):
             return b.map("mul", x, x)
         if e == 1:
             return x
+        if e == 0:  # 1 everywhere, NaN included (True for a bool x ** False)
+            one, shape = b.const(1, out.dtype), b.type(x).shape
+            return b.view("expand", b.reshape(one, (1,) * len(shape)), shape, shape) if shape else one
         if e == 0.5:
             return b.map("sqrt", x)
         if e == -0.5:
@@ -163,6 +166,13 @@ def _clamp(b, args, kwargs, out):
     if hi is not None:
         x = b.map("min", x, _operand(b, hi, x, "min"))
     return x
+
+
+@handles("clamp_min", "clamp_max")
+def _clamp_one(b, args, kwargs, out):
+    """x.clamp_min(lo) (F.normalize's guard against a zero norm) and clamp_max."""
+    op = "max" if out.op == "clamp_min" else "min"
+    return b.map(op, args[0], _operand(b, args[1], args[0], op))
 
 
 @handles("where")
@@ -312,6 +322,39 @@ def _var_mean(b, args, kwargs, out, std: bool):
     if not keep:
         mean = b.reshape(mean, b.type(v).shape)
     return b.cast(v, out.dtype), b.cast(mean, out.dtype)
+
+
+@handles("linalg_vector_norm")
+def _vector_norm(b, args, kwargs, out):
+    """torch.norm's and F.normalize's vector norm, a row reduction: |x| summed (or its max, min,
+    count of nonzeros) in the accumulation type, then the root, rounded once to the result's
+    dtype, as PyTorch accumulates a 16-bit norm in f32. The result's shape is the reduction's:
+    torch.export's fake CUDA kernel kept a reduced size-1 dim (f32[16, 1, 7] for [16, 7])."""
+    x, p = args[0], args[1] if len(args) > 1 else kwargs.get("ord", 2)
+    dim = args[2] if len(args) > 2 else kwargs.get("dim")
+    keep = args[3] if len(args) > 3 else kwargs.get("keepdim", False)
+    if not dtypes.is_float(b.type(x).dtype) or not dtypes.is_float(out.dtype):
+        raise Unsupported("the norm of a tensor that is not float")
+    if kwargs.get("dtype") is not None:
+        x = b.cast(x, out.dtype)
+    x = b.cast(x, _acc(b, x))
+    acc = b.type(x).dtype
+    dims = _dims(dim, len(b.type(x).shape))
+    p = float(p)
+    if p == 2:
+        r = b.map("sqrt", b.reduce("sum", b.map("mul", x, x), dims, keep))
+    elif p == 0:
+        r = b.reduce("sum", b.cast(b.map("ne", x, b.const(0, acc)), acc), dims, keep)
+    else:
+        a = b.map("abs", x)
+        if math.isinf(p):
+            r = b.reduce("max" if p > 0 else "min", a, dims, keep)
+        elif p == 1:
+            r = b.reduce("sum", a, dims, keep)
+        else:
+            s = b.reduce("sum", b.map("pow", a, b.const(p, acc)), dims, keep)
+            r = b.map("pow", s, b.const(1.0 / p, acc))
+    return b.cast(r, out.dtype)
 
 
 @handles("max", "min")

@@ -88,6 +88,9 @@ class Builder:
         if dtype in ("bf16", "f16") and not weak and not isinstance(value, bool):
             with np.errstate(over="ignore"):  # beyond the range (inf): the handlers check what PyTorch checks
                 value = float(np.asarray(float(value), dtype=np.float64).astype(dtypes.to_numpy(dtype)))
+        elif dtype in dtypes.INTS and isinstance(value, int) and not isinstance(value, bool):
+            info = np.iinfo(dtypes.to_numpy(dtype))  # wrapped as the tensor holds it: -2 as u8 is 254
+            value = (value - int(info.min)) % (int(info.max) - int(info.min) + 1) + int(info.min)
         return self.add(ir.Constant(self.fresh(base), ir.TensorType((), dtype), value, self.source))
 
     def result_type(self, *names: str) -> str:

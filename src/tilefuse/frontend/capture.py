@@ -401,6 +401,11 @@ def _translate(b: Builder, node, resolve, env, tuple_outputs, expr, functional: 
                                f"({b.source})")
         result = _extern(b, node, args, kwargs, out, reason)
     t = b.type(result)
+    if t.shape != out.shape and name == "linalg_vector_norm":
+        raise CaptureError(f"torch.export says aten.linalg_vector_norm gives shape {out.shape}, where PyTorch computes "
+                           f"{t.shape}: this PyTorch's ({torch.__version__}) shape function keeps a reduced dim of size "
+                           f"1, so the shapes after it cannot be trusted; norm with keepdim=True, or squeeze that dim "
+                           f"first ({b.source})")
     if t.shape != out.shape:
         raise CaptureError(f"internal: aten.{name} translated to shape {t.shape}, torch says {out.shape} ({b.source})")
     if t.dtype != out.dtype:

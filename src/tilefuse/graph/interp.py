@@ -40,6 +40,9 @@ def eval_map(n: ir.Map, args, precision="native"):
         x = args[0]
         if dtypes.is_float(out) or not np.issubdtype(x.dtype, np.floating):
             return x.astype(_store_type(out, precision))
+        if out == "u8":  # through int64, as PyTorch does: a negative value wraps (-1.5 -> 255)
+            with np.errstate(invalid="ignore"):
+                return np.trunc(x).astype(np.int64).astype(np.uint8)
         return np.trunc(x).astype(_store_type(out, precision))
     if n.op == "where":
         c, x, y = args

@@ -293,10 +293,26 @@ def strided_view(n: ir.View, x: torch.Tensor) -> torch.Tensor:
     raise ValueError(f"unknown view {n.op}")
 
 
+def _exact_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """matmul of integer or bool operands, which PyTorch's matmul refuses on CUDA (no integer
+    GEMM) and for bool anywhere, where eager reaches them through einsum: products summed in
+    int64, then wrapped to the dtype (an integer matmul wraps) or tested for nonzero (bool)."""
+    va, vb = a.dim() == 1, b.dim() == 1
+    x = (a.unsqueeze(0) if va else a).long().unsqueeze(-1)
+    y = (b.unsqueeze(-1) if vb else b).long().unsqueeze(-3)
+    r = (x * y).sum(-2)
+    if va or vb:
+        r = r.reshape(()) if va and vb else r.squeeze(-2 if va else -1)
+    return r != 0 if a.dtype == torch.bool else r.to(a.dtype)
+
+
 def run_extern(n, get) -> torch.Tensor:
     """Run one graph node in PyTorch: the explicit fallback the plan shows."""
     if isinstance(n, ir.Contraction):
-        return torch.matmul(get(n.a), get(n.b))
+        a, b = get(n.a), get(n.b)
+        if a.dtype == torch.bool or (a.is_cuda and not a.is_floating_point()):
+            return _exact_matmul(a, b)
+        return torch.matmul(a, b)
     if isinstance(n, ir.Attention):
         q, k = get(n.q), get(n.k)
         return F.scaled_dot_product_attention(q, k, get(n.v), attn_mask=get(n.mask) if n.mask else None,
