@@ -109,12 +109,25 @@ class CausalLM(nn.Module):
         return out.loss if self.output == "loss" else out.logits
 
 
+def token_inputs(vocab: int, batch: int, seq: int, output: str, device, seed: int) -> tuple:
+    """(ids,) of (batch, seq) random tokens, and random labels too for the loss, from `seed`."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (batch, seq), generator=g).to(device)
+    return (ids, torch.randint(0, vocab, (batch, seq), generator=g).to(device)) if output == "loss" else (ids,)
+
+
 @dataclass
 class Built:
     name: str
     model: CausalLM
     inputs: tuple  # (ids,) or (ids, labels)
     config: object
+
+    def fresh_inputs(self, seed: int) -> tuple:
+        """Inputs like `inputs`, drawn from `seed`: a scalar output (the loss) is checked over
+        several input draws (tilefuse.check.check_outputs)."""
+        ids = self.inputs[0]
+        return token_inputs(self.config.vocab_size, *ids.shape, self.model.output, ids.device, seed)
 
 
 def build(name: str, layers: int = 2, hidden: int = 64, seq: int = 16, batch: int = 1,
@@ -125,7 +138,4 @@ def build(name: str, layers: int = 2, hidden: int = 64, seq: int = 16, batch: in
     cfg = config(name, layers, hidden, seq=max(seq, 1), vocab=vocab, heads=heads, kv_heads=kv_heads, ffn=ffn)
     torch.manual_seed(seed)
     model = CausalLM(causal_lm(cfg), output).to(device=device, dtype=dtype).eval()
-    g = torch.Generator().manual_seed(seed + 1)
-    ids = torch.randint(0, vocab, (batch, seq), generator=g).to(device)
-    inputs = (ids, torch.randint(0, vocab, (batch, seq), generator=g).to(device)) if output == "loss" else (ids,)
-    return Built(name, model, inputs, cfg)
+    return Built(name, model, token_inputs(vocab, batch, seq, output, device, seed + 1), cfg)
