@@ -110,3 +110,16 @@ def test_norms_are_lowered_and_f_normalize_is_one_kernel():
     assert len(stages.kernels) == 1
     stages = compile_stages(lambda x: torch.norm(x, dim=-2), (_randn(16, 1, 7),), arch="sm_90a")
     assert stages.graph[stages.graph.outputs[0]].type.shape == (16, 7)
+
+
+@pytest.mark.parametrize("sa,sb", [((3, 4), (4, 5)), ((4,), (4, 5)), ((3, 4), (4,)), ((4,), (4,)), ((2, 1, 3, 4), (5, 4, 2)),
+                                   ((64, 3000), (3000, 700)), ((3, 0), (0, 4))])
+@pytest.mark.parametrize("dtype", [torch.int32, torch.uint8, torch.int64])
+def test_the_exact_integer_matmul_equals_pytorchs_cpu_matmul(sa, sb, dtype):
+    """The integer matmul tilefuse runs where PyTorch's refuses (CUDA) wraps as PyTorch's CPU
+    matmul does, for vectors, broadcast batches, an empty K, and a K summed in slices (a
+    64x3000x700 product would otherwise hold 134M int64 products at once)."""
+    from tilefuse.runtime.program import _exact_matmul
+    a, b = _ints(-100, 100, *sa, dtype=torch.int64).to(dtype), _ints(-100, 100, *sb, dtype=torch.int64).to(dtype)
+    got, want = _exact_matmul(a, b), torch.matmul(a, b)
+    assert got.dtype == want.dtype and torch.equal(got, want)

@@ -300,7 +300,11 @@ def _exact_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     va, vb = a.dim() == 1, b.dim() == 1
     x = (a.unsqueeze(0) if va else a).long().unsqueeze(-1)
     y = (b.unsqueeze(-1) if vb else b).long().unsqueeze(-3)
-    r = (x * y).sum(-2)
+    k = x.shape[-2]
+    step = max(1, (1 << 26) // max(1, torch.broadcast_shapes(x.shape, y.shape).numel() // max(k, 1)))
+    r = (x[..., :0, :] * y[..., :0, :]).sum(-2)  # zeros of the result's shape (K = 0 included)
+    for i in range(0, k, step):  # a bounded slice of products at a time
+        r += (x[..., i:i + step, :] * y[..., i:i + step, :]).sum(-2)
     if va or vb:
         r = r.reshape(()) if va and vb else r.squeeze(-2 if va else -1)
     return r != 0 if a.dtype == torch.bool else r.to(a.dtype)
