@@ -123,3 +123,20 @@ def test_the_exact_integer_matmul_equals_pytorchs_cpu_matmul(sa, sb, dtype):
     a, b = _ints(-100, 100, *sa, dtype=torch.int64).to(dtype), _ints(-100, 100, *sb, dtype=torch.int64).to(dtype)
     got, want = _exact_matmul(a, b), torch.matmul(a, b)
     assert got.dtype == want.dtype and torch.equal(got, want)
+
+
+@pytest.mark.parametrize("cast", ["bool", "int"])
+def test_a_matmul_cast_to_bool_or_int_keeps_its_cast_before_a_residual_add(cast):
+    """The residual-epilogue rule moves an add onto a matmul's f32 accumulator through the casts
+    between them; a cast to bool or an integer changes the value (x.bool() is x != 0), so the
+    rule must not look through it (found on the GPU: (x @ x).bool() + i8 gave trunc(x @ x) + i8)."""
+    def f(a, w, r):
+        y = (a @ w)
+        return (y.bool() if cast == "bool" else y.to(torch.int32)) + r
+    a, w = _randn(16, 32, dtype=torch.bfloat16, scale=2), _randn(32, 8, dtype=torch.bfloat16)
+    r = _ints(-100, 100, 16, 8, dtype=torch.int8)
+    stages = compile_stages(f, (a, w, r), arch="sm_90a")
+    casts = [n for n in stages.graph.nodes if isinstance(n, ir.Map) and n.op == "cast"]
+    assert any(n.type.dtype == ("bool" if cast == "bool" else "i32") for n in casts), stages.graph
+    got, want = stages.program(a, w, r), f(a, w, r)
+    assert got.dtype == want.dtype and torch.equal(got, want)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from .. import ir
-from .match import Editor, weight_operand
+from .match import Editor, peel_casts, weight_operand
 
 
 def elementwise_of(g: ir.Graph, name: str, root: str) -> bool:
@@ -43,7 +43,7 @@ def _glu_pairs(g: ir.Graph):
         if not (isinstance(n, ir.Map) and n.op == "mul"):
             continue
         for f, u in (n.args, n.args[::-1]):
-            up = g[_under_casts(g, u)]
+            up = g[peel_casts(g, u)]
             if not isinstance(up, ir.Contraction):
                 continue
             gate = _gate_of(g, f, up)
@@ -53,10 +53,6 @@ def _glu_pairs(g: ir.Graph):
     return found
 
 
-def _under_casts(g, name):
-    while isinstance(g[name], ir.Map) and g[name].op == "cast":
-        name = g[name].args[0]
-    return name
 
 
 def _gate_of(g, f, up):

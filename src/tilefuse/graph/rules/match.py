@@ -11,9 +11,18 @@ from ...tensors import to_torch
 from .. import ir
 
 
+def float_cast(g: ir.Graph, name: str) -> bool:
+    """`name` is a cast from a float dtype to a float dtype: a change of precision, which a
+    rewrite may move or drop. A cast to or from bool or an integer changes the value
+    (`x.bool()` is x != 0), and must stay."""
+    n = g[name]
+    return (isinstance(n, ir.Map) and n.op == "cast" and dtypes.is_float(n.type.dtype)
+            and dtypes.is_float(g[n.args[0]].type.dtype))
+
+
 def peel_casts(g: ir.Graph, name: str) -> str:
-    """The tensor under any chain of casts (x for cast(cast(x)))."""
-    while isinstance(g[name], ir.Map) and g[name].op == "cast":
+    """The tensor under any chain of float casts (x for cast(cast(x)))."""
+    while float_cast(g, name):
         name = g[name].args[0]
     return name
 

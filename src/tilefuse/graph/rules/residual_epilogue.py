@@ -11,7 +11,7 @@ output being written, read back and written again.
 from __future__ import annotations
 
 from .. import ir
-from .match import Editor, ancestors, low_precision, retype
+from .match import Editor, ancestors, float_cast, low_precision, retype
 
 
 def _link(g: ir.Graph, users, n: ir.Node) -> str | None:
@@ -46,7 +46,7 @@ def _chain(g: ir.Graph, users, a: str, on: set[str]):
     if not _once(g, users, a):
         return None
     n = a
-    while (isinstance(g[n], ir.View) and g[n].op == "reshape") or (isinstance(g[n], ir.Map) and g[n].op == "cast"):
+    while (isinstance(g[n], ir.View) and g[n].op == "reshape") or float_cast(g, n):
         n = g[n].arg if isinstance(g[n], ir.View) else g[n].args[0]
         if not _once(g, users, n):
             return None
@@ -70,7 +70,7 @@ def residual_into_epilogue(g: ir.Graph) -> ir.Graph:
     retyped: dict[str, object] = {}
     replaced: dict[str, list] = {}
     for h in g.nodes:
-        if not (isinstance(h, ir.Map) and h.op == "add") or h.args[0] == h.args[1]:
+        if not (isinstance(h, ir.Map) and h.op == "add") or h.args[0] == h.args[1] or not _float(h.type.dtype):
             continue
         for a, res in (h.args, h.args[::-1]):
             found = _chain(g, users, a, on)
