@@ -3,7 +3,8 @@ device (judge.py). Each finding is written to OUTDIR as `{bad,crash,timeout}_SEE
 program (factories placed on the device), its inputs' shapes and dtypes, and what differed.
 
 usage: python fuzz/run.py START COUNT OUTDIR [big]
-  FUZZ_DEVICE=cuda (default) or cpu (the interpreter); FUZZ_SECONDS stops it after that long."""
+  FUZZ_DEVICE=cuda (default) or cpu (the interpreter); FUZZ_SECONDS stops it after that long;
+  FUZZ_BACKEND=1 runs each program under torch.compile(backend="tilefuse"), called three times."""
 import sys, os, random, time, math, signal, re, json
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch
@@ -68,7 +69,7 @@ for seed in range(start, start + count):
     try:
         fl = [v.dtype for v in g.env.values() if v.is_floating_point()]
         coarse = max(fl, key=lambda d: {torch.float64: 0, torch.float32: 1, torch.float16: 2, torch.bfloat16: 3}[d]) if fl else None
-        st, msg = check(fn, example, fresh, coarse=coarse)
+        st, msg = check(fn, example, fresh, coarse=coarse, backend=os.environ.get("FUZZ_BACKEND") == "1")
     except TO:
         st, msg = "timeout", ""
     except Exception as ex:
