@@ -101,9 +101,11 @@ def _partials_target(arch: str | None) -> bool:
     return normalize_arch(arch) == "sm_90a"
 
 
-def compile_stages(fn, example_inputs, *, expr: str | None = None, arch: str | None = None) -> Compiled:
+def compile_stages(fn, example_inputs, *, expr: str | None = None, arch: str | None = None,
+                   exported=None) -> Compiled:
+    """`exported`: fn's torch.export for these inputs, when the caller has it (frontend.sizes)."""
     try:
-        return _stages(fn, example_inputs, expr, arch)
+        return _stages(fn, example_inputs, expr, arch, exported)
     except RecursionError:
         import sys
 
@@ -116,11 +118,11 @@ def compile_stages(fn, example_inputs, *, expr: str | None = None, arch: str | N
                            f"{sys.getrecursionlimit()}, ran out)") from None
 
 
-def _stages(fn, example_inputs, expr: str | None, arch: str | None) -> Compiled:
+def _stages(fn, example_inputs, expr: str | None, arch: str | None, exported=None) -> Compiled:
     import time
 
     t0 = time.perf_counter()
-    ep = export(fn, example_inputs, expr=expr)
+    ep = exported if exported is not None else export(fn, example_inputs, expr=expr)
     t1 = time.perf_counter()
     captured = to_graph(ep, expr=expr)
     graph, fired = run_rewrites(captured)

@@ -23,8 +23,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..runtime.shared_weights import WeightPool
+
 NAME = "tilefuse"
 MAX_VARIANTS = 64  # compiled variants (sizes x weight sets) kept per graph before new ones run in eager
+POOL = WeightPool()  # weights derived at compile time, shared by every graph's and size's programs
 
 
 # -- reports --------------------------------------------------------------------------------------
@@ -44,6 +47,7 @@ class GraphReport:
     aliases: int = 0
     compile_s: float = 0.0
     variants: int = 0
+    exports: int = 0  # torch.export runs: one for all sizes where a symbolic export serves them (frontend.sizes)
     calls_tilefuse: int = 0
     calls_eager: int = 0
     events: list[str] = field(default_factory=list)
@@ -91,7 +95,7 @@ def summary() -> str:
     for r in REPORTS:
         lines.append("  " + r.line().replace("\n", "\n  "))
         lines.append(f"    calls: {r.calls_tilefuse} through tilefuse, {r.calls_eager} in eager"
-                     + (f"; {r.variants} compiled variant(s)" if r.variants > 1 else ""))
+                     + (f"; {r.variants} compiled variant(s) from {r.exports} export(s)" if r.variants > 1 else ""))
     lines += [f"  {e}" for r in REPORTS for e in r.events]
     breaks = _graph_breaks()
     if breaks:
@@ -213,8 +217,9 @@ class _Variant:
 
 
 class _Lifted(torch.nn.Module):
-    """The GraphModule with its lifted weights put back as buffers (Graph IR Weights) and its
-    dynamic sizes fixed, so torch.export sees only the user's tensors as inputs."""
+    """The GraphModule with its lifted weights put back as buffers (Graph IR Weights, named
+    w0, w1, ...), so torch.export sees only the user's tensors as inputs. Its sizes are
+    either fixed ints or (input, dim) read from a user tensor, which keeps them symbolic."""
 
     def __init__(self, gm, kinds, ints, weights):
         super().__init__()
@@ -225,9 +230,39 @@ class _Lifted(torch.nn.Module):
             self.register_buffer(f"w{i}", w.detach())
 
     def forward(self, *inputs):
-        ints, inputs, weights = iter(self.ints), iter(inputs), iter(self.buffers(recurse=False))
-        args = [next(ints) if k == "int" else next(weights) if k == "weight" else next(inputs) for k in self.kinds]
+        ints = iter(inputs[s[0]].shape[s[1]] if isinstance(s, tuple) else s for s in self.ints)
+        users, weights = iter(inputs), iter(self.buffers(recurse=False))
+        args = [next(ints) if k == "int" else next(weights) if k == "weight" else next(users) for k in self.kinds]
         return self.gm(*args)
+
+
+def _size_sources(placeholders, kinds) -> tuple[list, list] | None:
+    """For a graph with SymInt inputs: the (user input, dim) each SymInt is a size of, and each
+    user input's dynamic dims for torch.export; None where a SymInt is no tensor's dim (a
+    Python number dynamo made dynamic)."""
+    from torch.export import Dim
+
+    where, dims = {}, []
+    for node, kind in zip(placeholders, kinds):
+        if kind != "input":
+            continue
+        val = node.meta.get("example_value")
+        if not isinstance(val, torch.Tensor):
+            return None
+        dims.append({})
+        for d, size in enumerate(val.shape):
+            if isinstance(size, torch.SymInt):
+                dims[-1][d] = Dim.AUTO
+                where.setdefault(size.node.expr, (len(dims) - 1, d))
+    sources = []
+    for node, kind in zip(placeholders, kinds):
+        if kind == "int":
+            val = node.meta.get("example_value")
+            src = where.get(val.node.expr) if isinstance(val, torch.SymInt) else None
+            if src is None:
+                return None
+            sources.append(src)
+    return sources, dims
 
 
 class GraphRunner:
@@ -247,6 +282,8 @@ class GraphRunner:
         self.report = GraphReport(len(REPORTS), fx_ops)
         REPORTS.append(self.report)
         self.variants: dict = {}
+        self.symbolic = None  # frontend.sizes.Symbolic: one export serving every size, once made
+        self.sources = _size_sources(placeholders, self.kinds) if "int" in self.kinds else None
         self.fallback = self._why_eager(example_inputs, placeholders)
         if self.fallback:
             self.report.status, self.report.reason = "eager", self.fallback
@@ -332,7 +369,10 @@ class GraphRunner:
         t0 = time.perf_counter()
         try:
             with torch.no_grad():
-                c = compile_stages(_Lifted(self.gm, self.kinds, ints, weights), tuple(user), arch=self.arch)
+                exported = self._instance(user, weights)
+                self.report.exports += exported is None
+                c = compile_stages(_Lifted(self.gm, self.kinds, ints, weights), tuple(user), arch=self.arch,
+                                   exported=exported)
             prog = c.program
             n_out = prog.out_spec.num_leaves if prog.out_spec is not None else len(c.graph.outputs)
             if n_out != len(c.graph.outputs):
@@ -340,6 +380,8 @@ class GraphRunner:
             aliased = _aliased_output(c.graph)
             if aliased:
                 raise _Unsupported(aliased)
+            POOL.share(prog.graph.weights)  # equal derived weights, held once by every size's program
+            prog.pool = POOL
             if any(t.is_cuda for t in user):
                 prog.prepare("cuda")
         except Exception as e:  # never a crash: the graph runs as its own forward, and says why
@@ -350,6 +392,30 @@ class GraphRunner:
             return _Variant(None, refs, versions, reason, pointers)
         self._record(c, time.perf_counter() - t0)
         return _Variant(prog, refs, versions, pointers=pointers)
+
+    def _instance(self, user, weights):
+        """This size's aten graph from the graph's one symbolic export (made at the first
+        size), or None: the caller exports this size on its own."""
+        from .capture import export
+        from .sizes import Symbolic
+
+        if self.sources is None:
+            return None
+        if self.symbolic is None:
+            sources, dims = self.sources
+            try:
+                ep = export(_Lifted(self.gm, self.kinds, sources, weights), tuple(user), dynamic_shapes=(tuple(dims),))
+                self.report.exports += 1
+                self.symbolic = Symbolic(ep)
+            except Exception as e:
+                self.sources = None
+                self._event(f"each size is exported on its own (a symbolic export failed: {_first_line(e)})")
+                return None
+            if self.symbolic.why_not:
+                self._event(f"each size is exported on its own ({self.symbolic.why_not})")
+                self.sources = None
+                return None
+        return self.symbolic.instance(user, {f"w{i}": w.detach() for i, w in enumerate(weights)})
 
     def _record(self, c, seconds: float) -> None:
         from ..graph import ir

@@ -74,12 +74,12 @@ def _quiet(*names):
             lg.setLevel(level)
 
 
-def export(fn, example_inputs, expr: str | None = None):
+def export(fn, example_inputs, expr: str | None = None, dynamic_shapes=None):
     """torch.export the callable; errors become one clear CaptureError line."""
     module = _as_module(fn)
     try:
         with _quiet("torch._subclasses.fake_tensor"):  # it logs a traceback for a failed meta kernel
-            return torch.export.export(module, tuple(example_inputs), strict=False)
+            return torch.export.export(module, tuple(example_inputs), strict=False, dynamic_shapes=dynamic_shapes)
     except Exception as e:  # torch raises many kinds; the user needs the first line
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         if "for index, but got torch.uint8" in first:

@@ -52,6 +52,9 @@ class Program:
     # the example inputs' nesting, tensors as TENSOR (`skeleton`): a call's containers are matched
     # against it, dicts by key; None: inputs flattened in pytree order
     inputs: object = None
+    # runtime.shared_weights.WeightPool shared with the programs compiled from the same graph for
+    # other sizes: one device copy of each weight for all of them; None: this program's own copies
+    pool: object = None
 
     def __post_init__(self):
         self._compiled: dict = {}
@@ -143,7 +146,8 @@ class Program:
     def weights_on(self, device) -> dict:
         key = str(device)
         if key not in self._weights:
-            self._weights[key] = {k: torch.as_tensor(v).to(device).contiguous() for k, v in self.graph.weights.items()}
+            on = self.pool.on if self.pool is not None else lambda v, d: torch.as_tensor(v).to(d).contiguous()
+            self._weights[key] = {k: on(v, device) for k, v in self.graph.weights.items()}
         return self._weights[key]
 
     def compiled(self, lowered: Lowered, device):

@@ -1,0 +1,115 @@
+"""Greedy generation with a KV cache through torch.compile(backend=...): what each new size costs.
+
+    python3 bench/generate.py [--layers 4 --hidden 1024 --prompt 128 --new 32] [--modes eager,tilefuse,inductor]
+                              [--json out.json]
+
+`model.generate` grows the cache by one token a step, so every decode step is a new size
+for a compiler that specialises sizes. For each mode (one process each, with an empty
+dynamo and cubin cache), a random transformers LlamaForCausalLM in bf16 generates twice
+from the same random prompt:
+- first: the wall time of the whole generate, every size compiled on the way;
+- again: the same generate with everything compiled (the steady state);
+and the peak GPU memory, the compiled variants and exports per graph (tilefuse), and how
+many generated tokens equal eager's (bf16 greedy decoding may part ways at a near tie).
+Prints a table last; the JSON carries the GPU's name.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+
+def one(args) -> dict:
+    """In this process: build the model, generate twice under `args.mode`, report."""
+    import torch
+
+    sys.path.insert(0, os.environ.get("TILEFUSE_SRC", str(HERE.parent / "src")))  # another tree's, to compare
+    from tilefuse.models import hf
+
+    torch.manual_seed(0)
+    cfg = hf.config("llama", args.layers, args.hidden, seq=args.prompt + args.new + 8)
+    cfg.use_cache = True
+    model = hf.causal_lm(cfg).to("cuda", torch.bfloat16).eval()
+    ids = torch.randint(0, cfg.vocab_size, (1, args.prompt), device="cuda")
+    gen = dict(max_new_tokens=args.new, min_new_tokens=args.new, do_sample=False, pad_token_id=0)
+    if args.mode != "eager":
+        backend = "tilefuse" if args.mode == "tilefuse" else "inductor"
+        if backend == "tilefuse":
+            from tilefuse.frontend import backend as tb
+
+            tb.register()
+        model.forward = torch.compile(model.forward, backend=backend)
+    times, tokens = [], None
+    torch.cuda.reset_peak_memory_stats()
+    with torch.no_grad():
+        for _ in range(2):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            tokens = model.generate(ids, **gen)
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+    out = {"mode": args.mode, "first_s": times[0], "again_s": times[1],
+           "again_ms_per_token": times[1] / args.new * 1e3,
+           "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+           "weights_gib": sum(p.numel() * p.element_size() for p in model.parameters()) / 2**30,
+           "tokens": tokens[0, args.prompt:].tolist()}
+    if args.mode == "tilefuse":
+        from tilefuse.frontend import backend as tb
+
+        out["graphs"] = [{"variants": r.variants, "exports": getattr(r, "exports", None), "status": r.status,
+                          "calls_tilefuse": r.calls_tilefuse, "calls_eager": r.calls_eager, "events": r.events}
+                         for r in tb.reports()]
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--prompt", type=int, default=128)
+    ap.add_argument("--new", type=int, default=32)
+    ap.add_argument("--modes", default="eager,tilefuse,inductor")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--mode", help=argparse.SUPPRESS)  # the child process's one mode
+    args = ap.parse_args()
+    if args.mode:
+        print(json.dumps(one(args)))
+        return
+    import torch
+
+    rows = []
+    for mode in args.modes.split(","):
+        with tempfile.TemporaryDirectory() as cache:
+            env = dict(os.environ, TILEFUSE_CACHE_DIR=cache)
+            cmd = [sys.executable, __file__, "--mode", mode] + [f"--{k}={getattr(args, k)}" for k in
+                                                                 ("layers", "hidden", "prompt", "new")]
+            p = subprocess.run(cmd, env=env, capture_output=True, text=True)
+            if p.returncode != 0:
+                print(p.stderr[-3000:], file=sys.stderr)
+                raise SystemExit(f"{mode} failed")
+            rows.append(json.loads(p.stdout.strip().splitlines()[-1]))
+    eager = next((r for r in rows if r["mode"] == "eager"), None)
+    for r in rows:
+        r["tokens_as_eager"] = (sum(a == b for a, b in zip(r["tokens"], eager["tokens"])) if eager else None)
+    result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "args": vars(args), "rows": rows}
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
+    print(f"{result['gpu']}: llama {args.layers} layers, hidden {args.hidden}, bf16, prompt {args.prompt}, "
+          f"{args.new} new tokens")
+    print(f"{'mode':10} {'first s':>8} {'again s':>8} {'ms/token':>9} {'peak GiB':>9} {'as eager':>9}  variants/exports")
+    for r in rows:
+        ve = ",".join(f"{g['variants']}/{g['exports']}" for g in r.get("graphs", []))
+        print(f"{r['mode']:10} {r['first_s']:8.2f} {r['again_s']:8.3f} {r['again_ms_per_token']:9.2f} "
+              f"{r['peak_gib']:9.2f} {r['tokens_as_eager']!s:>6}/{args.new}  {ve}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,188 @@
+"""One torch.export with symbolic sizes, instantiated for each concrete size.
+
+A graph whose sizes change from call to call (the key/value cache of `generate` grows by
+one token a step) compiles once per size. torch.export was most of that compile (about 1 s
+a size for a 2-layer model on a CPU, growing with the model), and it re-traced the same
+graph each time. Here the graph is exported once with its dynamic dims symbolic; each new
+size then gets a copy of that aten graph with every size evaluated (`instantiate`): what
+`capture.to_graph` reads (each node's shape and dtype, and integer arguments) is concrete.
+
+An instance is made only where the export holds for the sizes: every dim the export kept
+fixed equals the call's, every symbol lies in the range the export assumed, and every guard
+recorded while tracing (each decision taken on a symbolic size) is true for them. Otherwise,
+and for graphs with regions (subgraphs) or data-dependent sizes, the caller exports that
+size on its own, as before.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import sympy
+import torch
+
+_SYM = (torch.SymInt, torch.SymBool, torch.SymFloat)
+
+
+@dataclass(frozen=True)
+class Instance:
+    """What `capture.to_graph` and the compiler read of an ExportedProgram, for one size."""
+
+    graph_module: torch.fx.GraphModule
+    graph_signature: object
+    state_dict: dict
+    constants: dict
+    call_spec: object
+
+    @property
+    def graph(self) -> torch.fx.Graph:
+        return self.graph_module.graph
+
+
+class Symbolic:
+    """An ExportedProgram with symbolic sizes; `instance(tensors, state)` for a call's user
+    inputs and the weights (state dict) of that call. The export's own state dict is not kept:
+    it would keep the weights of the first call alive after their module is gone."""
+
+    def __init__(self, ep):
+        self.ep = Instance(ep.graph_module, ep.graph_signature, {}, dict(getattr(ep, "constants", {}) or {}),
+                           ep.call_spec)
+        users = {s.arg.name for s in ep.graph_signature.input_specs if s.kind.name == "USER_INPUT"}
+        self.inputs = [n for n in ep.graph.nodes if n.op == "placeholder" and n.name in users]
+        self.env = _shape_env(ep.graph)
+        self.why_not = self._why_not()
+
+    def _why_not(self) -> str:
+        """Why this export cannot serve other sizes ("" when it can)."""
+        if self.env is None:
+            return "the export kept no symbolic size"
+        for n in self.ep.graph.nodes:
+            if n.op == "get_attr" and isinstance(getattr(self.ep.graph_module, n.target, None), torch.nn.Module):
+                return "the graph has a region (a subgraph)"
+            val = n.meta.get("val")
+            for v in val if isinstance(val, (tuple, list)) else (val,):
+                if isinstance(v, _SYM) and self._free(v.node.expr) - self._bound_symbols():
+                    return "a size depends on data"
+        return ""
+
+    def _bound_symbols(self) -> set:
+        if not hasattr(self, "_bound"):
+            found = set()
+            for n in self.inputs:
+                for s in n.meta["val"].shape:
+                    if isinstance(s, torch.SymInt):
+                        found |= self._free(s.node.expr)
+            self._bound = found
+        return self._bound
+
+    def _free(self, expr) -> set:
+        return set(self.env.replace(sympy.sympify(expr)).free_symbols)
+
+    def _value(self, expr, values: dict):
+        out = self.env.replace(sympy.sympify(expr)).xreplace(values)
+        if out.free_symbols:
+            raise _Outside(f"{out} has unbound symbols")
+        return out
+
+    def bind(self, tensors) -> dict | None:
+        """symbol -> size for a call's user tensors; None where the export does not hold for them."""
+        if self.why_not or len(tensors) != len(self.inputs):
+            return None
+        values: dict = {}
+        pending = []
+        for n, t in zip(self.inputs, tensors):
+            val = n.meta["val"]
+            if t.dim() != val.dim() or t.dtype != val.dtype:
+                return None
+            for s, size in zip(val.shape, t.shape):
+                if not isinstance(s, torch.SymInt):
+                    if int(s) != size:
+                        return None
+                    continue
+                expr = self.env.replace(s.node.expr)
+                if isinstance(expr, sympy.Symbol):
+                    if values.setdefault(expr, sympy.Integer(size)) != size:
+                        return None
+                else:
+                    pending.append((expr, size))
+        try:
+            if any(int(self._value(e, values)) != size for e, size in pending):
+                return None
+            for sym, value in values.items():
+                r = self.env.var_to_range.get(sym)
+                if r is not None and not (r.lower <= value <= r.upper):
+                    return None
+            for g in self.env.guards:
+                if not bool(self._value(g.expr, values)):
+                    return None
+        except (_Outside, TypeError):
+            return None
+        return values
+
+    def instance(self, tensors, state: dict) -> Instance | None:
+        values = self.bind(tensors)
+        if values is None:
+            return None
+        return instantiate(self, values, state)
+
+
+class _Outside(Exception):
+    pass
+
+
+def _shape_env(graph):
+    for n in graph.nodes:
+        val = n.meta.get("val")
+        for v in val if isinstance(val, (tuple, list)) else (val,):
+            if isinstance(v, torch.SymInt):
+                return v.node.shape_env
+            if isinstance(v, torch.Tensor):
+                for s in v.shape:
+                    if isinstance(s, torch.SymInt):
+                        return s.node.shape_env
+    return None
+
+
+def _concrete(sym: Symbolic, v, values: dict, fake):
+    if isinstance(v, torch.SymBool):
+        return bool(sym._value(v.node.expr, values))
+    if isinstance(v, torch.SymInt):
+        return int(sym._value(v.node.expr, values))
+    if isinstance(v, torch.SymFloat):
+        return float(sym._value(v.node.expr, values))
+    if isinstance(v, torch.Tensor):
+        if not any(isinstance(x, torch.SymInt) for x in (*v.shape, *v.stride())):
+            return v  # no symbolic size: the export's own value serves every instance
+        shape = [_concrete(sym, s, values, fake) for s in v.shape]
+        stride = [_concrete(sym, s, values, fake) for s in v.stride()]
+        with fake:
+            return torch.empty_strided(shape, stride, dtype=v.dtype, device=v.device)
+    if isinstance(v, (tuple, list)):
+        return type(v)(_concrete(sym, x, values, fake) for x in v)
+    return v
+
+
+def instantiate(sym: Symbolic, values: dict, state: dict) -> Instance:
+    """The export's graph with every size evaluated at `values` (symbol -> int): nodes that
+    compute a size become plain ints in their users' arguments, size assertions are checked
+    and dropped, and each node's value is a fake tensor of concrete shape."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    fake = FakeTensorMode()
+    ep = sym.ep
+    g = torch.fx.Graph()
+    env: dict = {}
+    for n in ep.graph.nodes:
+        val = n.meta.get("val")
+        if n.op == "call_function" and isinstance(val, _SYM):
+            env[n] = _concrete(sym, val, values, fake)
+            continue
+        if n.op == "call_function" and getattr(n.target, "__name__", "") in ("_assert_scalar.default",
+                                                                              "sym_constrain_range_for_size.default"):
+            continue  # checked through the guards in bind
+        new = g.node_copy(n, lambda a: env[a])
+        new.meta = dict(n.meta)
+        if "val" in n.meta:
+            new.meta["val"] = _concrete(sym, val, values, fake)
+        env[n] = new
+    gm = torch.fx.GraphModule(ep.graph_module, g)
+    return Instance(gm, ep.graph_signature, state, ep.constants, ep.call_spec)

@@ -1,0 +1,90 @@
+"""Weights shared by the programs one graph compiles to, one per size.
+
+A graph with dynamic sizes (a model under `torch.compile` whose sequence grows, as in
+`generate`) compiles once per concrete size, and each compile derives its weights again:
+RMSNorm's gamma folded into a matmul's weight, gate and up interleaved, RoPE's rows
+permuted. Those tensors are equal from one size to the next, and without sharing every size
+held a copy of nearly the whole model (a 7B model ran out of memory after a few tokens).
+
+`WeightPool.share` replaces each weight of a new program with an equal one some live program
+already holds (equal bit for bit: -0.0 is not 0.0, a NaN matches only its own bits), and
+`WeightPool.on` gives one device copy per source tensor. The pool holds nothing alive itself:
+what no program uses any more is freed as before.
+"""
+from __future__ import annotations
+
+import hashlib
+import weakref
+
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+SAMPLES = 4096  # elements read for a tensor's fingerprint; equal fingerprints are then compared in full
+
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's elements as integers of the same width: equality of these is bit equality."""
+    if t.is_complex():
+        t = torch.view_as_real(t)
+    return t.view(_BITS[t.element_size()]) if t.element_size() in _BITS else t
+
+
+def _fingerprint(t: torch.Tensor) -> bytes:
+    flat = _bits(t).reshape(-1)
+    step = max(1, flat.numel() // SAMPLES)
+    sample = flat[::step][:SAMPLES].cpu().contiguous()
+    return hashlib.blake2b(sample.numpy().tobytes(), digest_size=16).digest()
+
+
+def _key(t: torch.Tensor) -> tuple:
+    return tuple(t.shape), t.dtype, t.device, t.stride()
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.data_ptr() == b.data_ptr() and a.stride() == b.stride():
+        return True
+    return torch.equal(_bits(a), _bits(b))
+
+
+class WeightPool:
+    def __init__(self):
+        self._held: dict = {}  # (shape, dtype, device, strides, fingerprint) -> [weakref to tensor]
+        self._copies = WeakIdKeyDictionary()  # source tensor -> {device: weakref to its copy there}
+        self.shared_bytes = 0  # what sharing saved, summed over the programs it served
+
+    def share(self, weights: dict) -> int:
+        """Replace, in place, each tensor of `weights` by an equal one already pooled, and pool
+        the rest; the bytes this call saved."""
+        saved = 0
+        self._held = {k: v for k, v in self._held.items() if any(r() is not None for r in v)}
+        for name, t in list(weights.items()):
+            if not isinstance(t, torch.Tensor) or t.numel() == 0 or t.is_sparse:
+                continue
+            key = _key(t) + (_fingerprint(t),)
+            refs = [r for r in self._held.get(key, ()) if r() is not None]
+            match = next((c for c in (r() for r in refs) if c is not None and _same(c, t)), None)
+            if match is None:
+                refs.append(weakref.ref(t))
+            elif match is not t:
+                weights[name] = match
+                if match.untyped_storage().data_ptr() != t.untyped_storage().data_ptr():
+                    saved += t.numel() * t.element_size()
+            self._held[key] = refs
+        self.shared_bytes += saved
+        return saved
+
+    def on(self, value, device: torch.device) -> torch.Tensor:
+        """`value` contiguous on `device`, one copy per source and device for all programs."""
+        if not isinstance(value, torch.Tensor):
+            return torch.as_tensor(value).to(device).contiguous()
+        per = self._copies.get(value)
+        if per is None:
+            per = self._copies[value] = {}
+        ref = per.get(str(device))
+        copy = ref() if ref is not None else None
+        if copy is None:
+            copy = value.to(device).contiguous()
+            per[str(device)] = weakref.ref(copy)
+        return copy
