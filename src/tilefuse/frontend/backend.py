@@ -380,7 +380,7 @@ class GraphRunner:
             aliased = _aliased_output(c.graph)
             if aliased:
                 raise _Unsupported(aliased)
-            POOL.share(prog.graph.weights)  # equal derived weights, held once by every size's program
+            POOL.share(prog.graph.weights, live=weights)  # equal derived weights, held once by every size's program
             prog.pool = POOL
             if any(t.is_cuda for t in user):
                 prog.prepare("cuda")

@@ -10,6 +10,12 @@ held a copy of nearly the whole model (a 7B model ran out of memory after a few 
 already holds (equal bit for bit: -0.0 is not 0.0, a NaN matches only its own bits), and
 `WeightPool.on` gives one device copy per source tensor. The pool holds nothing alive itself:
 what no program uses any more is freed as before.
+
+Only tensors a compilation derived are pooled. A weight that shares memory with a live
+parameter (a Linear's bias passed through as `param.detach()`) changes when the parameter is
+updated in place; its own model then compiles again, but a program of another model given it
+as an "equal" tensor would silently compute with the new values. The caller names those
+parameters (`live`), and what aliases them is neither pooled nor replaced.
 """
 from __future__ import annotations
 
@@ -26,8 +32,6 @@ _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
     """The tensor's elements as integers of the same width: equality of these is bit equality."""
-    if t.is_complex():
-        t = torch.view_as_real(t)
     return t.view(_BITS[t.element_size()]) if t.element_size() in _BITS else t
 
 
@@ -36,6 +40,10 @@ def _fingerprint(t: torch.Tensor) -> bytes:
     step = max(1, flat.numel() // SAMPLES)
     sample = flat[::step][:SAMPLES].cpu().contiguous()
     return hashlib.blake2b(sample.numpy().tobytes(), digest_size=16).digest()
+
+
+def _storage(t: torch.Tensor) -> tuple:
+    return t.device, t.untyped_storage().data_ptr()
 
 
 def _key(t: torch.Tensor) -> tuple:
@@ -54,13 +62,15 @@ class WeightPool:
         self._copies = WeakIdKeyDictionary()  # source tensor -> {device: weakref to its copy there}
         self.shared_bytes = 0  # what sharing saved, summed over the programs it served
 
-    def share(self, weights: dict) -> int:
+    def share(self, weights: dict, live=()) -> int:
         """Replace, in place, each tensor of `weights` by an equal one already pooled, and pool
-        the rest; the bytes this call saved."""
+        the rest, except tensors sharing memory with one of `live`; the bytes this call saved."""
         saved = 0
         self._held = {k: v for k, v in self._held.items() if any(r() is not None for r in v)}
+        aliased = {_storage(t) for t in live if isinstance(t, torch.Tensor) and t.layout == torch.strided}
         for name, t in list(weights.items()):
-            if not isinstance(t, torch.Tensor) or t.numel() == 0 or t.is_sparse:
+            if (not isinstance(t, torch.Tensor) or t.numel() == 0 or t.layout != torch.strided or t.is_complex()
+                    or _storage(t) in aliased):
                 continue
             key = _key(t) + (_fingerprint(t),)
             refs = [r for r in self._held.get(key, ()) if r() is not None]
