@@ -127,11 +127,19 @@ class Runner:
         env[:self.n_inputs] = tensors
         for op in self.ops:
             op(env)
-        return [env[i].clone() if c else env[i] for i, c in self.outputs]
+        return [env[i].clone() if c else _unviewed(env[i]) for i, c in self.outputs]
 
     def prefilled(self) -> list:
         """The device tensors the runner holds (weights, constants): never a call's own memory."""
         return [t for t in self.base if t is not None]
+
+
+def _unviewed(t: torch.Tensor) -> torch.Tensor:
+    """`t` with no view base (same memory): the replay of a CUDA graph returns its outputs
+    detached, and a call on this path must return the same kind of tensor. Dynamo guards the
+    base of a view it is given (an output fed back, as a KV cache is): a graph traced on a
+    warm-up call's views failed its guards on replayed outputs and was traced again."""
+    return t.detach() if t._base is not None else t
 
 
 def _constant(n, device) -> torch.Tensor:

@@ -37,6 +37,22 @@ def default_path() -> Path:
     return base / "tune.sqlite"
 
 
+def state() -> tuple:
+    """What a lookup can answer depends on: the cache's path, its files as they stand (SQLite
+    writes the WAL file first) and TILEFUSE_TUNED. Two stats, for callers that keep what an
+    earlier lookup gave (runtime.program's shared kernels) until a tuning run changes it."""
+    path = default_path()
+
+    def stat(p):
+        try:
+            st = os.stat(p)
+            return st.st_mtime_ns, st.st_size
+        except OSError:
+            return None
+
+    return str(path), stat(path), stat(str(path) + "-wal"), os.environ.get("TILEFUSE_TUNED", "1")
+
+
 def signature(kernel) -> str:
     """Roles, dtypes and shapes of the kernel's buffers, in parameter order (no names)."""
     return ",".join(f"{b.role}:{b.dtype}[{'x'.join(map(str, b.shape))}]" for b in kernel.params)
