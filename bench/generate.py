@@ -104,9 +104,11 @@ def main() -> None:
         Path(args.json).write_text(json.dumps(result, indent=1))
     print(f"{result['gpu']}: llama {args.layers} layers, hidden {args.hidden}, bf16, prompt {args.prompt}, "
           f"{args.new} new tokens")
-    print(f"{'mode':10} {'first s':>8} {'again s':>8} {'ms/token':>9} {'peak GiB':>9} {'as eager':>9}  variants/exports")
+    print(f"{'mode':10} {'first s':>8} {'again s':>8} {'ms/token':>9} {'peak GiB':>9} {'as eager':>9}  "
+          f"per graph: variants/exports/calls in tilefuse/calls in eager")
     for r in rows:
-        ve = ",".join(f"{g['variants']}/{g['exports']}" for g in r.get("graphs", []))
+        ve = ",".join(f"{g['variants']}/{g['exports']}/{g['calls_tilefuse']}/{g['calls_eager']}"
+                      for g in r.get("graphs", []))
         print(f"{r['mode']:10} {r['first_s']:8.2f} {r['again_s']:8.3f} {r['again_ms_per_token']:9.2f} "
               f"{r['peak_gib']:9.2f} {r['tokens_as_eager']!s:>6}/{args.new}  {ve}")
 

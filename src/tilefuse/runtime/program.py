@@ -34,7 +34,7 @@ PREPARE_THREADS = 8  # kernels Program.prepare compiles at once
 # graph compiles to at different sizes (under torch.compile, `generate`'s cache grows a token a
 # step) repeat most of their kernels, and rendering each again and hashing it for the cubin and
 # tuning caches cost ~0.8 s a size for a 4-layer model on an H100. The key is the kernel itself
-# (Loop IR, names included) or the GEMM problem, the target, whether tuned knobs are looked up,
+# (Loop IR, names included) or the GEMM problem and its epilogue, the target, whether tuned knobs are looked up,
 # and the tuning cache's state; an entry lives while some program holds its kernel.
 _SHARED: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
@@ -214,7 +214,8 @@ class Program:
                                 f"{torch.cuda.get_device_name(device)} is sm_{cap[0]}{cap[1]}. "
                                 f"TILEFUSE_GEMM=0 runs matmuls in cuBLAS")
 
-            self._compiled[key] = _shared(("gemm", problem, cap, str(device), self.schedules is not None), build)
+            self._compiled[key] = _shared(("gemm", problem, problem.epilogue, cap, str(device),  # (problem's == skips it)
+                                           self.schedules is not None), build)
         return self._compiled[key]
 
     def prepare(self, device="cuda"):
