@@ -175,3 +175,20 @@ def test_corruption_found_after_opening_is_recovered_too(tmp_path):
         assert c.get(k) is None
     c.put(entry(k, 3))
     assert c.get(k).knobs["threads"] == 131
+
+
+def test_state_moves_with_this_process_writes_and_the_switch_not_with_reads(tmp_path, monkeypatch):
+    """runtime.program keeps compiled kernels while `state()` stays: a put or delete here, or
+    TILEFUSE_TUNED, must move it; a lookup (which creates the file and SQLite's WAL) must not."""
+    monkeypatch.setenv("TILEFUSE_CACHE_DIR", str(tmp_path))
+    c, k = tc.TuneCache(), key(fx.rmsnorm_kernel(64, 1024, "bf16"))
+    before = tc.state()
+    assert c.get(k) is None and tc.state() == before
+    c.put(entry(k))
+    after_put = tc.state()
+    assert after_put != before and c.get(k) is not None and tc.state() == after_put
+    c.delete(k)
+    assert tc.state() != after_put
+    now = tc.state()
+    monkeypatch.setenv("TILEFUSE_TUNED", "0")
+    assert tc.state() != now

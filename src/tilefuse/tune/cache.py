@@ -29,6 +29,7 @@ from pathlib import Path
 
 SCHEMA = 1
 _checked: set = set()  # (pid, path) already validated in this process
+_writes = 0  # entries put or deleted by this process (`state`)
 
 
 def default_path() -> Path:
@@ -38,19 +39,17 @@ def default_path() -> Path:
 
 
 def state() -> tuple:
-    """What a lookup can answer depends on: the cache's path, its files as they stand (SQLite
-    writes the WAL file first) and TILEFUSE_TUNED. Two stats, for callers that keep what an
-    earlier lookup gave (runtime.program's shared kernels) until a tuning run changes it."""
-    path = default_path()
+    """What a lookup in this process can answer depends on: the cache's path, TILEFUSE_TUNED,
+    and the entries this process wrote or deleted since (a count). For callers that keep what
+    an earlier lookup gave (runtime.program's shared kernels). Another process tuning
+    meanwhile is seen by kernels this process has not compiled yet; the file's own state is
+    no key: opening it for a read creates it, and SQLite's WAL files come and go on reads."""
+    return str(default_path()), os.environ.get("TILEFUSE_TUNED", "1"), _writes
 
-    def stat(p):
-        try:
-            st = os.stat(p)
-            return st.st_mtime_ns, st.st_size
-        except OSError:
-            return None
 
-    return str(path), stat(path), stat(str(path) + "-wal"), os.environ.get("TILEFUSE_TUNED", "1")
+def _wrote() -> None:
+    global _writes
+    _writes += 1
 
 
 def signature(kernel) -> str:
@@ -234,12 +233,14 @@ class TuneCache:
             con.execute("COMMIT")
 
         self._do(w)
+        _wrote()
 
     def delete(self, key: Key) -> None:
         def w(con):
             con.execute("DELETE FROM tuned WHERE digest=?", (key.digest,))
 
         self._do(w)
+        _wrote()
 
     def entries(self) -> list[Entry]:
         def q(con):
