@@ -10,8 +10,9 @@ from the same random prompt:
 - first: the wall time of the whole generate, every size compiled on the way;
 - again: the same generate twice more, the last one timed: every size compiled and, for
   tilefuse, its CUDA graph captured (a program's second call captures, later calls replay);
-- other prompt: a prompt one token shorter, so every size is new (what each new size costs);
-and the peak GPU memory, the compiled variants and exports per graph (tilefuse), and how
+- other prompt: a prompt half as long, so every size is new (what each new size costs);
+and the peak GPU memory, the compiled variants and exports per graph (tilefuse; with
+`tilefuse-nographs`, TILEFUSE_CUDA_GRAPHS=0: no CUDA-graph capture or replay), and how
 many generated tokens equal eager's (bf16 greedy decoding may part ways at a near tie).
 Prints a table last; the JSON carries the GPU's name.
 """
@@ -39,34 +40,47 @@ def one(args) -> dict:
     torch.manual_seed(0)
     cfg = hf.config("llama", args.layers, args.hidden, seq=args.prompt + args.new + 8)
     cfg.use_cache = True
-    model = hf.causal_lm(cfg).to("cuda", torch.bfloat16).eval()
-    ids = torch.randint(0, cfg.vocab_size, (1, args.prompt), device="cuda")
+    cuda = args.device == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    model = hf.causal_lm(cfg).to(args.device, torch.bfloat16).eval()
+    ids = torch.randint(0, cfg.vocab_size, (1, args.prompt), device=args.device)
     gen = dict(max_new_tokens=args.new, min_new_tokens=args.new, do_sample=False, pad_token_id=0)
-    if args.mode != "eager":
-        backend = "tilefuse" if args.mode == "tilefuse" else "inductor"
-        if backend == "tilefuse":
-            from tilefuse.frontend import backend as tb
+    runners = []
+    from tilefuse.frontend import backend as tb
 
-            tb.register()
-        model.forward = torch.compile(model.forward, backend=backend)
+    def tilefuse_backend(gm, example_inputs, **kw):  # tilefuse's, keeping each graph's runner
+        runners.append(tb.tilefuse_backend(gm, example_inputs, **kw))
+        return runners[-1]
+
+    if args.mode != "eager":
+        model.forward = torch.compile(model.forward, backend=tilefuse_backend if args.mode.startswith("tilefuse")
+                                      else "inductor")
     times, tokens = [], None
-    torch.cuda.reset_peak_memory_stats()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
     with torch.no_grad():
-        for prompt in (ids, ids, ids, ids[:, 1:]):
-            torch.cuda.synchronize()
+        for prompt in (ids, ids, ids, ids[:, args.prompt // 2:]):
+            sync()
             t0 = time.perf_counter()
             seq = model.generate(prompt, **gen)
-            torch.cuda.synchronize()
+            sync()
             times.append(time.perf_counter() - t0)
             tokens = seq if tokens is None else tokens
     out = {"mode": args.mode, "first_s": times[0], "again_s": times[2], "other_prompt_s": times[3],
            "again_ms_per_token": times[2] / args.new * 1e3,
-           "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+           "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan"),
            "weights_gib": sum(p.numel() * p.element_size() for p in model.parameters()) / 2**30,
            "tokens": tokens[0, args.prompt:].tolist()}
-    if args.mode == "tilefuse":
-        from tilefuse.frontend import backend as tb
+    if runners:
+        from collections import Counter
 
+        info = [g for r in runners for v in r.variants.values() if v.program is not None
+                for g in v.program.graph_info()]
+        stats = Counter()
+        for g in info:
+            stats.update({k: v for k, v in g.items() if type(v) is int})
+        out["cuda_graphs"] = {"signatures": len(info), "off": Counter(str(g["reason"]) for g in info if not g["graphs"]),
+                              **stats}
         out["graphs"] = [{"variants": r.variants, "exports": getattr(r, "exports", None), "status": r.status,
                           "calls_tilefuse": r.calls_tilefuse, "calls_eager": r.calls_eager, "events": r.events}
                          for r in tb.reports()]
@@ -79,8 +93,9 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--new", type=int, default=32)
-    ap.add_argument("--modes", default="eager,tilefuse,inductor")
+    ap.add_argument("--modes", default="eager,tilefuse,tilefuse-nographs,inductor")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--device", default="cuda", help="cpu: check the script (kernels run in the interpreter)")
     ap.add_argument("--mode", help=argparse.SUPPRESS)  # the child process's one mode
     args = ap.parse_args()
     if args.mode:
@@ -92,8 +107,10 @@ def main() -> None:
     for mode in args.modes.split(","):
         with tempfile.TemporaryDirectory() as cache:
             env = dict(os.environ, TILEFUSE_CACHE_DIR=cache)
+            if mode == "tilefuse-nographs":
+                env["TILEFUSE_CUDA_GRAPHS"] = "0"
             cmd = [sys.executable, __file__, "--mode", mode] + [f"--{k}={getattr(args, k)}" for k in
-                                                                 ("layers", "hidden", "prompt", "new")]
+                                                                 ("layers", "hidden", "prompt", "new", "device")]
             p = subprocess.run(cmd, env=env, capture_output=True, text=True)
             if p.returncode != 0:
                 print(p.stderr[-3000:], file=sys.stderr)
@@ -102,20 +119,23 @@ def main() -> None:
     eager = next((r for r in rows if r["mode"] == "eager"), None)
     for r in rows:
         r["tokens_as_eager"] = (sum(a == b for a, b in zip(r["tokens"], eager["tokens"])) if eager else None)
-    result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "args": vars(args), "rows": rows}
+    result = {"gpu": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "torch": torch.__version__, "args": vars(args), "rows": rows}
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
     print(f"{result['gpu']}: llama {args.layers} layers, hidden {args.hidden}, bf16, prompt {args.prompt}, "
           f"{args.new} new tokens")
-    print(f"{'mode':10} {'first s':>8} {'again s':>8} {'ms/token':>9} {'other prompt s':>15} {'peak GiB':>9} "
+    print(f"{'mode':18} {'first s':>8} {'again s':>8} {'ms/token':>9} {'other prompt s':>15} {'peak GiB':>9} "
           f"{'as eager':>9}  "
           f"per graph: variants/exports/calls in tilefuse/calls in eager")
     for r in rows:
         ve = ",".join(f"{g['variants']}/{g['exports']}/{g['calls_tilefuse']}/{g['calls_eager']}"
                       for g in r.get("graphs", []))
-        print(f"{r['mode']:10} {r['first_s']:8.2f} {r['again_s']:8.3f} {r['again_ms_per_token']:9.2f} "
+        print(f"{r['mode']:18} {r['first_s']:8.2f} {r['again_s']:8.3f} {r['again_ms_per_token']:9.2f} "
               f"{r['other_prompt_s']:15.2f} "
               f"{r['peak_gib']:9.2f} {r['tokens_as_eager']!s:>6}/{args.new}  {ve}")
+    for r in rows:
+        if "cuda_graphs" in r:
+            print(f"{r['mode']}: CUDA graphs {r['cuda_graphs']}")
 
 
 if __name__ == "__main__":
