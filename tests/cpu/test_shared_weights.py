@@ -29,7 +29,6 @@ import weakref
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
@@ -300,13 +299,7 @@ def test_a_weight_aliasing_a_live_parameter_is_neither_pooled_nor_replaced():
 # -- through the torch.compile backend ----------------------------------------------------------
 
 
-class NormMLP(nn.Module):
-    def __init__(self, d=16):
-        super().__init__()
-        self.norm, self.up, self.down = nn.RMSNorm(d), nn.Linear(d, 2 * d), nn.Linear(2 * d, d)
-
-    def forward(self, x):
-        return x + self.down(F.gelu(self.up(self.norm(x))))
+from test_backend import NormMLP  # noqa: E402  (tests/cpu is on the path: pytest's rootdir import)
 
 
 def _recording_backend(runners: list):
