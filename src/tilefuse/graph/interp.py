@@ -129,20 +129,23 @@ def _gather(n: ir.Gather, x, index):
 def _extern(n: ir.Extern, env, precision):
     import torch
 
-    def conv(a):
-        if isinstance(a, ir.Ref):
-            x = env[a.name]
-            return to_torch(x).reshape(x.shape)  # to_torch makes 0-d arrays 1-d
-        if isinstance(a, tuple):
-            return [conv(x) for x in a]
-        return a
-
     op = n.torch_op()
-    kwargs = {k: conv(v) for k, v in n.kwargs}
+    kwargs = {k: _torch_arg(v, env) for k, v in n.kwargs}
     if precision == "f64" and "dtype" in kwargs and kwargs["dtype"] in (torch.bfloat16, torch.float16, torch.float32):
         kwargs["dtype"] = torch.float64
-    r = op(*conv(n.args), **kwargs)
+    r = op(*_torch_arg(n.args, env), **kwargs)
     return to_numpy(r)
+
+
+def _torch_arg(a, env):
+    """An extern's argument with each Ref's value as a tensor (module level: a nested function
+    calling itself is a reference cycle that keeps `env` alive until the cycle collector runs)."""
+    if isinstance(a, ir.Ref):
+        x = env[a.name]
+        return to_torch(x).reshape(x.shape)  # to_torch makes 0-d arrays 1-d
+    if isinstance(a, tuple):
+        return [_torch_arg(x, env) for x in a]
+    return a
 
 
 def iota_value(n: ir.Iota) -> np.ndarray:

@@ -369,15 +369,19 @@ def run_extern(n, get) -> torch.Tensor:
     if isinstance(n, ir.Map):
         raise TypeError(f"map {n.name} has no kernel")
     if isinstance(n, ir.Extern):
-        op = n.torch_op()
-
-        def conv(a):
-            if isinstance(a, ir.Ref):
-                return get(a.name)
-            if isinstance(a, tuple):
-                return [conv(x) for x in a]
-            return a
-
-        kwargs = {k: conv(v) for k, v in n.kwargs}
-        return op(*conv(n.args), **kwargs)
+        kwargs = {k: _resolved(v, get) for k, v in n.kwargs}
+        return n.torch_op()(*_resolved(n.args, get), **kwargs)
     raise TypeError(f"cannot run {n!r} in PyTorch")
+
+
+def _resolved(a, get):
+    """An extern's argument with each Ref replaced by its tensor. A module-level function: a
+    nested one that calls itself is a reference cycle, which kept each call's environment (every
+    intermediate tensor) alive until Python's cycle collector ran; a CUDA-graph slot whose
+    results the caller had dropped then looked held (its use count changed) and was never
+    replayed again."""
+    if isinstance(a, ir.Ref):
+        return get(a.name)
+    if isinstance(a, tuple):
+        return [_resolved(x, get) for x in a]
+    return a
