@@ -388,3 +388,28 @@ def test_inference_tensor_weights_are_said_to_go_unwatched():
         torch.compile(m, backend="tilefuse")(torch.randn(3, 8))
     (r,) = tb.reports()
     assert any("inference tensors" in e for e in r.events)
+
+
+def test_a_graph_refused_at_two_sizes_for_one_reason_stops_being_tried(monkeypatch):
+    """Each try of a refused graph costs a compile (~0.5 s a size of a small model, every token of
+    a `generate`): after REFUSED_AFTER sizes fail for the same reason, new sizes run in eager
+    untried, saying so once; every call still gives eager's answer."""
+    import tilefuse.compiler
+
+    tries = []
+    real = tilefuse.compiler.compile_stages
+    monkeypatch.setattr(tilefuse.compiler, "compile_stages", lambda *a, **k: tries.append(1) or real(*a, **k))
+
+    def f(x):
+        return x.t(), x + 1  # an output that is a view of an input: refused at every size
+
+    g = torch.compile(f, backend="tilefuse", dynamic=True)
+    with torch.no_grad():
+        for n in (3, 4, 5, 6, 7):
+            x = torch.randn(n, 8)
+            for got, want in zip(g(x), f(x)):
+                torch.testing.assert_close(got, want)
+    (r,) = tb.reports()
+    assert r.calls_eager == 5 and r.calls_tilefuse == 0
+    assert len(tries) == tb.REFUSED_AFTER
+    assert sum("without compiling" in e for e in r.events) == 1, r.events

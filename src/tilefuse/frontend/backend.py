@@ -27,6 +27,7 @@ from ..runtime.shared_weights import WeightPool
 
 NAME = "tilefuse"
 MAX_VARIANTS = 64  # compiled variants (sizes x weight sets) kept per graph before new ones run in eager
+REFUSED_AFTER = 2  # sizes failing for one reason before a graph's new sizes stop being tried
 POOL = WeightPool()  # weights derived at compile time, shared by every graph's and size's programs
 
 
@@ -282,6 +283,8 @@ class GraphRunner:
         self.report = GraphReport(len(REPORTS), fx_ops)
         REPORTS.append(self.report)
         self.variants: dict = {}
+        self.refusals: Counter = Counter()  # failure reason -> sizes it failed at
+        self.refused = ""  # a reason met at REFUSED_AFTER sizes: new sizes run in eager, untried
         self.symbolic = None  # frontend.sizes.Symbolic: one export serving every size, once made
         self.sources = _size_sources(placeholders, self.kinds) if "int" in self.kinds else None
         self.fallback = self._why_eager(example_inputs, placeholders)
@@ -350,6 +353,8 @@ class GraphRunner:
             if reason not in (e.split(": ", 1)[-1] for e in self.report.events):
                 self._event(reason)
             return _Variant(None, [], [], reason)
+        if self.refused:  # (each try of a refused graph cost an export, ~0.5 s a size of a small model)
+            return _Variant(None, [], [], self.refused)
         v = self._compile(args, weights)
         self.variants[key] = v
         return v
@@ -389,6 +394,11 @@ class GraphRunner:
             self._event(f"eager fallback: {reason}", once=True)
             if not self.report.variants:
                 self.report.status, self.report.reason = "eager", reason
+            self.refusals[reason] += 1
+            if self.refusals[reason] >= REFUSED_AFTER:
+                self.refused = reason
+                self._event(f"failed at {REFUSED_AFTER} sizes for the same reason: new sizes run in eager "
+                            f"without compiling")
             return _Variant(None, refs, versions, reason, pointers)
         self._record(c, time.perf_counter() - t0)
         return _Variant(prog, refs, versions, pointers=pointers)

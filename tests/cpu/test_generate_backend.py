@@ -1,0 +1,132 @@
+"""`model.generate` with a KV cache through `torch.compile(model.forward, backend="tilefuse")`,
+on the CPU, across transformers causal LMs: Llama, Qwen2, GPT-2 (tilefuse.models.hf) and the
+nine causal architectures of hf_arch_fixtures.py (Mistral and Gemma2 with a sliding window
+smaller than prompt + new tokens, Phi3, Gemma, GPT-NeoX, OPT, Qwen3, Olmo, StableLM), random
+float32 weights (1-D parameters perturbed), one layer (Gemma2: two), hidden 32, vocab 128.
+
+Properties, per architecture, for greedy generation of 8 tokens:
+- the compiled model generates eager's tokens: twice for a 12-token prompt, then once for a
+  9-token prompt (a new prefill length, and decode sizes not seen before);
+- every dynamo graph was compiled by tilefuse and ran there on every call (no eager call, no
+  run-time fallback, no graph break);
+- a graph compiled for several sizes (each decode step's cache is one longer) got them from one
+  symbolic torch.export: fewer exports than compiled variants;
+- the second identical generate makes no new export, and a third compiles nothing. The second
+  may compile a size the first already compiled, as an instance of the symbolic export, at most
+  once per graph dynamo compiled for one size: dynamo compiles the first call of each graph
+  for its sizes alone, and once it has a dynamic graph of the same code it tries that graph
+  first, so a size a static graph served in the first generate reaches the dynamic graph in
+  the second;
+- Mistral and Gemma2 (transformers' DynamicSlidingWindowLayer) are strict xfails: their
+  prefill graph returns an input unchanged (a no-op `.to` of the layer's window tensor), which
+  the backend refuses ("an output is an input itself"), and their decode graphs return the
+  layer's `cumulative_length` as a SymInt, which capture refuses ("the program must return
+  tensors"); both graphs run in eager (the tokens are eager's).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("transformers", reason="the models need transformers (pip install 'tilefuse[models]')")
+
+from hf_arch_fixtures import ARCHS, Sizes, _ids, perturb, sizes_for  # noqa: E402
+
+from tilefuse.frontend import backend as tb  # noqa: E402
+from tilefuse.models import hf  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("fresh_backend")
+
+SIZES = Sizes(hidden=32, layers=1, seq=32, batch=1, vocab=128, head_dim=8, window=8)
+PROMPTS = (12, 9)  # tokens: the first generated twice, then the second
+GENERATE = dict(max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0)
+
+
+class RanInEager(AssertionError):
+    """A graph ran (wholly or in part) in eager: what the strict xfails below expect, and only that."""
+
+
+SLIDING_WINDOW_CACHE = ("DynamicSlidingWindowLayer: the prefill graph returns its input "
+                        "_sliding_window_tensor unchanged (a no-op .to), refused as 'an output is an input itself'; "
+                        "the decode graphs return cumulative_length as a SymInt, refused by capture ('the program "
+                        "must return tensors'); both run in eager")
+DEFECTS = {"mistral": SLIDING_WINDOW_CACHE, "gemma2": SLIDING_WINDOW_CACHE}
+
+CAUSAL = ["llama", "qwen2", "gpt2"] + [n for n, a in ARCHS.items() if a.kind == "causal"]
+
+
+def _build(name: str) -> torch.nn.Module:
+    """A random float32 model of `name` with its KV cache on, 1-D parameters perturbed."""
+    import transformers
+
+    torch.manual_seed(0)
+    if name in hf.MODELS:
+        cfg = hf.config(name, 1, SIZES.hidden, seq=64, vocab=SIZES.vocab, heads=2, ffn=3 * SIZES.hidden)
+        cfg.use_cache = True
+        model = hf.causal_lm(cfg)
+    else:
+        a, s = ARCHS[name], sizes_for(name, SIZES)
+        cfg = getattr(transformers, a.config)(**{**_ids(s, a.kind), **a.config_kw(s), "use_cache": True})
+        cfg._attn_implementation = a.attn
+        model = getattr(transformers, a.model)(cfg)
+        model.loss_type = "ForCausalLM"
+    perturb(model, torch.Generator().manual_seed(1))
+    return model.float().eval()
+
+
+def _variants() -> int:
+    return sum(r.variants for r in tb.reports())
+
+
+def _exports() -> int:
+    return sum(r.exports for r in tb.reports())
+
+
+def _assert_ran_in_tilefuse() -> None:
+    summary = tb.summary()
+    rs = tb.reports()
+    if not rs:
+        raise AssertionError("no graph reached the tilefuse backend")
+    breaks = sum(tb._graph_breaks().values())
+    for r in rs:
+        if r.status != "tilefuse" or r.calls_eager or any("runtime error" in e for e in r.events) or breaks:
+            raise RanInEager(f"graph {r.index}: status {r.status}, {r.calls_eager} eager call(s), {breaks} "
+                             f"graph break(s): {r.reason} {r.events}\n{summary}")
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(strict=True, raises=RanInEager,
+                                                                          reason=DEFECTS[n]))
+                                  if n in DEFECTS else n for n in CAUSAL])
+def test_generate_gives_eager_tokens_in_tilefuse_from_one_export_per_graph(name):
+    model = _build(name)
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(2, model.config.vocab_size, (1, n), generator=gen) for n in PROMPTS]
+    with torch.no_grad():
+        eager = [model.generate(p, **GENERATE) for p in prompts]
+        assert all(e.shape[1] == p.shape[1] + 8 for e, p in zip(eager, prompts))
+        model.forward = torch.compile(model.forward, backend="tilefuse")
+
+        got = model.generate(prompts[0], **GENERATE)
+        assert torch.equal(got, eager[0]), (got, eager[0])
+        _assert_ran_in_tilefuse()
+        variants, exports = _variants(), _exports()
+        single = sum(r.variants == 1 for r in tb.reports())  # graphs dynamo compiled for one size
+
+        again = model.generate(prompts[0], **GENERATE)
+        assert torch.equal(again, eager[0]), (again, eager[0])
+        _assert_ran_in_tilefuse()
+        assert _exports() == exports, f"the second identical generate exported again\n{tb.summary()}"
+        assert _variants() - variants <= single, f"{_variants() - variants} new variant(s)\n{tb.summary()}"
+        variants = _variants()
+        model.generate(prompts[0], **GENERATE)
+        assert _variants() == variants, f"the third identical generate compiled again\n{tb.summary()}"
+
+        other = model.generate(prompts[1], **GENERATE)
+        assert torch.equal(other, eager[1]), (other, eager[1])
+
+    _assert_ran_in_tilefuse()
+    for r in tb.reports():
+        if r.variants > 1:
+            assert r.exports < r.variants, (f"graph {r.index}: {r.variants} variants from {r.exports} exports: "
+                                            f"{r.events}\n{tb.summary()}")
+    assert any(r.variants > 1 for r in tb.reports()), tb.summary()
