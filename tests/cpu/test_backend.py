@@ -413,3 +413,20 @@ def test_a_graph_refused_at_two_sizes_for_one_reason_stops_being_tried(monkeypat
     assert r.calls_eager == 5 and r.calls_tilefuse == 0
     assert len(tries) == tb.REFUSED_AFTER
     assert sum("without compiling" in e for e in r.events) == 1, r.events
+
+
+def test_an_output_that_is_an_input_itself_is_the_callers_tensor():
+    """A graph returning an input unchanged (a no-op `.to`, as transformers' sliding-window cache
+    does) compiles, and that output is the caller's own tensor, as in eager (the whole graph ran
+    in eager before)."""
+    def f(x, y):
+        return y.to("cpu"), x + 1, y
+
+    g = torch.compile(f, backend="tilefuse")
+    with torch.no_grad():
+        x, y = torch.randn(3, 4), torch.randn(5)
+        a, b, c = g(x, y)
+    assert a is y and c is y
+    torch.testing.assert_close(b, x + 1)
+    (r,) = tb.reports()
+    assert r.status == "tilefuse" and r.calls_tilefuse == 1, (r.status, r.reason)

@@ -18,10 +18,10 @@ Properties, per architecture, for greedy generation of 8 tokens:
   first, so a size a static graph served in the first generate reaches the dynamic graph in
   the second;
 - Mistral and Gemma2 (transformers' DynamicSlidingWindowLayer) are strict xfails: their
-  prefill graph returns an input unchanged (a no-op `.to` of the layer's window tensor), which
-  the backend refuses ("an output is an input itself"), and their decode graphs return the
-  layer's `cumulative_length` as a SymInt, which capture refuses ("the program must return
-  tensors"); both graphs run in eager (the tokens are eager's).
+  decode graphs return the layer's `cumulative_length` as a SymInt, which capture refuses
+  ("the program must return tensors"), so those graphs run in eager (the tokens are eager's).
+  Their prefill graph returns an input unchanged (a no-op `.to` of the layer's window tensor),
+  which compiles: that output is the caller's tensor.
 """
 from __future__ import annotations
 
@@ -46,10 +46,9 @@ class RanInEager(AssertionError):
     """A graph ran (wholly or in part) in eager: what the strict xfails below expect, and only that."""
 
 
-SLIDING_WINDOW_CACHE = ("DynamicSlidingWindowLayer: the prefill graph returns its input "
-                        "_sliding_window_tensor unchanged (a no-op .to), refused as 'an output is an input itself'; "
-                        "the decode graphs return cumulative_length as a SymInt, refused by capture ('the program "
-                        "must return tensors'); both run in eager")
+SLIDING_WINDOW_CACHE = ("DynamicSlidingWindowLayer: the decode graphs return cumulative_length as a SymInt, "
+                        "refused by capture ('the program must return tensors'), and run in eager (the "
+                        "prefill graph, which returns an input unchanged, compiles)")
 DEFECTS = {"mistral": SLIDING_WINDOW_CACHE, "gemma2": SLIDING_WINDOW_CACHE}
 
 CAUSAL = ["llama", "qwen2", "gpt2"] + [n for n, a in ARCHS.items() if a.kind == "causal"]

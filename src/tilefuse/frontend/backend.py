@@ -207,6 +207,9 @@ class _Variant:
     # where each weight's data lay: `module.half(); module.float()` swaps a parameter's data
     # (same object, same version counter), so the values may have changed under the variant
     pointers: list = field(default_factory=list)
+    # (output leaf, user input) pairs where the graph returns that input itself: the caller's
+    # tensor is returned, as eager returns it (tilefuse's program gives a copy)
+    identity: tuple = ()
 
     def fresh(self, weights) -> bool:
         return all(r() is w and v == _version(w) and p == w.data_ptr()
@@ -330,6 +333,11 @@ class GraphRunner:
             self.report.calls_eager += 1
             return self.gm(*args)
         self.report.calls_tilefuse += 1
+        if v.identity:
+            leaves, spec = torch.utils._pytree.tree_flatten(out)
+            for j, i in v.identity:
+                leaves[j] = user[i]
+            out = torch.utils._pytree.tree_unflatten(leaves, spec)
         return out
 
     def _key(self, args):
@@ -401,7 +409,7 @@ class GraphRunner:
                             f"without compiling")
             return _Variant(None, refs, versions, reason, pointers)
         self._record(c, time.perf_counter() - t0)
-        return _Variant(prog, refs, versions, pointers=pointers)
+        return _Variant(prog, refs, versions, pointers=pointers, identity=_identity_outputs(c.graph))
 
     def _instance(self, user, weights):
         """This size's aten graph from the graph's one symbolic export (made at the first
@@ -460,11 +468,17 @@ class _Unsupported(Exception):
     pass
 
 
+def _identity_outputs(g) -> tuple:
+    """(output index, input index) for each output that is an input itself (a no-op `.to`)."""
+    return tuple((j, g.inputs.index(o)) for j, o in enumerate(g.outputs) if o in g.inputs)
+
+
 def _aliased_output(g) -> str:
     """Why an output must share memory with an input or another output, which tilefuse's fresh
     results do not: dynamo runs the code after a graph break on the graph's outputs, so an
     in-place write there through `x.t()`, `h[:, :2]` or `x.view(x.shape)` must reach x or h. ""
-    if none must (a reshape of an input to another shape is returned as a view of it)."""
+    if none must (a reshape of an input to another shape is returned as a view of it; an input
+    itself is returned as the caller's tensor: `_identity_outputs`)."""
     from ..graph import ir
 
     outs = set(g.outputs)
@@ -473,9 +487,9 @@ def _aliased_output(g) -> str:
         while isinstance(n, ir.View):
             ops.append(n.op)
             n = g[n.arg]
-        if (ops and n.name in outs) or (isinstance(n, ir.Input) and set(ops) != {"reshape"}):
+        if (ops and n.name in outs) or (isinstance(n, ir.Input) and ops and set(ops) != {"reshape"}):
             what = "another output" if ops and n.name in outs else "an input"
-            return (f"an output is {'a ' + ops[0] + ' view of ' + what if ops else 'an input itself'}, which "
+            return (f"an output is a {ops[0]} view of {what}, which "
                     f"code after a graph break may write through; tilefuse returns fresh tensors")
     return ""
 
