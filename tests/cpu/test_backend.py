@@ -430,3 +430,24 @@ def test_an_output_that_is_an_input_itself_is_the_callers_tensor():
     torch.testing.assert_close(b, x + 1)
     (r,) = tb.reports()
     assert r.status == "tilefuse" and r.calls_tilefuse == 1, (r.status, r.reason)
+
+
+def test_an_integer_output_is_evaluated_from_the_calls_sizes():
+    """A graph returning a size (transformers' sliding-window cache returns its length) compiles:
+    tilefuse's program gives the tensors and the integer is evaluated from the call's sizes,
+    equal to eager's at every size, all sizes from one symbolic export."""
+    def f(x, cache):
+        c = torch.cat([cache, x], 0)
+        return c * 2, c.shape[0] + 1, x.relu()
+
+    g = torch.compile(f, backend="tilefuse", dynamic=True)
+    with torch.no_grad():
+        for n in (3, 4, 7):
+            x, cache = torch.randn(2, 4), torch.randn(n, 4)
+            got, want = g(x, cache), f(x, cache)
+            assert got[1] == want[1] == n + 3
+            torch.testing.assert_close(got[0], want[0])
+            torch.testing.assert_close(got[2], want[2])
+    (r,) = tb.reports()
+    assert r.status == "tilefuse" and r.calls_tilefuse == 3 and r.calls_eager == 0
+    assert r.variants == 3 and r.exports == 1

@@ -210,6 +210,7 @@ class _Variant:
     # (output leaf, user input) pairs where the graph returns that input itself: the caller's
     # tensor is returned, as eager returns it (tilefuse's program gives a copy)
     identity: tuple = ()
+    ints: dict = field(default_factory=dict)  # output position -> its integer value at these sizes
 
     def fresh(self, weights) -> bool:
         return all(r() is w and v == _version(w) and p == w.data_ptr()
@@ -225,11 +226,12 @@ class _Lifted(torch.nn.Module):
     w0, w1, ...), so torch.export sees only the user's tensors as inputs. Its sizes are
     either fixed ints or (input, dim) read from a user tensor, which keeps them symbolic."""
 
-    def __init__(self, gm, kinds, ints, weights):
+    def __init__(self, gm, kinds, ints, weights, drop=frozenset()):
         super().__init__()
         self.gm = gm
         self.kinds = kinds
         self.ints = ints
+        self.drop = drop  # output positions that are sizes (GraphRunner.int_outputs), not tensors
         for i, w in enumerate(weights):
             self.register_buffer(f"w{i}", w.detach())
 
@@ -237,7 +239,8 @@ class _Lifted(torch.nn.Module):
         ints = iter(inputs[s[0]].shape[s[1]] if isinstance(s, tuple) else s for s in self.ints)
         users, weights = iter(inputs), iter(self.buffers(recurse=False))
         args = [next(ints) if k == "int" else next(weights) if k == "weight" else next(users) for k in self.kinds]
-        return self.gm(*args)
+        out = self.gm(*args)
+        return tuple(o for j, o in enumerate(out) if j not in self.drop) if self.drop else out
 
 
 def _size_sources(placeholders, kinds) -> tuple[list, list] | None:
@@ -269,6 +272,52 @@ def _size_sources(placeholders, kinds) -> tuple[list, list] | None:
     return sources, dims
 
 
+def _int_outputs(gm) -> dict:
+    """Output position -> the size expression (sympy, or an int) of each output that is an
+    integer, not a tensor (transformers' sliding-window cache returns its length): tilefuse's
+    program returns tensors, and these are evaluated from the call's sizes instead. Empty when
+    there are none, or when an output is some other non-tensor (capture then says so)."""
+    out = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+    if not isinstance(out, (tuple, list)):
+        return {}
+    found = {}
+    for j, o in enumerate(out):
+        val = o.meta.get("example_value") if isinstance(o, torch.fx.Node) else o
+        if isinstance(val, torch.SymInt):
+            found[j] = val.node.expr
+        elif type(val) is int:
+            found[j] = val
+        elif not isinstance(val, torch.Tensor):
+            return {}
+    return found if len(found) < len(out) else {}
+
+
+def _size_values(placeholders, kinds, ints, user) -> dict:
+    """Each size symbol of the graph -> its value in this call (from the int arguments and the
+    user tensors' shapes)."""
+    values, ints, user = {}, iter(ints), iter(user)
+    for node, kind in zip(placeholders, kinds):
+        val = node.meta.get("example_value")
+        if kind == "int":
+            arg = next(ints)
+            if isinstance(val, torch.SymInt):
+                values[val.node.expr] = int(arg)
+        elif kind == "input":
+            t = next(user)
+            for d, size in enumerate(val.shape if isinstance(val, torch.Tensor) else ()):
+                if isinstance(size, torch.SymInt):
+                    values[size.node.expr] = t.shape[d]
+    return values
+
+
+def _with_ints(out, ints: dict):
+    """The program's tensor outputs with the integer outputs put back at their positions."""
+    leaves = list(out)
+    for j in sorted(ints):
+        leaves.insert(j, ints[j])
+    return tuple(leaves)
+
+
 class GraphRunner:
     """What the backend returns for one dynamo graph."""
 
@@ -290,6 +339,8 @@ class GraphRunner:
         self.refused = ""  # a reason met at REFUSED_AFTER sizes: new sizes run in eager, untried
         self.symbolic = None  # frontend.sizes.Symbolic: one export serving every size, once made
         self.sources = _size_sources(placeholders, self.kinds) if "int" in self.kinds else None
+        self.placeholders = placeholders
+        self.int_outputs = _int_outputs(gm)
         self.fallback = self._why_eager(example_inputs, placeholders)
         if self.fallback:
             self.report.status, self.report.reason = "eager", self.fallback
@@ -297,6 +348,9 @@ class GraphRunner:
         elif "int" in self.kinds:
             self.report.reason = "dynamic sizes are specialised"
             _log(self.report.line())
+            if self.sources is None:
+                self._event("each size is exported on its own: a size input is no tensor's dim (a Python int "
+                            "dynamo made dynamic), which one symbolic export cannot take")
         else:
             self._variant(example_inputs)  # compile now: errors and the summary show at compile time
 
@@ -338,7 +392,7 @@ class GraphRunner:
             for j, i in v.identity:
                 leaves[j] = user[i]
             out = torch.utils._pytree.tree_unflatten(leaves, spec)
-        return out
+        return _with_ints(out, v.ints) if v.ints else out
 
     def _key(self, args):
         ints = tuple(int(a) if isinstance(a, (int, torch.SymInt)) else a for a, k in zip(args, self.kinds)
@@ -381,11 +435,12 @@ class GraphRunner:
         user = [a for a, k in zip(args, self.kinds) if k == "input"]
         t0 = time.perf_counter()
         try:
+            out_ints = self._int_values(ints, user)
             with torch.no_grad():
                 exported = self._instance(user, weights)
                 self.report.exports += exported is None
-                c = compile_stages(_Lifted(self.gm, self.kinds, ints, weights), tuple(user), arch=self.arch,
-                                   exported=exported)
+                c = compile_stages(_Lifted(self.gm, self.kinds, ints, weights, frozenset(self.int_outputs)), tuple(user),
+                                   arch=self.arch, exported=exported)
             prog = c.program
             n_out = prog.out_spec.num_leaves if prog.out_spec is not None else len(c.graph.outputs)
             if n_out != len(c.graph.outputs):
@@ -409,7 +464,22 @@ class GraphRunner:
                             f"without compiling")
             return _Variant(None, refs, versions, reason, pointers)
         self._record(c, time.perf_counter() - t0)
-        return _Variant(prog, refs, versions, pointers=pointers, identity=_identity_outputs(c.graph))
+        return _Variant(prog, refs, versions, pointers=pointers, identity=_identity_outputs(c.graph), ints=out_ints)
+
+    def _int_values(self, ints, user) -> dict:
+        """The integer outputs' values at this call's sizes (`_int_outputs`)."""
+        import sympy
+
+        if not self.int_outputs:
+            return {}
+        values = _size_values(self.placeholders, self.kinds, ints, user)
+        out = {}
+        for j, expr in self.int_outputs.items():
+            v = expr if isinstance(expr, int) else sympy.sympify(expr).xreplace(values)
+            if not isinstance(v, int) and (v.free_symbols or not v.is_integer):
+                raise _Unsupported(f"output {j} is a size tilefuse cannot evaluate from the inputs' sizes ({expr})")
+            out[j] = int(v)
+        return out
 
     def _instance(self, user, weights):
         """This size's aten graph from the graph's one symbolic export (made at the first
@@ -422,7 +492,8 @@ class GraphRunner:
         if self.symbolic is None:
             sources, dims = self.sources
             try:
-                ep = export(_Lifted(self.gm, self.kinds, sources, weights), tuple(user), dynamic_shapes=(tuple(dims),))
+                ep = export(_Lifted(self.gm, self.kinds, sources, weights, frozenset(self.int_outputs)), tuple(user),
+                            dynamic_shapes=(tuple(dims),))
                 self.report.exports += 1
                 self.symbolic = Symbolic(ep)
             except Exception as e:
