@@ -49,6 +49,7 @@ class Symbolic:
         users = {s.arg.name for s in ep.graph_signature.input_specs if s.kind.name == "USER_INPUT"}
         self.inputs = [n for n in ep.graph.nodes if n.op == "placeholder" and n.name in users]
         self.env = _shape_env(ep.graph)
+        self.bound = self._bound_symbols() if self.env is not None else set()  # the inputs' size symbols
         self.why_not = self._why_not()
 
     def _why_not(self) -> str:
@@ -60,19 +61,17 @@ class Symbolic:
                 return "the graph has a region (a subgraph)"
             val = n.meta.get("val")
             for v in val if isinstance(val, (tuple, list)) else (val,):
-                if isinstance(v, _SYM) and self._free(v.node.expr) - self._bound_symbols():
+                if isinstance(v, _SYM) and self._free(v.node.expr) - self.bound:
                     return "a size depends on data"
         return ""
 
     def _bound_symbols(self) -> set:
-        if not hasattr(self, "_bound"):
-            found = set()
-            for n in self.inputs:
-                for s in n.meta["val"].shape:
-                    if isinstance(s, torch.SymInt):
-                        found |= self._free(s.node.expr)
-            self._bound = found
-        return self._bound
+        found = set()
+        for n in self.inputs:
+            for s in n.meta["val"].shape:
+                if isinstance(s, torch.SymInt):
+                    found |= self._free(s.node.expr)
+        return found
 
     def _free(self, expr) -> set:
         return set(self.env.replace(sympy.sympify(expr)).free_symbols)
