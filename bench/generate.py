@@ -66,6 +66,8 @@ def one(args) -> dict:
             sync()
             times.append(time.perf_counter() - t0)
             tokens = seq if tokens is None else tokens
+    if args.profile:
+        profile(args, lambda: model.generate(ids, **gen), sync)
     out = {"mode": args.mode, "first_s": times[0], "again_s": times[2], "other_prompt_s": times[3],
            "again_ms_per_token": times[2] / args.new * 1e3,
            "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan"),
@@ -87,6 +89,35 @@ def one(args) -> dict:
     return out
 
 
+def profile(args, generate, sync) -> None:
+    """One more generate of the first prompt (every size seen): host time by function (cProfile)
+    and GPU time by kernel (torch.profiler), written to `args.profile`-<mode>.txt."""
+    import cProfile
+    import io
+    import pstats
+
+    import torch
+
+    prof = cProfile.Profile()
+    sync()
+    with torch.no_grad():
+        prof.enable()
+        generate()
+        sync()
+        prof.disable()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                torch.profiler.ProfilerActivity.CUDA]) as tp:
+            generate()
+            sync()
+    text = io.StringIO()
+    st = pstats.Stats(prof, stream=text)
+    st.sort_stats("cumulative").print_stats(60)
+    st.sort_stats("tottime").print_stats(40)
+    text.write(tp.key_averages().table(sort_by="cuda_time_total" if args.device == "cuda" else "cpu_time_total",
+                                       row_limit=40))
+    Path(f"{args.profile}-{args.mode}.txt").write_text(text.getvalue())
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=4)
@@ -95,6 +126,9 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=32)
     ap.add_argument("--modes", default="eager,tilefuse,tilefuse-nographs,inductor")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--profile", default=None, metavar="PREFIX",
+                    help="after the timed generates, profile one more (host by function, GPU by kernel) "
+                         "into PREFIX-<mode>.txt")
     ap.add_argument("--device", default="cuda", help="cpu: check the script (kernels run in the interpreter)")
     ap.add_argument("--mode", help=argparse.SUPPRESS)  # the child process's one mode
     args = ap.parse_args()
@@ -111,6 +145,7 @@ def main() -> None:
                 env["TILEFUSE_CUDA_GRAPHS"] = "0"
             cmd = [sys.executable, __file__, "--mode", mode] + [f"--{k}={getattr(args, k)}" for k in
                                                                  ("layers", "hidden", "prompt", "new", "device")]
+            cmd += [f"--profile={args.profile}"] if args.profile else []
             p = subprocess.run(cmd, env=env, capture_output=True, text=True)
             if p.returncode != 0:
                 print(p.stderr[-3000:], file=sys.stderr)

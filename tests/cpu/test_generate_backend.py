@@ -21,7 +21,11 @@ Properties, per architecture, for greedy generation of 8 tokens:
   prefill graph returns an input unchanged (a no-op `.to` of the layer's window tensor), which
   is the caller's tensor, and their decode graphs return the layer's `cumulative_length`, an
   integer evaluated from the call's sizes. That length is also a size input that is no
-  tensor's dim, so those graphs export each size on their own, and say so.
+  tensor's dim, so those graphs export each size on their own, and say so;
+- where a decode graph's sizes reach only extern ops (the cache's cat, attention), its later
+  sizes are made from a compiled size's program with no compile (runtime.resize), and the
+  tokens above are theirs; OPT's decode graph builds its mask from the cache's length (an op
+  taking a size) and compiles each size, and says why.
 """
 from __future__ import annotations
 
@@ -50,6 +54,9 @@ class RanInEager(AssertionError):
 # graph (dynamo makes it a size input that is no tensor's dim) and gets it back as an output:
 # those graphs compile each size from an export of its own, and say so
 PER_SIZE_EXPORTS = {"mistral", "gemma2"}
+
+# decode graphs that compile every size: an op takes the length (OPT's mask), or no symbolic export
+NOT_RESIZED = {"opt": "an op takes a size as an argument", "mistral": "", "gemma2": ""}
 
 CAUSAL = ["llama", "qwen2", "gpt2"] + [n for n, a in ARCHS.items() if a.kind == "causal"]
 
@@ -130,3 +137,9 @@ def test_generate_gives_eager_tokens_in_tilefuse_from_one_export_per_graph(name)
             assert r.exports < r.variants, (f"graph {r.index}: {r.variants} variants from {r.exports} exports: "
                                             f"{r.events}\n{tb.summary()}")
     assert any(r.variants > 1 for r in tb.reports()), tb.summary()
+    resized = sum(r.resized for r in tb.reports())
+    if name in NOT_RESIZED:
+        assert resized == 0, tb.summary()
+        assert all(NOT_RESIZED[name] in "".join(r.events) for r in tb.reports() if r.variants > 1), tb.summary()
+    else:
+        assert resized > 0, f"no size was made with no compile\n{tb.summary()}"

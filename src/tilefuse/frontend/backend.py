@@ -49,6 +49,7 @@ class GraphReport:
     compile_s: float = 0.0
     variants: int = 0
     exports: int = 0  # torch.export runs: one for all sizes where a symbolic export serves them (frontend.sizes)
+    resized: int = 0  # variants made from another size's program with no compile (runtime.resize)
     calls_tilefuse: int = 0
     calls_eager: int = 0
     events: list[str] = field(default_factory=list)
@@ -96,7 +97,8 @@ def summary() -> str:
     for r in REPORTS:
         lines.append("  " + r.line().replace("\n", "\n  "))
         lines.append(f"    calls: {r.calls_tilefuse} through tilefuse, {r.calls_eager} in eager"
-                     + (f"; {r.variants} compiled variant(s) from {r.exports} export(s)" if r.variants > 1 else ""))
+                     + (f"; {r.variants} compiled variant(s) from {r.exports} export(s)" if r.variants > 1 else "")
+                     + (f", {r.resized} of them resized with no compile" if r.resized else ""))
     lines += [f"  {e}" for r in REPORTS for e in r.events]
     breaks = _graph_breaks()
     if breaks:
@@ -211,6 +213,7 @@ class _Variant:
     # tensor is returned, as eager returns it (tilefuse's program gives a copy)
     identity: tuple = ()
     ints: dict = field(default_factory=dict)  # output position -> its integer value at these sizes
+    resized: bool = False  # made from another size's program with no compile (runtime.resize)
 
     def fresh(self, weights) -> bool:
         return all(r() is w and v == _version(w) and p == w.data_ptr()
@@ -338,6 +341,10 @@ class GraphRunner:
         self.refusals: Counter = Counter()  # failure reason -> sizes it failed at
         self.refused = ""  # a reason met at REFUSED_AFTER sizes: new sizes run in eager, untried
         self.symbolic = None  # frontend.sizes.Symbolic: one export serving every size, once made
+        # (runtime.resize.Family, its variant, its weights' ids): where two sizes' programs are one
+        # program but for shapes only externs see, later sizes are made from it with no compile
+        self.family = None
+        self.last_compiled = None  # (key, variant) of the last size compiled in full
         self.sources = _size_sources(placeholders, self.kinds) if "int" in self.kinds else None
         self.placeholders = placeholders
         self.int_outputs = _int_outputs(gm)
@@ -411,15 +418,67 @@ class GraphRunner:
             self._event("a weight changed in place since compiling: compiling again")
         self.variants = {k: x for k, x in self.variants.items() if not x.dead()}  # models since freed
         if key not in self.variants and len(self.variants) >= MAX_VARIANTS:
-            reason = f"more than {MAX_VARIANTS} sizes or weight sets: new ones run in eager"
-            if reason not in (e.split(": ", 1)[-1] for e in self.report.events):
-                self._event(reason)
-            return _Variant(None, [], [], reason)
+            oldest = next((k for k, x in self.variants.items() if x.resized), None)
+            if oldest is not None:  # made again with no compile if its size comes back
+                del self.variants[oldest]
+            else:
+                reason = f"more than {MAX_VARIANTS} sizes or weight sets: new ones run in eager"
+                if reason not in (e.split(": ", 1)[-1] for e in self.report.events):
+                    self._event(reason)
+                return _Variant(None, [], [], reason)
         if self.refused:  # (each try of a refused graph cost an export, ~0.5 s a size of a small model)
             return _Variant(None, [], [], self.refused)
-        v = self._compile(args, weights)
+        v = self._resized(args, weights, key)
+        if v is None:
+            v = self._compile(args, weights)
+            self._relate(key, v)
         self.variants[key] = v
         return v
+
+    def _resized(self, args, weights, key) -> _Variant | None:
+        """This size made from the family's program with no compile (runtime.resize), or None
+        where it cannot be: other weights, or sizes the symbolic export does not hold for."""
+        if self.family is None:
+            return None
+        fam, base, wids = self.family
+        if key[2] != wids or base.program is None or not base.fresh(weights):
+            return None
+        user = [a for a, k in zip(args, self.kinds) if k == "input"]
+        if self.symbolic.bind(user) is None:
+            return None
+        prog = fam.at([tuple(t.shape) for t in user])
+        if prog is None:
+            return None
+        try:
+            out_ints = self._int_values([a for a, k in zip(args, self.kinds) if k == "int"], user)
+        except _Unsupported:
+            return None
+        self.report.variants += 1
+        self.report.resized += 1
+        return _Variant(prog, base.weights, base.versions, pointers=base.pointers, identity=base.identity,
+                        ints=out_ints, resized=True)
+
+    def _relate(self, key, v: _Variant) -> None:
+        """After a size compiled in full: where its program and the last compiled size's are one
+        program but for shapes that only extern ops see, sizes to come are made from it."""
+        from ..runtime import resize
+
+        last, self.last_compiled = self.last_compiled, (key, v)
+        base = self.family[1] if self.family is not None else None
+        if base is not None and base.program is not None and not base.dead() and base.fresh(
+                [r() for r in base.weights]):
+            return  # the family in use still holds
+        sym = self.symbolic
+        if v.program is None or last is None or last[1].program is None or sym is None or sym.why_not:
+            return
+        fam = f"an op takes a size as an argument ({sym.sized_op})" if sym.sized_op else \
+            resize.family(last[1].program, v.program)
+        if isinstance(fam, str):
+            self._event(f"each size compiles on its own: {fam}", once=True)
+            return
+        self.family = (fam, v, key[2])
+        self._event("new sizes are made from this size's program with no compile (only extern ops see "
+                    "the sizes change)", once=True)
 
     def _compile(self, args, weights) -> _Variant:
         from ..compiler import compile_stages

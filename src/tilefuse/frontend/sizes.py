@@ -51,6 +51,7 @@ class Symbolic:
         self.env = _shape_env(ep.graph)
         self.bound = self._bound_symbols() if self.env is not None else set()  # the inputs' size symbols
         self.why_not = self._why_not()
+        self.sized_op = self._first_sized_op()  # "" when no op takes a size as an argument
 
     def _why_not(self) -> str:
         """Why this export cannot serve other sizes ("" when it can)."""
@@ -64,6 +65,14 @@ class Symbolic:
                 if isinstance(v, _SYM) and self._free(v.node.expr) - self.bound:
                     return "a size depends on data"
         return ""
+
+    def _first_sized_op(self) -> str:
+        """The first op that takes a size as an argument (`view(x, [1, s0, 64])`, `arange(s0)`),
+        or "" when none does: then every op runs with the same arguments at every size, and only
+        its tensors' shapes change (what runtime.resize relies on)."""
+        return next((n.name for n in self.ep.graph.nodes if n.op == "call_function"
+                     and not isinstance(n.meta.get("val"), _SYM) and not _is_assert(n)
+                     and any(_is_size(a) for a in _flat((n.args, n.kwargs)))), "")
 
     def _bound_symbols(self) -> set:
         found = set()
@@ -128,6 +137,25 @@ class _Outside(Exception):
     pass
 
 
+def _is_assert(n) -> bool:
+    return getattr(n.target, "__name__", "") in ("_assert_scalar.default", "sym_constrain_range_for_size.default")
+
+
+def _is_size(a) -> bool:
+    return isinstance(a, _SYM) or (isinstance(a, torch.fx.Node) and isinstance(a.meta.get("val"), _SYM))
+
+
+def _flat(a):
+    if isinstance(a, (tuple, list)):
+        for x in a:
+            yield from _flat(x)
+    elif isinstance(a, dict):
+        for x in a.values():
+            yield from _flat(x)
+    else:
+        yield a
+
+
 def _shape_env(graph):
     for n in graph.nodes:
         val = n.meta.get("val")
@@ -175,8 +203,7 @@ def instantiate(sym: Symbolic, values: dict, state: dict) -> Instance:
         if n.op == "call_function" and isinstance(val, _SYM):
             env[n] = _concrete(sym, val, values, fake)
             continue
-        if n.op == "call_function" and getattr(n.target, "__name__", "") in ("_assert_scalar.default",
-                                                                              "sym_constrain_range_for_size.default"):
+        if n.op == "call_function" and _is_assert(n):
             continue  # checked through the guards in bind
         new = g.node_copy(n, lambda a: env[a])
         new.meta = dict(n.meta)

@@ -431,17 +431,7 @@ class _Planner:
             elif s.family == "mapreduce":
                 s.bytes = sum(g[t].type.nbytes for t in s.inputs + s.outputs)
             elif s.family == "extern":
-                s.bytes = sum(g[t].type.nbytes for t in s.inputs + s.outputs)
-                n = g[s.nodes[0]]
-                if isinstance(n, ir.Contraction):
-                    s.flops = 2 * n.type.numel * g[n.a].type.shape[-1]
-                elif isinstance(n, ir.Attention):
-                    q, k = g[n.q].type.shape, g[n.k].type.shape
-                    s.flops = 4 * q[-2] * k[-2] * q[-1] * int(n.type.numel // (q[-2] * q[-1]))
-                    if n.causal:  # the kernel skips what lies above the (top-left) diagonal
-                        L, S = q[-2], k[-2]
-                        kept = L * (L + 1) // 2 if L <= S else S * (S + 1) // 2 + (L - S) * S
-                        s.flops = s.flops * kept // (L * S)
+                s.bytes, s.flops = extern_cost(g, s)
         return self._ordered()
 
     def _ordered(self) -> list[Step]:
@@ -474,6 +464,22 @@ class _Planner:
 
 def _generated(n) -> bool:
     return isinstance(n, (ir.Constant, ir.Iota))
+
+
+def extern_cost(g: ir.Graph, s: Step) -> tuple[int, int]:
+    """An extern step's bytes read and written and its FLOPs (matmul and attention; 0 otherwise)."""
+    nbytes, flops = sum(g[t].type.nbytes for t in s.inputs + s.outputs), 0
+    n = g[s.nodes[0]]
+    if isinstance(n, ir.Contraction):
+        flops = 2 * n.type.numel * g[n.a].type.shape[-1]
+    elif isinstance(n, ir.Attention):
+        q, k = g[n.q].type.shape, g[n.k].type.shape
+        flops = 4 * q[-2] * k[-2] * q[-1] * int(n.type.numel // (q[-2] * q[-1]))
+        if n.causal:  # the kernel skips what lies above the (top-left) diagonal
+            L, S = q[-2], k[-2]
+            kept = L * (L + 1) // 2 if L <= S else S * (S + 1) // 2 + (L - S) * S
+            flops = flops * kept // (L * S)
+    return nbytes, flops
 
 
 def _extern_note(n) -> str:

@@ -1,0 +1,158 @@
+"""One compiled program for every size of a graph whose changing sizes reach only PyTorch ops.
+
+Under `generate` the decode graph's key/value cache grows by a token each call, and each
+size was compiled on its own: about 0.5 s a size for a 4-layer Llama on an H100, and past 64
+sizes a graph ran new ones in eager. Yet those programs differ only in the cache's shapes, and
+the cache is read and written only by externs: the cat that appends the token, attention.
+Where two sizes' programs are one program in that sense (`family`), a third size needs no
+compile (`Family.at`): the same steps and kernels, with each extern's output shape found by
+running the extern on meta tensors of its inputs' new shapes.
+
+What a program cannot show, the caller checks (frontend/backend.py): that the graph's
+symbolic export holds for the new sizes and passes no size as an argument to any op
+(`sizes.Symbolic.sized_op`), so every extern runs with the same arguments at every size.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from .. import dtypes
+from ..graph import ir
+from ..graph.fusion import Plan, extern_cost
+
+_KERNELS = ("mapreduce", "gemm")
+
+
+@dataclass(frozen=True)
+class Family:
+    """A program and the tensors whose shapes change with its graph's sizes."""
+
+    program: object  # runtime.program.Program
+    varying: frozenset
+
+    def at(self, shapes) -> object | None:
+        """The program for user inputs of these shapes (in `graph.inputs` order), or None where
+        a shape that must stay fixed would change (the caller then compiles that size)."""
+        p = self.program
+        types = _inferred(p.graph, shapes, self.varying)
+        if types is None:
+            return None
+        g = p.graph
+        nodes = tuple(n if types[n.name] == n.type else dataclasses.replace(n, type=types[n.name]) for n in g.nodes)
+        graph = ir.Graph(nodes, g.inputs, g.outputs, g.weights)
+        steps = []
+        for s in p.plan.steps:
+            if s.family == "extern" and self.varying & {*s.inputs, *s.outputs}:
+                s = copy.copy(s)
+                s.bytes, s.flops = extern_cost(graph, s)
+            steps.append(s)
+        return dataclasses.replace(p, graph=graph, plan=Plan(graph, steps))
+
+
+def family(p0, p1) -> Family | str:
+    """`p1`'s Family when `p0` (the same graph compiled at other sizes) is the same program but
+    for the shapes of tensors that only externs read and write; else why not."""
+    g0, g1 = p0.graph, p1.graph
+    if (g0.inputs, g0.outputs) != (g1.inputs, g1.outputs) or [n.name for n in g0.nodes] != [n.name for n in g1.nodes]:
+        return "its graph's nodes differ between sizes"
+    varying = set()
+    for a, b in zip(g0.nodes, g1.nodes):
+        if type(a) is not type(b) or a.type.dtype != b.type.dtype:
+            return f"{b.name} differs between sizes"
+        if a.type != b.type:
+            if isinstance(b, (ir.Weight, ir.Constant, ir.Iota)):
+                return f"{b.name}, a {type(b).__name__.lower()}, changes shape with the sizes"
+            varying.add(b.name)
+            a = dataclasses.replace(a, type=b.type)
+        if a != b:  # a size baked into the node (slice bounds, a constant)
+            return f"{b.name} differs between sizes beyond its shape"
+    if set(g0.weights) != set(g1.weights):
+        return "its weights differ between sizes"
+    if len(p0.plan.steps) != len(p1.plan.steps):
+        return "its plan differs between sizes"
+    for s0, s in zip(p0.plan.steps, p1.plan.steps):
+        touched = varying & {*s.nodes, *s.inputs, *s.outputs}
+        if s.family in _KERNELS and touched:
+            return f"kernel {s.name} reads or writes {min(touched)}, whose shape changes with the sizes"
+        if _step_key(s0) != _step_key(s):
+            return f"step {s.name} differs between sizes"
+        if s.family in _KERNELS:
+            table = "kernels" if s.family == "mapreduce" else "gemms"
+            if getattr(p0, table)[s.name] != getattr(p1, table)[s.name]:
+                return f"kernel {s.name} differs between sizes"
+        elif touched:
+            why = _not_polymorphic(g1, s)
+            if why:
+                return why
+    for f in ("out_spec", "arch", "schedules", "inputs", "pool"):
+        if getattr(p0, f) != getattr(p1, f):
+            return f"the programs' {f} differ"
+    fam = Family(p1, frozenset(varying))
+    for p in (p0, p1):  # the shapes each extern is found to make are the ones each compile recorded
+        if _inferred(p.graph, [p.graph[i].type.shape for i in p.graph.inputs], fam.varying) != \
+                {n.name: n.type for n in p.graph.nodes}:
+            return "an extern's shape at a compiled size is not what running it gives"
+    return fam
+
+
+def _step_key(s) -> tuple:
+    return s.name, s.family, tuple(s.nodes), tuple(s.inputs), tuple(s.outputs), s.view, s.space
+
+
+def _not_polymorphic(g: ir.Graph, s) -> str:
+    """Why step `s`, which reads or writes a tensor whose shape changes, cannot take new shapes
+    as they come ("" when it can): an alias or a view keeps its target shape in the node."""
+    if s.family != "extern":
+        return f"{s.name} ({s.family}) keeps a fixed shape"
+    n = g[s.nodes[0]]
+    if isinstance(n, ir.View) and n.op != "permute":
+        return f"{s.name} ({n.op}) keeps a fixed shape"
+    return ""
+
+
+def _inferred(g: ir.Graph, shapes, varying: frozenset) -> dict | None:
+    """Each tensor's type with the inputs at `shapes`: the output shape of each extern that
+    makes or reads a varying tensor from running it on meta tensors; None where a tensor outside
+    `varying` would change."""
+    shapes = [tuple(s) for s in shapes]
+    if len(shapes) != len(g.inputs):
+        return None
+    types = {}
+    changed = set()
+    given = dict(zip(g.inputs, shapes))
+    for n in g.nodes:
+        t = n.type
+        if n.name in given:
+            t = ir.TensorType(given[n.name], t.dtype)
+        elif n.name in varying or changed & set(ir.node_args(n)):
+            t = _run_meta(n, types)
+            if t is None:
+                return None
+        if t != n.type:
+            if n.name not in varying:
+                return None
+            changed.add(n.name)
+        types[n.name] = t
+    return types
+
+
+def _run_meta(n, types) -> ir.TensorType | None:
+    """The node's type when its inputs have `types`: run as the program runs it, on meta tensors."""
+    from .program import run_extern, strided_view
+
+    def get(name):
+        t = types[name]
+        return torch.empty(t.shape, dtype=dtypes.to_torch(t.dtype), device="meta")
+
+    try:
+        if isinstance(n, ir.View) and n.op == "permute":
+            out = strided_view(n, get(n.arg))
+        else:
+            out = run_extern(n, get)
+    except Exception:  # noqa: BLE001 - an op without a meta kernel, or shapes it refuses: compile the size
+        return None
+    return ir.TensorType(tuple(out.shape), n.type.dtype)

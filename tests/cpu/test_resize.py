@@ -1,0 +1,167 @@
+"""One program for every size of a graph whose changing sizes reach only externs (runtime.resize).
+
+Properties:
+- a decode step (norm, projection, append to a key/value cache, attention, output projection)
+  compiled at two cache lengths is one program: the family's program at a third length prints
+  the same graph and plan as a compile at that length, and computes the same outputs;
+- two sizes' programs are not one program, and `family` says why, where a kernel reads the
+  cache, or a node keeps a size in its parameters (a slice to the cache's end, a reshape of the
+  cache);
+- a size that would change a tensor outside the varying ones (a step of two tokens) is not made;
+- `Symbolic.sized_op` names an op that takes a size as an argument, and is "" for a graph whose
+  sizes are only its tensors' shapes;
+- through the torch.compile backend, a decode step called at many cache lengths compiles two and
+  makes the rest with no compile, each result eager's; past MAX_VARIANTS the oldest made size
+  is dropped (and made again when it comes back), never a call in eager.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.export import Dim
+
+import tilefuse
+from tilefuse.frontend import backend as tb
+from tilefuse.frontend.capture import export
+from tilefuse.frontend.sizes import Symbolic
+from tilefuse.graph import ir
+from tilefuse.runtime import resize
+
+
+class Decode(nn.Module):
+    """One token against a key/value cache; `extra` adds what stops a family."""
+
+    def __init__(self, extra: str = ""):
+        super().__init__()
+        self.norm, self.qkv, self.out = nn.RMSNorm(16), nn.Linear(16, 48, bias=False), nn.Linear(16, 16)
+        self.extra = extra
+
+    def forward(self, x, k_cache, v_cache):
+        q, k, v = self.qkv(self.norm(x)).view(1, 1, 3, 2, 8).permute(2, 0, 3, 1, 4)
+        k, v = torch.cat([k_cache, k], 2), torch.cat([v_cache, v], 2)
+        a = F.scaled_dot_product_attention(q, k, v)
+        y = x + self.out(a.transpose(1, 2).reshape(1, 1, 16))
+        if self.extra == "kernel":
+            return y, k * 2.0, v
+        if self.extra == "slice":
+            return y, k[:, :, 1:], v
+        if self.extra == "reshape":
+            return y, k.reshape(1, 2, -1), v
+        return y, k, v
+
+
+def _inputs(length: int, tokens: int = 1, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(1, tokens, 16, generator=g), torch.randn(1, 2, length, 8, generator=g),
+            torch.randn(1, 2, length, 8, generator=g))
+
+
+def _model(extra: str = "") -> Decode:
+    torch.manual_seed(0)
+    return Decode(extra).eval()
+
+
+def _family(m, lengths=(5, 6)):
+    p0, p1 = (tilefuse.compile(m, _inputs(n)) for n in lengths)
+    return resize.family(p0, p1)
+
+
+def test_the_family_program_at_a_new_length_is_the_compile_at_that_length():
+    m = _model()
+    fam = _family(m)
+    assert isinstance(fam, resize.Family), fam
+    for length in (1, 9, 40):
+        xs = _inputs(length, seed=length)
+        made = fam.at([tuple(x.shape) for x in xs])
+        assert made is not None
+        fresh = tilefuse.compile(m, xs)
+        assert str(made.graph) == str(fresh.graph)
+        assert str(made.plan) == str(fresh.plan)  # the externs' bytes and FLOPs at the new length too
+        with torch.no_grad():
+            want = m(*xs)
+        for got, ref, exact in zip(made(*xs), fresh(*xs), want):
+            torch.testing.assert_close(got, ref, rtol=0, atol=0)  # the same steps on the same values
+            torch.testing.assert_close(got, exact, rtol=1e-4, atol=1e-5)
+
+
+def test_the_cache_and_what_appends_to_it_vary_nothing_else():
+    fam = _family(_model())
+    g = fam.program.graph
+    cats = {n.name for n in g.nodes if isinstance(n, ir.Extern) and "cat" in n.target}
+    assert len(cats) == 2
+    assert fam.varying == {g.inputs[1], g.inputs[2]} | cats
+
+
+@pytest.mark.parametrize("extra, why", [
+    ("kernel", "kernel"),                 # a map over the grown cache: its kernel's code has the length in it
+    ("slice", "beyond its shape"),        # the slice's end is the length
+    ("reshape", "beyond its shape"),      # a reshape keeps its target shape in its parameters
+])
+def test_no_family_where_the_sizes_reach_more_than_externs(extra, why):
+    fam = _family(_model(extra))
+    assert isinstance(fam, str) and why in fam, fam
+
+
+def test_a_size_that_changes_a_fixed_tensor_is_not_made():
+    fam = _family(_model())
+    assert fam.at([tuple(x.shape) for x in _inputs(7, tokens=2)]) is None  # the token, not only the cache
+    assert fam.at([(1, 1, 16), (1, 2, 7, 8)]) is None  # an input missing
+
+
+def test_sized_op_names_an_op_that_takes_a_size():
+    class Sized(nn.Module):
+        def forward(self, x):
+            return x.view(x.shape[0] * 2, -1) + 1, torch.arange(x.shape[0])
+
+    class Shapes(nn.Module):
+        def forward(self, x, c):
+            return torch.cat([c, x], 0) * 2
+
+    sized = Symbolic(export(Sized(), (torch.randn(4, 6),), dynamic_shapes=({0: Dim.AUTO},)))
+    assert sized.why_not == "" and sized.sized_op != ""
+    plain = Symbolic(export(Shapes(), (torch.randn(1, 6), torch.randn(5, 6)), dynamic_shapes=(None, {0: Dim.AUTO})))
+    assert plain.why_not == "" and plain.sized_op == ""
+
+
+def _decode_calls(m, lengths):
+    """The step compiled with the tilefuse backend, called at each cache length; its results and eager's."""
+    step = torch.compile(m, backend="tilefuse")
+    out = []
+    with torch.no_grad():
+        for n in lengths:
+            xs = _inputs(n, seed=n)
+            out.append((step(*xs), m(*xs)))
+    return out
+
+
+@pytest.mark.usefixtures("fresh_backend")
+def test_backend_makes_later_cache_lengths_with_no_compile():
+    m = _model()
+    lengths = list(range(4, 16))
+    for got, want in _decode_calls(m, lengths):
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    dynamic = [r for r in tb.reports() if r.variants > 1]
+    assert len(dynamic) == 1, tb.summary()
+    r = dynamic[0]
+    assert r.calls_eager == 0 and r.status == "tilefuse", tb.summary()
+    # dynamo's first graph takes the first length; its dynamic graph compiles the next two and makes the rest
+    assert r.variants == len(lengths) - 1 and r.resized == len(lengths) - 3, tb.summary()
+    assert any("no compile" in e for e in r.events), r.events
+    assert "resized with no compile" in tb.summary()
+
+
+@pytest.mark.usefixtures("fresh_backend")
+def test_past_the_variant_limit_the_oldest_made_size_is_dropped(monkeypatch):
+    monkeypatch.setattr(tb, "MAX_VARIANTS", 4)
+    m = _model()
+    lengths = list(range(4, 14)) + [7, 8]  # then two lengths made before and dropped since
+    for got, want in _decode_calls(m, lengths):
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    r = next(r for r in tb.reports() if r.variants > 1)
+    assert r.calls_eager == 0, tb.summary()
+    assert not any("new ones run in eager" in e for e in r.events), r.events
+    assert r.resized == len(lengths) - 3  # the two that came back were made again, not compiled
