@@ -5,7 +5,9 @@ another) with example inputs: the user's tensors, the module's parameters and bu
 (lifted to inputs), and SymInts where a size is dynamic. Here parameters and buffers
 become Graph IR weights, prepared once per compilation; a different tensor or an in-place
 update of one (its version counter moves) compiles again, so a weight folded at compile
-time never goes stale. Dynamic sizes are specialised: each concrete size compiles once.
+time never goes stale. Dynamic sizes are specialised: each concrete size compiles once, or,
+where only extern ops see the sizes change, is made from a compiled size's program with no
+compile (runtime/resize.py).
 
 What tilefuse cannot take runs in eager, visibly: a graph it cannot compile at all runs as
 the GraphModule's own forward, with the reason logged; inside a compiled graph, every op
