@@ -7,12 +7,16 @@ Properties:
 - two sizes' programs are not one program, and `family` says why, where a kernel reads the
   cache, or a node keeps a size in its parameters (a slice to the cache's end, a reshape of the
   cache);
-- a size that would change a tensor outside the varying ones (a step of two tokens) is not made;
+- a size that would change a tensor outside the varying ones (a step of two tokens), or a varying
+  one in a dim that did not vary between the compiles (another head count, another rank), is
+  not made; two programs of one size are no family;
 - `Symbolic.sized_op` names an op that takes a size as an argument, and is "" for a graph whose
   sizes are only its tensors' shapes;
 - through the torch.compile backend, a decode step called at many cache lengths compiles two and
   makes the rest with no compile, each result eager's; made sizes count towards MAX_VARIANTS,
-  past which new sizes run in eager (said once) while the sizes made before still run in tilefuse.
+  past which new sizes run in eager (said once) while the sizes made before still run in tilefuse;
+  after an in-place update of a weight, sizes compile again and later ones are made from the
+  program of the new weights.
 """
 from __future__ import annotations
 
@@ -91,7 +95,8 @@ def test_the_cache_and_what_appends_to_it_vary_nothing_else():
     g = fam.program.graph
     cats = {n.name for n in g.nodes if isinstance(n, ir.Extern) and "cat" in n.target}
     assert len(cats) == 2
-    assert fam.varying == {g.inputs[1], g.inputs[2]} | cats
+    assert set(fam.varying) == {g.inputs[1], g.inputs[2]} | cats
+    assert all(dims == {2} for dims in fam.varying.values())  # the length, no other dim
 
 
 @pytest.mark.parametrize("extra, why", [
@@ -165,3 +170,38 @@ def test_past_the_variant_limit_new_lengths_run_in_eager_and_made_ones_stay(monk
     assert (r.variants, r.resized) == (4, 2), tb.summary()
     assert r.calls_eager == 2 and r.calls_tilefuse == 6, tb.summary()
     assert sum("new ones run in eager" in e for e in r.events) == 1, r.events
+
+
+def test_a_dim_that_did_not_vary_between_the_compiles_is_not_made():
+    fam = _family(_model())
+    x, k, v = _inputs(9)
+    assert fam.at([x.shape, (1, 2, 9, 8), (1, 2, 9, 8)]) is not None
+    assert fam.at([x.shape, (1, 3, 9, 8), (1, 3, 9, 8)]) is None  # a head count never compiled
+    assert fam.at([x.shape, (1, 2, 9, 8, 1), (1, 2, 9, 8, 1)]) is None  # another rank
+
+
+def test_two_programs_of_one_size_are_no_family():
+    m = _model()
+    xs = _inputs(5)
+    assert resize.family(tilefuse.compile(m, xs), tilefuse.compile(m, xs)) == "the two programs have the same shapes"
+
+
+@pytest.mark.usefixtures("fresh_backend")
+def test_after_an_in_place_weight_update_new_lengths_are_made_from_the_new_weights():
+    m = _model()
+    step = torch.compile(m, backend="tilefuse")
+
+    def check(lengths):
+        with torch.no_grad():
+            for n in lengths:
+                xs = _inputs(n, seed=n)
+                for a, b in zip(step(*xs), m(*xs)):
+                    torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+    check(range(4, 9))  # 4 alone; 5 and 6 compiled, 7 and 8 made
+    r = next(r for r in tb.reports() if r.variants > 1)
+    assert r.resized == 2, tb.summary()
+    with torch.no_grad():
+        m.out.weight.mul_(2.0)
+    check([6, 9, 10, 11])  # 6 and 9 compile again with the new weights, 10 and 11 are made from them
+    assert r.resized == 4 and r.calls_eager == 0, tb.summary()

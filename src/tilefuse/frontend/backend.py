@@ -470,8 +470,9 @@ class GraphRunner:
                 [r() for r in base.weights]):
             return  # the family in use still holds
         sym = self.symbolic
-        if v.program is None or last is None or last[1].program is None or sym is None or sym.why_not:
-            return
+        if (v.program is None or last is None or last[1].program is None or sym is None or sym.why_not
+                or last[0][2] != key[2] or last[0][:2] == key[:2]):
+            return  # (two sizes of one weight set: not a recompile after an in-place update)
         fam = f"an op takes a size as an argument ({sym.sized_op})" if sym.sized_op else \
             resize.family(last[1].program, v.program)
         if isinstance(fam, str):

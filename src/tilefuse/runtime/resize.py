@@ -29,14 +29,19 @@ _KERNELS = ("mapreduce", "gemm")
 
 @dataclass(frozen=True)
 class Family:
-    """A program and the tensors whose shapes change with its graph's sizes."""
+    """A program and the tensors whose shapes change with its graph's sizes: name -> the dims
+    that differed between the two compiled sizes (only those may change)."""
 
     program: object  # runtime.program.Program
-    varying: frozenset
+    varying: dict
 
     def at(self, shapes) -> object | None:
         """The program for user inputs of these shapes (in `graph.inputs` order), or None where
-        a shape that must stay fixed would change (the caller then compiles that size)."""
+        a shape that must stay fixed would change (the caller then compiles that size).
+
+        It does not know the graph's guards: a slice the export dropped as a no-op at the
+        compiled sizes (`k[:, :, -8:]` of a shorter cache) is not in the program. The caller
+        checks that the graph holds at these sizes first (the backend: `Symbolic.bind`)."""
         p = self.program
         types = _inferred(p.graph, shapes, self.varying)
         if types is None:
@@ -46,7 +51,7 @@ class Family:
         graph = ir.Graph(nodes, g.inputs, g.outputs, g.weights)
         steps = []
         for s in p.plan.steps:
-            if s.family == "extern" and self.varying & {*s.inputs, *s.outputs}:
+            if s.family == "extern" and self.varying.keys() & {*s.inputs, *s.outputs}:
                 s = copy.copy(s)
                 s.bytes, s.flops = extern_cost(graph, s)
             steps.append(s)
@@ -61,23 +66,25 @@ def family(p0, p1) -> Family | str:
     g0, g1 = p0.graph, p1.graph
     if (g0.inputs, g0.outputs) != (g1.inputs, g1.outputs) or [n.name for n in g0.nodes] != [n.name for n in g1.nodes]:
         return "its graph's nodes differ between sizes"
-    varying = set()
+    varying = {}
     for a, b in zip(g0.nodes, g1.nodes):
-        if type(a) is not type(b) or a.type.dtype != b.type.dtype:
+        if type(a) is not type(b) or a.type.dtype != b.type.dtype or len(a.type.shape) != len(b.type.shape):
             return f"{b.name} differs between sizes"
         if a.type != b.type:
             if isinstance(b, (ir.Weight, ir.Constant, ir.Iota)):
                 return f"{b.name}, a {type(b).__name__.lower()}, changes shape with the sizes"
-            varying.add(b.name)
+            varying[b.name] = frozenset(i for i, (x, y) in enumerate(zip(a.type.shape, b.type.shape)) if x != y)
             a = dataclasses.replace(a, type=b.type)
         if a != b:  # a size baked into the node (slice bounds, a constant)
             return f"{b.name} differs between sizes beyond its shape"
+    if not varying:
+        return "the two programs have the same shapes"
     if set(g0.weights) != set(g1.weights):
         return "its weights differ between sizes"
     if len(p0.plan.steps) != len(p1.plan.steps):
         return "its plan differs between sizes"
     for s0, s in zip(p0.plan.steps, p1.plan.steps):
-        touched = varying & {*s.nodes, *s.inputs, *s.outputs}
+        touched = varying.keys() & {*s.nodes, *s.inputs, *s.outputs}
         if s.family in _KERNELS and touched:
             return f"kernel {s.name} reads or writes {min(touched)}, whose shape changes with the sizes"
         if _step_key(s0) != _step_key(s):
@@ -93,7 +100,7 @@ def family(p0, p1) -> Family | str:
     for f in ("out_spec", "arch", "schedules", "inputs", "pool"):
         if getattr(p0, f) != getattr(p1, f):
             return f"the programs' {f} differ"
-    fam = Family(p1, frozenset(varying))
+    fam = Family(p1, varying)
     for p in (p0, p1):  # the shapes each extern is found to make are the ones each compile recorded
         if _inferred(p.graph, [p.graph[i].type.shape for i in p.graph.inputs], fam.varying) != \
                 {n.name: n.type for n in p.graph.nodes}:
@@ -116,10 +123,10 @@ def _not_polymorphic(g: ir.Graph, s) -> str:
     return ""
 
 
-def _inferred(g: ir.Graph, shapes, varying: frozenset) -> dict | None:
+def _inferred(g: ir.Graph, shapes, varying: dict) -> dict | None:
     """Each tensor's type with the inputs at `shapes`: the output shape of each extern that
     makes or reads a varying tensor from running it on meta tensors; None where a tensor outside
-    `varying` would change."""
+    `varying` would change, or a varying one in a dim that did not vary between the compiles."""
     shapes = [tuple(s) for s in shapes]
     if len(shapes) != len(g.inputs):
         return None
@@ -135,7 +142,9 @@ def _inferred(g: ir.Graph, shapes, varying: frozenset) -> dict | None:
             if t is None:
                 return None
         if t != n.type:
-            if n.name not in varying:
+            dims = varying.get(n.name, ())
+            if len(t.shape) != len(n.type.shape) or any(
+                    x != y and i not in dims for i, (x, y) in enumerate(zip(t.shape, n.type.shape))):
                 return None
             changed.add(n.name)
         types[n.name] = t
