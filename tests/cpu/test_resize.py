@@ -10,6 +10,10 @@ Properties:
 - a size that would change a tensor outside the varying ones (a step of two tokens), or a varying
   one in a dim that did not vary between the compiles (another head count, another rank), is
   not made; two programs of one size are no family;
+- over drawn decode steps (heads, grouped-query attention through enable_gqa or a repeat, head
+  width, the cache appended along its last dim or its third, what else reads the cache): where
+  a kernel reads the grown cache there is no family, and otherwise the family's program at a
+  third length prints and computes as the compile at that length;
 - `Symbolic.sized_op` names an op that takes a size as an argument, and is "" for a graph whose
   sizes are only its tensors' shapes;
 - through the torch.compile backend, a decode step called at many cache lengths compiles two and
@@ -22,6 +26,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch.nn.functional as F
 from torch import nn
 from torch.export import Dim
@@ -205,3 +211,68 @@ def test_after_an_in_place_weight_update_new_lengths_are_made_from_the_new_weigh
         m.out.weight.mul_(2.0)
     check([6, 9, 10, 11])  # 6 and 9 compile again with the new weights, 10 and 11 are made from them
     assert r.resized == 4 and r.calls_eager == 0, tb.summary()
+
+
+class Drawn(nn.Module):
+    """A decode step of drawn heads, kv heads (grouped-query through enable_gqa or a repeat),
+    head width, cache dim order, and what else reads the grown cache."""
+
+    def __init__(self, heads, kv, width, gqa_repeat, seq_last, extra):
+        super().__init__()
+        self.h, self.kv, self.w, self.rep, self.seq_last, self.extra = heads, kv, width, gqa_repeat, seq_last, extra
+        d = heads * width
+        self.d = d
+        self.norm = nn.RMSNorm(d)
+        self.q, self.k, self.v = (nn.Linear(d, n * width, bias=False) for n in (heads, kv, kv))
+        self.out = nn.Linear(d, d)
+
+    def forward(self, x, k_cache, v_cache):
+        h = self.norm(x)
+        q = self.q(h).view(1, 1, self.h, self.w).transpose(1, 2)
+        k = self.k(h).view(1, 1, self.kv, self.w).transpose(1, 2)
+        v = self.v(h).view(1, 1, self.kv, self.w).transpose(1, 2)
+        if self.seq_last:  # the cache stored [b, kv, w, seq]: appended along the last dim
+            k, v = torch.cat([k_cache, k.transpose(2, 3)], 3), torch.cat([v_cache, v.transpose(2, 3)], 3)
+            ka, va = k.transpose(2, 3), v.transpose(2, 3)
+        else:
+            k, v = torch.cat([k_cache, k], 2), torch.cat([v_cache, v], 2)
+            ka, va = k, v
+        if self.rep and self.kv != self.h:
+            ka, va = (t.repeat_interleave(self.h // self.kv, 1) for t in (ka, va))
+        a = F.scaled_dot_product_attention(q, ka, va, enable_gqa=not self.rep and self.kv != self.h)
+        y = x + self.out(a.transpose(1, 2).reshape(1, 1, self.d))
+        if self.extra == "scaled":
+            return y, k * 0.5, v
+        if self.extra == "sum":
+            return y, k, v, k.float().sum()
+        return y, k, v
+
+    def inputs(self, length, seed):
+        g = torch.Generator().manual_seed(seed)
+        cache = (1, self.kv, self.w, length) if self.seq_last else (1, self.kv, length, self.w)
+        return (torch.randn(1, 1, self.d, generator=g), torch.randn(*cache, generator=g),
+                torch.randn(*cache, generator=g))
+
+
+@settings(max_examples=12, deadline=None)
+@given(heads_kv=st.sampled_from([(1, 1), (2, 2), (4, 2), (4, 1)]), width=st.sampled_from([4, 8]),
+       gqa_repeat=st.booleans(), seq_last=st.booleans(), extra=st.sampled_from(["", "", "scaled", "sum"]),
+       lengths=st.lists(st.integers(2, 24), min_size=3, max_size=3, unique=True))
+def test_where_two_lengths_make_a_family_a_third_is_its_compile(heads_kv, width, gqa_repeat, seq_last, extra, lengths):
+    torch.manual_seed(0)
+    m = Drawn(*heads_kv, width, gqa_repeat, seq_last, extra).eval()
+    a, b, c = (m.inputs(n, seed=n) for n in lengths)
+    fam = resize.family(tilefuse.compile(m, a), tilefuse.compile(m, b))
+    if extra:  # a kernel reads the grown cache (its code has the length in it), or a reshape of it
+        assert isinstance(fam, str), "a family where a kernel reads the grown cache"
+        return
+    assert isinstance(fam, resize.Family), fam  # only externs see the length change
+    made = fam.at([tuple(x.shape) for x in c])
+    assert made is not None
+    fresh = tilefuse.compile(m, c)
+    assert (str(made.graph), str(made.plan)) == (str(fresh.graph), str(fresh.plan))
+    with torch.no_grad():
+        want = m(*c)
+    for got, ref, exact in zip(made(*c), fresh(*c), want):
+        torch.testing.assert_close(got, ref, rtol=0, atol=0)
+        torch.testing.assert_close(got, exact, rtol=1e-4, atol=1e-5)
