@@ -221,6 +221,10 @@ class _Variant:
         return all(r() is w and v == _version(w) and p == w.data_ptr()
                    for r, v, p, w in zip(self.weights, self.versions, self.pointers, weights))
 
+    def current(self) -> bool:
+        """Its program runs, with the weights it was compiled with, unchanged."""
+        return self.program is not None and not self.dead() and self.fresh([r() for r in self.weights])
+
     def dead(self) -> bool:
         """A weight it was compiled with is gone: no call can use it again."""
         return any(r() is None for r in self.weights)
@@ -465,9 +469,7 @@ class GraphRunner:
         from ..runtime import resize
 
         last, self.last_compiled = self.last_compiled, (key, v)
-        base = self.family[1] if self.family is not None else None
-        if base is not None and base.program is not None and not base.dead() and base.fresh(
-                [r() for r in base.weights]):
+        if self.family is not None and self.family[1].current():
             return  # the family in use still holds
         sym = self.symbolic
         if (v.program is None or last is None or last[1].program is None or sym is None or sym.why_not

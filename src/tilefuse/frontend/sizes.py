@@ -72,7 +72,7 @@ class Symbolic:
         its tensors' shapes change (what runtime.resize relies on)."""
         return next((n.name for n in self.ep.graph.nodes if n.op == "call_function"
                      and not isinstance(n.meta.get("val"), _SYM) and not _is_assert(n)
-                     and any(_is_size(a) for a in _flat((n.args, n.kwargs)))), "")
+                     and any(_is_size(a) for a in torch.utils._pytree.tree_leaves((n.args, n.kwargs)))), "")
 
     def _bound_symbols(self) -> set:
         found = set()
@@ -143,17 +143,6 @@ def _is_assert(n) -> bool:
 
 def _is_size(a) -> bool:
     return isinstance(a, _SYM) or (isinstance(a, torch.fx.Node) and isinstance(a.meta.get("val"), _SYM))
-
-
-def _flat(a):
-    if isinstance(a, (tuple, list)):
-        for x in a:
-            yield from _flat(x)
-    elif isinstance(a, dict):
-        for x in a.values():
-            yield from _flat(x)
-    else:
-        yield a
 
 
 def _shape_env(graph):

@@ -16,7 +16,7 @@ import os
 import warnings
 import weakref
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -112,6 +112,13 @@ class Program:
         if run is None:
             run = self._entry(tensors, key)
         return self._pack(run(tensors))
+
+    def with_graph(self, graph: ir.Graph, plan: Plan) -> "Program":
+        """This program over a graph of other shapes but the same kernels and weights
+        (runtime.resize): compiled kernels and device weights are shared, not looked up again."""
+        other = replace(self, graph=graph, plan=plan)
+        other._compiled, other._weights = self._compiled, self._weights
+        return other
 
     def _recompile(self, args, why: str):
         """Weights changed since compiling: become the program compiled from them now (the

@@ -55,9 +55,7 @@ class Family:
                 s = copy.copy(s)
                 s.bytes, s.flops = extern_cost(graph, s)
             steps.append(s)
-        made = dataclasses.replace(p, graph=graph, plan=Plan(graph, steps))
-        made._compiled, made._weights = p._compiled, p._weights  # the same kernels and weights, looked up once
-        return made
+        return p.with_graph(graph, Plan(graph, steps))
 
 
 def family(p0, p1) -> Family | str:
