@@ -1,9 +1,11 @@
 """In-place ops in a captured program. On a tensor the program made itself, with no view of it
 taken before the write, an in-place op is an update of that tensor's value: it runs as its
 out-of-place form, and every later reader (the tensor's own later uses included) sees the new
-value, as in eager. A write into an input, a weight or buffer, through a view, or into a tensor
-with a view (or a maybe-alias such as `.float()` of a float tensor) is refused with one clear
-error: the Graph IR is pure, so such a write would otherwise be silently lost."""
+value, as in eager. A write into one of the caller's inputs is the same update, and the graph
+records it (Graph.writes): the new value is copied into the caller's tensor after the run, or
+computed in it where an extern's in-place form can (a static KV cache's `index_copy_`). A write
+into a weight or buffer, through a view, or into a tensor with a view already taken is refused
+with one clear error: the Graph IR is pure, so such a write would otherwise be silently lost."""
 import pytest
 import torch
 import torch.nn as nn
@@ -78,6 +80,18 @@ def _bitwise_and_shifts(x):
     return y, m
 
 
+def _through_a_no_op_float(x):
+    y = x * 2
+    y.float().add_(1)  # y is float: .float() returns y itself, and eager's y changes
+    return y
+
+
+def _through_a_no_op_contiguous(x):
+    y = x * 2
+    y.contiguous().add_(1)  # y is contiguous: the same
+    return y
+
+
 COMPILED = {
     "bitwise_and_shifts": _bitwise_and_shifts,
     "without_a_translator": _without_a_translator,
@@ -89,6 +103,8 @@ COMPILED = {
     "view_after_the_write": _view_after_the_write,
     "silu_inplace": _silu,
     "dropout_inplace_eval": nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.3, inplace=True)).eval(),
+    "through_a_no_op_float": _through_a_no_op_float,
+    "through_a_no_op_contiguous": _through_a_no_op_contiguous,
 }
 
 
@@ -128,12 +144,6 @@ def _after_a_view(x):
     return v * 1
 
 
-def _through_a_maybe_alias(x):
-    y = x * 2
-    y.float().add_(1)  # y is float: .float() returns y itself, and eager's y changes
-    return y
-
-
 class _Buffer(nn.Module):
     def __init__(self):
         super().__init__()
@@ -144,11 +154,84 @@ class _Buffer(nn.Module):
         return x * 2
 
 
-REFUSED = {"input": _input, "through_a_view": _through_a_view, "after_a_view": _after_a_view,
-           "through_a_maybe_alias": _through_a_maybe_alias, "buffer": _Buffer()}
+REFUSED = {"through_a_view": _through_a_view, "after_a_view": _after_a_view, "buffer": _Buffer()}
 
 
 @pytest.mark.parametrize("name", sorted(REFUSED))
 def test_a_write_the_graph_could_lose_is_refused_naming_the_op(name):
     with torch.no_grad(), pytest.raises(CaptureError, match=r"aten\.add_ writes to a tensor in place"):
         tilefuse.compile(REFUSED[name], (torch.randn(6, 4),))
+
+
+# -- writes into the caller's inputs ------------------------------------------------------------
+
+def _input(x):
+    x.add_(1)
+    return x * 2
+
+
+def _through_a_no_op_to(x):
+    y = x.float()  # x is float: y is x itself, so the write is x's
+    y.mul_(3)
+    return x + 1
+
+
+class _StaticCache(nn.Module):
+    """One decode step on a fixed-size cache: the position read from a step counter the step
+    advances, the new key written at it, attention over the whole cache (transformers' StaticLayer)."""
+
+    def forward(self, q, k, cache, step):
+        pos = torch.arange(1) + step
+        step.add_(1)
+        cache.index_copy_(2, pos, k)
+        return F.scaled_dot_product_attention(q, cache, cache)
+
+
+def _returns_the_updated_input(x):
+    return x.mul_(2).add_(1)
+
+
+def _returns_a_copy_from_before_the_write(x):
+    old = x.clone()
+    x.add_(1)
+    return old * 1, old
+
+
+@pytest.mark.parametrize("fn", [_input, _through_a_no_op_to, _returns_the_updated_input])
+def test_a_write_into_an_input_updates_the_callers_tensor_as_eager(fn):
+    """The results and the caller's tensor after the call equal eager's, call after call."""
+    with torch.no_grad():
+        prog = tilefuse.compile(fn, (torch.randn(6, 4),))
+        mine, theirs = torch.randn(6, 4), None
+        theirs = mine.clone()
+        for _ in range(3):
+            got, want = prog(mine), fn(theirs)
+            torch.testing.assert_close(got, want)
+            torch.testing.assert_close(mine, theirs)
+    assert prog.stages.graph.writes and "write " in str(prog.stages.graph)
+
+
+def test_a_static_cache_step_writes_its_token_in_the_cache_itself():
+    """The cache's index_copy runs as index_copy_ on the caller's cache (no copy of the whole
+    cache), the counter's add is copied back; eight steps fill the cache as eager's do."""
+    from tilefuse.runtime.runner import in_place_writes
+
+    m = _StaticCache()
+    q, k = torch.randn(1, 2, 1, 8), torch.randn(1, 2, 1, 8)
+    with torch.no_grad():
+        prog = tilefuse.compile(m, (q, k, torch.zeros(1, 2, 8, 8), torch.tensor(0)))
+        g = prog.stages.graph
+        assert set(in_place_writes(g, prog.stages.plan).values()) == {g.inputs[2]}
+        cache, step = torch.zeros(1, 2, 8, 8), torch.tensor(0)
+        cache_e, step_e = cache.clone(), step.clone()
+        address = cache.data_ptr()
+        for _ in range(8):
+            q, k = torch.randn(1, 2, 1, 8), torch.randn(1, 2, 1, 8)
+            torch.testing.assert_close(prog(q, k, cache, step), m(q, k, cache_e, step_e))
+        assert cache.data_ptr() == address and int(step) == 8
+        torch.testing.assert_close(cache, cache_e)
+
+
+def test_a_copy_of_an_input_from_before_its_write_is_refused():
+    with torch.no_grad(), pytest.raises(CaptureError, match="copy of input .* before it writes"):
+        tilefuse.compile(_returns_a_copy_from_before_the_write, (torch.randn(6, 4),))

@@ -505,9 +505,9 @@ class GraphRunner:
                 c = compile_stages(_Lifted(self.gm, self.kinds, ints, weights, frozenset(self.int_outputs)), tuple(user),
                                    arch=self.arch, exported=exported)
             prog = c.program
-            n_out = prog.out_spec.num_leaves if prog.out_spec is not None else len(c.graph.outputs)
-            if n_out != len(c.graph.outputs):
-                raise _Unsupported("the graph mutates an input or a buffer in place")
+            n_out = prog.out_spec.num_leaves if prog.out_spec is not None else len(c.graph.results)
+            if n_out != len(c.graph.results):
+                raise _Unsupported(f"the program returns {len(c.graph.results)} tensors where the graph returns {n_out}")
             aliased = _aliased_output(c.graph)
             if aliased:
                 raise _Unsupported(aliased)
@@ -603,8 +603,9 @@ class _Unsupported(Exception):
 
 
 def _identity_outputs(g) -> tuple:
-    """(output index, input index) for each output that is an input itself (a no-op `.to`)."""
-    return tuple((j, g.inputs.index(o)) for j, o in enumerate(g.outputs) if o in g.inputs)
+    """(output index, input index) for each result that is an input itself (a no-op `.to`, or an
+    input the graph updates in place and returns: a static KV cache's step counter)."""
+    return tuple((j, g.inputs.index(o)) for j, o in enumerate(g.results) if o in g.inputs)
 
 
 def _aliased_output(g) -> str:
@@ -615,8 +616,8 @@ def _aliased_output(g) -> str:
     itself is returned as the caller's tensor: `_identity_outputs`)."""
     from ..graph import ir
 
-    outs = set(g.outputs)
-    for o in g.outputs:
+    outs = set(g.results)
+    for o in g.results:
         n, ops = g[o], []
         while isinstance(n, ir.View):
             ops.append(n.op)

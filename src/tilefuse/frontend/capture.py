@@ -121,7 +121,10 @@ def to_graph(ep, expr: str | None = None) -> ir.Graph:
     outputs: list[str] = []
     state = dict(ep.state_dict)
     state.update(getattr(ep, "constants", {}) or {})
-    owned = owned_tensors(ep.graph)
+    user_inputs = {n for n in ep.graph.nodes if n.op == "placeholder" and sig[n.name].kind.name == "USER_INPUT"}
+    owned = owned_tensors(ep.graph, user_inputs)
+    updated: dict = {}  # input placeholder -> its value after the program's in-place writes
+    given: dict = {}  # input placeholder -> its Input's name
 
     def resolve(a):
         if isinstance(a, torch.fx.Node):
@@ -154,7 +157,7 @@ def to_graph(ep, expr: str | None = None) -> ir.Graph:
             return
         try:
             if _mutates(node.target) and _op_name(node.target) != "detach_":
-                _translate_in_place(b, node, resolve, env, expr, owned)
+                _translate_in_place(b, node, resolve, env, expr, owned, updated)
             else:
                 _translate(b, node, resolve, env, tuple_outputs, expr)
         except ValueError as e:  # an unsupported dtype, shapes that do not broadcast...
@@ -204,6 +207,7 @@ def to_graph(ep, expr: str | None = None) -> ir.Graph:
             if spec.kind.name == "USER_INPUT":
                 b.add(ir.Input(name, t))
                 inputs.append(name)
+                given[node] = name
             else:
                 target = spec.target
                 weights[name] = state[target].detach()
@@ -217,12 +221,31 @@ def to_graph(ep, expr: str | None = None) -> ir.Graph:
             for o in node.args[0]:
                 if o is None or not isinstance(o, torch.fx.Node):
                     raise CaptureError("the program must return tensors (or a tuple of tensors)")
-                outputs.append(env[o])
+                outputs.append(_result(o, env, owned, updated, given, expr))
         else:
             raise CaptureError(f"unexpected fx node {node.op} {node.target}")
+    writes = tuple(given[p] for p in updated)
+    outputs += [updated[p] for p in updated]
     used = _live(b.nodes, outputs)
     nodes = tuple(n for n in b.nodes if n.name in used or isinstance(n, ir.Input))
-    return ir.Graph(nodes, tuple(inputs), tuple(outputs), {k: v for k, v in weights.items() if k in used})
+    return ir.Graph(nodes, tuple(inputs), tuple(outputs), {k: v for k, v in weights.items() if k in used}, writes)
+
+
+def _result(o, env, owned: dict, updated: dict, given: dict, expr) -> str:
+    """The Graph IR name a returned fx node stands for. An input the program writes, returned
+    as itself (`cache.index_copy_(...)` returns the cache), is named by its Input: the graph's
+    writes make that the updated input. A copy of such an input's earlier value would need a
+    copy the Graph IR does not keep apart from the input (clone is the same value there):
+    refused rather than returned updated."""
+    root = owned.get(o)
+    if root is not None and root.op == "placeholder":
+        return given[root]
+    name = env[o]
+    if any(given[p] == name for p in updated):
+        raise CaptureError(f"the program returns a copy of input {name} taken before it writes that input in "
+                           f"place, which tilefuse cannot tell from the updated input; return the copy after "
+                           f"the write, or copy it with an op that computes ({source_of(o, expr)})")
+    return name
 
 
 def _live(nodes, outputs) -> set[str]:
@@ -272,17 +295,33 @@ def _converts(n) -> bool:
     return isinstance(a, torch.Tensor) and isinstance(r, torch.Tensor) and (a.dtype, a.device) != (r.dtype, r.device)
 
 
-def owned_tensors(graph) -> dict:
+def _same_tensor(n) -> bool:
+    """A `to` that changes nothing: it returns its input itself (`cache.to(device)`)."""
+    return (_op_name(n.target) == "to" and not _converts(n) and not n.kwargs.get("copy", False)
+            and n.kwargs.get("memory_format") in (None, torch.preserve_format)
+            and bool(n.args) and isinstance(n.args[0], torch.fx.Node))
+
+
+def owned_tensors(graph, inputs=frozenset()) -> dict:
     """fx node -> the node that made its memory, for the tensors a program makes itself, and for
-    each in-place write to one made before any view of it was taken (nor `to`/`contiguous`,
-    which may return the same memory): such a write (`nn.ReLU(inplace=True)`, `y += 1`) is an
-    update of that tensor's value and nothing else, so it can run out of place. A view taken
-    after the last write is harmless (`relu_` then `.view(B, -1)`). Inputs, weights, buffers,
-    views, and tensors made inside a higher-order region are absent: writes to those, and to
-    a tensor with a view already taken, stay refused."""
+    each in-place write to one made before any view of it was taken (nor `contiguous`, which
+    may return the same memory; a `to` that changes nothing is the tensor itself): such a write
+    (`nn.ReLU(inplace=True)`, `y += 1`) is an update of that tensor's value and nothing else, so
+    it can run out of place. A view taken after the last write is harmless (`relu_` then
+    `.view(B, -1)`). The user's input placeholders named in `inputs` are roots too, mapped to
+    themselves: a write to one is an update the program makes and then copies into the
+    caller's tensor (a static KV cache's `index_copy_`). Weights, buffers, views, and tensors
+    made inside a higher-order region are absent: writes to those, and to a tensor with a view
+    already taken, stay refused."""
     root, first_view = {}, {}
     for i, n in enumerate(graph.nodes):
+        if n.op == "placeholder" and n in inputs:
+            root[n] = n
+            continue
         if n.op != "call_function":
+            continue
+        if _same_tensor(n) and n.args[0] in root:
+            root[n] = root[n.args[0]]
             continue
         if n.target is operator.getitem:
             src = n.args[0]
@@ -322,15 +361,16 @@ def _overload(name: str, overload: str):
     return found
 
 
-def _translate_in_place(b: Builder, node, resolve, env, expr, owned: dict):
-    """`x.op_(...)` on a tensor the program owns: x's value from here on is `op(x, ...)`. Every
-    later reader of x, or of an earlier in-place result on it, reads the new value (the graph
-    runs in order, so rebinding them all here is exactly eager's)."""
+def _translate_in_place(b: Builder, node, resolve, env, expr, owned: dict, updated: dict):
+    """`x.op_(...)` on a tensor the program owns, or on one of the user's inputs: x's value from
+    here on is `op(x, ...)`. Every later reader of x, or of an earlier in-place result on it,
+    reads the new value (the graph runs in order, so rebinding them all here is exactly
+    eager's). For an input, `updated[placeholder]` is its newest value: the program's write."""
     name = _op_name(node.target)
     written, root = _written(node), owned.get(node)
     why = None
     if root is None:
-        why = "here it writes an input, a weight or buffer, a view, or a tensor a view was taken of"
+        why = "here it writes a weight or buffer, a view, or a tensor a view was taken of"
     elif len(written) != 1 or written[0] is not node.args[0]:
         why = "here it writes other than its first argument"
     if why is None:
@@ -346,6 +386,8 @@ def _translate_in_place(b: Builder, node, resolve, env, expr, owned: dict):
     for other, r in owned.items():
         if r is root and other in env:
             env[other] = env[node]
+    if root.op == "placeholder":
+        updated[root] = env[node]
 
 
 def _translate(b: Builder, node, resolve, env, tuple_outputs, expr, functional: str | None = None):

@@ -297,15 +297,34 @@ def node_args(n) -> tuple[str, ...]:
 
 @dataclass
 class Graph:
+    """`writes`: inputs the program updates in place (a KV cache's `index_copy_`, a counter's
+    `add_`). The last len(writes) outputs are their new values, copied into those inputs after
+    the program runs; the outputs before them are the program's results (`results`), and one
+    that names a written input is that input after the update (eager returned the input itself)."""
+
     nodes: tuple
     inputs: tuple[str, ...]
     outputs: tuple[str, ...]
     weights: dict[str, Any] = field(default_factory=dict)  # name -> torch.Tensor or ndarray
+    writes: tuple[str, ...] = ()
 
     def __post_init__(self):
         self._by_name = {n.name: n for n in self.nodes}
         if len(self._by_name) != len(self.nodes):
             raise ValueError("graph has two nodes with one name")
+        if len(self.writes) > len(self.outputs) or not set(self.writes) <= set(self.inputs) \
+                or len(set(self.writes)) != len(self.writes):
+            raise ValueError(f"writes {self.writes} must be distinct inputs, each with a new value among the outputs")
+
+    @property
+    def results(self) -> tuple[str, ...]:
+        """The outputs the program returns (the outputs less the written inputs' new values)."""
+        return self.outputs[:len(self.outputs) - len(self.writes)]
+
+    @property
+    def written(self) -> tuple[tuple[str, str], ...]:
+        """(input, its new value) for each input written in place."""
+        return tuple(zip(self.writes, self.outputs[len(self.outputs) - len(self.writes):]))
 
     def __getitem__(self, name: str):
         return self._by_name[name]
@@ -322,7 +341,7 @@ class Graph:
 
     def replace(self, nodes=None, outputs=None) -> "Graph":
         return Graph(tuple(nodes if nodes is not None else self.nodes), self.inputs,
-                     tuple(outputs if outputs is not None else self.outputs), self.weights)
+                     tuple(outputs if outputs is not None else self.outputs), self.weights, self.writes)
 
     def __str__(self):
         return format_graph(self)
@@ -334,5 +353,7 @@ def format_graph(g: Graph) -> str:
         if isinstance(n, Input):
             continue
         lines.append(f"  {n.name}: {n.type} = {n.describe()}")
-    lines.append(f"  return {', '.join(g.outputs)}")
+    lines.append(f"  return {', '.join(g.results)}")
+    for x, v in g.written:
+        lines.append(f"  write {x} <- {v}")
     return "\n".join(lines)

@@ -3,13 +3,18 @@
 A program's shapes are static, so after a warm-up call its kernel launches and extern
 torch ops are captured once in a `torch.cuda.CUDAGraph` and each later call replays it
 (a few microseconds of host time, however many kernels). A captured graph reads fixed
-input addresses and writes fixed output buffers; a *slot* is one capture, in one of two
-modes:
-
-- direct: captured on the caller's own input tensors, because the caller passed the same
-  storages twice in a row (a benchmark loop, static decode buffers). It is replayed only
-  for inputs at exactly those addresses (contiguous), so no input is copied.
-- copy: captured on private input buffers; each call copies its inputs into them.
+input addresses and writes fixed output buffers; a *slot* is one capture. Each input of a
+slot is either
+- direct: captured on the caller's own tensor, because the caller passed that storage twice
+  in a row (a benchmark loop, a weight passed as an input, a static KV cache). The slot is
+  replayed only where that input lies at exactly that address (contiguous), and it is never
+  copied; or
+- copied: captured on a private buffer, into which each call copies the caller's tensor.
+An input whose address once differed from a direct slot's is copied in every later capture
+(two tensors that happened to share an address, the caching allocator's doing, are not a
+static buffer). Inputs the program writes in place (Graph.writes: a static cache's
+`index_copy_`, a step counter's `add_`) are written by the replay itself where direct, and
+copied back to the caller's tensor where copied.
 
 Outputs. A slot's output buffers are returned as fresh tensors that alias them, and a slot
 is replayed only while the caller holds none of its previous outputs (the storage's use
@@ -96,8 +101,8 @@ class Slot:
     replay: Callable[[], None]
     outs: list                  # the program's outputs as captured (its flat output order)
     private: tuple              # per output: lives in the graph's memory (else a weight or constant)
-    inputs: list | None         # copy mode: the private input buffers; direct mode: None
-    ptrs: tuple | None          # direct mode: the input addresses it reads
+    inputs: list                # per input: its private buffer where copied, None where direct
+    ptrs: tuple                 # per input: the address it reads where direct, None where copied
     storages: list = field(default_factory=list)  # distinct storages of the private outputs
     base: list = field(default_factory=list)      # their use counts with no caller holding one
     stream: int | None = None   # the stream of its last replay (a raw handle); None before the first
@@ -111,6 +116,13 @@ class Slot:
         if _use_count is None:
             return True
         return [_holds(s) for s in self.storages] == self.base  # the same expression as settle's
+
+    def fits(self, ptrs) -> bool:
+        """Its direct inputs are at these addresses."""
+        return all([p is None or p == q for p, q in zip(self.ptrs, ptrs)])
+
+    def copies(self) -> int:
+        return sum([p is None for p in self.ptrs])
 
     def results(self, clone: bool) -> list:
         if clone:
@@ -128,22 +140,27 @@ class NotGraphable(RuntimeError):
     """A program whose captured outputs cannot be returned safely (one views an input)."""
 
 
-def capture_cuda(runner, tensors, direct: bool):
-    """Warm up on a side stream, then capture `runner.run`; returns (replay, outs, static inputs)."""
+def capture_cuda(runner, tensors, direct):
+    """Warm up on a side stream, then capture `runner.run`; returns (replay, outs, private
+    inputs: a buffer per copied input, None per direct one). `direct`: per input."""
     device = runner.device
     with torch.cuda.device(device):
-        static = None
-        if not direct:
-            static = [torch.empty(t.shape, dtype=t.dtype, device=device) for t in tensors]
-            for s, t in zip(static, tensors):
+        static = [None if d else torch.empty(t.shape, dtype=t.dtype, device=device) for t, d in zip(tensors, direct)]
+        for s, t in zip(static, tensors):
+            if s is not None:
                 s.copy_(t)
-        inputs = list(tensors) if direct else static
+        inputs = [t if s is None else s for t, s in zip(tensors, static)]
+        # the warm-up runs the program: inputs it writes get scratch copies, so the call's one
+        # write is the replay's (a counter's add_ would otherwise count twice)
+        written = set(getattr(runner, "written", ()))
+        warm = [t.clone() if i in written else t for i, t in enumerate(inputs)]
         side = torch.cuda.Stream(device)
         current = torch.cuda.current_stream(device)
         side.wait_stream(current)
         with torch.cuda.stream(side):
-            runner.run(inputs)  # first use of cuBLAS workspaces etc. on this stream happens outside the capture
+            runner.run(warm)  # first use of cuBLAS workspaces etc. on this stream happens outside the capture
         current.wait_stream(side)
+        del warm
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, stream=side):
             outs = runner.run(inputs)
@@ -198,17 +215,19 @@ class Graphed:
         self.clone = clone or _use_count is None
         self.capture = capture
         self.slots: list[Slot] = []
-        self.last = None          # input addresses of the previous call
+        self.last = None          # input addresses of the previous call (None where not contiguous)
+        self.volatile: set[int] = set()  # inputs seen at another address than a direct slot's: copied
+        self.written = tuple(getattr(runner, "written", ()))  # inputs the program writes in place
         self.warm = False
         self.off: str | None = None
         self.stats = {"warmup": 0, "captures": 0, "replays": 0, "copies": 0, "thin": 0,
-                      "stream_waits": 0}
+                      "stream_waits": 0, "evictions": 0}
 
     def __call__(self, tensors) -> list:
         if self.off is not None or self.capturing():
             self.stats["thin"] += 1
             return self.runner.run(tensors)
-        ptrs = tuple([t.data_ptr() for t in tensors]) if all([t.is_contiguous() for t in tensors]) else None
+        ptrs = tuple([t.data_ptr() if t.is_contiguous() else None for t in tensors])
         if not self.warm:
             self.warm, self.last = True, ptrs
             self.stats["warmup"] += 1
@@ -218,40 +237,59 @@ class Graphed:
         if slot is not None and slot.stream is not None and slot.stream != stream:
             self.streams.wait(slot.stream)  # its last replay, and what read its results there, come first
             self.stats["stream_waits"] += 1
-        if slot is not None and slot.inputs is not None:
+        if slot is not None:
+            copied = False
             for s, t in zip(slot.inputs, tensors):
-                s.copy_(t)
-            self.stats["copies"] += 1
-        elif slot is None:
-            if len(self.slots) >= self.max_slots:
+                if s is not None:
+                    s.copy_(t)
+                    copied = True
+            self.stats["copies"] += copied
+        else:
+            if len(self.slots) >= self.max_slots and not self._evict():
                 self.last = ptrs
                 self.stats["thin"] += 1
                 return self.runner.run(tensors)
-            slot = self._capture(tensors, direct=ptrs is not None and ptrs == self.last)
+            direct = tuple([p is not None and p == q and i not in self.volatile
+                            for i, (p, q) in enumerate(zip(ptrs, self.last or ()))])
+            direct += (False,) * (len(tensors) - len(direct))
+            slot = self._capture(tensors, direct)
             if slot is None:
                 return self.runner.run(tensors)
         self.last = ptrs
         slot.replay()
+        for i in self.written:
+            if slot.inputs[i] is not None:  # a copied input the program writes: back to the caller's
+                tensors[i].copy_(slot.inputs[i])
         slot.stream = stream
         self.stats["replays"] += 1
         return slot.results(self.clone)
 
     def _find(self, ptrs) -> Slot | None:
-        """A free slot for these inputs: a direct one on exactly these addresses first, else a copy one."""
-        spare = None
+        """A free slot whose direct inputs lie at these addresses, the one copying least. An input
+        at another address than a slot's direct one is marked volatile (later captures copy it)."""
+        best = None
         for s in self.slots:
-            if s.ptrs is not None:
-                if s.ptrs == ptrs and s.free():
-                    return s
-            elif spare is None and s.free():
-                spare = s
-        return spare
+            if not s.fits(ptrs):
+                self.volatile.update(i for i, (p, q) in enumerate(zip(s.ptrs, ptrs)) if p is not None and p != q)
+            elif s.free() and (best is None or s.copies() < best.copies()):
+                best = s
+        return best
 
-    def _capture(self, tensors, direct: bool) -> Slot | None:
+    def _evict(self) -> bool:
+        """All slots taken: drop a free one that reads a volatile input directly (it is unlikely
+        to fit again) to make room; False if there is none."""
+        for s in self.slots:
+            if s.free() and any(s.ptrs[i] is not None for i in self.volatile):
+                self.slots.remove(s)
+                self.stats["evictions"] += 1
+                return True
+        return False
+
+    def _capture(self, tensors, direct) -> Slot | None:
         try:
             replay, outs, static = self.capture(self.runner, tensors, direct)
-            slot = self._slot(replay, outs, static, tuple(t.data_ptr() for t in tensors) if direct else None,
-                              tensors)
+            ptrs = tuple(t.data_ptr() if d else None for t, d in zip(tensors, direct))
+            slot = self._slot(replay, outs, static, ptrs, tensors)
         except NotGraphable as e:
             self.off = str(e)
             return None
@@ -264,7 +302,7 @@ class Graphed:
         return slot
 
     def _slot(self, replay, outs, static, ptrs, tensors) -> Slot:
-        read = {_storage_key(t) for t in (static if static is not None else tensors)}
+        read = {_storage_key(s if s is not None else t) for s, t in zip(static, tensors)}
         fixed = {_storage_key(t) for t in self.runner.prefilled()}
         private, storages, seen = [], [], set()
         for o in outs:
@@ -275,6 +313,6 @@ class Graphed:
             if key not in fixed and key not in seen:
                 seen.add(key)
                 storages.append(o.untyped_storage())
-        slot = Slot(replay, list(outs), tuple(private), static, ptrs, storages)
+        slot = Slot(replay, list(outs), tuple(private), list(static), ptrs, storages)
         slot.settle()
         return slot

@@ -90,7 +90,7 @@ class Program:
             self.gemms = {}
         if self.graphs is None and not cuda_graphs.enabled_by_env():
             self.graphs = False
-        self._pack = _packer(self.out_spec, len(self.graph.outputs))
+        self._pack = _packer(self.out_spec, len(self.graph.results))
 
     # -- running -------------------------------------------------------------------------------
     def __call__(self, *args, **kwargs):

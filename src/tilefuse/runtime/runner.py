@@ -48,6 +48,27 @@ def check_inputs(graph: ir.Graph, tensors) -> torch.device:
     return device
 
 
+def in_place_writes(graph: ir.Graph, plan) -> dict[str, str]:
+    """Written values (Graph.writes) an extern can compute in the input's own memory: value ->
+    input, where the value is `aten.op(x, ...)` whose `aten.op_` exists, of x's type, and
+    nothing else reads x (no other op, alias or result: the old value is dead once the op
+    starts). A static KV cache's `index_copy` then writes one token into the cache, not a copy of
+    the whole cache that is then copied back."""
+    import torch
+
+    users, found = graph.users(), {}
+    extern_steps = {s.nodes[0] for s in plan.steps if s.family == "extern"}
+    for x, v in graph.written:
+        n = graph[v]
+        if not (isinstance(n, ir.Extern) and n.name in extern_steps and n.args and n.args[0] == ir.Ref(x)
+                and n.type == graph[x].type and users[x] == [v] and x not in graph.results):
+            continue
+        ns, op, overload = (n.target.split(".") + ["", "", ""])[:3]
+        if ns == "aten" and hasattr(getattr(torch.ops.aten, op + "_", None), overload):
+            found[v] = x
+    return found
+
+
 def alias_root(plan, name: str) -> str:
     """Follow alias steps (free reshapes) back to the tensor whose memory `name` views."""
     src = {}
@@ -61,10 +82,10 @@ def alias_root(plan, name: str) -> str:
 
 
 def cloned_outputs(graph: ir.Graph, plan) -> tuple[bool, ...]:
-    """Which outputs are returned as copies: an input itself (never the caller's tensor), or
+    """Which results (`Graph.results`) are returned as copies: an input itself (never the caller's tensor), or
     anything viewing a weight, constant or iota (never the program's cached value)."""
     out = []
-    for o in graph.outputs:
+    for o in graph.results:
         root = graph[alias_root(plan, o)]
         out.append(o in graph.inputs or (isinstance(root, _GIVEN) and not isinstance(root, ir.Input)))
     return tuple(out)
@@ -95,10 +116,14 @@ class Runner:
                 base[slot(n.name)] = _constant(n, device)
         self.ops = []
         strided = {s.nodes[0] for s in plan.steps if s.view}  # fusion.attention_only_views
+        in_place = in_place_writes(g, plan)
         for step in plan.steps:
             if step.family == "alias":
                 n = g[step.nodes[0]]
                 self.ops.append(_Alias(slot(n.arg), slot(n.name), n.type.shape))
+            elif step.family == "extern" and step.nodes[0] in in_place:
+                n = g[step.nodes[0]]
+                self.ops.append(_InPlace(n, {a: slot(a) for a in ir.node_args(n)}, slot(n.name)))
             elif step.family == "extern":
                 n = g[step.nodes[0]]
                 self.ops.append(_Extern(n, {a: slot(a) for a in ir.node_args(n)}, slot(n.name),
@@ -119,7 +144,10 @@ class Runner:
                     self.ops.append(_Interpret(lowered, g, slot))
         self.base = base
         self.n_inputs = len(g.inputs)
-        self.outputs = tuple((slot(o), c) for o, c in zip(g.outputs, cloned_outputs(g, plan)))
+        self.outputs = tuple((slot(o), c) for o, c in zip(g.results, cloned_outputs(g, plan)))
+        # (input position, slot of its new value); positions of the inputs written at all
+        self.writes = tuple((g.inputs.index(x), slot(v)) for x, v in g.written)
+        self.written = tuple(i for i, _ in self.writes)
         self.has_externs = any(s.family == "extern" for s in plan.steps)
 
     def run(self, tensors) -> list:
@@ -127,6 +155,9 @@ class Runner:
         env[:self.n_inputs] = tensors
         for op in self.ops:
             op(env)
+        for i, v in self.writes:  # before the results: one naming a written input is it updated
+            if env[v] is not tensors[i]:  # (an in-place extern wrote it already)
+                tensors[i].copy_(env[v])
         return [env[i].clone() if c else _unviewed(env[i]) for i, c in self.outputs]
 
     def prefilled(self) -> list:
@@ -150,6 +181,27 @@ def _constant(n, device) -> torch.Tensor:
     idx = torch.arange(shape[n.axis], device=device, dtype=tdtype)
     view = [-1 if i == n.axis else 1 for i in range(len(shape))]
     return idx.reshape(view).expand(shape).contiguous()
+
+
+class _InPlace:
+    """An extern whose result is a written input's new value, run as its in-place op on that
+    input (runner.in_place_writes): the result is the input tensor itself."""
+
+    __slots__ = ("op", "node", "index", "dst")
+
+    def __init__(self, node, index, dst):
+        self.node, self.index, self.dst = node, index, dst
+        ns, op, overload = node.target.split(".")
+        self.op = getattr(getattr(__import__("torch").ops.aten, op + "_"), overload)
+
+    def __call__(self, env):
+        from .program import _resolved
+
+        get = lambda a: env[self.index[a]]  # noqa: E731
+        kwargs = {k: _resolved(v, get) for k, v in self.node.kwargs}
+        args = _resolved(self.node.args, get)
+        self.op(*args, **kwargs)
+        env[self.dst] = args[0]
 
 
 class _Alias:

@@ -121,7 +121,7 @@ class Editor:
         return [w], w.name
 
     def graph(self, nodes, outputs=None) -> ir.Graph:
-        g = ir.Graph(tuple(nodes), self.g.inputs, tuple(outputs or self.g.outputs), self.weights)
+        g = ir.Graph(tuple(nodes), self.g.inputs, tuple(outputs or self.g.outputs), self.weights, self.g.writes)
         return prune(g)
 
 
@@ -150,7 +150,7 @@ def prune(g: ir.Graph) -> ir.Graph:
     nodes = tuple(n for n in g.nodes if n.name in live or isinstance(n, ir.Input))
     if len(nodes) == len(g.nodes):
         return g
-    return ir.Graph(nodes, g.inputs, g.outputs, {k: v for k, v in g.weights.items() if k in live})
+    return ir.Graph(nodes, g.inputs, g.outputs, {k: v for k, v in g.weights.items() if k in live}, g.writes)
 
 
 def ancestors(g: ir.Graph, name: str) -> set[str]:
