@@ -1,10 +1,15 @@
 """Greedy generation with a KV cache through torch.compile(backend=...): what each new size costs.
 
     python3 bench/generate.py [--layers 4 --hidden 1024 --prompt 128 --new 32] [--modes eager,tilefuse,inductor]
-                              [--json out.json]
+                              [--cache dynamic|static] [--json out.json]
 
-`model.generate` grows the cache by one token a step, so every decode step is a new size
-for a compiler that specialises sizes. For each mode (one process each, with an empty
+With the default dynamic cache, `model.generate` grows the cache by one token a step, so every
+decode step is a new size for a compiler that specialises sizes. With `--cache static`
+(transformers' `cache_implementation="static"`) the cache is preallocated at prompt + new
+tokens and each step writes its token into it in place: every decode step is one size.
+Mode `inductor-ro` is torch.compile's mode="reduce-overhead" (inductor with CUDA graphs, what
+transformers itself compiles a static-cache decode step with); transformers' own compile is
+turned off (`disable_compile`) in every mode, so each mode's compile is the only one. For each mode (one process each, with an empty
 dynamo and cubin cache), a random transformers LlamaForCausalLM in bf16 generates twice
 from the same random prompt:
 - first: the wall time of the whole generate, every size compiled on the way;
@@ -54,6 +59,8 @@ def one(args) -> dict:
     model = hf.causal_lm(cfg).to(args.device, torch.bfloat16).eval()
     ids = torch.randint(0, cfg.vocab_size, (1, args.prompt), device=args.device)
     gen = dict(max_new_tokens=args.new, min_new_tokens=args.new, do_sample=False, pad_token_id=0)
+    if args.cache == "static":
+        gen.update(cache_implementation="static", disable_compile=True)
     runners = []
     from tilefuse.frontend import backend as tb
 
@@ -61,9 +68,12 @@ def one(args) -> dict:
         runners.append(tb.tilefuse_backend(gm, example_inputs, **kw))
         return runners[-1]
 
-    if args.mode != "eager":
-        model.forward = torch.compile(model.forward, backend=tilefuse_backend if args.mode.startswith("tilefuse")
-                                      else "inductor")
+    if args.mode.startswith("tilefuse"):
+        model.forward = torch.compile(model.forward, backend=tilefuse_backend)
+    elif args.mode == "inductor-ro":
+        model.forward = torch.compile(model.forward, mode="reduce-overhead")
+    elif args.mode != "eager":
+        model.forward = torch.compile(model.forward)
     times, tokens = [], None
     if cuda:
         torch.cuda.reset_peak_memory_stats()
@@ -136,6 +146,9 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=32)
     ap.add_argument("--modes", default="eager,tilefuse,tilefuse-nographs,inductor")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--cache", choices=("dynamic", "static"), default="dynamic",
+                    help="transformers' KV cache: grown a token a step (dynamic) or preallocated and written in "
+                         "place (static: cache_implementation='static')")
     ap.add_argument("--mask-skip", action="store_true",
                     help="as with a torch newer than 2.11: transformers skips the all-true causal mask of a "
                          "one-token step under torch.compile (older torch builds it in every decode graph)")
@@ -157,7 +170,8 @@ def main() -> None:
             if mode == "tilefuse-nographs":
                 env["TILEFUSE_CUDA_GRAPHS"] = "0"
             cmd = [sys.executable, __file__, "--mode", mode] + [f"--{k}={getattr(args, k)}" for k in
-                                                                 ("layers", "hidden", "prompt", "new", "device")]
+                                                                 ("layers", "hidden", "prompt", "new", "device",
+                                                                  "cache")]
             cmd += [f"--profile={args.profile}"] if args.profile else []
             cmd += ["--mask-skip"] if args.mask_skip else []
             p = subprocess.run(cmd, env=env, capture_output=True, text=True)
@@ -172,7 +186,7 @@ def main() -> None:
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
     print(f"{result['gpu']}: llama {args.layers} layers, hidden {args.hidden}, bf16, prompt {args.prompt}, "
-          f"{args.new} new tokens")
+          f"{args.new} new tokens, {args.cache} cache")
     print(f"{'mode':18} {'first s':>8} {'again s':>8} {'ms/token':>9} {'other prompt s':>15} {'peak GiB':>9} "
           f"{'as eager':>9}  "
           f"per graph: variants (made with no compile)/exports/calls in tilefuse/calls in eager")

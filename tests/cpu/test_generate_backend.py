@@ -143,3 +143,38 @@ def test_generate_gives_eager_tokens_in_tilefuse_from_one_export_per_graph(name)
         assert all(NOT_RESIZED[name] in "".join(r.events) for r in tb.reports() if r.variants > 1), tb.summary()
     else:
         assert resized > 0, f"no size was made with no compile\n{tb.summary()}"
+
+
+# a sliding-window static layer passes the cache's length to the decode graph as a Python int
+# dynamo makes dynamic, so its decode sizes compile one by one there
+STATIC_PER_SIZE = {"mistral", "gemma2"}
+
+
+@pytest.mark.parametrize("name", CAUSAL)
+def test_generate_with_a_static_cache_updates_it_in_place_and_compiles_one_decode_step(name):
+    """`cache_implementation="static"`: transformers preallocates the cache and each step writes
+    its keys and values into it (`index_copy_`) and advances a step counter (`add_`), writes
+    into the graph's inputs that the program makes itself (Graph.writes). Properties: eager's
+    tokens, for two prompts; every graph ran in tilefuse; every decode step is one size, so the
+    decode graph compiles once (sliding-window layers: once per length); a second generate
+    from the same prompt compiles nothing."""
+    model = _build(name)
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(2, model.config.vocab_size, (1, n), generator=gen) for n in PROMPTS]
+    static = dict(GENERATE, cache_implementation="static")
+    with torch.no_grad():
+        eager = [model.generate(p, **static) for p in prompts]
+        model.forward = torch.compile(model.forward, backend="tilefuse")
+        got = model.generate(prompts[0], **static)
+        assert torch.equal(got, eager[0]), (got, eager[0])
+        _assert_ran_in_tilefuse()
+        variants = _variants()
+        assert torch.equal(model.generate(prompts[0], **static), eager[0])
+        assert _variants() == variants, f"the second generate compiled again\n{tb.summary()}"
+        other = model.generate(prompts[1], **static)
+        assert torch.equal(other, eager[1]), (other, eager[1])
+    _assert_ran_in_tilefuse()
+    decode = [r for r in tb.reports() if r.calls_tilefuse > 2]
+    assert decode and all(r.stages.graph.writes for r in decode), tb.summary()
+    if name not in STATIC_PER_SIZE:
+        assert all(r.variants == 1 for r in decode), tb.summary()

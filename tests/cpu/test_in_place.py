@@ -235,3 +235,22 @@ def test_a_static_cache_step_writes_its_token_in_the_cache_itself():
 def test_a_copy_of_an_input_from_before_its_write_is_refused():
     with torch.no_grad(), pytest.raises(CaptureError, match="copy of input .* before it writes"):
         tilefuse.compile(_returns_a_copy_from_before_the_write, (torch.randn(6, 4),))
+
+
+def test_inputs_that_share_memory_with_a_written_input_are_refused_at_the_call():
+    """The Graph IR reads every input as given, so a write into an input another input views
+    would be missed there: such a call is an error naming both, and the inputs are untouched."""
+
+    def fn(a, b):
+        a.add_(1)
+        return b * 2
+
+    with torch.no_grad():
+        prog = tilefuse.compile(fn, (torch.randn(4, 4), torch.randn(4, 4)))
+        a = torch.randn(4, 4)
+        before = a.clone()
+        with pytest.raises(ValueError, match="writes in place, shares memory with input"):
+            prog(a, a.t())
+        assert torch.equal(a, before)
+        torch.testing.assert_close(prog(a, before), before * 2)
+        torch.testing.assert_close(a, before + 1)

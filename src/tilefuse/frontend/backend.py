@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..runtime.program import overlapping_writes
 from ..runtime.shared_weights import WeightPool
 
 NAME = "tilefuse"
@@ -392,6 +393,12 @@ class GraphRunner:
             self.report.calls_eager += 1
             return self.gm(*args)
         user = [a for a, k in zip(args, self.kinds) if k == "input"]
+        if v.program.graph.writes:
+            why = overlapping_writes(v.program.graph, user)
+            if why:  # (eager's writes reach the other views; the compiled graph reads them unchanged)
+                self._event(f"a call ran in eager: {why}", once=True)
+                self.report.calls_eager += 1
+                return self.gm(*args)
         try:
             out = v.program(*user)
         except Exception as e:  # a kernel that fails to build or launch: eager from now on, said once

@@ -107,6 +107,10 @@ class Program:
             warnings.warn("tilefuse: an input requires grad, but a compiled program has no backward: its results "
                           "carry no gradient (run it under torch.no_grad() or torch.inference_mode(), or detach "
                           "the inputs)", stacklevel=2)
+        if self.graph.writes:
+            why = overlapping_writes(self.graph, tensors)
+            if why:
+                raise ValueError(why)
         key = (signature(tensors), self.poison, self.graphs)
         run = self._entries.get(key)
         if run is None:
@@ -259,6 +263,22 @@ class Program:
             pool.shutdown(wait=True, cancel_futures=True)  # the queued compiles are dropped
             raise
         pool.shutdown(wait=True)
+
+
+def overlapping_writes(graph: ir.Graph, tensors) -> str:
+    """Why these inputs cannot run a program that writes some of them in place: a written input
+    shares memory with another input (`x` and `x.t()`), whose reads the Graph IR takes as
+    unchanged by the write; "" where none does."""
+    if not graph.writes:
+        return ""
+    where = [t.untyped_storage().data_ptr() for t in tensors]
+    for x in graph.writes:
+        i = graph.inputs.index(x)
+        for j, p in enumerate(where):
+            if j != i and p == where[i] and tensors[i].numel() and tensors[j].numel():
+                return (f"input {x}, which the program writes in place, shares memory with input "
+                        f"{graph.inputs[j]}; pass tensors that do not overlap")
+    return ""
 
 
 def _tensor_leaves(args) -> tuple:
