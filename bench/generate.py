@@ -163,7 +163,7 @@ def main() -> None:
         return
     import torch
 
-    rows = []
+    rows, failed = [], []
     for mode in args.modes.split(","):
         with tempfile.TemporaryDirectory() as cache:
             env = dict(os.environ, TILEFUSE_CACHE_DIR=cache)
@@ -175,14 +175,17 @@ def main() -> None:
             cmd += [f"--profile={args.profile}"] if args.profile else []
             cmd += ["--mask-skip"] if args.mask_skip else []
             p = subprocess.run(cmd, env=env, capture_output=True, text=True)
-            if p.returncode != 0:
-                print(p.stderr[-3000:], file=sys.stderr)
-                raise SystemExit(f"{mode} failed")
+            if p.returncode != 0:  # said, and the other modes still run
+                err = [ln for ln in p.stderr.strip().splitlines() if ln.strip()]
+                print(f"{mode} failed: {err[-1] if err else p.returncode}", file=sys.stderr)
+                failed.append({"mode": mode, "error": "\n".join(err[-30:])})
+                continue
             rows.append(json.loads(p.stdout.strip().splitlines()[-1]))
     eager = next((r for r in rows if r["mode"] == "eager"), None)
     for r in rows:
         r["tokens_as_eager"] = (sum(a == b for a, b in zip(r["tokens"], eager["tokens"])) if eager else None)
-    result = {"gpu": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "torch": torch.__version__, "args": vars(args), "rows": rows}
+    result = {"gpu": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "torch": torch.__version__, "args": vars(args), "rows": rows,
+              "failed": failed}
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
     print(f"{result['gpu']}: llama {args.layers} layers, hidden {args.hidden}, bf16, prompt {args.prompt}, "
@@ -196,6 +199,8 @@ def main() -> None:
         print(f"{r['mode']:18} {r['first_s']:8.2f} {r['again_s']:8.3f} {r['again_ms_per_token']:9.2f} "
               f"{r['other_prompt_s']:15.2f} "
               f"{r['peak_gib']:9.2f} {r['tokens_as_eager']!s:>6}/{args.new}  {ve}")
+    for f in failed:
+        print(f"{f['mode']:18} failed: {f['error'].splitlines()[-1]}")
     for r in rows:
         if "cuda_graphs" in r:
             print(f"{r['mode']}: CUDA graphs {r['cuda_graphs']}")

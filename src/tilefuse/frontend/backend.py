@@ -355,6 +355,7 @@ class GraphRunner:
         self.sources = _size_sources(placeholders, self.kinds) if "int" in self.kinds else None
         self.placeholders = placeholders
         self.int_outputs = _int_outputs(gm)
+        self.host_scalars: tuple = ()  # user inputs that are 0-d CPU tensors beside CUDA ones
         self.fallback = self._why_eager(example_inputs, placeholders)
         if self.fallback:
             self.report.status, self.report.reason = "eager", self.fallback
@@ -377,8 +378,17 @@ class GraphRunner:
                     "yet; run inference under torch.no_grad() or torch.inference_mode()")
         if any(t.is_sparse or t.is_quantized or t.is_nested for t in tensors):
             return "sparse, quantized or nested tensor inputs"
-        if len({t.device for t in tensors}) > 1:
-            return f"inputs on several devices: {sorted({str(t.device) for t in tensors})}"
+        devices = {t.device for t in tensors}
+        if len(devices) > 1:
+            # a 0-d CPU tensor beside CUDA tensors (transformers' static cache counts its length in
+            # one until the first step moves it) is moved to the GPU for each call
+            cuda = {d for d in devices if d.type == "cuda"}
+            scalars = [i for i, t in enumerate(x for x, k in zip(example_inputs, self.kinds) if k == "input")
+                       if t.device.type == "cpu" and t.dim() == 0]
+            on_cpu = [t for t in tensors if t.device.type == "cpu"]
+            if len(cuda) != 1 or len(on_cpu) != len(scalars) or len(devices) != 2:
+                return f"inputs on several devices: {sorted({str(t.device) for t in tensors})}"
+            self.host_scalars = tuple(scalars)
         if "input" not in self.kinds:  # a program of weights alone would not know its device
             return "the graph reads no tensors of the caller's, only weights and sizes"
         return ""
@@ -393,20 +403,30 @@ class GraphRunner:
             self.report.calls_eager += 1
             return self.gm(*args)
         user = [a for a, k in zip(args, self.kinds) if k == "input"]
-        if v.program.graph.writes:
-            why = overlapping_writes(v.program.graph, user)
+        g = v.program.graph
+        if g.writes:
+            why = overlapping_writes(g, user)
             if why:  # (eager's writes reach the other views; the compiled graph reads them unchanged)
                 self._event(f"a call ran in eager: {why}", once=True)
                 self.report.calls_eager += 1
                 return self.gm(*args)
+        given = user
+        if self.host_scalars:
+            device = next(t.device for t in user if t.device.type == "cuda")
+            given = list(user)
+            for i in self.host_scalars:
+                given[i] = user[i].to(device)
         try:
-            out = v.program(*user)
+            out = v.program(*given)
         except Exception as e:  # a kernel that fails to build or launch: eager from now on, said once
             v.program, v.reason = None, f"runtime error, now in eager: {_first_line(e)}"
             self._event(v.reason)
             self.report.calls_eager += 1
             return self.gm(*args)
         self.report.calls_tilefuse += 1
+        for i in self.host_scalars:
+            if g.inputs[i] in g.writes:
+                user[i].copy_(given[i])
         if v.identity:
             leaves, spec = torch.utils._pytree.tree_flatten(out)
             for j, i in v.identity:
