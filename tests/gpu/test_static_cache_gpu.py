@@ -111,9 +111,7 @@ def test_generate_with_a_static_cache_replays_one_decode_graph_with_eager_tokens
         assert torch.equal(got, eager), (got, eager)
     # the prefill graph too: its step counter is a 0-d CPU tensor until the first step moves it
     assert all(r.report.status == "tilefuse" and not r.report.calls_eager for r in runners), tb.summary()
-    decode = [r for r in runners if r.report.calls_tilefuse > 2]
-    assert len(decode) == 1, tb.summary()
-    r = decode[0]
+    r = max(runners, key=lambda r: r.report.calls_tilefuse)  # the decode step's graph: 15 calls a generate
     assert r.report.variants == 1 and r.report.calls_eager == 0 and r.report.stages.graph.writes, tb.summary()
     (v,) = r.variants.values()
     info = v.program.graph_info()
