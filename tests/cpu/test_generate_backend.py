@@ -178,3 +178,23 @@ def test_generate_with_a_static_cache_updates_it_in_place_and_compiles_one_decod
     assert decode and all(r.stages.graph.writes for r in decode), tb.summary()
     if name not in STATIC_PER_SIZE:
         assert all(r.variants == 1 for r in decode), tb.summary()
+
+
+def test_transformers_compile_config_can_name_tilefuse_for_its_static_cache_decode_step():
+    """`generate(..., compile_config=CompileConfig(backend="tilefuse"))`: transformers compiles
+    the static-cache decode step itself (it runs the prefill in eager), passing its mode to the
+    backend; eager's tokens, the decode graph in tilefuse at every step."""
+    import transformers
+
+    model = _build("llama")
+    p = torch.randint(2, model.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(2))
+    static = dict(GENERATE, cache_implementation="static")
+    config = transformers.CompileConfig(backend="tilefuse")
+    config._compile_all_devices = True  # transformers compiles on a GPU only, unless told (a private flag)
+    with torch.no_grad():
+        eager = model.generate(p, **static)
+        got = model.generate(p, compile_config=config, **static)
+    assert torch.equal(got, eager), (got, eager)
+    _assert_ran_in_tilefuse()
+    (r,) = tb.reports()
+    assert r.calls_tilefuse == GENERATE["max_new_tokens"] - 1 and r.stages.graph.writes, tb.summary()
