@@ -271,11 +271,13 @@ def overlapping_writes(graph: ir.Graph, tensors) -> str:
     unchanged by the write; "" where none does."""
     if not graph.writes:
         return ""
-    where = [t.untyped_storage().data_ptr() for t in tensors]
+    where = [t.untyped_storage().data_ptr() if t.numel() else -1 - i for i, t in enumerate(tensors)]
+    if len(set(where)) == len(where):
+        return ""
     for x in graph.writes:
         i = graph.inputs.index(x)
         for j, p in enumerate(where):
-            if j != i and p == where[i] and tensors[i].numel() and tensors[j].numel():
+            if j != i and p == where[i]:
                 return (f"input {x}, which the program writes in place, shares memory with input "
                         f"{graph.inputs[j]}; pass tensors that do not overlap")
     return ""
