@@ -295,17 +295,26 @@ def cmd_run(args) -> int:
         xs = [spec.make({"torch": torch}) for spec in specs]
         return [(x.to(dtype) if dtype and x.is_floating_point() else x).to(device) for x in xs]
 
+    # inputs the program writes in place (x.add_(1)) are judged too, after the call; each of the
+    # three runs gets its own copies of the inputs, so no run sees another's writes
+    written = [st.graph.inputs.index(x) for x in st.graph.writes]
+
     def run(xs) -> Results:
-        outs = flatten(prog(*xs))
+        mine, theirs = [x.clone() for x in xs], [x.clone() for x in xs]
+        ref_in = [x.double() if x.is_floating_point() else x.clone() for x in xs]  # written in place by the reference
+        outs = flatten(prog(*mine))
         with torch.no_grad():
-            eager = flatten(module(*xs))
-        return Results(outs, flatten(float64_reference(module, xs)), eager)
+            eager = flatten(module(*theirs))
+        ref = flatten(float64_reference(module, ref_in))
+        return Results(outs + [mine[i] for i in written], ref + [ref_in[i] for i in written],
+                       eager + [theirs[i] for i in written])
 
     inputs = make_inputs(seed)
     module = module.to(device)
     first = run(inputs)
     drawn = random_ops(st.graph)
-    names = [f"out{i}" for i in range(len(first.outs))]
+    names = [f"out{i}" for i in range(len(first.outs) - len(written))]
+    names += [f"{st.graph.writes[k]}, written" for k in range(len(written))]
     # a random program differs from PyTorch by design: judged on nothing, so no more draws
     checks = check_outputs(names, first, None if drawn else lambda k: run(make_inputs(_draw_seed(seed, k))))
     where = "CUDA kernels" if device == "cuda" else "the Loop IR interpreter (no GPU)"

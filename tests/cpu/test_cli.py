@@ -339,3 +339,18 @@ def test_losses_with_broadcast_operands_and_f64_softmax_match_pytorch(expr):
     got = prog(*inputs)
     assert got.dtype == want.dtype
     torch.testing.assert_close(got, want, rtol=1e-12 if want.dtype == torch.float64 else 1e-6, atol=1e-12)
+
+
+@pytest.mark.parametrize("expr", ["torch.randn(4, 8).add_(1).mul(2)", "torch.randn(3, 5).mul_(torch.randn(5)).sum(-1)"])
+def test_run_judges_an_input_written_in_place_and_each_run_writes_its_own_copy(expr, capsys):
+    """An expression that writes its input in place: the graph shows the write, and `run` judges
+    the input after the call beside the outputs, each of the program, PyTorch and the float64
+    reference given its own copy (a shared one would be written three times: errors of order 1)."""
+    assert main(["compile", "-c", expr, "--ir", "graph"]) == 0
+    assert "write inputs_0 <- " in capsys.readouterr().out
+    assert main(["run", "-c", expr, "--device", "cpu", "--seed", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "inputs_0, written" in out and "FAIL" not in out
+    errors = [float(tok) for line in out.splitlines() if "│" in line for tok in line.split("│")[3:4]
+              if tok.strip() and tok.strip()[0].isdigit()]
+    assert errors and max(errors) < 1e-5, out
