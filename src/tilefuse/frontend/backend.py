@@ -388,6 +388,11 @@ class GraphRunner:
             on_cpu = [t for t in tensors if t.device.type == "cpu"]
             if len(cuda) != 1 or len(on_cpu) != len(scalars) or len(devices) != 2:
                 return f"inputs on several devices: {sorted({str(t.device) for t in tensors})}"
+            out = [n for n in self.gm.graph.nodes if n.op == "output"]
+            vals = [a.meta.get("example_value") for a in torch.utils._pytree.tree_leaves(out[0].args)
+                    if isinstance(a, torch.fx.Node)] if out else []
+            if any(isinstance(v, torch.Tensor) and v.device.type == "cpu" for v in vals):
+                return "inputs on several devices, and an output on the CPU (tilefuse runs a program on one device)"
             self.host_scalars = tuple(scalars)
         if "input" not in self.kinds:  # a program of weights alone would not know its device
             return "the graph reads no tensors of the caller's, only weights and sizes"
@@ -421,6 +426,9 @@ class GraphRunner:
         except Exception as e:  # a kernel that fails to build or launch: eager from now on, said once
             v.program, v.reason = None, f"runtime error, now in eager: {_first_line(e)}"
             self._event(v.reason)
+            if g.writes:  # it may have written some of its inputs already: running eager would write them again
+                raise RuntimeError(f"tilefuse: graph {self.report.index} failed while it may have written its "
+                                   f"inputs in place ({_first_line(e)}); later calls run in eager") from e
             self.report.calls_eager += 1
             return self.gm(*args)
         self.report.calls_tilefuse += 1
@@ -542,6 +550,8 @@ class GraphRunner:
             prog.pool = POOL
             if any(t.is_cuda for t in user):
                 prog.prepare("cuda")
+                if c.graph.writes:  # what can fail before a call writes anything fails here (see __call__)
+                    prog.runner(next(t.device for t in user if t.is_cuda))
         except Exception as e:  # never a crash: the graph runs as its own forward, and says why
             reason = _first_line(e)
             self._event(f"eager fallback: {reason}", once=True)
@@ -630,9 +640,9 @@ class _Unsupported(Exception):
 
 
 def _identity_outputs(g) -> tuple:
-    """(output index, input index) for each result that is an input itself (a no-op `.to`, or an
-    input the graph updates in place and returns: a static KV cache's step counter)."""
-    return tuple((j, g.inputs.index(o)) for j, o in enumerate(g.results) if o in g.inputs)
+    """(output index, input index) for each result that is an input itself (a no-op `.to`); not
+    one the graph writes, whose result is its value as given (a copy)."""
+    return tuple((j, g.inputs.index(o)) for j, o in enumerate(g.results) if o in g.inputs and o not in g.writes)
 
 
 def _aliased_output(g) -> str:

@@ -221,7 +221,7 @@ def to_graph(ep, expr: str | None = None) -> ir.Graph:
             for o in node.args[0]:
                 if o is None or not isinstance(o, torch.fx.Node):
                     raise CaptureError("the program must return tensors (or a tuple of tensors)")
-                outputs.append(_result(o, env, owned, updated, given, expr))
+                outputs.append(env[o])  # (an input's name: the input as given; its update is a write)
         else:
             raise CaptureError(f"unexpected fx node {node.op} {node.target}")
     writes = tuple(given[p] for p in updated)
@@ -229,23 +229,6 @@ def to_graph(ep, expr: str | None = None) -> ir.Graph:
     used = _live(b.nodes, outputs)
     nodes = tuple(n for n in b.nodes if n.name in used or isinstance(n, ir.Input))
     return ir.Graph(nodes, tuple(inputs), tuple(outputs), {k: v for k, v in weights.items() if k in used}, writes)
-
-
-def _result(o, env, owned: dict, updated: dict, given: dict, expr) -> str:
-    """The Graph IR name a returned fx node stands for. An input the program writes, returned
-    as itself (`cache.index_copy_(...)` returns the cache), is named by its Input: the graph's
-    writes make that the updated input. A copy of such an input's earlier value would need a
-    copy the Graph IR does not keep apart from the input (clone is the same value there):
-    refused rather than returned updated."""
-    root = owned.get(o)
-    if root is not None and root.op == "placeholder":
-        return given[root]
-    name = env[o]
-    if any(given[p] == name for p in updated):
-        raise CaptureError(f"the program returns a copy of input {name} taken before it writes that input in "
-                           f"place, which tilefuse cannot tell from the updated input; return the copy after "
-                           f"the write, or copy it with an op that computes ({source_of(o, expr)})")
-    return name
 
 
 def _live(nodes, outputs) -> set[str]:
@@ -295,10 +278,21 @@ def _converts(n) -> bool:
     return isinstance(a, torch.Tensor) and isinstance(r, torch.Tensor) and (a.dtype, a.device) != (r.dtype, r.device)
 
 
+def _argument(n, name: str, default=None):
+    """Argument `name` of an aten node, passed by position or by keyword."""
+    if name in n.kwargs:
+        return n.kwargs[name]
+    for i, a in enumerate(n.target._schema.arguments):
+        if a.name == name:
+            return n.args[i] if i < len(n.args) and not a.kwarg_only else default
+    return default
+
+
 def _same_tensor(n) -> bool:
-    """A `to` that changes nothing: it returns its input itself (`cache.to(device)`)."""
-    return (_op_name(n.target) == "to" and not _converts(n) and not n.kwargs.get("copy", False)
-            and n.kwargs.get("memory_format") in (None, torch.preserve_format)
+    """A `to` that changes nothing: it returns its input itself (`cache.to(device)`); not one
+    with copy=True or another memory format, which make new memory."""
+    return (_op_name(n.target) == "to" and hasattr(n.target, "_schema") and not _converts(n)
+            and not _argument(n, "copy", False) and _argument(n, "memory_format") in (None, torch.preserve_format)
             and bool(n.args) and isinstance(n.args[0], torch.fx.Node))
 
 
@@ -383,6 +377,11 @@ def _translate_in_place(b: Builder, node, resolve, env, expr, owned: dict, updat
         raise CaptureError(f"aten.{name} writes to a tensor in place, which tilefuse supports only on a tensor "
                            f"the program made itself, with no view of it taken before the write ({why}); "
                            f"write it out of place" + (f" ({where})" if (where := source_of(node, expr)) else ""))
+    if root.op == "placeholder" and b.type(env[node]) != b.type(env[root]):
+        # squeeze_, t_, resize_: the caller's tensor would change its shape (or its storage)
+        raise CaptureError(f"aten.{name} changes the shape of input {root.name} in place "
+                           f"({b.type(env[root])} -> {b.type(env[node])}), which tilefuse does not do to a "
+                           f"caller's tensor; reshape it out of place" + (f" ({where})" if (where := source_of(node, expr)) else ""))
     for other, r in owned.items():
         if r is root and other in env:
             env[other] = env[node]

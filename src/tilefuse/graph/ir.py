@@ -298,9 +298,10 @@ def node_args(n) -> tuple[str, ...]:
 @dataclass
 class Graph:
     """`writes`: inputs the program updates in place (a KV cache's `index_copy_`, a counter's
-    `add_`). The last len(writes) outputs are their new values, copied into those inputs after
-    the program runs; the outputs before them are the program's results (`results`), and one
-    that names a written input is that input after the update (eager returned the input itself)."""
+    `add_`). The last len(writes) outputs are their new values, of their inputs' types, copied
+    into those inputs after the program runs; the outputs before them are the program's results
+    (`results`). A result that names an input, written or not, is that input as given (a clone
+    of it taken before the write: rewrites may well reduce a value to it)."""
 
     nodes: tuple
     inputs: tuple[str, ...]
@@ -315,6 +316,9 @@ class Graph:
         if len(self.writes) > len(self.outputs) or not set(self.writes) <= set(self.inputs) \
                 or len(set(self.writes)) != len(self.writes):
             raise ValueError(f"writes {self.writes} must be distinct inputs, each with a new value among the outputs")
+        for x, v in self.written:
+            if self._by_name[v].type != self._by_name[x].type:
+                raise ValueError(f"input {x} ({self._by_name[x].type}) would be written with {v} ({self._by_name[v].type})")
 
     @property
     def results(self) -> tuple[str, ...]:

@@ -61,7 +61,8 @@ def in_place_writes(graph: ir.Graph, plan) -> dict[str, str]:
     for x, v in graph.written:
         n = graph[v]
         if not (isinstance(n, ir.Extern) and n.name in extern_steps and n.args and n.args[0] == ir.Ref(x)
-                and n.type == graph[x].type and users[x] == [v] and x not in graph.results):
+                and n.type == graph[x].type and users[x] == [v] and x not in graph.results
+                and v not in graph.results):  # (a result never shares the caller's memory)
             continue
         ns, op, overload = (n.target.split(".") + ["", "", ""])[:3]
         if ns == "aten" and hasattr(getattr(torch.ops.aten, op + "_", None), overload):
@@ -82,12 +83,17 @@ def alias_root(plan, name: str) -> str:
 
 
 def cloned_outputs(graph: ir.Graph, plan) -> tuple[bool, ...]:
-    """Which results (`Graph.results`) are returned as copies: an input itself (never the caller's tensor), or
-    anything viewing a weight, constant or iota (never the program's cached value)."""
+    """Which results (`Graph.results`) are returned as copies: an input itself (never the caller's
+    tensor), anything viewing a weight, constant or iota (never the program's cached value), or
+    a view of an input the program writes (the write comes after the results)."""
     out = []
     for o in graph.results:
         root = graph[alias_root(plan, o)]
-        out.append(o in graph.inputs or (isinstance(root, _GIVEN) and not isinstance(root, ir.Input)))
+        viewed = graph[o]
+        while isinstance(viewed, ir.View):  # (an extern view may return its input's memory: a slice's .contiguous())
+            viewed = graph[viewed.arg]
+        out.append(o in graph.inputs or (isinstance(root, _GIVEN) and not isinstance(root, ir.Input))
+                   or viewed.name in graph.writes)  # a view of an input the program then writes
     return tuple(out)
 
 
@@ -155,10 +161,11 @@ class Runner:
         env[:self.n_inputs] = tensors
         for op in self.ops:
             op(env)
-        for i, v in self.writes:  # before the results: one naming a written input is it updated
+        out = [env[i].clone() if c else _unviewed(env[i]) for i, c in self.outputs]
+        for i, v in self.writes:  # after the results: one naming a written input is it as given
             if env[v] is not tensors[i]:  # (an in-place extern wrote it already)
                 tensors[i].copy_(env[v])
-        return [env[i].clone() if c else _unviewed(env[i]) for i, c in self.outputs]
+        return out
 
     def prefilled(self) -> list:
         """The device tensors the runner holds (weights, constants): never a call's own memory."""
