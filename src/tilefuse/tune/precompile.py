@@ -23,7 +23,7 @@ def prepare(job) -> tuple[str, object]:
         fn = fam.compile(kernel, fam.build(kernel, knobs, arch), arch)
     except Exception as e:  # the candidate's failure, reported by the tuner
         first = (str(e).strip().splitlines() or [""])[0]
-        return "error", f"{type(e).__name__}: {first}"[:500]
+        return "error", f"{type(e).__name__}: {first}"[:400] + _where(e)
     if not fam.portable:  # e.g. ctypes state: the worker compiles it again (a cubin cache hit)
         return "ok", None
     try:
@@ -31,6 +31,18 @@ def prepare(job) -> tuple[str, object]:
     except Exception:
         return "ok", None
     return "ok", fn
+
+
+def _where(e: BaseException) -> str:
+    """ " (raised at file:line in function)" of the innermost frame: a failure in another process
+    shows only this line, and a message such as PyTorch's schema parser's names no caller."""
+    tb = e.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    if tb is None:
+        return ""
+    code = tb.tb_frame.f_code
+    return f" (raised at {code.co_filename}:{tb.tb_lineno} in {code.co_name})"
 
 
 def compiler_pool(jobs: int) -> ProcessPoolExecutor:
