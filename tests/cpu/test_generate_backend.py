@@ -198,3 +198,23 @@ def test_transformers_compile_config_can_name_tilefuse_for_its_static_cache_deco
     _assert_ran_in_tilefuse()
     (r,) = tb.reports()
     assert r.calls_tilefuse == GENERATE["max_new_tokens"] - 1 and r.stages.graph.writes, tb.summary()
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_a_padded_batch_with_a_static_cache_gives_eager_tokens_from_one_decode_compile(name):
+    """Two prompts, the second left-padded (attention_mask zeros): eager's tokens for both rows
+    from one decode compile, greedy; sampling runs through the same graphs (no new compile)."""
+    model = _build(name)
+    ids = torch.randint(2, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones(2, 12, dtype=torch.long)
+    mask[1, :4], ids[1, :4] = 0, 0
+    static = dict(GENERATE, cache_implementation="static")
+    with torch.no_grad():
+        eager = model.generate(ids, attention_mask=mask, **static)
+        model.forward = torch.compile(model.forward, backend="tilefuse")
+        got = model.generate(ids, attention_mask=mask, **static)
+        assert torch.equal(got, eager), (got, eager)
+        variants = _variants()
+        sampled = model.generate(ids, attention_mask=mask, **{**static, "do_sample": True})
+    assert sampled.shape == eager.shape and _variants() == variants, tb.summary()
+    _assert_ran_in_tilefuse()
