@@ -246,6 +246,8 @@ def compile(fn, example_inputs, *, arch: str | None = None, graphs: bool | None 
     updated in place after compiling (`optimizer.step()`, `load_state_dict`), or replaced,
     compiles the program again at its next call, with a warning (updates through `.data`, and
     tensors a plain function closes over, are not seen: compile again after changing those).
+    An input the program writes in place (`cache.index_copy_(...)`, `x.add_(1)`) holds the new
+    value after each call, as in eager; inputs that share memory with a written one are refused.
     """
     if isinstance(example_inputs, torch.Tensor):
         example_inputs = (example_inputs,)
