@@ -374,8 +374,8 @@ def _translate_in_place(b: Builder, node, resolve, env, expr, owned: dict, updat
             why = f"PyTorch has no out-of-place aten.{functional}.{node.target._overloadname} to run it as"
     if why is not None:
         # The Graph IR is pure: a write it cannot account for would be lost, a wrong answer. Refuse.
-        raise CaptureError(f"aten.{name} writes to a tensor in place, which tilefuse supports only on a tensor "
-                           f"the program made itself, with no view of it taken before the write ({why}); "
+        raise CaptureError(f"aten.{name} writes to a tensor in place, which tilefuse supports only on an input "
+                           f"or a tensor the program made itself, with no view of it taken before the write ({why}); "
                            f"write it out of place" + (f" ({where})" if (where := source_of(node, expr)) else ""))
     if root.op == "placeholder" and b.type(env[node]) != b.type(env[root]):
         # squeeze_, t_, resize_: the caller's tensor would change its shape (or its storage)
