@@ -379,9 +379,10 @@ def _translate_in_place(b: Builder, node, resolve, env, expr, owned: dict, updat
                            f"write it out of place" + (f" ({where})" if (where := source_of(node, expr)) else ""))
     if root.op == "placeholder" and b.type(env[node]) != b.type(env[root]):
         # squeeze_, t_, resize_: the caller's tensor would change its shape (or its storage)
+        where = source_of(node, expr)
         raise CaptureError(f"aten.{name} changes the shape of input {root.name} in place "
                            f"({b.type(env[root])} -> {b.type(env[node])}), which tilefuse does not do to a "
-                           f"caller's tensor; reshape it out of place" + (f" ({where})" if (where := source_of(node, expr)) else ""))
+                           f"caller's tensor; reshape it out of place" + (f" ({where})" if where else ""))
     for other, r in owned.items():
         if r is root and other in env:
             env[other] = env[node]

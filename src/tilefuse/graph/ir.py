@@ -318,7 +318,8 @@ class Graph:
             raise ValueError(f"writes {self.writes} must be distinct inputs, each with a new value among the outputs")
         for x, v in self.written:
             if self._by_name[v].type != self._by_name[x].type:
-                raise ValueError(f"input {x} ({self._by_name[x].type}) would be written with {v} ({self._by_name[v].type})")
+                raise ValueError(f"input {x} ({self._by_name[x].type}) would be written with {v} "
+                                 f"({self._by_name[v].type})")
 
     @property
     def results(self) -> tuple[str, ...]:
