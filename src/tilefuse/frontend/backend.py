@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..runtime.program import overlapping_writes
+from ..runtime.program import OverlappingWrites
 from ..runtime.shared_weights import WeightPool
 
 NAME = "tilefuse"
@@ -409,12 +409,6 @@ class GraphRunner:
             return self.gm(*args)
         user = [a for a, k in zip(args, self.kinds) if k == "input"]
         g = v.program.graph
-        if g.writes:
-            why = overlapping_writes(g, user)
-            if why:  # (eager's writes reach the other views; the compiled graph reads them unchanged)
-                self._event(f"a call ran in eager: {why}", once=True)
-                self.report.calls_eager += 1
-                return self.gm(*args)
         given = user
         if self.host_scalars:
             device = next(t.device for t in user if t.device.type == "cuda")
@@ -423,6 +417,10 @@ class GraphRunner:
                 given[i] = user[i].to(device)
         try:
             out = v.program(*given)
+        except OverlappingWrites as e:  # (eager's writes reach the other views; the graph reads them unchanged)
+            self._event(f"a call ran in eager: {e}", once=True)
+            self.report.calls_eager += 1
+            return self.gm(*args)
         except Exception as e:  # a kernel that fails to build or launch: eager from now on, said once
             v.program, v.reason = None, f"runtime error, now in eager: {_first_line(e)}"
             self._event(v.reason)

@@ -110,7 +110,7 @@ class Program:
         if self.graph.writes:
             why = overlapping_writes(self.graph, tensors)
             if why:
-                raise ValueError(why)
+                raise OverlappingWrites(why)
         key = (signature(tensors), self.poison, self.graphs)
         run = self._entries.get(key)
         if run is None:
@@ -263,6 +263,10 @@ class Program:
             pool.shutdown(wait=True, cancel_futures=True)  # the queued compiles are dropped
             raise
         pool.shutdown(wait=True)
+
+
+class OverlappingWrites(ValueError):
+    """A call whose inputs overlap one the program writes in place (raised before anything runs)."""
 
 
 def overlapping_writes(graph: ir.Graph, tensors) -> str:

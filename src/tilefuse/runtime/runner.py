@@ -54,20 +54,22 @@ def in_place_writes(graph: ir.Graph, plan) -> dict[str, str]:
     nothing else reads x (no other op, alias or result: the old value is dead once the op
     starts). A static KV cache's `index_copy` then writes one token into the cache, not a copy of
     the whole cache that is then copied back."""
-    import torch
-
     users, found = graph.users(), {}
     extern_steps = {s.nodes[0] for s in plan.steps if s.family == "extern"}
     for x, v in graph.written:
         n = graph[v]
-        if not (isinstance(n, ir.Extern) and n.name in extern_steps and n.args and n.args[0] == ir.Ref(x)
+        if (isinstance(n, ir.Extern) and n.name in extern_steps and n.args and n.args[0] == ir.Ref(x)
                 and n.type == graph[x].type and users[x] == [v] and x not in graph.results
-                and v not in graph.results):  # (a result never shares the caller's memory)
-            continue
-        ns, op, overload = (n.target.split(".") + ["", "", ""])[:3]
-        if ns == "aten" and hasattr(getattr(torch.ops.aten, op + "_", None), overload):
+                and v not in graph.results  # (a result never shares the caller's memory)
+                and _in_place_op(n.target) is not None):
             found[v] = x
     return found
+
+
+def _in_place_op(target: str):
+    """aten.op_.overload for an extern's "aten.op.overload", or None where PyTorch has none."""
+    ns, op, overload = (target.split(".") + ["", "", ""])[:3]
+    return getattr(getattr(torch.ops.aten, op + "_", None), overload, None) if ns == "aten" else None
 
 
 def alias_root(plan, name: str) -> str:
@@ -152,8 +154,9 @@ class Runner:
         self.n_inputs = len(g.inputs)
         self.outputs = tuple((slot(o), c) for o, c in zip(g.results, cloned_outputs(g, plan)))
         # (input position, slot of its new value); positions of the inputs written at all
-        self.writes = tuple((g.inputs.index(x), slot(v)) for x, v in g.written)
-        self.written = tuple(i for i, _ in self.writes)
+        self.written = tuple(g.inputs.index(x) for x in g.writes)
+        # the new values to copy in after the run: not those an in-place extern wrote already
+        self.copies = tuple((g.inputs.index(x), slot(v)) for x, v in g.written if v not in in_place)
         self.has_externs = any(s.family == "extern" for s in plan.steps)
 
     def run(self, tensors) -> list:
@@ -162,9 +165,8 @@ class Runner:
         for op in self.ops:
             op(env)
         out = [env[i].clone() if c else _unviewed(env[i]) for i, c in self.outputs]
-        for i, v in self.writes:  # after the results: one naming a written input is it as given
-            if env[v] is not tensors[i]:  # (an in-place extern wrote it already)
-                tensors[i].copy_(env[v])
+        for i, v in self.copies:  # after the results: one naming a written input is it as given
+            tensors[i].copy_(env[v])
         return out
 
     def prefilled(self) -> list:
@@ -198,8 +200,7 @@ class _InPlace:
 
     def __init__(self, node, index, dst):
         self.node, self.index, self.dst = node, index, dst
-        ns, op, overload = node.target.split(".")
-        self.op = getattr(getattr(__import__("torch").ops.aten, op + "_"), overload)
+        self.op = _in_place_op(node.target)
 
     def __call__(self, env):
         from .program import _resolved
