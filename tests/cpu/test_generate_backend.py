@@ -20,8 +20,9 @@ Properties, per architecture, for greedy generation of 8 tokens:
 - Mistral and Gemma2 (transformers' DynamicSlidingWindowLayer) run in tilefuse too: their
   prefill graph returns an input unchanged (a no-op `.to` of the layer's window tensor), which
   is the caller's tensor, and their decode graphs return the layer's `cumulative_length`, an
-  integer evaluated from the call's sizes. That length is also a size input that is no
-  tensor's dim, so those graphs export each size on their own, and say so;
+  integer evaluated from the call's values. That length, a Python int no tensor's shape
+  holds, only enters tensor arithmetic (the mask's positions): it is passed as a 0-d tensor,
+  and one compiled decode program serves every step once the window is full, and says so;
 - where a decode graph's sizes reach only extern ops (the cache's cat, attention), its later
   sizes are made from a compiled size's program with no compile (runtime.resize), and the
   tokens above are theirs; OPT's decode graph builds its mask from the cache's length (an op
@@ -51,12 +52,15 @@ class RanInEager(AssertionError):
 
 
 # transformers' DynamicSlidingWindowLayer passes its cumulative_length, a Python int, to the decode
-# graph (dynamo makes it a size input that is no tensor's dim) and gets it back as an output:
-# those graphs compile each size from an export of its own, and say so
-PER_SIZE_EXPORTS = {"mistral", "gemma2"}
+# graph (dynamo makes it a SymInt that is no tensor's dim) and gets it back as an output: it only
+# enters tensor arithmetic (the mask's positions), so it is passed as a 0-d tensor
+# (frontend/scalar_ints.py). Mistral's decode steps (every layer a full window) are then one
+# program; Gemma2's global layers still grow their cache and build their mask from its length
+LENGTH_AS_TENSOR = {"mistral", "gemma2"}
+ONE_DECODE_PROGRAM = {"mistral"}
 
-# decode graphs that compile every size: an op takes the length (OPT's mask), or no symbolic export
-NOT_RESIZED = {"opt": "an op takes a size as an argument", "mistral": "", "gemma2": ""}
+# decode graphs that compile every size: an op takes the length (OPT's and Gemma2's global masks)
+NOT_RESIZED = {"opt": "an op takes a size as an argument", "gemma2": "an op takes a size as an argument"}
 
 CAUSAL = ["llama", "qwen2", "gpt2"] + [n for n, a in ARCHS.items() if a.kind == "causal"]
 
@@ -119,8 +123,7 @@ def test_generate_gives_eager_tokens_in_tilefuse_from_one_export_per_graph(name)
         again = model.generate(prompts[0], **GENERATE)
         assert torch.equal(again, eager[0]), (again, eager[0])
         _assert_ran_in_tilefuse()
-        assert name in PER_SIZE_EXPORTS or _exports() == exports, \
-            f"the second identical generate exported again\n{tb.summary()}"
+        assert _exports() == exports, f"the second identical generate exported again\n{tb.summary()}"
         assert _variants() - variants <= single, f"{_variants() - variants} new variant(s)\n{tb.summary()}"
         variants = _variants()
         model.generate(prompts[0], **GENERATE)
@@ -131,11 +134,15 @@ def test_generate_gives_eager_tokens_in_tilefuse_from_one_export_per_graph(name)
 
     _assert_ran_in_tilefuse()
     for r in tb.reports():
-        if r.variants > 1 and name in PER_SIZE_EXPORTS:
-            assert any("exported on its own: a size input is no tensor's dim" in e for e in r.events), r.events
-        elif r.variants > 1:
+        if r.variants > 1:
             assert r.exports < r.variants, (f"graph {r.index}: {r.variants} variants from {r.exports} exports: "
                                             f"{r.events}\n{tb.summary()}")
+    decode = [r for r in tb.reports() if r.calls_tilefuse > 8]
+    if name in LENGTH_AS_TENSOR:
+        assert decode and all(any("passed as 0-d tensors" in e for e in r.events) for r in decode), tb.summary()
+    if name in ONE_DECODE_PROGRAM:  # every decode step of a full window: one compiled program
+        assert all(r.variants == 1 for r in decode), tb.summary()
+        return
     assert any(r.variants > 1 for r in tb.reports()), tb.summary()
     resized = sum(r.resized for r in tb.reports())
     if name in NOT_RESIZED:
@@ -145,9 +152,6 @@ def test_generate_gives_eager_tokens_in_tilefuse_from_one_export_per_graph(name)
         assert resized > 0, f"no size was made with no compile\n{tb.summary()}"
 
 
-# a sliding-window static layer passes the cache's length to the decode graph as a Python int
-# dynamo makes dynamic, so its decode sizes compile one by one there
-STATIC_PER_SIZE = {"mistral", "gemma2"}
 
 
 @pytest.mark.parametrize("name", CAUSAL)
@@ -156,7 +160,8 @@ def test_generate_with_a_static_cache_updates_it_in_place_and_compiles_one_decod
     its keys and values into it (`index_copy_`) and advances a step counter (`add_`), writes
     into the graph's inputs that the program makes itself (Graph.writes). Properties: eager's
     tokens, for two prompts; every graph ran in tilefuse; every decode step is one size, so the
-    decode graph compiles once (sliding-window layers: once per length); a second generate
+    decode graph compiles once (sliding-window layers too: their length, a Python int, is passed
+    as a 0-d tensor); a second generate
     from the same prompt compiles nothing."""
     model = _build(name)
     gen = torch.Generator().manual_seed(2)
@@ -176,8 +181,7 @@ def test_generate_with_a_static_cache_updates_it_in_place_and_compiles_one_decod
     _assert_ran_in_tilefuse()
     decode = [r for r in tb.reports() if r.calls_tilefuse > 2]
     assert decode and all(r.stages.graph.writes for r in decode), tb.summary()
-    if name not in STATIC_PER_SIZE:
-        assert all(r.variants == 1 for r in decode), tb.summary()
+    assert all(r.variants == 1 for r in decode), tb.summary()
 
 
 def test_transformers_compile_config_can_name_tilefuse_for_its_static_cache_decode_step():

@@ -109,9 +109,9 @@ def test_the_pick_is_correct_and_not_slower_than_the_default(program, tuned):
     module, inputs, st = program
     results, wall = tuned
     print(f"\ntuning wall time {wall:.1f} s: " + "; ".join(
-        f"{r.name}: {r.status} {r.best_us:.1f} us vs default {r.default_us:.1f} us, {r.evaluated} tried, "
+        f"{r.name}: {r.status} {r.best_us} us vs default {r.default_us} us, {r.evaluated} tried, "
         f"{r.failed} failed, knobs {r.knobs}" for r in results))
-    assert all(r.status == "tuned" for r in results), [(r.name, r.note) for r in results]
+    assert all(r.status == "tuned" for r in results), [(r.name, r.note, r.failures[:2]) for r in results]
     prog = tilefuse.compile(module, inputs)  # takes the tuned knobs from the cache by itself
     for name, lk in st.kernels.items():
         ck = prog.compiled(lk, inputs[0].device)

@@ -302,6 +302,15 @@ def _int_outputs(gm) -> dict:
     return found if len(found) < len(out) else {}
 
 
+def _value_ints(placeholders, kinds) -> dict:
+    """The int inputs to pass as 0-d tensors (frontend.scalar_ints), position -> size symbol."""
+    from .scalar_ints import value_ints
+
+    dims = {d.node.expr for node, kind in zip(placeholders, kinds) if kind == "input"
+            for d in getattr(node.meta.get("example_value"), "shape", ()) if isinstance(d, torch.SymInt)}
+    return {i: placeholders[i].meta["example_value"].node.expr for i in value_ints(placeholders, kinds, dims)}
+
+
 def _size_values(placeholders, kinds, ints, user) -> dict:
     """Each size symbol of the graph -> its value in this call (from the int arguments and the
     user tensors' shapes)."""
@@ -332,7 +341,7 @@ class GraphRunner:
     """What the backend returns for one dynamo graph."""
 
     def __init__(self, gm: torch.fx.GraphModule, example_inputs: list, arch: str | None = None):
-        self.gm = gm
+        self.gm = self.eager = gm  # (gm: what compiles; eager: what runs where it does not, the graph as given)
         self.arch = arch
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         self.kinds = []
@@ -341,6 +350,19 @@ class GraphRunner:
                 self.kinds.append("int")
             else:
                 self.kinds.append("weight" if _is_weight(node, value) else "input")
+        self.int_outputs = _int_outputs(gm)
+        # ints passed to the program as 0-d tensors (frontend.scalar_ints): position -> its size symbol
+        self.scalars = _value_ints(placeholders, self.kinds) if "int" in self.kinds and len(placeholders) == \
+            len(example_inputs) else {}
+        if self.scalars:
+            from .scalar_ints import tensorize
+
+            self.gm = tensorize(gm, self.scalars)
+            placeholders = [n for n in self.gm.graph.nodes if n.op == "placeholder"]
+            for i in self.scalars:
+                self.kinds[i] = "input"
+            # (no int() of dynamo's SymInts here: it would guard the graph on their values)
+            example_inputs = self._tensorized([0 if i in self.scalars else a for i, a in enumerate(example_inputs)])
         fx_ops = sum(n.op in ("call_function", "call_method", "call_module") for n in gm.graph.nodes)
         self.report = GraphReport(len(REPORTS), fx_ops)
         REPORTS.append(self.report)
@@ -354,16 +376,19 @@ class GraphRunner:
         self.last_compiled = None  # (key, variant) of the last size compiled in full
         self.sources = _size_sources(placeholders, self.kinds) if "int" in self.kinds else None
         self.placeholders = placeholders
-        self.int_outputs = _int_outputs(gm)
         self.host_scalars: tuple = ()  # user inputs that are 0-d CPU tensors beside CUDA ones
         self.fallback = self._why_eager(example_inputs, placeholders)
+        if self.scalars and not self.fallback:
+            names = ", ".join(placeholders[i].name for i in self.scalars)
+            self._event(f"int input(s) {names} only enter tensor arithmetic: passed as 0-d tensors, so one "
+                        f"program serves every value")
         if self.fallback:
             self.report.status, self.report.reason = "eager", self.fallback
             _log(self.report.line())
-        elif "int" in self.kinds:
+        elif "int" in self.kinds or self.scalars:  # (compiled at the first call, which gives their values)
             self.report.reason = "dynamic sizes are specialised"
             _log(self.report.line())
-            if self.sources is None:
+            if self.sources is None and "int" in self.kinds:
                 self._event("each size is exported on its own: a size input is no tensor's dim (a Python int "
                             "dynamo made dynamic), which one symbolic export cannot take")
         else:
@@ -402,11 +427,15 @@ class GraphRunner:
     def __call__(self, *args):
         if self.fallback:
             self.report.calls_eager += 1
-            return self.gm(*args)
+            return self.eager(*args)
+        given_args = args
+        if self.scalars:
+            self.scalar_values = {self.scalars[i]: int(args[i]) for i in self.scalars}
+            args = self._tensorized(args)
         v = self._variant(args)
         if v.program is None:
             self.report.calls_eager += 1
-            return self.gm(*args)
+            return self.eager(*given_args)
         user = [a for a, k in zip(args, self.kinds) if k == "input"]
         g = v.program.graph
         given = user
@@ -420,7 +449,7 @@ class GraphRunner:
         except OverlappingWrites as e:  # (eager's writes reach the other views; the graph reads them unchanged)
             self._event(f"a call ran in eager: {e}", once=True)
             self.report.calls_eager += 1
-            return self.gm(*args)
+            return self.eager(*given_args)
         except Exception as e:  # a kernel that fails to build or launch: eager from now on, said once
             v.program, v.reason = None, f"runtime error, now in eager: {_first_line(e)}"
             self._event(v.reason)
@@ -428,7 +457,7 @@ class GraphRunner:
                 raise RuntimeError(f"tilefuse: graph {self.report.index} failed while it may have written its "
                                    f"inputs in place ({_first_line(e)}); later calls run in eager") from e
             self.report.calls_eager += 1
-            return self.gm(*args)
+            return self.eager(*given_args)
         self.report.calls_tilefuse += 1
         for i in self.host_scalars:
             if g.inputs[i] in g.writes:
@@ -438,7 +467,17 @@ class GraphRunner:
             for j, i in v.identity:
                 leaves[j] = user[i]
             out = torch.utils._pytree.tree_unflatten(leaves, spec)
+        if v.ints and self.scalars:  # (they follow the values, which one variant serves all of)
+            return _with_ints(out, self._int_values([a for a, k in zip(args, self.kinds) if k == "int"], user))
         return _with_ints(out, v.ints) if v.ints else out
+
+    def _tensorized(self, args) -> list:
+        """`args` with the ints at `self.scalars` as 0-d int64 tensors, on the GPU where a user
+        tensor is (made by a fill, not copied from the host: no synchronisation)."""
+        tensors = [a for a, k in zip(args, self.kinds) if k == "input" and isinstance(a, torch.Tensor)]
+        device = next((t.device for t in tensors if t.is_cuda), tensors[0].device if tensors else "cpu")
+        return [torch.full((), int(a), dtype=torch.int64, device=device) if i in self.scalars else a
+                for i, a in enumerate(args)]
 
     def _key(self, args):
         ints = tuple(int(a) if isinstance(a, (int, torch.SymInt)) else a for a, k in zip(args, self.kinds)
@@ -571,6 +610,8 @@ class GraphRunner:
         if not self.int_outputs:
             return {}
         values = _size_values(self.placeholders, self.kinds, ints, user)
+        if self.scalars:
+            values.update(self.scalar_values)
         out = {}
         for j, expr in self.int_outputs.items():
             v = expr if isinstance(expr, int) else sympy.sympify(expr).xreplace(values)

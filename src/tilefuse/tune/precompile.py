@@ -10,6 +10,7 @@ comes back as the candidate's failure reason, without spending the worker's time
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import pickle
 from concurrent.futures import ProcessPoolExecutor
 
@@ -34,21 +35,32 @@ def prepare(job) -> tuple[str, object]:
 
 
 def _where(e: BaseException) -> str:
-    """ " (raised at file:line in function)" of the innermost frame: a failure in another process
-    shows only this line, and a message such as PyTorch's schema parser's names no caller."""
+    """ " (raised at file:line in function, called from ...)" of the innermost frame and of the
+    innermost tilefuse frame: a failure in another process shows only this line, and a message
+    such as PyTorch's schema parser's names no caller."""
+    frames = []
     tb = e.__traceback__
-    while tb is not None and tb.tb_next is not None:
+    while tb is not None:
+        frames.append(tb)
         tb = tb.tb_next
-    if tb is None:
+    if not frames:
         return ""
-    code = tb.tb_frame.f_code
-    return f" (raised at {code.co_filename}:{tb.tb_lineno} in {code.co_name})"
+
+    def at(t) -> str:
+        code = t.tb_frame.f_code
+        return f"{code.co_filename}:{t.tb_lineno} in {code.co_name}"
+
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    ours = [t for t in frames if os.path.abspath(t.tb_frame.f_code.co_filename).startswith(package + os.sep)]
+    where = f" (raised at {at(frames[-1])}"
+    if ours and ours[-1] is not frames[-1]:
+        where += f", called from {at(ours[-1])}"
+    return where + ")"
 
 
 def compiler_pool(jobs: int) -> ProcessPoolExecutor:
     """`jobs` spawned processes (no CUDA state is inherited or created: NVRTC needs no GPU)."""
     return ProcessPoolExecutor(max_workers=jobs, mp_context=mp.get_context("spawn"))
-
 
 
 def warm(_=None) -> bool:

@@ -1,0 +1,104 @@
+"""Python ints that dynamo made dynamic and that only enter tensor arithmetic, as 0-d tensors.
+
+transformers' sliding-window caches pass their length to each decode step as a Python int
+(`cumulative_length`). Dynamo makes it a SymInt input once it changes, and since no tensor's
+shape holds it, every value was a new size: a new export and a full compile for every token.
+Yet the length reaches the step only as a number added to index tensors (the mask's
+positions) or as the returned length itself; no shape depends on it. Such an int is passed
+to the program as a 0-d int64 tensor, and the graph is rewritten to compute with it as a
+tensor: every value then runs one program.
+
+An int is taken only where each of its uses is (transitively) integer arithmetic on it,
+an elementwise operator between it and a tensor, or a graph output (an integer output,
+evaluated on the host from the call's values as before). A use as a size, an index, a
+slice bound or any other argument leaves it an int: the graph compiles per value, as before.
+0-d tensors do not promote a tensor's dtype beyond what a Python int does (an int tensor
+keeps its width, a float its precision, bool becomes int64), so the results are the same.
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+
+# integer arithmetic that works alike on ints and 0-d int64 tensors
+_ARITH = {operator.add, operator.sub, operator.mul, operator.floordiv, operator.mod, operator.neg,
+          operator.pos, abs}
+# elementwise operators between a tensor and the number
+_ELEMENTWISE = _ARITH | {operator.lt, operator.le, operator.gt, operator.ge, operator.eq, operator.ne,
+                         torch.add, torch.sub, torch.mul, torch.lt, torch.le, torch.gt, torch.ge, torch.eq,
+                         torch.ne, torch.maximum, torch.minimum}
+_MINMAX = {torch.sym_max: "min", torch.sym_min: "max"}  # -> torch.clamp(x, min=/max= the other)
+
+
+def _is_tensor(node) -> bool:
+    return isinstance(node, torch.fx.Node) and isinstance(node.meta.get("example_value"), torch.Tensor)
+
+
+def _is_int(node) -> bool:
+    return isinstance(node, torch.fx.Node) and isinstance(node.meta.get("example_value"), (int, torch.SymInt)) \
+        and not isinstance(node.meta.get("example_value"), bool)
+
+
+def _closure(placeholder) -> tuple[list, bool]:
+    """The integer nodes computed from `placeholder` (itself first), and whether every use of
+    them is one this module can turn into tensor arithmetic."""
+    nodes, seen, todo = [], set(), [placeholder]
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        nodes.append(n)
+        for user in n.users:
+            if user.op == "output":
+                continue
+            if user.op != "call_function" or user.kwargs:
+                return nodes, False
+            if _is_int(user) and user.target in _ARITH:
+                todo.append(user)
+            elif _is_int(user) and user.target in _MINMAX and len(user.args) == 2 and \
+                    any(type(a) is int for a in user.args):  # a bound: torch.clamp
+                todo.append(user)
+            elif _is_tensor(user) and user.target in _ELEMENTWISE and any(_is_tensor(a) for a in user.args) \
+                    and all(_is_tensor(a) or _is_int(a) or type(a) in (int, float) for a in user.args):
+                continue
+            else:
+                return nodes, False
+    order = {n: i for i, n in enumerate(placeholder.graph.nodes)}
+    return sorted(nodes, key=order.__getitem__), True
+
+
+def value_ints(placeholders, kinds, tensor_dims) -> list[int]:
+    """Positions of the int inputs to pass as 0-d tensors: SymInts no tensor's dim holds
+    (`tensor_dims`: the sympy expressions of the user tensors' dynamic dims), used only as
+    numbers."""
+    found = []
+    for i, (node, kind) in enumerate(zip(placeholders, kinds)):
+        val = node.meta.get("example_value")
+        if kind != "int" or not isinstance(val, torch.SymInt) or val.node.expr in tensor_dims:
+            continue
+        if _closure(node)[1]:
+            found.append(i)
+    return found
+
+
+def tensorize(gm: torch.fx.GraphModule, positions) -> torch.fx.GraphModule:
+    """A copy of `gm` taking 0-d int64 tensors at the placeholders `positions` (see value_ints),
+    each integer node computed from them rewritten as tensor arithmetic. Its outputs at those
+    nodes are 0-d tensors (the caller returns the integers it evaluates itself)."""
+    graph = torch.fx.Graph()
+    out = graph.graph_copy(gm.graph, {})  # (node metas copied shallowly: the fake values are shared)
+    graph.output(out)
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    closures = [_closure(placeholders[i]) for i in positions]
+    assert all(ok for _, ok in closures), "a placeholder is not a value int"
+    zero = torch.zeros((), dtype=torch.int64)
+    for nodes, _ in closures:
+        for n in nodes:
+            if n.target in _MINMAX:  # torch.sym_max(x, 0) -> torch.clamp(x, min=0)
+                x, bound = n.args if type(n.args[1]) is int else n.args[::-1]
+                n.target, n.args, n.kwargs = torch.clamp, (x,), {_MINMAX[n.target]: bound}
+            n.meta["example_value"] = zero
+    graph.lint()
+    return torch.fx.GraphModule(gm, graph)

@@ -1,0 +1,144 @@
+"""Python ints that dynamo made dynamic and that only enter tensor arithmetic are passed to the
+program as 0-d tensors (frontend/scalar_ints.py), so every value runs one compiled program.
+
+Properties:
+- such an int is found where its uses are integer arithmetic, elementwise operators with a
+  tensor, or outputs; one used as a size, an index or a slice bound is not;
+- the rewritten graph, given 0-d int64 tensors, computes the original's tensors exactly, for
+  integer, float, bfloat16 and bool operands (0-d tensors promote as Python ints do), with
+  sym_max / sym_min as clamps;
+- through the backend: eager's tensors and integer outputs at every value, from one compiled
+  variant; an int used as a size still compiles per value, as before.
+"""
+from __future__ import annotations
+
+import operator
+
+import pytest
+import torch
+
+from tilefuse.frontend import backend as tb
+from tilefuse.frontend.scalar_ints import tensorize, value_ints
+
+
+def _gm(nodes_fn, n_val=5):
+    """A GraphModule (x: tensor, n: SymInt-like int) built by `nodes_fn(graph, x, n)`, with
+    example values in the metas as dynamo leaves them."""
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    env = ShapeEnv()
+    n_sym = env.create_unbacked_symint()  # (a SymInt that no tensor's dim holds)
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    x.meta["example_value"] = torch.zeros(4)
+    n = g.placeholder("n")
+    n.meta["example_value"] = n_sym
+    out = nodes_fn(g, x, n)
+    g.output(out)
+    return torch.fx.GraphModule(torch.nn.Module(), g)
+
+
+def _node(g, target, args, value):
+    node = g.call_function(target, args)
+    node.meta["example_value"] = value
+    return node
+
+
+def _int_value(n):
+    return n.meta["example_value"]
+
+
+def position_mask(g, x, n):
+    """The sliding-window mask's positions: arange + n, and n - 8 + 1 clamped at 0."""
+    t = torch.zeros(4, dtype=torch.int64)
+    ar = _node(g, torch.arange, (4,), t)
+    q = _node(g, operator.add, (ar, n), t)
+    lo = _node(g, torch.sym_max, (_node(g, operator.add, (_node(g, operator.sub, (n, 8), _int_value(n)), 1),
+                                          _int_value(n)), 0), _int_value(n))
+    kv = _node(g, operator.add, (ar, lo), t)
+    gt = _node(g, operator.gt, (kv, q), torch.zeros(4, dtype=torch.bool))
+    nxt = _node(g, operator.add, (n, 1), _int_value(n))
+    return (q, kv, gt, nxt)
+
+
+def as_size(g, x, n):
+    return (_node(g, torch.arange, (n,), torch.zeros(4, dtype=torch.int64)),)
+
+
+def as_slice(g, x, n):
+    return (_node(g, operator.getitem, (x, slice(None, n)), torch.zeros(4)),)
+
+
+def test_an_int_that_only_enters_tensor_arithmetic_is_found_and_one_used_as_a_size_is_not():
+    for fn, found in ((position_mask, [1]), (as_size, []), (as_slice, [])):
+        gm = _gm(fn)
+        ph = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        assert value_ints(ph, ["input", "int"], set()) == found, fn.__name__
+    gm = _gm(position_mask)
+    ph = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    expr = ph[1].meta["example_value"].node.expr
+    assert value_ints(ph, ["input", "int"], {expr}) == []  # a tensor's dim: a size, handled as before
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64, torch.float32, torch.bfloat16, torch.bool, torch.uint8])
+@pytest.mark.parametrize("n", [0, 3, 9, 200])
+def test_the_rewritten_graph_computes_the_same_tensors_for_every_dtype(dtype, n):
+    def fn(g, x, n_):
+        t = torch.zeros(4, dtype=dtype)
+        y = _node(g, operator.add, (x, n_), t)
+        z = _node(g, operator.mul, (x, _node(g, torch.sym_min, (n_, 7), _int_value(n_))), t)
+        w = _node(g, operator.floordiv, (_node(g, operator.sub, (x, n_), t), 2), t) if dtype != torch.bool else y
+        return (y, z, w)
+
+    gm = _gm(fn)
+    new = tensorize(gm, [1])
+    x = (torch.arange(-5, 5) if dtype != torch.bool else torch.arange(10) % 2).to(dtype)
+    want = gm(x, n)
+    got = new(x, torch.tensor(n))
+    for a, b in zip(want, got):
+        assert a.dtype == b.dtype and torch.equal(a, b), (a, b)
+
+
+@pytest.mark.parametrize("n", [0, 5, 8, 30])
+def test_the_sliding_window_positions_match_with_the_length_as_a_tensor(n):
+    gm = _gm(position_mask)
+    new = tensorize(gm, [1])
+    x = torch.zeros(4)
+    q, kv, gt, nxt = gm(x, n)
+    q2, kv2, gt2, nxt2 = new(x, torch.tensor(n))
+    assert torch.equal(q, q2) and torch.equal(kv, kv2) and torch.equal(gt, gt2)
+    assert int(nxt2) == nxt == n + 1  # (an integer output: the backend evaluates it on the host)
+    assert torch.clamp in {node.target for node in new.graph.nodes}
+    assert torch.sym_max not in {node.target for node in new.graph.nodes}
+
+
+@pytest.mark.usefixtures("fresh_backend")
+def test_every_value_runs_one_compiled_program_with_eager_results_and_integer_outputs():
+    def f(x, n):
+        pos = torch.arange(x.shape[0]) + n
+        lo = max(n - 8 + 1, 0)
+        return x * (pos > lo + 2).to(x.dtype) + n, n + 1
+
+    cf = torch.compile(f, backend="tilefuse")
+    x = torch.randn(16)
+    with torch.no_grad():
+        for n in (3, 4, 5, 9, 17, 40):
+            y, m = cf(x, n)
+            want, want_m = f(x, n)
+            assert torch.equal(y, want) and m == want_m and type(m) is int, (n, y, want, m)
+    rs = [r for r in tb.reports() if any("passed as 0-d tensors" in e for e in r.events)]
+    assert len(rs) == 1 and rs[0].variants == 1 and rs[0].calls_eager == 0, tb.summary()
+    assert rs[0].calls_tilefuse >= 5, tb.summary()  # (the first value compiles as a static graph)
+
+
+@pytest.mark.usefixtures("fresh_backend")
+def test_an_int_used_as_a_size_still_compiles_per_value():
+    def f(x, n):
+        return x[:n] * 2
+
+    cf = torch.compile(f, backend="tilefuse")
+    x = torch.randn(16)
+    with torch.no_grad():
+        for n in (3, 4, 5):
+            assert torch.equal(cf(x, n), f(x, n))
+    assert not any("passed as 0-d tensors" in e for r in tb.reports() for e in r.events), tb.summary()
