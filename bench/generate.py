@@ -1,12 +1,14 @@
 """Greedy generation with a KV cache through torch.compile(backend=...): what each new size costs.
 
     python3 bench/generate.py [--layers 4 --hidden 1024 --prompt 128 --new 32] [--modes eager,tilefuse,inductor]
-                              [--cache dynamic|static] [--json out.json]
+                              [--cache dynamic|static] [--window W] [--json out.json]
 
 With the default dynamic cache, `model.generate` grows the cache by one token a step, so every
 decode step is a new size for a compiler that specialises sizes. With `--cache static`
 (transformers' `cache_implementation="static"`) the cache is preallocated at prompt + new
 tokens and each step writes its token into it in place: every decode step is one size.
+With `--window W` the model is a MistralForCausalLM of the same sizes whose every layer attends
+to a sliding window of W tokens: its cache passes its length to each decode step as a Python int.
 Mode `inductor-ro` is torch.compile's mode="reduce-overhead" (inductor with CUDA graphs, what
 transformers itself compiles a static-cache decode step with); transformers' own compile is
 turned off (`disable_compile`) in every mode, so each mode's compile is the only one. For each mode (one process each, with an empty
@@ -54,9 +56,20 @@ def one(args) -> dict:
     torch.manual_seed(0)
     cfg = hf.config("llama", args.layers, args.hidden, seq=args.prompt + args.new + 8)
     cfg.use_cache = True
+    if args.window:  # the same sizes as a Mistral: every layer attends to a sliding window
+        import transformers
+
+        keep = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "max_position_embeddings", "bos_token_id", "eos_token_id",
+                "tie_word_embeddings")
+        cfg = transformers.MistralConfig(**{k: getattr(cfg, k) for k in keep}, sliding_window=args.window,
+                                         use_cache=True, attn_implementation="sdpa")
+        model = transformers.MistralForCausalLM(cfg)
+    else:
+        model = hf.causal_lm(cfg)
     cuda = args.device == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    model = hf.causal_lm(cfg).to(args.device, torch.bfloat16).eval()
+    model = model.to(args.device, torch.bfloat16).eval()
     ids = torch.randint(0, cfg.vocab_size, (1, args.prompt), device=args.device)
     gen = dict(max_new_tokens=args.new, min_new_tokens=args.new, do_sample=False, pad_token_id=0)
     if args.cache == "static":
@@ -155,6 +168,8 @@ def main() -> None:
     ap.add_argument("--profile", default=None, metavar="PREFIX",
                     help="after the timed generates, profile one more (host by function, GPU by kernel) "
                          "into PREFIX-<mode>.txt")
+    ap.add_argument("--window", type=int, default=0,
+                    help="a Mistral (every layer a sliding window of this many tokens) instead of a Llama")
     ap.add_argument("--device", default="cuda", help="cpu: check the script (kernels run in the interpreter)")
     ap.add_argument("--mode", help=argparse.SUPPRESS)  # the child process's one mode
     args = ap.parse_args()
@@ -171,7 +186,7 @@ def main() -> None:
                 env["TILEFUSE_CUDA_GRAPHS"] = "0"
             cmd = [sys.executable, __file__, "--mode", mode] + [f"--{k}={getattr(args, k)}" for k in
                                                                  ("layers", "hidden", "prompt", "new", "device",
-                                                                  "cache")]
+                                                                  "cache", "window")]
             cmd += [f"--profile={args.profile}"] if args.profile else []
             cmd += ["--mask-skip"] if args.mask_skip else []
             p = subprocess.run(cmd, env=env, capture_output=True, text=True)
@@ -188,7 +203,7 @@ def main() -> None:
               "failed": failed}
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
-    print(f"{result['gpu']}: llama {args.layers} layers, hidden {args.hidden}, bf16, prompt {args.prompt}, "
+    print(f"{result['gpu']}: {f'mistral (window {args.window})' if args.window else 'llama'} {args.layers} layers, hidden {args.hidden}, bf16, prompt {args.prompt}, "
           f"{args.new} new tokens, {args.cache} cache")
     print(f"{'mode':18} {'first s':>8} {'again s':>8} {'ms/token':>9} {'other prompt s':>15} {'peak GiB':>9} "
           f"{'as eager':>9}  "
