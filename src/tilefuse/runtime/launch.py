@@ -16,6 +16,7 @@ pointers are written into a parameter array built once per kernel.
 from __future__ import annotations
 
 import ctypes
+import functools
 from dataclasses import dataclass, field, replace
 
 from .. import dtypes
@@ -105,12 +106,18 @@ class CompiledKernel:
         self._ptrs = (ctypes.c_void_p * max(n, 1))(*[base + i * ctypes.sizeof(ctypes.c_void_p) for i in range(n)])
         self._ptrs_addr = ctypes.addressof(self._ptrs)
         self._align = dict(self.source.alignment)
-        import torch
-
-        self._expected = tuple((b.name, "input" if b.role == "in" else "output", dtypes.to_torch(b.dtype),
-                                torch.Size(b.shape)) for b in self.kernel.params)
         self._align_idx = tuple((i, self._align[b.name]) for i, b in enumerate(self.kernel.params)
                                 if b.name in self._align)
+
+    @functools.cached_property
+    def _expected(self) -> tuple:
+        """(name, role, torch dtype, torch.Size) of each parameter, for the launch checks: made
+        at the first launch, so that compiling (the tuner's compile-ahead processes) never
+        imports torch."""
+        import torch
+
+        return tuple((b.name, "input" if b.role == "in" else "output", dtypes.to_torch(b.dtype),
+                      torch.Size(b.shape)) for b in self.kernel.params)
 
     @property
     def info(self) -> nvrtc.CompileInfo:
