@@ -474,7 +474,7 @@ class GraphRunner:
     def _tensorized(self, args) -> list:
         """`args` with the ints at `self.scalars` as 0-d int64 tensors, on the GPU where a user
         tensor is (made by a fill, not copied from the host: no synchronisation)."""
-        tensors = [a for a, k in zip(args, self.kinds) if k == "input" and isinstance(a, torch.Tensor)]
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]  # (weights too: a graph may read no other)
         device = next((t.device for t in tensors if t.is_cuda), tensors[0].device if tensors else "cpu")
         return [torch.full((), int(a), dtype=torch.int64, device=device) if i in self.scalars else a
                 for i, a in enumerate(args)]
