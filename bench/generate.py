@@ -116,7 +116,7 @@ def one(args) -> dict:
         out["cuda_graphs"] = {"signatures": len(info), "off": Counter(str(g["reason"]) for g in info if not g["graphs"]),
                               **stats}
         out["graphs"] = [{"variants": r.variants, "exports": getattr(r, "exports", None),
-                          "resized": getattr(r, "resized", 0), "status": r.status,
+                          "resized": getattr(r, "resized", 0), "status": r.status, "reason": r.reason,
                           "calls_tilefuse": r.calls_tilefuse, "calls_eager": r.calls_eager, "events": r.events}
                          for r in tb.reports()]
     return out

@@ -7,6 +7,7 @@ handling; bf16 greedy decoding of a random model parts ways with eager's at near
 - every graph ran in tilefuse, none in eager;
 - the decode step (a full window every step) is one compiled variant for every length, its
   length taken as a 0-d tensor, and replays a CUDA graph on most calls.
+Beside a 0-d CPU tensor input, a graph with such an int still runs in tilefuse.
 """
 from __future__ import annotations
 
@@ -53,3 +54,26 @@ def test_mistral_generates_eager_tokens_from_one_decode_program(cache):
     (v,) = r.variants.values()
     info = v.program.graph_info()
     assert sum(g["replays"] for g in info) >= r.report.calls_tilefuse - 3, info
+
+
+def test_an_int_taken_as_a_tensor_beside_a_host_scalar_runs_in_tilefuse():
+    """A graph with a 0-d CPU tensor input beside CUDA ones (moved per call) and an int that
+    only enters tensor arithmetic, returned one larger: its integer output is not a CPU tensor
+    output (which would send the graph to eager), and every value runs one program."""
+    torch._dynamo.reset()
+    tb.reset()
+
+    def f(x, c, n):
+        return x * c + (torch.arange(x.shape[0], device=x.device) + n), n + 1
+
+    cf = torch.compile(f, backend="tilefuse")
+    x = torch.randn(64, device="cuda")
+    c = torch.tensor(3.0)
+    with torch.no_grad():
+        for n in (3, 4, 5, 9, 30):
+            y, m = cf(x, c, n)
+            want, want_m = f(x, c.cuda(), n)
+            assert torch.equal(y, want) and m == want_m, (n, y, want)
+    rs = [r for r in tb.reports() if any("passed as 0-d tensors" in e for e in r.events)]
+    assert len(rs) == 1 and rs[0].status == "tilefuse" and rs[0].variants == 1 and not rs[0].calls_eager, \
+        tb.summary()

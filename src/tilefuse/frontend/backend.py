@@ -413,7 +413,7 @@ class GraphRunner:
             on_cpu = [t for t in tensors if t.device.type == "cpu"]
             if len(cuda) != 1 or len(on_cpu) != len(scalars) or len(devices) != 2:
                 return f"inputs on several devices: {sorted({str(t.device) for t in tensors})}"
-            out = [n for n in self.gm.graph.nodes if n.op == "output"]
+            out = [n for n in self.eager.graph.nodes if n.op == "output"]  # (as given: its int outputs are ints)
             vals = [a.meta.get("example_value") for a in torch.utils._pytree.tree_leaves(out[0].args)
                     if isinstance(a, torch.fx.Node)] if out else []
             if any(isinstance(v, torch.Tensor) and v.device.type == "cpu" for v in vals):
