@@ -142,3 +142,23 @@ def test_an_int_used_as_a_size_still_compiles_per_value():
         for n in (3, 4, 5):
             assert torch.equal(cf(x, n), f(x, n))
     assert not any("passed as 0-d tensors" in e for r in tb.reports() for e in r.events), tb.summary()
+
+
+def test_the_integer_outputs_are_evaluated_from_a_calls_arguments_without_sympy_per_call():
+    """`_int_evaluator` (made once, then plain Python per call) agrees with the sympy evaluation
+    for polynomials in an int input and a tensor's dim, and declines anything else."""
+    import sympy
+
+    gm = _gm(position_mask)
+    ph = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    n_expr = ph[1].meta["example_value"].node.expr
+    x_dim = sympy.Symbol("s7", integer=True, positive=True)
+    ph[0].meta["example_value"] = torch.empty(4)  # (a static tensor: its dims give no symbol)
+    outs = {3: n_expr + 1, 4: 2 * n_expr ** 2 - 3, 5: 11}
+    ev = tb._int_evaluator(outs, gm, ["input", "int"], {})
+    for n in (0, 1, 8, 1000):
+        assert ev([torch.zeros(4), n]) == {3: n + 1, 4: 2 * n * n - 3, 5: 11}
+    assert tb._int_evaluator({3: x_dim + 1}, gm, ["input", "int"], {}) is None  # no argument gives s7
+    from torch.utils._sympy.functions import FloorDiv
+
+    assert tb._int_evaluator({3: FloorDiv(n_expr, 2)}, gm, ["input", "int"], {}) is None
