@@ -80,8 +80,8 @@ def test_an_int_that_only_enters_tensor_arithmetic_is_found_and_one_used_as_a_si
     assert value_ints(ph, ["input", "int"], {expr}) == []  # a tensor's dim: a size, handled as before
 
 
-@pytest.mark.parametrize("dtype", [torch.int32, torch.int64, torch.float32, torch.bfloat16, torch.bool, torch.uint8])
-@pytest.mark.parametrize("n", [0, 3, 9, 200])
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64, torch.float32, torch.float64, torch.bool, torch.uint8])
+@pytest.mark.parametrize("n", [0, 3, 9, 200, 257, 2049, 2**24 + 1, 2**40 + 3])
 def test_the_rewritten_graph_computes_the_same_tensors_for_every_dtype(dtype, n):
     def fn(g, x, n_):
         t = torch.zeros(4, dtype=dtype)
@@ -91,6 +91,9 @@ def test_the_rewritten_graph_computes_the_same_tensors_for_every_dtype(dtype, n)
         return (y, z, w)
 
     gm = _gm(fn)
+    ph = [node for node in gm.graph.nodes if node.op == "placeholder"]
+    ph[0].meta["example_value"] = torch.zeros(4, dtype=dtype)
+    assert value_ints(ph, ["input", "int"], set()) == [1]
     new = tensorize(gm, [1])
     x = (torch.arange(-5, 5) if dtype != torch.bool else torch.arange(10) % 2).to(dtype)
     want = gm(x, n)
@@ -162,3 +165,18 @@ def test_the_integer_outputs_are_evaluated_from_a_calls_arguments_without_sympy_
     from torch.utils._sympy.functions import FloorDiv
 
     assert tb._int_evaluator({3: FloorDiv(n_expr, 2)}, gm, ["input", "int"], {}) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_an_int_beside_a_16_bit_float_tensor_stays_an_int(dtype):
+    """PyTorch computes a 16-bit tensor times a Python int with the int in float32 (bf16: x * 257
+    is x * 257), but on a GPU a 0-d int64 CUDA tensor is an ordinary operand, cast to the 16-bit
+    type first (257 becomes 256): such an int is not taken. (On the CPU both give x * 257.)"""
+
+    def fn(g, x_, n_):
+        return (_node(g, operator.mul, (x_, n_), torch.zeros(4, dtype=dtype)),)
+
+    gm = _gm(fn)
+    ph = [node for node in gm.graph.nodes if node.op == "placeholder"]
+    ph[0].meta["example_value"] = torch.zeros(4, dtype=dtype)
+    assert value_ints(ph, ["input", "int"], set()) == []

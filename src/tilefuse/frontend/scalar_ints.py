@@ -13,7 +13,9 @@ an elementwise operator between it and a tensor, or a graph output (an integer o
 evaluated on the host from the call's values as before). A use as a size, an index, a
 slice bound or any other argument leaves it an int: the graph compiles per value, as before.
 0-d tensors do not promote a tensor's dtype beyond what a Python int does (an int tensor
-keeps its width, a float its precision, bool becomes int64), so the results are the same.
+keeps its width, a float its precision, bool becomes int64), so the results are the same,
+except beside a 16-bit float tensor, which PyTorch computes with a Python int in float32 but,
+on a GPU, with a 0-d tensor cast to its own type: an int used so stays an int.
 """
 from __future__ import annotations
 
@@ -28,6 +30,9 @@ _ARITH = {operator.add, operator.sub, operator.mul, operator.floordiv, operator.
 _ELEMENTWISE = _ARITH | {operator.lt, operator.le, operator.gt, operator.ge, operator.eq, operator.ne,
                          torch.add, torch.sub, torch.mul, torch.lt, torch.le, torch.gt, torch.ge, torch.eq,
                          torch.ne, torch.maximum, torch.minimum}
+# a 16-bit float operand: PyTorch computes `x * n` with a Python int n in float32 (257 stays 257),
+# but on a GPU casts a 0-d int64 CUDA tensor to the 16-bit type first (bf16: 257 becomes 256)
+_HALF = (torch.float16, torch.bfloat16)
 _MINMAX = {torch.sym_max: "min", torch.sym_min: "max"}  # -> torch.clamp(x, min=/max= the other)
 
 
@@ -61,7 +66,8 @@ def _closure(placeholder) -> tuple[list, bool]:
                     any(type(a) is int for a in user.args):  # a bound: torch.clamp
                 todo.append(user)
             elif _is_tensor(user) and user.target in _ELEMENTWISE and any(_is_tensor(a) for a in user.args) \
-                    and all(_is_tensor(a) or _is_int(a) or type(a) in (int, float) for a in user.args):
+                    and all(_is_tensor(a) or _is_int(a) or type(a) in (int, float) for a in user.args) \
+                    and not any(_is_tensor(a) and a.meta["example_value"].dtype in _HALF for a in user.args):
                 continue
             else:
                 return nodes, False
