@@ -180,3 +180,61 @@ def test_an_int_beside_a_16_bit_float_tensor_stays_an_int(dtype):
     ph = [node for node in gm.graph.nodes if node.op == "placeholder"]
     ph[0].meta["example_value"] = torch.zeros(4, dtype=dtype)
     assert value_ints(ph, ["input", "int"], set()) == []
+
+
+def _eager_and_compiled(f, argsets):
+    """(eager, compiled) results or exception types of `f` at each argument set, in order (a
+    second value makes dynamo mark the int dynamic)."""
+    cf = torch.compile(f, backend="tilefuse")
+    out = []
+    with torch.no_grad():
+        for a in argsets:
+            pair = []
+            for fn in (f, cf):
+                try:
+                    pair.append(fn(*a))
+                except Exception as e:  # noqa: BLE001 (compared by type)
+                    pair.append(type(e))
+            out.append(pair)
+    return out
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return a.dtype == b.dtype and torch.equal(a, b)
+    return type(a) is type(b) and a == b
+
+
+XI32 = torch.arange(-4, 4, dtype=torch.int32)
+XU8 = torch.arange(250, 256, dtype=torch.uint8)
+CASES = {  # (function, argument sets): each once wrongly taken as a 0-d tensor (a review found them)
+    "a 0-d int32 beside the int": (lambda x, n: x[0] + n, [(XI32, 3), (XI32, 4)]),
+    "a 0-d comparison past int32": (lambda x, n: x[0] < n, [(XI32, 3), (XI32, 2**31)]),
+    "a 0-d uint8 reduction beside the int": (lambda x, n: x.amax() + n, [(XU8, 3), (XU8, 4)]),
+    "only an integer output": (lambda x, n: (x * 2, n + 1)[1], [(XI32, 3), (XI32, 4)]),
+    "the int as a divisor": (lambda x, n: x + 7 // n, [(XI32, 3), (XI32, 4), (XI32, 0), (XI32, 5)]),
+    "the int as a modulus": (lambda x, n: x % n, [(XI32, 3), (XI32, 4), (XI32, 0), (XI32, 5)]),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.usefixtures("fresh_backend")
+def test_what_a_0d_tensor_would_change_stays_an_int_and_matches_eager(case):
+    f, argsets = CASES[case]
+    for args, (want, got) in zip(argsets, _eager_and_compiled(f, argsets)):
+        assert _same(want, got), (case, args[-1], want, got)
+    assert not any("passed as 0-d tensors" in e for r in tb.reports() for e in r.events), tb.summary()
+
+
+@pytest.mark.usefixtures("fresh_backend")
+def test_a_graph_reading_only_such_ints_and_weights_is_not_given_a_device_of_its_own():
+    """A graph of weights and ints alone (no tensor of the caller's) would not know its device:
+    it runs in eager, as before, rather than on wherever a 0-d tensor was made."""
+    lin = torch.nn.Linear(4, 4)
+
+    def f(n):
+        return lin.weight * 2 + n
+
+    for (want, got) in _eager_and_compiled(f, [(3,), (4,), (5,)]):
+        assert _same(want, got)
+    assert not any("passed as 0-d tensors" in e for r in tb.reports() for e in r.events), tb.summary()

@@ -302,13 +302,17 @@ def _int_outputs(gm) -> dict:
     return found if len(found) < len(out) else {}
 
 
-def _value_ints(placeholders, kinds) -> dict:
-    """The int inputs to pass as 0-d tensors (frontend.scalar_ints), position -> size symbol."""
+def _value_ints(placeholders, kinds, int_outputs) -> dict:
+    """The int inputs to pass as 0-d tensors (frontend.scalar_ints), position -> size symbol;
+    none where the graph reads no tensor of the caller's (the program would not know its device)."""
     from .scalar_ints import value_ints
 
+    if "input" not in kinds:
+        return {}
     dims = {d.node.expr for node, kind in zip(placeholders, kinds) if kind == "input"
             for d in getattr(node.meta.get("example_value"), "shape", ()) if isinstance(d, torch.SymInt)}
-    return {i: placeholders[i].meta["example_value"].node.expr for i in value_ints(placeholders, kinds, dims)}
+    found = value_ints(placeholders, kinds, dims, frozenset(int_outputs))
+    return {i: placeholders[i].meta["example_value"].node.expr for i in found}
 
 
 def _int_evaluator(int_outputs: dict, gm, kinds, scalars):
@@ -389,8 +393,8 @@ class GraphRunner:
                 self.kinds.append("weight" if _is_weight(node, value) else "input")
         self.int_outputs = _int_outputs(gm)
         # ints passed to the program as 0-d tensors (frontend.scalar_ints): position -> its size symbol
-        self.scalars = _value_ints(placeholders, self.kinds) if "int" in self.kinds and len(placeholders) == \
-            len(example_inputs) else {}
+        self.scalars = _value_ints(placeholders, self.kinds, self.int_outputs) if "int" in self.kinds and \
+            len(placeholders) == len(example_inputs) else {}
         if self.scalars:
             from .scalar_ints import tensorize
 

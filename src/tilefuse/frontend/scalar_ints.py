@@ -12,10 +12,14 @@ An int is taken only where each of its uses is (transitively) integer arithmetic
 an elementwise operator between it and a tensor, or a graph output (an integer output,
 evaluated on the host from the call's values as before). A use as a size, an index, a
 slice bound or any other argument leaves it an int: the graph compiles per value, as before.
-0-d tensors do not promote a tensor's dtype beyond what a Python int does (an int tensor
-keeps its width, a float its precision, bool becomes int64), so the results are the same,
-except beside a 16-bit float tensor, which PyTorch computes with a Python int in float32 but,
-on a GPU, with a 0-d tensor cast to its own type: an int used so stays an int.
+A 0-d tensor does not promote a tensor of dims beyond what a Python int does (an int tensor
+keeps its width, a float its precision, bool becomes int64), so the results are the same.
+What would differ stays an int: an operator whose tensors are all 0-d (two 0-d operands
+promote to int64), a 16-bit float operand (PyTorch computes with a Python int in float32 but,
+on a GPU, casts a 0-d tensor to the 16-bit type), the int as a divisor (`x // 0` raises in
+Python, not in a GPU kernel), and an output the caller would get as a tensor. One difference
+is accepted: integer arithmetic past int64 wraps where Python's ints grow (eager then raises
+when the value meets a tensor).
 """
 from __future__ import annotations
 
@@ -45,9 +49,19 @@ def _is_int(node) -> bool:
         and not isinstance(node.meta.get("example_value"), bool)
 
 
-def _closure(placeholder) -> tuple[list, bool]:
+def _elementwise_with_a_tensor(user) -> bool:
+    """An elementwise operator between the number and a tensor of dims (two 0-d operands promote
+    to int64 where a Python int would keep the tensor's type), none of them 16-bit floats."""
+    tensors = [a.meta["example_value"] for a in user.args if _is_tensor(a)]
+    return (user.target in _ELEMENTWISE and any(t.dim() > 0 for t in tensors)
+            and all(_is_tensor(a) or _is_int(a) or type(a) in (int, float) for a in user.args)
+            and not any(t.dtype in _HALF for t in tensors))
+
+
+def _closure(placeholder, int_outputs=None) -> tuple[list, bool]:
     """The integer nodes computed from `placeholder` (itself first), and whether every use of
-    them is one this module can turn into tensor arithmetic."""
+    them is one this module can turn into tensor arithmetic. `int_outputs`: the graph's output
+    positions the caller returns as integers (None: any)."""
     nodes, seen, todo = [], set(), [placeholder]
     while todo:
         n = todo.pop()
@@ -57,17 +71,22 @@ def _closure(placeholder) -> tuple[list, bool]:
         nodes.append(n)
         for user in n.users:
             if user.op == "output":
+                if int_outputs is not None:
+                    out = user.args[0]
+                    if not isinstance(out, (tuple, list)) or any(o is n and j not in int_outputs
+                                                                 for j, o in enumerate(out)):
+                        return nodes, False  # (it would come back as a tensor)
                 continue
             if user.op != "call_function" or user.kwargs:
                 return nodes, False
+            if user.target in (operator.floordiv, operator.mod) and user.args[1] is n:
+                return nodes, False  # a divisor: x // 0 raises in Python, not in a GPU kernel
             if _is_int(user) and user.target in _ARITH:
                 todo.append(user)
             elif _is_int(user) and user.target in _MINMAX and len(user.args) == 2 and \
                     any(type(a) is int for a in user.args):  # a bound: torch.clamp
                 todo.append(user)
-            elif _is_tensor(user) and user.target in _ELEMENTWISE and any(_is_tensor(a) for a in user.args) \
-                    and all(_is_tensor(a) or _is_int(a) or type(a) in (int, float) for a in user.args) \
-                    and not any(_is_tensor(a) and a.meta["example_value"].dtype in _HALF for a in user.args):
+            elif _is_tensor(user) and _elementwise_with_a_tensor(user):
                 continue
             else:
                 return nodes, False
@@ -75,16 +94,16 @@ def _closure(placeholder) -> tuple[list, bool]:
     return sorted(nodes, key=order.__getitem__), True
 
 
-def value_ints(placeholders, kinds, tensor_dims) -> list[int]:
+def value_ints(placeholders, kinds, tensor_dims, int_outputs=None) -> list[int]:
     """Positions of the int inputs to pass as 0-d tensors: SymInts no tensor's dim holds
     (`tensor_dims`: the sympy expressions of the user tensors' dynamic dims), used only as
-    numbers."""
+    numbers, and output only at `int_outputs` (the positions returned as integers)."""
     found = []
     for i, (node, kind) in enumerate(zip(placeholders, kinds)):
         val = node.meta.get("example_value")
         if kind != "int" or not isinstance(val, torch.SymInt) or val.node.expr in tensor_dims:
             continue
-        if _closure(node)[1]:
+        if _closure(node, int_outputs)[1]:
             found.append(i)
     return found
 
