@@ -421,7 +421,8 @@ class GraphRunner:
         self.host_scalars: tuple = ()  # user inputs that are 0-d CPU tensors beside CUDA ones
         self.fallback = self._why_eager(example_inputs, placeholders)
         if self.scalars and not self.fallback:
-            names = ", ".join(placeholders[i].name for i in self.scalars)
+            names = [placeholders[i].name for i in self.scalars]
+            names = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
             self._event(f"int input(s) {names} only enter tensor arithmetic: passed as 0-d tensors, so one "
                         f"program serves every value")
         if self.fallback:
