@@ -238,3 +238,23 @@ def test_a_graph_reading_only_such_ints_and_weights_is_not_given_a_device_of_its
     for (want, got) in _eager_and_compiled(f, [(3,), (4,), (5,)]):
         assert _same(want, got)
     assert not any("passed as 0-d tensors" in e for r in tb.reports() for e in r.events), tb.summary()
+
+
+@pytest.mark.usefixtures("fresh_backend")
+def test_ints_equal_at_compile_time_and_unequal_later_reach_their_own_uses():
+    """Two ints equal when the program compiles (a cache's layers pass the same length) and
+    unequal in later calls each reach their own uses: they are two inputs of the program, not
+    one (passing one tensor for equal values, tried, made torch.export take them as one input,
+    and a later unequal pair got the first value for both)."""
+    def f(x, a, b):
+        return x + a, x * b, a + 1, b + 2
+
+    cf = torch.compile(f, backend="tilefuse")
+    x = torch.arange(6, dtype=torch.int64)
+    with torch.no_grad():
+        for a, b in ((3, 3), (4, 4), (5, 5), (5, 7), (9, 2), (6, 6)):
+            got, want = cf(x, a, b), f(x, a, b)
+            assert all(_same(w, g) for w, g in zip(want, got)), ((a, b), got, want)
+    runners = [r for r in tb.reports() if any("passed as 0-d tensors" in e for e in r.events)]
+    assert runners and all(not r.calls_eager for r in runners), tb.summary()
+
