@@ -7,7 +7,9 @@ as a 0-d tensor (frontend/scalar_ints.py). Properties, for each model and cache:
 - eager's tokens, twice in a row;
 - every graph compiled by tilefuse and run there (no eager call, no graph break);
 - the decode graph takes its length as a 0-d tensor, and where every layer is a sliding
-  window, one compiled variant serves every decode step. Models that mix in global layers
+  window, one compiled variant serves every decode step (with transformers 5.24, what CI
+  installs; 5.17 also passes generate's growing attention mask into a dynamic cache's decode
+  step, so there each length compiles). Models that mix in global layers
   (Gemma3, Cohere2) grow those layers' cache with a dynamic cache, so each decode step is a
   new size there: from one export, and most made from a compiled size with no compile.
 """

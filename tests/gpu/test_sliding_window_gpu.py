@@ -6,7 +6,9 @@ handling; bf16 greedy decoding of a random model parts ways with eager's at near
 - eager's tokens, three generates in a row;
 - every graph ran in tilefuse, none in eager;
 - the decode step (a full window every step) is one compiled variant for every length, its
-  length taken as a 0-d tensor, and replays a CUDA graph on most calls.
+  length taken as a 0-d tensor, and replays a CUDA graph on most calls (with transformers
+  5.24; 5.17 also passes the growing attention mask into a dynamic cache's decode step, so
+  there each length compiles, from one export).
 Beside a 0-d CPU tensor input, a graph with such an int still runs in tilefuse.
 """
 from __future__ import annotations
@@ -17,6 +19,10 @@ import torch
 from tilefuse.frontend import backend as tb
 
 pytestmark = pytest.mark.gpu
+
+
+def _version(text: str) -> tuple:
+    return tuple(int(p) for p in text.split(".")[:2] if p.isdigit())
 
 
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
@@ -50,7 +56,13 @@ def test_mistral_generates_eager_tokens_from_one_decode_program(cache):
     assert all(r.report.status == "tilefuse" and not r.report.calls_eager for r in runners), tb.summary()
     r = max(runners, key=lambda r: r.report.calls_tilefuse)
     assert r.report.calls_tilefuse >= 3 * 14, tb.summary()
-    assert r.scalars and r.report.variants == 1, tb.summary()
+    assert r.scalars, tb.summary()
+    if cache == "dynamic" and _version(transformers.__version__) < (5, 24):
+        # (transformers 5.17 also passes generate's growing attention mask into each decode
+        # step, which a kernel reads: there each length compiles, from one export)
+        assert r.report.exports == 1, tb.summary()
+        return
+    assert r.report.variants == 1, tb.summary()
     (v,) = r.variants.values()
     info = v.program.graph_info()
     assert sum(g["replays"] for g in info) >= r.report.calls_tilefuse - 3, info
