@@ -102,10 +102,11 @@ def _partials_target(arch: str | None) -> bool:
 
 
 def compile_stages(fn, example_inputs, *, expr: str | None = None, arch: str | None = None,
-                   exported=None) -> Compiled:
-    """`exported`: fn's torch.export for these inputs, when the caller has it (frontend.sizes)."""
+                   exported=None, in_torch: frozenset = frozenset()) -> Compiled:
+    """`exported`: fn's torch.export for these inputs, when the caller has it (frontend.sizes).
+    `in_torch`: maps to run in PyTorch (graph.fusion.plan)."""
     try:
-        return _stages(fn, example_inputs, expr, arch, exported)
+        return _stages(fn, example_inputs, expr, arch, exported, in_torch)
     except RecursionError:
         import sys
 
@@ -118,7 +119,8 @@ def compile_stages(fn, example_inputs, *, expr: str | None = None, arch: str | N
                            f"{sys.getrecursionlimit()}, ran out)") from None
 
 
-def _stages(fn, example_inputs, expr: str | None, arch: str | None, exported=None) -> Compiled:
+def _stages(fn, example_inputs, expr: str | None, arch: str | None, exported=None,
+            in_torch: frozenset = frozenset()) -> Compiled:
     import time
 
     t0 = time.perf_counter()
@@ -152,7 +154,7 @@ def _stages(fn, example_inputs, expr: str | None, arch: str | None, exported=Non
                  else (lmhead_ce_partials,))
         graph, more = run_rewrites(graph, rules)
         fired = fired + more
-    p = plan(graph, gemm=gemm, partials=_partials_target(arch))
+    p = plan(graph, gemm=gemm, partials=_partials_target(arch), in_torch=in_torch)
     kernels, gemms = lower_plan(graph, p)
     t2 = time.perf_counter()
     program = Program(graph, p, kernels, out_spec=ep.call_spec.out_spec, arch=arch, schedules=tuned_schedule,

@@ -8,7 +8,7 @@ handling; bf16 greedy decoding of a random model parts ways with eager's at near
 - the decode step (a full window every step) is one compiled variant for every length, its
   length taken as a 0-d tensor, and replays a CUDA graph on most calls (with transformers
   5.24; 5.17 also passes the growing attention mask into a dynamic cache's decode step, so
-  there each length compiles, from one export).
+  there most lengths are made from a compiled one, from one export).
 Beside a 0-d CPU tensor input, a graph with such an int still runs in tilefuse.
 """
 from __future__ import annotations
@@ -59,8 +59,9 @@ def test_mistral_generates_eager_tokens_from_one_decode_program(cache):
     assert r.scalars, tb.summary()
     if cache == "dynamic" and _version(transformers.__version__) < (5, 24):
         # (transformers 5.17 also passes generate's growing attention mask into each decode
-        # step, which a kernel reads: there each length compiles, from one export)
-        assert r.report.exports == 1, tb.summary()
+        # step, cast to bool there: that cast runs in PyTorch, and most lengths are made from a
+        # compiled one with no compile, from one export)
+        assert r.report.exports == 1 and r.report.resized > r.report.variants // 2, tb.summary()
         return
     assert r.report.variants == 1, tb.summary()
     (v,) = r.variants.values()

@@ -415,6 +415,7 @@ class GraphRunner:
         # program but for shapes only externs see, later sizes are made from it with no compile
         self.family = None
         self.last_compiled = None  # (key, variant) of the last size compiled in full
+        self.in_torch = frozenset()  # small maps over varying shapes run in PyTorch (runtime.resize.torch_maps)
         self.sources = _size_sources(placeholders, self.kinds) if "int" in self.kinds else None
         self.placeholders = placeholders
         self.int_now = None  # the integer outputs from a call's arguments, per call (_int_evaluator), once made
@@ -597,6 +598,12 @@ class GraphRunner:
         fam = f"an op takes a size as an argument ({sym.sized_op})" if sym.sized_op else \
             resize.family(last[1].program, v.program)
         if isinstance(fam, str):
+            maps = resize.torch_maps(last[1].program, v.program) if not self.in_torch and not sym.sized_op else None
+            if maps:  # (the next two sizes compile with them in PyTorch, then make a family)
+                self.in_torch, self.last_compiled = maps, None
+                self._event(f"{fam}: that map ({', '.join(sorted(maps))}) runs in PyTorch from the next size on, "
+                            f"so that later sizes can be made with no compile", once=True)
+                return
             self._event(f"each size compiles on its own: {fam}", once=True)
             return
         self.family = (fam, v, key[2])
@@ -622,7 +629,7 @@ class GraphRunner:
                 exported = self._instance(user, weights)
                 self.report.exports += exported is None
                 c = compile_stages(_Lifted(self.gm, self.kinds, ints, weights, frozenset(self.int_outputs)), tuple(user),
-                                   arch=self.arch, exported=exported)
+                                   arch=self.arch, exported=exported, in_torch=self.in_torch)
             prog = c.program
             n_out = prog.out_spec.num_leaves if prog.out_spec is not None else len(c.graph.results)
             if n_out != len(c.graph.results):

@@ -130,8 +130,10 @@ def partial_rows(align: Align, space) -> bool:
 
 
 class _Planner:
-    def __init__(self, g: ir.Graph, gemm: bool = True, whole_rows: frozenset = frozenset(), partials: bool = True):
+    def __init__(self, g: ir.Graph, gemm: bool = True, whole_rows: frozenset = frozenset(), partials: bool = True,
+                 in_torch: frozenset = frozenset()):
         self.partials = partials
+        self.in_torch = in_torch  # maps to run in PyTorch, each a step of its own (see plan())
         self.g = g
         self.whole_rows = whole_rows  # nodes that may only join kernels whose every row they run along
         self.users = g.users()
@@ -380,6 +382,9 @@ class _Planner:
                 continue  # inputs are buffers; constants and iotas are generated where used
             if n.name in self.gemm_skip:
                 continue  # added to the first GEMM that reads through it
+            if n.name in self.in_torch and isinstance(n, ir.Map) and n.op in TORCH_MAPS:
+                self.new_step("extern", n, note="runs in PyTorch: its shape changes with the sizes")
+                continue
             if n.name in self.gemm_specs or n.name in self.gemm_member:
                 # an epilogue may compute values the graph lists before the matmul (a rank-1
                 # term of row and column vectors): the step opens at whichever comes first
@@ -496,10 +501,16 @@ def _extern_note(n) -> str:
     return "runs in PyTorch"
 
 
-def plan(g: ir.Graph, gemm: bool = True, partials: bool = True) -> Plan:
+# maps a step may run in PyTorch (runtime.program.run_extern): plan(in_torch=...)
+TORCH_MAPS = frozenset({"cast"})
+
+
+def plan(g: ir.Graph, gemm: bool = True, partials: bool = True, in_torch: frozenset = frozenset()) -> Plan:
     """Group the graph into kernels. `gemm=False` leaves every contraction to torch.matmul;
     `partials=False` puts no partial row reductions in GEMM epilogues (sm_80's template
-    declines them).
+    declines them). `in_torch`: maps (of TORCH_MAPS) that run in PyTorch, each a step of its
+    own: the backend's small tensors whose shapes follow a generated sequence's length, so
+    that runtime.resize can make new lengths with no compile.
 
     A value that is constant along some of a kernel's rows (a per-batch scalar inside a
     per-token kernel) may be computed there, but not written from there: every row would write
@@ -508,7 +519,7 @@ def plan(g: ir.Graph, gemm: bool = True, partials: bool = True) -> Plan:
     """
     whole_rows: set[str] = set()
     for _ in range(8):
-        p = _Planner(g, gemm, frozenset(whole_rows), partials).plan()
+        p = _Planner(g, gemm, frozenset(whole_rows), partials, frozenset(in_torch)).plan()
         coarse = set()
         for s in p.steps:
             if s.family != "mapreduce":

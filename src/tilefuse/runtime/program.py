@@ -403,6 +403,8 @@ def run_extern(n, get) -> torch.Tensor:
         kw = {"dtype": dtypes.to_torch(n.type.dtype)} if n.op in ("sum", "mean") and x.is_floating_point() else {}
         return fn(x, dim=n.axes, keepdim=n.keepdim, **kw)
     if isinstance(n, ir.Map):
+        if n.op == "cast":  # (graph.fusion.TORCH_MAPS)
+            return get(n.args[0]).to(dtypes.to_torch(n.type.dtype))
         raise TypeError(f"map {n.name} has no kernel")
     if isinstance(n, ir.Extern):
         kwargs = {k: _resolved(v, get) for k, v in n.kwargs}

@@ -106,6 +106,33 @@ def family(p0, p1) -> Family | str:
     return fam
 
 
+SMALL = 1 << 16  # elements: a map over a varying tensor this small may run in PyTorch instead
+
+
+def torch_maps(p0, p1) -> frozenset:
+    """Where `family(p0, p1)` fails only because kernels compute small maps over tensors whose
+    shapes change with the sizes (transformers 5.17's decode step casts `generate`'s attention
+    mask, one longer each step): those maps' names, to run in PyTorch (graph.fusion.plan's
+    `in_torch`) so that the next two sizes make a family. Empty where that would not do."""
+    from ..graph.fusion import TORCH_MAPS
+
+    g0, g1 = p0.graph, p1.graph
+    if [n.name for n in g0.nodes] != [n.name for n in g1.nodes]:
+        return frozenset()
+    varying = {b.name for a, b in zip(g0.nodes, g1.nodes) if a.type != b.type}
+    found = set()
+    for s in p1.plan.steps:
+        if s.family not in _KERNELS or not varying & {*s.nodes, *s.inputs, *s.outputs}:
+            continue
+        for name in s.nodes:
+            n = g1[name]
+            if not (isinstance(n, ir.Map) and n.op in TORCH_MAPS and name in varying
+                    and max(g0[name].type.numel, n.type.numel) <= SMALL):
+                return frozenset()
+            found.add(name)
+    return frozenset(found)
+
+
 def _step_key(s) -> tuple:
     return s.name, s.family, tuple(s.nodes), tuple(s.inputs), tuple(s.outputs), s.view, s.space
 
