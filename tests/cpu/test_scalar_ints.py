@@ -110,7 +110,8 @@ def test_the_sliding_window_positions_match_with_the_length_as_a_tensor(n):
     q, kv, gt, nxt = gm(x, n)
     q2, kv2, gt2, nxt2 = new(x, torch.tensor(n))
     assert torch.equal(q, q2) and torch.equal(kv, kv2) and torch.equal(gt, gt2)
-    assert int(nxt2) == nxt == n + 1  # (an integer output: the backend evaluates it on the host)
+    assert nxt == n + 1 and int(nxt2) == n  # (an integer output: the backend evaluates it on the host, and
+    # the rewritten graph returns its first rewritten input there, leaving that arithmetic dead)
     assert torch.clamp in {node.target for node in new.graph.nodes}
     assert torch.sym_max not in {node.target for node in new.graph.nodes}
 
@@ -258,3 +259,24 @@ def test_ints_equal_at_compile_time_and_unequal_later_reach_their_own_uses():
     runners = [r for r in tb.reports() if any("passed as 0-d tensors" in e for e in r.events)]
     assert runners and all(not r.calls_eager for r in runners), tb.summary()
 
+
+
+@pytest.mark.usefixtures("fresh_backend")
+def test_an_integer_output_of_a_size_and_the_int_does_not_stop_sizes_from_being_made():
+    """`len(cache) + n` returned as an int: evaluated on the host, so the rewritten graph does
+    not compute it as a tensor op taking a size (which made every size compile on its own);
+    the cache's later sizes are made with no compile, with eager's results."""
+    def f(x, cache, n):
+        c = torch.cat([cache, x], dim=0)
+        return c, x * 2 + n, c.shape[0] + n
+
+    cf = torch.compile(f, backend="tilefuse")
+    x = torch.randn(1, 4)
+    with torch.no_grad():
+        for s in range(3, 12):
+            cache = torch.randn(s, 4)
+            got, want = cf(x, cache, s + 7), f(x, cache, s + 7)
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]) and got[2] == want[2], (s, got)
+    r = max(tb.reports(), key=lambda r: r.variants)
+    assert any("passed as 0-d tensors" in e for e in r.events) and r.calls_eager == 0, tb.summary()
+    assert r.resized >= r.variants - 2, tb.summary()

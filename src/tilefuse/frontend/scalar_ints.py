@@ -125,5 +125,16 @@ def tensorize(gm: torch.fx.GraphModule, positions) -> torch.fx.GraphModule:
                 x, bound = n.args if type(n.args[1]) is int else n.args[::-1]
                 n.target, n.args, n.kwargs = torch.clamp, (x,), {_MINMAX[n.target]: bound}
             n.meta["example_value"] = zero
+    # the integer outputs are evaluated on the host and these positions dropped: returning the
+    # first rewritten input there leaves their arithmetic dead (`len(cache) + n` would otherwise
+    # reach torch.export as an op taking a size, and stop sizes from being made with no compile)
+    rewritten = {n for nodes, _ in closures for n in nodes}
+    output = next(n for n in graph.nodes if n.op == "output")
+    if isinstance(output.args[0], (tuple, list)):
+        first = placeholders[min(positions)]
+        output.args = (type(output.args[0])(first if o in rewritten else o for o in output.args[0]),)
+    for n in sorted(rewritten, key=list(graph.nodes).index, reverse=True):  # (only these: the graph's
+        if n.op != "placeholder" and not n.users:                          # in-place writes stay)
+            graph.erase_node(n)
     graph.lint()
     return torch.fx.GraphModule(gm, graph)
