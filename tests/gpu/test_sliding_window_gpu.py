@@ -26,7 +26,7 @@ def _version(text: str) -> tuple:
 
 
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
-def test_mistral_generates_eager_tokens_from_one_decode_program(cache):
+def test_mistral_generates_eager_tokens_from_one_decode_program(cache, runners):
     transformers = pytest.importorskip("transformers")
 
     torch._dynamo.reset()
@@ -43,13 +43,7 @@ def test_mistral_generates_eager_tokens_from_one_decode_program(cache):
         gen["cache_implementation"] = "static"
     with torch.no_grad():
         eager = model.generate(ids, **gen)
-        runners = []
-
-        def backend(gm, example_inputs, **kw):
-            runners.append(tb.tilefuse_backend(gm, example_inputs, **kw))
-            return runners[-1]
-
-        model.forward = torch.compile(model.forward, backend=backend)
+        model.forward = torch.compile(model.forward, backend=runners.backend)
         for _ in range(3):
             got = model.generate(ids, **gen)
             assert torch.equal(got, eager), (got, eager)

@@ -83,7 +83,7 @@ def test_a_static_cache_step_writes_its_inputs_once_a_call_under_cuda_graphs(fre
 
 
 @torch.no_grad()
-def test_generate_with_a_static_cache_replays_one_decode_graph_with_eager_tokens():
+def test_generate_with_a_static_cache_replays_one_decode_graph_with_eager_tokens(runners):
     pytest.importorskip("transformers")
     from tilefuse.models import hf
 
@@ -99,13 +99,7 @@ def test_generate_with_a_static_cache_replays_one_decode_graph_with_eager_tokens
     gen = dict(max_new_tokens=16, min_new_tokens=16, do_sample=False, pad_token_id=0,
                cache_implementation="static", disable_compile=True)
     eager = model.generate(ids, **gen)
-    runners = []
-
-    def backend(gm, example_inputs, **kw):
-        runners.append(tb.tilefuse_backend(gm, example_inputs, **kw))
-        return runners[-1]
-
-    model.forward = torch.compile(model.forward, backend=backend)
+    model.forward = torch.compile(model.forward, backend=runners.backend)
     for _ in range(3):
         got = model.generate(ids, **gen)
         assert torch.equal(got, eager), (got, eager)

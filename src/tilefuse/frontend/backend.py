@@ -392,6 +392,7 @@ class GraphRunner:
             else:
                 self.kinds.append("weight" if _is_weight(node, value) else "input")
         self.int_outputs = _int_outputs(gm)
+        self.scalar_values: dict = {}  # the call in hand's values of those ints: size symbol -> int
         # ints passed to the program as 0-d tensors (frontend.scalar_ints): position -> its size symbol
         self.scalars = _value_ints(placeholders, self.kinds, self.int_outputs) if "int" in self.kinds and \
             len(placeholders) == len(example_inputs) else {}
