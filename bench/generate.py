@@ -98,8 +98,11 @@ def one(args) -> dict:
             sync()
             times.append(time.perf_counter() - t0)
             tokens = seq if tokens is None else tokens
-    if args.profile:
-        profile(args, lambda: model.generate(ids, **gen), sync)
+    if args.profile:  # (the half prompt: its sizes all compiled; the first prompt's prefill would now compile
+        # again, for the dynamic graph dynamo made at the half prompt)
+        profile(args, lambda: model.generate(ids[:, args.prompt // 2:], **gen), sync)
+    if args.profile_new:
+        profile_new(args, lambda: model.generate(ids[:, args.prompt // 4:], **gen), sync)
     out = {"mode": args.mode, "first_s": times[0], "again_s": times[2], "other_prompt_s": times[3],
            "again_ms_per_token": times[2] / args.new * 1e3,
            "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan"),
@@ -123,7 +126,7 @@ def one(args) -> dict:
 
 
 def profile(args, generate, sync) -> None:
-    """One more generate of the first prompt (every size seen): host time by function (cProfile)
+    """One more generate of the half prompt (every size seen): host time by function (cProfile)
     and GPU time by kernel (torch.profiler), written to `args.profile`-<mode>.txt."""
     import cProfile
     import io
@@ -151,6 +154,32 @@ def profile(args, generate, sync) -> None:
     Path(f"{args.profile}-{args.mode}.txt").write_text(text.getvalue())
 
 
+def profile_new(args, generate, sync) -> None:
+    """A generate of a prompt length not seen yet (3/4 of the first): host time by function
+    (cProfile), so what one new prefill size costs is seen, into `args.profile_new`-<mode>.txt."""
+    import cProfile
+    import io
+    import pstats
+
+    import torch
+
+    prof = cProfile.Profile()
+    sync()
+    with torch.no_grad():
+        t0 = time.perf_counter()
+        prof.enable()
+        generate()
+        sync()
+        prof.disable()
+        took = time.perf_counter() - t0
+    text = io.StringIO()
+    text.write(f"a new prompt length: {took:.2f} s (cProfile on)\n")
+    st = pstats.Stats(prof, stream=text)
+    st.sort_stats("cumulative").print_stats(90)
+    st.sort_stats("tottime").print_stats(50)
+    Path(f"{args.profile_new}-{args.mode}.txt").write_text(text.getvalue())
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=4)
@@ -165,6 +194,9 @@ def main() -> None:
     ap.add_argument("--mask-skip", action="store_true",
                     help="as with a torch newer than 2.11: transformers skips the all-true causal mask of a "
                          "one-token step under torch.compile (older torch builds it in every decode graph)")
+    ap.add_argument("--profile-new", default=None, metavar="PREFIX",
+                    help="after the timed generates, profile the host time of one generate of a prompt length "
+                         "not seen yet (what a new size costs) into PREFIX-<mode>.txt")
     ap.add_argument("--profile", default=None, metavar="PREFIX",
                     help="after the timed generates, profile one more (host by function, GPU by kernel) "
                          "into PREFIX-<mode>.txt")
@@ -188,6 +220,7 @@ def main() -> None:
                                                                  ("layers", "hidden", "prompt", "new", "device",
                                                                   "cache", "window")]
             cmd += [f"--profile={args.profile}"] if args.profile else []
+            cmd += [f"--profile-new={args.profile_new}"] if args.profile_new else []
             cmd += ["--mask-skip"] if args.mask_skip else []
             p = subprocess.run(cmd, env=env, capture_output=True, text=True)
             if p.returncode != 0:  # said, and the other modes still run

@@ -245,8 +245,9 @@ def test_a_graph_reading_only_such_ints_and_weights_is_not_given_a_device_of_its
 def test_ints_equal_at_compile_time_and_unequal_later_reach_their_own_uses():
     """Two ints equal when the program compiles (a cache's layers pass the same length) and
     unequal in later calls each reach their own uses: they are two inputs of the program, not
-    one (passing one tensor for equal values, tried, made torch.export take them as one input,
-    and a later unequal pair got the first value for both)."""
+    one. A call passes one 0-d tensor for equal values (one fill, not one per layer), and
+    torch.export, which would take one object passed twice as one input, is given distinct
+    ones (without that, a later unequal pair got the first value for both)."""
     def f(x, a, b):
         return x + a, x * b, a + 1, b + 2
 
@@ -259,6 +260,24 @@ def test_ints_equal_at_compile_time_and_unequal_later_reach_their_own_uses():
     runners = [r for r in tb.reports() if any("passed as 0-d tensors" in e for e in r.events)]
     assert runners and all(not r.calls_eager for r in runners), tb.summary()
 
+
+
+def test_a_call_fills_one_tensor_per_distinct_value_and_export_gets_distinct_ones():
+    """`_tensorized(share=True)` (each call) makes one 0-d tensor per distinct value, so equal
+    ints share it; `_distinct` (before torch.export) clones each repeat, leaving the values."""
+    from tilefuse.frontend.backend import GraphRunner, _distinct
+
+    r = GraphRunner.__new__(GraphRunner)
+    r.scalars = {1: "s0", 2: "s1", 3: "s2"}
+    x = torch.ones(2)
+    args = r._tensorized([x, 5, 5, 7], share=True)
+    assert args[0] is x and args[1] is args[2] and args[3] is not args[1]
+    assert [int(a) for a in args[1:]] == [5, 5, 7]
+    alone = r._tensorized([x, 5, 5, 7])
+    assert alone[1] is not alone[2]
+    d = _distinct(args)
+    assert d[0] is x and d[1] is args[1] and d[2] is not args[2] and d[3] is args[3]
+    assert len({id(t) for t in d}) == 4 and [int(a) for a in d[1:]] == [5, 5, 7]
 
 
 @pytest.mark.usefixtures("fresh_backend")

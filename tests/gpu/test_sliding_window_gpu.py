@@ -73,14 +73,17 @@ def test_an_int_taken_as_a_tensor_beside_a_host_scalar_runs_in_tilefuse():
     def f(x, c, n):
         return x * c + (torch.arange(x.shape[0], device=x.device) + n), n + 1
 
-    cf = torch.compile(f, backend="tilefuse")
+    cf = torch.compile(f, backend=tb.tilefuse_backend)
     x = torch.randn(64, device="cuda")
     c = torch.tensor(3.0)
     with torch.no_grad():
         for n in (3, 4, 5, 9, 30):
             y, m = cf(x, c, n)
             want, want_m = f(x, c.cuda(), n)
-            assert torch.equal(y, want) and m == want_m, (n, y, want)
+            # (the kernel contracts x * c + ... into one fma where eager rounds the product first, so
+            # results differ by rounding: PyTorch's float32 tolerance, not bitwise equality)
+            torch.testing.assert_close(y, want)
+            assert m == want_m, (n, m, want_m)
     rs = [r for r in tb.reports() if any("passed as 0-d tensors" in e for e in r.events)]
     assert len(rs) == 1 and rs[0].status == "tilefuse" and rs[0].variants == 1 and not rs[0].calls_eager, \
         tb.summary()

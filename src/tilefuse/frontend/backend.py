@@ -194,6 +194,21 @@ def _is_weight(node, value) -> bool:
     return "_buffers" in text or "_parameters" in text or "ParamBuffer" in text
 
 
+def _distinct(tensors: list) -> list:
+    """`tensors` with each repeat of one tensor object cloned. torch.export takes one object
+    passed twice as one input, so a program compiled at a call where two ints shared a 0-d
+    tensor (`_tensorized(share=True)`) would read one value for both at later calls where
+    they differ."""
+    seen: set = set()
+    out = []
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and id(t) in seen:
+            t = t.clone()
+        seen.add(id(t))
+        out.append(t)
+    return out
+
+
 def _version(t: torch.Tensor) -> int:
     try:
         return t._version
@@ -476,7 +491,7 @@ class GraphRunner:
         given_args = args
         if self.scalars:
             self.scalar_values = {self.scalars[i]: int(args[i]) for i in self.scalars}
-            args = self._tensorized(args)
+            args = self._tensorized(args, share=True)
         v = self._variant(args)
         if v.program is None:
             self.report.calls_eager += 1
@@ -520,13 +535,23 @@ class GraphRunner:
             return _with_ints(out, ints)
         return _with_ints(out, v.ints) if v.ints else out
 
-    def _tensorized(self, args) -> list:
+    def _tensorized(self, args, share: bool = False) -> list:
         """`args` with the ints at `self.scalars` as 0-d int64 tensors, on the GPU where a user
-        tensor is (made by a fill, not copied from the host: no synchronisation)."""
+        tensor is (made by a fill, not copied from the host: no synchronisation). `share`: one
+        tensor for each distinct value (a cache's layers pass one length: a 16-layer decode step
+        made 16 fills); `_compile` gives torch.export distinct tensors (`_distinct`)."""
         tensors = [a for a in args if isinstance(a, torch.Tensor)]  # (weights too: a graph may read no other)
         device = next((t.device for t in tensors if t.is_cuda), tensors[0].device if tensors else "cpu")
-        return [torch.full((), int(a), dtype=torch.int64, device=device) if i in self.scalars else a
-                for i, a in enumerate(args)]
+        made: dict = {}
+
+        def fill(a):
+            v = int(a)
+            t = made.get(v) if share else None
+            if t is None:
+                t = made[v] = torch.full((), v, dtype=torch.int64, device=device)
+            return t
+
+        return [fill(a) if i in self.scalars else a for i, a in enumerate(args)]
 
     def _key(self, args):
         ints = tuple(int(a) if isinstance(a, (int, torch.SymInt)) else a for a, k in zip(args, self.kinds)
@@ -622,7 +647,7 @@ class GraphRunner:
                         "version counter: an in-place update of them is not seen; after one, call "
                         "torch._dynamo.reset() and compile again")
         ints = [a for a, k in zip(args, self.kinds) if k == "int"]
-        user = [a for a, k in zip(args, self.kinds) if k == "input"]
+        user = _distinct([a for a, k in zip(args, self.kinds) if k == "input"])
         t0 = time.perf_counter()
         try:
             out_ints = self._int_values(ints, user)

@@ -196,6 +196,15 @@ class OneStream:
         raise AssertionError("one stream never waits for another")
 
 
+def _copy_all(dst: list, src: list) -> None:
+    """dst[i].copy_(src[i]) for every i, in one call: a decode step copies each layer's cache
+    and length into its slot (49 copies a step at 16 layers, ~4 us of host time each)."""
+    if len(dst) == 1:
+        dst[0].copy_(src[0])
+    else:
+        torch._foreach_copy_(dst, src)
+
+
 def _storage_key(t) -> int:
     return t.untyped_storage()._cdata
 
@@ -238,12 +247,10 @@ class Graphed:
             self.streams.wait(slot.stream)  # its last replay, and what read its results there, come first
             self.stats["stream_waits"] += 1
         if slot is not None:
-            copied = False
-            for s, t in zip(slot.inputs, tensors):
-                if s is not None:
-                    s.copy_(t)
-                    copied = True
-            self.stats["copies"] += copied
+            dst = [s for s in slot.inputs if s is not None]
+            if dst:
+                _copy_all(dst, [t for s, t in zip(slot.inputs, tensors) if s is not None])
+                self.stats["copies"] += 1
         else:
             if len(self.slots) >= self.max_slots and not self._evict():
                 self.last = ptrs
@@ -257,9 +264,9 @@ class Graphed:
                 return self.runner.run(tensors)
         self.last = ptrs
         slot.replay()
-        for i in self.written:
-            if slot.inputs[i] is not None:  # a copied input the program writes: back to the caller's
-                tensors[i].copy_(slot.inputs[i])
+        back = [i for i in self.written if slot.inputs[i] is not None]  # copied inputs it writes: to the caller's
+        if back:
+            _copy_all([tensors[i] for i in back], [slot.inputs[i] for i in back])
         slot.stream = stream
         self.stats["replays"] += 1
         return slot.results(self.clone)
