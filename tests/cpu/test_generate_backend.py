@@ -25,8 +25,8 @@ Properties, per architecture, for greedy generation of 8 tokens:
   and one compiled decode program serves every step once the window is full, and says so;
 - where a decode graph's sizes reach only extern ops (the cache's cat, attention), its later
   sizes are made from a compiled size's program with no compile (runtime.resize), and the
-  tokens above are theirs; OPT's decode graph builds its mask from the cache's length (an op
-  taking a size) and compiles each size, and says why.
+  tokens above are theirs; Gemma2's decode graph builds its global layers' mask from the cache's
+  length (an op taking a size) for eager attention's kernels and compiles each size, and says why.
 """
 from __future__ import annotations
 
@@ -59,8 +59,10 @@ class RanInEager(AssertionError):
 LENGTH_AS_TENSOR = {"mistral", "gemma2"}
 ONE_DECODE_PROGRAM = {"mistral"}
 
-# decode graphs that compile every size: an op takes the length (OPT's and Gemma2's global masks)
-NOT_RESIZED = {"opt": "an op takes a size as an argument", "gemma2": "an op takes a size as an argument"}
+# decode graphs that compile every size: an op takes the length (Gemma2's global layers: their mask
+# feeds eager attention's kernels, whose shapes follow the length). OPT's decode step builds a mask
+# from the length that nothing reads (dropped, frontend.sizes._live), so its sizes are made too
+NOT_RESIZED = {"gemma2": "an op takes a size as an argument"}
 
 CAUSAL = ["llama", "qwen2", "gpt2"] + [n for n, a in ARCHS.items() if a.kind == "causal"]
 

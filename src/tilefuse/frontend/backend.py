@@ -437,6 +437,10 @@ class GraphRunner:
         self.int_now = None  # the integer outputs from a call's arguments, per call (_int_evaluator), once made
         self.host_scalars: tuple = ()  # user inputs that are 0-d CPU tensors beside CUDA ones
         self.fallback = self._why_eager(example_inputs, placeholders)
+        self.prologue = None  # tensors made from sizes alone, in PyTorch before each call (size_prologue)
+        if "int" in self.kinds and not self.fallback:
+            self._split_prologue()
+            placeholders = self.placeholders
         if self.scalars and not self.fallback:
             names = [placeholders[i].name for i in self.scalars]
             names = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
@@ -453,6 +457,27 @@ class GraphRunner:
                             "dynamo made dynamic), which one symbolic export cannot take")
         else:
             self._variant(example_inputs)  # compile now: errors and the summary show at compile time
+
+    def _split_prologue(self) -> None:
+        """Tensors the graph builds from its sizes alone (a decode step's causal mask under torch
+        2.11: `arange(s0 + 1)`, ...) are made in PyTorch before each call and passed to the program
+        as inputs, so no op of the program takes a size as an argument (frontend.size_prologue)."""
+        from .size_prologue import split
+
+        try:
+            sp = split(self.gm, self.kinds)
+        except Exception as e:  # noqa: BLE001 - the graph as it is still compiles, per size
+            self._event(f"tensors made from sizes stay in the program ({_first_line(e)})")
+            return
+        if sp is None:
+            return
+        self.prologue, self.gm = sp.prologue, sp.main
+        self.kinds = self.kinds + ["input"] * len(sp.names)
+        self.placeholders = [n for n in self.gm.graph.nodes if n.op == "placeholder"]
+        self.sources = _size_sources(self.placeholders, self.kinds)
+        names = ", ".join(sp.names[:3]) + (f" and {len(sp.names) - 3} more" if len(sp.names) > 3 else "")
+        self._event(f"{names}: made from sizes alone, in PyTorch before each call, so the program takes no size "
+                    f"as an argument")
 
     def _why_eager(self, example_inputs, placeholders) -> str:
         if len(placeholders) != len(example_inputs):
@@ -492,6 +517,8 @@ class GraphRunner:
         if self.scalars:
             self.scalar_values = {self.scalars[i]: int(args[i]) for i in self.scalars}
             args = self._tensorized(args, share=True)
+        if self.prologue is not None:
+            args = (*args, *self.prologue(*args))
         v = self._variant(args)
         if v.program is None:
             self.report.calls_eager += 1

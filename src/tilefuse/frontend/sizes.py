@@ -69,8 +69,11 @@ class Symbolic:
     def _first_sized_op(self) -> str:
         """The first op that takes a size as an argument (`view(x, [1, s0, 64])`, `arange(s0)`),
         or "" when none does: then every op runs with the same arguments at every size, and only
-        its tensors' shapes change (what runtime.resize relies on)."""
-        return next((n.name for n in self.ep.graph.nodes if n.op == "call_function"
+        its tensors' shapes change (what runtime.resize relies on). Ops whose results nothing
+        uses count for nothing: the capture drops them (OPT's decode step builds a mask of ones
+        from the cache's length, `ones([1, s0 + 1])`, and never reads it)."""
+        live = _live(self.ep.graph)
+        return next((n.name for n in self.ep.graph.nodes if n.op == "call_function" and n in live
                      and not isinstance(n.meta.get("val"), _SYM) and not _is_assert(n)
                      and any(_is_size(a) for a in torch.utils._pytree.tree_leaves((n.args, n.kwargs)))), "")
 
@@ -135,6 +138,16 @@ class Symbolic:
 
 class _Outside(Exception):
     pass
+
+
+def _live(graph) -> set:
+    """The nodes whose values reach the graph's outputs, or that have effects of their own."""
+    live: set = set()
+    for n in reversed(graph.nodes):
+        if n.op == "output" or n in live or (n.op == "call_function" and n.is_impure()):
+            live.add(n)
+            live.update(n.all_input_nodes)
+    return live
 
 
 def _is_assert(n) -> bool:

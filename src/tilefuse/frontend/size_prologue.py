@@ -1,0 +1,168 @@
+"""Tensors a graph builds from its sizes alone, made in PyTorch before the program runs.
+
+Under torch 2.11 transformers builds each decode step's causal mask inside the compiled graph
+from the cache's length: `arange(1) + s0` (the query's position), `arange(s0 + 1)` (the keys'),
+`kv <= q`, `expand(1, -1, 1, s0 + 1)`. OPT and Gemma2 do it on any torch. Those ops take a size
+as an argument, so no program made at one size serves another (`sizes.Symbolic.sized_op`), and
+every token compiled anew. Yet nothing in them reads a tensor's values: only the sizes.
+
+Here they are split off the graph (`split`): a prologue, the ancestors of those tensors run as
+the graph as given (in PyTorch, a few small ops), and the graph without them, which takes their
+results as extra inputs. The program then sees the mask as an input whose shape follows the
+length, read by attention alone, and its later sizes are made with no compile
+(runtime.resize), as for any cache tensor.
+
+A node goes to the prologue when it makes a tensor, has no effects, and every input is a size
+(an integer input of the graph, or integer arithmetic on sizes and on tensors' shapes) or
+another such tensor, and it depends on an integer input. A tensor computed from a tensor's
+values (`x.item()`, `x + s0`) stays in the graph. A graph is split only where that leaves no
+op taking a size (a view of a varying shape would compile each size anyway). So does a tensor of two or more varying dims,
+with all it is made from: a prefill step's square causal mask, which the rewrite to attention's
+`is_causal` recognises from how it was built (a mask input would be read in full).
+"""
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+
+import torch
+
+# integer results read from a tensor's metadata, not its values
+_META = {"size", "numel", "dim", "stride", "sym_size", "sym_numel", "sym_stride"}
+_META_FUNCTIONS = {torch.ops.aten.sym_size.int, torch.ops.aten.sym_numel.default, torch.ops.aten.sym_stride.int}
+_SCALARS = (int, bool, torch.SymInt, torch.SymBool)
+
+
+@dataclass(frozen=True)
+class Split:
+    """`prologue(*args)` gives the tensors `main` takes as extra trailing inputs."""
+
+    prologue: torch.fx.GraphModule
+    main: torch.fx.GraphModule
+    names: tuple  # the moved nodes that became inputs, for the summary
+
+
+def _value(n):
+    return n.meta.get("example_value", n.meta.get("val")) if isinstance(n, torch.fx.Node) else n
+
+
+def _varying_dims(t) -> int:
+    return sum(isinstance(d, torch.SymInt) and not isinstance(d.node.expr, int) and bool(d.node.expr.free_symbols)
+               for d in t.shape) if isinstance(t, torch.Tensor) else 0
+
+
+def _is_meta_query(n) -> bool:
+    if n.op == "call_method":
+        return n.target in _META
+    return n.op == "call_function" and (n.target in _META_FUNCTIONS or getattr(n.target, "__name__", "") in _META)
+
+
+def _pure(n) -> bool:
+    if n.op == "call_method":
+        return not n.target.endswith("_") and n.target not in ("item", "tolist", "copy_")
+    if n.op != "call_function":
+        return False
+    try:
+        return not n.is_impure()
+    except Exception:  # noqa: BLE001 - an unknown target: keep it where it is
+        return False
+
+
+def split(gm: torch.fx.GraphModule, kinds: list) -> Split | None:
+    """The graph's size-only tensors as a prologue, and the graph taking them as inputs; None
+    where there are none (or the graph's placeholders do not match `kinds`)."""
+    g = gm.graph
+    placeholders = [n for n in g.nodes if n.op == "placeholder"]
+    if len(placeholders) != len(kinds):
+        return None
+    size: set = set()      # integer values computed from sizes (shapes and integer inputs)
+    sized: set = set()     # ... that depend on an integer input
+    tensors: set = set()   # tensors computed from sizes and constants alone
+    depends: set = set()   # ... that depend on an integer input
+    for n, kind in zip(placeholders, kinds):
+        if kind == "int" and isinstance(_value(n), _SCALARS):
+            size.add(n)
+            sized.add(n)
+    for n in g.nodes:
+        if n.op not in ("call_function", "call_method") or not _pure(n):
+            continue
+        val = _value(n)
+        ins = n.all_input_nodes
+        if isinstance(val, _SCALARS) and not isinstance(val, bool) or isinstance(val, torch.SymBool):
+            if _is_meta_query(n) and ins and isinstance(_value(ins[0]), torch.Tensor) and \
+                    all(a in size for a in ins[1:]):
+                size.add(n)  # (a shape is known without the tensor's values)
+            elif all(a in size for a in ins) and n.target not in (operator.getitem,):
+                size.add(n)
+                if any(a in sized for a in ins):
+                    sized.add(n)
+        elif isinstance(val, torch.Tensor) and all(a in size or a in tensors for a in ins):
+            tensors.add(n)
+            if any(a in sized or a in depends for a in ins):
+                depends.add(n)
+    # a tensor of two or more varying dims (prefill's square causal mask) stays in the program with
+    # all it is made from: the rewrite to attention's is_causal reads how it was built
+    keep = {n for n in depends if _varying_dims(_value(n)) >= 2}
+    todo = list(keep)
+    while todo:
+        for a in todo.pop().all_input_nodes:
+            if a in depends and a not in keep:
+                keep.add(a)
+                todo.append(a)
+    depends -= keep
+    frontier = [n for n in g.nodes if n in depends and any(u not in depends for u in n.users)]
+    if not frontier:
+        return None
+    main = _main(gm, placeholders, frontier, depends, size)
+    if any(_takes_size(n) for n in main.graph.nodes):
+        return None  # its sizes still reach an op (a view of a varying shape): each size compiles anyway
+    return Split(_prologue(gm, placeholders, frontier), main, tuple(n.name for n in frontier))
+
+
+def _takes_size(n) -> bool:
+    """An op making a tensor with a size among its arguments (`view(x, [s0, -1])`)."""
+    if n.op not in ("call_function", "call_method") or not isinstance(_value(n), torch.Tensor):
+        return False
+    return any(isinstance(a, torch.fx.Node) and isinstance(_value(a), (torch.SymInt, torch.SymBool, torch.SymFloat))
+               for a in torch.utils._pytree.tree_leaves((n.args, n.kwargs)))
+
+
+def _prologue(gm, placeholders, frontier) -> torch.fx.GraphModule:
+    """The graph's placeholders, the frontier's ancestors, and the frontier as its output."""
+    need: set = set()
+    todo = list(frontier)
+    while todo:
+        n = todo.pop()
+        if n not in need:
+            need.add(n)
+            todo.extend(n.all_input_nodes)
+    g = torch.fx.Graph()
+    env: dict = {}
+    for n in gm.graph.nodes:
+        if n.op == "placeholder" or n in need:
+            env[n] = g.node_copy(n, lambda a: env[a])
+    g.output(tuple(env[n] for n in frontier))
+    return torch.fx.GraphModule(gm, g)
+
+
+def _main(gm, placeholders, frontier, depends, size) -> torch.fx.GraphModule:
+    """A copy of the graph whose frontier nodes are trailing placeholders instead, without the
+    moved nodes and the size arithmetic only they used."""
+    g = torch.fx.Graph()
+    env: dict = {}
+    for n in placeholders:
+        env[n] = g.node_copy(n, lambda a: env[a])
+    for f in frontier:
+        p = g.placeholder(f"sized_{f.name}")
+        p.meta = dict(f.meta)
+        env[f] = p
+    for n in gm.graph.nodes:
+        if n.op != "placeholder" and n not in env and n not in depends:
+            env[n] = g.node_copy(n, lambda a: env[a])
+    # what only the moved nodes used: pure size arithmetic left without users (never a write,
+    # nor anything else with effects)
+    arithmetic = {env[o] for o in size if o in env and o.op != "placeholder"}
+    for n in reversed(list(g.nodes)):
+        if n in arithmetic and not n.users:
+            g.erase_node(n)
+    return torch.fx.GraphModule(gm, g)

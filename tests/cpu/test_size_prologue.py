@@ -1,0 +1,145 @@
+"""Tensors a graph builds from its sizes alone are made in PyTorch before the program
+(frontend/size_prologue.py), so a decode step whose mask is built from the cache's length (as
+transformers does under torch 2.11, and OPT and Gemma2 on any torch) makes its later sizes
+with no compile, with eager's results; a square mask (prefill) stays in the program, where it
+becomes attention's is_causal; a tensor computed from a tensor's values never moves."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tilefuse.frontend import backend as tb
+from tilefuse.frontend.size_prologue import split
+
+pytestmark = pytest.mark.usefixtures("fresh_backend")
+
+
+def _step(q, cache, k):
+    """A decode step's attention over a growing cache, with a mask built from its length."""
+    keys = torch.cat([cache, k], dim=2)
+    s = cache.shape[2]
+    q_pos = torch.arange(1) + s
+    kv_pos = torch.arange(s + 1)
+    mask = (kv_pos[None, None, None, :] <= q_pos[None, None, :, None]).expand(1, -1, 1, s + 1)
+    return F.scaled_dot_product_attention(q, keys, keys, attn_mask=mask), keys
+
+
+def test_a_mask_built_from_the_cache_length_runs_before_the_program_and_later_sizes_need_no_compile():
+    cf = torch.compile(_step, backend="tilefuse")
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for s in range(3, 12):
+            q, k = torch.randn(1, 2, 1, 8, generator=gen), torch.randn(1, 2, 1, 8, generator=gen)
+            cache = torch.randn(1, 2, s, 8, generator=gen)
+            got, want = cf(q, cache, k), _step(q, cache, k)
+            torch.testing.assert_close(got[0], want[0])
+            assert torch.equal(got[1], want[1])
+    r = max(tb.reports(), key=lambda r: r.variants)
+    assert r.status == "tilefuse" and r.calls_eager == 0, tb.summary()
+    assert any("made from sizes alone" in e for e in r.events), tb.summary()
+    assert r.resized >= r.variants - 2 > 0, tb.summary()  # past the two compiled sizes, none compiled
+
+
+def _graph(fn, *args):
+    """fn's dynamo graph with its sizes dynamic, and the kinds the backend gives its inputs."""
+    graphs = []
+
+    def keep(gm, example_inputs):
+        graphs.append((gm, ["int" if not isinstance(a, torch.Tensor) else "input" for a in example_inputs]))
+        return gm
+
+    torch._dynamo.reset()
+    torch.compile(fn, backend=keep, dynamic=True)(*args)
+    torch._dynamo.reset()
+    return graphs[-1]
+
+
+def test_the_split_moves_only_what_is_made_from_sizes_and_keeps_what_reads_values():
+    """`(arange(n + 1) * 2).sum()` and `arange(n)[0]` move (sizes alone made them); the ops
+    reading x's values stay; the prologue and the rest compute what the graph did."""
+    def f(x, n):
+        a = torch.arange(n + 1) * 2
+        return x + a.sum(), x * 3 + torch.arange(n)[0]
+
+    x = torch.arange(10.0)
+    gm, kinds = _graph(f, x, 4)
+    sp = split(gm, kinds)
+    assert sp is not None and len(sp.names) == 2, (gm.code, sp and sp.names)
+    moved = [n.target for n in sp.prologue.graph.nodes if n.op == "call_function"]
+    assert moved.count(torch.arange) == 2, sp.prologue.code
+    kept = [n.target for n in sp.main.graph.nodes if n.op == "call_function"]
+    assert torch.arange not in kept and any("mul" in str(t) for t in kept), sp.main.code
+    for n in (4, 7, 1):
+        args = [x if k == "input" else n for k in kinds]
+        extra = sp.prologue(*args)
+        assert torch.equal(extra[0], (torch.arange(n + 1) * 2).sum())
+        got, want = sp.main(*args, *extra), f(x, n)
+        assert all(torch.equal(g, w) for g, w in zip(got, want)), (n, got, want)
+
+
+def test_a_square_mask_stays_in_the_program_so_prefill_attention_stays_causal():
+    """A mask of two varying dims (q and kv of a prefill step) is not moved: the rewrite to
+    is_causal reads how it was built."""
+    def prefill(q, k):
+        s = q.shape[2]
+        i = torch.arange(s)
+        mask = i[None, None, None, :] <= i[None, None, :, None]
+        return F.scaled_dot_product_attention(q, k, k, attn_mask=mask)
+
+    q = torch.randn(1, 2, 6, 8)
+    gm, kinds = _graph(prefill, q, torch.randn(1, 2, 6, 8))
+    assert "int" in kinds, gm.code
+    assert split(gm, kinds) is None, gm.code
+
+
+def test_a_graph_whose_other_ops_take_sizes_is_left_whole():
+    """A view to a varying shape compiles each size anyway: nothing moves there."""
+    def f(x, n):
+        return x.view(n, -1) + torch.arange(n)[:, None]
+
+    gm, kinds = _graph(f, torch.randn(4, 6), 4)
+    assert "int" in kinds, gm.code
+    assert split(gm, kinds) is None, gm.code
+
+
+def test_llama_generate_with_torch_211s_in_graph_mask_makes_decode_sizes_with_no_compile(monkeypatch):
+    """transformers under torch 2.11 (is_torchdynamo_exporting() True while dynamo traces) builds
+    each decode step's all-true causal mask from the cache's length in the graph. Emulated here:
+    the compiled model generates eager's tokens, its decode sizes past the first two are made
+    with no compile, and every prefill attention stays is_causal (the square mask stays)."""
+    transformers = pytest.importorskip("transformers")
+    import transformers.masking_utils as masking
+
+    from tilefuse.models import hf
+
+    monkeypatch.setattr(masking, "is_torchdynamo_exporting", lambda: True)
+    cfg = hf.config("llama", 1, 32, seq=64, vocab=128, heads=2, ffn=96)
+    cfg.use_cache = True
+    torch.manual_seed(0)
+    model = hf.causal_lm(cfg).float().eval()
+    gen = dict(max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0)
+    prompts = [torch.randint(2, 128, (1, n), generator=torch.Generator().manual_seed(n)) for n in (12, 9, 15)]
+    runners = []
+
+    def backend(gm, example_inputs, **kw):
+        runners.append(tb.tilefuse_backend(gm, example_inputs, **kw))
+        return runners[-1]
+
+    with torch.no_grad():
+        want = [model.generate(p, **gen) for p in prompts]
+        model.forward = torch.compile(model.forward, backend=backend)
+        got = [model.generate(p, **gen) for p in prompts]
+    assert all(torch.equal(g, w) for g, w in zip(got, want)), (got, want)
+    assert all(r.report.status == "tilefuse" and not r.report.calls_eager for r in runners), tb.summary()
+    decode = max(runners, key=lambda r: r.report.calls_tilefuse)
+    assert any("made from sizes alone" in e for e in decode.report.events), tb.summary()
+    assert decode.report.resized >= decode.report.variants - 2 > 0, tb.summary()
+    prefills = 0
+    for r in runners:
+        for v in r.variants.values():
+            attention = [n for n in v.program.graph.nodes if type(n).__name__ == "Attention"]
+            if v.program.graph[v.program.graph.inputs[0]].type.shape[-1] > 1:  # more than one token: prefill
+                prefills += 1
+                assert attention and all(a.causal for a in attention), (r.report.index, attention)
+    assert prefills >= 3, tb.summary()
