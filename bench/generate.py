@@ -15,8 +15,9 @@ turned off (`disable_compile`) in every mode, so each mode's compile is the only
 dynamo and cubin cache), a random transformers LlamaForCausalLM in bf16 generates twice
 from the same random prompt:
 - first: the wall time of the whole generate, every size compiled on the way;
-- again: the same generate twice more, the last one timed: every size compiled and, for
-  tilefuse, its CUDA graph captured (a program's second call captures, later calls replay);
+- again: the same generate `--repeats` times more (after an untimed second one), the median
+  timed: every size compiled and, for tilefuse, its CUDA graph captured (a program's second
+  call captures, later calls replay); each repeat's time is in the JSON;
 - other prompt: a prompt half as long, so every size is new (what each new size costs);
 and the peak GPU memory, the compiled variants and exports per graph (tilefuse; with
 `tilefuse-nographs`, TILEFUSE_CUDA_GRAPHS=0: no CUDA-graph capture or replay), and how
@@ -91,7 +92,7 @@ def one(args) -> dict:
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     with torch.no_grad():
-        for prompt in (ids, ids, ids, ids[:, args.prompt // 2:]):
+        for prompt in (ids,) * (2 + args.repeats) + (ids[:, args.prompt // 2:],):
             sync()
             t0 = time.perf_counter()
             seq = model.generate(prompt, **gen)
@@ -103,8 +104,10 @@ def one(args) -> dict:
         profile(args, lambda: model.generate(ids[:, args.prompt // 2:], **gen), sync)
     if args.profile_new:
         profile_new(args, lambda: model.generate(ids[:, args.prompt // 4:], **gen), sync)
-    out = {"mode": args.mode, "first_s": times[0], "again_s": times[2], "other_prompt_s": times[3],
-           "again_ms_per_token": times[2] / args.new * 1e3,
+    again = sorted(times[2:2 + args.repeats])
+    out = {"mode": args.mode, "first_s": times[0], "again_s": again[len(again) // 2], "other_prompt_s": times[-1],
+           "again_ms_per_token": again[len(again) // 2] / args.new * 1e3,
+           "again_ms_per_token_each": [t / args.new * 1e3 for t in times[2:2 + args.repeats]],
            "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan"),
            "weights_gib": sum(p.numel() * p.element_size() for p in model.parameters()) / 2**30,
            "tokens": tokens[0, args.prompt:].tolist()}
@@ -188,6 +191,9 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=32)
     ap.add_argument("--modes", default="eager,tilefuse,tilefuse-nographs,inductor")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--repeats", type=int, default=5,
+                    help="the same generate, every size seen, this many times: its median is the per-token time "
+                         "(one generate's time moves by more than a host-side change is worth)")
     ap.add_argument("--cache", choices=("dynamic", "static"), default="dynamic",
                     help="transformers' KV cache: grown a token a step (dynamic) or preallocated and written in "
                          "place (static: cache_implementation='static')")
@@ -221,6 +227,7 @@ def main() -> None:
                                                                   "cache", "window")]
             cmd += [f"--profile={args.profile}"] if args.profile else []
             cmd += [f"--profile-new={args.profile_new}"] if args.profile_new else []
+            cmd += [f"--repeats={args.repeats}"]
             cmd += ["--mask-skip"] if args.mask_skip else []
             p = subprocess.run(cmd, env=env, capture_output=True, text=True)
             if p.returncode != 0:  # said, and the other modes still run
