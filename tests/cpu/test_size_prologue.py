@@ -143,3 +143,96 @@ def test_llama_generate_with_torch_211s_in_graph_mask_makes_decode_sizes_with_no
                 prefills += 1
                 assert attention and all(a.causal for a in attention), (r.report.index, attention)
     assert prefills >= 3, tb.summary()
+
+
+def _same_as_eager(fn, calls, check=None):
+    """fn compiled by tilefuse gives eager's results (and, with `check`, leaves what eager leaves)
+    on each of `calls` (argument makers)."""
+    cf = torch.compile(fn, backend="tilefuse")
+    with torch.no_grad():
+        for make in calls:
+            e_args, c_args = make(), make()
+            torch.manual_seed(0)
+            want = fn(*e_args)
+            torch.manual_seed(0)
+            got = cf(*c_args)
+            want, got = (want if isinstance(want, tuple) else (want,)), (got if isinstance(got, tuple) else (got,))
+            for w, g in zip(want, got):
+                torch.testing.assert_close(g, w)
+            for a, b in zip(e_args, c_args):
+                if isinstance(a, torch.Tensor):
+                    assert torch.equal(a, b), (a, b)  # what the call wrote into its arguments
+
+
+@pytest.mark.parametrize("case", ["fill", "scale", "view_then_write"])
+def test_a_tensor_written_in_place_stays_with_all_that_may_share_its_memory(case):
+    """A tensor made from sizes that an op then writes (`torch.empty(n).fill_(2)`) is not moved,
+    nor anything made from it or that it is made from: a moved reader would run before the write
+    (a review found each of these reading uninitialised or unscaled memory)."""
+    def fill(x, n):
+        e = torch.empty(n)
+        e.fill_(2.0)
+        return x + e.sum()
+
+    def scale(x, n):
+        m = torch.ones(n)
+        m.mul_(x.sum())
+        return m.cumsum(0) + x[0], m * 2
+
+    def view_then_write(x, n):
+        a = torch.zeros(n)
+        v = a[:1]
+        a.add_(x.sum())
+        return v * 2 + x
+
+    fn = {"fill": fill, "scale": scale, "view_then_write": view_then_write}[case]
+    _same_as_eager(fn, [lambda n=n: (torch.arange(4.0) + 1, n) for n in (3, 4, 5, 6)])
+
+
+def test_the_prologue_reads_inputs_shapes_only_so_effects_run_once():
+    """A size of a tensor the graph computes (`nonzero` of a written input) is no size the
+    prologue may read: it would run what made that tensor (the write, the RNG draw) again."""
+    def inc(x, n):
+        y = torch.nonzero(x.add_(1) > 2)
+        return torch.arange(y.shape[0] + n).float().sum() + x
+
+    def rng(x, n):
+        r = torch.rand(8)
+        y = torch.nonzero(r > 0.5)
+        return torch.arange(y.shape[0] + n).float().sum() + x, r
+
+    old = torch._dynamo.config.capture_dynamic_output_shape_ops
+    torch._dynamo.config.capture_dynamic_output_shape_ops = True
+    try:
+        for fn in (inc, rng):
+            tb.reset()
+            torch._dynamo.reset()
+            _same_as_eager(fn, [lambda n=n: (torch.arange(4.0) + 1, n) for n in (3, 4, 5, 6)])
+    finally:
+        torch._dynamo.config.capture_dynamic_output_shape_ops = old
+
+
+def test_a_strided_tensor_made_from_sizes_reaches_the_program_contiguous():
+    """`arange(2 * s)[::2]`: given to the program as is, its strides became sizes of their own to
+    torch.export that nothing bound, and the graph was refused for good; it is passed
+    contiguous, and every call runs in tilefuse."""
+    def f(x):
+        s = x.shape[1]
+        m = torch.arange(2 * s).float()[::2]
+        return (x + m).exp()
+
+    _same_as_eager(f, [lambda n=n: (torch.randn(3, n, generator=torch.Generator().manual_seed(n)),)
+                       for n in (3, 4, 5, 6, 7)])
+    assert all(r.status == "tilefuse" and not r.calls_eager for r in tb.reports()), tb.summary()
+
+
+def test_a_written_tensor_and_its_view_stay_so_every_call_runs_in_tilefuse():
+    """`m` and `m[None]` (one memory) both moved became two inputs sharing memory, one written by
+    the program, and every call ran in eager; kept in the graph, every call runs in tilefuse."""
+    def f(x, n):
+        m = torch.ones(n)
+        m.mul_(x.sum())
+        return x[:, None] * m[None, :]
+
+    _same_as_eager(f, [lambda n=n: (torch.arange(4.0) + 1, n) for n in (3, 4, 5, 6, 7)])
+    assert all(r.status == "tilefuse" and not r.calls_eager for r in tb.reports()), tb.summary()

@@ -479,6 +479,17 @@ class GraphRunner:
         self._event(f"{names}: made from sizes alone, in PyTorch before each call, so the program takes no size "
                     f"as an argument")
 
+    def _made_from_sizes(self, args) -> list:
+        """The prologue's tensors for this call: contiguous (a strided one's strides would be
+        sizes of their own to torch.export, which no input binds), and a 0-d one on the CPU
+        beside CUDA inputs (`torch.tensor(s0)`, a number to eager) on their GPU."""
+        made = [t.contiguous() for t in self.prologue(*args)]
+        if any(t.device.type == "cpu" and t.dim() == 0 for t in made):
+            cuda = next((a.device for a in args if isinstance(a, torch.Tensor) and a.is_cuda), None)
+            if cuda is not None:
+                made = [t.to(cuda) if t.device.type == "cpu" and t.dim() == 0 else t for t in made]
+        return made
+
     def _why_eager(self, example_inputs, placeholders) -> str:
         if len(placeholders) != len(example_inputs):
             return f"dynamo gave {len(example_inputs)} inputs for {len(placeholders)} placeholders"
@@ -518,7 +529,7 @@ class GraphRunner:
             self.scalar_values = {self.scalars[i]: int(args[i]) for i in self.scalars}
             args = self._tensorized(args, share=True)
         if self.prologue is not None:
-            args = (*args, *self.prologue(*args))
+            args = (*args, *self._made_from_sizes(args))
         v = self._variant(args)
         if v.program is None:
             self.report.calls_eager += 1

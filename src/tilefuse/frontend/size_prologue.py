@@ -15,7 +15,8 @@ length, read by attention alone, and its later sizes are made with no compile
 A node goes to the prologue when it makes a tensor, has no effects, and every input is a size
 (an integer input of the graph, or integer arithmetic on sizes and on tensors' shapes) or
 another such tensor, and it depends on an integer input. A tensor computed from a tensor's
-values (`x.item()`, `x + s0`) stays in the graph. A graph is split only where that leaves no
+values (`x.item()`, `x + s0`) stays in the graph, as does one some op writes in place and all
+that may share its memory. A graph is split only where that leaves no
 op taking a size (a view of a varying shape would compile each size anyway). So does a tensor of two or more varying dims,
 with all it is made from: a prefill step's square causal mask, which the rewrite to attention's
 `is_causal` recognises from how it was built (a mask input would be read in full).
@@ -68,6 +69,17 @@ def _pure(n) -> bool:
         return False
 
 
+def _writes(n) -> bool:
+    """An op that may write one of its arguments (an in-place method or function, setitem, `out=`)
+    or has some other effect."""
+    if n.op not in ("call_function", "call_method"):
+        return False
+    name = n.target if n.op == "call_method" else getattr(n.target, "__name__", "")
+    if isinstance(name, str) and name.endswith("_") and not name.endswith("__"):
+        return True
+    return "out" in n.kwargs or not _pure(n)
+
+
 def split(gm: torch.fx.GraphModule, kinds: list) -> Split | None:
     """The graph's size-only tensors as a prologue, and the graph taking them as inputs; None
     where there are none (or the graph's placeholders do not match `kinds`)."""
@@ -89,9 +101,9 @@ def split(gm: torch.fx.GraphModule, kinds: list) -> Split | None:
         val = _value(n)
         ins = n.all_input_nodes
         if isinstance(val, _SCALARS) and not isinstance(val, bool) or isinstance(val, torch.SymBool):
-            if _is_meta_query(n) and ins and isinstance(_value(ins[0]), torch.Tensor) and \
-                    all(a in size for a in ins[1:]):
-                size.add(n)  # (a shape is known without the tensor's values)
+            if _is_meta_query(n) and ins and ins[0].op == "placeholder" and \
+                    isinstance(_value(ins[0]), torch.Tensor) and all(a in size for a in ins[1:]):
+                size.add(n)  # (an input's shape is known without its values, or anything run to make it)
             elif all(a in size for a in ins) and n.target not in (operator.getitem,):
                 size.add(n)
                 if any(a in sized for a in ins):
@@ -109,6 +121,18 @@ def split(gm: torch.fx.GraphModule, kinds: list) -> Split | None:
             if a in depends and a not in keep:
                 keep.add(a)
                 todo.append(a)
+    # a tensor some op writes in place (`torch.empty(n).fill_(2)`, `m.mul_(x.sum())`) stays, with
+    # every tensor that may share its memory (all made from it, all it is made from): a moved
+    # reader would run before the write
+    written = [a for n in g.nodes if _writes(n) for a in n.all_input_nodes if a in tensors]
+    todo = list(written)
+    keep.update(written)
+    while todo:
+        n = todo.pop()
+        for a in [*n.all_input_nodes, *n.users]:
+            if a in tensors and a not in keep:
+                keep.add(a)
+                todo.append(a)
     depends -= keep
     frontier = [n for n in g.nodes if n in depends and any(u not in depends for u in n.users)]
     if not frontier:
@@ -116,7 +140,10 @@ def split(gm: torch.fx.GraphModule, kinds: list) -> Split | None:
     main = _main(gm, placeholders, frontier, depends, size)
     if any(_takes_size(n) for n in main.graph.nodes):
         return None  # its sizes still reach an op (a view of a varying shape): each size compiles anyway
-    return Split(_prologue(gm, placeholders, frontier), main, tuple(n.name for n in frontier))
+    prologue = _prologue(gm, placeholders, frontier)
+    if any(_writes(n) for n in prologue.graph.nodes):  # (never: its nodes are pure by construction)
+        return None
+    return Split(prologue, main, tuple(n.name for n in frontier))
 
 
 def _takes_size(n) -> bool:
