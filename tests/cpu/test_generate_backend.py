@@ -59,10 +59,12 @@ class RanInEager(AssertionError):
 LENGTH_AS_TENSOR = {"mistral", "gemma2"}
 ONE_DECODE_PROGRAM = {"mistral"}
 
-# decode graphs that compile every size: an op takes the length (Gemma2's global layers: their mask
-# feeds eager attention's kernels, whose shapes follow the length). OPT's decode step builds a mask
-# from the length that nothing reads (dropped, frontend.sizes._live), so its sizes are made too
-NOT_RESIZED = {"gemma2": "an op takes a size as an argument"}
+# decode graphs that compile every size, and say why: Gemma2's global layers repeat the cache's heads
+# for eager attention (a reshape of the growing cache that stays in the program, its shape differing
+# between sizes) and run attention's softmax in kernels whose shapes follow the length. OPT's decode
+# step builds a mask from the length that nothing reads (dropped, frontend.sizes._live), so its
+# sizes are made too
+NOT_RESIZED = {"gemma2": "each size compiles on its own"}
 
 CAUSAL = ["llama", "qwen2", "gpt2"] + [n for n, a in ARCHS.items() if a.kind == "causal"]
 

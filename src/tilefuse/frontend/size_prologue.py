@@ -147,11 +147,23 @@ def split(gm: torch.fx.GraphModule, kinds: list) -> Split | None:
 
 
 def _takes_size(n) -> bool:
-    """An op making a tensor with a size among its arguments (`view(x, [s0, -1])`)."""
+    """An op making a tensor with a size among its arguments (`view(x, [s0, -1])`), but for a
+    view that only restates its input's dims (sizes.Symbolic's rule, `_restates`)."""
     if n.op not in ("call_function", "call_method") or not isinstance(_value(n), torch.Tensor):
         return False
-    return any(isinstance(a, torch.fx.Node) and isinstance(_value(a), (torch.SymInt, torch.SymBool, torch.SymFloat))
-               for a in torch.utils._pytree.tree_leaves((n.args, n.kwargs)))
+    sizes = [a for a in torch.utils._pytree.tree_leaves((n.args, n.kwargs))
+             if isinstance(a, torch.fx.Node) and isinstance(_value(a), (torch.SymInt, torch.SymBool, torch.SymFloat))]
+    if not sizes:
+        return False
+    name = n.target if n.op == "call_method" else getattr(n.target, "__name__", "")
+    x = _value(n.args[0]) if n.args else None
+    if name in _RESTATING and isinstance(x, torch.Tensor):
+        dims = {d.node.expr for d in x.shape if isinstance(d, torch.SymInt)}
+        return not all(isinstance(_value(a), torch.SymInt) and _value(a).node.expr in dims for a in sizes)
+    return True
+
+
+_RESTATING = {"expand", "view", "reshape"}
 
 
 def _prologue(gm, placeholders, frontier) -> torch.fx.GraphModule:

@@ -74,7 +74,7 @@ class Symbolic:
         from the cache's length, `ones([1, s0 + 1])`, and never reads it)."""
         live = _live(self.ep.graph)
         return next((n.name for n in self.ep.graph.nodes if n.op == "call_function" and n in live
-                     and not isinstance(n.meta.get("val"), _SYM) and not _is_assert(n)
+                     and not isinstance(n.meta.get("val"), _SYM) and not _is_assert(n) and not _restates(n)
                      and any(_is_size(a) for a in torch.utils._pytree.tree_leaves((n.args, n.kwargs)))), "")
 
     def _bound_symbols(self) -> set:
@@ -138,6 +138,30 @@ class Symbolic:
 
 class _Outside(Exception):
     pass
+
+
+_SHAPING = {"expand.default", "view.default", "reshape.default", "_unsafe_view.default"}
+
+
+def _restates(n) -> bool:
+    """A view whose every size argument is one of its input's own dims (`repeat_kv`'s
+    `k[:, :, None].expand(b, h, n, s0, d)` of a cache of length s0): at any size it takes the
+    same dims of its input, so it is no size of the call's own. (Where the program keeps such
+    a view, its shape still differs between sizes, and runtime.resize compiles each size.)"""
+    name = getattr(n.target, "__name__", "")
+    if name not in _SHAPING or not n.args or not isinstance(n.args[0], torch.fx.Node):
+        return False
+    x = n.args[0].meta.get("val")
+    if not isinstance(x, torch.Tensor):
+        return False
+    dims = {d.node.expr for d in x.shape if isinstance(d, torch.SymInt)}
+    sizes = [a for a in torch.utils._pytree.tree_leaves((n.args[1:], n.kwargs)) if _is_size(a)]
+    return all(_expr(a) in dims for a in sizes)
+
+
+def _expr(a):
+    v = a.meta.get("val") if isinstance(a, torch.fx.Node) else a
+    return v.node.expr if isinstance(v, _SYM) else None
 
 
 def _live(graph) -> set:
