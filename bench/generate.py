@@ -55,7 +55,7 @@ def one(args) -> dict:
 
         masking.is_torchdynamo_exporting = lambda: False
     torch.manual_seed(0)
-    cfg = hf.config("llama", args.layers, args.hidden, seq=args.prompt + args.new + 8)
+    cfg = hf.config("llama", args.layers, args.hidden, seq=args.prompt + args.new + 8, kv_heads=args.kv_heads)
     cfg.use_cache = True
     if args.window:  # the same sizes as a Mistral: every layer attends to a sliding window
         import transformers
@@ -191,6 +191,8 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=32)
     ap.add_argument("--modes", default="eager,tilefuse,tilefuse-nographs,inductor")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--kv-heads", type=int, default=None,
+                    help="key/value heads (grouped-query attention when fewer than the query heads; default: as many)")
     ap.add_argument("--repeats", type=int, default=5,
                     help="the same generate, every size seen, this many times: its median is the per-token time "
                          "(one generate's time moves by more than a host-side change is worth)")
@@ -228,6 +230,7 @@ def main() -> None:
             cmd += [f"--profile={args.profile}"] if args.profile else []
             cmd += [f"--profile-new={args.profile_new}"] if args.profile_new else []
             cmd += [f"--repeats={args.repeats}"]
+            cmd += [f"--kv-heads={args.kv_heads}"] if args.kv_heads else []
             cmd += ["--mask-skip"] if args.mask_skip else []
             p = subprocess.run(cmd, env=env, capture_output=True, text=True)
             if p.returncode != 0:  # said, and the other modes still run
@@ -244,7 +247,7 @@ def main() -> None:
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
     print(f"{result['gpu']}: {f'mistral (window {args.window})' if args.window else 'llama'} {args.layers} layers, hidden {args.hidden}, bf16, prompt {args.prompt}, "
-          f"{args.new} new tokens, {args.cache} cache")
+          f"{args.new} new tokens, {args.cache} cache" + (f", {args.kv_heads} kv heads" if args.kv_heads else ""))
     print(f"{'mode':18} {'first s':>8} {'again s':>8} {'ms/token':>9} {'other prompt s':>15} {'peak GiB':>9} "
           f"{'as eager':>9}  "
           f"per graph: variants (made with no compile)/exports/calls in tilefuse/calls in eager")
