@@ -2,7 +2,7 @@
 
 Under torch 2.11 transformers builds each decode step's causal mask inside the compiled graph
 from the cache's length: `arange(1) + s0` (the query's position), `arange(s0 + 1)` (the keys'),
-`kv <= q`, `expand(1, -1, 1, s0 + 1)`. OPT and Gemma2 do it on any torch. Those ops take a size
+`kv <= q`, `expand(1, -1, 1, s0 + 1)`; Gemma2's global layers do it on any torch. Those ops take a size
 as an argument, so no program made at one size serves another (`sizes.Symbolic.sized_op`), and
 every token compiled anew. Yet nothing in them reads a tensor's values: only the sizes.
 
@@ -13,13 +13,14 @@ length, read by attention alone, and its later sizes are made with no compile
 (runtime.resize), as for any cache tensor.
 
 A node goes to the prologue when it makes a tensor, has no effects, and every input is a size
-(an integer input of the graph, or integer arithmetic on sizes and on tensors' shapes) or
-another such tensor, and it depends on an integer input. A tensor computed from a tensor's
-values (`x.item()`, `x + s0`) stays in the graph, as does one some op writes in place and all
-that may share its memory. A graph is split only where that leaves no
-op taking a size (a view of a varying shape would compile each size anyway). So does a tensor of two or more varying dims,
-with all it is made from: a prefill step's square causal mask, which the rewrite to attention's
-`is_causal` recognises from how it was built (a mask input would be read in full).
+(an integer input of the graph, or integer arithmetic on sizes and on the caller's tensors'
+shapes) or another such tensor, and it depends on an integer input. Staying in the graph: a
+tensor computed from a tensor's values (`x.item()`, `x + s0`); one some op writes in place,
+with all that may share its memory; and a tensor of two or more varying dims, with all it is
+made from (a prefill step's square causal mask, which the rewrite to attention's `is_causal`
+recognises from how it was built; as an input it would be read in full). A graph is split
+only where that leaves no op taking a size, views that only restate their input's dims aside
+(a view to a varying shape would compile each size anyway).
 """
 from __future__ import annotations
 
