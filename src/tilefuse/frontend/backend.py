@@ -194,6 +194,11 @@ def _is_weight(node, value) -> bool:
     return "_buffers" in text or "_parameters" in text or "ParamBuffer" in text
 
 
+def _few(names) -> str:
+    """The first three names, and how many more (a 32-layer model has 32 of each)."""
+    return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+
+
 def _distinct(tensors: list) -> list:
     """`tensors` with each repeat of one tensor object cloned. torch.export takes one object
     passed twice as one input, so a program compiled at a call where two ints shared a 0-d
@@ -442,8 +447,7 @@ class GraphRunner:
             self._split_prologue()
             placeholders = self.placeholders
         if self.scalars and not self.fallback:
-            names = [placeholders[i].name for i in self.scalars]
-            names = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+            names = _few([placeholders[i].name for i in self.scalars])
             self._event(f"int input(s) {names} only enter tensor arithmetic: passed as 0-d tensors, so one "
                         f"program serves every value")
         if self.fallback:
@@ -475,8 +479,7 @@ class GraphRunner:
         self.kinds = self.kinds + ["input"] * len(sp.names)
         self.placeholders = [n for n in self.gm.graph.nodes if n.op == "placeholder"]
         self.sources = _size_sources(self.placeholders, self.kinds)
-        names = ", ".join(sp.names[:3]) + (f" and {len(sp.names) - 3} more" if len(sp.names) > 3 else "")
-        self._event(f"{names}: made from sizes alone, in PyTorch before each call, so the program takes no size "
+        self._event(f"{_few(sp.names)}: made from sizes alone, in PyTorch before each call, so the program takes no size "
                     f"as an argument")
 
     def _made_from_sizes(self, args) -> list:

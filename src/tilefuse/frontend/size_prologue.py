@@ -29,6 +29,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .sizes import restates
+
 # integer results read from a tensor's metadata, not its values
 _META = {"size", "numel", "dim", "stride", "sym_size", "sym_numel", "sym_stride"}
 _META_FUNCTIONS = {torch.ops.aten.sym_size.int, torch.ops.aten.sym_numel.default, torch.ops.aten.sym_stride.int}
@@ -141,27 +143,20 @@ def split(gm: torch.fx.GraphModule, kinds: list) -> Split | None:
     main = _main(gm, placeholders, frontier, depends, size)
     if any(_takes_size(n) for n in main.graph.nodes):
         return None  # its sizes still reach an op (a view of a varying shape): each size compiles anyway
-    prologue = _prologue(gm, placeholders, frontier)
-    if any(_writes(n) for n in prologue.graph.nodes):  # (never: its nodes are pure by construction)
-        return None
-    return Split(prologue, main, tuple(n.name for n in frontier))
+    return Split(_prologue(gm, placeholders, frontier), main, tuple(n.name for n in frontier))
 
 
 def _takes_size(n) -> bool:
     """An op making a tensor with a size among its arguments (`view(x, [s0, -1])`), but for a
-    view that only restates its input's dims (sizes.Symbolic's rule, `_restates`)."""
+    view that only restates its input's dims (`sizes.restates`)."""
     if n.op not in ("call_function", "call_method") or not isinstance(_value(n), torch.Tensor):
         return False
-    sizes = [a for a in torch.utils._pytree.tree_leaves((n.args, n.kwargs))
+    sizes = [_value(a) for a in torch.utils._pytree.tree_leaves((n.args, n.kwargs))
              if isinstance(a, torch.fx.Node) and isinstance(_value(a), (torch.SymInt, torch.SymBool, torch.SymFloat))]
     if not sizes:
         return False
     name = n.target if n.op == "call_method" else getattr(n.target, "__name__", "")
-    x = _value(n.args[0]) if n.args else None
-    if name in _RESTATING and isinstance(x, torch.Tensor):
-        dims = {d.node.expr for d in x.shape if isinstance(d, torch.SymInt)}
-        return not all(isinstance(_value(a), torch.SymInt) and _value(a).node.expr in dims for a in sizes)
-    return True
+    return not (name in _RESTATING and n.args and restates(_value(n.args[0]), sizes))
 
 
 _RESTATING = {"expand", "view", "reshape"}

@@ -151,17 +151,18 @@ def _restates(n) -> bool:
     name = getattr(n.target, "__name__", "")
     if name not in _SHAPING or not n.args or not isinstance(n.args[0], torch.fx.Node):
         return False
-    x = n.args[0].meta.get("val")
+    sizes = [a.meta.get("val") if isinstance(a, torch.fx.Node) else a
+             for a in torch.utils._pytree.tree_leaves((n.args[1:], n.kwargs)) if _is_size(a)]
+    return restates(n.args[0].meta.get("val"), sizes)
+
+
+def restates(x, sizes) -> bool:
+    """Whether every one of `sizes` (a view's size arguments, SymInts) is one of tensor `x`'s
+    own dims. Also frontend.size_prologue's rule, on dynamo's graph."""
     if not isinstance(x, torch.Tensor):
         return False
     dims = {d.node.expr for d in x.shape if isinstance(d, torch.SymInt)}
-    sizes = [a for a in torch.utils._pytree.tree_leaves((n.args[1:], n.kwargs)) if _is_size(a)]
-    return all(_expr(a) in dims for a in sizes)
-
-
-def _expr(a):
-    v = a.meta.get("val") if isinstance(a, torch.fx.Node) else a
-    return v.node.expr if isinstance(v, _SYM) else None
+    return all(isinstance(v, torch.SymInt) and v.node.expr in dims for v in sizes)
 
 
 def _live(graph) -> set:
