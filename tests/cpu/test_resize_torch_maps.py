@@ -9,14 +9,19 @@ show it (runtime.resize.torch_maps, graph.fusion.plan's `in_torch`).
 Properties:
 - eager's results at every size, and most sizes made with no compile, saying why;
 - the planner puts a named cast in a PyTorch step, and run_extern runs it with the map's dtype;
-- a map over a large varying tensor, or one that is not a cast, is left in its kernel.
+  the logic and comparison maps (transformers 5.17 ands that cast with a causal mask) run
+  there with the interpreter's results;
+- a map over a large varying tensor, or one whose PyTorch rounding could differ from a
+  kernel's (an add), is left in its kernel.
 """
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 from tilefuse.frontend import backend as tb
+from tilefuse import ops
 from tilefuse.graph import fusion, ir
 from tilefuse.runtime import resize
 from tilefuse.runtime.program import run_extern
@@ -72,3 +77,16 @@ def test_only_small_casts_over_changing_shapes_are_picked():
     big = resize.SMALL + 1
     assert resize.torch_maps(_P(_graph(big)), _P(_graph(big + 1))) == frozenset()
     assert resize.torch_maps(_P(_graph(12, "add")), _P(_graph(13, "add"))) == frozenset()  # not a cast
+
+
+@pytest.mark.parametrize("op", sorted(fusion.TORCH_MAPS - {"cast"}))
+def test_each_logic_map_run_in_pytorch_gives_the_interpreters_result(op):
+    gen = torch.Generator().manual_seed(1)
+    kind = ops.info(op).kind
+    args = [torch.randint(0, 2, (3, 7), generator=gen).to(torch.bool) if kind == "logic"
+            else torch.randint(-2, 3, (3, 7), generator=gen) for _ in range(ops.info(op).arity)]
+    names = [f"a{i}" for i in range(len(args))]
+    n = ir.Map("y", ir.TensorType((3, 7), "bool"), op, tuple(names))
+    out = run_extern(n, dict(zip(names, args)).__getitem__)
+    want = ops.info(op).numpy(*(a.numpy() for a in args))
+    assert out.dtype == torch.bool and np.array_equal(out.numpy(), want), (op, out, want)

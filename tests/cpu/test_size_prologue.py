@@ -5,6 +5,8 @@ with no compile, with eager's results; a square mask (prefill) stays in the prog
 becomes attention's is_causal; a tensor computed from a tensor's values never moves."""
 from __future__ import annotations
 
+import operator
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -39,6 +41,59 @@ def test_a_mask_built_from_the_cache_length_runs_before_the_program_and_later_si
     assert r.status == "tilefuse" and r.calls_eager == 0, tb.summary()
     assert any("made from sizes alone" in e for e in r.events), tb.summary()
     assert r.resized >= r.variants - 2 > 0, tb.summary()  # past the two compiled sizes, none compiled
+
+
+def _step_padded(q, cache, k, attention_mask):
+    """transformers 5.17's decode step on any torch: the causal part from the cache's length
+    (`ones(()) & (kv <= q)`), and'ed with `generate`'s attention mask gathered at the keys'
+    positions and cast to bool, a tensor whose length follows the cache's."""
+    keys = torch.cat([cache, k], dim=2)
+    s = cache.shape[2]
+    kv_pos = torch.arange(s + 1)[None, None, None, :]
+    causal = torch.ones((), dtype=torch.bool) & (kv_pos <= (torch.arange(1) + s)[None, None, :, None])
+    padding = attention_mask.to(torch.bool)[torch.arange(1)[:, None, None, None], kv_pos]
+    mask = (causal & padding).expand(1, -1, 1, s + 1)
+    return F.scaled_dot_product_attention(q, keys, keys, attn_mask=mask), keys
+
+
+def test_a_causal_mask_anded_with_the_padding_mask_moves_and_only_the_and_runs_in_pytorch():
+    """The causal part moves to the prologue (`a & b` is no in-place write: a first version took
+    `operator.and_` for one and kept it). The and with the padding mask, whose length changes,
+    runs in PyTorch from the third size on; past the four compiled sizes, none compiles, and a
+    padded position stays masked."""
+    cf = torch.compile(_step_padded, backend="tilefuse")
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for s in range(3, 14):
+            q, k = torch.randn(1, 2, 1, 8, generator=gen), torch.randn(1, 2, 1, 8, generator=gen)
+            cache = torch.randn(1, 2, s, 8, generator=gen)
+            attention_mask = torch.ones(1, s + 1, dtype=torch.long)
+            attention_mask[0, 0] = 0  # a left pad
+            got, want = cf(q, cache, k, attention_mask), _step_padded(q, cache, k, attention_mask)
+            torch.testing.assert_close(got[0], want[0])
+            assert torch.equal(got[1], want[1])
+    r = max(tb.reports(), key=lambda r: r.variants)
+    assert r.status == "tilefuse" and r.calls_eager == 0, tb.summary()
+    assert any("made from sizes alone" in e for e in r.events), tb.summary()
+    assert any("runs in PyTorch from the next size on" in e for e in r.events), tb.summary()
+    assert r.resized >= r.variants - 4 > 0, tb.summary()
+
+
+def test_an_and_of_two_size_made_tensors_moves_to_the_prologue():
+    """`operator.and_` (Python's `&`) writes nothing, so a tensor made with it from sizes alone
+    moves, as one made with `<=` does."""
+    def f(x, n):
+        inside = (torch.arange(n) >= 1) & (torch.arange(n) < n - 1)
+        return x * inside
+
+    gm, kinds = _graph(f, torch.randn(6), 6)
+    sp = split(gm, kinds)
+    assert sp is not None and len(sp.names) == 1, gm.code
+    assert any(n.target is operator.and_ for n in sp.prologue.graph.nodes), sp.prologue.code
+    for n in (6, 9):
+        x = torch.randn(n)
+        args = [x if k == "input" else n for k in kinds]
+        assert torch.equal(sp.main(*args, *sp.prologue(*args))[0], f(x, n))
 
 
 def _graph(fn, *args):

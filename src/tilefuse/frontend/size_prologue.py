@@ -77,10 +77,18 @@ def _writes(n) -> bool:
     or has some other effect."""
     if n.op not in ("call_function", "call_method"):
         return False
+    if n.op == "call_function" and getattr(n.target, "__module__", None) in ("operator", "_operator"):
+        # `a & b` is `operator.and_`, which writes nothing; `a &= b` is `operator.iand`
+        return n.target in _OPERATOR_WRITES or not _pure(n)
     name = n.target if n.op == "call_method" else getattr(n.target, "__name__", "")
     if isinstance(name, str) and name.endswith("_") and not name.endswith("__"):
         return True
     return "out" in n.kwargs or not _pure(n)
+
+
+_OPERATOR_WRITES = {operator.setitem, operator.delitem, operator.iadd, operator.iand, operator.ifloordiv,
+                    operator.ilshift, operator.imatmul, operator.imod, operator.imul, operator.ior, operator.ipow,
+                    operator.irshift, operator.isub, operator.itruediv, operator.ixor, operator.iconcat}
 
 
 def split(gm: torch.fx.GraphModule, kinds: list) -> Split | None:

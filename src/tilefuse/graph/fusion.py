@@ -502,7 +502,7 @@ def _extern_note(n) -> str:
 
 
 # maps a step may run in PyTorch (runtime.program.run_extern): plan(in_torch=...)
-TORCH_MAPS = frozenset({"cast"})
+TORCH_MAPS = frozenset({"cast", "not", "and", "or", "eq", "ne", "lt", "le", "gt", "ge"})  # exact in any dtype
 
 
 def plan(g: ir.Graph, gemm: bool = True, partials: bool = True, in_torch: frozenset = frozenset()) -> Plan:

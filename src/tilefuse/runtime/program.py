@@ -405,11 +405,18 @@ def run_extern(n, get) -> torch.Tensor:
     if isinstance(n, ir.Map):
         if n.op == "cast":  # (graph.fusion.TORCH_MAPS)
             return get(n.args[0]).to(dtypes.to_torch(n.type.dtype))
+        if n.op in _TORCH_LOGIC:
+            return _TORCH_LOGIC[n.op](*(get(a) for a in n.args))
         raise TypeError(f"map {n.name} has no kernel")
     if isinstance(n, ir.Extern):
         kwargs = {k: _resolved(v, get) for k, v in n.kwargs}
         return n.torch_op()(*_resolved(n.args, get), **kwargs)
     raise TypeError(f"cannot run {n!r} in PyTorch")
+
+
+# maps with a bool result, the same in PyTorch as in a kernel (graph.fusion.TORCH_MAPS)
+_TORCH_LOGIC = {"not": torch.logical_not, "and": torch.logical_and, "or": torch.logical_or, "eq": torch.eq,
+                "ne": torch.ne, "lt": torch.lt, "le": torch.le, "gt": torch.gt, "ge": torch.ge}
 
 
 def _resolved(a, get):
