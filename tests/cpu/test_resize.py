@@ -17,8 +17,9 @@ Properties:
 - `Symbolic.sized_op` names an op that takes a size as an argument, and is "" for a graph whose
   sizes are only its tensors' shapes;
 - through the torch.compile backend, a decode step called at many cache lengths compiles two and
-  makes the rest with no compile, each result eager's; made sizes count towards MAX_VARIANTS,
-  past which new sizes run in eager (said once) while the sizes made before still run in tilefuse;
+  makes the rest with no compile, each result eager's; made sizes have a limit of their own
+  (MAX_MADE, not MAX_VARIANTS's), past which new sizes run in eager (said once) while the sizes
+  made before still run in tilefuse;
   after an in-place update of a weight, sizes compile again and later ones are made from the
   program of the new weights.
 """
@@ -165,17 +166,32 @@ def test_backend_makes_later_cache_lengths_with_no_compile():
 
 
 @pytest.mark.usefixtures("fresh_backend")
-def test_past_the_variant_limit_new_lengths_run_in_eager_and_made_ones_stay(monkeypatch):
+def test_made_lengths_do_not_count_against_the_compiled_limit(monkeypatch):
+    """MAX_VARIANTS bounds compiles; sizes made with no compile share the family's kernels and
+    weights, so a generation longer than it stays in tilefuse."""
     monkeypatch.setattr(tb, "MAX_VARIANTS", 4)
     m = _model()
-    lengths = list(range(4, 11)) + [6, 7]  # 4 alone; the dynamic graph: 4 variants, 2 past them, 2 made before
+    lengths = list(range(4, 14))  # 4 alone; the dynamic graph: 2 compiled, 7 made
+    for got, want in _decode_calls(m, lengths):
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    r = next(r for r in tb.reports() if r.variants > 1)
+    assert (r.variants, r.resized) == (9, 7) and r.calls_eager == 0, tb.summary()
+    assert not any("new ones run in eager" in e for e in r.events), r.events
+
+
+@pytest.mark.usefixtures("fresh_backend")
+def test_past_the_made_limit_new_lengths_run_in_eager_and_made_ones_stay(monkeypatch):
+    monkeypatch.setattr(tb, "MAX_MADE", 2)
+    m = _model()
+    lengths = list(range(4, 11)) + [7, 8]  # 4 alone; the dynamic graph: 2 compiled, 2 made, 2 past them, 2 made before
     for got, want in _decode_calls(m, lengths):
         for a, b in zip(got, want):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
     r = next(r for r in tb.reports() if r.variants > 1)
     assert (r.variants, r.resized) == (4, 2), tb.summary()
     assert r.calls_eager == 2 and r.calls_tilefuse == 6, tb.summary()
-    assert sum("new ones run in eager" in e for e in r.events) == 1, r.events
+    assert sum("more than 2 sizes made with no compile" in e for e in r.events) == 1, r.events
 
 
 def test_a_dim_that_did_not_vary_between_the_compiles_is_not_made():

@@ -7,6 +7,7 @@ promises: a result the caller still holds is never overwritten, the same input s
 are never copied, a slot is reused as soon as its results are dropped, and anything that
 cannot be captured falls back to the thin path with the reason recorded.
 """
+import contextlib
 import gc
 import warnings
 
@@ -18,7 +19,7 @@ from tilefuse.compiler import compile_stages
 from tilefuse.graph import ir
 from tilefuse.graph.fusion import Plan, Step
 from tilefuse.runtime import graphs
-from tilefuse.runtime.graphs import Graphed
+from tilefuse.runtime.graphs import Graphed, GraphMemory, memory_limit
 
 
 def emulated_capture(runner, tensors, direct):
@@ -35,7 +36,7 @@ def emulated_capture(runner, tensors, direct):
         for o, new in zip(outs, runner.run(inputs)):
             o.copy_(new)
 
-    return replay, outs, static
+    return replay, outs, static, sum(o.untyped_storage().nbytes() for o in outs)
 
 
 def _fn(x, w):
@@ -371,3 +372,64 @@ def test_a_call_leaves_no_reference_cycle_and_a_slot_stays_reusable():
         g(list(inputs))
         gc.collect()
     assert g.stats["captures"] == 1 and g.stats["replays"] == 5, g.stats
+
+
+def test_captures_stop_at_the_memory_limit_and_resume_when_slots_are_freed():
+    """Slots of every Graphed of a device share one limit: once the captured ones hold it, new
+    captures are skipped (those calls run thin, with eager's results, and one warning says
+    why); when a Graphed holding slots is dropped, its bytes return and capturing resumes."""
+    slot_bytes = 2 * 4 * 16 * 4  # a slot of _fn on (4, 16) float32: two outputs (x is copied in: + one input)
+    memory = GraphMemory(limit=3 * slot_bytes)
+    a = _graphed(memory=memory)
+    for _ in range(3):
+        x = torch.randn(4, 16)
+        _close(a([x, W]), _ref(x, W))
+    assert a.stats["captures"] == 1 and memory.held["cpu"] == slot_bytes + 4 * 16 * 4
+    b = _graphed(memory=memory)  # (another program: its own slots, the same limit)
+    with pytest.warns(RuntimeWarning, match="without CUDA graphs"):
+        for _ in range(3):
+            x = torch.randn(4, 16)
+            _close(b([x, W]), _ref(x, W))
+            c = _graphed(memory=memory)
+            c([x, W])
+            _close(c([x, W]), _ref(x, W))  # (its second call would capture: the limit is reached)
+    assert b.stats["captures"] == 1 and memory.held["cpu"] == 2 * (slot_bytes + 4 * 16 * 4)
+    assert c.stats["captures"] == 0 and c.stats["over_budget"] == 1 and c.stats["thin"] == 1
+    del a, b
+    gc.collect()
+    assert memory.held["cpu"] == 0
+    d = _graphed(memory=memory)
+    for _ in range(3):
+        x = torch.randn(4, 16)
+        _close(d([x, W]), _ref(x, W))
+    assert d.stats["captures"] == 1 and d.stats["over_budget"] == 0
+
+
+def test_captures_stop_when_the_device_is_nearly_full():
+    """Under an eighth of the device free (cached blocks counted as free), no new capture."""
+    memory = GraphMemory(total=lambda d: 800, free=lambda d: 99)
+    g = _graphed(memory=memory)
+    for _ in range(3):
+        x = torch.randn(4, 16)
+        with pytest.warns(RuntimeWarning) if _ == 1 else contextlib.nullcontext():
+            _close(g([x, W]), _ref(x, W))
+    assert g.stats["captures"] == 0 and g.stats["over_budget"] == 2
+    roomy = GraphMemory(total=lambda d: 800, free=lambda d: 100)
+    assert roomy.room(torch.device("cpu"))
+
+
+@pytest.mark.parametrize("value, want", [("0.25", 250.0), (".5", 500.0), ("1.0", 1000.0), ("8GiB", 8 << 30),
+                                         ("512 MiB", 512 << 20), ("2GB", 2e9), ("123", 123.0), ("0", 0.0)])
+def test_the_memory_limit_is_a_fraction_of_the_device_or_a_size(value, want):
+    assert memory_limit(1000, {"TILEFUSE_GRAPH_MEMORY": value}) == want
+
+
+@pytest.mark.parametrize("value", ["abc", "1.5", "-1", "8XB", "0.25GiB%"])
+def test_a_bad_memory_limit_is_refused_naming_the_variable(value):
+    with pytest.raises(ValueError, match="TILEFUSE_GRAPH_MEMORY"):
+        memory_limit(1000, {"TILEFUSE_GRAPH_MEMORY": value})
+
+
+def test_the_default_memory_limit_is_a_quarter_of_the_device_and_none_without_one():
+    assert memory_limit(1000, {}) == 250.0
+    assert memory_limit(None, {}) == float("inf")

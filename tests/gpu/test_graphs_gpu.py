@@ -270,3 +270,35 @@ def test_graphs_cut_the_host_time_per_call():
     print(f"\nhost us/call, cross_entropy {rows}x{cols}: graphs {g:.1f}, thin {thin:.1f} "
           f"({os.environ.get('CUDA_VISIBLE_DEVICES', '')})")
     assert g < thin
+
+
+def test_graph_memory_counts_each_capture_and_stops_captures_at_the_limit(monkeypatch):
+    """A capture's bytes (its copied inputs and its pool, which holds the outputs) are counted
+    against the process's limit; at the limit a new program runs thin with the same results and
+    a warning; a dropped program gives its bytes back."""
+    import gc
+
+    from tilefuse.runtime import graphs
+
+    memory = graphs.GraphMemory()
+    monkeypatch.setattr(graphs, "MEMORY", memory)
+    m = AddRMSNorm(4096).cuda().to(BF16)
+    make = lambda: (torch.randn(128, 4096, device="cuda", dtype=BF16), torch.randn(128, 4096, device="cuda", dtype=BF16))
+    on, off = _pair(m, make())
+    for _ in range(3):
+        inputs = make()
+        assert all(torch.equal(g, w) for g, w in zip(on(*inputs), off(*inputs)))
+    (device,) = memory.held
+    tensor = 128 * 4096 * 2
+    assert memory.held[device] >= 4 * tensor, memory.held  # two inputs copied in, two outputs in the pool
+    memory.fixed = memory.held[device]
+    on2, off2 = _pair(m, make())
+    with pytest.warns(RuntimeWarning, match="without CUDA graphs"):
+        for _ in range(3):
+            inputs = make()
+            assert all(torch.equal(g, w) for g, w in zip(on2(*inputs), off2(*inputs)))
+    (info,) = on2.graph_info()
+    assert info["captures"] == 0 and info["over_budget"] >= 1, info
+    del on
+    gc.collect()
+    assert memory.held[device] == 0, memory.held

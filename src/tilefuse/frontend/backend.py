@@ -30,6 +30,7 @@ from ..runtime.shared_weights import WeightPool
 
 NAME = "tilefuse"
 MAX_VARIANTS = 64  # compiled variants (sizes x weight sets) kept per graph before new ones run in eager
+MAX_MADE = 1024  # sizes made with no compile (runtime.resize), per graph, before new ones run in eager
 REFUSED_AFTER = 2  # sizes failing for one reason before a graph's new sizes stop being tried
 POOL = WeightPool()  # weights derived at compile time, shared by every graph's and size's programs
 
@@ -610,18 +611,22 @@ class GraphRunner:
         if v is not None and not v.dead():
             self._event("a weight changed in place since compiling: compiling again")
         self.variants = {k: x for k, x in self.variants.items() if not x.dead()}  # models since freed
-        if key not in self.variants and len(self.variants) >= MAX_VARIANTS:
-            # (made sizes count too: dropping the oldest to make a new one measured 24.9 ms a token
-            # of a 160-token generate on an H100 against eager's 5.0, as each size then ran its first,
-            # uncaptured call; every variant's CUDA graphs also hold memory)
-            reason = f"more than {MAX_VARIANTS} sizes or weight sets: new ones run in eager"
-            if reason not in (e.split(": ", 1)[-1] for e in self.report.events):
-                self._event(reason)
-            return _Variant(None, [], [], reason)
         if self.refused:  # (each try of a refused graph cost an export, ~0.5 s a size of a small model)
             return _Variant(None, [], [], self.refused)
-        v = self._resized(args, weights, key)
+        # Sizes made with no compile have a limit of their own, far above compiled ones': a made
+        # size shares its family's kernels and weights, and its CUDA graphs come out of the
+        # process's graph memory limit (runtime.graphs.GraphMemory). None is ever dropped to make
+        # room: making one again (and its first, uncaptured call) cost more than eager's step.
+        made = sum(x.resized for x in self.variants.values())
+        v = self._resized(args, weights, key) if made < MAX_MADE else None
         if v is None:
+            limit = MAX_VARIANTS if made < MAX_MADE or self.family is None else None
+            if limit is None or len(self.variants) - made >= limit:
+                reason = (f"more than {MAX_VARIANTS} compiled sizes or weight sets: new ones run in eager"
+                          if limit else f"more than {MAX_MADE} sizes made with no compile: new ones run in eager")
+                if reason not in (e.split(": ", 1)[-1] for e in self.report.events):
+                    self._event(reason)
+                return _Variant(None, [], [], reason)
             v = self._compile(args, weights)
             self._relate(key, v)
         self.variants[key] = v

@@ -33,6 +33,16 @@ another stream, the call first makes the current stream wait for everything queu
 the same guarantee the caching allocator gives a tensor freed with work still queued on it;
 without the wait the next call's copy and replay overwrite buffers the other stream still reads.
 
+Memory. A slot keeps its copied inputs' buffers and its graph's memory pool (its outputs and
+intermediates) for as long as it lives, and every size of a growing cache is a program with
+slots of its own: a decode step's slot holds the cache twice (before the step, copied in; after
+it, the output), so a long generation's slots would grow with sizes x cache length. All slots of
+the process share one limit per device (`GraphMemory`, TILEFUSE_GRAPH_MEMORY: a fraction of the
+device's memory or a number of bytes, default a quarter); once the slots hold that much, or the
+device has less than an eighth of its memory free, new captures are skipped and those calls take
+the thin path (`stats["over_budget"]`, one warning a process). A slot's bytes return to the
+limit when it is dropped (its program freed, or evicted).
+
 A call made while the caller is capturing a CUDA graph of its own runs the thin path, so
 its launches land in the caller's graph. Graphs are off on CPU devices, for programs with a step that cannot be captured (an extern
 that syncs with the host), with `Program(graphs=False)`, or with TILEFUSE_CUDA_GRAPHS=0; by
@@ -42,14 +52,19 @@ A capture that fails turns them off for that program, with a warning naming why.
 from __future__ import annotations
 
 import os
+import re
 import sys
 import warnings
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
 ENV = "TILEFUSE_CUDA_GRAPHS"
+MEMORY_ENV = "TILEFUSE_GRAPH_MEMORY"
+DEFAULT_MEMORY = 0.25  # of the device's memory, for all captured slots together
+_UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "kb": 10**3, "mb": 10**6, "gb": 10**9}
 
 # aten ops that read a value back to the host or make a shape from data: not capturable
 _HOST_SYNC = ("nonzero", "masked_select", "unique", "_local_scalar_dense", "item", "repeat_interleave",
@@ -62,6 +77,79 @@ def enabled_by_env(environ=None) -> bool:
     """TILEFUSE_CUDA_GRAPHS=0 (or false/off/no) turns CUDA graphs off; anything else leaves them on."""
     value = (os.environ if environ is None else environ).get(ENV, "1")
     return value.strip().lower() not in ("0", "false", "off", "no")
+
+
+def memory_limit(total: int | None, environ=None) -> float:
+    """Bytes all captured slots of a device may hold: TILEFUSE_GRAPH_MEMORY as a fraction of the
+    device's `total` bytes ("0.25": a number with a point, at most 1) or a size ("8GiB", "512MB",
+    "1000000" bytes); unlimited where `total` is unknown (an emulated capture) and nothing is set."""
+    raw = (os.environ if environ is None else environ).get(MEMORY_ENV, "").strip()
+    if not raw:
+        return DEFAULT_MEMORY * total if total else float("inf")
+    m = re.fullmatch(r"(\d+(?:\.\d*)?|\.\d+)\s*([kmg]i?b|b)?", raw.lower())
+    if m is None:
+        raise ValueError(f"{MEMORY_ENV}={raw!r}: give a fraction of the device's memory (0.25) or a size "
+                         f"(8GiB, 512MiB, a number of bytes)")
+    value, unit = float(m.group(1)), m.group(2) or ""
+    if not unit and "." in m.group(1):
+        if value > 1:
+            raise ValueError(f"{MEMORY_ENV}={raw!r}: a fraction of the device's memory is at most 1")
+        return value * total if total else float("inf")
+    return value * _UNITS[unit]
+
+
+class GraphMemory:
+    """The bytes captured slots hold, per device, against `memory_limit`. A slot's bytes are
+    taken at its capture and given back when the slot object is collected."""
+
+    def __init__(self, limit: float | None = None, total=None, free=None):
+        self.fixed = limit  # bytes for every device (tests); None: from the environment
+        self.total = total or _device_total
+        self.free = free or _device_free
+        self.held: dict = {}
+        self.warned = False
+
+    def limit(self, device) -> float:
+        return self.fixed if self.fixed is not None else memory_limit(self.total(device))
+
+    def room(self, device) -> bool:
+        """Whether a new slot may be captured on `device` now."""
+        key = str(device)
+        if self.held.get(key, 0) >= self.limit(device):
+            return False
+        total, free = self.total(device), self.free(device)
+        return not total or free is None or free >= total / 8
+
+    def take(self, device, nbytes: int, owner) -> None:
+        key = str(device)
+        self.held[key] = self.held.get(key, 0) + nbytes
+        weakref.finalize(owner, self._give, key, nbytes)
+
+    def _give(self, key, nbytes) -> None:
+        self.held[key] = self.held.get(key, 0) - nbytes
+
+    def why_full(self, device) -> str:
+        gib = 1 << 30
+        return (f"CUDA-graph memory on {device}: {self.held.get(str(device), 0) / gib:.2f} GiB held by captured "
+                f"graphs, limit {self.limit(device) / gib:.2f} GiB ({MEMORY_ENV}), or under an eighth of the "
+                f"device free")
+
+
+def _device_total(device) -> int | None:
+    if getattr(device, "type", None) != "cuda":
+        return None
+    return torch.cuda.get_device_properties(device).total_memory
+
+
+def _device_free(device) -> int | None:
+    """Free bytes on the device, counting the caching allocator's unused blocks as free."""
+    if getattr(device, "type", None) != "cuda":
+        return None
+    free, _ = torch.cuda.mem_get_info(device)
+    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+
+
+MEMORY = GraphMemory()
 
 
 def launches(program) -> int:
@@ -142,7 +230,8 @@ class NotGraphable(RuntimeError):
 
 def capture_cuda(runner, tensors, direct):
     """Warm up on a side stream, then capture `runner.run`; returns (replay, outs, private
-    inputs: a buffer per copied input, None per direct one). `direct`: per input."""
+    inputs: a buffer per copied input, None per direct one, the bytes of the graph's memory
+    pool). `direct`: per input."""
     device = runner.device
     with torch.cuda.device(device):
         static = [None if d else torch.empty(t.shape, dtype=t.dtype, device=device) for t, d in zip(tensors, direct)]
@@ -162,9 +251,11 @@ def capture_cuda(runner, tensors, direct):
         current.wait_stream(side)
         del warm
         graph = torch.cuda.CUDAGraph()
+        before = torch.cuda.memory_reserved(device)
         with torch.cuda.graph(graph, stream=side):
             outs = runner.run(inputs)
-    return graph.replay, outs, static
+        pool = torch.cuda.memory_reserved(device) - before  # (a new private pool: all of it is new segments)
+    return graph.replay, outs, static, max(pool, 0)
 
 
 class CudaStreams:
@@ -213,8 +304,9 @@ class Graphed:
     """A runner behind CUDA-graph slots: the first call warms up, later calls replay."""
 
     def __init__(self, runner, max_slots: int = 2, clone: bool = False, capture=capture_cuda, capturing=None,
-                 streams=None):
+                 streams=None, memory: GraphMemory | None = None):
         self.runner = runner
+        self.memory = memory or MEMORY
         cuda = capture is capture_cuda and runner.device.type == "cuda"
         self.streams = streams or (CudaStreams(runner.device) if cuda else OneStream())
         # a caller capturing its own CUDA graph gets the thin path, recorded into its graph
@@ -230,7 +322,7 @@ class Graphed:
         self.warm = False
         self.off: str | None = None
         self.stats = {"warmup": 0, "captures": 0, "replays": 0, "copies": 0, "thin": 0,
-                      "stream_waits": 0, "evictions": 0}
+                      "stream_waits": 0, "evictions": 0, "over_budget": 0}
 
     def __call__(self, tensors) -> list:
         if self.off is not None or self.capturing():
@@ -252,7 +344,7 @@ class Graphed:
                 _copy_all(dst, [t for s, t in zip(slot.inputs, tensors) if s is not None])
                 self.stats["copies"] += 1
         else:
-            if len(self.slots) >= self.max_slots and not self._evict():
+            if len(self.slots) >= self.max_slots and not self._evict() or not self._room():
                 self.last = ptrs
                 self.stats["thin"] += 1
                 return self.runner.run(tensors)
@@ -292,9 +384,20 @@ class Graphed:
                 return True
         return False
 
+    def _room(self) -> bool:
+        """The process's CUDA-graph memory has room for another slot (GraphMemory)."""
+        if self.memory.room(self.runner.device):
+            return True
+        self.stats["over_budget"] += 1
+        if not self.memory.warned:
+            self.memory.warned = True
+            warnings.warn(f"tilefuse: new shapes run without CUDA graphs from here on: "
+                          f"{self.memory.why_full(self.runner.device)}", RuntimeWarning, stacklevel=4)
+        return False
+
     def _capture(self, tensors, direct) -> Slot | None:
         try:
-            replay, outs, static = self.capture(self.runner, tensors, direct)
+            replay, outs, static, pool = self.capture(self.runner, tensors, direct)
             ptrs = tuple(t.data_ptr() if d else None for t, d in zip(tensors, direct))
             slot = self._slot(replay, outs, static, ptrs, tensors)
         except NotGraphable as e:
@@ -304,6 +407,8 @@ class Graphed:
             self.off = f"capture failed: {type(e).__name__}: {e}"
             warnings.warn(f"tilefuse: CUDA graphs off for this program ({self.off})", RuntimeWarning, stacklevel=3)
             return None
+        self.memory.take(self.runner.device, pool + sum(b.numel() * b.element_size() for b in static if b is not None),
+                         slot)
         self.slots.append(slot)
         self.stats["captures"] += 1
         return slot
