@@ -296,3 +296,76 @@ def test_a_written_tensor_and_its_view_stay_so_every_call_runs_in_tilefuse():
 
     _same_as_eager(f, [lambda n=n: (torch.arange(4.0) + 1, n) for n in (3, 4, 5, 6, 7)])
     assert all(r.status == "tilefuse" and not r.calls_eager for r in tb.reports()), tb.summary()
+
+
+def test_the_prologue_runs_once_per_sizes_and_its_tensors_serve_every_later_call():
+    """Its results depend on the sizes alone: a second call at the same cache length reuses
+    them (no prologue run), with eager's results still."""
+    runners = []
+
+    def backend(gm, example_inputs, **kw):
+        runners.append(tb.tilefuse_backend(gm, example_inputs, **kw))
+        return runners[-1]
+
+    cf = torch.compile(_step, backend=backend)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for s in (3, 4, 5, 6, 5, 6, 6):
+            q, k = torch.randn(1, 2, 1, 8, generator=gen), torch.randn(1, 2, 1, 8, generator=gen)
+            cache = torch.randn(1, 2, s, 8, generator=gen)
+            got, want = cf(q, cache, k), _step(q, cache, k)
+            torch.testing.assert_close(got[0], want[0])
+    (runner,) = [r for r in runners if r.prologue is not None]
+    assert runner.prologue_reads is not None
+    assert len(runner.prologue_made) == 3, runner.prologue_made.keys()  # 4, 5, 6 (3 went to dynamo's static graph)
+    calls = []
+    inner = runner.prologue
+    runner.prologue = lambda *a: calls.append(1) or inner(*a)
+    with torch.no_grad():
+        q, k, cache = torch.randn(1, 2, 1, 8), torch.randn(1, 2, 1, 8), torch.randn(1, 2, 5, 8)
+        torch.testing.assert_close(cf(q, cache, k)[0], _step(q, cache, k)[0])
+        assert not calls
+        cache = torch.randn(1, 2, 9, 8)
+        torch.testing.assert_close(cf(q, cache, k)[0], _step(q, cache, k)[0])
+        assert len(calls) == 1
+
+
+def test_a_prologue_tensor_the_graph_returns_is_made_each_call():
+    """A graph returning a tensor made from sizes (or a view of one) hands it to the caller, who
+    may write into it: that prologue's results are not reused."""
+    def f(x, n):
+        m = torch.arange(n) * 2
+        return x[:n] + m, m.view(1, -1)
+
+    gm, kinds = _graph(f, torch.randn(8), 4)
+    sp = split(gm, kinds)
+    assert sp is not None and not sp.reusable, gm.code
+    cf = torch.compile(f, backend="tilefuse", dynamic=True)
+    x = torch.randn(8)
+    with torch.no_grad():
+        first = cf(x, 4)[1]
+        first.fill_(-1)  # the caller writes into what it was given
+        for n in (4, 5, 4):
+            got = cf(x, n)
+            assert torch.equal(got[0], f(x, n)[0]) and torch.equal(got[1], f(x, n)[1]), (n, got)
+
+
+def test_an_int_value_the_prologue_reads_is_part_of_the_key():
+    """An int the prologue reads besides the sizes (`arange(c, n + c)`) keys its results by its
+    value: the same n with another c is made again, never served another c's tensor."""
+    runners = []
+
+    def backend(gm, example_inputs, **kw):
+        runners.append(tb.tilefuse_backend(gm, example_inputs, **kw))
+        return runners[-1]
+
+    def f(x, n, c):
+        return x[:n] + torch.arange(c, n + c)
+
+    cf = torch.compile(f, backend=backend, dynamic=True)
+    x = torch.randn(8)
+    with torch.no_grad():
+        for n, c in ((4, 2), (5, 2), (4, 3), (5, 3), (4, 2)):
+            assert torch.equal(cf(x, n, c), f(x, n, c)), (n, c)
+    (r,) = [r for r in runners if r.prologue is not None]
+    assert r.prologue_reads is not None and len(r.prologue_made) == 4, r.prologue_made.keys()

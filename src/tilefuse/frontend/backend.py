@@ -444,6 +444,7 @@ class GraphRunner:
         self.host_scalars: tuple = ()  # user inputs that are 0-d CPU tensors beside CUDA ones
         self.fallback = self._why_eager(example_inputs, placeholders)
         self.prologue = None  # tensors made from sizes alone, in PyTorch before each call (size_prologue)
+        self.prologue_reads = None
         if "int" in self.kinds and not self.fallback:
             self._split_prologue()
             placeholders = self.placeholders
@@ -477,21 +478,39 @@ class GraphRunner:
         if sp is None:
             return
         self.prologue, self.gm = sp.prologue, sp.main
+        self.prologue_reads = sp.reads if sp.reusable else None
+        self.prologue_made: dict = {}  # the prologue's results per sizes, where reusable
         self.kinds = self.kinds + ["input"] * len(sp.names)
         self.placeholders = [n for n in self.gm.graph.nodes if n.op == "placeholder"]
         self.sources = _size_sources(self.placeholders, self.kinds)
         self._event(f"{_few(sp.names)}: made from sizes alone, in PyTorch before each call, so the program takes no size "
                     f"as an argument")
 
-    def _made_from_sizes(self, args) -> list:
+    def _made_from_sizes(self, args, given=None) -> list:
         """The prologue's tensors for this call: contiguous (a strided one's strides would be
         sizes of their own to torch.export, which no input binds), and a 0-d one on the CPU
-        beside CUDA inputs (`torch.tensor(s0)`, a number to eager) on their GPU."""
+        beside CUDA inputs (`torch.tensor(s0)`, a number to eager) on their GPU. They depend on
+        the sizes alone, so they are made once per sizes and kept (a decode step's ~15 small ops
+        and their launches, each token); the program never writes them (written ones stay in it)
+        and never returns them (`Split.reusable`). `given`: the call's arguments before int
+        scalars became tensors (their values, not their shapes, are the key)."""
+        key = None
+        if self.prologue_reads is not None:
+            given = args if given is None else given
+            key = tuple((tuple(args[i].shape), args[i].stride(), args[i].device)
+                        if isinstance(given[i], torch.Tensor) else given[i] for i in self.prologue_reads)
+            made = self.prologue_made.get(key)
+            if made is not None:
+                return made
         made = [t.contiguous() for t in self.prologue(*args)]
         if any(t.device.type == "cpu" and t.dim() == 0 for t in made):
             cuda = next((a.device for a in args if isinstance(a, torch.Tensor) and a.is_cuda), None)
             if cuda is not None:
                 made = [t.to(cuda) if t.device.type == "cpu" and t.dim() == 0 else t for t in made]
+        if key is not None:
+            if len(self.prologue_made) >= MAX_MADE + MAX_VARIANTS:
+                self.prologue_made.pop(next(iter(self.prologue_made)))  # (the oldest)
+            self.prologue_made[key] = made
         return made
 
     def _why_eager(self, example_inputs, placeholders) -> str:
@@ -533,7 +552,7 @@ class GraphRunner:
             self.scalar_values = {self.scalars[i]: int(args[i]) for i in self.scalars}
             args = self._tensorized(args, share=True)
         if self.prologue is not None:
-            args = (*args, *self._made_from_sizes(args))
+            args = (*args, *self._made_from_sizes(args, given_args))
         v = self._variant(args)
         if v.program is None:
             self.report.calls_eager += 1

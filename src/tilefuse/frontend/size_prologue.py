@@ -44,6 +44,10 @@ class Split:
     prologue: torch.fx.GraphModule
     main: torch.fx.GraphModule
     names: tuple  # the moved nodes that became inputs, for the summary
+    reads: tuple = ()  # the placeholders (positions) whose values or shapes the prologue reads
+    # its results depend on those sizes alone, so one call's may serve every call of those sizes,
+    # unless the graph returns one of them (or a view of one): the caller could write into it
+    reusable: bool = False
 
 
 def _value(n):
@@ -151,7 +155,25 @@ def split(gm: torch.fx.GraphModule, kinds: list) -> Split | None:
     main = _main(gm, placeholders, frontier, depends, size)
     if any(_takes_size(n) for n in main.graph.nodes):
         return None  # its sizes still reach an op (a view of a varying shape): each size compiles anyway
-    return Split(_prologue(gm, placeholders, frontier), main, tuple(n.name for n in frontier))
+    prologue = _prologue(gm, placeholders, frontier)
+    used = {n.name for n in prologue.graph.nodes if n.op == "placeholder" and n.users}
+    reads = tuple(i for i, n in enumerate(placeholders) if n.name in used)
+    return Split(prologue, main, tuple(n.name for n in frontier), reads, not _returns_any(gm, frontier))
+
+
+def _returns_any(gm, frontier) -> bool:
+    """Whether the graph returns one of `frontier`'s tensors or a view of one (their fake
+    values share a storage); True where that cannot be told."""
+    try:
+        made = {_value(f).untyped_storage()._cdata for f in frontier}
+        out = next(n for n in gm.graph.nodes if n.op == "output")
+        for a in torch.utils._pytree.tree_leaves(out.args):
+            v = _value(a)
+            if isinstance(v, torch.Tensor) and v.untyped_storage()._cdata in made:
+                return True
+        return False
+    except Exception:  # noqa: BLE001 - a value without a storage to compare: assume it may
+        return True
 
 
 def _takes_size(n) -> bool:
