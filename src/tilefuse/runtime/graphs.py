@@ -251,10 +251,12 @@ def capture_cuda(runner, tensors, direct):
         current.wait_stream(side)
         del warm
         graph = torch.cuda.CUDAGraph()
-        before = torch.cuda.memory_reserved(device)
         with torch.cuda.graph(graph, stream=side):
+            # measured inside: entering empties the allocator's cache, which lowers what is reserved;
+            # the graph's private pool is new segments, all of them reserved from here
+            before = torch.cuda.memory_reserved(device)
             outs = runner.run(inputs)
-        pool = torch.cuda.memory_reserved(device) - before  # (a new private pool: all of it is new segments)
+            pool = torch.cuda.memory_reserved(device) - before
     return graph.replay, outs, static, max(pool, 0)
 
 
