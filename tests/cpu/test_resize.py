@@ -194,6 +194,28 @@ def test_past_the_made_limit_new_lengths_run_in_eager_and_made_ones_stay(monkeyp
     assert sum("more than 2 sizes made with no compile" in e for e in r.events) == 1, r.events
 
 
+@pytest.mark.usefixtures("fresh_backend")
+def test_past_the_made_limit_sizes_compile_again_after_a_weight_update(monkeypatch):
+    """MAX_MADE bounds only sizes the family would make: after an in-place weight update (the
+    old values' programs, made sizes too, are dropped) sizes compile as before, and are made
+    again, with eager's results (a review found every such call sent to eager)."""
+    monkeypatch.setattr(tb, "MAX_MADE", 2)
+    m = _model()
+    step = torch.compile(m, backend="tilefuse")
+    with torch.no_grad():
+        for n in range(4, 10):
+            step(*_inputs(n, seed=n))
+        r = next(r for r in tb.reports() if r.variants > 1)
+        eager = r.calls_eager
+        assert eager == 1, tb.summary()  # (9: 5 and 6 compiled, 7 and 8 made)
+        m.out.bias.add_(1.0)
+        for n in (6, 7, 6, 7):
+            xs = _inputs(n, seed=n)
+            torch.testing.assert_close(step(*xs), m(*xs), rtol=1e-4, atol=1e-5)
+    assert r.calls_eager == eager, r.events
+    assert sum("changed in place" in e for e in r.events) == 1, r.events
+
+
 def test_a_dim_that_did_not_vary_between_the_compiles_is_not_made():
     fam = _family(_model())
     x, k, v = _inputs(9)

@@ -433,3 +433,20 @@ def test_a_bad_memory_limit_is_refused_naming_the_variable(value):
 def test_the_default_memory_limit_is_a_quarter_of_the_device_and_none_without_one():
     assert memory_limit(1000, {}) == 250.0
     assert memory_limit(None, {}) == float("inf")
+
+
+def test_a_bad_memory_limit_in_the_environment_warns_once_and_keeps_the_default(monkeypatch):
+    """Read at a call's first capture: a typo (`8G`) must not fail the user's call."""
+    monkeypatch.setenv("TILEFUSE_GRAPH_MEMORY", "8G")
+    memory = GraphMemory(total=lambda d: 1000, free=lambda d: 1000)
+    with pytest.warns(RuntimeWarning, match="TILEFUSE_GRAPH_MEMORY='8G'"):
+        assert memory.limit(torch.device("cpu")) == 250.0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert memory.limit(torch.device("cpu")) == 250.0
+    g = _graphed(memory=GraphMemory())
+    with pytest.warns(RuntimeWarning, match="8G"):
+        for _ in range(3):
+            x = torch.randn(4, 16)
+            _close(g([x, W]), _ref(x, W))
+    assert g.stats["captures"] == 1

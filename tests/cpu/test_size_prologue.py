@@ -224,7 +224,7 @@ def _same_as_eager(fn, calls, check=None):
                     assert torch.equal(a, b), (a, b)  # what the call wrote into its arguments
 
 
-@pytest.mark.parametrize("case", ["fill", "scale", "view_then_write"])
+@pytest.mark.parametrize("case", ["fill", "scale", "view_then_write", "through_an_alias", "operator_iadd"])
 def test_a_tensor_written_in_place_stays_with_all_that_may_share_its_memory(case):
     """A tensor made from sizes that an op then writes (`torch.empty(n).fill_(2)`) is not moved,
     nor anything made from it or that it is made from: a moved reader would run before the write
@@ -245,8 +245,36 @@ def test_a_tensor_written_in_place_stays_with_all_that_may_share_its_memory(case
         a.add_(x.sum())
         return v * 2 + x
 
-    fn = {"fill": fill, "scale": scale, "view_then_write": view_then_write}[case]
-    _same_as_eager(fn, [lambda n=n: (torch.arange(4.0) + 1, n) for n in (3, 4, 5, 6)])
+    def through_an_alias(x, n):  # `.to(y)` of the same dtype returns m itself (a review found it)
+        m = torch.ones(n)
+        y = x[:n]
+        m.to(y).add_(y)
+        return m + y * 0, m * 2
+
+    def operator_iadd(x, n):
+        m = torch.arange(n)
+        operator.iadd(m, 2)
+        return x[:n] + m
+
+    fn = {"fill": fill, "scale": scale, "view_then_write": view_then_write, "through_an_alias": through_an_alias,
+          "operator_iadd": operator_iadd}[case]
+    # (repeated sizes: a reused prologue tensor written by a call would show at the repeat)
+    _same_as_eager(fn, [lambda n=n: (torch.arange(8.0) + 1, n) for n in (3, 4, 5, 6, 4, 5)])
+
+
+def test_random_ops_never_move_to_the_prologue():
+    """A random op made from sizes alone (`F.dropout(ones(n), training=True)`, which FX does not
+    mark impure) stays in the graph: moved, its draws would be reused or reordered."""
+    def f(x, n):
+        return x[:n] * F.dropout(torch.ones(n), 0.5, training=True)
+
+    gm, kinds = _graph(f, torch.ones(64), 40)
+    assert split(gm, kinds) is None, gm.code
+    cf = torch.compile(f, backend="tilefuse", dynamic=True)
+    x = torch.ones(64)
+    with torch.no_grad():
+        outs = [cf(x, 40) for _ in range(4)]
+    assert len({tuple(o.tolist()) for o in outs}) == 4  # a fresh mask each call, as in eager
 
 
 def test_the_prologue_reads_inputs_shapes_only_so_effects_run_once():

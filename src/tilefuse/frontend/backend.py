@@ -31,6 +31,7 @@ from ..runtime.shared_weights import WeightPool
 NAME = "tilefuse"
 MAX_VARIANTS = 64  # compiled variants (sizes x weight sets) kept per graph before new ones run in eager
 MAX_MADE = 1024  # sizes made with no compile (runtime.resize), per graph, before new ones run in eager
+PROLOGUE_BYTES = 64 << 20  # the size prologue's results kept for reuse, per graph (a mask per length)
 REFUSED_AFTER = 2  # sizes failing for one reason before a graph's new sizes stop being tried
 POOL = WeightPool()  # weights derived at compile time, shared by every graph's and size's programs
 
@@ -444,7 +445,9 @@ class GraphRunner:
         self.host_scalars: tuple = ()  # user inputs that are 0-d CPU tensors beside CUDA ones
         self.fallback = self._why_eager(example_inputs, placeholders)
         self.prologue = None  # tensors made from sizes alone, in PyTorch before each call (size_prologue)
-        self.prologue_reads = None
+        self.prologue_reads = None  # the placeholders it reads, where its results may be reused
+        self.prologue_made: dict = {}  # its results per sizes (oldest first), at most PROLOGUE_BYTES
+        self.prologue_bytes = 0
         if "int" in self.kinds and not self.fallback:
             self._split_prologue()
             placeholders = self.placeholders
@@ -479,7 +482,6 @@ class GraphRunner:
             return
         self.prologue, self.gm = sp.prologue, sp.main
         self.prologue_reads = sp.reads if sp.reusable else None
-        self.prologue_made: dict = {}  # the prologue's results per sizes, where reusable
         self.kinds = self.kinds + ["input"] * len(sp.names)
         self.placeholders = [n for n in self.gm.graph.nodes if n.op == "placeholder"]
         self.sources = _size_sources(self.placeholders, self.kinds)
@@ -507,10 +509,14 @@ class GraphRunner:
             cuda = next((a.device for a in args if isinstance(a, torch.Tensor) and a.is_cuda), None)
             if cuda is not None:
                 made = [t.to(cuda) if t.device.type == "cpu" and t.dim() == 0 else t for t in made]
-        if key is not None:
-            if len(self.prologue_made) >= MAX_MADE + MAX_VARIANTS:
-                self.prologue_made.pop(next(iter(self.prologue_made)))  # (the oldest)
+        nbytes = sum(t.untyped_storage().nbytes() for t in made) if key is not None else 0
+        if key is not None and nbytes <= PROLOGUE_BYTES:
+            while self.prologue_made and (len(self.prologue_made) >= MAX_MADE + MAX_VARIANTS
+                                          or self.prologue_bytes + nbytes > PROLOGUE_BYTES):
+                old = self.prologue_made.pop(next(iter(self.prologue_made)))  # (the oldest)
+                self.prologue_bytes -= sum(t.untyped_storage().nbytes() for t in old)
             self.prologue_made[key] = made
+            self.prologue_bytes += nbytes
         return made
 
     def _why_eager(self, example_inputs, placeholders) -> str:
@@ -628,7 +634,9 @@ class GraphRunner:
         if v is not None and (v.fresh(weights) or (v.program is None and not v.dead())):
             return v  # a refused graph stays in eager: its own run moves a buffer's version (BatchNorm)
         if v is not None and not v.dead():
-            self._event("a weight changed in place since compiling: compiling again")
+            self._event("a weight changed in place since compiling: compiling again", once=True)
+            # every program of the old values goes (sizes made from them too): none can serve again
+            self.variants = {k: x for k, x in self.variants.items() if x.program is None or x.current()}
         self.variants = {k: x for k, x in self.variants.items() if not x.dead()}  # models since freed
         if self.refused:  # (each try of a refused graph cost an export, ~0.5 s a size of a small model)
             return _Variant(None, [], [], self.refused)
@@ -637,23 +645,28 @@ class GraphRunner:
         # process's graph memory limit (runtime.graphs.GraphMemory). None is ever dropped to make
         # room: making one again (and its first, uncaptured call) cost more than eager's step.
         made = sum(x.resized for x in self.variants.values())
-        v = self._resized(args, weights, key) if made < MAX_MADE else None
+        v = self._resized(args, weights, key, full=made >= MAX_MADE)
         if v is None:
-            limit = MAX_VARIANTS if made < MAX_MADE or self.family is None else None
-            if limit is None or len(self.variants) - made >= limit:
-                reason = (f"more than {MAX_VARIANTS} compiled sizes or weight sets: new ones run in eager"
-                          if limit else f"more than {MAX_MADE} sizes made with no compile: new ones run in eager")
-                if reason not in (e.split(": ", 1)[-1] for e in self.report.events):
-                    self._event(reason)
-                return _Variant(None, [], [], reason)
+            if len(self.variants) - made >= MAX_VARIANTS:
+                return self._over(f"more than {MAX_VARIANTS} compiled sizes or weight sets: new ones run in eager")
             v = self._compile(args, weights)
             self._relate(key, v)
+        elif v.program is None:
+            return v  # (a size the family would make, past MAX_MADE: not kept, so not counted)
         self.variants[key] = v
         return v
 
-    def _resized(self, args, weights, key) -> _Variant | None:
+    def _over(self, reason: str) -> _Variant:
+        """An eager variant for a call past a limit, said once."""
+        if reason not in (e.split(": ", 1)[-1] for e in self.report.events):
+            self._event(reason)
+        return _Variant(None, [], [], reason)
+
+    def _resized(self, args, weights, key, full: bool = False) -> _Variant | None:
         """This size made from the family's program with no compile (runtime.resize), or None
-        where it cannot be: other weights, or sizes the symbolic export does not hold for."""
+        where it cannot be: other weights, or sizes the symbolic export does not hold for.
+        `full`: MAX_MADE sizes are made already; one the family would make runs in eager (a
+        compile instead would cost each of them ~1 s, up to MAX_VARIANTS of them)."""
         if self.family is None:
             return None
         fam, base, wids = self.family
@@ -662,6 +675,8 @@ class GraphRunner:
         user = [a for a, k in zip(args, self.kinds) if k == "input"]
         if self.symbolic.bind(user) is None:
             return None
+        if full:
+            return self._over(f"more than {MAX_MADE} sizes made with no compile: new ones run in eager")
         prog = fam.at([tuple(t.shape) for t in user])
         if prog is None:
             return None

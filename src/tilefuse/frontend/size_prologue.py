@@ -66,6 +66,11 @@ def _is_meta_query(n) -> bool:
 
 
 def _pure(n) -> bool:
+    """No effects and the same result for the same inputs: random ops are not (FX marks
+    `torch.rand` impure but not `F.dropout(..., training=True)`), so they are told by name."""
+    name = n.target if n.op == "call_method" else getattr(n.target, "__name__", "")
+    if isinstance(name, str) and any(r in name.lower() for r in _RANDOM) or "generator" in n.kwargs:
+        return False
     if n.op == "call_method":
         return not n.target.endswith("_") and n.target not in ("item", "tolist", "copy_")
     if n.op != "call_function":
@@ -74,6 +79,10 @@ def _pure(n) -> bool:
         return not n.is_impure()
     except Exception:  # noqa: BLE001 - an unknown target: keep it where it is
         return False
+
+
+_RANDOM = ("rand", "dropout", "bernoulli", "normal", "multinomial", "poisson", "rrelu", "uniform",
+           "exponential", "cauchy", "geometric")
 
 
 def _writes(n) -> bool:
@@ -138,8 +147,16 @@ def split(gm: torch.fx.GraphModule, kinds: list) -> Split | None:
                 todo.append(a)
     # a tensor some op writes in place (`torch.empty(n).fill_(2)`, `m.mul_(x.sum())`) stays, with
     # every tensor that may share its memory (all made from it, all it is made from): a moved
-    # reader would run before the write
-    written = [a for n in g.nodes if _writes(n) for a in n.all_input_nodes if a in tensors]
+    # reader would run before the write. A write through an alias made by an op that also reads
+    # other tensors (`m.to(y).add_(y)`: `.to` returns m itself) is found by the fake values'
+    # storages; where they cannot be compared, nothing moves.
+    writes = [a for n in g.nodes if _writes(n) for a in n.all_input_nodes]
+    try:
+        storages = {_storage(a) for a in writes if isinstance(_value(a), torch.Tensor)}
+        aliased = [t for t in tensors if _storage(t) in storages]
+    except Exception:  # noqa: BLE001 - a value without a storage: assume any may be written
+        return None
+    written = [a for a in writes if a in tensors] + aliased
     todo = list(written)
     keep.update(written)
     while todo:
@@ -161,15 +178,18 @@ def split(gm: torch.fx.GraphModule, kinds: list) -> Split | None:
     return Split(prologue, main, tuple(n.name for n in frontier), reads, not _returns_any(gm, frontier))
 
 
+def _storage(n) -> int:
+    return _value(n).untyped_storage()._cdata
+
+
 def _returns_any(gm, frontier) -> bool:
     """Whether the graph returns one of `frontier`'s tensors or a view of one (their fake
     values share a storage); True where that cannot be told."""
     try:
-        made = {_value(f).untyped_storage()._cdata for f in frontier}
+        made = {_storage(f) for f in frontier}
         out = next(n for n in gm.graph.nodes if n.op == "output")
         for a in torch.utils._pytree.tree_leaves(out.args):
-            v = _value(a)
-            if isinstance(v, torch.Tensor) and v.untyped_storage()._cdata in made:
+            if isinstance(_value(a), torch.Tensor) and _storage(a) in made:
                 return True
         return False
     except Exception:  # noqa: BLE001 - a value without a storage to compare: assume it may

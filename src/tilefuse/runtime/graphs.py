@@ -40,8 +40,9 @@ it, the output), so a long generation's slots would grow with sizes x cache leng
 the process share one limit per device (`GraphMemory`, TILEFUSE_GRAPH_MEMORY: a fraction of the
 device's memory or a number of bytes, default a quarter); once the slots hold that much, or the
 device has less than an eighth of its memory free, new captures are skipped and those calls take
-the thin path (`stats["over_budget"]`, one warning a process). A slot's bytes return to the
-limit when it is dropped (its program freed, or evicted).
+the thin path (`stats["over_budget"]`, one warning a process). The check comes before a capture,
+whose size is known only after it, so the capture reaching the limit may pass it by its own
+size. A slot's bytes return to the limit when it is dropped (its program freed, or evicted).
 
 A call made while the caller is capturing a CUDA graph of its own runs the thin path, so
 its launches land in the caller's graph. Graphs are off on CPU devices, for programs with a step that cannot be captured (an extern
@@ -107,10 +108,21 @@ class GraphMemory:
         self.total = total or _device_total
         self.free = free or _device_free
         self.held: dict = {}
-        self.warned = False
+        self.warned = False  # (the limit reached: said once a process)
+        self.bad_env = False
 
     def limit(self, device) -> float:
-        return self.fixed if self.fixed is not None else memory_limit(self.total(device))
+        if self.fixed is not None:
+            return self.fixed
+        total = self.total(device)
+        try:
+            return memory_limit(total)
+        except ValueError as e:  # (read at a call's capture: a bad value must not fail the call)
+            if not self.bad_env:
+                self.bad_env = True
+                warnings.warn(f"tilefuse: {e}; using the default, {DEFAULT_MEMORY} of the device", RuntimeWarning,
+                              stacklevel=5)
+            return memory_limit(total, {})
 
     def room(self, device) -> bool:
         """Whether a new slot may be captured on `device` now."""
@@ -346,7 +358,7 @@ class Graphed:
                 _copy_all(dst, [t for s, t in zip(slot.inputs, tensors) if s is not None])
                 self.stats["copies"] += 1
         else:
-            if len(self.slots) >= self.max_slots and not self._evict() or not self._room():
+            if not self._room() or (len(self.slots) >= self.max_slots and not self._evict()):
                 self.last = ptrs
                 self.stats["thin"] += 1
                 return self.runner.run(tensors)
