@@ -243,8 +243,10 @@ def compile(fn, example_inputs, *, arch: str | None = None, graphs: bool | None 
     CPU tensors. Shapes and dtypes are fixed to the examples'. On CUDA, a program of two or
     more launches replays a captured CUDA graph after the first call (`graphs=False` or
     TILEFUSE_CUDA_GRAPHS=0 turns that off; `graphs=True` replays single-kernel programs too,
-    which the default leaves out: their graph saves no host launch and costs GPU time); a
-    result you still hold is never overwritten by a later call. A module's parameter or buffer
+    which the default leaves out: their graph saves no host launch and costs GPU time; the
+    graphs of a process hold at most TILEFUSE_GRAPH_MEMORY of a device, a quarter by default,
+    past which new programs launch their kernels one by one); a result you still hold is never
+    overwritten by a later call. A module's parameter or buffer
     updated in place after compiling (`optimizer.step()`, `load_state_dict`), or replaced,
     compiles the program again at its next call, with a warning (updates through `.data`, and
     tensors a plain function closes over, are not seen: compile again after changing those).
