@@ -216,6 +216,25 @@ def test_past_the_made_limit_sizes_compile_again_after_a_weight_update(monkeypat
     assert sum("changed in place" in e for e in r.events) == 1, r.events
 
 
+@pytest.mark.usefixtures("fresh_backend")
+def test_past_the_made_limit_new_sizes_after_a_weight_update_are_made_from_the_new_weights(monkeypatch):
+    """A weight update followed by new sizes only (a second review): the stale family and the
+    sizes made from it go, so new sizes compile, form a new family and are made again."""
+    monkeypatch.setattr(tb, "MAX_MADE", 2)
+    m = _model()
+    step = torch.compile(m, backend="tilefuse")
+    with torch.no_grad():
+        for n in range(4, 9):
+            step(*_inputs(n, seed=n))
+        r = next(r for r in tb.reports() if r.variants > 1)
+        eager, resized = r.calls_eager, r.resized
+        m.out.bias.add_(1.0)
+        for n in (10, 11, 12):  # 10 compiles (a family with the last size), 11 and 12 are made
+            xs = _inputs(n, seed=n)
+            torch.testing.assert_close(step(*xs), m(*xs), rtol=1e-4, atol=1e-5)
+    assert r.calls_eager == eager and r.resized == resized + 2, r.events
+
+
 def test_a_dim_that_did_not_vary_between_the_compiles_is_not_made():
     fam = _family(_model())
     x, k, v = _inputs(9)

@@ -262,19 +262,36 @@ def test_a_tensor_written_in_place_stays_with_all_that_may_share_its_memory(case
     _same_as_eager(fn, [lambda n=n: (torch.arange(8.0) + 1, n) for n in (3, 4, 5, 6, 4, 5)])
 
 
-def test_random_ops_never_move_to_the_prologue():
+@pytest.mark.parametrize("inplace", [False, True])
+def test_random_ops_never_move_to_the_prologue(inplace):
     """A random op made from sizes alone (`F.dropout(ones(n), training=True)`, which FX does not
-    mark impure) stays in the graph: moved, its draws would be reused or reordered."""
+    mark impure) stays in the graph: moved, its draws would be reused (the prologue's tensors
+    are kept per size) or reordered. What it reads may move, unless it writes that in place."""
     def f(x, n):
-        return x[:n] * F.dropout(torch.ones(n), 0.5, training=True)
+        return x[:n] * F.dropout(torch.ones(n), 0.5, True, inplace)
 
     gm, kinds = _graph(f, torch.ones(64), 40)
-    assert split(gm, kinds) is None, gm.code
+    sp = split(gm, kinds)
+    moved = [] if sp is None else [getattr(n.target, "__name__", n.target) for n in sp.prologue.graph.nodes
+                                   if n.op == "call_function"]
+    assert "dropout" not in moved and (moved == [] if inplace else moved == ["ones"]), moved
     cf = torch.compile(f, backend="tilefuse", dynamic=True)
     x = torch.ones(64)
     with torch.no_grad():
         outs = [cf(x, 40) for _ in range(4)]
     assert len({tuple(o.tolist()) for o in outs}) == 4  # a fresh mask each call, as in eager
+
+
+def test_deterministic_ops_with_random_sounding_names_still_move():
+    """`F.normalize` and dropout with training off are no draws: a mask beside them moves."""
+    def f(x, n):
+        pos = torch.arange(x.shape[0], dtype=torch.float32) + n
+        m = (pos <= 2 * n).to(x.dtype)
+        return x * m + F.normalize(pos, dim=0) + F.dropout(pos, 0.1, training=False)
+
+    gm, kinds = _graph(f, torch.randn(8), 3)
+    sp = split(gm, kinds)
+    assert sp is not None and "m" in sp.names, gm.code
 
 
 def test_the_prologue_reads_inputs_shapes_only_so_effects_run_once():

@@ -635,8 +635,7 @@ class GraphRunner:
             return v  # a refused graph stays in eager: its own run moves a buffer's version (BatchNorm)
         if v is not None and not v.dead():
             self._event("a weight changed in place since compiling: compiling again", once=True)
-            # every program of the old values goes (sizes made from them too): none can serve again
-            self.variants = {k: x for k, x in self.variants.items() if x.program is None or x.current()}
+            self._drop_stale()
         self.variants = {k: x for k, x in self.variants.items() if not x.dead()}  # models since freed
         if self.refused:  # (each try of a refused graph cost an export, ~0.5 s a size of a small model)
             return _Variant(None, [], [], self.refused)
@@ -656,6 +655,20 @@ class GraphRunner:
         self.variants[key] = v
         return v
 
+    def _drop_stale(self) -> None:
+        """Drop every program whose weights changed in place since it was compiled (the sizes
+        made from one share its weight list: checked once per list)."""
+        current: dict = {}
+
+        def keep(x) -> bool:
+            if x.program is None:
+                return True
+            if id(x.weights) not in current:
+                current[id(x.weights)] = x.current()
+            return current[id(x.weights)]
+
+        self.variants = {k: x for k, x in self.variants.items() if keep(x)}
+
     def _over(self, reason: str) -> _Variant:
         """An eager variant for a call past a limit, said once."""
         if reason not in (e.split(": ", 1)[-1] for e in self.report.events):
@@ -670,7 +683,13 @@ class GraphRunner:
         if self.family is None:
             return None
         fam, base, wids = self.family
-        if key[2] != wids or base.program is None or not base.fresh(weights):
+        if key[2] != wids or base.program is None:
+            return None
+        if not base.fresh(weights):
+            # its weights were updated in place: the family and every program of the old values
+            # go (left counted, the sizes made from them would keep new sizes from being made)
+            self.family = None
+            self._drop_stale()
             return None
         user = [a for a, k in zip(args, self.kinds) if k == "input"]
         if self.symbolic.bind(user) is None:

@@ -24,6 +24,7 @@ only where that leaves no op taking a size, views that only restate their input'
 """
 from __future__ import annotations
 
+import inspect
 import operator
 from dataclasses import dataclass
 
@@ -65,12 +66,32 @@ def _is_meta_query(n) -> bool:
     return n.op == "call_function" and (n.target in _META_FUNCTIONS or getattr(n.target, "__name__", "") in _META)
 
 
-def _pure(n) -> bool:
-    """No effects and the same result for the same inputs: random ops are not (FX marks
-    `torch.rand` impure but not `F.dropout(..., training=True)`), so they are told by name."""
+def _random(n) -> bool:
+    """A random draw: the same inputs give other results, so it never moves (FX marks
+    `torch.rand` impure but not `F.dropout(..., training=True)`). Dropout with training off is
+    the identity; where training is not a constant, it counts as a draw."""
     name = n.target if n.op == "call_method" else getattr(n.target, "__name__", "")
-    if isinstance(name, str) and any(r in name.lower() for r in _RANDOM) or "generator" in n.kwargs:
+    if "generator" in n.kwargs:
+        return True
+    if not isinstance(name, str) or name.startswith("__"):  # (`__rand__` is a reflected &)
         return False
+    if name.lstrip("_").removesuffix("_") not in _RANDOM:
+        return False
+    if "dropout" in name:
+        train = n.kwargs.get("training", n.kwargs.get("train", n.args[2] if len(n.args) > 2 else True))
+        return train is not False
+    return True
+
+
+# random ops by name (torch, Tensor methods, F), in-place forms included
+_RANDOM = frozenset({
+    "rand", "rand_like", "randn", "randn_like", "randint", "randint_like", "randperm", "bernoulli",
+    "normal", "multinomial", "poisson", "rrelu", "rrelu_with_noise", "uniform", "exponential", "cauchy",
+    "geometric", "log_normal", "random", "dropout", "alpha_dropout", "feature_alpha_dropout", "dropout1d",
+    "dropout2d", "dropout3d", "feature_dropout", "native_dropout", "fused_dropout"})
+
+
+def _pure(n) -> bool:
     if n.op == "call_method":
         return not n.target.endswith("_") and n.target not in ("item", "tolist", "copy_")
     if n.op != "call_function":
@@ -79,10 +100,6 @@ def _pure(n) -> bool:
         return not n.is_impure()
     except Exception:  # noqa: BLE001 - an unknown target: keep it where it is
         return False
-
-
-_RANDOM = ("rand", "dropout", "bernoulli", "normal", "multinomial", "poisson", "rrelu", "uniform",
-           "exponential", "cauchy", "geometric")
 
 
 def _writes(n) -> bool:
@@ -96,7 +113,20 @@ def _writes(n) -> bool:
     name = n.target if n.op == "call_method" else getattr(n.target, "__name__", "")
     if isinstance(name, str) and name.endswith("_") and not name.endswith("__"):
         return True
-    return "out" in n.kwargs or not _pure(n)
+    return "out" in n.kwargs or _inplace_flag(n) or not _pure(n)
+
+
+def _inplace_flag(n) -> bool:
+    """`F.relu(x, inplace=True)`, `F.dropout(x, 0.1, False, True)`: a function told to write its input."""
+    if n.kwargs.get("inplace") is True:
+        return True
+    if n.op != "call_function" or not n.args:
+        return False
+    try:
+        bound = inspect.signature(n.target).bind_partial(*n.args, **n.kwargs).arguments
+    except (TypeError, ValueError):  # (a builtin without a signature: none of these has `inplace`)
+        return False
+    return bound.get("inplace") is True
 
 
 _OPERATOR_WRITES = {operator.setitem, operator.delitem, operator.iadd, operator.iand, operator.ifloordiv,
@@ -120,7 +150,7 @@ def split(gm: torch.fx.GraphModule, kinds: list) -> Split | None:
             size.add(n)
             sized.add(n)
     for n in g.nodes:
-        if n.op not in ("call_function", "call_method") or not _pure(n):
+        if n.op not in ("call_function", "call_method") or not _pure(n) or _random(n):
             continue
         val = _value(n)
         ins = n.all_input_nodes
