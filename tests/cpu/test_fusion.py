@@ -185,7 +185,26 @@ REWRITE_CASES = {  # rule -> a graph (and inputs) that makes it fire, after the 
     "drop_identity_casts": _identity_cast_graph,
     "flatten_full_reductions": lambda: _captured(lambda x: (x.exp().sum(), x.amax()), (3, 4, 5)),
     "small_powers_as_products": _small_powers_graph,
+    # a decode step's head transposes: (1, 1, H, D) -> (1, H, 1, D) and back
+    "unit_permutes_as_reshapes": lambda: _captured(lambda q: (q.transpose(1, 2) * 2).transpose(1, 2) + 1,
+                                                   (1, 1, 4, 8)),
 }
+
+
+def test_a_permute_moving_only_unit_dims_is_a_free_alias_and_others_stay_copies():
+    """(1, 1, H, D).transpose(1, 2) keeps each element's place: a reshape, planned as an alias.
+    A transpose that moves a dim longer than 1, or a weight's transpose (the GEMM matcher reads
+    x @ W.T from it), stays a permute."""
+    from tilefuse.graph.rewrites import unit_permutes_as_reshapes
+
+    g, _ = _captured(lambda q, k: (q.transpose(1, 2) * 2, k.transpose(1, 2) * 2), (1, 1, 4, 8), (1, 3, 4, 8))
+    g2 = unit_permutes_as_reshapes(g)
+    ops = [n.op for n in g2.nodes if isinstance(n, ir.View)]
+    assert ops.count("reshape") == 1 and ops.count("permute") == 1, ops
+    w = ir.Weight("w", ir.TensorType((1, 8), "f32"))
+    wt = ir.View("wt", ir.TensorType((8, 1), "f32"), "permute", "w", (1, 0))
+    gw = ir.Graph((w, wt), (), ("wt",), {"w": torch.randn(1, 8)})
+    assert unit_permutes_as_reshapes(gw) is gw
 
 
 def test_each_rewrite_fires_and_preserves_the_graphs_meaning():

@@ -157,8 +157,27 @@ def small_powers_as_products(g: ir.Graph) -> ir.Graph:
     return g.replace(nodes=out) if changed else g
 
 
+def unit_permutes_as_reshapes(g: ir.Graph) -> ir.Graph:
+    """A permute that moves only dims of size 1 keeps every element where it was: it is a
+    reshape, which the planner makes a free alias instead of a copy. A decode step (one token)
+    has four a layer: the heads' transposes of q, k and v, (1, 1, H, D) -> (1, H, 1, D), and of
+    attention's output back. A weight's transpose stays a permute (the GEMM matcher reads x @ W.T
+    from it)."""
+    out, changed = [], False
+    for n in g.nodes:
+        if isinstance(n, ir.View) and n.op == "permute" and not isinstance(g[n.arg], ir.Weight):
+            shape = g[n.arg].type.shape
+            moved = [d % len(shape) for d in n.params if shape[d % len(shape)] != 1]
+            if moved == sorted(moved):
+                out.append(ir.View(n.name, n.type, "reshape", n.arg, n.type.shape, n.source))
+                changed = True
+                continue
+        out.append(n)
+    return g.replace(nodes=out) if changed else g
+
+
 RULES = (drop_one_element_reductions, drop_identity_reshapes, drop_identity_casts, flatten_full_reductions,
-         small_powers_as_products)
+         small_powers_as_products, unit_permutes_as_reshapes)
 
 
 def run_rewrites(g: ir.Graph, rules=RULES) -> tuple[ir.Graph, list[Fired]]:
