@@ -340,6 +340,25 @@ def test_the_split_of_a_fused_qkv_projection_for_attention_is_a_view_not_a_copy(
     torch.testing.assert_close(p(*ins), _fused_qkv_attention(*ins), atol=1e-5, rtol=1e-5)
 
 
+def _rotate_half(q):
+    h = q.shape[-1] // 2
+    return q * 2 + torch.cat((-q[..., h:], q[..., :h]), -1)
+
+
+def test_a_slice_only_a_cat_reads_is_a_view_not_a_copy():
+    """The rotate-half RoPE's `cat((-x2, x1))`: x1 = q[..., :h], read by the cat alone, is taken
+    in place; x2, which a kernel (the neg) reads, is still a copy; the result is PyTorch's."""
+    from tilefuse.graph import ir
+
+    q = torch.randn(2, 3, 5, 8)
+    p = _prog(_rotate_half, q)
+    strided = [s for s in p.plan.steps if s.view]
+    slices = [n.name for n in p.graph.nodes if isinstance(n, ir.View) and n.op == "slice"]
+    assert len(slices) == 2 and [s.nodes[0] for s in strided] == [slices[1]], str(p.plan)
+    assert "its readers (SDPA, cat) take it in place" in strided[0].note and strided[0].bytes == 0
+    assert torch.equal(p(q), _rotate_half(q))
+
+
 def _strided_split_attention(x, w):
     b, s, _ = x.shape
     y = x @ w

@@ -542,11 +542,16 @@ def plan(g: ir.Graph, gemm: bool = True, partials: bool = True, in_torch: frozen
     raise RuntimeError("internal: the fusion plan did not settle")
 
 
+# extern aten ops that read strided inputs as they are and write nothing
+_STRIDED_READERS = frozenset({"aten.cat.default"})
+
+
 def attention_only_views(g: ir.Graph, steps) -> frozenset:
-    """Permute and slice externs whose values only attention externs read, directly or through
-    aliases and other such views: SDPA takes strided q/k/v, so the head transposes and the
-    split of a fused QKV projection (GPT-2's c_attn; a full copy each) are skipped, and the
-    attention output, transposed back, is then already contiguous. Never a program output
+    """Permute and slice externs whose values only attention externs (or a cat) read, directly
+    or through aliases and other such views: SDPA takes strided q/k/v, so the head transposes and
+    the split of a fused QKV projection (GPT-2's c_attn; a full copy each) are skipped, and the
+    attention output, transposed back, is then already contiguous; a cat reads its pieces where
+    they lie (the rotate-half RoPE's `cat((-x2, x1))`, x1 a slice of q). Never a program output
     (the caller gets contiguous tensors)."""
     users = g.users()
     extern = {s.nodes[0] for s in steps if s.family == "extern"}
@@ -569,7 +574,9 @@ def attention_only_views(g: ir.Graph, steps) -> frozenset:
         if name not in memo:
             us = users.get(name, [])
             memo[name] = (name not in g.outputs and bool(us)
-                          and all((isinstance(g[u], ir.Attention) and u in extern)
+                          and all(((isinstance(g[u], ir.Attention)
+                                    or isinstance(g[u], ir.Extern) and g[u].target in _STRIDED_READERS)
+                                   and u in extern)
                                   or ((u in alias or viewable(u)) and for_attention_only(u))
                                   for u in us))
         return memo[name]
@@ -577,12 +584,26 @@ def attention_only_views(g: ir.Graph, steps) -> frozenset:
     return frozenset(name for name in extern if viewable(name) and for_attention_only(name))
 
 
+def _readers(g: ir.Graph, name: str) -> list:
+    """The non-view nodes that read `name`, through views."""
+    users, out, todo = g.users(), [], [name]
+    while todo:
+        for u in users.get(todo.pop(), []):
+            if isinstance(g[u], ir.View):
+                todo.append(u)
+            else:
+                out.append(g[u])
+    return out
+
+
 def _mark_attention_views(p: "Plan") -> "Plan":
     views = attention_only_views(p.graph, p.steps)
     for s in p.steps:
         if s.family == "extern" and s.nodes[0] in views:
             s.view, s.bytes = True, 0
-            s.note = "strided view for attention: SDPA reads it in place, no copy"
+            readers = {type(n).__name__ for n in _readers(p.graph, s.nodes[0])}
+            s.note = ("strided view for attention: SDPA reads it in place, no copy" if readers <= {"Attention"}
+                      else "strided view: its readers (SDPA, cat) take it in place, no copy")
     return p
 
 
