@@ -12,7 +12,7 @@ from .graph.fold import fold_weights
 from .graph.rules.causal_mask import causal_masks
 from .graph.rules.gqa_attention import repeated_kv_into_attention
 from .graph.fusion import Plan, plan
-from .graph.rewrites import Fired, run_rewrites, unary_maps_above_cat_slices
+from .graph.rewrites import Fired, run_rewrites
 from .loop.lower import Lowered, lower_step
 from .loop.lower_gemm import LoweredGemm, lower_gemm_step
 from .runtime.program import Program, skeleton
@@ -145,9 +145,6 @@ def _stages(fn, example_inputs, expr: str | None, arch: str | None, exported=Non
         # HF's rotate-half form becomes the adjacent-pair one on permuted weights first
         graph, more = run_rewrites(graph, (rotate_half_to_pairs, rope_into_projection))
         fired = fired + more
-    # (after the RoPE rules, which read the rotate-half form this changes)
-    graph, more = run_rewrites(graph, (unary_maps_above_cat_slices,))
-    fired = fired + more
     if gemm and _partials_target(arch):  # GEMM-epilogue partials: the sm_90a template (or the interpreter)
         from .graph.rules.lmhead_ce import lmhead_ce_partials
         from .graph.rules.layernorm_partials import layernorm_partials

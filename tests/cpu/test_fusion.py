@@ -371,30 +371,3 @@ def test_bitwise_and_of_integers_is_a_visible_extern_and_of_bools_a_map():
     assert any(isinstance(n, ir.Map) and n.op == "and" for n in g.nodes)
     g, p = planned(lambda x, y: x & y, [x, y])
     assert [s.family for s in p.steps] == ["extern"] and "not both bool" in p.steps[0].note
-
-
-def test_a_unary_map_of_a_slice_only_cats_read_moves_above_the_slice():
-    """neg(x[..., h:]) read only by a cat becomes neg(x)[..., h:] (the same values: graph
-    interpreter, exactly), so the slice is a view the cat reads in place. Not where the slice is
-    under half of x (the map would do more than twice the work), nor where a kernel reads the map."""
-    from tilefuse.graph.interp import run_graph
-    from tilefuse.graph.rewrites import unary_maps_above_cat_slices
-
-    def rot(x):
-        return torch.cat((-x[..., 4:], x[..., :4]), -1) * 3
-
-    g, inputs = _captured(rot, (2, 5, 8))
-    g2 = unary_maps_above_cat_slices(g)
-    assert g2 is not g
-    negs = [n for n in g2.nodes if isinstance(n, ir.Map) and n.op == "neg"]
-    assert len(negs) == 1 and negs[0].type.shape == (2, 5, 8), str(g2)
-    feed = dict(zip(g.inputs, inputs))
-    assert all((a == b).all() for a, b in zip(run_graph(g, feed), run_graph(g2, feed)))
-    narrow, _ = _captured(lambda x: torch.cat((-x[..., 6:], x[..., :6]), -1), (2, 5, 8))
-    assert unary_maps_above_cat_slices(narrow) is narrow
-    def also_read(x):
-        n = -x[..., 4:]
-        return torch.cat((n, x[..., :4]), -1), n * 2
-
-    read, _ = _captured(also_read, (2, 5, 8))
-    assert unary_maps_above_cat_slices(read) is read

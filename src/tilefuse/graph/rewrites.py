@@ -176,33 +176,6 @@ def unit_permutes_as_reshapes(g: ir.Graph) -> ir.Graph:
     return g.replace(nodes=out) if changed else g
 
 
-def unary_maps_above_cat_slices(g: ir.Graph) -> ir.Graph:
-    """`cat((neg(x[..., h:]), ...))`: a one-argument map of a last-dim slice (at least half of x)
-    that only cats read becomes the slice of the map of x, so the slice is a view the cat reads
-    in place (fusion.attention_only_views) and the map a kernel over x: the same bytes moved, one
-    copy fewer (the rotate-half RoPE of a decode step, whose cached keys keep it from folding
-    into the projection). Run after rotate_half_to_pairs, which reads the original form."""
-    users = g.users()
-    names = {n.name for n in g.nodes}
-    out, dropped = [], set()
-    for n in g.nodes:
-        sl = g[n.args[0]] if isinstance(n, ir.Map) and len(n.args) == 1 else None
-        if (isinstance(sl, ir.View) and sl.op == "slice" and users[sl.name] == [n.name] and n.name not in g.outputs
-                and users[n.name] and all(isinstance(g[u], ir.Extern) and g[u].target == "aten.cat.default"
-                                          for u in users[n.name])):
-            x = g[sl.arg]
-            rank = len(x.type.shape)
-            dim, start, end, step = sl.params
-            if dim % rank == rank - 1 and step == 1 and 2 * (min(end, x.type.shape[-1]) - start) >= x.type.shape[-1]:
-                full = fresh_name(names, f"{n.name}_full")
-                out.append(ir.Map(full, ir.TensorType(x.type.shape, n.type.dtype), n.op, (sl.arg,), n.source))
-                out.append(ir.View(n.name, n.type, "slice", full, sl.params, sl.source))
-                dropped.add(sl.name)  # (its one reader was this map)
-                continue
-        out.append(n)
-    return g.replace(nodes=[n for n in out if n.name not in dropped]) if dropped else g
-
-
 RULES = (drop_one_element_reductions, drop_identity_reshapes, drop_identity_casts, flatten_full_reductions,
          small_powers_as_products, unit_permutes_as_reshapes)
 
