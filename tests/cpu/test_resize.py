@@ -194,20 +194,27 @@ def test_past_the_made_limit_new_lengths_run_in_eager_and_made_ones_stay(monkeyp
     assert sum("more than 2 sizes made with no compile" in e for e in r.events) == 1, r.events
 
 
+def _past_two_made(monkeypatch, lengths):
+    """The decode model and its compiled step, called at `lengths` with MAX_MADE at 2, and the
+    dynamic graph's report."""
+    monkeypatch.setattr(tb, "MAX_MADE", 2)
+    m = _model()
+    step = torch.compile(m, backend="tilefuse")
+    with torch.no_grad():
+        for n in lengths:
+            step(*_inputs(n, seed=n))
+    return m, step, next(r for r in tb.reports() if r.variants > 1)
+
+
 @pytest.mark.usefixtures("fresh_backend")
 def test_past_the_made_limit_sizes_compile_again_after_a_weight_update(monkeypatch):
     """MAX_MADE bounds only sizes the family would make: after an in-place weight update (the
     old values' programs, made sizes too, are dropped) sizes compile as before, and are made
     again, with eager's results (a review found every such call sent to eager)."""
-    monkeypatch.setattr(tb, "MAX_MADE", 2)
-    m = _model()
-    step = torch.compile(m, backend="tilefuse")
+    m, step, r = _past_two_made(monkeypatch, range(4, 10))
+    eager = r.calls_eager
+    assert eager == 1, tb.summary()  # (9: 5 and 6 compiled, 7 and 8 made)
     with torch.no_grad():
-        for n in range(4, 10):
-            step(*_inputs(n, seed=n))
-        r = next(r for r in tb.reports() if r.variants > 1)
-        eager = r.calls_eager
-        assert eager == 1, tb.summary()  # (9: 5 and 6 compiled, 7 and 8 made)
         m.out.bias.add_(1.0)
         for n in (6, 7, 6, 7):
             xs = _inputs(n, seed=n)
@@ -220,14 +227,9 @@ def test_past_the_made_limit_sizes_compile_again_after_a_weight_update(monkeypat
 def test_past_the_made_limit_new_sizes_after_a_weight_update_are_made_from_the_new_weights(monkeypatch):
     """A weight update followed by new sizes only (a second review): the stale family and the
     sizes made from it go, so new sizes compile, form a new family and are made again."""
-    monkeypatch.setattr(tb, "MAX_MADE", 2)
-    m = _model()
-    step = torch.compile(m, backend="tilefuse")
+    m, step, r = _past_two_made(monkeypatch, range(4, 9))
+    eager, resized = r.calls_eager, r.resized
     with torch.no_grad():
-        for n in range(4, 9):
-            step(*_inputs(n, seed=n))
-        r = next(r for r in tb.reports() if r.variants > 1)
-        eager, resized = r.calls_eager, r.resized
         m.out.bias.add_(1.0)
         for n in (10, 11, 12):  # 10 compiles (a family with the last size), 11 and 12 are made
             xs = _inputs(n, seed=n)

@@ -27,16 +27,25 @@ def _step(q, cache, k):
     return F.scaled_dot_product_attention(q, keys, keys, attn_mask=mask), keys
 
 
-def test_a_mask_built_from_the_cache_length_runs_before_the_program_and_later_sizes_need_no_compile():
-    cf = torch.compile(_step, backend="tilefuse")
+def _decode_like_eager(step, lengths, padded: bool = False):
+    """`step` compiled by tilefuse, called at each cache length on random q, k and cache (and,
+    `padded`, an attention mask with a left pad): eager's attention and cache each time."""
+    cf = torch.compile(step, backend="tilefuse")
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
-        for s in range(3, 12):
+        for s in lengths:
             q, k = torch.randn(1, 2, 1, 8, generator=gen), torch.randn(1, 2, 1, 8, generator=gen)
-            cache = torch.randn(1, 2, s, 8, generator=gen)
-            got, want = cf(q, cache, k), _step(q, cache, k)
+            args = [q, torch.randn(1, 2, s, 8, generator=gen), k]
+            if padded:
+                args.append(torch.ones(1, s + 1, dtype=torch.long))
+                args[-1][0, 0] = 0  # a left pad
+            got, want = cf(*args), step(*args)
             torch.testing.assert_close(got[0], want[0])
             assert torch.equal(got[1], want[1])
+
+
+def test_a_mask_built_from_the_cache_length_runs_before_the_program_and_later_sizes_need_no_compile():
+    _decode_like_eager(_step, range(3, 12))
     r = max(tb.reports(), key=lambda r: r.variants)
     assert r.status == "tilefuse" and r.calls_eager == 0, tb.summary()
     assert any("made from sizes alone" in e for e in r.events), tb.summary()
@@ -61,17 +70,7 @@ def test_a_causal_mask_anded_with_the_padding_mask_moves_and_only_the_and_runs_i
     `operator.and_` for one and kept it). The and with the padding mask, whose length changes,
     runs in PyTorch from the third size on; past the four compiled sizes, none compiles, and a
     padded position stays masked."""
-    cf = torch.compile(_step_padded, backend="tilefuse")
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for s in range(3, 14):
-            q, k = torch.randn(1, 2, 1, 8, generator=gen), torch.randn(1, 2, 1, 8, generator=gen)
-            cache = torch.randn(1, 2, s, 8, generator=gen)
-            attention_mask = torch.ones(1, s + 1, dtype=torch.long)
-            attention_mask[0, 0] = 0  # a left pad
-            got, want = cf(q, cache, k, attention_mask), _step_padded(q, cache, k, attention_mask)
-            torch.testing.assert_close(got[0], want[0])
-            assert torch.equal(got[1], want[1])
+    _decode_like_eager(_step_padded, range(3, 14), padded=True)
     r = max(tb.reports(), key=lambda r: r.variants)
     assert r.status == "tilefuse" and r.calls_eager == 0, tb.summary()
     assert any("made from sizes alone" in e for e in r.events), tb.summary()

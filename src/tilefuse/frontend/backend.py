@@ -446,7 +446,7 @@ class GraphRunner:
         self.fallback = self._why_eager(example_inputs, placeholders)
         self.prologue = None  # tensors made from sizes alone, in PyTorch before each call (size_prologue)
         self.prologue_reads = None  # the placeholders it reads, where its results may be reused
-        self.prologue_made: dict = {}  # its results per sizes (oldest first), at most PROLOGUE_BYTES
+        self.prologue_made: dict = {}  # sizes -> (its results, their bytes), oldest first, at most PROLOGUE_BYTES
         self.prologue_bytes = 0
         if "int" in self.kinds and not self.fallback:
             self._split_prologue()
@@ -501,9 +501,9 @@ class GraphRunner:
             given = args if given is None else given
             key = tuple((tuple(args[i].shape), args[i].stride(), args[i].device)
                         if isinstance(given[i], torch.Tensor) else given[i] for i in self.prologue_reads)
-            made = self.prologue_made.get(key)
-            if made is not None:
-                return made
+            kept = self.prologue_made.get(key)
+            if kept is not None:
+                return kept[0]
         made = [t.contiguous() for t in self.prologue(*args)]
         if any(t.device.type == "cpu" and t.dim() == 0 for t in made):
             cuda = next((a.device for a in args if isinstance(a, torch.Tensor) and a.is_cuda), None)
@@ -513,9 +513,8 @@ class GraphRunner:
         if key is not None and nbytes <= PROLOGUE_BYTES:
             while self.prologue_made and (len(self.prologue_made) >= MAX_MADE + MAX_VARIANTS
                                           or self.prologue_bytes + nbytes > PROLOGUE_BYTES):
-                old = self.prologue_made.pop(next(iter(self.prologue_made)))  # (the oldest)
-                self.prologue_bytes -= sum(t.untyped_storage().nbytes() for t in old)
-            self.prologue_made[key] = made
+                self.prologue_bytes -= self.prologue_made.pop(next(iter(self.prologue_made)))[1]  # (the oldest)
+            self.prologue_made[key] = (made, nbytes)
             self.prologue_bytes += nbytes
         return made
 
@@ -671,8 +670,7 @@ class GraphRunner:
 
     def _over(self, reason: str) -> _Variant:
         """An eager variant for a call past a limit, said once."""
-        if reason not in (e.split(": ", 1)[-1] for e in self.report.events):
-            self._event(reason)
+        self._event(reason, once=True)
         return _Variant(None, [], [], reason)
 
     def _resized(self, args, weights, key, full: bool = False) -> _Variant | None:

@@ -584,9 +584,9 @@ def attention_only_views(g: ir.Graph, steps) -> frozenset:
     return frozenset(name for name in extern if viewable(name) and for_attention_only(name))
 
 
-def _readers(g: ir.Graph, name: str) -> list:
+def _readers(g: ir.Graph, users: dict, name: str) -> list:
     """The non-view nodes that read `name`, through views."""
-    users, out, todo = g.users(), [], [name]
+    out, todo = [], [name]
     while todo:
         for u in users.get(todo.pop(), []):
             if isinstance(g[u], ir.View):
@@ -598,10 +598,11 @@ def _readers(g: ir.Graph, name: str) -> list:
 
 def _mark_attention_views(p: "Plan") -> "Plan":
     views = attention_only_views(p.graph, p.steps)
+    users = p.graph.users() if views else {}
     for s in p.steps:
         if s.family == "extern" and s.nodes[0] in views:
             s.view, s.bytes = True, 0
-            readers = {type(n).__name__ for n in _readers(p.graph, s.nodes[0])}
+            readers = {type(n).__name__ for n in _readers(p.graph, users, s.nodes[0])}
             s.note = ("strided view for attention: SDPA reads it in place, no copy" if readers <= {"Attention"}
                       else "strided view: its readers (SDPA, cat) take it in place, no copy")
     return p

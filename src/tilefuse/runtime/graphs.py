@@ -52,6 +52,7 @@ A capture that fails turns them off for that program, with a warning naming why.
 """
 from __future__ import annotations
 
+import functools
 import os
 import re
 import sys
@@ -147,6 +148,7 @@ class GraphMemory:
                 f"device free")
 
 
+@functools.lru_cache(maxsize=None)
 def _device_total(device) -> int | None:
     if getattr(device, "type", None) != "cuda":
         return None
