@@ -53,6 +53,7 @@ A capture that fails turns them off for that program, with a warning naming why.
 from __future__ import annotations
 
 import functools
+import gc
 import os
 import re
 import sys
@@ -265,12 +266,30 @@ def capture_cuda(runner, tensors, direct):
         current.wait_stream(side)
         del warm
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=side):
-            # measured inside: entering empties the allocator's cache, which lowers what is reserved;
-            # the graph's private pool is new segments, all of them reserved from here
-            before = torch.cuda.memory_reserved(device)
-            outs = runner.run(inputs)
-            pool = torch.cuda.memory_reserved(device) - before
+        # capture_begin/capture_end, not `torch.cuda.graph`: its entry synchronizes the device,
+        # runs a full gc.collect() and empties the allocator's cache, ~10 ms a capture with a
+        # transformers model loaded (bench/LOG_blocks.md, session 35), once per decode size. The
+        # collector is held off instead, so no finalizer runs inside the capture.
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            with torch.cuda.stream(side):
+                side.wait_stream(current)
+                before = torch.cuda.memory_reserved(device)  # the graph's private pool is new segments
+                graph.capture_begin()
+                try:
+                    outs = runner.run(inputs)
+                except BaseException:
+                    try:
+                        graph.capture_end()
+                    except Exception:  # the capture is invalid already; the program's error says why
+                        pass
+                    raise
+                graph.capture_end()
+                pool = torch.cuda.memory_reserved(device) - before
+        finally:
+            if collecting:
+                gc.enable()
     return graph.replay, outs, static, max(pool, 0)
 
 
