@@ -480,3 +480,83 @@ def test_keyword_arguments_are_refused_saying_inputs_go_by_position():
     p = _prog(_rms, torch.randn(4, 16), torch.randn(16))
     with pytest.raises(TypeError, match="takes its inputs by position.*got keyword argument.*x, w"):
         p(x=torch.randn(4, 16), w=torch.randn(16))
+
+
+class _RecordingGemm:
+    """Stands in for a GemmKernel: the rendered source's parameter order, launches recorded."""
+
+    def __init__(self, source):
+        self.source, self.launches, self.calls = source, [], []
+
+    def launch_ptrs(self, device, ptrs):
+        self.launches.append((device, list(ptrs)))
+
+    def __call__(self, a, b, prepacked=(), **tensors):
+        self.calls.append((a, b, dict(tensors)))
+
+
+def _gemm_op(poison=True):
+    from tilefuse.codegen import gemm_sm90
+    from tilefuse.runtime.runner import _Gemm
+
+    x, w, r = (torch.randn(40, 64, dtype=torch.bfloat16), torch.randn(64, 48, dtype=torch.bfloat16),
+               torch.randn(40, 48, dtype=torch.bfloat16))
+    st = compile_stages(lambda x, w, r: x @ w + r, [x, w, r])
+    g = st.program.graph
+    (step,) = [s for s in st.plan.steps if s.family == "gemm"]
+    lowered = st.program.gemms[step.name]
+    slots = {name: i for i, name in enumerate(g.inputs)}
+
+    def slot(name):
+        return slots.setdefault(name, len(slots))
+
+    gk = _RecordingGemm(gemm_sm90.render(lowered.problem()))
+    op = _Gemm(gk, lowered, g, slot, torch.device("cpu", 0), poison=poison)
+    return op, gk, lowered, g, slots
+
+
+def test_gemm_glue_passes_pointers_in_the_kernels_parameter_order_without_per_call_checks():
+    """A, B, then the epilogue's parameters in `source.params` order, straight to launch_ptrs:
+    an operand's own pointer where it is contiguous and 16-byte aligned, a copy's otherwise;
+    outputs fresh, graph-shaped and poisoned."""
+    op, gk, lowered, g, slots = _gemm_op()
+    base = [None] * (max(slots.values()) + 1)
+    spec = lowered.spec
+    env = list(base)
+    inputs = {}
+    for b in lowered.bindings:
+        if b not in lowered.outputs:
+            inputs[b.tensor] = torch.randn(g[b.tensor].type.shape).to(torch.bfloat16)
+    a_full = torch.randn(40 * 64 + 1).to(torch.bfloat16)
+    a = a_full[1:].view(40, 64)              # 2 bytes past an aligned start: read through a copy
+    bw = torch.randn(48, 64).to(torch.bfloat16).t()  # strided: read through a copy
+    env[slots[spec.a]], env[slots[spec.b]] = a, bw
+    for name, t in inputs.items():
+        env[slots[name]] = t
+    op(env)
+    (device, ptrs), = gk.launches
+    assert device == 0 and gk.calls == []
+    assert len(ptrs) == 2 + len(gk.source.params)
+    assert ptrs[0] != a.data_ptr() and ptrs[0] % 16 == 0
+    assert ptrs[1] != bw.data_ptr() and ptrs[1] % 16 == 0
+    by_buffer = {b.buffer: b for b in lowered.bindings}
+    outs = {b.buffer for b in lowered.outputs}
+    assert outs, "the epilogue writes an output"
+    for name, ptr in zip(gk.source.params, ptrs[2:]):
+        t = env[slots[by_buffer[name].tensor]]
+        assert ptr == t.data_ptr()
+        if name in outs:
+            assert tuple(t.shape) == g[by_buffer[name].tensor].type.shape and torch.isnan(t.float()).all()
+        else:
+            assert t is inputs[by_buffer[name].tensor]  # the caller's residual, read in place
+
+
+def test_gemm_glue_takes_the_checked_call_where_the_kernel_packs_a_table_each_call():
+    """Tables the kernel reads column-permuted and that are not weights are permuted by the
+    checked call on every call: the pointer path must not hand them over unpacked."""
+    op, gk, lowered, g, slots = _gemm_op(poison=False)
+    op.per_call = True
+    env = [torch.zeros(g[n].type.shape).to(torch.bfloat16) if n in g.inputs else None
+           for n in sorted(slots, key=slots.get)]
+    op(env)
+    assert gk.launches == [] and len(gk.calls) == 1

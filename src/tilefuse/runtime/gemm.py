@@ -71,6 +71,9 @@ class GemmKernel:
         self._tma_load_names = tuple(getattr(self.source, "tma_loads", ()))  # operands TMA reads in (64 x 64) boxes
         self._split = getattr(self.source, "workspace", 0) > 0  # split-K: workspace and counters per stream
         self._packed = tuple(getattr(self.source, "packed_tables", ()))
+        # where the tensor maps' pointers sit in a launch's pointer list (a, b, then source.params)
+        params = list(self.source.params)
+        self._map_at = tuple(2 + params.index(n) for n in self._tma_out_names + self._tma_load_names)
 
     @property
     def problem(self) -> GemmProblem:
@@ -119,20 +122,21 @@ class GemmKernel:
         """Outputs the kernel writes through a TMA tensor map (they need 16-byte alignment)."""
         return self._tma_out_names
 
-    def _tensor_maps(self, a, b, out=None, loads: tuple = ()) -> tuple[bytes, ...]:
-        key = (a.data_ptr(), b.data_ptr(), None if out is None else out.data_ptr()) + tuple(t.data_ptr() for t in loads)
+    def _tensor_maps(self, a: int, b: int, out: int | None = None, loads: tuple = ()) -> tuple[bytes, ...]:
+        """The tensor maps for these pointers (A, B, the TMA-stored output, TMA-loaded operands)."""
+        key = (a, b, out) + tuple(loads)
         hit = self._maps.get(key)
         if hit is not None:
             return hit
         p, src = self.problem, self.source
         e = 2
-        amap = encode_tma(a.data_ptr(), p.dtype, (p.k, p.m, p.batch), (p.k * e, p.m * p.k * e),
+        amap = encode_tma(a, p.dtype, (p.k, p.m, p.batch), (p.k * e, p.m * p.k * e),
                           (src.a_box[0], src.a_box[1], 1), int(src.swizzle))
         if p.b_major == "K":
             bdims, bstr = (p.k, p.n, p.batch), (p.k * e, p.n * p.k * e)
         else:
             bdims, bstr = (p.n, p.k, p.batch), (p.n * e, p.k * p.n * e)
-        bmap = encode_tma(b.data_ptr(), p.dtype, bdims, bstr, (src.b_box[0], src.b_box[1], 1), int(src.swizzle))
+        bmap = encode_tma(b, p.dtype, bdims, bstr, (src.b_box[0], src.b_box[1], 1), int(src.swizzle))
         maps = (amap, bmap)
         if src.c_box is not None:
             # the output tile: [batch, M, N] of the epilogue's one 16-bit output, stored in
@@ -142,7 +146,7 @@ class GemmKernel:
             n_out = buf.shape[-1]
             for t, dt in [(out, buf.dtype)] + [(x, self._ep.buffer(nm).dtype) for x, nm in zip(loads, self._tma_load_names)]:
                 oe = dtypes.itemsize(dt)
-                maps += (encode_tma(t.data_ptr(), dt, (n_out, p.m, p.batch), (n_out * oe, p.m * n_out * oe),
+                maps += (encode_tma(t, dt, (n_out, p.m, p.batch), (n_out * oe, p.m * n_out * oe),
                                     (src.c_box[0], src.c_box[1], 1), int(gemm_sm90.STORE_SWIZZLE)),)
         if len(self._maps) > 64:
             self._maps.clear()
@@ -201,8 +205,6 @@ class GemmKernel:
         Tables the kernel reads column-permuted (source.packed_tables) are given as the
         epilogue indexes them and permuted here on every call, except those named in
         `prepacked`, given already through gemm_sm90.pack_table."""
-        from cuda.bindings import driver
-
         sa, sb = self.operand_shapes()
         self._check("a", a, sa, self.problem.dtype)
         self._check("b", b, sb, self.problem.dtype)
@@ -232,14 +234,23 @@ class GemmKernel:
             if tensors[name].device != a.device or b.device != a.device:
                 raise ValueError(f"GEMM {self.source.name}: all tensors must be on {a.device}")
             ptrs.append(tensors[name].data_ptr())
-        device = a.get_device()
+        self.launch_ptrs(a.get_device(), ptrs)
+        return next(iter(outs.values())) if len(outs) == 1 else outs
+
+    def launch_ptrs(self, device: int, ptrs) -> None:
+        """Launch on `device`'s current stream on raw pointers: A, B, then the epilogue's
+        parameters in `source.params` order; for a caller that allocated or checked the tensors
+        itself (a compiled program's runner): nothing is checked here."""
+        from cuda.bindings import driver
+
         module, func, grid, cfg = self._loaded.get(device) or self._load(device)
         handle = _raw_stream(device)
         key = (tuple(ptrs), handle) if self._split else tuple(ptrs)
         args = self._args.get(key)
         if args is None:  # encode the tensor maps and build the argument block once per pointer set
-            tma_out = tensors[self._tma_out_names[0]] if self._tma_out_names else None
-            maps = self._tensor_maps(a, b, tma_out, tuple(tensors[x] for x in self._tma_load_names))
+            at = self._map_at
+            tma_out = ptrs[at[0]] if self._tma_out_names else None
+            maps = self._tensor_maps(ptrs[0], ptrs[1], tma_out, tuple(ptrs[i] for i in at[len(self._tma_out_names):]))
             bufs = [ctypes.create_string_buffer(m, 128) for m in maps]
             vals = [ctypes.c_void_p(p) for p in ptrs[2:]]
             if self._split:
@@ -260,7 +271,6 @@ class GemmKernel:
             err = driver.cuLaunchKernelEx(cfg, func, args[0], 0)
         if err[0] != driver.CUresult.CUDA_SUCCESS:
             _drv(err, f"launch of {self.source.name}")
-        return next(iter(outs.values())) if len(outs) == 1 else outs
 
 
 def compile_gemm(problem: GemmProblem, schedule: GemmSchedule | None = None, arch: str = "sm_90a") -> GemmKernel:

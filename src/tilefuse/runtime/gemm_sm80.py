@@ -43,8 +43,6 @@ class Sm80GemmKernel(GemmKernel):
     def __call__(self, a, b, *, prepacked=(), **tensors):
         """Run; outputs not passed are allocated. Returns the output, or a dict of outputs.
         (`prepacked` as the sm_90a kernel takes it: this template reads no table packed.)"""
-        from cuda.bindings import driver
-
         sa, sb = self.operand_shapes()
         self._check("a", a, sa, self.problem.dtype)
         self._check("b", b, sb, self.problem.dtype)
@@ -71,7 +69,13 @@ class Sm80GemmKernel(GemmKernel):
             if tensors[name].device != a.device:
                 raise ValueError(f"GEMM {self.source.name}: all tensors must be on {a.device}")
             ptrs.append(tensors[name].data_ptr())
-        device = a.get_device()
+        self.launch_ptrs(a.get_device(), ptrs)
+        return next(iter(outs.values())) if len(outs) == 1 else outs
+
+    def launch_ptrs(self, device: int, ptrs) -> None:
+        """Launch on raw pointers (A, B, then `source.params`), checked by the caller."""
+        from cuda.bindings import driver
+
         _, func = self._loaded.get(device) or self._load(device)
         vals = [ctypes.c_void_p(p) for p in ptrs]
         params = (ctypes.c_void_p * len(vals))(*[ctypes.addressof(x) for x in vals])
@@ -80,7 +84,6 @@ class Sm80GemmKernel(GemmKernel):
                                     ctypes.addressof(params), 0)
         if err[0] != driver.CUresult.CUDA_SUCCESS:
             _drv(err, f"launch of {self.source.name}")
-        return next(iter(outs.values())) if len(outs) == 1 else outs
 
 
 def _arch(arch: str | None) -> str:

@@ -357,7 +357,8 @@ def strided_view(n: ir.View, x: torch.Tensor) -> torch.Tensor:
         return x.expand(n.type.shape)
     if n.op == "slice":
         dim, start, end, step = n.params
-        return x.narrow(dim, start, end - start)[(slice(None),) * dim + (slice(None, None, step),)]
+        x = x.narrow(dim, start, end - start)
+        return x if step == 1 else x[(slice(None),) * dim + (slice(None, None, step),)]
     raise ValueError(f"unknown view {n.op}")
 
 

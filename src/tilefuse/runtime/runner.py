@@ -14,6 +14,7 @@ is one it has not seen.
 from __future__ import annotations
 
 import math
+import operator
 
 import torch
 
@@ -223,21 +224,61 @@ class _Alias:
 
 
 class _Extern:
-    __slots__ = ("node", "index", "dst", "dtype", "shape", "strided")
+    """One node run in PyTorch. Its call is bound when the runner is built (the torch op looked
+    up, each argument an index into the environment): a decode step runs ~30 of these, and
+    resolving them per call cost about as much as the op (bench/thin_path.py)."""
+
+    __slots__ = ("node", "index", "dst", "dtype", "shape", "strided", "call")
 
     def __init__(self, node, index, dst, strided: bool = False):
         self.node, self.index, self.dst = node, index, dst
         self.dtype, self.shape = dtypes.to_torch(node.type.dtype), node.type.shape
         self.strided = strided
+        self.call = _bound_extern(node, index, strided)
 
     def __call__(self, env):
-        from .program import run_extern, strided_view
+        out = self.call(env)
+        if not self.strided:  # (a view for attention, fusion.attention_only_views, is taken as it is)
+            if out.dtype != self.dtype:
+                out = out.to(self.dtype)
+            if out.shape != self.shape:
+                out = out.reshape(self.shape)
+        env[self.dst] = out
 
-        if self.strided:  # a view for attention (fusion.attention_only_views)
-            env[self.dst] = strided_view(self.node, env[self.index[self.node.arg]])
-            return
-        out = run_extern(self.node, lambda a: env[self.index[a]])
-        env[self.dst] = out.to(self.dtype).reshape(self.shape)
+
+def _bound_extern(n, index: dict, strided: bool):
+    """env -> the node's value in PyTorch, as program.run_extern computes it."""
+    from .program import run_extern, strided_view
+
+    if isinstance(n, ir.View):
+        i, shape = index[n.arg], n.type.shape
+        if strided:
+            return lambda env: strided_view(n, env[i])
+        if n.op == "reshape":
+            return lambda env: env[i].reshape(shape)
+        return lambda env: strided_view(n, env[i]).contiguous()
+    if isinstance(n, ir.Extern):
+        fn = n.torch_op()
+        args = _binder(n.args, index)
+        if not n.kwargs:
+            return lambda env: fn(*args(env))
+        kwargs = tuple((k, _binder(v, index)) for k, v in n.kwargs)
+        return lambda env: fn(*args(env), **{k: v(env) for k, v in kwargs})
+    return lambda env: run_extern(n, lambda a: env[index[a]])
+
+
+def _binder(a, index: dict):
+    """env -> an extern argument with each Ref replaced by its tensor (tuples as lists, as
+    program._resolved gives them)."""
+    if isinstance(a, ir.Ref):
+        return operator.itemgetter(index[a.name])
+    if isinstance(a, tuple):
+        if not any(isinstance(x, (ir.Ref, tuple)) for x in a):
+            value = list(a)
+            return lambda env: list(value)
+        parts = tuple(_binder(x, index) for x in a)
+        return lambda env: [f(env) for f in parts]
+    return lambda env: a
 
 
 _IN, _OUT = 0, 1
@@ -296,7 +337,8 @@ class _Gemm:
     """One generated GEMM: A and B viewed as the GEMM reads them, the epilogue's operands and
     outputs by name."""
 
-    __slots__ = ("gk", "a", "b", "ashape", "bshape", "operands", "outs", "device", "poison", "packed", "fixed")
+    __slots__ = ("gk", "a", "b", "ashape", "bshape", "operands", "outs", "device", "poison", "packed", "fixed",
+                 "order", "index", "per_call")
 
     def __init__(self, gk, lowered, g: ir.Graph, slot, device: torch.device, poison: bool):
         s = lowered.spec
@@ -311,8 +353,16 @@ class _Gemm:
         self.packed = {b.buffer: tables[b.buffer] for b in lowered.bindings
                        if b.buffer in tables and isinstance(g[b.tensor], (ir.Weight, ir.Constant))}
         self.fixed: dict = {}
+        self.per_call = any(name not in self.packed for name in tables)  # packed by the checked call, each call
         self.outs = tuple((b.buffer, slot(b.tensor), g[b.tensor].type.shape, b.shape,
                            dtypes.to_torch(lowered.epilogue.buffer(b.buffer).dtype)) for b in outs)
+        # the kernel's parameters in its order: (is an output, env index, shape, dtype, the name
+        # where it is a table packed once, else None)
+        made = {name: (i, shape, dtype) for name, i, shape, _, dtype in self.outs}
+        given = {name: (i, shape) for name, i, shape in self.operands}
+        self.order = tuple((True, *made[n], None) if n in made else (False, *given[n], None, n if n in self.packed else None)
+                           for n in gk.source.params)
+        self.index = device.index if device.index is not None else torch.cuda.current_device()
 
     @staticmethod
     def _operand(t, shape):
@@ -321,7 +371,39 @@ class _Gemm:
             t = t.contiguous() if not t.is_contiguous() else t.clone()
         return t
 
+    @staticmethod
+    def _ptr(t, shape, keep: list) -> int:
+        """The pointer the kernel reads `t` at: its own where it is contiguous and 16-byte aligned
+        (a reshape of it would share it), else a copy's, kept alive until the launch is queued."""
+        if t.is_contiguous():
+            p = t.data_ptr()
+            if not p % 16:
+                return p
+        t = _Gemm._operand(t, shape)
+        keep.append(t)
+        return t.data_ptr()
+
     def __call__(self, env):
+        """Pointers in the kernel's parameter order and one launch: the runner's tensors have the
+        graph's shapes and dtypes, so nothing is checked per call (`GemmKernel.__call__` would,
+        ~25 us of a decode step's GEMM: bench/thin_path.py)."""
+        if self.per_call or len(self.fixed) < len(self.packed):  # tables to pack: the checked call packs them
+            return self._checked(env)
+        keep: list = []
+        ptrs = [self._ptr(env[self.a], self.ashape, keep), self._ptr(env[self.b], self.bshape, keep)]
+        for made, i, shape, dtype, packed in self.order:
+            if made:
+                t = env[i] = torch.empty(shape, dtype=dtype, device=self.device)
+                if self.poison:
+                    t.fill_(float("nan"))
+                ptrs.append(t.data_ptr())
+            elif packed is not None:
+                ptrs.append(self.fixed[packed].data_ptr())
+            else:
+                ptrs.append(self._ptr(env[i], shape, keep))
+        self.gk.launch_ptrs(self.index, ptrs)
+
+    def _checked(self, env):
         kw = {name: self._operand(env[i], shape) for name, i, shape in self.operands}
         for name, w in self.packed.items():
             if name not in self.fixed:
