@@ -560,3 +560,65 @@ def test_gemm_glue_takes_the_checked_call_where_the_kernel_packs_a_table_each_ca
            for n in sorted(slots, key=slots.get)]
     op(env)
     assert gk.launches == [] and len(gk.calls) == 1
+
+
+def _alias_ops(p):
+    from tilefuse.runtime.runner import _Alias
+
+    return [op for op in p.runner("cpu").ops if isinstance(op, _Alias)]
+
+
+def test_reshapes_only_kernels_read_run_no_step_and_results_are_unchanged():
+    """A reshape between two kernels (or between reshapes and a kernel) is read through: the
+    kernel takes the source, whose elements are the reshape's in the same order."""
+    from tilefuse.runtime.runner import read_through_aliases
+
+    x = torch.randn(4, 6, 8)
+    fn = lambda a: torch.softmax((a * 2).reshape(4, 48).reshape(8, 24), -1)  # noqa: E731
+    p = _prog(fn, x)
+    aliases = [s.nodes[0] for s in p.plan.steps if s.family == "alias"]
+    assert aliases, "the plan has reshapes between its kernels"
+    assert set(read_through_aliases(p.graph, p.plan)) == set(aliases)
+    assert _alias_ops(p) == []
+    torch.testing.assert_close(p(x), fn(x))
+
+
+def test_a_reshape_that_is_a_result_or_read_by_an_extern_still_runs():
+    """Kept: a reshape the program returns (the caller gets its shape) and one a PyTorch op
+    reads (the op sees the tensor as the graph has it)."""
+    from tilefuse.graph import ir
+    from tilefuse.runtime.runner import read_through_aliases
+
+    x = torch.randn(4, 6, 8)
+
+    def fn(a):
+        return (a * 2).reshape(4, 48), torch.cumsum((a + 1).reshape(24, 8), 0)  # cumsum: an extern
+
+    p = _prog(fn, x)
+    g = p.graph
+    extern_reads = {a for s in p.plan.steps if s.family == "extern" for a in ir.node_args(g[s.nodes[0]])}
+    aliases = {s.nodes[0] for s in p.plan.steps if s.family == "alias"}
+    assert aliases & set(g.results) and aliases & extern_reads, "a returned reshape and one an extern reads"
+    assert not (aliases & (set(g.results) | extern_reads)) & set(read_through_aliases(g, p.plan))
+    assert len(_alias_ops(p)) == len(aliases & (set(g.results) | extern_reads))
+    for got, want in zip(p(x), fn(x)):
+        torch.testing.assert_close(got, want)
+        assert got.shape == want.shape
+
+
+def test_a_reshape_of_a_written_input_is_not_read_through():
+    """Of a strided input the program also writes, a reshape is a copy taken before the write:
+    a kernel reading the source instead would see the new value. (Capture refuses a view taken
+    before a write, so the plan is made by hand.)"""
+    from tilefuse.graph import ir
+    from tilefuse.graph.fusion import Plan, Step
+    from tilefuse.runtime.runner import read_through_aliases
+
+    t12, t34 = ir.TensorType((12,), "f32"), ir.TensorType((3, 4), "f32")
+    nodes = (ir.Input("c", t34), ir.View("r", t12, "reshape", "c", (12,)), ir.Map("y", t12, "exp", ("r",)),
+             ir.Map("c2", t34, "neg", ("c",)))
+    steps = [Step("alias_r", "alias", ["r"]), Step("k_y", "mapreduce", ["y"]), Step("k_c2", "mapreduce", ["c2"])]
+    written = ir.Graph(nodes, ("c",), ("y", "c2"), {}, ("c",))
+    assert read_through_aliases(written, Plan(written, steps)) == {}
+    unwritten = ir.Graph(nodes, ("c",), ("y", "c2"), {})
+    assert read_through_aliases(unwritten, Plan(unwritten, steps)) == {"r": "c"}

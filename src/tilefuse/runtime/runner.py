@@ -73,6 +73,34 @@ def _in_place_op(target: str):
     return getattr(getattr(torch.ops.aten, op + "_", None), overload, None) if ns == "aten" else None
 
 
+def read_through_aliases(graph: ir.Graph, plan) -> dict[str, str]:
+    """Alias steps (free reshapes) that only kernels and other reshapes read, alias -> its
+    source: a kernel takes each input by pointer (or a contiguous copy of a strided one) and
+    reads it in its own shape, and a reshape of a reshape is one of the source, so the source
+    serves them as well and the runner runs no step for it (each reshape cost ~3-5 us of host
+    time, ~40 a decode step: bench/thin_path.py). Kept: a result, a written input's new value,
+    and a reshape of a written input (of a strided one, a reshape is a copy taken before the
+    write)."""
+    alias = {s.nodes[0]: graph[s.nodes[0]].arg for s in plan.steps if s.family == "alias"}
+    if not alias:
+        return {}
+    step_of = {n: s for s in plan.steps for n in s.nodes}
+    users = graph.users()
+    kept = set(graph.results) | {v for _, v in graph.written}
+
+    def root(a: str) -> str:
+        while a in alias:
+            a = alias[a]
+        return a
+
+    def free(a: str) -> bool:
+        return (a not in kept and root(a) not in graph.writes and bool(users[a])
+                and all(u in alias or (u in step_of and step_of[u].family in ("mapreduce", "gemm"))
+                        for u in users[a]))
+
+    return {a: src for a, src in alias.items() if free(a)}
+
+
 def alias_root(plan, name: str) -> str:
     """Follow alias steps (free reshapes) back to the tensor whose memory `name` views."""
     src = {}
@@ -111,8 +139,11 @@ class Runner:
         for name in g.inputs:
             index[name] = len(index)
         base: list = [None] * len(index)
+        skipped = read_through_aliases(g, plan)
 
         def slot(name: str) -> int:
+            while name in skipped:  # a kernel reads the reshape's source: the same elements, in order
+                name = skipped[name]
             if name not in index:
                 index[name] = len(base)
                 base.append(None)
@@ -129,7 +160,8 @@ class Runner:
         for step in plan.steps:
             if step.family == "alias":
                 n = g[step.nodes[0]]
-                self.ops.append(_Alias(slot(n.arg), slot(n.name), n.type.shape))
+                if n.name not in skipped:
+                    self.ops.append(_Alias(slot(n.arg), slot(n.name), n.type.shape))
             elif step.family == "extern" and step.nodes[0] in in_place:
                 n = g[step.nodes[0]]
                 self.ops.append(_InPlace(n, {a: slot(a) for a in ir.node_args(n)}, slot(n.name)))
