@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import tilefuse.runtime.program as program_mod
+from tilefuse.check import compare, float64_reference
 from tilefuse.compiler import compile_stages
 from tilefuse.runtime.program import _packer
 from tilefuse.runtime.runner import Runner, alias_root, cloned_outputs, signature
@@ -376,7 +377,10 @@ def test_a_slice_with_a_step_on_the_last_dim_is_copied_for_attention():
     views = {s.nodes[0] for s in p.plan.steps if s.view}
     slices = {n.name for n in p.graph.nodes if isinstance(n, ir.View) and n.op == "slice"}
     assert slices and not (slices & views)
-    torch.testing.assert_close(p(*ins), _strided_split_attention(*ins), atol=1e-5, rtol=1e-5)
+    # DESIGN.md's 2x rule: f32 attention summed in another order than eager's (a fixed 1e-5
+    # bound failed about 1 run in 40 on fresh random inputs)
+    c = compare("attention", p(*ins), float64_reference(_strided_split_attention, ins), _strided_split_attention(*ins))
+    assert c.ok, c
 
 
 # -- weights changed after compiling ------------------------------------------------------------------
