@@ -450,3 +450,17 @@ def test_a_bad_memory_limit_in_the_environment_warns_once_and_keeps_the_default(
             x = torch.randn(4, 16)
             _close(g([x, W]), _ref(x, W))
     assert g.stats["captures"] == 1
+
+
+def test_the_allocator_cache_is_emptied_before_a_capture_only_where_memory_is_short():
+    """A capture takes new segments for its pool and cannot reclaim cached blocks meanwhile: with
+    under a quarter of the device free to the driver the cache is emptied first; otherwise not
+    (emptying costs a device sync and frees every cached segment, each capture)."""
+    from tilefuse.runtime import graphs
+
+    emptied = []
+    gib = 1 << 30
+    assert not graphs.release_if_tight("cuda:0", info=lambda d: (40 * gib, 80 * gib), empty=lambda: emptied.append(1))
+    assert emptied == []
+    assert graphs.release_if_tight("cuda:0", info=lambda d: (10 * gib, 80 * gib), empty=lambda: emptied.append(1))
+    assert emptied == [1]

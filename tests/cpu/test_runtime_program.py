@@ -626,3 +626,47 @@ def test_a_reshape_of_a_written_input_is_not_read_through():
     assert read_through_aliases(written, Plan(written, steps)) == {}
     unwritten = ir.Graph(nodes, ("c",), ("y", "c2"), {})
     assert read_through_aliases(unwritten, Plan(unwritten, steps)) == {"r": "c"}
+
+
+def _strided_input():
+    return torch.randn(3, 2, 4).permute(1, 0, 2)  # shape (2, 3, 4), not contiguous
+
+
+def test_a_reshape_a_kept_reshape_reads_still_runs_on_a_strided_input():
+    """Of a strided input, `a.reshape(24)` is a contiguous copy and a reshape of it views that
+    copy, as in eager: an extern that reads storage (as_strided, view_as) sees the copy, and a
+    returned reshape is contiguous and apart from the caller's tensor. Read through, the kept
+    reshape would view the caller's tensor."""
+    import warnings
+
+    def fn(a, b):
+        r1 = a.reshape(24)  # read by a kernel and by kept reshapes
+        r2 = r1.reshape(2, 3, 2, 2)
+        return r1 * 2, r2.as_strided((6, 4), (4, 1)) + 0, r2.view_as(b) + 0, r2
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        p = _prog(fn, torch.randn(2, 3, 4), torch.randn(6, 4))
+        x, b = _strided_input(), torch.randn(6, 4)
+        want = [t.clone() for t in fn(x, b)]
+        got = p(x, b)
+    for g_, w_ in zip(got, want):
+        torch.testing.assert_close(g_, w_)
+    assert got[3].is_contiguous()
+    x.zero_()  # the caller reuses its tensor: the returned reshape keeps its values
+    torch.testing.assert_close(got[3], want[3])
+
+
+def test_an_extern_result_is_returned_without_autograd_history():
+    """A compiled program has no backward: a result an extern made (cat of an input that
+    requires grad) comes back detached, as a CUDA-graph replay's does, not with a grad_fn
+    covering only the cat (a backward through it would give x.grad = 1 where eager gives 3)."""
+    import warnings
+
+    fn = lambda a: torch.cat([a, a * 2])  # noqa: E731  (cat: an extern; a * 2: a kernel)
+    p = _prog(fn, torch.randn(4, 6))
+    assert {s.family for s in p.plan.steps} == {"mapreduce", "extern"}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (the program's no-gradient warning)
+        out = p(torch.randn(4, 6, requires_grad=True))
+    assert not out.requires_grad and out.grad_fn is None

@@ -43,6 +43,9 @@ device has less than an eighth of its memory free, new captures are skipped and 
 the thin path (`stats["over_budget"]`, one warning a process). The check comes before a capture,
 whose size is known only after it, so the capture reaching the limit may pass it by its own
 size. A slot's bytes return to the limit when it is dropped (its program freed, or evicted).
+A capture does not empty the allocator's cache first (as `torch.cuda.graph` does, ~10 ms a
+capture with the synchronize and collect around it) unless the device is short of memory
+(`release_if_tight`).
 
 A call made while the caller is capturing a CUDA graph of its own runs the thin path, so
 its launches land in the caller's graph. Graphs are off on CPU devices, for programs with a step that cannot be captured (an extern
@@ -269,7 +272,9 @@ def capture_cuda(runner, tensors, direct):
         # capture_begin/capture_end, not `torch.cuda.graph`: its entry synchronizes the device,
         # runs a full gc.collect() and empties the allocator's cache, ~10 ms a capture with a
         # transformers model loaded (bench/LOG_blocks.md, session 35), once per decode size. The
-        # collector is held off instead, so no finalizer runs inside the capture.
+        # collector is held off instead, so no finalizer runs inside the capture; the cache is
+        # emptied only where the device is short of memory (`release_if_tight`).
+        release_if_tight(device)
         collecting = gc.isenabled()
         gc.disable()
         try:
@@ -291,6 +296,22 @@ def capture_cuda(runner, tensors, direct):
             if collecting:
                 gc.enable()
     return graph.replay, outs, static, max(pool, 0)
+
+
+TIGHT = 0.25  # of the device: below this much free to the driver, the cache is emptied before a capture
+
+
+def release_if_tight(device, info=None, empty=None) -> bool:
+    """Give the caching allocator's unused blocks back to the driver before a capture where the
+    device has under TIGHT of its memory free: the graph's private pool takes new segments, and
+    during a capture the allocator does not free cached blocks to make room for them, so a
+    capture could fail for memory the process holds unused (`GraphMemory.room` counts it free).
+    Returns whether it emptied the cache. `info`, `empty`: stand-ins for tests."""
+    free, total = (info or torch.cuda.mem_get_info)(device)
+    if free >= TIGHT * total:
+        return False
+    (empty or torch.cuda.empty_cache)()
+    return True
 
 
 class CudaStreams:

@@ -74,13 +74,12 @@ def _in_place_op(target: str):
 
 
 def read_through_aliases(graph: ir.Graph, plan) -> dict[str, str]:
-    """Alias steps (free reshapes) that only kernels and other reshapes read, alias -> its
+    """Alias steps (free reshapes) that only kernels and other such reshapes read, alias -> its
     source: a kernel takes each input by pointer (or a contiguous copy of a strided one) and
-    reads it in its own shape, and a reshape of a reshape is one of the source, so the source
-    serves them as well and the runner runs no step for it (each reshape cost ~3-5 us of host
-    time, ~40 a decode step: bench/thin_path.py). Kept: a result, a written input's new value,
-    and a reshape of a written input (of a strided one, a reshape is a copy taken before the
-    write)."""
+    reads it in its own shape, so the source serves it as well and the runner runs no step for
+    it (each reshape cost ~3-5 us of host time, ~40 a decode step: bench/thin_path.py). Kept: a
+    result, a written input's new value, and a reshape of a written input (of a strided one, a
+    reshape is a copy taken before the write)."""
     alias = {s.nodes[0]: graph[s.nodes[0]].arg for s in plan.steps if s.family == "alias"}
     if not alias:
         return {}
@@ -93,10 +92,16 @@ def read_through_aliases(graph: ir.Graph, plan) -> dict[str, str]:
             a = alias[a]
         return a
 
+    memo: dict[str, bool] = {}
+
     def free(a: str) -> bool:
-        return (a not in kept and root(a) not in graph.writes and bool(users[a])
-                and all(u in alias or (u in step_of and step_of[u].family in ("mapreduce", "gemm"))
-                        for u in users[a]))
+        # (a reshape another kept reshape reads stays: of a strided source, the kept one must
+        # view the contiguous copy this one makes, not the caller's tensor)
+        if a not in memo:
+            memo[a] = (a not in kept and root(a) not in graph.writes and bool(users[a])
+                       and all((u in alias and free(u)) or (u in step_of and step_of[u].family in ("mapreduce", "gemm"))
+                               for u in users[a]))
+        return memo[a]
 
     return {a: src for a, src in alias.items() if free(a)}
 
@@ -211,8 +216,10 @@ def _unviewed(t: torch.Tensor) -> torch.Tensor:
     """`t` with no view base (same memory): the replay of a CUDA graph returns its outputs
     detached, and a call on this path must return the same kind of tensor. Dynamo guards the
     base of a view it is given (an output fed back, as a KV cache is): a graph traced on a
-    warm-up call's views failed its guards on replayed outputs and was traced again."""
-    return t.detach() if t._base is not None else t
+    warm-up call's views failed its guards on replayed outputs and was traced again. Nor
+    autograd history: an extern's output (a cat of an input that requires grad) would carry
+    one, and a backward through it would count only part of the program."""
+    return t.detach() if t._base is not None or t.requires_grad else t
 
 
 def _constant(n, device) -> torch.Tensor:
