@@ -1,7 +1,7 @@
 """Host time of a decode step on the thin path (each kernel and extern launched from Python, no
 CUDA graph), by kind of step, against eager's forward of the same step.
 
-    python3 bench/thin_path.py [--layers 4 --hidden 1024 --prompt 128 --new 16] [--json out.json]
+    python3 bench/thin_path.py [--layers 4 --hidden 1024 --prompt 128 --new 16] [--json out.json] [--device cpu]
 
 A random transformers LlamaForCausalLM in bf16 generates `--new` tokens through
 `torch.compile(backend=tilefuse)` with TILEFUSE_CUDA_GRAPHS=0, once to make every size, then
@@ -29,6 +29,7 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--new", type=int, default=16)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--device", default="cuda", help="cpu: check the script (kernels run in the interpreter)")
     args = ap.parse_args()
     os.environ["TILEFUSE_CUDA_GRAPHS"] = "0"
     sys.path.insert(0, os.environ.get("TILEFUSE_SRC", str(HERE.parent / "src")))
@@ -41,16 +42,17 @@ def main() -> None:
     torch.manual_seed(0)
     cfg = hf.config("llama", args.layers, args.hidden, seq=args.prompt + args.new + 8)
     cfg.use_cache = True
-    model = hf.causal_lm(cfg).to("cuda", torch.bfloat16).eval()
-    ids = torch.randint(0, cfg.vocab_size, (1, args.prompt), device="cuda")
+    model = hf.causal_lm(cfg).to(args.device, torch.bfloat16).eval()
+    ids = torch.randint(0, cfg.vocab_size, (1, args.prompt), device=args.device)
+    sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
     gen = dict(max_new_tokens=args.new, min_new_tokens=args.new, do_sample=False, pad_token_id=0)
 
     def timed_generate():
-        torch.cuda.synchronize()
+        sync()
         t0 = time.perf_counter()
         with torch.no_grad():
             model.generate(ids, **gen)
-        torch.cuda.synchronize()
+        sync()
         return (time.perf_counter() - t0) / args.new * 1e6
 
     # eager: the forward's host time per step (the hook pair brackets the module call)
@@ -110,7 +112,7 @@ def main() -> None:
     total = sorted(t for _, t in steps)[n_steps // 2] / 1e3
     # per forward (generate makes `new` of them: the prefill and new - 1 decode steps)
     rows = sorted(((k, by_kind[k] / args.new / 1e3, counts[k] / args.new) for k in by_kind), key=lambda r: -r[1])
-    result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "args": vars(args),
+    result = {"gpu": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "torch": torch.__version__, "args": vars(args),
               "eager_step_us": eager_step, "eager_forward_us": eager_fwd_us, "tilefuse_step_us": plain_step, "tilefuse_step_timed_us": tf_step,
               "runner_run_us": total, "runs": len(runs), "by_kind_us_per_forward": {k: [us, n] for k, us, n in rows}}
     if args.json:
