@@ -222,6 +222,11 @@ def _unviewed(t: torch.Tensor) -> torch.Tensor:
     return t.detach() if t._base is not None or t.requires_grad else t
 
 
+def _device_index(device: torch.device) -> int:
+    """The CUDA index a launch on `device` names ("cuda" alone: the current one)."""
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 def _constant(n, device) -> torch.Tensor:
     tdtype = dtypes.to_torch(n.type.dtype)
     if isinstance(n, ir.Constant):
@@ -236,19 +241,16 @@ class _InPlace:
     """An extern whose result is a written input's new value, run as its in-place op on that
     input (runner.in_place_writes): the result is the input tensor itself."""
 
-    __slots__ = ("op", "node", "index", "dst")
+    __slots__ = ("op", "node", "index", "dst", "args", "kwargs")
 
     def __init__(self, node, index, dst):
         self.node, self.index, self.dst = node, index, dst
         self.op = _in_place_op(node.target)
+        self.args, self.kwargs = _bound_args(node, index)
 
     def __call__(self, env):
-        from .program import _resolved
-
-        get = lambda a: env[self.index[a]]  # noqa: E731
-        kwargs = {k: _resolved(v, get) for k, v in self.node.kwargs}
-        args = _resolved(self.node.args, get)
-        self.op(*args, **kwargs)
+        args = self.args(env)
+        self.op(*args, **self.kwargs(env))
         env[self.dst] = args[0]
 
 
@@ -298,12 +300,15 @@ def _bound_extern(n, index: dict, strided: bool):
         return lambda env: strided_view(n, env[i]).contiguous()
     if isinstance(n, ir.Extern):
         fn = n.torch_op()
-        args = _binder(n.args, index)
-        if not n.kwargs:
-            return lambda env: fn(*args(env))
-        kwargs = tuple((k, _binder(v, index)) for k, v in n.kwargs)
-        return lambda env: fn(*args(env), **{k: v(env) for k, v in kwargs})
+        args, kwargs = _bound_args(n, index)
+        return lambda env: fn(*args(env), **kwargs(env))
     return lambda env: run_extern(n, lambda a: env[index[a]])
+
+
+def _bound_args(n: ir.Extern, index: dict):
+    """(env -> positional arguments, env -> keyword arguments) of an aten extern."""
+    kwargs = tuple((k, _binder(v, index)) for k, v in n.kwargs)
+    return _binder(n.args, index), lambda env: {k: v(env) for k, v in kwargs}
 
 
 def _binder(a, index: dict):
@@ -344,7 +349,7 @@ class _Launch:
         if [b.buffer for b in lowered.bindings] != [b.name for b in k.params]:
             raise AssertionError(f"kernel {k.name}: bindings are not in parameter order")
         self.ck, self.params, self.device, self.poison = ck, tuple(params), device, poison
-        self.index = device.index if device.index is not None else torch.cuda.current_device()
+        self.index = _device_index(device)
         # a grid reduction's counters, partials and per-row values: made (zeroed) with the runner,
         # one per program and device, so two programs never share counters; the kernel leaves
         # the counters at zero, so launches and CUDA-graph replays need no memset
@@ -401,7 +406,7 @@ class _Gemm:
         given = {name: (i, shape) for name, i, shape in self.operands}
         self.order = tuple((True, *made[n], None) if n in made else (False, *given[n], None, n if n in self.packed else None)
                            for n in gk.source.params)
-        self.index = device.index if device.index is not None else torch.cuda.current_device()
+        self.index = _device_index(device)
 
     @staticmethod
     def _operand(t, shape):
