@@ -222,6 +222,8 @@ def _heuristic_schedule(problem: GemmProblem, sms: int) -> GemmSchedule:
 def _plain_schedule(problem: GemmProblem, sms: int) -> GemmSchedule:
     """_heuristic_schedule's pick, partials aside."""
     m, n = problem.m, problem.n
+    if m <= SMALL_M and problem.batch == 1:
+        return _small_m_schedule(problem, sms)
     big = GemmSchedule(128, 256, stages=4)
     candidates = [big, GemmSchedule(128, 128, stages=6),
                   GemmSchedule(128, 64, stages=8, consumers=2, tma_store=False),
@@ -239,6 +241,30 @@ def _plain_schedule(problem: GemmProblem, sms: int) -> GemmSchedule:
                                           problem)
             return _with_stream_k(_with_split(s, problem, sms), problem, sms)
     return _with_split(candidates[-1], problem, sms)
+
+
+SMALL_M = 64          # rows one 64-row tile holds: below this the GEMM streams B (decode's projections)
+WIDE_SMALL_M_TILES = 32  # 64x256 tiles where N makes at least this many, else 64x128 (64x64 for N < 2048)
+
+
+def _small_m_schedule(problem: GemmProblem, sms: int) -> GemmSchedule:
+    """Where one 64-row tile holds all of M, the time is B's bytes streamed through the SMs;
+    tiles are counted by how they spread those bytes, not by waves of MMA work. H200 sweep
+    (bench/LOG_gemm.md, session 37; us, cuBLAS in brackets):
+    - 64x256 tiles, 5 stages, where N makes >= 32 of them: the stage's 32 KB of B to 8 KB of
+      A (rows past M are TMA's zero fill) and fewer barrier rounds per byte. 1x22016x4096 52.3
+      (47.9) against 64.5 with 64x128 and 84.7 with the old pick (128x128, stream-K);
+      1x11008x4096 32.5 (26.3) against 66.8; 1x32000x4096 67.3 (69.5) against 86.0;
+    - else 64x128 (64x64 where N < 2048: more CTAs), 8 (12) stages, split-K as _with_split
+      allows: 1x4096x4096 17.1 (15.5) with 4 slices against 19.8 with 64x64 and 2;
+      1x4096x11008 32.7 (29.5) against 40.0; 1x5632x1024 8.9 (8.7) whole.
+    Stores go straight from registers (a one-row tile has nothing for TMA to gather)."""
+    wide = GemmSchedule(64, 256, stages=5, consumers=1, tma_store=False)
+    if -(-problem.n // wide.bn) >= WIDE_SMALL_M_TILES:
+        return _with_stream_k(wide, problem, sms)
+    s = (GemmSchedule(64, 128, stages=8, consumers=1, tma_store=False) if problem.n >= 2048 else
+         GemmSchedule(64, 64, stages=12, consumers=1, tma_store=False))
+    return _with_split(s, problem, sms)
 
 
 TMA_RESIDUAL_MAX_K_STEPS = 32   # the residual by TMA (3 stages) where K takes at most this many steps
