@@ -228,15 +228,16 @@ def test_default_splits_k_only_where_tiles_leave_half_the_sms_idle():
 
 def test_a_short_m_streams_b_through_64_row_tiles():
     """Where one 64-row tile holds all of M (decode), the default takes 64-row tiles on one
-    consumer storing from registers: 64x256 where N makes >= 32 of them (the widest stage of B
+    consumer storing from registers: 64x256 where N makes >= 40 of them (the widest stage of B
     per barrier round), else 64x128 (64x64 below N = 2048) with _with_split's slices; M = 65 and
     batched problems keep the wave rule's pick."""
     def pick(m, n, k, batch=1):
         s = g.default_schedule(g.GemmProblem(m, n, k, batch=batch))
         return s.bm, s.bn, s.consumers, s.tma_store, s.split_k
     assert pick(1, 22016, 4096) == (64, 256, 1, False, 1)     # 86 tiles of 256
-    assert pick(64, 8192, 2048) == (64, 256, 1, False, 1)     # 32 tiles: the threshold
-    assert pick(1, 7936, 4096) == (64, 128, 1, False, 2)      # 31 tiles of 256; 62 of 128 x 2 slices
+    assert pick(64, 10240, 2048) == (64, 256, 1, False, 1)    # 40 tiles: the threshold
+    assert pick(1, 9728, 4096) == (64, 128, 1, False, 1)      # 38 tiles of 256; 76 of 128, too many to slice
+    assert pick(1, 8192, 4096) == (64, 128, 1, False, 2)      # 64 tiles of 128 x 2 slices
     assert pick(1, 4096, 4096) == (64, 128, 1, False, 4)      # 32 tiles x 4 slices of 16 K steps
     assert pick(1, 5632, 1024) == (64, 128, 1, False, 1)      # 16 K steps: too short to slice
     assert pick(1, 1024, 2816) == (64, 64, 1, False, 2)       # 16 tiles; 44 K steps make 2 slices of >= 16

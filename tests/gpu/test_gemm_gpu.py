@@ -11,7 +11,7 @@ import torch
 
 from tilefuse.check import rel_error
 from tilefuse.codegen import epilogue as epi
-from tilefuse.codegen.gemm_sm90 import GemmError, GemmProblem, GemmSchedule
+from tilefuse.codegen.gemm_sm90 import GemmError, GemmProblem, GemmSchedule, default_schedule
 from tilefuse.runtime.gemm import compile_gemm
 
 pytestmark = pytest.mark.gpu
@@ -374,6 +374,60 @@ def test_default_schedules_at_benchmark_shapes(shape):
     assert torch.isfinite(out).all(), "an element was not written"
     rows = torch.randperm(m, device="cuda")[:256]
     _passes(out[rows], a[rows].float() @ bt.float(), a[rows] @ bt)
+
+
+SMALL_M_CASES = [(1, 22016, 4096, "glu"), (1, 4096, 4096, "residual"), (16, 12288, 1024, "rope"),
+                 (1, 32000, 1024, "plain"), (3, 1024, 2816, "bias_gelu"), (64, 8192, 2048, "plain")]
+
+
+@pytest.mark.parametrize("m, n, k, kind", SMALL_M_CASES, ids=lambda x: str(x))
+def test_default_small_m_schedules_with_epilogues(m, n, k, kind):
+    """Decode's projections (M <= 64) on the default's short-M picks (64x256 wide, 64x128 with
+    4 K slices, 64x64 with 2): right within the 2x rule with each epilogue a decoder puts there,
+    outputs poisoned first, the same bits on a second launch."""
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+    ops, width = {}, n
+    if kind == "glu":
+        ep, width = epi.glu(m, n, "bf16"), n // 2
+    elif kind == "residual":
+        ep, ops["residual"] = epi.standard(m, n, "bf16", residual=True), torch.randn(m, n, device="cuda").bfloat16()
+    elif kind == "rope":
+        ang = torch.rand(m, n // 2, device="cuda") * 6.28
+        ep, ops["cos"], ops["sin"] = epi.rope(m, n, "bf16"), ang.cos(), ang.sin()
+    elif kind == "bias_gelu":
+        ep = epi.standard(m, n, "bf16", bias="col", activation="gelu")
+        ops["bias"] = torch.randn(n, device="cuda").bfloat16()
+    else:
+        ep = None
+    problem = GemmProblem(m, n, k, "bf16", epilogue=ep)
+    sched = default_schedule(problem)
+    assert (sched.bm, sched.consumers, sched.tma_store) == (64, 1, False)
+    g = compile_gemm(problem, sched)
+
+    def epilogue(y, lowp):
+        if kind == "glu":
+            return torch.nn.functional.silu(y[:, 0::2]) * y[:, 1::2]
+        if kind == "residual":
+            return y + (ops["residual"] if lowp else ops["residual"].float())
+        if kind == "rope":
+            y = y.float()
+            y0, y1, c, s_ = y[:, 0::2], y[:, 1::2], ops["cos"], ops["sin"]
+            r = torch.stack([y0 * c - y1 * s_, y0 * s_ + y1 * c], -1).reshape(m, n)
+            return r.bfloat16() if lowp else r
+        if kind == "bias_gelu":
+            return torch.nn.functional.gelu(y + (ops["bias"] if lowp else ops["bias"].float()))
+        return y
+
+    ref, lowp = epilogue(x.float() @ w.float().T, False), epilogue(x @ w.T, True)
+    first = None
+    for _ in range(2):
+        out = torch.full((m, width), float("nan"), device="cuda", dtype=torch.bfloat16)
+        g(x, w, out=out, **ops)
+        torch.cuda.synchronize()
+        _passes(out, ref, lowp)
+        assert first is None or torch.equal(out, first), "two launches gave different bits"
+        first = out
 
 
 ROPE_SCHEDULES = {"default": None, "tma-store": GemmSchedule(128, 256, stages=4, tma_store=True),

@@ -244,20 +244,23 @@ def _plain_schedule(problem: GemmProblem, sms: int) -> GemmSchedule:
 
 
 SMALL_M = 64          # rows one 64-row tile holds: below this the GEMM streams B (decode's projections)
-WIDE_SMALL_M_TILES = 32  # 64x256 tiles where N makes at least this many, else 64x128 (64x64 for N < 2048)
+WIDE_SMALL_M_TILES = 40  # 64x256 tiles where N makes at least this many, else 64x128 (64x64 for N < 2048)
 
 
 def _small_m_schedule(problem: GemmProblem, sms: int) -> GemmSchedule:
     """Where one 64-row tile holds all of M, the time is B's bytes streamed through the SMs;
     tiles are counted by how they spread those bytes, not by waves of MMA work. H200 sweep
     (bench/LOG_gemm.md, session 37; us, cuBLAS in brackets):
-    - 64x256 tiles, 5 stages, where N makes >= 32 of them: the stage's 32 KB of B to 8 KB of
+    - 64x256 tiles, 5 stages, where N makes >= 40 of them: the stage's 32 KB of B to 8 KB of
       A (rows past M are TMA's zero fill) and fewer barrier rounds per byte. 1x22016x4096 52.3
       (47.9) against 64.5 with 64x128 and 84.7 with the old pick (128x128, stream-K);
-      1x11008x4096 32.5 (26.3) against 66.8; 1x32000x4096 67.3 (69.5) against 86.0;
+      1x11008x4096 32.5 (26.3) against 66.8; 1x32000x4096 67.3 (69.5) against 86.0. Fewer
+      tiles leave SMs idle: 1x8192x4096 30.3 against 26.3 with 64x128 and 2 slices,
+      1x9728x4096 33.0 against 31.1; at 40 tiles (N = 10240) 33.1 against 33.7;
     - else 64x128 (64x64 where N < 2048: more CTAs), 8 (12) stages, split-K as _with_split
       allows: 1x4096x4096 17.1 (15.5) with 4 slices against 19.8 with 64x64 and 2;
-      1x4096x11008 32.7 (29.5) against 40.0; 1x5632x1024 8.9 (8.7) whole.
+      1x4096x11008 32.7 (29.5) against 40.0; 1x5632x1024 8.9 (8.7) whole. At M = 64 the old
+      64x64 with 2 slices stays ahead at 4096x4096 (16.3 against 17.5 us).
     Stores go straight from registers (a one-row tile has nothing for TMA to gather)."""
     wide = GemmSchedule(64, 256, stages=5, consumers=1, tma_store=False)
     if -(-problem.n // wide.bn) >= WIDE_SMALL_M_TILES:
