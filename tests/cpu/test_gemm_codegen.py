@@ -246,6 +246,28 @@ def test_a_short_m_streams_b_through_64_row_tiles():
     assert g.default_schedule(g.GemmProblem(1, 128256, 4096)).stream_k == 0   # 501 tiles: 5% of a wave idle
 
 
+def test_a_short_m_loads_only_its_rows_of_a():
+    """Where all of M fits one tile, TMA loads whole 8-row atoms of A up to M, and each stage
+    expects that many bytes: 1 KB of A at M = 1 instead of the tile's 8 KB. A tile row past M
+    reaches only accumulator rows that are never stored; with a cluster (A halves multicast)
+    or M filling tiles, the whole tile loads."""
+    def loaded(m, sched, n=512, k=256):
+        src = g.render(g.GemmProblem(m, n, k), sched)
+        tx = int(re.search(r"#define STAGE_TX (\d+)", src.source).group(1))
+        whole = int(re.search(r"#define STAGE_BYTES (\d+)", src.source).group(1))
+        assert "tf_bar_expect(full, STAGE_TX);" in src.source
+        return src.a_box, whole - tx
+    s64 = g.GemmSchedule(64, 128, stages=8, consumers=1, tma_store=False)
+    assert loaded(1, s64) == ((64, 8), 56 * 128)
+    assert loaded(20, s64) == ((64, 24), 40 * 128)
+    assert loaded(64, s64) == ((64, 64), 0)
+    assert loaded(100, g.GemmSchedule(128, 128, stages=6)) == ((64, 104), 24 * 128)
+    assert loaded(300, g.GemmSchedule(128, 128, stages=6)) == ((64, 128), 0)
+    assert loaded(1, g.GemmSchedule(64, 64, stages=8, consumers=1, cluster_m=2)) == ((64, 64), 0)
+    src = g.render(g.GemmProblem(1, 4096, 4096), g.GemmSchedule(64, 128, stages=8, consumers=1, split_k=4))
+    assert nvrtc.compile_cuda(src.source, src.name, "sm_90a").info.clean
+
+
 def test_problems_tma_cannot_read_are_refused_with_the_reason():
     with pytest.raises(g.GemmError, match="K=70"):
         g.render(g.GemmProblem(64, 64, 70))

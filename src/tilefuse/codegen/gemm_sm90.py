@@ -417,6 +417,16 @@ def _operand(mn: int, bk: int, major: str) -> _Operand:
     return _Operand(layout, major, box, boxes, step, desc, k_offsets, mn_stride)
 
 
+def a_rows(problem: GemmProblem, sched: GemmSchedule) -> int:
+    """Rows of A that TMA loads into a stage: where all of M fits one tile (a decode step's
+    M = 1), whole 8-row swizzle atoms up to M; the tile's other rows keep whatever the shared
+    memory held, which only reaches accumulator rows past M, never stored or reduced. Less to
+    fill per stage: 1 KB instead of 8 at M = 1."""
+    if problem.m >= sched.bm or sched.cluster_m > 1 or sched.cluster_n > 1:
+        return sched.bm
+    return -(-problem.m // 8) * 8
+
+
 # ---------------------------------------------------------------- the source
 
 
@@ -2005,7 +2015,7 @@ def render(problem: GemmProblem, sched: GemmSchedule | None = None) -> GemmSourc
     # With a cluster, each CTA loads half of B and multicasts it to both.
     b_box = b.box
     if CLN == 1:
-        a_box, a_load = a.box, "tf_tma_load(sa, &a_map, kt * BK, tm * BM, batch, full);"
+        a_box, a_load = (a.box[0], a_rows(problem, sched)), "tf_tma_load(sa, &a_map, kt * BK, tm * BM, batch, full);"
     else:  # each CTA of the pair loads half of the A tile's rows and multicasts it to both
         half = S.bm // 2
         a_box = (a.box[0], half)
@@ -2099,6 +2109,7 @@ def render(problem: GemmProblem, sched: GemmSchedule | None = None) -> GemmSourc
 #define CLUSTER {CL}
 #define A_BYTES {a.bytes}
 #define STAGE_BYTES {stage_bytes}
+#define STAGE_TX {stage_bytes - a.bytes + a_box[1] * 128 * (2 if CLN > 1 else 1)}
 #define DESC_A {a.desc.encode()}ULL
 #define DESC_B {b.desc.encode()}ULL
 
@@ -2141,7 +2152,7 @@ extern "C" __global__ void __launch_bounds__({S.threads}, 1)
         for ({k_range}) {{
           tf_bar_wait(bars + 8 * (STAGES + stage), phase ^ 1);
           const unsigned full = bars + 8 * stage;
-          tf_bar_expect(full, STAGE_BYTES);
+          tf_bar_expect(full, STAGE_TX);
           const unsigned sa = base + stage * STAGE_BYTES, sb = sa + A_BYTES;
           {a_load}
 {b_load_lines}
