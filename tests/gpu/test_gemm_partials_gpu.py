@@ -6,6 +6,7 @@ in M and N (N not a multiple of 128 nor of the tile), every schedule the partial
 import sys
 from pathlib import Path
 
+import numpy
 import pytest
 import torch
 
@@ -299,3 +300,63 @@ def test_compiled_gpt2_with_layernorm_partials(hidden):
         eager = b.model(*b.inputs)
     c = compare("gpt2 logits", prog(*b.inputs), ref, eager)
     assert c.ok, c
+
+
+_POISON = r"""
+extern "C" __global__ void tf_poison_shared(int words) {
+  extern __shared__ unsigned s[];
+  for (int i = threadIdx.x; i < words; i += blockDim.x) s[i] = 0xFFC00000u;  // a float NaN in every word
+}
+"""
+
+
+def _poison_shared_memory():
+    """Fill every SM's shared memory with NaN words (several full-size CTAs an SM), so a GEMM
+    launched next finds NaN wherever it reads shared memory its own loads did not write."""
+    cupy = pytest.importorskip("cupy")
+    kernel = cupy.RawKernel(_POISON, "tf_poison_shared")
+    size = 227 * 1024
+    kernel.max_dynamic_shared_size_bytes = size
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    kernel((4 * sms,), (256,), (numpy.int32(size // 4),), shared_mem=size)
+    cupy.cuda.Device().synchronize()
+
+
+SHORT_M = [((1, 22016, 1024), None, "sq"),                 # 64x256, A loaded in one 8-row atom
+           ((1, 40000, 1024), None, "sq"),                 # 64x256 with stream-K (157 tiles)
+           ((1, 4096, 4096), None, "sq"),                  # 64x128, split-K 4
+           ((20, 1024, 1024), GemmSchedule(128, 128, stages=6), "sq"),  # consumer 1's rows all past M
+           ((1, 32000, 512), None, "lm"), ((3, 32000, 512), GemmSchedule(128, 128, stages=6), "lm")]
+
+
+@pytest.mark.parametrize("shape, sched, kind", SHORT_M, ids=lambda x: str(x) if isinstance(x, tuple) else None)
+def test_short_m_rows_past_m_reach_no_result_with_nan_in_shared_memory(shape, sched, kind):
+    """Where all of M fits one tile, TMA loads A only up to M's 8-row atom (gemm_sm90.a_rows) and
+    the tile's other rows hold what shared memory held: with NaN there, the tile, the sums of
+    squares and the log-sum-exp / target partials still pass the 2x rule, finite everywhere
+    (split-K and stream-K carry those rows through their workspace; partials reduce by row)."""
+    m, n, k = shape
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k ** -0.5
+    if kind == "sq":
+        r = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+        problem, ops = GemmProblem(m, n, k, "bf16", epilogue=_with_sq(m, n, "residual")), {"residual": r}
+    else:
+        target = torch.randint(0, n, (m,), device="cuda")
+        problem, ops = GemmProblem(m, n, k, "bf16", epilogue=_lm_head(m, n)), {"target": target}
+    gemm = compile_gemm(problem, sched)
+    assert gemm.info.clean, gemm.info
+    assert "#define STAGE_TX" in gemm.source.source and gemm.source.a_box[1] < (sched.bm if sched else 64)
+    outs = gemm.allocate_outputs(poison=True)
+    _poison_shared_memory()
+    gemm(x, w, **ops, **outs)
+    torch.cuda.synchronize()
+    if kind == "sq":
+        ref, lowp = x.double() @ w.double().T + r.double(), (x @ w.T + r).float()
+        _passes("out", outs["out"], ref, lowp)
+        for name, got, want, lp in zip(("sq", "mx"), (outs["sq"], outs["mx"]), _grouped(ref), _grouped(lowp)):
+            _passes(name, got, want, lp)
+    else:
+        for name, r_, lp in zip(("pmax", "psum", "psel"), _partials(x.double() @ w.double().T, target),
+                                _partials(x @ w.T, target)):
+            _passes(name, outs[name], r_, lp)

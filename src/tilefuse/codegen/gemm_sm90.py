@@ -252,7 +252,8 @@ def _small_m_schedule(problem: GemmProblem, sms: int) -> GemmSchedule:
     tiles are counted by how they spread those bytes, not by waves of MMA work. H200 sweep
     (bench/LOG_gemm.md, session 37; us, cuBLAS in brackets):
     - 64x256 tiles, 5 stages, where N makes >= 40 of them: the stage's 32 KB of B to 8 KB of
-      A (rows past M are TMA's zero fill) and fewer barrier rounds per byte. 1x22016x4096 52.3
+      A (of which TMA fills only M's rows since a_rows, 1 KB at M = 1) and fewer barrier rounds
+      per byte. 1x22016x4096 52.3
       (47.9) against 64.5 with 64x128 and 84.7 with the old pick (128x128, stream-K);
       1x11008x4096 32.5 (26.3) against 66.8; 1x32000x4096 67.3 (69.5) against 86.0. Fewer
       tiles leave SMs idle: 1x8192x4096 30.3 against 26.3 with 64x128 and 2 slices,
@@ -2109,7 +2110,7 @@ def render(problem: GemmProblem, sched: GemmSchedule | None = None) -> GemmSourc
 #define CLUSTER {CL}
 #define A_BYTES {a.bytes}
 #define STAGE_BYTES {stage_bytes}
-#define STAGE_TX {stage_bytes - a.bytes + a_box[1] * 128 * (2 if CLN > 1 else 1)}
+#define STAGE_TX {stage_bytes - a.bytes + a_box[1] * (a.bytes // S.bm) * (2 if CLN > 1 else 1)}
 #define DESC_A {a.desc.encode()}ULL
 #define DESC_B {b.desc.encode()}ULL
 
