@@ -6,6 +6,7 @@
     python3 bench/gemm.py --compile-only [...]   # fill the cubin cache (no GPU needed), then exit
     python3 bench/gemm.py --with-alternative     # default schedules, plus each one's nearest alternative
     python3 bench/gemm.py --tune                 # tune each shape first (`tilefuse tune`); default and tuned
+    python3 bench/gemm.py --decode               # a decode step's projections (M = 1 to 64) instead
 
 With --schedules the table shows the best schedule per shape (a sweep); without, the default
 schedule's ratio, and --with-alternative also times the default's nearest alternative (the
@@ -51,6 +52,13 @@ from tilefuse.runtime.gemm import compile_gemm  # noqa: E402
 SHAPES = [(4096, 4096, 4096), (6144, 6144, 6144), (8192, 8192, 8192), (8192, 4096, 4096),
           (8192, 11008, 4096), (8192, 4096, 11008), (16384, 6144, 4096), (8192, 14336, 4096),
           (8192, 4096, 14336), (512, 4096, 4096), (128, 4096, 4096)]
+
+# a decode step's projections (M = batch): Llama widths 1024 (ffn 2816, GLU 5632) and 4096 (ffn
+# 11008 / 14336, fused QKV 12288, GLU 22016), LM heads of 32000 and 128256 words, batches to 64
+DECODE_SHAPES = [(1, 1024, 1024), (1, 3072, 1024), (1, 5632, 1024), (1, 1024, 2816), (1, 32000, 1024),
+                 (1, 4096, 4096), (1, 12288, 4096), (1, 22016, 4096), (1, 4096, 11008), (1, 11008, 4096),
+                 (1, 32000, 4096), (1, 8192, 2048), (1, 14336, 4096), (1, 4096, 14336), (8, 4096, 4096),
+                 (16, 12288, 4096), (32, 22016, 4096), (64, 4096, 4096), (64, 14336, 4096), (1, 128256, 4096)]
 
 
 REP_MS = 300
@@ -265,7 +273,8 @@ def compile_all(args):
                     compile_gemm(GemmProblem(m, nn_, k, "bf16"), sched)
                     compile_gemm(GemmProblem(m, nn_, k, "bf16", epilogue=ep), sched)
         return
-    shapes = [tuple(int(x) for x in s.split(",")) for s in args.shapes] if args.shapes else SHAPES
+    shapes = ([tuple(int(x) for x in s.split(",")) for s in args.shapes] if args.shapes else
+              DECODE_SHAPES if args.decode else SHAPES)
     for m, n, k in shapes:
         prob = GemmProblem(m, n, k, "bf16", b_major=args.b_major)
         for sched in scheds or [default_schedule(prob)] + (
@@ -283,6 +292,8 @@ def main(argv=None):
     ap.add_argument("--schedules", default="", help="comma-separated, e.g. 128x256s4c2,128x128s6c2m2,64x64s12c1n2d "
                     "(BMxBN s<stages> c<consumers>, then optional g<group_m> m2/n2 (2-CTA cluster along M/N) "
                     "d (direct stores) p (ping-pong) k<S> (split-K))")
+    ap.add_argument("--decode", action="store_true",
+                    help="decode's short-M shapes (DECODE_SHAPES: M = 1 to 64) instead of issue 4's")
     ap.add_argument("--b-major", default="K", choices=["K", "N"])
     ap.add_argument("--fused", action="store_true", help="the fused-epilogue table instead")
     ap.add_argument("--kinds", default="", help="with --fused: comma-separated epilogues to time "
@@ -323,7 +334,8 @@ def main(argv=None):
             print(f"{r['kind']:>10} {shape:>18} {sched[:30]:>30} {'y' if r['ok'] else 'N':>3} "
                   f"{r['ms']:7.3f} {r['plain_ms']:7.3f} {' '.join(opt)} {r['vs_plain']:8.3f}")
         return
-    shapes = [tuple(int(x) for x in s.split(",")) for s in args.shapes] if args.shapes else SHAPES
+    shapes = ([tuple(int(x) for x in s.split(",")) for s in args.shapes] if args.shapes else
+              DECODE_SHAPES if args.decode else SHAPES)
     scheds = [parse_schedule(s) for s in args.schedules.split(",") if s]
     rows = []
     tuner = None
