@@ -246,6 +246,31 @@ def test_a_short_m_streams_b_through_64_row_tiles():
     assert g.default_schedule(g.GemmProblem(1, 128256, 4096)).stream_k == 0   # 501 tiles: 5% of a wave idle
 
 
+@pytest.mark.parametrize("kind", ["glu", "bias_gelu", "residual_sq", "rope"])
+def test_short_m_default_picks_compile_without_spills(kind):
+    """The 64x256 tile on one consumer holds 128 accumulators a thread: each epilogue a decoder
+    puts on its projections still fits beside them (ptxas: no spills), with A loaded short."""
+    m, n, k = 1, 22016, 4096
+    if kind == "glu":
+        ep = epi.glu(m, n, "bf16")
+    elif kind == "bias_gelu":
+        ep = epi.standard(m, n, "bf16", bias="col", activation="gelu")
+    elif kind == "rope":
+        ep = epi.rope(m, n, "bf16", table=(4096, 64))
+    else:
+        e = epi.EpilogueBuilder(m, n)
+        y = e.op("add", e.acc(), e.load("residual", "tile", "bf16"))
+        e.store("out", y, "bf16")
+        e.partial_sum("sq", e.op("mul", y, y), epi.PARTIAL_WIDTH)
+        ep = e.kernel("residual_sq")
+    problem = g.GemmProblem(m, n, k, epilogue=ep)
+    sched = g.default_schedule(problem)
+    assert (sched.bm, sched.bn, sched.consumers) == (64, 256, 1)
+    src = g.render(problem, sched)
+    assert src.a_box == (64, 8)
+    assert nvrtc.compile_cuda(src.source, src.name, "sm_90a").info.clean
+
+
 def test_a_short_m_loads_only_its_rows_of_a():
     """Where all of M fits one tile, TMA loads whole 8-row atoms of A up to M, and each stage
     expects that many bytes: 1 KB of A at M = 1 instead of the tile's 8 KB. A tile row past M
