@@ -253,10 +253,9 @@ def _small_m_schedule(problem: GemmProblem, sms: int) -> GemmSchedule:
     (bench/LOG_gemm.md, session 37; us, cuBLAS in brackets):
     - 64x256 tiles, 5 stages, where N makes >= 40 of them: the stage's 32 KB of B to 8 KB of
       A (of which TMA fills only M's rows since a_rows, 1 KB at M = 1) and fewer barrier rounds
-      per byte. 1x22016x4096 52.3
-      (47.9) against 64.5 with 64x128 and 84.7 with the old pick (128x128, stream-K);
-      1x11008x4096 32.5 (26.3) against 66.8; 1x32000x4096 67.3 (69.5) against 86.0. Fewer
-      tiles leave SMs idle: 1x8192x4096 30.3 against 26.3 with 64x128 and 2 slices,
+      per byte. 1x22016x4096 52.3 (47.9) against 64.5 with 64x128 and 84.7 with the old pick
+      (128x128, stream-K); 1x11008x4096 32.5 (26.3) against 66.8; 1x32000x4096 67.3 (69.5)
+      against 86.0 (these before a_rows). Fewer tiles leave SMs idle: 1x8192x4096 30.3 against 26.3 with 64x128 and 2 slices,
       1x9728x4096 33.0 against 31.1; at 40 tiles (N = 10240) 33.1 against 33.7;
     - else 64x128 (64x64 where N < 2048: more CTAs), 8 (12) stages, split-K as _with_split
       allows: 1x4096x4096 17.1 (15.5) with 4 slices against 19.8 with 64x64 and 2;
