@@ -2015,7 +2015,7 @@ def render(problem: GemmProblem, sched: GemmSchedule | None = None) -> GemmSourc
     # With a cluster, each CTA loads half of B and multicasts it to both.
     b_box = b.box
     if CLN == 1:
-        a_box, a_load = (a.box[0], a_rows(problem, sched)), "tf_tma_load(sa, &a_map, kt * BK, tm * BM, batch, full);"
+        a_box, a_load = (a.box[0], a_rows(problem, S)), "tf_tma_load(sa, &a_map, kt * BK, tm * BM, batch, full);"
     else:  # each CTA of the pair loads half of the A tile's rows and multicasts it to both
         half = S.bm // 2
         a_box = (a.box[0], half)
@@ -2109,7 +2109,7 @@ def render(problem: GemmProblem, sched: GemmSchedule | None = None) -> GemmSourc
 #define CLUSTER {CL}
 #define A_BYTES {a.bytes}
 #define STAGE_BYTES {stage_bytes}
-#define STAGE_TX {stage_bytes - a.bytes + a_box[1] * (a.bytes // S.bm) * (2 if CLN > 1 else 1)}
+#define STAGE_TX {stage_bytes - a.bytes + a_rows(problem, S) * (a.bytes // S.bm)}
 #define DESC_A {a.desc.encode()}ULL
 #define DESC_B {b.desc.encode()}ULL
 
