@@ -12,6 +12,7 @@ import torch
 from tilefuse.check import rel_error
 from tilefuse.codegen import epilogue as epi
 from tilefuse.codegen.gemm_sm90 import GemmError, GemmProblem, GemmSchedule, default_schedule
+from tilefuse.runtime import gemm as rt_gemm
 from tilefuse.runtime.gemm import compile_gemm
 
 pytestmark = pytest.mark.gpu
@@ -58,8 +59,13 @@ def _right_with_counters_at_zero(shape, sched):
     a, b, bt = _operands(m, n, k, "K")
     g = compile_gemm(GemmProblem(m, n, k, "bf16"), sched)
     _right_three_times(g, a, b, bt, (m, n))
-    flags = [f for _, f in g._workspaces.values()]
+    flags = _stream_flags()
     assert flags and all(int(f.abs().sum()) == 0 for f in flags)
+
+
+def _stream_flags() -> list:
+    """The turn counters of every stream's shared GEMM workspace (runtime.gemm.Workspace)."""
+    return [f for arena in rt_gemm._STREAMS.values() for bufs in arena.buffers.values() for _, f in bufs]
 
 
 def _bias_gelu_residual_batched(sched, m, n, k, batch=2):
@@ -165,6 +171,27 @@ def test_split_k_runs_the_epilogue_once_on_the_whole_sum():
     """Bias, GELU and residual apply to the full K sum (the last slice runs the epilogue),
     batched."""
     _bias_gelu_residual_batched(GemmSchedule(128, 128, stages=6, split_k=4), 200, 384, 1536)
+
+
+def test_gemms_of_one_stream_share_one_workspace_and_stay_right():
+    """Split-K and stream-K GEMMs of different workspace sizes, launched in turn on one stream,
+    take their partials and counters from the stream's one workspace (grown to the largest),
+    not one each: each gives its first launch's bits again, in any order, and the counters
+    are back at zero after them all."""
+    runs = []
+    for (m, n, k), sched in (((1, 4096, 4096), GemmSchedule(64, 128, stages=8, consumers=1, tma_store=False, split_k=4)),
+                             ((300, 1280, 1000), GemmSchedule(128, 128, stages=6, stream_k=7)),
+                             ((128, 4096, 4096), GemmSchedule(128, 256, stages=4, split_k=3))):
+        a, b, _ = _operands(m, n, k, "K")
+        g = compile_gemm(GemmProblem(m, n, k, "bf16"), sched)
+        runs.append((g, a, b, g(a, b).clone()))
+    arena = rt_gemm._STREAMS[(torch.cuda.current_device(), torch.cuda.current_stream().cuda_stream)]
+    largest = max(g.source.workspace for g, *_ in runs)
+    assert arena.buffers[torch.cuda.current_device()][-1][0].numel() >= largest
+    for g, a, b, first in runs[::-1] + runs + runs[::2]:
+        assert torch.equal(g(a, b), first), g.source.schedule
+    torch.cuda.synchronize()
+    assert all(int(f.abs().sum()) == 0 for f in _stream_flags())
 
 
 _SK132 = GemmSchedule(128, 256, stages=4, stream_k=132)

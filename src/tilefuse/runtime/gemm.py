@@ -10,6 +10,8 @@ steady-state call with the same tensors encodes nothing.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import ctypes
 from dataclasses import dataclass, field
 
@@ -56,7 +58,6 @@ class GemmKernel:
     _maps: dict = field(default_factory=dict, repr=False)
     _args: dict = field(default_factory=dict, repr=False)    # pointer set -> launch argument block
     _streams: dict = field(default_factory=dict, repr=False)
-    _workspaces: dict = field(default_factory=dict, repr=False)  # (device, stream) -> split-K (partials, flags)
 
     def __post_init__(self):
         # What every call checks against, built once: a call of a small GEMM is over in
@@ -177,17 +178,14 @@ class GemmKernel:
         return self._loaded[device]
 
     def _workspace(self, device: int, stream: int):
-        """Split-K's f32 partial sums and int32 turn counters, one set per device and stream: a
-        launch leaves its counters at zero, but two launches at once on different streams would
-        take each other's turns. Allocated on first use (for a CUDA graph: during its warm-up)."""
-        import torch
-
-        hit = self._workspaces.get((device, stream))
-        if hit is None:
-            hit = self._workspaces[(device, stream)] = (
-                torch.empty(self.source.workspace, dtype=torch.float32, device=f"cuda:{device}"),
-                torch.zeros(self.source.flags, dtype=torch.int32, device=f"cuda:{device}"))
-        return hit
+        """Split-K's or stream-K's (partials, flags) for a launch on `stream`: the arena of the
+        CUDA graph being captured, else the stream's own (`Workspace`)."""
+        arena = _CAPTURING.get()
+        if arena is None:
+            arena = _STREAMS.get((device, stream))
+            if arena is None:
+                arena = _STREAMS[(device, stream)] = Workspace()
+        return arena.get(device, self.source.workspace, self.source.flags)
 
     def allocate_outputs(self, device="cuda", poison: bool = True) -> dict:
         import torch
@@ -245,7 +243,8 @@ class GemmKernel:
 
         module, func, grid, cfg = self._loaded.get(device) or self._load(device)
         handle = _raw_stream(device)
-        key = (tuple(ptrs), handle) if self._split else tuple(ptrs)
+        ws = self._workspace(device, handle) if self._split else None
+        key = (tuple(ptrs), ws[0].data_ptr()) if ws is not None else tuple(ptrs)
         args = self._args.get(key)
         if args is None:  # encode the tensor maps and build the argument block once per pointer set
             at = self._map_at
@@ -254,7 +253,7 @@ class GemmKernel:
             bufs = [ctypes.create_string_buffer(m, 128) for m in maps]
             vals = [ctypes.c_void_p(p) for p in ptrs[2:]]
             if self._split:
-                vals = [ctypes.c_void_p(t.data_ptr()) for t in self._workspace(device, handle)] + vals
+                vals = [ctypes.c_void_p(t.data_ptr()) for t in ws] + vals
             addrs = [ctypes.addressof(x) for x in bufs + vals]
             params = (ctypes.c_void_p * len(addrs))(*addrs)
             if len(self._args) > 64:
@@ -271,6 +270,50 @@ class GemmKernel:
             err = driver.cuLaunchKernelEx(cfg, func, args[0], 0)
         if err[0] != driver.CUresult.CUDA_SUCCESS:
             _drv(err, f"launch of {self.source.name}")
+
+
+class Workspace:
+    """Split-K's and stream-K's scratch, f32 partial sums and int32 turn counters, shared by GEMM
+    launches that never run at once: those on one stream, or those of one CUDA graph (which
+    runs its launches in order). A launch writes every partial it reads and leaves the counters
+    at zero, so one buffer serves every GEMM, grown to the largest asked. Each kernel had its own
+    per stream before, and each graph capture is made on a new stream: an 8-layer, 4096-wide
+    Llama's decode steps held 2.8 GiB of them (bench/LOG_blocks.md, session 38). A smaller
+    buffer handed out before is kept: launch argument blocks and captured graphs hold its address."""
+
+    def __init__(self):
+        self.buffers: dict = {}  # device -> [(partials, flags)], the last the largest
+
+    def get(self, device: int, floats: int, flags: int):
+        import torch
+
+        have = self.buffers.setdefault(device, [])
+        if have and have[-1][0].numel() >= floats and have[-1][1].numel() >= flags:
+            return have[-1]
+        grow = 2 if have else 1  # (doubling: what a capture's warm-up hands out sums to at most twice the largest)
+        floats = max(floats, grow * have[-1][0].numel() if have else 0, 1)
+        flags = max(flags, grow * have[-1][1].numel() if have else 0, 1)
+        have.append((torch.empty(floats, dtype=torch.float32, device=f"cuda:{device}"),
+                     torch.zeros(flags, dtype=torch.int32, device=f"cuda:{device}")))
+        return have[-1]
+
+    def nbytes(self) -> int:
+        return sum(p.numel() * 4 + f.numel() * 4 for bufs in self.buffers.values() for p, f in bufs)
+
+
+_STREAMS: dict = {}  # (device, raw stream) -> Workspace, for launches outside a capture
+_CAPTURING = contextvars.ContextVar("tilefuse_gemm_workspace", default=None)
+
+
+@contextlib.contextmanager
+def capturing(arena: Workspace):
+    """GEMMs launched inside take their workspace from `arena` (a CUDA graph's, which must keep
+    it alive as long as it may replay), not from their stream's."""
+    token = _CAPTURING.set(arena)
+    try:
+        yield arena
+    finally:
+        _CAPTURING.reset(token)
 
 
 def compile_gemm(problem: GemmProblem, schedule: GemmSchedule | None = None, arch: str = "sm_90a") -> GemmKernel:

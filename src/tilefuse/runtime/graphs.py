@@ -249,7 +249,9 @@ class NotGraphable(RuntimeError):
 def capture_cuda(runner, tensors, direct):
     """Warm up on a side stream, then capture `runner.run`; returns (replay, outs, private
     inputs: a buffer per copied input, None per direct one, the bytes of the graph's memory
-    pool). `direct`: per input."""
+    pool and of its GEMMs' one workspace). `direct`: per input."""
+    from . import gemm
+
     device = runner.device
     with torch.cuda.device(device):
         static = [None if d else torch.empty(t.shape, dtype=t.dtype, device=device) for t, d in zip(tensors, direct)]
@@ -264,7 +266,9 @@ def capture_cuda(runner, tensors, direct):
         side = torch.cuda.Stream(device)
         current = torch.cuda.current_stream(device)
         side.wait_stream(current)
-        with torch.cuda.stream(side):
+        # one split-K workspace for the graph's GEMMs, allocated in the warm-up, kept by its replay
+        arena = gemm.Workspace()
+        with torch.cuda.stream(side), gemm.capturing(arena):
             runner.run(warm)  # first use of cuBLAS workspaces etc. on this stream happens outside the capture
         current.wait_stream(side)
         del warm
@@ -278,7 +282,7 @@ def capture_cuda(runner, tensors, direct):
         collecting = gc.isenabled()
         gc.disable()
         try:
-            with torch.cuda.stream(side):
+            with torch.cuda.stream(side), gemm.capturing(arena):
                 side.wait_stream(current)
                 before = torch.cuda.memory_reserved(device)  # the graph's private pool is new segments
                 graph.capture_begin()
@@ -295,7 +299,12 @@ def capture_cuda(runner, tensors, direct):
         finally:
             if collecting:
                 gc.enable()
-    return graph.replay, outs, static, max(pool, 0)
+
+    def replay(graph=graph):
+        graph.replay()
+
+    replay.workspace = arena  # (the graph reads the arena's buffers: they live as long as it may replay)
+    return replay, outs, static, max(pool, 0) + arena.nbytes()
 
 
 TIGHT = 0.25  # of the device: below this much free to the driver, the cache is emptied before a capture

@@ -183,9 +183,9 @@ def sum_partials_after(g: ir.Graph, users, y: str) -> tuple[SumPartials, ...]:
                 return q
         return None
 
-    def at(v: str, casts: tuple[str, ...]) -> tuple[SumPartials, ...]:
-        """The partials of v (y or a cast after it, `casts` the casts from y to v) or of a
-        later cast: after y, every reader of each cast must be what the partials compute."""
+    def own(v: str, casts: tuple[str, ...]) -> tuple[list, set]:
+        """The partials of v itself (y or a cast after it, `casts` the casts from y to v), and
+        v's readers they leave."""
         found, taken = [], set()
         if g[v].type.dtype == "f32":
             for value in (v, square(v)):
@@ -193,19 +193,29 @@ def sum_partials_after(g: ir.Graph, users, y: str) -> tuple[SumPartials, ...]:
                 if s is not None and (value == v or set(users[value]) == {s[0]}):
                     found.append(SumPartials(s[1], value, PARTIAL_WIDTH, casts + ((value,) if value != v else ()) + s))
                     taken |= {s[0]} if value == v else {value}
-        rest = set(users[v]) - taken
-        if v != y and found:
-            return tuple(found) if not rest else ()  # (a cast the epilogue computes that something else reads)
-        if found:
-            return tuple(found)
-        nxt = [u for u in dict.fromkeys(users[v]) if isinstance(g[u], ir.Map) and g[u].op == "cast"
-               and g[u].type.dtype in ("f32", "f64", "bf16", "f16") and u not in g.outputs]
-        if v != y and (len(nxt) != 1 or rest != set(nxt)):
-            return ()
-        for u in nxt:  # (y itself may have other readers: it is stored)
-            r = at(u, casts + (u,))
-            if r:
-                return r
-        return ()
+        return found, set(users[v]) - taken
 
-    return at(y, ())
+    def casts_after(v: str) -> list[str]:
+        return [u for u in dict.fromkeys(users[v]) if isinstance(g[u], ir.Map) and g[u].op == "cast"
+                and g[u].type.dtype in ("f32", "f64", "bf16", "f16") and u not in g.outputs]
+
+    found, _ = own(y, ())
+    if found:
+        return tuple(found)
+    # Along each chain of casts from y (y itself may have other readers: it is stored), every
+    # reader of each cast after y must be what the partials compute. A loop, not a recursive
+    # closure: that would be a reference cycle holding g, and with it the graph's weights,
+    # until the cyclic collector ran (tests/cpu/test_weight_lifetimes.py).
+    for v in casts_after(y):
+        casts = (v,)
+        while True:
+            found, rest = own(v, casts)
+            if found:
+                if not rest:
+                    return tuple(found)
+                break  # (a cast the epilogue computes that something else reads)
+            nxt = casts_after(v)
+            if len(nxt) != 1 or rest != set(nxt):
+                break
+            v, casts = nxt[0], casts + (nxt[0],)
+    return ()
