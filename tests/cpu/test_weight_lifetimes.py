@@ -9,8 +9,12 @@ cyclic collector happened to run: on an H200 an 8-layer, 4096-wide Llama under `
 9.4 GiB of them beside its 3.5 GiB of weights (bench/LOG_blocks.md, session 38). With the
 collector off, for a Llama (RMSNorm folds, SwiGLU, RoPE) and a GPT-2 (LayerNorm partials)
 generating at two prompt lengths:
-- every derived tensor the pool replaced is already freed when the generate returns;
-- the derived tensors still alive hold no two equal values (one copy each).
+- every derived tensor the pool replaced (as a rewrite made it, or after the compile) is
+  already freed when the generate returns;
+- the derived tensors still alive hold no two equal values (one copy each);
+- at the second length, a derived weight equal to one a program holds is that tensor from the
+  moment it is made, so a compile never holds a second set.
+Also: the exact products the RMSNorm fold rounds a block of rows at a time give the same bits.
 """
 from __future__ import annotations
 
@@ -33,6 +37,7 @@ GENERATE = dict(max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_i
 @pytest.mark.parametrize("name", ["llama", "gpt2"])
 def test_derived_weights_the_pool_replaced_are_freed_without_the_cyclic_collector(name, monkeypatch):
     derived, replaced = [], []  # weak references to every weight the pool was given, to those it replaced
+    # (by `intern` as a rewrite makes it, or by `share` once the compile is done)
     share = tb.POOL.share
 
     def tracked_share(weights, live=()):
@@ -42,7 +47,17 @@ def test_derived_weights_the_pool_replaced_are_freed_without_the_cyclic_collecto
         replaced.extend(weakref.ref(t) for k, t in before.items() if weights[k] is not t)
         return saved
 
+    intern = tb.POOL.intern
+
+    def tracked_intern(t):
+        got = intern(t)
+        derived.append(weakref.ref(t))
+        if got is not t:
+            replaced.append(weakref.ref(t))
+        return got
+
     monkeypatch.setattr(tb.POOL, "share", tracked_share)
+    monkeypatch.setattr(tb.POOL, "intern", tracked_intern)
     torch.manual_seed(0)
     cfg = hf.config(name, 2, 256, seq=64, vocab=256)  # (partials need N a multiple of PARTIAL_WIDTH)
     cfg.use_cache = True
@@ -71,3 +86,57 @@ def test_derived_weights_the_pool_replaced_are_freed_without_the_cyclic_collecto
         assert not twins, f"equal derived weights alive twice: {twins[:6]}"
     finally:
         gc.enable()
+
+
+def test_a_new_size_derives_no_weight_a_program_already_holds(monkeypatch):
+    """At a second prompt length, each weight a rewrite derives that equals one an earlier
+    size's program holds is that program's tensor as soon as it is made (the backend's pool
+    interns it), so a compile never holds a second full set of derived weights."""
+    from tilefuse.graph.rules import match
+
+    made = []  # (the tensor a rewrite stored, during which generate)
+    weight = match.Editor.weight
+
+    def tracked_weight(self, base, matrix, dtype, source):
+        w = weight(self, base, matrix, dtype, source)
+        made.append((self.weights[w.name], phase[0]))
+        return w
+
+    monkeypatch.setattr(match.Editor, "weight", tracked_weight)
+    phase = [0]
+    torch.manual_seed(0)
+    cfg = hf.config("llama", 2, 256, seq=64, vocab=256)
+    cfg.use_cache = True
+    model = hf.causal_lm(cfg).to(torch.bfloat16).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.uniform_(0.5, 1.5)
+    model.forward = torch.compile(model.forward, backend=tb.tilefuse_backend)
+    ids = torch.randint(0, cfg.vocab_size, (1, 12))
+    with torch.no_grad():
+        model.generate(ids, **GENERATE)
+        first = [t for t, _ in made]
+        phase[0] = 1
+        model.generate(ids[:, 5:], **GENERATE)
+    later = [t for t, ph in made if ph == 1]
+    assert later, "the second prompt length derived nothing: the property is untested"
+    equal = [(t, f) for t in later for f in first if t.shape == f.shape and t.dtype == f.dtype and torch.equal(t, f)]
+    assert equal, "no weight of the second length equals one of the first"
+    assert all(t is f for t, f in equal), \
+        f"{sum(t is not f for t, f in equal)} of {len(equal)} equal derived weights were held twice"
+
+
+def test_an_exact_product_rounded_in_row_blocks_equals_rounding_it_whole(monkeypatch):
+    """exact_product(round_to=...) rounds a block of rows at a time (no whole float32 product
+    held): the same bits as the product rounded at once, for a column or row broadcast and
+    blocks that do not divide the rows."""
+    from tilefuse.graph.rules import match
+
+    monkeypatch.setattr(match, "_BLOCK", 7 * 33)  # 7 rows of 33 a block: 100 rows in 15 blocks
+    torch.manual_seed(0)
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        a = torch.randn(100, 33, dtype=dtype)
+        for b in (torch.rand(100, 1, dtype=dtype) + 0.5, torch.rand(1, 33, dtype=dtype) + 0.5):
+            whole = match.exact_product(a, b).to(dtype)
+            assert torch.equal(match.exact_product(a, b, round_to=dtype), whole), (dtype, tuple(b.shape))

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..graph.rules.match import interning
 from ..runtime.program import OverlappingWrites
 from ..runtime.shared_weights import WeightPool
 
@@ -748,7 +749,7 @@ class GraphRunner:
         t0 = time.perf_counter()
         try:
             out_ints = self._int_values(ints, user)
-            with torch.no_grad():
+            with torch.no_grad(), interning(POOL.intern):  # (derived weights some program holds: not twice)
                 exported = self._instance(user, weights)
                 self.report.exports += exported is None
                 c = compile_stages(_Lifted(self.gm, self.kinds, ints, weights, frozenset(self.int_outputs)), tuple(user),

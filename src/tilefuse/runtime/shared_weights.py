@@ -72,18 +72,36 @@ class WeightPool:
             if (not isinstance(t, torch.Tensor) or t.numel() == 0 or t.layout != torch.strided or t.is_complex()
                     or _storage(t) in aliased):
                 continue
-            key = _key(t) + (_fingerprint(t),)
-            refs = [r for r in self._held.get(key, ()) if r() is not None]
-            match = next((c for c in (r() for r in refs) if c is not None and _same(c, t)), None)
-            if match is None:
-                refs.append(weakref.ref(t))
-            elif match is not t:
+            match = self._pooled(t)
+            if match is not t:
                 weights[name] = match
                 if match.untyped_storage().data_ptr() != t.untyped_storage().data_ptr():
                     saved += t.numel() * t.element_size()
-            self._held[key] = refs
         self.shared_bytes += saved
         return saved
+
+    def intern(self, t: torch.Tensor) -> torch.Tensor:
+        """`t`, a tensor a rewrite has just derived, or an equal one already pooled. A rewrite
+        calls this as it makes each weight (graph.rules.match.Editor), so a compile at a new size
+        frees each value a program already holds at once, instead of holding a whole second set
+        until `share` (peak memory: bench/LOG_blocks.md, session 38)."""
+        if not isinstance(t, torch.Tensor) or t.numel() == 0 or t.layout != torch.strided or t.is_complex():
+            return t
+        match = self._pooled(t)
+        if match is not t and match.untyped_storage().data_ptr() != t.untyped_storage().data_ptr():
+            self.shared_bytes += t.numel() * t.element_size()
+        return match
+
+    def _pooled(self, t: torch.Tensor) -> torch.Tensor:
+        """An equal pooled tensor, else `t`, pooled from now on."""
+        key = _key(t) + (_fingerprint(t),)
+        refs = [r for r in self._held.get(key, ()) if r() is not None]
+        match = next((c for c in (r() for r in refs) if c is not None and _same(c, t)), None)
+        if match is None:
+            refs.append(weakref.ref(t))
+            match = t
+        self._held[key] = refs
+        return match
 
     def on(self, value, device: torch.device) -> torch.Tensor:
         """`value` contiguous on `device`, one copy per source and device for all programs."""

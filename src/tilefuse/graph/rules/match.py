@@ -2,6 +2,8 @@
 new nodes, computing folded weight values, and pruning what a rewrite left unused."""
 from __future__ import annotations
 
+import contextlib
+import contextvars
 from dataclasses import dataclass
 
 import torch
@@ -77,17 +79,46 @@ def weight_operand(g: ir.Graph, b: str) -> WeightOperand | None:
     return None
 
 
-def exact_product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+def exact_product(a: torch.Tensor, b: torch.Tensor, round_to: torch.dtype | None = None) -> torch.Tensor:
     """a * b (broadcast) without rounding, in float32 when that holds it exactly (both 16-bit
-    floats: at most 11 + 11 significant bits) and float64 otherwise; the caller rounds once."""
-    if a.dtype in (torch.bfloat16, torch.float16) and b.dtype in (torch.bfloat16, torch.float16):
-        return a.float() * b.float()
-    return a.double() * b.double()
+    floats: at most 11 + 11 significant bits) and float64 otherwise; the caller rounds once.
+    `round_to`: rounded to that dtype here, a block of a's rows at a time, so that the exact
+    product of a whole weight (0.5 GiB in float32 for a 32000 x 4096 LM head, beside its
+    widened copy) is never held at once."""
+    wide = torch.float32 if a.dtype in (torch.bfloat16, torch.float16) and b.dtype in (torch.bfloat16, torch.float16) \
+        else torch.float64
+    if round_to is None or a.dim() != 2 or b.dim() != 2 or b.shape[0] not in (1, a.shape[0]):
+        out = a.to(wide) * b.to(wide)
+        return out if round_to is None else out.to(round_to)
+    out = torch.empty(torch.broadcast_shapes(a.shape, b.shape), dtype=round_to, device=a.device)
+    step = max(1, _BLOCK // max(1, out.shape[1]))
+    for i in range(0, out.shape[0], step):
+        rows = slice(i, i + step)
+        out[rows] = a[rows].to(wide) * (b[rows] if b.shape[0] > 1 else b).to(wide)  # (one rounding, as .to)
+    return out
+
+
+_BLOCK = 1 << 24  # elements of the exact product held at once by exact_product(round_to=...)
 
 
 def value(g: ir.Graph, name: str) -> torch.Tensor:
     v = g.weights[name]
     return v if isinstance(v, torch.Tensor) else to_torch(v)
+
+
+_INTERN = contextvars.ContextVar("tilefuse_intern_weights", default=lambda t: t)
+
+
+@contextlib.contextmanager
+def interning(intern):
+    """Rewrites inside pass each weight they derive through `intern(tensor) -> tensor`: the
+    torch.compile backend gives its WeightPool's, so that a value some program already holds
+    is not held twice while the compile runs (runtime/shared_weights.py)."""
+    token = _INTERN.set(intern)
+    try:
+        yield
+    finally:
+        _INTERN.reset(token)
 
 
 class Editor:
@@ -104,9 +135,10 @@ class Editor:
         return ir.fresh_name(base, self.names, self.next_suffix)
 
     def weight(self, base: str, matrix: torch.Tensor, dtype: str, source: str) -> ir.Weight:
-        """A new Weight holding `matrix` (computed in float64) rounded once to `dtype`."""
+        """A new Weight holding `matrix` (computed in float64) rounded once to `dtype`, or an
+        equal tensor the `interning` hook already holds."""
         name = self.fresh(base)
-        self.weights[name] = matrix.to(dtypes.to_torch(dtype)).contiguous()
+        self.weights[name] = _INTERN.get()(matrix.to(dtypes.to_torch(dtype)).contiguous())
         return ir.Weight(name, ir.TensorType(tuple(matrix.shape), dtype), source)
 
     def operand(self, base: str, matrix_kn: torch.Tensor, like: WeightOperand, dtype: str, source: str,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ... import dtypes
 from .. import ir
 from .match import (Editor, exact_product, low_precision, peel_casts, rewrite_contractions, row_vector, split_pair,
                     value, weight_operand)
@@ -103,7 +104,8 @@ def _rewrite(g: ir.Graph, ed: Editor, n: ir.Contraction):
     note = g[wb.weight].source or wb.weight
     if m.gamma is not None:
         gamma = value(g, peel_casts(g, m.gamma))
-        w = exact_product(wb.matrix(g, exact=True), gamma.reshape(-1, 1))
+        w = exact_product(wb.matrix(g, exact=True), gamma.reshape(-1, 1),
+                          round_to=dtypes.to_torch(g[wb.weight].type.dtype))
         note = f"{note} with RMSNorm weight {g[peel_casts(g, m.gamma)].source or m.gamma} folded in"
     else:
         w = wb.matrix(g, exact=True)
