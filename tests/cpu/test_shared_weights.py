@@ -347,3 +347,59 @@ def test_a_model_compiled_after_an_equal_one_is_unaffected_by_its_in_place_updat
         m1.up.bias.add_(1.0)
         f1(x)
         torch.testing.assert_close(f2(x), m2(x))
+
+
+def test_intern_neither_pools_nor_replaces_what_aliases_a_live_parameter():
+    """`intern` (a rewrite's weights as it makes them) keeps `share`'s rule: a tensor on a live
+    parameter's memory is returned as it is, not pooled, and not swapped for an equal pooled one."""
+    pool = WeightPool()
+    p = nn.Parameter(torch.randn(8))
+    alias = p.detach()
+    assert pool.intern(alias, live=[p]) is alias
+    copy_ = p.detach().clone()
+    assert pool.intern(copy_) is copy_  # the alias was not pooled: the copy is the first of its value
+    assert pool.intern(alias, live=[p]) is alias  # nor is it replaced by the equal pooled copy
+    assert pool.intern(p.detach().clone()) is copy_
+
+
+class _UnweightedNormLinear(nn.Module):
+    """An RMSNorm with no gamma before a Linear: folding nothing, the rewrite hands back the
+    Linear's own weight as the new operand (a view of the parameter)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(16, 32, bias=False)
+
+    def forward(self, x):
+        return self.lin(torch.nn.functional.rms_norm(x, (16,), eps=1e-6))
+
+
+@pytest.mark.usefixtures("fresh_backend")
+def test_a_rewrite_handing_back_a_parameter_does_not_pool_it_for_an_equal_model():
+    """Two equal bf16 models compiled one after the other: the second's program must not read
+    the first's parameter memory (found equal by the pool as the rewrite made it), so an
+    in-place update of the first leaves the second's results as they were, bit for bit."""
+    from tilefuse.graph.rules import match
+
+    torch.manual_seed(2)
+    m1 = _UnweightedNormLinear().to(torch.bfloat16).eval()
+    m2 = copy.deepcopy(m1)
+    made = []
+    weight = match.Editor.weight
+
+    def tracked(self, base, matrix, dtype, source):
+        w = weight(self, base, matrix, dtype, source)
+        made.append(self.weights[w.name])
+        return w
+
+    f1, f2 = torch.compile(m1, backend="tilefuse"), torch.compile(m2, backend="tilefuse")
+    x = torch.randn(4, 16, dtype=torch.bfloat16)
+    with torch.no_grad(), pytest.MonkeyPatch.context() as mp:
+        mp.setattr(match.Editor, "weight", tracked)
+        f1(x)
+        before = f2(x).clone()
+        params = {p.untyped_storage().data_ptr() for p in (*m1.parameters(), *m2.parameters())}
+        assert any(t.untyped_storage().data_ptr() in params for t in made), \
+            "no rewrite handed back a parameter: the property is untested"
+        m1.lin.weight.mul_(2.0)
+        assert torch.equal(f2(x), before)

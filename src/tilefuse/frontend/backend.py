@@ -27,7 +27,7 @@ import torch
 
 from ..graph.rules.match import interning
 from ..runtime.program import OverlappingWrites
-from ..runtime.shared_weights import WeightPool
+from ..runtime.shared_weights import WeightPool, storages
 
 NAME = "tilefuse"
 MAX_VARIANTS = 64  # compiled variants (sizes x weight sets) kept per graph before new ones run in eager
@@ -749,7 +749,8 @@ class GraphRunner:
         t0 = time.perf_counter()
         try:
             out_ints = self._int_values(ints, user)
-            with torch.no_grad(), interning(POOL.intern):  # (derived weights some program holds: not twice)
+            live = storages(weights)  # (derived weights some program holds: not twice; parameters: never pooled)
+            with torch.no_grad(), interning(lambda t: POOL.intern(t, live)):
                 exported = self._instance(user, weights)
                 self.report.exports += exported is None
                 c = compile_stages(_Lifted(self.gm, self.kinds, ints, weights, frozenset(self.int_outputs)), tuple(user),

@@ -46,6 +46,14 @@ def _storage(t: torch.Tensor) -> tuple:
     return t.device, t.untyped_storage().data_ptr()
 
 
+def storages(live) -> frozenset:
+    """The storages (device, address) of the tensors in `live`; a frozenset is taken as such
+    already (a caller that checks many tensors against one set builds it once)."""
+    if isinstance(live, frozenset):
+        return live
+    return frozenset(_storage(t) for t in live if isinstance(t, torch.Tensor) and t.layout == torch.strided)
+
+
 def _key(t: torch.Tensor) -> tuple:
     return tuple(t.shape), t.dtype, t.device, t.stride()
 
@@ -67,7 +75,7 @@ class WeightPool:
         the rest, except tensors sharing memory with one of `live`; the bytes this call saved."""
         saved = 0
         self._held = {k: v for k, v in self._held.items() if any(r() is not None for r in v)}
-        aliased = {_storage(t) for t in live if isinstance(t, torch.Tensor) and t.layout == torch.strided}
+        aliased = storages(live)
         for name, t in list(weights.items()):
             if (not isinstance(t, torch.Tensor) or t.numel() == 0 or t.layout != torch.strided or t.is_complex()
                     or _storage(t) in aliased):
@@ -80,12 +88,16 @@ class WeightPool:
         self.shared_bytes += saved
         return saved
 
-    def intern(self, t: torch.Tensor) -> torch.Tensor:
+    def intern(self, t: torch.Tensor, live=()) -> torch.Tensor:
         """`t`, a tensor a rewrite has just derived, or an equal one already pooled. A rewrite
         calls this as it makes each weight (graph.rules.match.Editor), so a compile at a new size
         frees each value a program already holds at once, instead of holding a whole second set
-        until `share` (peak memory: bench/LOG_blocks.md, session 38)."""
+        until `share` (peak memory: bench/LOG_blocks.md, session 38). A rewrite that moves no
+        value may hand back a parameter itself (a weight with no norm to fold): what shares
+        memory with one of `live` is neither pooled nor replaced, as in `share`."""
         if not isinstance(t, torch.Tensor) or t.numel() == 0 or t.layout != torch.strided or t.is_complex():
+            return t
+        if _storage(t) in storages(live):
             return t
         match = self._pooled(t)
         if match is not t and match.untyped_storage().data_ptr() != t.untyped_storage().data_ptr():
