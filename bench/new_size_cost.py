@@ -8,7 +8,9 @@ builds each kernel (NVRTC, through the content-addressed cubin cache). This time
 for a random 4-layer Llama (hidden 1024, bf16, sm_90a) at each length of `--seqs` in one
 process, as the backend meets them: the first length pays the cold caches, later ones show
 what a new size costs. One thread, so the stages do not share the time (the backend builds
-kernels in parallel threads). `--profile` writes a cProfile of the last length.
+kernels in parallel threads). Each distinct kernel is rendered and built once, as a program
+does (`kernels`: how many; the layers of a model share theirs). `--profile` writes a cProfile
+of the last length.
 """
 from __future__ import annotations
 
@@ -67,7 +69,13 @@ def main() -> None:
             from tilefuse.runtime import gemm as rgemm
             from tilefuse.runtime import launch
 
+            seen = set()  # (a program renders and builds each distinct kernel once: runtime.program._shared)
             for s in prog.plan.steps:
+                if s.family in ("mapreduce", "gemm"):
+                    what = prog.kernels[s.name].kernel if s.family == "mapreduce" else prog.gemms[s.name].problem()
+                    if what in seen:
+                        continue
+                    seen.add(what)
                 if s.family == "mapreduce":
                     k = prog.kernels[s.name].kernel
                     sched = tuned_schedule(k, "sm_90a", torch.device("cpu"))
