@@ -130,7 +130,7 @@ def test_a_new_size_derives_no_weight_a_program_already_holds(monkeypatch):
 def test_an_exact_product_rounded_in_row_blocks_equals_rounding_it_whole(monkeypatch):
     """exact_product(round_to=...) rounds a block of rows at a time (no whole float32 product
     held): the same bits as the product rounded at once, for a column or row broadcast and
-    blocks that do not divide the rows."""
+    blocks that do not divide the rows (finite values: a NaN may come out with other payload bits)."""
     from tilefuse.graph.rules import match
 
     monkeypatch.setattr(match, "_BLOCK", 7 * 33)  # 7 rows of 33 a block: 100 rows in 15 blocks

@@ -65,7 +65,7 @@ def _right_with_counters_at_zero(shape, sched):
 
 def _stream_flags() -> list:
     """The turn counters of every stream's shared GEMM workspace (runtime.gemm.Workspace)."""
-    return [f for arena in rt_gemm._STREAMS.values() for bufs in arena.buffers.values() for _, f in bufs]
+    return [f for arena in rt_gemm._STREAMS.values() for bufs in arena.flags.values() for f in bufs]
 
 
 def _bias_gelu_residual_batched(sched, m, n, k, batch=2):
@@ -187,7 +187,7 @@ def test_gemms_of_one_stream_share_one_workspace_and_stay_right():
         runs.append((g, a, b, g(a, b).clone()))
     arena = rt_gemm._STREAMS[(torch.cuda.current_device(), torch.cuda.current_stream().cuda_stream)]
     largest = max(g.source.workspace for g, *_ in runs)
-    assert arena.buffers[torch.cuda.current_device()][-1][0].numel() >= largest
+    assert arena.partials[torch.cuda.current_device()][-1].numel() >= largest
     for g, a, b, first in runs[::-1] + runs + runs[::2]:
         assert torch.equal(g(a, b), first), g.source.schedule
     torch.cuda.synchronize()

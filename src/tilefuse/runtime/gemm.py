@@ -58,6 +58,7 @@ class GemmKernel:
     _maps: dict = field(default_factory=dict, repr=False)
     _args: dict = field(default_factory=dict, repr=False)    # pointer set -> launch argument block
     _streams: dict = field(default_factory=dict, repr=False)
+    _foreign: list = field(default_factory=list, repr=False)  # workspaces of captures tilefuse did not begin
 
     def __post_init__(self):
         # What every call checks against, built once: a call of a small GEMM is over in
@@ -179,9 +180,18 @@ class GemmKernel:
 
     def _workspace(self, device: int, stream: int):
         """Split-K's or stream-K's (partials, flags) for a launch on `stream`: the arena of the
-        CUDA graph being captured, else the stream's own (`Workspace`)."""
+        CUDA graph tilefuse is capturing, else the stream's own (`Workspace`). Inside a capture
+        someone else began (a caller's `torch.cuda.graph` around a program), a fresh pair that
+        this kernel keeps: its counters' zeroing is recorded into that graph alone, and no
+        other graph, which might replay first, relies on it."""
         arena = _CAPTURING.get()
         if arena is None:
+            import torch
+
+            if torch.cuda.is_current_stream_capturing():
+                own = Workspace()
+                self._foreign.append(own)  # (the caller's graph reads it for as long as it lives)
+                return own.get(device, self.source.workspace, self.source.flags)
             arena = _STREAMS.get((device, stream))
             if arena is None:
                 arena = _STREAMS[(device, stream)] = Workspace()
@@ -244,7 +254,9 @@ class GemmKernel:
         module, func, grid, cfg = self._loaded.get(device) or self._load(device)
         handle = _raw_stream(device)
         ws = self._workspace(device, handle) if self._split else None
-        key = (tuple(ptrs), ws[0].data_ptr()) if ws is not None else tuple(ptrs)
+        # (both addresses: a dropped capture's arena frees its buffers, and a later one may get
+        # the partials' address back with its counters elsewhere)
+        key = (tuple(ptrs), ws[0].data_ptr(), ws[1].data_ptr()) if ws is not None else tuple(ptrs)
         args = self._args.get(key)
         if args is None:  # encode the tensor maps and build the argument block once per pointer set
             at = self._map_at
@@ -276,29 +288,45 @@ class Workspace:
     """Split-K's and stream-K's scratch, f32 partial sums and int32 turn counters, shared by GEMM
     launches that never run at once: those on one stream, or those of one CUDA graph (which
     runs its launches in order). A launch writes every partial it reads and leaves the counters
-    at zero, so one buffer serves every GEMM, grown to the largest asked. Each kernel had its own
-    per stream before, and each graph capture is made on a new stream: an 8-layer, 4096-wide
-    Llama's decode steps held 2.8 GiB of them (bench/LOG_blocks.md, session 38). A smaller
-    buffer handed out before is kept: launch argument blocks and captured graphs hold its address."""
+    at zero, so one buffer of each serves every GEMM, grown to the largest asked. Each kernel had
+    its own per stream before, and each graph capture is made on a new stream: an 8-layer,
+    4096-wide Llama's decode steps held 2.8 GiB of them (bench/LOG_blocks.md, session 38). A
+    smaller buffer handed out before is kept: launch argument blocks and captured graphs hold
+    its address. Each grows on its own, at least doubling (so the buffers of one kind sum to
+    under four times the largest request; a capture reserves its largest first: exactly that)."""
 
     def __init__(self):
-        self.buffers: dict = {}  # device -> [(partials, flags)], the last the largest
+        self.partials: dict = {}  # device -> [f32 tensors], the last the largest
+        self.flags: dict = {}     # device -> [int32 tensors, zeroed], the last the largest
 
     def get(self, device: int, floats: int, flags: int):
-        import torch
+        return (_at_least(self.partials, device, floats, zeroed=False),
+                _at_least(self.flags, device, flags, zeroed=True))
 
-        have = self.buffers.setdefault(device, [])
-        if have and have[-1][0].numel() >= floats and have[-1][1].numel() >= flags:
-            return have[-1]
-        grow = 2 if have else 1  # (doubling: what a capture's warm-up hands out sums to at most twice the largest)
-        floats = max(floats, grow * have[-1][0].numel() if have else 0, 1)
-        flags = max(flags, grow * have[-1][1].numel() if have else 0, 1)
-        have.append((torch.empty(floats, dtype=torch.float32, device=f"cuda:{device}"),
-                     torch.zeros(flags, dtype=torch.int32, device=f"cuda:{device}")))
-        return have[-1]
+    def reserve(self, device: int, floats: int, flags: int) -> None:
+        """Allocate for the largest of what will be asked now, in one buffer of each kind."""
+        if floats or flags:
+            self.get(device, floats, flags)
 
     def nbytes(self) -> int:
-        return sum(p.numel() * 4 + f.numel() * 4 for bufs in self.buffers.values() for p, f in bufs)
+        return sum(t.numel() * 4 for bufs in (*self.partials.values(), *self.flags.values()) for t in bufs)
+
+
+def _at_least(bufs: dict, device: int, n: int, zeroed: bool):
+    have = bufs.setdefault(device, [])
+    if have and have[-1].numel() >= n:
+        return have[-1]
+    have.append(_alloc(max(n, 2 * have[-1].numel() if have else 0, 1), device, zeroed))
+    return have[-1]
+
+
+def _alloc(n: int, device: int, zeroed: bool):
+    """n int32 zeros (the counters) or n float32 (the partials) on the GPU `device`."""
+    import torch
+
+    if zeroed:
+        return torch.zeros(n, dtype=torch.int32, device=f"cuda:{device}")
+    return torch.empty(n, dtype=torch.float32, device=f"cuda:{device}")
 
 
 _STREAMS: dict = {}  # (device, raw stream) -> Workspace, for launches outside a capture

@@ -268,6 +268,9 @@ def capture_cuda(runner, tensors, direct):
         side.wait_stream(current)
         # one split-K workspace for the graph's GEMMs, allocated in the warm-up, kept by its replay
         arena = gemm.Workspace()
+        if hasattr(runner, "gemm_workspace"):
+            arena.reserve(device.index if device.index is not None else torch.cuda.current_device(),
+                          *runner.gemm_workspace())
         with torch.cuda.stream(side), gemm.capturing(arena):
             runner.run(warm)  # first use of cuBLAS workspaces etc. on this stream happens outside the capture
         current.wait_stream(side)

@@ -211,6 +211,13 @@ class Runner:
         """The device tensors the runner holds (weights, constants): never a call's own memory."""
         return [t for t in self.base if t is not None]
 
+    def gemm_workspace(self) -> tuple[int, int]:
+        """The most split-K / stream-K partials (f32) and counters (int32) one of its GEMMs uses:
+        what a CUDA-graph capture reserves for all of them (runtime.gemm.Workspace)."""
+        srcs = [op.gk.source for op in self.ops if isinstance(op, _Gemm)]
+        return (max((getattr(x, "workspace", 0) for x in srcs), default=0),
+                max((getattr(x, "flags", 0) for x in srcs), default=0))
+
 
 def _unviewed(t: torch.Tensor) -> torch.Tensor:
     """`t` with no view base (same memory): the replay of a CUDA graph returns its outputs
