@@ -24,6 +24,7 @@ those columns and the output is half as wide. A map joins the first GEMM that ca
 """
 from __future__ import annotations
 
+import heapq
 import math
 from dataclasses import dataclass
 
@@ -182,14 +183,48 @@ def _operand_map(g: ir.Graph, name: str, shape, batch: int, avoid: set) -> list[
     return out + [(name, ops_)]
 
 
-def _descendants(g: ir.Graph, users, root: str) -> set[str]:
-    out, stack = set(), [root]
-    while stack:
-        for u in users[stack.pop()]:
-            if u not in out:
-                out.add(u)
-                stack.append(u)
-    return out
+class _Below:
+    """The nodes that depend on `root` (not root itself), as a set to ask: each asked node is
+    found by walking back from it through nodes after root alone (nothing before root in graph
+    order can read it), the answers kept. Listing them all up front cost a walk of the rest of
+    the graph per contraction, quadratic in a model's layers."""
+
+    def __init__(self, g: ir.Graph, order: dict, root: str):
+        self.g, self.order, self.root, self.pos = g, order, root, order[root]
+        self.known = {root: True}  # name -> it is root or depends on it
+
+    def __contains__(self, name: str) -> bool:
+        return name != self.root and self._reaches(name)
+
+    def _reaches(self, name: str) -> bool:
+        known, stack = self.known, [name]
+        while stack:
+            x = stack[-1]
+            if x in known:
+                stack.pop()
+                continue
+            if self.order[x] < self.pos:
+                known[x] = False
+                stack.pop()
+                continue
+            args = ir.node_args(self.g[x])
+            pending = [a for a in args if a not in known]
+            if pending:
+                stack.extend(pending)
+                continue
+            known[x] = any(known[a] for a in args)
+            stack.pop()
+        return known[name]
+
+
+class _Avoid:
+    """`below`, the epilogue's members so far and the maps an earlier GEMM took, as one set."""
+
+    def __init__(self, *parts):
+        self.parts = parts
+
+    def __contains__(self, name: str) -> bool:
+        return any(name in p for p in self.parts)
 
 
 def _epilogue_op(n) -> bool:
@@ -244,12 +279,28 @@ def match(g: ir.Graph, c: ir.Contraction, users=None, taken: frozenset = frozens
     full = tuple(c.type.shape)
     half = full[:-1] + (n // 2,) if n % 2 == 0 else None
     level = {c.name: "full"}  # member -> the width it runs at
-    below = _descendants(g, users, c.name)
-    order = {x.name: i for i, x in enumerate(g.nodes)}
+    order = g.order()
+    below = _Below(g, order, c.name)
     pair_src, slices = None, {}
     candidates: list[tuple[str, dict]] = []  # (member, its operands), in graph order
     stacks: dict[str, tuple[str, str, str]] = {}  # full-width view -> (stack, even, odd)
-    for x in g.nodes[order[c.name] + 1:]:
+    # Only a node reading a member can join, so the walk visits the readers of members, in
+    # graph order (a heap of positions), not every node after c: the same candidates, at a cost
+    # that no longer grows with what follows c (a 32-layer model matched each contraction
+    # against the whole rest of the graph), and only until MAX_EPILOGUE have joined.
+    queue, queued, at = [], set(), order[c.name]
+
+    def joined(name: str) -> None:
+        for u in users[name]:
+            i = order[u]
+            if i > at and i not in queued:
+                queued.add(i)
+                heapq.heappush(queue, i)
+
+    joined(c.name)
+    while queue and len(candidates) < MAX_EPILOGUE:  # (no candidate past those is ever chosen)
+        at = heapq.heappop(queue)
+        x = g.nodes[at]
         if x.name in taken or x.name in stacks:
             continue
         pair = stack_halves(x)
@@ -259,6 +310,8 @@ def match(g: ir.Graph, c: ir.Contraction, users=None, taken: frozenset = frozens
                 level[x.name], level[view.name] = "stack", "full"
                 stacks[view.name] = (x.name, *pair)
                 candidates += [(x.name, {}), (view.name, {})]
+                joined(x.name)
+                joined(view.name)
             continue
         if isinstance(x, ir.View) and x.op == "slice" and half and level.get(x.arg) == "full":
             pair = _pair_slices(g, users, x.arg)
@@ -266,6 +319,7 @@ def match(g: ir.Graph, c: ir.Contraction, users=None, taken: frozenset = frozens
                 pair_src, slices = x.arg, dict(zip(pair, (0, 1)))
                 level[x.name] = "half"
                 candidates.append((x.name, {}))
+                joined(x.name)
             continue
         if not _epilogue_op(x):
             continue
@@ -279,7 +333,7 @@ def match(g: ir.Graph, c: ir.Contraction, users=None, taken: frozenset = frozens
         for arg in x.args:
             if arg in level or isinstance(g[arg], ir.Constant):
                 continue
-            got = _operand_map(g, arg, shape, batch, below | set(level) | set(taken))
+            got = _operand_map(g, arg, shape, batch, _Avoid(below, level, taken))
             if got is not None:
                 inner.extend(got)
                 continue
@@ -292,8 +346,10 @@ def match(g: ir.Graph, c: ir.Contraction, users=None, taken: frozenset = frozens
                 if name not in level:
                     level[name] = width
                     candidates.append((name, ops_))
+                    joined(name)
             level[x.name] = width
             candidates.append((x.name, new))
+            joined(x.name)
 
     # The epilogue is the longest prefix that leaves one tensor read from outside, or a longer
     # one leaving up to MAX_OUTPUTS when that pays (see `_extra_outputs_pay`). With the column

@@ -337,6 +337,14 @@ class Graph:
     def __contains__(self, name: str):
         return name in self._by_name
 
+    def order(self) -> dict[str, int]:
+        """Each node's position in `nodes`, built once per graph (passes ask it per contraction:
+        rebuilt each time, it made matching quadratic in a model's layers)."""
+        got = self.__dict__.get("_order")
+        if got is None or len(got) != len(self.nodes):
+            got = self._order = {n.name: i for i, n in enumerate(self.nodes)}
+        return got
+
     def users(self) -> dict[str, list[str]]:
         out: dict[str, list[str]] = {n.name: [] for n in self.nodes}
         for n in self.nodes:
