@@ -425,7 +425,7 @@ class _Planner:
         for s in self.steps:
             members = set(s.nodes)
             s.inputs = sorted({a for a in s.inputs_all if a not in members and not _generated(g[a])},
-                              key=list(n.name for n in g.nodes).index)
+                              key=g.order().__getitem__)
             s.outputs = [m for m in s.nodes if m in outputs or any(u not in members for u in self.users[m])]
             if s.family == "gemm":
                 spec = s.gemm
