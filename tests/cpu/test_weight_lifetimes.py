@@ -49,8 +49,8 @@ def test_derived_weights_the_pool_replaced_are_freed_without_the_cyclic_collecto
 
     intern = tb.POOL.intern
 
-    def tracked_intern(t):
-        got = intern(t)
+    def tracked_intern(t, live=()):
+        got = intern(t, live)
         derived.append(weakref.ref(t))
         if got is not t:
             replaced.append(weakref.ref(t))

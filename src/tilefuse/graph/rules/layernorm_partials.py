@@ -22,7 +22,7 @@ from ...codegen.epilogue import PARTIAL_WIDTH
 from .. import ir
 from .layernorm_matmul import _row_mean
 from .match import Editor
-from .rmsnorm_partials import gemm_specs, mean_as_partials, taken_by_gemm
+from .rmsnorm_partials import mean_as_partials, producers, taken_by_a_producer
 
 
 def _stats(g: ir.Graph, users) -> list[tuple[str, str, str]]:
@@ -50,8 +50,7 @@ def layernorm_partials(g: ir.Graph, width: int = PARTIAL_WIDTH) -> ir.Graph:
         new = _from_the_source(out, xf, sq)
         new, p_sum = mean_as_partials(new, mean, xf, width)
         new, p_sq = mean_as_partials(new, msq, sq, width)
-        specs = gemm_specs(new)
-        if taken_by_gemm(specs, (p_sum, p_sq)) is not None and _read_only_by_gemms(new, specs, new[xf].args[0]):
+        if taken_by_a_producer(new, (p_sum, p_sq)) and _read_only_by_gemms(new, new[xf].args[0]):
             out = new
     return out
 
@@ -74,16 +73,23 @@ def _from_the_source(g: ir.Graph, xf: str, sq: str) -> ir.Graph:
     return Editor(g).graph([swap.get(x.name, x) for x in g.nodes])
 
 
-def _read_only_by_gemms(g: ir.Graph, specs, x: str) -> bool:
-    """Is x (and every reshape of it) read only by the generated GEMMs of `specs` (gemm_specs'),
-    as an operand or in their epilogues, so that no other kernel reads x?"""
-    users = g.users()
-    members = {m for s in specs for m in s.maps} | {s.contraction for s in specs}
+def _read_only_by_gemms(g: ir.Graph, x: str) -> bool:
+    """Is x (and every reshape of it) read only by generated GEMMs, as their operand or in their
+    epilogues, so that no other kernel reads x? A reader in an epilogue is reached back from it
+    through maps, views and reductions (`producers`; x, a tile, is no operand-only map's input):
+    those contractions are matched nearest first, not every contraction of the graph for each
+    norm (quadratic in the layers)."""
+    from ..contraction import GemmSpec, match
+
+    users, order = g.users(), g.order()
     todo = [x]
     while todo:
         for u in set(users[todo.pop()]):
             if isinstance(g[u], ir.View) and g[u].op == "reshape":
                 todo.append(u)
-            elif u not in members:
+                continue
+            near = sorted(producers(g, (u,)), key=order.__getitem__, reverse=True)
+            specs = (match(g, g[c], users) for c in near)
+            if not any(isinstance(s, GemmSpec) and (u == s.contraction or u in s.maps) for s in specs):
                 return False
     return True

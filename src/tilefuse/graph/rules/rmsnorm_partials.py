@@ -72,7 +72,7 @@ def rmsnorm_partials(g: ir.Graph, width: int = PARTIAL_WIDTH) -> ir.Graph:
         if q is None or g[q].type.shape[-1] % width:
             continue
         new, psq = mean_as_partials(out, ms, q, width)
-        if taken_by_gemm(gemm_specs(new, producers(new, (psq,))), (psq,)) is not None:
+        if taken_by_a_producer(new, (psq,)):
             out = new
     return out
 
@@ -105,17 +105,6 @@ def mean_as_partials(g: ir.Graph, ms: str, q: str, width: int) -> tuple[ir.Graph
     return ed.graph(nodes), psq.name
 
 
-def gemm_specs(g: ir.Graph, among: set[str] | None = None) -> list:
-    """The GemmSpec of every contraction of g (of `among`, if given) the planner makes a
-    generated GEMM."""
-    from ..contraction import GemmSpec, match
-
-    users = g.users()
-    specs = (match(g, n, users) for n in g.nodes
-             if isinstance(n, ir.Contraction) and (among is None or n.name in among))
-    return [s for s in specs if isinstance(s, GemmSpec)]
-
-
 def producers(g: ir.Graph, names) -> set[str]:
     """The contractions whose epilogue could compute one of `names`: those reached from them
     backwards through maps, views and reductions alone, what an epilogue is made of. Matching
@@ -134,10 +123,19 @@ def producers(g: ir.Graph, names) -> set[str]:
     return found
 
 
-def taken_by_gemm(specs, psqs):
-    """The spec (of `specs`, gemm_specs') whose epilogue writes every one of the partials
-    psqs, else None."""
-    return next((s for s in specs if set(psqs) <= set(s.outs)), None)
+def taken_by_a_producer(g: ir.Graph, psqs) -> bool:
+    """Whether a generated GEMM's epilogue would write every one of the partials psqs: the
+    contractions that could (`producers`) are matched nearest first, stopping at the first that
+    does. (The residual stream makes every earlier layer's projections producers: matching all
+    of them for each norm was quadratic in the layers, and the nearest is the one.)"""
+    from ..contraction import GemmSpec, match
+
+    users, order = g.users(), g.order()
+    for name in sorted(producers(g, psqs), key=order.__getitem__, reverse=True):
+        s = match(g, g[name], users)
+        if isinstance(s, GemmSpec) and set(psqs) <= set(s.outs):
+            return True
+    return False
 
 
 @dataclass(frozen=True)
