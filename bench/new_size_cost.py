@@ -1,11 +1,11 @@
 """What compiling one more prompt length costs on the host, stage by stage, with no GPU.
 
-    python3 bench/new_size_cost.py [--layers 4 --hidden 1024 --seqs 128,96] [--profile out.txt]
+    python3 bench/new_size_cost.py [--model llama|qwen2|gpt2] [--layers 4 --hidden 1024 --seqs 128,96] [--profile out.txt]
 
 Under `generate`, each new prompt length is a new size of the prefill graph: tilefuse
 instantiates the symbolic export, captures, rewrites, plans and lowers it, then renders and
 builds each kernel (NVRTC, through the content-addressed cubin cache). This times those stages
-for a random 4-layer Llama (hidden 1024, bf16, sm_90a) at each length of `--seqs` in one
+for a random 4-layer Llama (hidden 1024, bf16, sm_90a; `--model` for another) at each length of `--seqs` in one
 process, as the backend meets them: the first length pays the cold caches, later ones show
 what a new size costs. One thread, so the stages do not share the time (the backend builds
 kernels in parallel threads). Each distinct kernel is rendered and built once, as a program
@@ -28,6 +28,7 @@ HERE = Path(__file__).resolve().parent
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="llama", choices=("llama", "qwen2", "gpt2"))
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--seqs", default="128,96")
@@ -37,7 +38,7 @@ def main() -> None:
     import os
 
     os.environ.setdefault("TILEFUSE_CACHE_DIR", tempfile.mkdtemp(prefix="tf-newsize-"))
-    sys.path.insert(0, str(HERE.parent / "src"))
+    sys.path.insert(0, os.environ.get("TILEFUSE_SRC", str(HERE.parent / "src")))  # another tree's, to compare
     import torch
 
     from tilefuse.compiler import compile_stages
@@ -46,9 +47,9 @@ def main() -> None:
     from tilefuse.tune.lookup import tuned_schedule
 
     torch.manual_seed(0)
-    cfg = hf.config("llama", args.layers, args.hidden, seq=512)
+    cfg = hf.config(args.model, args.layers, args.hidden, seq=512)
     model = hf.CausalLM(hf.causal_lm(cfg).to(torch.bfloat16).eval())
-    print(f"{args.layers}-layer Llama, hidden {args.hidden}, bf16, sm_90a; cubin cache {os.environ['TILEFUSE_CACHE_DIR']}")
+    print(f"{args.layers}-layer {args.model}, hidden {args.hidden}, bf16, sm_90a; cubin cache {os.environ['TILEFUSE_CACHE_DIR']}")
     print(f"{'seq':>5} {'export':>7} {'lower':>7} {'render mr':>10} {'render gemm':>12} {'build (render+NVRTC)':>21} "
           f"{'kernels':>8} {'hits':>5}")
     for i, seq in enumerate(int(s) for s in args.seqs.split(",")):
