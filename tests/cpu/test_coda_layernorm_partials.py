@@ -261,3 +261,33 @@ def test_layernorm_without_affine_or_bias_compiles_and_matches_pytorch(affine):
     for i, (o, r, e) in enumerate(zip(out, float64_reference(m, xs), eager)):
         c = compare(f"out{i}", o, r, e)
         assert c.ok, c
+
+
+def test_a_reader_joining_an_epilogue_through_an_operand_map_counts_as_read_by_that_gemm():
+    """x's reader y = r·v + x joins mm2's epilogue through the operand map r·v (a rank-1 term the
+    epilogue computes, made a member by z = mm2 - r·v), though y reads nothing of mm2: no walk
+    back from y reaches mm2. The rule asks each reader's own producers first, then every other
+    GEMM, so y still counts as read by a GEMM and the partials go into mm1's epilogue, as when
+    every contraction was matched for each norm (a review found the producers-only version
+    refused this graph)."""
+    T = ir.TensorType
+    m, n, k = 16, 256, 64
+    nodes = [ir.Input("a", T((m, k), "bf16")), ir.Input("b", T((m, k), "bf16")), ir.Input("res", T((m, n), "f32")),
+             ir.Input("r", T((m, 1), "f32")), ir.Input("v", T((n,), "f32")),
+             ir.Weight("w1", T((k, n), "bf16")), ir.Weight("w2", T((k, n), "bf16")),
+             ir.Contraction("mm1", T((m, n), "f32"), "a", "w1"),
+             ir.Map("x", T((m, n), "f32"), "add", ("mm1", "res")),
+             ir.Map("xf", T((m, n), "f32"), "cast", ("x",)),
+             ir.Reduce("mu", T((m, 1), "f32"), "mean", "xf", (1,), True),
+             ir.Map("sq", T((m, n), "f32"), "mul", ("xf", "xf")),
+             ir.Reduce("msq", T((m, 1), "f32"), "mean", "sq", (1,), True),
+             ir.Contraction("mm2", T((m, n), "f32"), "b", "w2"),
+             ir.Map("inner", T((m, n), "f32"), "mul", ("r", "v")),
+             ir.Map("z", T((m, n), "f32"), "sub", ("mm2", "inner")),
+             ir.Map("y", T((m, n), "f32"), "add", ("inner", "x")),
+             ir.Map("out", T((m, n), "f32"), "add", ("z", "y"))]
+    g = ir.Graph(tuple(nodes), ("a", "b", "res", "r", "v"), ("out", "mu", "msq"))
+    new = layernorm_partials(g)
+    assert new is not g
+    (step,) = [s for s in plan(new).steps if s.family == "gemm" and "mm1" in s.nodes]
+    assert {"xf", "sq"} <= set(step.nodes) and len(step.outputs) == 3  # x and both partials

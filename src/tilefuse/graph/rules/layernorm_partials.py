@@ -22,7 +22,7 @@ from ...codegen.epilogue import PARTIAL_WIDTH
 from .. import ir
 from .layernorm_matmul import _row_mean
 from .match import Editor
-from .rmsnorm_partials import mean_as_partials, producers, taken_by_a_producer
+from .rmsnorm_partials import mean_as_partials, producers
 
 
 def _stats(g: ir.Graph, users) -> list[tuple[str, str, str]]:
@@ -50,7 +50,9 @@ def layernorm_partials(g: ir.Graph, width: int = PARTIAL_WIDTH) -> ir.Graph:
         new = _from_the_source(out, xf, sq)
         new, p_sum = mean_as_partials(new, mean, xf, width)
         new, p_sq = mean_as_partials(new, msq, sq, width)
-        if taken_by_a_producer(new, (p_sum, p_sq)) and _read_only_by_gemms(new, new[xf].args[0]):
+        specs = _Specs(new)
+        if (specs.some(producers(new, (p_sum, p_sq)), lambda sp: {p_sum, p_sq} <= set(sp.outs))
+                and _read_only_by_gemms(new, new[xf].args[0], specs)):
             out = new
     return out
 
@@ -73,23 +75,41 @@ def _from_the_source(g: ir.Graph, xf: str, sq: str) -> ir.Graph:
     return Editor(g).graph([swap.get(x.name, x) for x in g.nodes])
 
 
-def _read_only_by_gemms(g: ir.Graph, x: str) -> bool:
-    """Is x (and every reshape of it) read only by generated GEMMs, as their operand or in their
-    epilogues, so that no other kernel reads x? A reader in an epilogue is reached back from it
-    through maps, views and reductions (`producers`; x, a tile, is no operand-only map's input):
-    those contractions are matched nearest first, not every contraction of the graph for each
-    norm (quadratic in the layers)."""
-    from ..contraction import GemmSpec, match
+class _Specs:
+    """The GemmSpecs of a graph's contractions, each matched when first asked. Matching every
+    contraction of the graph for each norm was quadratic in the layers."""
 
-    users, order = g.users(), g.order()
+    def __init__(self, g: ir.Graph):
+        self.g, self.users, self.order, self.got = g, g.users(), g.order(), {}
+        self.every = {n.name for n in g.nodes if isinstance(n, ir.Contraction)}
+
+    def some(self, near: set, ok) -> bool:
+        """Whether some contraction's GemmSpec satisfies `ok`: those of `near` first, nearest
+        first, then the rest (an epilogue can hold a node its contraction does not reach: one
+        that joins through an operand map the epilogue computes, reading nothing of the
+        accumulator), so the answer is the same as asking every spec."""
+        return self._first(near, ok) or self._first(self.every - set(near), ok)
+
+    def _first(self, names, ok) -> bool:
+        from ..contraction import GemmSpec, match
+
+        for name in sorted(names, key=self.order.__getitem__, reverse=True):
+            if name not in self.got:
+                self.got[name] = match(self.g, self.g[name], self.users)
+            s = self.got[name]
+            if isinstance(s, GemmSpec) and ok(s):
+                return True
+        return False
+
+
+def _read_only_by_gemms(g: ir.Graph, x: str, specs: _Specs) -> bool:
+    """Is x (and every reshape of it) read only by generated GEMMs, as their operand or in their
+    epilogues, so that no other kernel reads x? Each reader's own producers are asked first."""
     todo = [x]
     while todo:
-        for u in set(users[todo.pop()]):
+        for u in set(specs.users[todo.pop()]):
             if isinstance(g[u], ir.View) and g[u].op == "reshape":
                 todo.append(u)
-                continue
-            near = sorted(producers(g, (u,)), key=order.__getitem__, reverse=True)
-            specs = (match(g, g[c], users) for c in near)
-            if not any(isinstance(s, GemmSpec) and (u == s.contraction or u in s.maps) for s in specs):
+            elif not specs.some(producers(g, (u,)), lambda sp: u == sp.contraction or u in sp.maps):
                 return False
     return True
