@@ -50,6 +50,8 @@ def layernorm_partials(g: ir.Graph, width: int = PARTIAL_WIDTH) -> ir.Graph:
         new = _from_the_source(out, xf, sq)
         new, p_sum = mean_as_partials(new, mean, xf, width)
         new, p_sq = mean_as_partials(new, msq, sq, width)
+        if p_sum not in new or p_sq not in new:
+            continue  # (pruned: nothing reads the statistics)
         specs = _Specs(new)
         if (specs.some(producers(new, (p_sum, p_sq)), lambda sp: {p_sum, p_sq} <= set(sp.outs))
                 and _read_only_by_gemms(new, new[xf].args[0], specs)):

@@ -72,7 +72,7 @@ def rmsnorm_partials(g: ir.Graph, width: int = PARTIAL_WIDTH) -> ir.Graph:
         if q is None or g[q].type.shape[-1] % width:
             continue
         new, psq = mean_as_partials(out, ms, q, width)
-        if taken_by_a_producer(new, (psq,)):
+        if psq in new and taken_by_a_producer(new, (psq,)):  # (pruned where nothing reads the mean)
             out = new
     return out
 
