@@ -94,10 +94,15 @@ def _split_k_kernel(monkeypatch, seen: list) -> rt.GemmKernel:
     return k
 
 
+def _pointers(k: rt.GemmKernel) -> list:
+    """Made-up addresses for A, B and the epilogue's parameters (nothing reads them)."""
+    return [0x10000, 0x20000] + [0x30000 + 0x1000 * i for i in range(len(k.source.params))]
+
+
 def test_a_launch_passes_its_own_workspace_after_a_freed_ones_partials_address_comes_back(memory, monkeypatch):
     seen: list = []
     k = _split_k_kernel(monkeypatch, seen)
-    ptrs = [0x10000, 0x20000] + [0x30000 + 0x1000 * i for i in range(len(k.source.params))]
+    ptrs = _pointers(k)
     first = rt.Workspace()
     with rt.capturing(first):
         k.launch_ptrs(0, ptrs)
@@ -117,7 +122,7 @@ def test_a_launch_passes_its_own_workspace_after_a_freed_ones_partials_address_c
 def test_launches_outside_a_capture_share_their_streams_workspace(memory, monkeypatch):
     seen: list = []
     k = _split_k_kernel(monkeypatch, seen)
-    ptrs = [0x10000, 0x20000] + [0x30000 + 0x1000 * i for i in range(len(k.source.params))]
+    ptrs = _pointers(k)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     k.launch_ptrs(0, ptrs)
     k.launch_ptrs(0, [p + 0x100 for p in ptrs])
@@ -128,7 +133,7 @@ def test_launches_outside_a_capture_share_their_streams_workspace(memory, monkey
 def test_inside_a_capture_tilefuse_did_not_begin_each_launch_gets_a_workspace_the_kernel_keeps(memory, monkeypatch):
     seen: list = []
     k = _split_k_kernel(monkeypatch, seen)
-    ptrs = [0x10000, 0x20000] + [0x30000 + 0x1000 * i for i in range(len(k.source.params))]
+    ptrs = _pointers(k)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     k.launch_ptrs(0, ptrs)
     k.launch_ptrs(0, ptrs)
