@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from loop_fixtures import BUILDERS, NAMES, example
 
-from tilefuse.loop.canon import canonicalize, free_uses, structural_hash
+from tilefuse.loop.canon import canonicalize, free_uses, named_by_structure, structural_hash
 from tilefuse.loop.interp import run_kernel
 from tilefuse.loop.ir import (
     Buffer, Const, IBin, IConst, IndexValue, Kernel, Load, Loop, Op, Reduce, Store, Val, Var, walk,
@@ -285,6 +285,47 @@ def test_canonicalize_preserves_meaning(name, dtype, R, C, rng):
     want, got = run_kernel(k, ex.inputs), run_kernel(canonicalize(k), ex.inputs)
     for out in want:
         assert want[out].tobytes() == got[out].tobytes()
+
+
+@settings(max_examples=30, deadline=None)
+@given(kernels, st.randoms(use_true_random=False))
+def test_named_by_structure_forgets_every_name_and_keeps_the_order(k, rng):
+    """Kernels equal but for their names (values, loops, buffers, the kernel's numbers) are one
+    kernel named by structure: what a program builds once for all of them. Statements keep
+    their order, buffers their position, role, shape and dtype, and the hash is unchanged."""
+    n = named_by_structure(k)
+    verify(n)
+    other = replace(rename_kernel(k, rng), name=f"k{rng.randrange(99)}_{k.name}_{rng.randrange(99)}")
+    assert named_by_structure(other) == n
+    assert named_by_structure(n) == n
+    assert structural_hash(n) == structural_hash(k)
+    assert [(b.role, b.shape, b.dtype) for b in n.params] == [(b.role, b.shape, b.dtype) for b in k.params]
+    assert [b.name for b in n.params] == [f"b{i}" for i in range(len(k.params))]
+    assert [type(s) for s in walk(n.body)] == [type(s) for s in walk(k.body)]
+    assert n.name.endswith("_" + structural_hash(k)[:10])
+
+
+@pytest.mark.parametrize("name, stem", [("tf_k16_mean_1_sum", "tf_mean_sum"), ("tf_k1_cast_4", "tf_cast"),
+                                        ("k3_max_1", "max"), ("7", "kernel")])
+def test_named_by_structure_keeps_the_stem_of_the_name(name, stem):
+    """The kernel's name keeps its words, not its numbers: profiles still say what it computes."""
+    k = replace(BUILDERS[NAMES[0]](3, 5, "bf16"), name=name)
+    assert named_by_structure(k).name == f"{stem}_{structural_hash(k)[:10]}"
+
+
+@settings(max_examples=20, deadline=None)
+@given(st.sampled_from(NAMES), st.sampled_from(DTYPES), st.integers(1, 6), st.integers(1, 9),
+       st.randoms(use_true_random=False))
+def test_named_by_structure_preserves_meaning(name, dtype, R, C, rng):
+    """Bound by position, a kernel and its form named by structure give bit-identical outputs."""
+    ex = example(name, R, C, dtype, seed=rng.randrange(1 << 30))
+    n = named_by_structure(ex.kernel)
+    ins = {nb.name: ex.inputs[kb.name] for kb, nb in zip(ex.kernel.params, n.params) if kb.role == "in"}
+    want, got = run_kernel(ex.kernel, ex.inputs), run_kernel(n, ins)
+    outs = [(kb.name, nb.name) for kb, nb in zip(ex.kernel.params, n.params) if kb.role == "out"]
+    assert outs
+    for a, b in outs:
+        assert want[a].tobytes() == got[b].tobytes()
 
 
 def test_hash_of_malformed_kernel_is_a_clear_error():

@@ -100,6 +100,37 @@ def test_prepare_compiles_for_the_callers_gpu_in_every_worker_thread(monkeypatch
     assert {k[1] for k in p._compiled} == {"cuda:1", "cuda"}
 
 
+def test_kernels_equal_but_for_their_names_are_built_once(monkeypatch):
+    """Two softmaxes of equal shapes are one kernel but for their names, as a model's layers
+    repeat their norms' kernels: prepare() builds it once, under names made from what it
+    computes, and both steps launch that one build."""
+    import tilefuse.runtime.gemm as gemm_mod
+    import tilefuse.runtime.launch as launch_mod
+
+    built = []
+
+    class Built:  # (weakly referable, as a CompiledKernel is: the process-wide table holds it so)
+        pass
+
+    def fake(kernel, arch=None, schedule=None):
+        built.append(kernel)
+        return Built()
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(gemm_mod, "compile_gemm", lambda problem, sched, arch: object())
+    monkeypatch.setattr(launch_mod, "compile_kernel", fake)
+    monkeypatch.setattr(program_mod, "PREPARE_THREADS", 1)
+    a, w1, w2 = (torch.randn(64, 32, dtype=torch.bfloat16), torch.randn(32, 48, dtype=torch.bfloat16),
+                 torch.randn(48, 48, dtype=torch.bfloat16))
+    p = _prog(lambda a, b, c: torch.softmax(torch.softmax(a @ b, -1) @ c, -1), a, w1, w2)
+    steps = [s.name for s in p.plan.steps if s.family == "mapreduce"]
+    assert len(steps) == 2 and len({p.kernels[s].kernel.name for s in steps}) == 2, steps
+    p.prepare("cpu")
+    (kernel,) = built
+    assert kernel.name.startswith("tf_max_") and [b.name for b in kernel.params] == ["b0", "b1"]
+    assert p.compiled(p.kernels[steps[0]], "cpu") is p.compiled(p.kernels[steps[1]], "cpu")
+
+
 def test_prepare_compiles_every_kernel_once_across_threads_and_raises_the_first_failure(monkeypatch):
     """prepare() compiles the plan's kernels in parallel threads: each step's kernel exactly
     once, all of them kept for the first call, and a kernel that fails to compile fails

@@ -50,6 +50,27 @@ def canonicalize(k: Kernel, rename_buffers: bool = False) -> Kernel:
     return replace(k, params=params, body=body, scratch=scratch)
 
 
+def named_by_structure(k: Kernel) -> Kernel:
+    """`k` with every name made from what it computes, its statement order kept: values v0, v1,
+    …, loop variables i0, i1, …, buffers b0, b1, … by position, and the kernel named by its
+    stem (`tf_k16_mean_1_sum` -> `tf_mean_sum`) and structural hash. A program compiles this: the
+    kernels a model repeats per layer (each norm's finishing kernel) then render to one source,
+    one NVRTC build and one cubin cache entry, where their names made each its own. The order is
+    kept rather than made canonical so that the source is the one the lowering chose."""
+    digest = structural_hash(k)
+    buffers = {b.name: f"b{i}" for i, b in enumerate(k.params + k.scratch)}
+    body = _rename_block(k.body, {}, {}, buffers, _Namer())
+    return replace(k, name=f"{_stem(k.name.removesuffix('_' + digest[:10]))}_{digest[:10]}", body=body, notes=(),
+                   params=tuple(replace(b, name=buffers[b.name]) for b in k.params),
+                   scratch=tuple(replace(b, name=buffers[b.name]) for b in k.scratch))
+
+
+def _stem(name: str) -> str:
+    """A kernel name without its step number and its values' numbers (`tf_k16_mean_1_sum` -> `tf_mean_sum`)."""
+    words = [w for w in name.split("_") if w and not w.isdigit() and not (w[0] == "k" and w[1:].isdigit())]
+    return "_".join(words) or "kernel"
+
+
 # ---------------------------------------------------------------- digests and order
 
 

@@ -33,9 +33,10 @@ PREPARE_THREADS = 8  # kernels Program.prepare compiles at once
 # Kernels compiled in this process, shared by every program that holds one. The programs one
 # graph compiles to at different sizes (under torch.compile, `generate`'s cache grows a token a
 # step) repeat most of their kernels, and rendering each again and hashing it for the cubin and
-# tuning caches cost ~0.8 s a size for a 4-layer model on an H100. The key is the kernel itself
-# (Loop IR, names included) or the GEMM problem and its epilogue, the target, whether tuned knobs are looked up,
-# and the tuning cache's state; an entry lives while some program holds its kernel.
+# tuning caches cost ~0.8 s a size for a 4-layer model on an H100. The key is the kernel under
+# names made from what it computes (Loop IR: two layers' equal kernels are one) or the GEMM
+# problem and its epilogue, the target, whether tuned knobs are looked up, and the tuning
+# cache's state; an entry lives while some program holds its kernel.
 _SHARED: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 
@@ -185,16 +186,21 @@ class Program:
         return self._weights[key]
 
     def compiled(self, lowered: Lowered, device):
+        """The kernel built under names made from what it computes (loop.canon.named_by_structure):
+        kernels equal but for their names, as a model's layers repeat them, build once. Its
+        parameters keep their order, which is all a launch binds by."""
         key = (lowered.kernel.name, str(device))
         if key not in self._compiled:
+            from ..loop.canon import named_by_structure
             from .launch import compile_kernel
 
-            def build():
-                sched = self.schedules(lowered.kernel, self.arch, device) if self.schedules else None
-                return compile_kernel(lowered.kernel, arch=self.arch, schedule=sched)
+            kernel = named_by_structure(lowered.kernel)
 
-            self._compiled[key] = _shared(("mapreduce", lowered.kernel, self.arch, str(device), self.schedules),
-                                          build)
+            def build():
+                sched = self.schedules(kernel, self.arch, device) if self.schedules else None
+                return compile_kernel(kernel, arch=self.arch, schedule=sched)
+
+            self._compiled[key] = _shared(("mapreduce", kernel, self.arch, str(device), self.schedules), build)
         return self._compiled[key]
 
     def compiled_gemm(self, lowered, device):
