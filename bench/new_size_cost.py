@@ -9,7 +9,8 @@ for a random 4-layer Llama (hidden 1024, bf16, sm_90a; `--model` for another) at
 process, as the backend meets them: the first length pays the cold caches, later ones show
 what a new size costs. One thread, so the stages do not share the time (the backend builds
 kernels in parallel threads). Each distinct kernel is rendered and built once, as a program
-does (`kernels`: how many; the layers of a model share theirs). `--profile` writes a cProfile
+does (`kernels`: how many; the layers of a model share theirs: equal GEMM problems, and map-reduce
+kernels equal but for names). `--profile` writes a cProfile
 of the last length.
 """
 from __future__ import annotations
@@ -46,6 +47,12 @@ def main() -> None:
     from tilefuse.models import hf
     from tilefuse.tune.lookup import tuned_schedule
 
+    try:  # what a program builds: the kernel under names made from what it computes
+        from tilefuse.loop.canon import named_by_structure as named
+    except ImportError:  # (a tree from before session 39 built each kernel under its own names)
+        def named(k):
+            return k
+
     torch.manual_seed(0)
     cfg = hf.config(args.model, args.layers, args.hidden, seq=512)
     model = hf.CausalLM(hf.causal_lm(cfg).to(torch.bfloat16).eval())
@@ -73,12 +80,12 @@ def main() -> None:
             seen = set()  # (a program renders and builds each distinct kernel once: runtime.program._shared)
             for s in prog.plan.steps:
                 if s.family in ("mapreduce", "gemm"):
-                    what = prog.kernels[s.name].kernel if s.family == "mapreduce" else prog.gemms[s.name].problem()
+                    what = named(prog.kernels[s.name].kernel) if s.family == "mapreduce" else prog.gemms[s.name].problem()
                     if what in seen:
                         continue
                     seen.add(what)
                 if s.family == "mapreduce":
-                    k = prog.kernels[s.name].kernel
+                    k = named(prog.kernels[s.name].kernel)
                     sched = tuned_schedule(k, "sm_90a", torch.device("cpu"))
                     a = time.perf_counter()
                     mapreduce.render(k, sched or mapreduce.default_schedule(k, "sm_90a"), "sm_90a")

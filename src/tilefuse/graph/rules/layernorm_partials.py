@@ -22,7 +22,7 @@ from ...codegen.epilogue import PARTIAL_WIDTH
 from .. import ir
 from .layernorm_matmul import _row_mean
 from .match import Editor
-from .rmsnorm_partials import mean_as_partials, producers
+from .rmsnorm_partials import Specs, mean_as_partials, producers
 
 
 def _stats(g: ir.Graph, users) -> list[tuple[str, str, str]]:
@@ -52,7 +52,7 @@ def layernorm_partials(g: ir.Graph, width: int = PARTIAL_WIDTH) -> ir.Graph:
         new, p_sq = mean_as_partials(new, msq, sq, width)
         if p_sum not in new or p_sq not in new:
             continue  # (pruned: nothing reads the statistics)
-        specs = _Specs(new)
+        specs = Specs(new)
         if (specs.some(producers(new, (p_sum, p_sq)), lambda sp: {p_sum, p_sq} <= set(sp.outs))
                 and _read_only_by_gemms(new, new[xf].args[0], specs)):
             out = new
@@ -77,34 +77,7 @@ def _from_the_source(g: ir.Graph, xf: str, sq: str) -> ir.Graph:
     return Editor(g).graph([swap.get(x.name, x) for x in g.nodes])
 
 
-class _Specs:
-    """The GemmSpecs of a graph's contractions, each matched when first asked. Matching every
-    contraction of the graph for each norm was quadratic in the layers."""
-
-    def __init__(self, g: ir.Graph):
-        self.g, self.users, self.order, self.got = g, g.users(), g.order(), {}
-        self.every = {n.name for n in g.nodes if isinstance(n, ir.Contraction)}
-
-    def some(self, near: set, ok) -> bool:
-        """Whether some contraction's GemmSpec satisfies `ok`: those of `near` first, nearest
-        first, then the rest (an epilogue can hold a node its contraction does not reach: one
-        that joins through an operand map the epilogue computes, reading nothing of the
-        accumulator), so the answer is the same as asking every spec."""
-        return self._first(near, ok) or self._first(self.every - set(near), ok)
-
-    def _first(self, names, ok) -> bool:
-        from ..contraction import GemmSpec, match
-
-        for name in sorted(names, key=self.order.__getitem__, reverse=True):
-            if name not in self.got:
-                self.got[name] = match(self.g, self.g[name], self.users)
-            s = self.got[name]
-            if isinstance(s, GemmSpec) and ok(s):
-                return True
-        return False
-
-
-def _read_only_by_gemms(g: ir.Graph, x: str, specs: _Specs) -> bool:
+def _read_only_by_gemms(g: ir.Graph, x: str, specs: Specs) -> bool:
     """Is x (and every reshape of it) read only by generated GEMMs, as their operand or in their
     epilogues, so that no other kernel reads x? Each reader's own producers are asked first."""
     todo = [x]

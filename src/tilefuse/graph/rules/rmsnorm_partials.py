@@ -128,14 +128,36 @@ def taken_by_a_producer(g: ir.Graph, psqs) -> bool:
     contractions that could (`producers`) are matched nearest first, stopping at the first that
     does. (The residual stream makes every earlier layer's projections producers: matching all
     of them for each norm was quadratic in the layers, and the nearest is the one.)"""
-    from ..contraction import GemmSpec, match
+    return Specs(g).first(producers(g, psqs), lambda s: set(psqs) <= set(s.outs))
 
-    users, order = g.users(), g.order()
-    for name in sorted(producers(g, psqs), key=order.__getitem__, reverse=True):
-        s = match(g, g[name], users)
-        if isinstance(s, GemmSpec) and set(psqs) <= set(s.outs):
-            return True
-    return False
+
+class Specs:
+    """The GemmSpecs of a graph's contractions, each matched when first asked. Matching every
+    contraction of the graph for each norm was quadratic in the layers."""
+
+    def __init__(self, g: ir.Graph):
+        self.g, self.users, self.order, self.got = g, g.users(), g.order(), {}
+        self.every = {n.name for n in g.nodes if isinstance(n, ir.Contraction)}
+
+    def some(self, near: set, ok) -> bool:
+        """Whether some contraction's GemmSpec satisfies `ok`: those of `near` first, nearest
+        first, then the rest (an epilogue can hold a node its contraction does not reach: one
+        that joins through an operand map the epilogue computes, reading nothing of the
+        accumulator), so the answer is the same as asking every spec."""
+        return self.first(near, ok) or self.first(self.every - set(near), ok)
+
+    def first(self, names, ok) -> bool:
+        """Whether the GemmSpec of one of the contractions `names` satisfies `ok`, the latest
+        in the graph asked first."""
+        from ..contraction import GemmSpec, match
+
+        for name in sorted(names, key=self.order.__getitem__, reverse=True):
+            if name not in self.got:
+                self.got[name] = match(self.g, self.g[name], self.users)
+            s = self.got[name]
+            if isinstance(s, GemmSpec) and ok(s):
+                return True
+        return False
 
 
 @dataclass(frozen=True)
