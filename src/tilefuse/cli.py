@@ -206,18 +206,28 @@ def cmd_compile(args) -> int:
                 console.print()
         else:
             from .codegen.mapreduce import render
+            from .loop.canon import named_by_structure
             from .tune.lookup import choose
 
+            printed = set()
             for lk in st.kernels.values():
                 choice = choose(lk.kernel, args.arch or _default_arch())  # tuned (cache hit) or heuristic default
                 sched = choice.schedule
                 if stage == "schedule":
                     console.print(f"{lk.kernel.name}: {sched}  (source: {choice.note})", markup=False)
-                else:
-                    src = render(lk.kernel, sched, arch=args.arch or _default_arch())
-                    console.print(f"// ---- {lk.kernel.name}: grid {src.grid} block {src.block} "
-                                  f"smem {src.smem_bytes}B cluster {src.cluster}", markup=False)
-                    console.print(src.source, markup=False)
+                    continue
+                # the source the program builds: names made from what the kernel computes
+                built = named_by_structure(lk.kernel)
+                params = ", ".join(f"{b.name} = {a.name}" for a, b in zip(lk.kernel.params, built.params))
+                if built in printed:
+                    console.print(f"// ---- {lk.kernel.name}: built as {built.name} ({params}), printed above",
+                                  markup=False)
+                    continue
+                printed.add(built)
+                src = render(built, sched, arch=args.arch or _default_arch())
+                console.print(f"// ---- {lk.kernel.name}: built as {built.name} ({params}): grid {src.grid} "
+                              f"block {src.block} smem {src.smem_bytes}B cluster {src.cluster}", markup=False)
+                console.print(src.source, markup=False)
             _print_gemms(console, st, stage, args.arch or _default_arch())
     return 0
 

@@ -229,6 +229,21 @@ def test_compile_prints_the_gemm_for_the_target_architecture(capsys):
     assert "mma.sync" in out and "wgmma" not in out
 
 
+def test_ir_cuda_prints_the_source_the_program_builds_once_per_build(capsys):
+    """Two softmaxes equal but for their names are one build (loop.canon.named_by_structure):
+    --ir cuda prints that source once, under the name it is built as, says which of the step's
+    buffers each parameter is, and points the second step at the first."""
+    e = "torch.softmax(torch.softmax(torch.randn(64,48) @ torch.randn(48,48), -1) @ torch.randn(48,48), -1)"
+    assert main(["compile", "-c", e, "--ir", "cuda", "--arch", "sm_90a"]) == 0
+    out = capsys.readouterr().out
+    heads = [line for line in out.splitlines() if line.startswith("// ---- tf_k")]
+    assert len(heads) == 2, heads
+    built = heads[0].split("built as ")[1].split(" ")[0]
+    assert built.startswith("tf_max_") and "b0 = matmul, b1 = div" in heads[0]
+    assert heads[1].endswith("printed above") and f"built as {built} " in heads[1]
+    assert out.count('extern "C" __global__') == 1 and f"\n{built}(" in out
+
+
 def _graph_of(expr):
     return compile_stages(*parse(expr)[:2], expr=expr).graph
 
