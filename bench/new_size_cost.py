@@ -1,9 +1,10 @@
 """What compiling one more prompt length costs on the host, stage by stage, with no GPU.
 
-    python3 bench/new_size_cost.py [--model llama|qwen2|gpt2] [--layers 4 --hidden 1024 --seqs 128,96] [--profile out.txt]
+    python3 bench/new_size_cost.py [--model llama|qwen2|gpt2] [--layers 4 --hidden 1024 --seqs 128,96]
+                                   [--instance] [--no-build] [--profile out.txt]
 
 Under `generate`, each new prompt length is a new size of the prefill graph: tilefuse
-instantiates the symbolic export, captures, rewrites, plans and lowers it, then renders and
+instantiates the symbolic export (`--instance`; by default each length is exported on its own), captures, rewrites, plans and lowers it, then renders and
 builds each kernel (NVRTC, through the content-addressed cubin cache). This times those stages
 for a random 4-layer Llama (hidden 1024, bf16, sm_90a; `--model` for another) at each length of `--seqs` in one
 process, as the backend meets them: the first length pays the cold caches, later ones show
@@ -35,6 +36,9 @@ def main() -> None:
     ap.add_argument("--seqs", default="128,96")
     ap.add_argument("--profile", default=None, metavar="FILE")
     ap.add_argument("--no-build", action="store_true", help="render only: no NVRTC")
+    ap.add_argument("--instance", action="store_true",
+                    help="export once with a symbolic length and instance it per length, as the backend does "
+                         "(default: a torch.export per length)")
     args = ap.parse_args()
     import os
 
@@ -57,14 +61,28 @@ def main() -> None:
     cfg = hf.config(args.model, args.layers, args.hidden, seq=512)
     model = hf.CausalLM(hf.causal_lm(cfg).to(torch.bfloat16).eval())
     print(f"{args.layers}-layer {args.model}, hidden {args.hidden}, bf16, sm_90a; cubin cache {os.environ['TILEFUSE_CACHE_DIR']}")
-    print(f"{'seq':>5} {'export':>7} {'lower':>7} {'render mr':>10} {'render gemm':>12} {'build (render+NVRTC)':>21} "
+    symbolic = None
+    if args.instance:  # the backend's way: one export with a symbolic length, instanced per length
+        from torch.export import Dim
+
+        from tilefuse.frontend.sizes import Symbolic
+
+        ids = torch.randint(0, cfg.vocab_size, (1, int(args.seqs.split(",")[0])))
+        with torch.no_grad():
+            t = time.perf_counter()
+            symbolic = Symbolic(export(model, (ids,), dynamic_shapes=({1: Dim.AUTO},)))
+            state = dict(model.state_dict(keep_vars=True))
+        print(f"one symbolic export: {time.perf_counter() - t:.2f} s{'; ' + symbolic.why_not if symbolic.why_not else ''}")
+    stage = "instance" if symbolic is not None else "export"
+    print(f"{'seq':>5} {stage:>8} {'lower':>7} {'render mr':>10} {'render gemm':>12} {'build (render+NVRTC)':>21} "
           f"{'kernels':>8} {'hits':>5}")
     for i, seq in enumerate(int(s) for s in args.seqs.split(",")):
         ids = torch.randint(0, cfg.vocab_size, (1, seq))
         prof = cProfile.Profile() if args.profile and i == len(args.seqs.split(",")) - 1 else None
         with torch.no_grad():
             t0 = time.perf_counter()
-            ep = export(model, (ids,))
+            ep = symbolic.instance((ids,), state) if symbolic is not None else None
+            ep = ep if ep is not None else export(model, (ids,))
             t1 = time.perf_counter()
             if prof:
                 prof.enable()
@@ -106,7 +124,7 @@ def main() -> None:
                     t_build += time.perf_counter() - a
             if prof:
                 prof.disable()
-        print(f"{seq:5d} {t1 - t0:7.2f} {t2 - t1:7.2f} {t_mr:10.2f} {t_gemm:12.2f} {t_build:21.2f} {n:8d} {hits:5d}")
+        print(f"{seq:5d} {t1 - t0:8.2f} {t2 - t1:7.2f} {t_mr:10.2f} {t_gemm:12.2f} {t_build:21.2f} {n:8d} {hits:5d}")
         if prof:
             text = io.StringIO()
             st = pstats.Stats(prof, stream=text)

@@ -59,6 +59,27 @@ def test_an_instance_translates_as_a_fresh_export_at_that_size(n, length):
     assert str(to_graph(inst)) == str(to_graph(export(m, xs)))
 
 
+def test_an_instances_values_are_fake_tensors_as_the_fake_mode_makes_them():
+    """Each tensor value of an instance is a fake tensor of the size's concrete shape and
+    stride, on the export's device and of its dtype, the same as the fake mode's own
+    empty_strided makes (sizes._fake builds it around a meta tensor, which is ~10x cheaper)."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    m = Attn().eval()
+    sym, state = _symbolic(m, _inputs(3, 5), ({1: Dim.AUTO}, {2: Dim.AUTO}))
+    inst = sym.instance(_inputs(4, 9), state)
+    vals = [n.meta["val"] for n in inst.graph.nodes if isinstance(n.meta.get("val"), torch.Tensor)]
+    sized = [v for v in vals if 9 in v.shape or 4 in v.shape]
+    assert len(sized) >= 5
+    mode = FakeTensorMode()
+    for v in vals:
+        assert isinstance(v, FakeTensor) and all(isinstance(d, int) for d in (*v.shape, *v.stride()))
+        with mode:
+            want = torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device)
+        assert (v.shape, v.stride(), v.dtype, v.device) == (want.shape, want.stride(), want.dtype, want.device)
+        assert v.device == torch.device("cpu")
+
+
 def test_sizes_the_export_does_not_hold_for_are_refused():
     m = Attn().eval()
     sym, state = _symbolic(m, _inputs(3, 5), ({1: Dim.AUTO}, {2: Dim.AUTO}))
