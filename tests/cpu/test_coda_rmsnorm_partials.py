@@ -25,6 +25,7 @@ from tilefuse.codegen import gemm_sm90
 from tilefuse.compiler import lower_plan
 from tilefuse.graph import ir
 from tilefuse.graph.fusion import plan
+from tilefuse.graph.rules import rmsnorm_partials as rp
 from tilefuse.graph.rules.rmsnorm_partials import rmsnorm_partials
 from tilefuse.runtime import nvrtc
 
@@ -268,3 +269,41 @@ def test_partials_only_where_the_epilogue_holds_every_reader(case, taken):
     gemm = [s for s in c.plan.steps if s.family == "gemm"]
     assert len(gemm) == 1 and bool(gemm[0].gemm.partials) == taken
     _matches_pytorch(m, (x,))
+
+
+def _llama_blocks(layers: int):
+    torch.manual_seed(layers)
+    blocks = nn.Sequential(*[models.llama_block(256, 512, 4, 2, max_seq=16) for _ in range(layers)])
+    return bf16_through_coda(blocks, lambda g: g, torch.randn(2, 8, 256))[2]
+
+
+@pytest.mark.parametrize("layers", [1, 2, 4])
+def test_all_norms_at_once_give_the_graph_of_one_norm_at_a_time(layers):
+    """The rule rewrites every norm in one pass and puts back those no GEMM takes (the first
+    layer's, which reads the embeddings): the same graph as rewriting and checking one norm at a
+    time, in the graph of those before it, which was quadratic in the layers."""
+    g = _llama_blocks(layers)
+    found = rp.candidates(g)
+    assert len(found) == 2 * layers
+    fast = rmsnorm_partials(g)
+    assert str(fast) == str(rp.one_at_a_time(g, found))
+    parts = [n for n in fast.nodes if isinstance(n, ir.Reduce) and n.name.endswith("_partials")]
+    assert len(parts) == 2 * layers - 1
+
+
+def test_where_one_norms_rewrite_would_change_anothers_answer_the_rule_goes_one_at_a_time(monkeypatch):
+    """Should a GEMM take a norm's partials only while another norm is not rewritten (no such
+    transformer is known: each norm's GEMM is its own), the one-pass answer could differ from
+    one norm at a time; the rule then goes one at a time. Here GEMMs take partials only in a
+    graph that holds no others, which the one-pass graph never is."""
+    g = _llama_blocks(2)
+
+    class Picky(rp.Specs):
+        def first(self, names, ok):
+            n = sum(1 for x in self.g.nodes if isinstance(x, ir.Reduce) and x.name.endswith("_partials"))
+            return n <= 1 and super().first(names, ok)
+
+    monkeypatch.setattr(rp, "Specs", Picky)
+    got = rmsnorm_partials(g)
+    assert str(got) == str(rp.one_at_a_time(g, rp.candidates(g)))
+    assert sum(1 for x in got.nodes if isinstance(x, ir.Reduce) and x.name.endswith("_partials")) == 1
