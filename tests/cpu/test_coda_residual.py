@@ -92,3 +92,38 @@ def test_left_alone_when_the_matmul_output_is_used_twice_or_feeds_the_residual()
     assert residual_into_epilogue(g) is g
     g = capture(SelfResidual().bfloat16(), x)
     assert residual_into_epilogue(g) is g
+
+
+def _ancestors(g: ir.Graph, name: str) -> set[str]:
+    seen, stack = set(), [name]
+    while stack:
+        n = stack.pop()
+        if n not in seen:
+            seen.add(n)
+            stack.extend(ir.node_args(g[n]))
+    return seen
+
+
+def test_depends_on_answers_as_the_whole_ancestry_does():
+    """match.depends_on stops its walk at nodes placed before every target (the graph is in
+    topological order); over a 3-layer Llama's graph it answers as intersecting the whole
+    ancestry with the targets does, for every node against random sets of targets."""
+    import random
+
+    from coda_fixtures import bf16_through_coda
+    from tilefuse import models
+    from tilefuse.graph.rules.match import depends_on
+
+    torch.manual_seed(0)
+    blocks = nn.Sequential(*[models.llama_block(64, 128, 4, 2, max_seq=16) for _ in range(3)])
+    g = bf16_through_coda(blocks, lambda g: g, torch.randn(1, 4, 64))[2]
+    names = [n.name for n in g.nodes]
+    rng = random.Random(0)
+    hits = 0
+    for x in names:
+        for k in (1, 3):
+            targets = rng.sample(names, k)
+            want = bool(_ancestors(g, x) & set(targets))
+            assert depends_on(g, x, targets) == want, (x, targets)
+            hits += want
+    assert 0 < hits < 2 * len(names)

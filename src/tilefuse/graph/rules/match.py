@@ -185,14 +185,23 @@ def prune(g: ir.Graph) -> ir.Graph:
     return ir.Graph(nodes, g.inputs, g.outputs, {k: v for k, v in g.weights.items() if k in live}, g.writes)
 
 
-def ancestors(g: ir.Graph, name: str) -> set[str]:
+def depends_on(g: ir.Graph, name: str, targets) -> bool:
+    """Whether `name` is computed from one of `targets` (or is one). The walk back stops at nodes
+    placed before every target, which cannot be computed from one: asking of a residual stream
+    whether it comes from this layer's matmul then looks at this layer only, where its whole
+    ancestry made the question quadratic in the layers."""
+    order = g.order()
+    targets = set(targets)
+    first = min(order[t] for t in targets)
     seen, stack = set(), [name]
     while stack:
         n = stack.pop()
-        if n not in seen:
+        if n in targets:
+            return True
+        if n not in seen and order[n] > first:
             seen.add(n)
             stack.extend(ir.node_args(g[n]))
-    return seen
+    return False
 
 
 def retype(n, dtype: str):

@@ -11,7 +11,7 @@ output being written, read back and written again.
 from __future__ import annotations
 
 from .. import ir
-from .match import Editor, ancestors, float_cast, low_precision, retype
+from .match import Editor, depends_on, float_cast, low_precision, retype
 
 
 def _link(g: ir.Graph, users, n: ir.Node) -> str | None:
@@ -82,7 +82,7 @@ def residual_into_epilogue(g: ir.Graph) -> ir.Graph:
                 break  # already an add on the accumulator's chain: nothing to move
             if g[a].type.shape != h.type.shape or g[res].type.shape != h.type.shape:
                 continue
-            if ancestors(g, res) & {mm, *maps, tip}:  # a residual computed from the matmul is no tile load
+            if depends_on(g, res, (mm, *maps, tip)):  # a residual computed from the matmul is no tile load
                 continue
             if mm in retyped or any(m in retyped for m in maps):
                 continue
