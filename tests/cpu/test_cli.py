@@ -113,6 +113,21 @@ def test_compile_vv_prints_a_diff_for_each_rewrite_that_fired(capsys):
     assert str(st.graph) in out  # and then the graph stage, as by default
 
 
+def test_the_rewrite_trail_holds_graphs_without_weights_and_prints_them_when_asked():
+    """The trail `-vv` prints keeps each rewrite's graphs without their weights (it would hold
+    every derived value), and prints a graph only when its text is asked for: the last rewrite's
+    `after` is the final graph, as printed."""
+    b = "dtype=torch.bfloat16"
+    expr = f"nn.Linear(64, 32, bias=False, {b})(nn.RMSNorm(64, {b})(torch.randn(4, 64, {b})))"
+    m, inputs, _ = parse(expr)
+    st = compile_stages(m, inputs, expr=expr, arch="sm_90a")
+    assert st.graph.weights and [f.rule for f in st.fired] == ["rmsnorm_into_matmul"]
+    for f in st.fired:
+        assert all(g.weights == {} for g in f.graphs)
+        assert "before" not in f.__dict__ and "after" not in f.__dict__  # (not printed yet)
+    assert st.fired[-1].after == str(st.graph)
+
+
 def test_loop_ir_is_printed_verbatim_on_a_narrow_terminal(capsys, monkeypatch):
     """Lines longer than the terminal (the kernel header) are not wrapped, even with no COLUMNS set."""
     monkeypatch.delenv("COLUMNS", raising=False)

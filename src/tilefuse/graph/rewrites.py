@@ -4,6 +4,7 @@
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from . import ir
@@ -11,9 +12,28 @@ from . import ir
 
 @dataclass(frozen=True)
 class Fired:
+    """A rule that fired, with the graph before and after it (their nodes, not their weights:
+    a trail that held the weights would hold each rewrite's derived values), printed when
+    asked. Printing every graph as the rules ran took 0.2 s of a 32-layer Llama's compile, for
+    a trail only `-vv` reads."""
+
     rule: str
-    before: str
-    after: str
+    graphs: tuple  # (before, after), each an ir.Graph without weights
+
+    @functools.cached_property
+    def before(self) -> str:
+        return str(self.graphs[0])
+
+    @functools.cached_property
+    def after(self) -> str:
+        return str(self.graphs[1])
+
+
+def fired(rule: str, before: ir.Graph, after: ir.Graph) -> Fired:
+    def bare(g):
+        return ir.Graph(g.nodes, g.inputs, g.outputs, {}, g.writes)
+
+    return Fired(rule, (bare(before), bare(after)))
 
 
 def flatten_full_reductions(g: ir.Graph) -> ir.Graph:
@@ -181,10 +201,10 @@ RULES = (drop_one_element_reductions, drop_identity_reshapes, drop_identity_cast
 
 
 def run_rewrites(g: ir.Graph, rules=RULES) -> tuple[ir.Graph, list[Fired]]:
-    fired = []
+    trail = []
     for rule in rules:
         new = rule(g)
         if new is not g:
-            fired.append(Fired(rule.__name__, str(g), str(new)))
+            trail.append(fired(rule.__name__, g, new))
             g = new
-    return g, fired
+    return g, trail
