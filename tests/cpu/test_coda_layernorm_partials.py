@@ -28,6 +28,8 @@ from tilefuse.codegen import gemm_sm90
 from tilefuse.compiler import lower_plan
 from tilefuse.graph import ir
 from tilefuse.graph.fusion import plan
+from tilefuse.graph.rules import layernorm_partials as lp
+from tilefuse.graph.rules import rmsnorm_partials as rp
 from tilefuse.graph.rules.layernorm_partials import layernorm_partials
 from tilefuse.loop.interp import run_kernel
 from tilefuse.runtime import nvrtc
@@ -291,3 +293,44 @@ def test_a_reader_joining_an_epilogue_through_an_operand_map_counts_as_read_by_t
     assert new is not g
     (step,) = [s for s in plan(new).steps if s.family == "gemm" and "mm1" in s.nodes]
     assert {"xf", "sq"} <= set(step.nodes) and len(step.outputs) == 3  # x and both partials
+
+
+def _gpt2_before_the_rule(layers: int, monkeypatch) -> ir.Graph:
+    """A transformers GPT-2's graph as the partials rules get it (compiled with them off)."""
+    pytest.importorskip("transformers")
+    monkeypatch.setenv("TILEFUSE_NORM_PARTIALS", "0")
+    b = models.build("gpt2", layers, hidden=128, seq=8, batch=2, vocab=64, dtype=torch.bfloat16)
+    return tilefuse.compiler.compile_stages(b.model, b.inputs, arch="sm_90a").graph
+
+
+def _partials(g: ir.Graph) -> int:
+    return sum(1 for n in g.nodes if isinstance(n, ir.Reduce) and n.name.endswith("_partials"))
+
+
+@pytest.mark.parametrize("layers", [1, 3])
+def test_all_norms_at_once_give_the_graph_of_one_norm_at_a_time(layers, monkeypatch):
+    """The rule rewrites every LayerNorm in one pass and puts back those no GEMM takes (the
+    first layer's, which reads the embeddings): the same graph as rewriting and checking one
+    norm at a time, in the graph of those before it, which was quadratic in the layers."""
+    g = _gpt2_before_the_rule(layers, monkeypatch)
+    found = lp.candidates(g)
+    assert len(found) == 2 * layers + 1  # (ln_1, ln_2 a layer, and ln_f)
+    fast = layernorm_partials(g)
+    assert str(fast) == str(lp.one_at_a_time(g, found))
+    assert _partials(fast) == 2 * (2 * layers)  # (a sum and a sum of squares each, but the first's)
+
+
+def test_where_one_norms_rewrite_would_change_anothers_answer_the_rule_goes_one_at_a_time(monkeypatch):
+    """Should a GEMM take a norm's partials only while another norm is not rewritten, the
+    one-pass answer could differ from one norm at a time; the rule then goes one at a time.
+    Here GEMMs take partials only in a graph that holds no others' (two a norm)."""
+    g = _gpt2_before_the_rule(2, monkeypatch)
+
+    class Picky(rp.Specs):
+        def some(self, near, ok):
+            return _partials(self.g) <= 2 and super().some(near, ok)
+
+    monkeypatch.setattr(lp, "Specs", Picky)
+    got = layernorm_partials(g)
+    assert str(got) == str(lp.one_at_a_time(g, lp.candidates(g)))
+    assert _partials(got) == 2
