@@ -22,7 +22,7 @@ from ...codegen.epilogue import PARTIAL_WIDTH
 from .. import ir
 from .layernorm_matmul import _row_mean
 from .match import Editor
-from .rmsnorm_partials import Specs, means_as_partials, producers
+from .rmsnorm_partials import Specs, in_one_pass, means_as_partials, producers
 
 
 def _stats(g: ir.Graph, users) -> list[tuple[str, str, str]]:
@@ -48,21 +48,7 @@ def candidates(g: ir.Graph, width: int = PARTIAL_WIDTH) -> list[tuple[str, str, 
 
 
 def layernorm_partials(g: ir.Graph, width: int = PARTIAL_WIDTH) -> ir.Graph:
-    # Every norm rewritten in one pass, as rmsnorm_partials does (one graph per norm was
-    # quadratic in the layers: 4.3 s of a 32-layer GPT-2's 6.5 s lowering); one norm at a time
-    # only where the one-pass answer would not hold.
-    found = candidates(g, width)
-    if not found:
-        return g
-    kept = found
-    for _ in range(2):
-        new, ok = _rewritten(g, kept, width)
-        if all(ok):
-            return new
-        kept = [norm for norm, y in zip(kept, ok) if y]
-        if not kept:
-            break
-    return one_at_a_time(g, found, width)
+    return in_one_pass(g, candidates(g, width), lambda h, norms: _rewritten(h, norms, width))
 
 
 def _rewritten(g: ir.Graph, norms, width: int) -> tuple[ir.Graph, list[bool]]:
@@ -79,16 +65,6 @@ def _rewritten(g: ir.Graph, norms, width: int) -> tuple[ir.Graph, list[bool]]:
                   and specs.some(producers(new, (p_sum, p_sq)), lambda sp, a=p_sum, b=p_sq: {a, b} <= set(sp.outs))
                   and _read_only_by_gemms(new, new[xf].args[0], specs))
     return new, ok
-
-
-def one_at_a_time(g: ir.Graph, found, width: int = PARTIAL_WIDTH) -> ir.Graph:
-    """The rule as it was: each norm rewritten and checked in the graph of those before it."""
-    out = g
-    for norm in found:
-        new, (ok,) = _rewritten(out, [norm], width)
-        if ok:
-            out = new
-    return out
 
 
 def _from_the_sources(g: ir.Graph, pairs) -> ir.Graph:
