@@ -1,13 +1,12 @@
 """The pipeline, stage by stage: capture -> Graph IR -> rewrites -> plan -> Loop IR -> program."""
 from __future__ import annotations
 
-import contextlib
-import gc
 import operator
 from dataclasses import dataclass, field
 
 import torch
 
+from . import collector
 from .frontend.capture import export, to_graph
 from .graph import ir
 from .graph.fold import fold_weights
@@ -108,7 +107,7 @@ def compile_stages(fn, example_inputs, *, expr: str | None = None, arch: str | N
     """`exported`: fn's torch.export for these inputs, when the caller has it (frontend.sizes).
     `in_torch`: maps to run in PyTorch (graph.fusion.plan)."""
     try:
-        with _collector_paused():
+        with collector.paused():  # (its full collections walked the whole process: collector.py)
             return _stages(fn, example_inputs, expr, arch, exported, in_torch)
     except RecursionError:
         import sys
@@ -120,23 +119,6 @@ def compile_stages(fn, example_inputs, *, expr: str | None = None, arch: str | N
         raise CaptureError(f"{expr or getattr(fn, '__name__', type(fn).__name__)}: its chain of dependent ops is "
                            f"too long for tilefuse's passes (Python's recursion limit, "
                            f"{sys.getrecursionlimit()}, ran out)") from None
-
-
-@contextlib.contextmanager
-def _collector_paused():
-    """Python's cyclic garbage collector off while a compile runs, on again after (unless the
-    caller had it off). A compile makes many small objects (IR nodes, tuples, dicts), and the
-    full collections they set off walk every object the process holds, a model's included: in
-    two of five new sizes of a 32-layer Llama (470k objects tracked) one ran inside the
-    compile and took 0.55-0.62 s of its 2.1 s (bench/LOG_blocks.md, session 39). What a
-    compile leaves in cycles waits for the next collection after it."""
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()
 
 
 def _stages(fn, example_inputs, expr: str | None, arch: str | None, exported=None,

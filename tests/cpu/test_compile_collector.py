@@ -1,20 +1,23 @@
-"""A compile runs with Python's cyclic garbage collector paused (compiler._collector_paused):
-the full collections a compile's many small objects set off walked every object of the
-process, a model's included. The pause must end with the compile, whatever happens in it,
-and must not turn on a collector the caller had turned off."""
+"""A compile runs with Python's cyclic garbage collector paused (tilefuse.collector): the full
+collections a compile's many small objects set off walked every object of the process, a
+model's included. The pause must end with the compile, whatever happens in it, must not turn
+on a collector the caller had turned off, and must not turn it on under another thread's
+hold (a CUDA-graph capture holds it off so that no finalizer runs inside the capture)."""
 from __future__ import annotations
 
 import gc
+import threading
 
 import pytest
 import torch
 
+from tilefuse import collector
 from tilefuse.compiler import compile_stages
 from tilefuse.frontend.capture import CaptureError
 
 
 @pytest.fixture
-def collector():
+def collector_state():
     was = gc.isenabled()
     yield
     (gc.enable if was else gc.disable)()
@@ -28,7 +31,7 @@ def _softmax(x):
 seen: list = []
 
 
-def test_the_collector_is_off_during_a_compile_and_on_after_it(collector):
+def test_the_collector_is_off_during_a_compile_and_on_after_it(collector_state):
     gc.enable()
     seen.clear()
     compile_stages(_softmax, [torch.randn(4, 8)])
@@ -36,7 +39,7 @@ def test_the_collector_is_off_during_a_compile_and_on_after_it(collector):
     assert gc.isenabled()
 
 
-def test_a_compile_that_fails_turns_the_collector_back_on(collector):
+def test_a_compile_that_fails_turns_the_collector_back_on(collector_state):
     gc.enable()
     seen.clear()
 
@@ -50,7 +53,31 @@ def test_a_compile_that_fails_turns_the_collector_back_on(collector):
     assert gc.isenabled()
 
 
-def test_a_collector_the_caller_turned_off_stays_off(collector):
+def test_a_collector_the_caller_turned_off_stays_off(collector_state):
     gc.disable()
     compile_stages(_softmax, [torch.randn(4, 8)])
     assert not gc.isenabled()
+
+
+def test_a_hold_ending_on_one_thread_leaves_the_collector_off_under_another_threads(collector_state):
+    """Thread B holds the collector off (as a capture does) across the end of a compile on
+    this thread: it stays off until B's hold ends too, then comes back on."""
+    gc.enable()
+    held, release, states = threading.Event(), threading.Event(), []
+
+    def other():
+        with collector.paused():
+            held.set()
+            release.wait(30)
+            states.append(gc.isenabled())
+
+    t = threading.Thread(target=other)
+    with collector.paused():
+        t.start()
+        assert held.wait(30)
+    compile_stages(_softmax, [torch.randn(4, 8)])  # a whole compile inside B's hold
+    states.append(gc.isenabled())
+    release.set()
+    t.join(30)
+    assert states == [False, False]
+    assert gc.isenabled()

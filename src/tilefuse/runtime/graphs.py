@@ -56,7 +56,6 @@ A capture that fails turns them off for that program, with a warning naming why.
 from __future__ import annotations
 
 import functools
-import gc
 import os
 import re
 import sys
@@ -250,6 +249,7 @@ def capture_cuda(runner, tensors, direct):
     """Warm up on a side stream, then capture `runner.run`; returns (replay, outs, private
     inputs: a buffer per copied input, None per direct one, the bytes of the graph's memory
     pool and of its GEMMs' one workspace). `direct`: per input."""
+    from .. import collector
     from . import gemm
 
     device = runner.device
@@ -282,9 +282,7 @@ def capture_cuda(runner, tensors, direct):
         # collector is held off instead, so no finalizer runs inside the capture; the cache is
         # emptied only where the device is short of memory (`release_if_tight`).
         release_if_tight(device)
-        collecting = gc.isenabled()
-        gc.disable()
-        try:
+        with collector.paused():
             with torch.cuda.stream(side), gemm.capturing(arena):
                 side.wait_stream(current)
                 before = torch.cuda.memory_reserved(device)  # the graph's private pool is new segments
@@ -299,9 +297,6 @@ def capture_cuda(runner, tensors, direct):
                     raise
                 graph.capture_end()
                 pool = torch.cuda.memory_reserved(device) - before
-        finally:
-            if collecting:
-                gc.enable()
 
     def replay(graph=graph):
         graph.replay()
