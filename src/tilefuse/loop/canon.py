@@ -42,12 +42,7 @@ def canonicalize(k: Kernel, rename_buffers: bool = False) -> Kernel:
     i0, i1, … in order of appearance; buffers keep their names unless `rename_buffers`
     (then b0, b1, … by position). The kernel's name, family and notes are kept."""
     ordered, _ = _canonical(k)
-    namer = _Namer()
-    buffers = {b.name: (f"b{i}" if rename_buffers else b.name) for i, b in enumerate(k.params + k.scratch)}
-    body = _rename_block(ordered.body, {}, {}, buffers, namer)
-    params = tuple(replace(b, name=buffers[b.name]) for b in k.params)
-    scratch = tuple(replace(b, name=buffers[b.name]) for b in k.scratch)
-    return replace(k, params=params, body=body, scratch=scratch)
+    return _renamed(k, ordered.body, rename_buffers)
 
 
 def named_by_structure(k: Kernel) -> Kernel:
@@ -57,10 +52,15 @@ def named_by_structure(k: Kernel) -> Kernel:
     kernels a model repeats per layer (each norm's finishing kernel) then render to one source,
     one NVRTC build and one cubin cache entry, where their names made each its own. The order is
     kept rather than made canonical so that the source is the one the lowering chose."""
-    digest = structural_hash(k)
-    buffers = {b.name: f"b{i}" for i, b in enumerate(k.params + k.scratch)}
-    body = _rename_block(k.body, {}, {}, buffers, _Namer())
-    return replace(k, name=f"{_stem(k.name.removesuffix('_' + digest[:10]))}_{digest[:10]}", body=body, notes=(),
+    digest = structural_hash(k)[:10]
+    return replace(_renamed(k, k.body, True), name=f"{_stem(k.name.removesuffix('_' + digest))}_{digest}", notes=())
+
+
+def _renamed(k: Kernel, body, rename_buffers: bool) -> Kernel:
+    """`k` with `body` (its own, or reordered) under canonical value and loop names, and its
+    buffers b0, b1, … by position if `rename_buffers`."""
+    buffers = {b.name: (f"b{i}" if rename_buffers else b.name) for i, b in enumerate(k.params + k.scratch)}
+    return replace(k, body=_rename_block(body, {}, {}, buffers, _Namer()),
                    params=tuple(replace(b, name=buffers[b.name]) for b in k.params),
                    scratch=tuple(replace(b, name=buffers[b.name]) for b in k.scratch))
 

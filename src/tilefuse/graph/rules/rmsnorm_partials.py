@@ -121,15 +121,10 @@ def one_at_a_time(g: ir.Graph, found: list, rewritten) -> ir.Graph:
     return out
 
 
-def mean_as_partials(g: ir.Graph, ms: str, q: str, width: int) -> tuple[ir.Graph, str]:
-    """g with the row mean ms = mean(q, last axis, keepdim) as the sum over t of per-group sums
-    psq[m, t] of reshape(q, [M, T, W]), divided by N; and psq's name."""
-    new, (psq,) = means_as_partials(g, [(ms, q)], width)
-    return new, psq
-
-
 def means_as_partials(g: ir.Graph, pairs, width: int) -> tuple[ir.Graph, list[str]]:
-    """`mean_as_partials` for each (ms, q) of `pairs` at once; the psq names in their order."""
+    """g with each row mean ms = mean(q, last axis, keepdim) of `pairs` (ms, q) as the sum over t
+    of per-group sums psq[m, t] of reshape(q, [M, T, W]), divided by N, all in one pass; and
+    the psq names in the pairs' order."""
     ed = Editor(g)
     f = ed.fresh
     swap, psqs = {}, []
