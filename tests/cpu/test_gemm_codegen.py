@@ -200,7 +200,9 @@ def test_split_k_units_slice_k_and_meet_in_a_workspace():
     assert src.grid_tiles == 3 * tiles
     assert src.workspace == 3 * tiles * 128 * 128 and src.flags == tiles * 2
     code = src.source
-    assert "#define SPLIT 3" in code and "#define K_SPLIT 6" in code and "#define UNITS 24" in code
+    assert "#define SPLIT 3" in code and "#define K_SPLIT 6" in code and "#define UNITS (TILES * SPLIT)" in code
+    baked = g.render(replace(p, m_arg=False), g.GemmSchedule(128, 128, stages=6, split_k=3)).source
+    assert "#define UNITS 24" in baked and "const int tf_m" not in baked
     assert code.count("for (int kt = k_lo; kt < k_hi; ++kt)") == 2   # producer and consumer
     assert "last = atomicAdd(flag, 1) == SPLIT - 1;" in code and "*flag = 0;" in code
     assert "if (!tf_bar_any(1 + c, 128, last)) continue;" in code

@@ -75,21 +75,18 @@ def test_tiles_in_whole_waves_are_not_shared_and_less_than_a_wave_is_refused():
 def test_the_kernels_unit_loop_runs_the_mirrors_units(tmp_path, tiles, k_iters, workers):
     """The C++ `tf_units` the kernel walks, compiled for the host, yields exactly
     stream_k_units' sequence for every CTA."""
-    sk = g.stream_k_tiles(tiles, workers)
     struct = g.STREAM_K_PRELUDE[g.STREAM_K_PRELUDE.index("struct tf_units"):]
     src = tmp_path / "units.cpp"
     src.write_text(f"""#include <cstdio>
 #define __device__
 #define __forceinline__ inline
 #define STREAM_K {workers}
-#define SK_TILES {sk}
-#define SK_ITERS {sk * k_iters}
 #define K_ITERS {k_iters}
-#define TILES {tiles}
 {struct}
 int main() {{
+  const int tiles = {tiles};  // (a kernel argument where M is: the struct must not fold it)
   for (int w = 0; w < STREAM_K; ++w) {{
-    tf_units u(w);
+    tf_units u(w, tiles);
     int t, lo, hi;
     while (u.next(t, lo, hi)) printf("%d %d %d %d\\n", w, t, lo, hi);
   }}
@@ -112,8 +109,8 @@ def test_the_kernel_walks_units_and_meets_cut_tiles_in_a_slot_pair():
     p = g.GemmProblem(4096, 4096, 4096)
     src = g.render(p, g.GemmSchedule(128, 256, stages=4, stream_k=132))
     code = src.source
-    assert "#define STREAM_K 132" in code and "#define SK_TILES 248" in code and "#define SK_ITERS 15872" in code
-    assert code.count("tf_units units(first);") == 2 and code.count("for (int kt = k_lo; kt < k_hi; ++kt)") == 2
+    assert "#define STREAM_K 132" in code and "#define TILES_M tf_tiles_m" in code
+    assert code.count("tf_units units(first, TILES);") == 2 and code.count("for (int kt = k_lo; kt < k_hi; ++kt)") == 2
     assert "if (tid == 0) in = tf_ld_acquire(flag);" in code and "last = atomicAdd(flag, 1) == 1;" in code
     assert "if (tid == 0) *flag = 0;" in code
     assert src.exact_grid and src.grid_tiles == 132

@@ -487,6 +487,7 @@ def flat_offset(buf: ir.Buffer, index_exprs: tuple, env: dict[str, str]) -> str:
     stride = 1
     for e, n in reversed(list(zip(index_exprs, buf.shape))):
         s = index(e, env)
-        terms.append(s if stride == 1 else f"({s}) * {stride}LL")
+        if s != "0":  # (a leading dim read at 0 adds nothing: its stride, which may hold a size, is left out)
+            terms.append(s if stride == 1 else f"({s}) * {stride}LL")
         stride *= n
-    return " + ".join(reversed(terms))
+    return " + ".join(reversed(terms)) or "0"

@@ -54,6 +54,8 @@ class GemmProblem:
     b_major: str = "K"           # "K": B is [N, K] (nn.Linear's weight); "N": B is [K, N]
     batch: int = 1
     epilogue: ir.Kernel | None = field(default=None, compare=False)
+    m_arg: bool | None = None    # M a kernel argument (the source holds no M, so one cubin serves every
+                                 # M of a tail class): None, wherever the schedule allows (rows_as_argument)
 
     def __post_init__(self):
         if self.dtype not in OPERAND_DTYPES:
@@ -62,6 +64,11 @@ class GemmProblem:
             raise GemmError(f"GEMM sizes must be positive: m={self.m} n={self.n} k={self.k} batch={self.batch}")
         if self.b_major not in ("K", "N"):
             raise GemmError(f"b_major must be 'K' or 'N', not {self.b_major!r}")
+
+    @property
+    def M(self) -> str:
+        """M as the source writes it: the kernel argument `tf_m`, or the number."""
+        return "tf_m" if self.m_arg else str(self.m)
 
     @property
     def out_epilogue(self) -> ir.Kernel:
@@ -366,6 +373,7 @@ class GemmSource:
     exact_grid: bool = False          # stream-K: run exactly grid_tiles clusters, whatever the SM count
     tma_loads: tuple[str, ...] = ()   # epilogue operands also passed as tensor maps (after c_map), c_box boxes
     packed_tables: tuple[tuple[str, int], ...] = ()  # (operand, W): read in pack_table's column order
+    m_arg: bool = False               # M is the kernel's last argument (an int), after the pointers
 
 
 # ---------------------------------------------------------------- layouts
@@ -415,6 +423,22 @@ def _operand(mn: int, bk: int, major: str) -> _Operand:
     k_offsets = tuple(byte(0, 16 * j) for j in range(bk // 16))
     mn_stride = byte(64, 0) if mn > 64 else 0
     return _Operand(layout, major, box, boxes, step, desc, k_offsets, mn_stride)
+
+
+def rows_as_argument(problem: GemmProblem, sched: GemmSchedule) -> str | None:
+    """Why this kernel must hold M as a number, or None where M can be its argument `tf_m`.
+
+    A prompt of a new length is a new M for every GEMM of a model; with M an argument, the
+    source is the same for every M of a tail class (M a multiple of the tile's rows or not),
+    so a new length builds no GEMM where it takes the same schedule. Split-K's units and
+    stream-K's shares are cut from the tile count in the kernel (their workspaces, sized on
+    the host, grow to the largest asked). What stays baked: batched GEMMs (M sits in the
+    batch strides) and an M under one tile (TMA then fills only M's rows: a_rows)."""
+    if problem.batch > 1:
+        return f"batch={problem.batch}: M is in the batch strides"
+    if a_rows(problem, sched) != sched.bm:
+        return f"M={problem.m} is under one tile: TMA fills only its rows"
+    return None
 
 
 def a_rows(problem: GemmProblem, sched: GemmSchedule) -> int:
@@ -562,7 +586,7 @@ def _epilogue_code(problem: GemmProblem, sched: GemmSchedule, kernel: ir.Kernel,
                 lines.append("{")
                 lines.append(f"  const int m = row_base + {mb * 64} + frag_row + {r};")
                 lines.append(f"  const int n = (col_base + frag_col + {c}) >> 1;")
-                lines.append(f"  if (m < {problem.m} && 2 * n < {problem.n}) {{")
+                lines.append(f"  if (m < {problem.M} && 2 * n < {problem.n}) {{")
                 accs = [f"acc[{mb}][{v}]", f"acc[{mb}][{v + 1}]"]
                 if full:
                     (buf, off), x0, x1 = _pair_values(kernel, body, accs, lines)
@@ -585,7 +609,7 @@ def _epilogue_code(problem: GemmProblem, sched: GemmSchedule, kernel: ir.Kernel,
                 # on tail tiles the guard also covers the epilogue's operand loads (bias[n],
                 # residual[m, n], ...), which must not read past their tensors
                 if not full_tiles:
-                    lines.append(f"  if (m < {problem.m} && n < {problem.n}) {{")
+                    lines.append(f"  if (m < {problem.M} && n < {problem.n}) {{")
                 vals = []
                 halves = _issue_pair_loads(kernel, pairs, lines, "  ")
                 for e in (0, 1):
@@ -597,7 +621,7 @@ def _epilogue_code(problem: GemmProblem, sched: GemmSchedule, kernel: ir.Kernel,
                 if not full_tiles:
                     lines.append("  }")
             else:
-                lines.append(f"  if (m < {problem.m} && n < {problem.n}) {{")
+                lines.append(f"  if (m < {problem.M} && n < {problem.n}) {{")
                 _element(kernel, body, inl, frag, mb, v, "n", lines, "", store=True)
                 lines.append("  }")
             lines.append("}")
@@ -721,7 +745,7 @@ def _partials_code(problem: GemmProblem, sched: GemmSchedule, kernel: ir.Kernel,
                 regs = [v for v in range(frag.values) if frag(0, v)[0] == r and frag(0, v)[1] // w == g]
                 lines.append("{")
                 lines.append(f"  const int m = row_base + {mb * 64} + frag_row + {r};")
-                lines.append(f"  const int mc = {f'min(m, {P.m - 1})' if tail_m else 'm'};")
+                lines.append(f"  const int mc = {f'min(m, {P.M} - 1)' if tail_m else 'm'};")
                 lines.append(f"  const int grp = tn * {groups_per_tile} + {g};")
                 names: dict[str, str] = {}
                 dts: dict[str, str] = {}
@@ -891,7 +915,7 @@ def _partial_stores(problem: GemmProblem, kernel: ir.Kernel, stores: list, names
     loop = epi.partials_loop(kernel)
     guard = [f"(tid & {max(QUAD_XOR) * 2 - 1}) == 0"]
     if tail_m:
-        guard.append(f"m < {problem.m}")
+        guard.append(f"m < {problem.M}")
     if -(-problem.n // epi.partial_width(kernel)) % groups:
         guard.append(f"grp < {loop.extent}")
     lines = [f"  if ({' && '.join(guard)}) {{"]
@@ -1272,7 +1296,7 @@ def _pair_open(lines: list, problem: GemmProblem, mb: int, r: int, cc: int, guar
     lines.append(f"    const int n = col_base + frag_col + {cc};")
     lines.append("    unsigned packed = 0u;")
     if guarded:
-        lines.append(f"    if (m < {problem.m} && n < {problem.n}) {{")
+        lines.append(f"    if (m < {problem.M} && n < {problem.n}) {{")
 
 
 def _slot_offset(lay, frag, v: int, j: int) -> str:
@@ -1478,7 +1502,7 @@ def _pairwise_tma_slots(problem, sched, kernel, dtype, frag, guarded, bar) -> li
                 lines.append(f"    const int n = (col_base + frag_col + {cc}) >> 1;")
                 lines.append("    unsigned short bits = 0;")
                 if guarded:
-                    lines.append(f"    if (m < {problem.m} && 2 * n < {problem.n}) {{")
+                    lines.append(f"    if (m < {problem.M} && 2 * n < {problem.n}) {{")
                 _, val = _render_element(kernel, body, [f"acc[{mb}][{v}]", f"acc[{mb}][{v + 1}]"], "n", lines, "",
                                          store=False)
                 lines.append(f"    bits = {cexpr.to_storage(dtype, val)};")
@@ -1776,16 +1800,18 @@ __device__ __forceinline__ int tf_ld_acquire(const int* p) {
   asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
   return v;
 }
-struct tf_units {  // stream-K: this CTA's share of the first SK_TILES tiles' K steps, then whole tiles
-  int whole, whole_end, head_t, head_hi, tail_t, tail_lo, dp;
-  __device__ __forceinline__ explicit tf_units(int w) {
-    const long long lo = (long long)w * SK_ITERS / STREAM_K, hi = (long long)(w + 1) * SK_ITERS / STREAM_K;
+struct tf_units {  // stream-K: this CTA's share of the first sk_tiles tiles' K steps, then whole tiles
+  int whole, whole_end, head_t, head_hi, tail_t, tail_lo, dp, tiles;
+  __device__ __forceinline__ tf_units(int w, int tiles_) : tiles(tiles_) {
+    const int sk_tiles = tiles % STREAM_K ? STREAM_K + tiles % STREAM_K : 0;  // stream_k_tiles
+    const long long sk_iters = (long long)sk_tiles * K_ITERS;
+    const long long lo = (long long)w * sk_iters / STREAM_K, hi = (long long)(w + 1) * sk_iters / STREAM_K;
     whole = (int)((lo + K_ITERS - 1) / K_ITERS);
     whole_end = head_t = (int)(hi / K_ITERS);
     head_hi = (int)(hi % K_ITERS);
     tail_t = (int)(lo / K_ITERS);
     tail_lo = (int)(lo % K_ITERS);
-    dp = SK_TILES + w;
+    dp = sk_tiles + w;
   }
   // whole tiles of the share, its last tile's head, its first tile's tail (in step along K), then a wave apart
   __device__ __forceinline__ bool next(int& t, int& k_lo, int& k_hi) {
@@ -1794,7 +1820,7 @@ struct tf_units {  // stream-K: this CTA's share of the first SK_TILES tiles' K 
     if (whole < whole_end) { t = whole++; return true; }
     if (head_hi) { t = head_t; k_hi = head_hi; head_hi = 0; return true; }
     if (tail_lo) { t = tail_t; k_lo = tail_lo; tail_lo = 0; return true; }
-    if (dp >= TILES) return false;
+    if (dp >= tiles) return false;
     t = dp;
     dp += STREAM_K;
     return true;
@@ -1905,7 +1931,8 @@ def kernel_name(problem: GemmProblem, sched: GemmSchedule, kernel: ir.Kernel) ->
     from ..loop.canon import structural_hash
 
     h = structural_hash(kernel)[:10]
-    return (f"tf_gemm_sm90_{problem.batch}x{problem.m}x{problem.n}x{problem.k}_{problem.dtype}_b{problem.b_major}"
+    return (f"tf_gemm_sm90_{problem.batch}x{'M' if problem.m_arg else problem.m}x{problem.n}x{problem.k}"
+            f"_{problem.dtype}_b{problem.b_major}"
             f"_{sched.bm}x{sched.bn}x{sched.bk}s{sched.stages}c{sched.consumers}g{sched.group_m}"
             f"{f'm{sched.cluster_m}' if sched.cluster_m > 1 else ''}{f'n{sched.cluster_n}' if sched.cluster_n > 1 else ''}"
             f"{'' if sched.tma_store else 'd'}"
@@ -1940,9 +1967,14 @@ def render(problem: GemmProblem, sched: GemmSchedule | None = None) -> GemmSourc
         store_dt, staging = None, 0
     smem += staging + (RESIDUAL_BARS * sched.consumers if res_load is not None else 0)
 
+    fixed = rows_as_argument(problem, sched)
+    if problem.m_arg and fixed:
+        raise GemmError(f"m_arg=True: this kernel needs M as a number: {fixed}")
+    problem = replace(problem, m_arg=problem.m_arg is not False and fixed is None)
     a = _operand(sched.bm, sched.bk, "K")
     b = _operand(sched.bn, sched.bk, "K" if problem.b_major == "K" else "MN")
-    name = kernel_name(problem, sched, kernel)
+    # with M an argument the name is a hash of the source (the epilogue's hash holds M's shapes)
+    name = "tf_gemm_@NAME@" if problem.m_arg else kernel_name(problem, sched, kernel)
     P, S = problem, sched
     CLM, CLN = S.cluster_m, S.cluster_n
     CL = CLM * CLN
@@ -1960,9 +1992,9 @@ def render(problem: GemmProblem, sched: GemmSchedule | None = None) -> GemmSourc
                         f"non-empty slices")
     units = tiles * split
     workers = S.stream_k // CL  # stream-K's clusters: each CTA of a pair runs its pair's share
-    sk_tiles = stream_k_tiles(tiles, workers) if S.stream_k else 0
-    sk_defines = (f"\n#define STREAM_K {workers}\n#define SK_TILES {sk_tiles}\n#define SK_ITERS {sk_tiles * k_iters}"
-                  if S.stream_k else "")
+    if S.stream_k:
+        stream_k_tiles(tiles, workers)  # (raises where stream-K cannot share these tiles)
+    sk_defines = f"\n#define STREAM_K {workers}" if S.stream_k else ""
     stage_bytes = a.bytes + b.bytes
     trans_b = 1 if problem.b_major == "N" else 0
     ops_params = epi.operands(kernel)
@@ -1976,6 +2008,8 @@ def render(problem: GemmProblem, sched: GemmSchedule | None = None) -> GemmSourc
         cparams += ["float* __restrict__ tf_ws", "int* __restrict__ tf_flags"]
     cparams += [f"{cexpr.storage_ctype(p.dtype)}* __restrict__ {_ident(p.name)}" for p in out_params]
     cparams += [f"const {cexpr.storage_ctype(p.dtype)}* __restrict__ {_ident(p.name)}" for p in ops_params]
+    if P.m_arg:
+        cparams.append("const int tf_m")
     mb_count = S.rows_per_wg // 64
     if S.pingpong:
         # Consumer c takes this CTA's tiles c, c + 2, ...; the stage ring is filled in tile order,
@@ -2001,11 +2035,11 @@ def render(problem: GemmProblem, sched: GemmSchedule | None = None) -> GemmSourc
         prod_head = """      for (int u = first; u < UNITS; u += step) {
         const int t = u / SPLIT, k_lo = (u % SPLIT) * K_SPLIT, k_hi = min(k_lo + K_SPLIT, K_ITERS);"""
     elif S.stream_k:
-        loop_head = """    tf_units units(first);
+        loop_head = """    tf_units units(first, TILES);
     int t, k_lo, k_hi;
     while (units.next(t, k_lo, k_hi)) {"""
         k_range = "int kt = k_lo; kt < k_hi; ++kt"
-        prod_head = """      tf_units units(first);
+        prod_head = """      tf_units units(first, TILES);
       int t, k_lo, k_hi;
       while (units.next(t, k_lo, k_hi)) {"""
     else:
@@ -2081,9 +2115,10 @@ def render(problem: GemmProblem, sched: GemmSchedule | None = None) -> GemmSourc
             issue += ["          " + x for x in box_lines] + ["        }"]
         loads_early = "\n".join(issue) + ("\n" + loads_early if loads_early else "")
     pair_coord = "tn = tn * CLUSTER + rank;" if CLN > 1 else "tm = tm * CLUSTER + rank;"
+    tiles_m_decl = f"\n  const int tf_tiles_m = (tf_m + {S.span[0] - 1}) / {S.span[0]};" if P.m_arg else ""
     src = []
     w = src.append
-    w(f"// {name}\n// {P.batch} x ({P.m} x {P.k}) @ ({P.n} x {P.k} {'K-major' if P.b_major == 'K' else 'N-major'}) {P.dtype}, {S}")
+    w(f"// {name}\n// {P.batch} x ({P.M} x {P.k}) @ ({P.n} x {P.k} {'K-major' if P.b_major == 'K' else 'N-major'}) {P.dtype}, {S}")
     w(f"// A smem tile {a.layout}, wgmma {a.desc}, TMA box {a_box}")
     w(f"// B smem tile {b.layout}, wgmma {b.desc}, TMA box {b_box} x {len(b_loads)}")
     w(f"// epilogue {kernel.name}: " + "; ".join(str(s) for s in epi.inner_body(kernel)))
@@ -2098,13 +2133,13 @@ def render(problem: GemmProblem, sched: GemmSchedule | None = None) -> GemmSourc
 #define BN {S.bn}
 #define BK {S.bk}
 #define STAGES {S.stages}
-#define TILES_M {tiles_m}
+#define TILES_M {"tf_tiles_m" if P.m_arg else tiles_m}
 #define TILES_N {tiles_n}
-#define TILES {tiles}
+#define TILES {"(TILES_M * TILES_N)" if P.m_arg else tiles}
 #define K_ITERS {k_iters}
 #define SPLIT {split}
 #define K_SPLIT {k_split}
-#define UNITS {units}{sk_defines}
+#define UNITS {"(TILES * SPLIT)" if P.m_arg else units}{sk_defines}
 #define GROUP_M {S.group_m}
 #define CLUSTER {CL}
 #define A_BYTES {a.bytes}
@@ -2113,12 +2148,12 @@ def render(problem: GemmProblem, sched: GemmSchedule | None = None) -> GemmSourc
 #define DESC_A {a.desc.encode()}ULL
 #define DESC_B {b.desc.encode()}ULL
 
-__device__ __forceinline__ void tf_tile_coords(int t, int& batch, int& tm, int& tn) {{
-  batch = t / (TILES_M * TILES_N);
-  t -= batch * (TILES_M * TILES_N);
+__device__ __forceinline__ void tf_tile_coords(int t, int tiles_m, int& batch, int& tm, int& tn) {{
+  batch = t / (tiles_m * TILES_N);
+  t -= batch * (tiles_m * TILES_N);
   const int per_group = GROUP_M * TILES_N;
   const int first_m = (t / per_group) * GROUP_M;
-  const int rows = min(TILES_M - first_m, GROUP_M);
+  const int rows = min(tiles_m - first_m, GROUP_M);
   tm = first_m + (t % per_group) % rows;
   tn = (t % per_group) / rows;
 }}
@@ -2129,7 +2164,7 @@ extern "C" __global__ void __launch_bounds__({S.threads}, 1)
   const unsigned base = (tf_smem_addr(tf_smem_raw) + 1023u) & ~1023u;
   const unsigned staging = base + STAGES * STAGE_BYTES;   // TMA-store slots ({staging} bytes)
   const unsigned bars = staging + {staging};   // full[s] at bars + 8s, empty[s] at bars + 8(STAGES + s)
-  const int wg = threadIdx.x / 128;
+  const int wg = threadIdx.x / 128;{tiles_m_decl}
   const int rank = {"blockIdx.x % CLUSTER" if CL > 1 else "0"};
   const int first = blockIdx.x / CLUSTER, step = gridDim.x / CLUSTER;
   if (threadIdx.x == 0) {{
@@ -2147,7 +2182,7 @@ extern "C" __global__ void __launch_bounds__({S.threads}, 1)
     if (threadIdx.x == 0) {{
 {prod_head}
         int batch, tm, tn;
-        tf_tile_coords(t, batch, tm, tn);
+        tf_tile_coords(t, TILES_M, batch, tm, tn);
         {pair_coord}
         for ({k_range}) {{
           tf_bar_wait(bars + 8 * (STAGES + stage), phase ^ 1);
@@ -2168,7 +2203,7 @@ extern "C" __global__ void __launch_bounds__({S.threads}, 1)
     unsigned ep_slot = 0;{res_state}{defer_decl}
 {loop_head}
       int batch, tm, tn;
-      tf_tile_coords(t, batch, tm, tn);
+      tf_tile_coords(t, TILES_M, batch, tm, tn);
       {pair_coord}
       float acc[{mb_count}][{S.bn // 2}];
       #pragma unroll
@@ -2221,7 +2256,13 @@ extern "C" __global__ void __launch_bounds__({S.threads}, 1)
         ws = S.stream_k * 2 * S.consumers * _slot_float4s(S, mb_count) * 4
         flags = S.stream_k * S.consumers
     pair_loads = tuple(dict.fromkeys(x.buf for x in _pair_loads(kernel, epi.inner_body(kernel), store_dt is not None)))
-    return GemmSource(name=name, source="\n".join(src), grid_tiles=workers or units, block=(S.threads, 1, 1),
+    text = "\n".join(src)
+    if P.m_arg:
+        import hashlib
+
+        name = kernel_name(P, S, kernel).rsplit("_", 1)[0] + "_" + hashlib.sha256(text.encode()).hexdigest()[:10]
+        text = text.replace("tf_gemm_@NAME@", name)
+    return GemmSource(name=name, source=text, m_arg=bool(P.m_arg), grid_tiles=workers or units, block=(S.threads, 1, 1),
                       pair_loads=pair_loads, exact_grid=bool(S.stream_k),
                       workspace=ws, flags=flags,
                       smem_bytes=smem, params=params, problem=problem, schedule=sched,

@@ -72,6 +72,7 @@ class GemmKernel:
         self._tma_out_names = (epi.tile_outputs(ep)[0].name,) if getattr(self.source, "c_box", None) is not None else ()
         self._tma_load_names = tuple(getattr(self.source, "tma_loads", ()))  # operands TMA reads in (64 x 64) boxes
         self._split = getattr(self.source, "workspace", 0) > 0  # split-K: workspace and counters per stream
+        self._m_arg = getattr(self.source, "m_arg", False)  # M passed last (one cubin for many M)
         self._packed = tuple(getattr(self.source, "packed_tables", ()))
         # where the tensor maps' pointers sit in a launch's pointer list (a, b, then source.params)
         params = list(self.source.params)
@@ -266,6 +267,8 @@ class GemmKernel:
             vals = [ctypes.c_void_p(p) for p in ptrs[2:]]
             if self._split:
                 vals = [ctypes.c_void_p(t.data_ptr()) for t in ws] + vals
+            if self._m_arg:
+                vals.append(ctypes.c_int(self.problem.m))
             addrs = [ctypes.addressof(x) for x in bufs + vals]
             params = (ctypes.c_void_p * len(addrs))(*addrs)
             if len(self._args) > 64:

@@ -1,0 +1,106 @@
+"""GEMMs that take M as an argument: one source, so one NVRTC build and one cubin, for every M
+of a tail class (M a multiple of the tile's rows, or not), whatever the epilogue and schedule;
+baked where M cannot be an argument, and an explicit request for it refused there."""
+from dataclasses import replace
+
+import pytest
+
+from tilefuse.codegen import epilogue as epi
+from tilefuse.codegen import gemm_sm90 as g
+from tilefuse.codegen.epilogue import EpilogueBuilder
+from tilefuse.runtime import nvrtc
+
+
+def _rmsnorm_partials(m, n):
+    """The RMSNorm fold's producer: the value stored, its sum of squares per column group."""
+    e = EpilogueBuilder(m, n)
+    x = e.op("add", e.acc(), e.load("residual", "tile", "bf16"))
+    e.store("out", x, "bf16")
+    e.partial_sum("sumsq", e.op("mul", x, x))
+    return e.kernel()
+
+
+def _cross_entropy_partials(m, n):
+    """The LM head's: running max and sum-exp per column group, and the target's logit."""
+    e = EpilogueBuilder(m, n)
+    x = e.acc()
+    e.partial_lse("pmax", "psum", x)
+    e.partial_select("picked", x, "target")
+    return e.kernel()
+
+
+EPILOGUES = {
+    "plain": lambda m, n: None,
+    "bias_gelu": lambda m, n: epi.standard(m, n, "bf16", bias="col", activation="gelu"),
+    "row_scale_residual": lambda m, n: epi.standard(m, n, "bf16", row_scale=True, residual=True),
+    "swiglu": lambda m, n: epi.glu(m, n, "bf16"),
+    "rope_table": lambda m, n: epi.rope(m, n, "bf16", table=(4096, 64)),
+    "rmsnorm_partials": _rmsnorm_partials,
+    "cross_entropy": _cross_entropy_partials,
+}
+
+SCHEDULES = {
+    "128x256_tma_store": g.GemmSchedule(128, 256, stages=4),
+    "cluster_m2": g.GemmSchedule(128, 256, stages=4, cluster_m=2),
+    "128x64_direct": g.GemmSchedule(128, 64, stages=8, tma_store=False),
+    "split_k2": g.GemmSchedule(128, 128, stages=6, split_k=2),
+    "stream_k": g.GemmSchedule(128, 128, stages=6, stream_k=132),
+    "pingpong": g.GemmSchedule(128, 128, stages=4, pingpong=True),
+}
+
+
+def _render(m, n, k, ep, sched, **kw):
+    return g.render(g.GemmProblem(m, n, k, "bf16", epilogue=ep(m, n), **kw), sched)
+
+
+@pytest.mark.parametrize("sched", SCHEDULES, ids=str)
+@pytest.mark.parametrize("ep", EPILOGUES, ids=str)
+def test_one_source_serves_every_m_of_a_tail_class(ep, sched):
+    """Two Ms with whole tiles render the same source, as do two with a tail tile (the classes
+    differ where the tail needs guards: loads, direct stores, partials); baked kernels
+    (m_arg=False) of those Ms differ: M is in them."""
+    s, make = SCHEDULES[sched], EPILOGUES[ep]
+    n, k = 2048, 4096
+    if ep == "swiglu" or ep == "rope_table":
+        n = 4096  # (pairwise: the product is twice the output's width)
+    try:
+        whole = [_render(m, n, k, make, s) for m in (4096, 6144)]
+        tail = [_render(m, n, k, make, s) for m in (4000, 6100)]
+    except g.GemmError as e:  # (a combination this template takes from no planner: said why)
+        pytest.skip(str(e))
+    for a, b in (whole, tail):
+        assert a.m_arg and b.m_arg
+        assert a.source == b.source and a.name == b.name
+        assert "const int tf_m)" in a.source and "xMx" in a.name
+    baked = [g.render(g.GemmProblem(m, n, k, "bf16", epilogue=make(m, n), m_arg=False), s) for m in (4096, 6144)]
+    assert not baked[0].m_arg and baked[0].source != baked[1].source and "const int tf_m" not in baked[0].source
+
+
+def test_a_kernel_launches_with_m_last():
+    """The runtime passes M after the pointers exactly where the source takes it."""
+    src = _render(3000, 1024, 512, EPILOGUES["plain"], SCHEDULES["128x256_tma_store"])
+    signature = src.source[src.source.index(src.name + "("):].split(")")[0]
+    assert signature.rstrip().endswith("const int tf_m")
+
+
+@pytest.mark.parametrize("why, problem, sched", [
+    ("batch strides", g.GemmProblem(512, 1024, 512, batch=2), g.GemmSchedule(128, 128, stages=6)),
+    ("under one tile", g.GemmProblem(40, 1024, 512), g.GemmSchedule(64, 128, stages=8, consumers=1, tma_store=False)),
+])
+def test_m_stays_baked_where_it_must(why, problem, sched):
+    """A batched GEMM and an M under one tile hold M as a number; asking for the argument
+    there is an error that says why."""
+    assert why in g.rows_as_argument(problem, sched)
+    src = g.render(problem, sched)
+    assert not src.m_arg and "const int tf_m" not in src.source
+    with pytest.raises(g.GemmError, match=why):
+        g.render(replace(problem, m_arg=True), sched)
+
+
+@pytest.mark.parametrize("sched", ["128x256_tma_store", "split_k2", "stream_k"])
+def test_m_argument_kernels_compile_without_spills(sched):
+    """The kernels that count tiles at run time build for sm_90a with no spills."""
+    src = _render(4000, 2048, 4096, EPILOGUES["rmsnorm_partials"], SCHEDULES[sched])
+    assert src.m_arg
+    cubin = nvrtc.compile_cuda(src.source, src.name, "sm_90a")
+    assert cubin.info.clean, cubin.info
