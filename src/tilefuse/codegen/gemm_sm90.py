@@ -2115,6 +2115,9 @@ def render(problem: GemmProblem, sched: GemmSchedule | None = None) -> GemmSourc
             issue += ["          " + x for x in box_lines] + ["        }"]
         loads_early = "\n".join(issue) + ("\n" + loads_early if loads_early else "")
     pair_coord = "tn = tn * CLUSTER + rank;" if CLN > 1 else "tm = tm * CLUSTER + rank;"
+    # (no division where there is one batch: with TILES_M an argument it would not fold away)
+    batch_coord = ("  batch = 0;" if P.batch == 1 else
+                   "  batch = t / (tiles_m * TILES_N);\n  t -= batch * (tiles_m * TILES_N);")
     tiles_m_decl = f"\n  const int tf_tiles_m = (tf_m + {S.span[0] - 1}) / {S.span[0]};" if P.m_arg else ""
     src = []
     w = src.append
@@ -2149,8 +2152,7 @@ def render(problem: GemmProblem, sched: GemmSchedule | None = None) -> GemmSourc
 #define DESC_B {b.desc.encode()}ULL
 
 __device__ __forceinline__ void tf_tile_coords(int t, int tiles_m, int& batch, int& tm, int& tn) {{
-  batch = t / (tiles_m * TILES_N);
-  t -= batch * (tiles_m * TILES_N);
+{batch_coord}
   const int per_group = GROUP_M * TILES_N;
   const int first_m = (t / per_group) * GROUP_M;
   const int rows = min(tiles_m - first_m, GROUP_M);
