@@ -8,6 +8,7 @@ import pytest
 from tilefuse.codegen import epilogue as epi
 from tilefuse.codegen import gemm_sm90 as g
 from tilefuse.codegen.epilogue import EpilogueBuilder
+from tilefuse.loop import ir
 from tilefuse.runtime import nvrtc
 
 
@@ -104,3 +105,38 @@ def test_m_argument_kernels_compile_without_spills(sched):
     assert src.m_arg
     cubin = nvrtc.compile_cuda(src.source, src.name, "sm_90a")
     assert cubin.info.clean, cubin.info
+
+
+@pytest.mark.parametrize("sched", SCHEDULES, ids=str)
+@pytest.mark.parametrize("ep", EPILOGUES, ids=str)
+def test_a_source_rendered_at_one_m_serves_another_as_rendering_it_would(ep, sched):
+    """render's memo (a source of one M given for another M of its key) returns what rendering
+    at that M returns: the same text, and the launch's counts (tiles, workspace) and problem
+    of the new M."""
+    s, make = SCHEDULES[sched], EPILOGUES[ep]
+    n = 4096 if ep in ("swiglu", "rope_table") else 2048
+    g._RENDERED.clear()
+    for first, then in ((4096, 6144), (4000, 6100), (6100, 4000)):
+        try:
+            g.render(g.GemmProblem(first, n, 4096, "bf16", epilogue=EPILOGUES[ep](first, n)), s)
+            problem = g.GemmProblem(then, n, 4096, "bf16", epilogue=make(then, n))
+            memo = g.render(problem, s)
+        except g.GemmError as e:
+            pytest.skip(str(e))
+        fresh = g._render(problem, s)
+        assert g._m_free_key(problem, s) in g._RENDERED
+        assert memo == fresh and memo.problem.m == then and memo.problem.epilogue is problem.epilogue
+
+
+def test_no_memo_where_m_could_reach_the_source_otherwise():
+    """An epilogue buffer indexed by m in a later dimension (its length a stride), a batch,
+    or M baked: rendered every time."""
+    m, n = 3000, 1024
+    e = EpilogueBuilder(m, n)
+    x = e.op("add", e.acc(), e.load_at("colmajor", (n, m), "bf16", (ir.Var("n"), ir.Var("m"))))
+    e.store("out", x, "bf16")
+    s = SCHEDULES["128x256_tma_store"]
+    assert g._m_free_key(g.GemmProblem(m, n, 512, epilogue=e.kernel()), s) is None
+    assert g._m_free_key(g.GemmProblem(m, n, 512, batch=2), s) is None
+    assert g._m_free_key(g.GemmProblem(m, n, 512, m_arg=False), s) is None
+    assert g._m_free_key(g.GemmProblem(m, n, 512), s) is not None

@@ -26,3 +26,13 @@ class Runners(list):
 @pytest.fixture
 def runners() -> Runners:
     return Runners()
+
+
+@pytest.fixture(autouse=True)
+def _fresh_gemm_renders():
+    """Sources rendered for one M serve others (gemm_sm90.render's memo); tests that patch the
+    template's constants must render afresh, so each test starts with none kept."""
+    from tilefuse.codegen import gemm_sm90
+
+    gemm_sm90._RENDERED.clear()
+    yield

@@ -481,3 +481,15 @@ def tile_outputs(kernel: ir.Kernel) -> tuple[ir.Buffer, ...]:
 def operands(kernel: ir.Kernel) -> tuple[ir.Buffer, ...]:
     """Buffers the epilogue reads besides the accumulator, in parameter order."""
     return tuple(b for b in kernel.inputs if b.name != ACC)
+
+
+def row_dims(kernel: ir.Kernel) -> dict[str, tuple[int, ...]]:
+    """For each buffer of an epilogue: the dimensions indexed by the row variable m."""
+    out: dict[str, set] = {b.name: set() for b in kernel.params}
+    for s in ir.walk(kernel.body):  # partial row reductions read inside their Reduce bodies too
+        if isinstance(s, (ir.Load, ir.Store)):
+            buf = s.buf
+            for d, e in enumerate(s.index):
+                if e == ir.Var("m"):
+                    out[buf].add(d)
+    return {n: tuple(sorted(d)) for n, d in out.items()}

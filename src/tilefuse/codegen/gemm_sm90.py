@@ -1941,9 +1941,97 @@ def kernel_name(problem: GemmProblem, sched: GemmSchedule, kernel: ir.Kernel) ->
             f"{'l' if sched.defer_stores else ''}_{h}")
 
 
+_RENDERED: dict = {}  # _m_free_key -> the GemmSource rendered at the first M of that key
+
+
 def render(problem: GemmProblem, sched: GemmSchedule | None = None) -> GemmSource:
-    """CUDA C++ for one GEMM (+ epilogue) at fixed shapes."""
+    """CUDA C++ for one GEMM (+ epilogue). Where M is the kernel's argument, a source rendered
+    for another M of the same key (_m_free_key) is the source for this M too: a new prompt
+    length renders no GEMM it has rendered at another (0.1-0.4 s of Python each)."""
     sched = sched or default_schedule(problem)
+    key = _m_free_key(problem, sched)
+    hit = _RENDERED.get(key) if key is not None else None
+    if hit is not None:
+        return _at_m(hit, problem)
+    src = _render(problem, sched)
+    if key is not None and src.m_arg:
+        if len(_RENDERED) > 512:
+            _RENDERED.clear()
+        _RENDERED[key] = src
+    return src
+
+
+def _m_free_key(problem: GemmProblem, sched: GemmSchedule):
+    """What the source of a GEMM taking M as an argument is made from, M left out: the problem
+    but M, the schedule, whether M fills whole tiles, and the epilogue with M's extents zeroed.
+    None (render every time) wherever M might reach the source other than as the argument: M
+    baked, a batch, or an epilogue buffer indexed by m in other than its first dimension (its
+    size would be a stride) or not M long."""
+    if problem.m_arg is False or problem.batch > 1 or rows_as_argument(problem, sched) is not None:
+        return None
+    kernel = problem.out_epilogue
+    dims = epi.row_dims(kernel)
+    params = []
+    for b in kernel.params:
+        if dims[b.name] not in ((), (0,)) or (dims[b.name] and b.shape[0] != problem.m):
+            return None
+        params.append(replace(b, shape=(0,) + b.shape[1:]) if dims[b.name] else b)
+    loops_ok = True
+
+    def zeroed(stmts):
+        nonlocal loops_ok
+        out = []
+        for x in stmts:
+            if isinstance(x, ir.Loop):
+                if x.var == "m":
+                    loops_ok &= x.extent == problem.m
+                x = replace(x, extent=0 if x.var == "m" else x.extent, body=zeroed(x.body))
+            elif isinstance(x, ir.Reduce):
+                x = replace(x, body=zeroed(x.body))
+            out.append(x)
+        return tuple(out)
+
+    free = replace(kernel, params=tuple(params), body=zeroed(kernel.body))
+    if not loops_ok:
+        return None
+    return (free, kernel.scratch, problem.n, problem.k, problem.dtype, problem.b_major, problem.m_arg, sched,
+            problem.m % sched.span[0] == 0)
+
+
+def _at_m(src: GemmSource, problem: GemmProblem) -> GemmSource:
+    """`src`, rendered for another M of its key, as the source of `problem`."""
+    P = replace(problem, m_arg=True)
+    S = src.schedule
+    mb_count = S.rows_per_wg // 64
+    work = _work(P, S, mb_count)
+    return replace(src, problem=P, grid_tiles=work["grid_tiles"], workspace=work["workspace"], flags=work["flags"])
+
+
+def _work(P: GemmProblem, S: GemmSchedule, mb_count: int) -> dict:
+    """The tile counts of a launch at P's M, and the workspace they need (split-K, stream-K)."""
+    tiles_m, tiles_n = -(-P.m // S.span[0]), -(-P.n // S.span[1])
+    tiles = tiles_m * tiles_n * P.batch
+    k_iters = -(-P.k // S.bk)
+    split = S.split_k
+    k_split = -(-k_iters // split)
+    if (split - 1) * k_split >= k_iters:
+        raise GemmError(f"split_k={split}: K={P.k} is {k_iters} steps of {S.bk}, too few for {split} "
+                        f"non-empty slices")
+    cl = S.cluster_m * S.cluster_n
+    workers = S.stream_k // cl  # stream-K's clusters: each CTA of a pair runs its pair's share
+    if S.stream_k:
+        stream_k_tiles(tiles, workers)  # (raises where stream-K cannot share these tiles)
+    ws = tiles * S.consumers * mb_count * (S.bn // 2) * 128 * split if split > 1 else 0  # a slot per slice
+    flags = tiles * S.consumers if split > 1 else 0
+    if S.stream_k:  # a slot pair per cut, a cut at the start of each CTA (the first CTA's unused)
+        ws = S.stream_k * 2 * S.consumers * _slot_float4s(S, mb_count) * 4
+        flags = S.stream_k * S.consumers
+    return {"tiles_m": tiles_m, "tiles_n": tiles_n, "tiles": tiles, "k_iters": k_iters, "k_split": k_split,
+            "units": tiles * split, "workers": workers, "grid_tiles": workers or tiles * split,
+            "workspace": ws, "flags": flags}
+
+
+def _render(problem: GemmProblem, sched: GemmSchedule) -> GemmSource:
     why = problem.tma_ok()
     if why:
         raise GemmError(f"the sm_90 GEMM reads operands with TMA, which cannot take this problem: {why}")
@@ -1982,18 +2070,10 @@ def render(problem: GemmProblem, sched: GemmSchedule | None = None) -> GemmSourc
     # computed on zeros past M and not stored) or along N (N must hold whole pairs)
     if CLN > 1 and P.n % S.span[1]:
         raise GemmError(f"N={P.n}: a 1x{CLN} cluster needs N a multiple of {CLN} x bn={S.bn}")
-    tiles_m, tiles_n = -(-P.m // S.span[0]), -(-P.n // S.span[1])
-    tiles = tiles_m * tiles_n * P.batch
-    k_iters = -(-P.k // S.bk)
-    split = S.split_k
-    k_split = -(-k_iters // split)
-    if (split - 1) * k_split >= k_iters:
-        raise GemmError(f"split_k={split}: K={P.k} is {k_iters} steps of {S.bk}, too few for {split} "
-                        f"non-empty slices")
-    units = tiles * split
-    workers = S.stream_k // CL  # stream-K's clusters: each CTA of a pair runs its pair's share
-    if S.stream_k:
-        stream_k_tiles(tiles, workers)  # (raises where stream-K cannot share these tiles)
+    mb_count = S.rows_per_wg // 64
+    work = _work(P, S, mb_count)
+    tiles_m, tiles_n, tiles, k_iters, k_split = (work[x] for x in ("tiles_m", "tiles_n", "tiles", "k_iters", "k_split"))
+    split, units, workers = S.split_k, work["units"], work["workers"]
     sk_defines = f"\n#define STREAM_K {workers}" if S.stream_k else ""
     stage_bytes = a.bytes + b.bytes
     trans_b = 1 if problem.b_major == "N" else 0
@@ -2010,7 +2090,6 @@ def render(problem: GemmProblem, sched: GemmSchedule | None = None) -> GemmSourc
     cparams += [f"const {cexpr.storage_ctype(p.dtype)}* __restrict__ {_ident(p.name)}" for p in ops_params]
     if P.m_arg:
         cparams.append("const int tf_m")
-    mb_count = S.rows_per_wg // 64
     if S.pingpong:
         # Consumer c takes this CTA's tiles c, c + 2, ...; the stage ring is filled in tile order,
         # so its first stage of tile i is (i * K_ITERS) % STAGES. Main loops take turns through
@@ -2252,11 +2331,7 @@ extern "C" __global__ void __launch_bounds__({S.threads}, 1)
 }
 """)
     params = tuple(p.name for p in out_params) + tuple(p.name for p in ops_params)
-    ws = tiles * S.consumers * mb_count * (S.bn // 2) * 128 * split if split > 1 else 0  # a slot per slice
-    flags = tiles * S.consumers if split > 1 else 0
-    if S.stream_k:  # a slot pair per cut, a cut at the start of each CTA (the first CTA's unused)
-        ws = S.stream_k * 2 * S.consumers * _slot_float4s(S, mb_count) * 4
-        flags = S.stream_k * S.consumers
+    ws, flags = work["workspace"], work["flags"]
     pair_loads = tuple(dict.fromkeys(x.buf for x in _pair_loads(kernel, epi.inner_body(kernel), store_dt is not None)))
     text = "\n".join(src)
     if P.m_arg:
@@ -2264,7 +2339,7 @@ extern "C" __global__ void __launch_bounds__({S.threads}, 1)
 
         name = kernel_name(P, S, kernel).rsplit("_", 1)[0] + "_" + hashlib.sha256(text.encode()).hexdigest()[:10]
         text = text.replace("tf_gemm_@NAME@", name)
-    return GemmSource(name=name, source=text, m_arg=bool(P.m_arg), grid_tiles=workers or units, block=(S.threads, 1, 1),
+    return GemmSource(name=name, source=text, m_arg=bool(P.m_arg), grid_tiles=work["grid_tiles"], block=(S.threads, 1, 1),
                       pair_loads=pair_loads, exact_grid=bool(S.stream_k),
                       workspace=ws, flags=flags,
                       smem_bytes=smem, params=params, problem=problem, schedule=sched,

@@ -255,18 +255,6 @@ def sample_rows(m: int, n: int = SAMPLE_ROWS, seed: int = 0) -> np.ndarray:
     return np.sort(np.concatenate([[0, m - 1], inner]))
 
 
-def row_dims(kernel: ir.Kernel) -> dict[str, tuple[int, ...]]:
-    """For each buffer of an epilogue: the dimensions indexed by the row variable m."""
-    out: dict[str, set] = {b.name: set() for b in kernel.params}
-    for s in ir.walk(kernel.body):  # partial row reductions read inside their Reduce bodies too
-        if isinstance(s, (ir.Load, ir.Store)):
-            buf = s.buf
-            for d, e in enumerate(s.index):
-                if e == ir.Var("m"):
-                    out[buf].add(d)
-    return {n: tuple(sorted(d)) for n, d in out.items()}
-
-
 SAMPLED = "sampled_rows"  # the sampled epilogue's operand: the output row of each sampled row
 
 
@@ -282,7 +270,7 @@ def sample_epilogue(kernel: ir.Kernel, rows: int) -> ir.Kernel:
     """The epilogue over `rows` rows: the m loop and every dimension indexed by m shrink. An
     index that computes with m (a table read through views at m % S) reads at the sampled
     row's own m, loaded from the SAMPLED operand (gemm_check passes the rows)."""
-    dims = row_dims(kernel)
+    dims = epi.row_dims(kernel)
     row = ir.Val("sampled_m")
     computed = False
 
@@ -363,7 +351,7 @@ class GemmCheck:
 
         from ..check import compare
 
-        dims = row_dims(self.task.problem.out_epilogue)
+        dims = epi.row_dims(self.task.problem.out_epilogue)
         for name in self.outputs:
             got = outputs[name]
             idx = torch.as_tensor(self.rows, device=got.device)
@@ -411,7 +399,7 @@ def gemm_check(task: GemmTask, seed: int = 0, device: str = "cpu") -> GemmCheck:
     if device != "cpu":
         torch.cuda.synchronize()
     sampled = sample_epilogue(ep, len(rows))
-    dims = row_dims(ep)
+    dims = epi.row_dims(ep)
     operands = {}
     for buf in epi.operands(ep):
         t = inputs[buf.name]
