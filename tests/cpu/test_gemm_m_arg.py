@@ -140,3 +140,20 @@ def test_no_memo_where_m_could_reach_the_source_otherwise():
     assert g._m_free_key(g.GemmProblem(m, n, 512, batch=2), s) is None
     assert g._m_free_key(g.GemmProblem(m, n, 512, m_arg=False), s) is None
     assert g._m_free_key(g.GemmProblem(m, n, 512), s) is not None
+
+
+def test_the_memo_holds_what_the_source_depends_on_beyond_the_epilogue():
+    """A source rendered under other template constants (a bench's A/B patches one) or with a
+    zero of the other sign (equal in Python, not in the C it writes) is not given again."""
+    s = SCHEDULES["128x256_tma_store"]
+    res = g.GemmProblem(4096, 4096, 4096, epilogue=epi.standard(4096, 4096, "bf16", residual=True))
+    saved = g.MAINLOOP_PAIR_REGS
+    try:
+        g.MAINLOOP_PAIR_REGS = 0
+        ahead = g.render(res, s)
+    finally:
+        g.MAINLOOP_PAIR_REGS = saved
+    assert g.render(res, s).source == g._render(res, s).source != ahead.source
+    g.render(g.GemmProblem(4096, 2048, 1024, epilogue=epi.standard(4096, 2048, "bf16", alpha=0.0)), s)
+    p = g.GemmProblem(6144, 2048, 1024, epilogue=epi.standard(6144, 2048, "bf16", alpha=-0.0))
+    assert g.render(p, s).source == g._render(p, s).source

@@ -1994,8 +1994,13 @@ def _m_free_key(problem: GemmProblem, sched: GemmSchedule):
     free = replace(kernel, params=tuple(params), body=zeroed(kernel.body))
     if not loops_ok:
         return None
-    return (free, kernel.scratch, problem.n, problem.k, problem.dtype, problem.b_major, problem.m_arg, sched,
-            problem.m % sched.span[0] == 0)
+    # constants as the source writes them (-0.0 == 0.0 in Python, not in C), and the template's
+    # own constants (a bench or test that changes one must not get a source rendered before)
+    consts = tuple(repr(x.value) for x in ir.walk(kernel.body) if isinstance(x, ir.Const))
+    knobs = tuple((k, v) for k, v in globals().items()
+                  if k.isupper() and isinstance(v, (int, float, str, tuple)) and not k.endswith("PRELUDE"))
+    return (free, consts, knobs, kernel.scratch, problem.n, problem.k, problem.dtype, problem.b_major,
+            problem.m_arg, sched, problem.m % sched.span[0] == 0)
 
 
 def _at_m(src: GemmSource, problem: GemmProblem) -> GemmSource:
