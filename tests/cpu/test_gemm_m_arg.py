@@ -157,3 +157,30 @@ def test_the_memo_holds_what_the_source_depends_on_beyond_the_epilogue():
     g.render(g.GemmProblem(4096, 2048, 1024, epilogue=epi.standard(4096, 2048, "bf16", alpha=0.0)), s)
     p = g.GemmProblem(6144, 2048, 1024, epilogue=epi.standard(6144, 2048, "bf16", alpha=-0.0))
     assert g.render(p, s).source == g._render(p, s).source
+
+
+def test_a_model_compiled_at_two_prompt_lengths_shares_its_gemm_sources():
+    """Through the whole pipeline (capture, rewrites, lowering): a Llama's GEMMs at two prompt
+    lengths whose schedules agree render one source each (one build serves both lengths);
+    the lowering puts no M into an epilogue other than as the rows it indexes."""
+    import torch
+
+    from tilefuse.compiler import compile_stages
+    from tilefuse.models import hf
+
+    torch.manual_seed(0)
+    cfg = hf.config("llama", 1, 256, seq=1024, vocab=512)
+    model = hf.CausalLM(hf.causal_lm(cfg).to(torch.bfloat16).eval())
+    sources = []
+    for seq in (700, 900):  # (tails both: 700 and 900 are not multiples of 128)
+        ids = torch.randint(0, cfg.vocab_size, (1, seq))
+        with torch.no_grad():
+            prog = compile_stages(model, (ids,), arch="sm_90a").program
+        sources.append({name: g.render(lg.problem()) for name, lg in prog.gemms.items()})
+    a, b = sources
+    assert a.keys() == b.keys()
+    same_schedule = [n for n in a if a[n].schedule == b[n].schedule]
+    assert len(same_schedule) >= 3, {n: (a[n].schedule, b[n].schedule) for n in a}
+    for n in same_schedule:
+        assert a[n].m_arg and a[n].source == b[n].source, n
+        assert a[n].problem.m == 700 and b[n].problem.m == 900
