@@ -37,7 +37,8 @@ SHAPES = ["4096,4096,4096", "6144,6144,6144", "8192,8192,8192", "8192,4096,4096"
           "3000,4096,4096,rmsnorm"]
 
 
-def _rmsnorm(m, n):
+def rmsnorm_partials(m, n):
+    """The RMSNorm fold's producer: residual add, stored, and its sum of squares per 128 columns."""
     e = epi.EpilogueBuilder(m, n)
     x = e.op("add", e.acc(), e.load("residual", "tile", "bf16"))
     e.store("out", x, "bf16")
@@ -51,7 +52,7 @@ def case(text: str):
     kind = rest[0] if rest else "plain"
     ep = {"plain": lambda: None, "gelu": lambda: epi.standard(m, n, "bf16", bias="col", activation="gelu"),
           "residual": lambda: epi.standard(m, n, "bf16", residual=True),
-          "swiglu": lambda: epi.glu(m, n, "bf16"), "rmsnorm": lambda: _rmsnorm(m, n)}[kind]()
+          "swiglu": lambda: epi.glu(m, n, "bf16"), "rmsnorm": lambda: rmsnorm_partials(m, n)}[kind]()
     return g.GemmProblem(m, n, k, "bf16", epilogue=ep), kind
 
 
@@ -80,11 +81,11 @@ def main(argv=None):
     from concurrent.futures import ThreadPoolExecutor
 
     cases = [case(text) for text in args.shapes]
-    jobs = [(p, s) for p, _ in cases for s in (g.default_schedule(p),) for p in (p, replace(p, m_arg=False))]
+    scheds = [g.default_schedule(p) for p, _ in cases]
+    jobs = [job for (p, _), s in zip(cases, scheds) for job in ((p, s), (replace(p, m_arg=False), s))]
     with ThreadPoolExecutor(8) as pool:  # (NVRTC runs outside the GIL)
         built = iter(list(pool.map(lambda ps: compile_gemm(*ps), jobs)))
-    for text, (problem, kind) in zip(args.shapes, cases):
-        sched = g.default_schedule(problem)
+    for text, (problem, kind), sched in zip(args.shapes, cases, scheds):
         arg, baked = next(built), next(built)
         a, b, ts = operands(problem)
         outs = {}

@@ -1927,10 +1927,12 @@ def _producer_regs(s: GemmSchedule) -> int:
     return s.producer_regs if s.consumers == 2 else max(s.producer_regs, ONE_CONSUMER_PRODUCER_REGS)
 
 
-def kernel_name(problem: GemmProblem, sched: GemmSchedule, kernel: ir.Kernel) -> str:
-    from ..loop.canon import structural_hash
+def kernel_name(problem: GemmProblem, sched: GemmSchedule, kernel: ir.Kernel, h: str | None = None) -> str:
+    """The kernel's name: problem, knobs, and `h` (default: the epilogue's structural hash)."""
+    if h is None:
+        from ..loop.canon import structural_hash
 
-    h = structural_hash(kernel)[:10]
+        h = structural_hash(kernel)[:10]
     return (f"tf_gemm_sm90_{problem.batch}x{'M' if problem.m_arg else problem.m}x{problem.n}x{problem.k}"
             f"_{problem.dtype}_b{problem.b_major}"
             f"_{sched.bm}x{sched.bn}x{sched.bk}s{sched.stages}c{sched.consumers}g{sched.group_m}"
@@ -1967,7 +1969,7 @@ def _m_free_key(problem: GemmProblem, sched: GemmSchedule):
     None (render every time) wherever M might reach the source other than as the argument: M
     baked, a batch, or an epilogue buffer indexed by m in other than its first dimension (its
     size would be a stride) or not M long."""
-    if problem.m_arg is False or problem.batch > 1 or rows_as_argument(problem, sched) is not None:
+    if problem.m_arg is False or rows_as_argument(problem, sched) is not None:
         return None
     kernel = problem.out_epilogue
     dims = epi.row_dims(kernel)
@@ -2006,14 +2008,13 @@ def _m_free_key(problem: GemmProblem, sched: GemmSchedule):
 def _at_m(src: GemmSource, problem: GemmProblem) -> GemmSource:
     """`src`, rendered for another M of its key, as the source of `problem`."""
     P = replace(problem, m_arg=True)
-    S = src.schedule
-    mb_count = S.rows_per_wg // 64
-    work = _work(P, S, mb_count)
+    work = _work(P, src.schedule)
     return replace(src, problem=P, grid_tiles=work["grid_tiles"], workspace=work["workspace"], flags=work["flags"])
 
 
-def _work(P: GemmProblem, S: GemmSchedule, mb_count: int) -> dict:
+def _work(P: GemmProblem, S: GemmSchedule) -> dict:
     """The tile counts of a launch at P's M, and the workspace they need (split-K, stream-K)."""
+    mb_count = S.rows_per_wg // 64
     tiles_m, tiles_n = -(-P.m // S.span[0]), -(-P.n // S.span[1])
     tiles = tiles_m * tiles_n * P.batch
     k_iters = -(-P.k // S.bk)
@@ -2076,7 +2077,7 @@ def _render(problem: GemmProblem, sched: GemmSchedule) -> GemmSource:
     if CLN > 1 and P.n % S.span[1]:
         raise GemmError(f"N={P.n}: a 1x{CLN} cluster needs N a multiple of {CLN} x bn={S.bn}")
     mb_count = S.rows_per_wg // 64
-    work = _work(P, S, mb_count)
+    work = _work(P, S)
     tiles_m, tiles_n, tiles, k_iters, k_split = (work[x] for x in ("tiles_m", "tiles_n", "tiles", "k_iters", "k_split"))
     split, units, workers = S.split_k, work["units"], work["workers"]
     sk_defines = f"\n#define STREAM_K {workers}" if S.stream_k else ""
@@ -2342,7 +2343,7 @@ extern "C" __global__ void __launch_bounds__({S.threads}, 1)
     if P.m_arg:
         import hashlib
 
-        name = kernel_name(P, S, kernel).rsplit("_", 1)[0] + "_" + hashlib.sha256(text.encode()).hexdigest()[:10]
+        name = kernel_name(P, S, kernel, hashlib.sha256(text.encode()).hexdigest()[:10])
         text = text.replace("tf_gemm_@NAME@", name)
     return GemmSource(name=name, source=text, m_arg=bool(P.m_arg), grid_tiles=work["grid_tiles"], block=(S.threads, 1, 1),
                       pair_loads=pair_loads, exact_grid=bool(S.stream_k),
