@@ -1,5 +1,7 @@
 """NVRTC time of GEMMs taking M as an argument against the same kernels with M baked
-(`m_arg=False`): one compile each, alternating, twice, no cubin cache.
+(`m_arg=False`): one compile each, alternating, twice, no cubin cache. (The GPU machine's
+NVRTC gives a source it compiled before in this process back in ~0.04 s: there, only each
+variant's first time measures a build.)
 
     python3 bench/gemm_m_arg_build.py [M,N,K[,kind] ...]     # kinds as bench/gemm_m_arg_ab.py
 """

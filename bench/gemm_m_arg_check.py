@@ -5,8 +5,9 @@ float32 (tune.gemm.gemm_check), and which kernels served which Ms.
     python3 bench/gemm_m_arg_check.py [--jobs 8] [--kinds plain,rms,...]
 
 Builds every distinct source first in `--jobs` processes (NVRTC), then, with a GPU, runs each
-case. Without one it stops after the builds. Written from a review (session 40); not yet run
-on a GPU.
+case. Without one it stops after the builds. Session 41, H200: 382 right, 0 wrong (the other
+38 cases a schedule refuses); 96 of 158 kernels served more than one M
+(results/s41/gemm_m_arg_check_h200.txt).
 """
 import argparse
 import sys

@@ -78,6 +78,8 @@ def one(args) -> dict:
     runners = []
     from tilefuse.frontend import backend as tb
 
+    stages = _stage_timers() if args.stage_times else None
+
     def tilefuse_backend(gm, example_inputs, **kw):  # tilefuse's, keeping each graph's runner
         runners.append(tb.tilefuse_backend(gm, example_inputs, **kw))
         return runners[-1]
@@ -98,6 +100,9 @@ def one(args) -> dict:
             seq = model.generate(prompt, **gen)
             sync()
             times.append(time.perf_counter() - t0)
+            if stages is not None:
+                stages["per_generate"].append({k: dict(v) for k, v in stages["now"].items()})
+                stages["now"].clear()
             tokens = seq if tokens is None else tokens
     if args.profile:  # (the half prompt: its sizes all compiled; the first prompt's prefill would now compile
         # again, for the dynamic graph dynamo made at the half prompt)
@@ -114,6 +119,8 @@ def one(args) -> dict:
            "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan"),
            "weights_gib": sum(p.numel() * p.element_size() for p in model.parameters()) / 2**30,
            "tokens": tokens[0, args.prompt:].tolist()}
+    if stages is not None:
+        out["stage_times"] = stages["per_generate"]
     if runners:
         from collections import Counter
 
@@ -129,6 +136,40 @@ def one(args) -> dict:
                           "calls_tilefuse": r.calls_tilefuse, "calls_eager": r.calls_eager, "events": r.events}
                          for r in tb.reports()]
     return out
+
+
+def _stage_timers() -> dict:
+    """Wrap the compile's stages (export and lowering, kernel builds, NVRTC) with timers that sum
+    seconds and count calls per generate: where a first generate's time goes, which cProfile
+    (the main thread only) cannot say while kernels build in worker threads. Patched by name, so
+    another tree's (TILEFUSE_SRC) is timed the same way."""
+    import threading
+    from collections import defaultdict
+
+    from tilefuse import compiler
+    from tilefuse.frontend import backend
+    from tilefuse.runtime import nvrtc, program
+
+    lock, now = threading.Lock(), defaultdict(lambda: {"s": 0.0, "n": 0})
+
+    def timed(owner, name, label):
+        fn = getattr(owner, name)
+
+        def wrapper(*a, **k):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                with lock:
+                    now[label]["s"] += time.perf_counter() - t
+                    now[label]["n"] += 1
+        setattr(owner, name, wrapper)
+
+    timed(nvrtc, "compile_cuda", "nvrtc (summed over threads)")
+    timed(compiler, "compile_stages", "compile_stages")
+    timed(program.Program, "prepare", "prepare (wall)")
+    timed(backend.GraphRunner, "_compile", "variant compile (wall)")
+    return {"now": now, "per_generate": []}
 
 
 def profile(args, generate, sync) -> None:
@@ -216,6 +257,9 @@ def main() -> None:
                          "into PREFIX-<mode>.txt")
     ap.add_argument("--window", type=int, default=0,
                     help="a Mistral (every layer a sliding window of this many tokens) instead of a Llama")
+    ap.add_argument("--stage-times", action="store_true",
+                    help="time the compile's stages per generate (export and lowering, kernel builds, NVRTC summed "
+                         "over threads) into the JSON")
     ap.add_argument("--device", default="cuda", help="cpu: check the script (kernels run in the interpreter)")
     ap.add_argument("--mode", help=argparse.SUPPRESS)  # the child process's one mode
     args = ap.parse_args()
@@ -238,6 +282,7 @@ def main() -> None:
             cmd += [f"--repeats={args.repeats}"]
             cmd += [f"--kv-heads={args.kv_heads}"] if args.kv_heads else []
             cmd += ["--mask-skip"] if args.mask_skip else []
+            cmd += ["--stage-times"] if args.stage_times else []
             p = subprocess.run(cmd, env=env, capture_output=True, text=True)
             if p.returncode != 0:  # said, and the other modes still run
                 err = [ln for ln in p.stderr.strip().splitlines() if ln.strip()]
