@@ -121,11 +121,20 @@ def test_expression_dtype_casts_float_inputs_and_weights_only():
     ("1 + 2", "the expression has no inputs"),
     ("nn.NoSuchModule(3)(torch.randn(3))", "cannot evaluate 'nn.NoSuchModule(3)'"),
     ("torch.randn(-1) * 2", "cannot make the inputs"),
+    ("torch.randn(3)" + ".relu()" * 10000, "nests too deeply"),  # deeper than the raised recursion limit
 ])
 def test_bad_expressions_raise_one_line_expr_errors(text, message):
     with pytest.raises(ExprError) as e:
         parse(text)
     assert message in one_line(e.value)
+
+
+def test_a_long_chain_of_calls_parses_into_a_module_that_runs_it():
+    """1500 chained calls: the AST is ~1500 deep, past Python's default recursion limit in
+    ast.parse, the rewrite and compile()."""
+    m, (x,), _ = parse("torch.randn(3, 4)" + ".neg()" * 1501)
+    with torch.no_grad():
+        torch.testing.assert_close(m(x), -x, rtol=0, atol=0)
 
 
 # -- capture and translation ------------------------------------------------------------------------

@@ -154,25 +154,25 @@ class ExprModule(nn.Module):
 
 def parse(text: str, dtype: torch.dtype | None = None):
     """Return (module, example inputs, input specs) for a `-c` expression."""
-    try:
-        tree = ast.parse(text.strip(), mode="eval")
-    except SyntaxError as e:
-        raise ExprError(f"the expression does not parse: {e.msg} at column {e.offset}") from None
-    hoist = _Hoist(_scope(), text.strip())
     limit = sys.getrecursionlimit()
     sys.setrecursionlimit(max(limit, 20000))  # the AST of a long chain of calls is as deep as the chain
     try:
+        try:
+            tree = ast.parse(text.strip(), mode="eval")
+        except SyntaxError as e:
+            raise ExprError(f"the expression does not parse: {e.msg} at column {e.offset}") from None
+        hoist = _Hoist(_scope(), text.strip())
         body = ast.fix_missing_locations(hoist.visit(tree))
-    except RecursionError:
+        hoist.check_per_item_modules(body)
+        if not hoist.inputs:
+            raise ExprError("the expression has no inputs: make them with torch.randn(...) inside it")
+        # eval mode: tilefuse compiles forward programs (a BatchNorm uses its running statistics,
+        # nn.Dropout passes values through), as a model serving requests runs
+        module = ExprModule(text, body, hoist.consts, len(hoist.inputs)).eval()  # (compiles the AST: deep too)
+    except (RecursionError, MemoryError):
         raise ExprError("the expression nests too deeply to read") from None
     finally:
         sys.setrecursionlimit(limit)
-    hoist.check_per_item_modules(body)
-    if not hoist.inputs:
-        raise ExprError("the expression has no inputs: make them with torch.randn(...) inside it")
-    # eval mode: tilefuse compiles forward programs (a BatchNorm uses its running statistics,
-    # nn.Dropout passes values through), as a model serving requests runs
-    module = ExprModule(text, body, hoist.consts, len(hoist.inputs)).eval()
     try:
         inputs = [s.make(_scope()) for s in hoist.inputs]
     except Exception as e:
