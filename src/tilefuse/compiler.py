@@ -174,7 +174,10 @@ class WeightGuard:
     Weights are read once, and rewrites fold some into new tensors (RMSNorm's gamma into the
     next matmul's weight, say), so a program must not outlive an in-place update of one
     (`optimizer.step()`, `load_state_dict`, `with torch.no_grad(): w.mul_(2)`): its version
-    counter moves. A module's parameter or buffer replaced by another tensor is caught too.
+    counter moves. A module's parameter or buffer replaced by another tensor is caught too, and
+    a module switched between training and eval mode (`model.eval()` after compiling a module
+    made in training mode, as nn.Modules are): the module itself and each submodule whose
+    forward depends on the mode (dropout, batch norm) are watched.
     Calling the guard returns "" while everything is as compiled, else what changed.
     """
 
@@ -185,6 +188,10 @@ class WeightGuard:
         self.slots = []
         self._linked = set()
         module = fn if isinstance(fn, torch.nn.Module) else None
+        # (a module, its mode when compiled, its name): checked every call, so only those whose mode
+        # is known to change what they compute, and the module itself (`model.eval()` flips all)
+        self.modes = [] if module is None else [
+            (m, m.training, name) for name, m in module.named_modules() if not name or isinstance(m, _MODAL)]
         for node in graph.nodes:
             if not isinstance(node, ir.Weight) or node.name not in graph.weights:
                 continue
@@ -222,12 +229,21 @@ class WeightGuard:
     def __call__(self) -> str:
         # every call pays this (~0.2 us a weight on a CPU core), so the common answer is found in bulk
         if list(map(_VERSION, self.tensors)) == self.versions and all(
-                [table.get(key) is orig for table, key, orig, _ in self.slots]):
+                [table.get(key) is orig for table, key, orig, _ in self.slots]) and all(
+                [m.training == mode for m, mode, _ in self.modes]):
             return ""
         for t, v, name in zip(self.tensors, self.versions, self.names):
             if t._version != v:
                 return f"weight {name} was updated in place"
+        for m, mode, name in self.modes:
+            if m.training != mode:
+                return f"{f'module {name}' if name else 'the module'} was switched to " \
+                       f"{'training' if m.training else 'eval'} mode"
         return next(why for table, key, orig, why in self.slots if table.get(key) is not orig)
+
+
+# modules whose forward computes something else in training mode than in eval mode
+_MODAL = (torch.nn.modules.dropout._DropoutNd, torch.nn.modules.batchnorm._NormBase)
 
 
 def _guarded(graph: ir.Graph, fn) -> WeightGuard | None:
@@ -235,7 +251,7 @@ def _guarded(graph: ir.Graph, fn) -> WeightGuard | None:
         guard = WeightGuard(fn, graph)
     except RuntimeError:  # inference tensors keep no version counter: nothing to check against
         return None
-    return guard if guard.tensors else None
+    return guard if guard.tensors or guard.modes else None
 
 
 def compile(fn, example_inputs, *, arch: str | None = None, graphs: bool | None = None):
@@ -249,7 +265,9 @@ def compile(fn, example_inputs, *, arch: str | None = None, graphs: bool | None 
     graphs of a process hold at most TILEFUSE_GRAPH_MEMORY of a device, a quarter by default,
     past which new programs launch their kernels one by one); a result you still hold is never
     overwritten by a later call. A module's parameter or buffer
-    updated in place after compiling (`optimizer.step()`, `load_state_dict`), or replaced,
+    updated in place after compiling (`optimizer.step()`, `load_state_dict`), or replaced, or the
+    module switched between training and eval mode (`model.eval()`; the mode compiled is the
+    module's at compile time: nn.Modules are made in training mode),
     compiles the program again at its next call, with a warning (updates through `.data`, and
     tensors a plain function closes over, are not seen: compile again after changing those).
     An input the program writes in place (`cache.index_copy_(...)`, `x.add_(1)`) holds the new

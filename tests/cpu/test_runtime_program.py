@@ -471,6 +471,35 @@ def test_a_replaced_submodule_compiles_the_program_again():
             torch.testing.assert_close(fast(x), m(x), rtol=1e-5, atol=1e-5)
 
 
+def test_a_module_switched_to_eval_mode_compiles_the_program_again():
+    """nn.Modules are made in training mode: compiled so, dropout drops; after `.eval()` the next
+    call compiles again (saying why) and passes values through, as the module now does; back in
+    training mode it drops again. A module with no weights is watched too."""
+    import tilefuse
+
+    for m in (torch.nn.Dropout(0.5), torch.nn.Sequential(torch.nn.Linear(4000, 4000), torch.nn.Dropout(0.5))):
+        x = torch.ones(4000) if isinstance(m, torch.nn.Dropout) else torch.ones(2, 4000)
+        fast = tilefuse.compile(m, (x,))
+        assert 0.4 < (fast(x) == 0).float().mean() < 0.6
+        m.eval()
+        with pytest.warns(UserWarning, match="was switched to eval mode since compiling; compiling the program again"):
+            out = fast(x)
+        torch.testing.assert_close(out, m(x), rtol=1e-5, atol=1e-5)
+        m.train()
+        with pytest.warns(UserWarning, match="switched to training mode"):
+            assert 0.4 < (fast(x) == 0).float().mean() < 0.6
+
+
+def test_a_modal_submodule_switched_alone_is_named():
+    import tilefuse
+
+    m, x = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Dropout(0.5)).eval(), torch.ones(3, 8)
+    fast = tilefuse.compile(m, (x,))
+    m[1].train()
+    with pytest.warns(UserWarning, match="module 1 was switched to training mode"):
+        fast(x)
+
+
 def test_dict_inputs_are_matched_by_key_and_other_nestings_refused():
     """A dict built in another order is the same argument; other keys, or a tuple where the
     example had a dict, are refused by path instead of being taken in flattened order."""

@@ -132,8 +132,8 @@ class Program:
         if self.rebuild is None:
             raise ValueError(f"{why} since compiling; compile the program again")
         keep = {k: getattr(self, k) for k in ("poison", "graphs", "graph_slots", "graph_clone", "_grad_warned")}
-        warnings.warn(f"tilefuse: {why} since compiling; compiling the program again (each time a "
-                      f"weight changes: compile once the weights are final)", stacklevel=3)
+        warnings.warn(f"tilefuse: {why} since compiling; compiling the program again (each time this "
+                      f"happens: compile once the weights and the mode are final)", stacklevel=3)
         fresh = self.rebuild(args)
         self.__dict__.update(fresh.__dict__)
         self.__dict__.update(keep)
