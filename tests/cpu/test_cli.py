@@ -274,6 +274,15 @@ def test_a_comprehension_builds_a_module_per_item_and_refuses_an_input_per_item(
         parse("torch.stack([torch.randn(4) for _ in range(3)])")
 
 
+def test_a_factory_in_a_lambda_is_refused_saying_to_pass_it_in():
+    """A lambda runs once per call, not per item: the advice is to pass the tensor as an argument."""
+    with pytest.raises(ExprError, match=r"on each call of the lambda.*pass the tensor in as an argument") as e:
+        parse("(lambda x: x + torch.ones(3))(torch.randn(3))")
+    assert "per item" not in str(e.value)
+    m, inputs, _ = parse("(lambda x, c: x + c)(torch.randn(3), torch.ones(3))")  # the advice works
+    torch.testing.assert_close(m(*inputs), inputs[0] + 1)
+
+
 @pytest.mark.parametrize("expr", ["(lambda x: nn.Linear(8, 8)(x))(torch.randn(2, 8))",
                                   "sum(nn.Linear(8, 8)(x) for x in [torch.randn(2, 8)])"])
 def test_a_module_built_on_every_call_is_refused_in_one_line(expr, capsys):
@@ -337,6 +346,7 @@ def test_seed_repeats_a_run_weights_included_and_is_printed(capsys):
 @pytest.mark.parametrize("argv,what", [
     (["run", "-c", "torch.randn(4)*2", "--layers", "3"], "--layers is a --model option"),
     (["compile", "-c", "torch.randn(4)*2", "--arch", "foo"], "unknown GPU architecture 'foo'"),
+    (["compile", "-c", "torch.randn(4)*2", "--arch", "sm_42"], "'sm_42' is not one tilefuse builds for"),
 ])
 def test_options_that_do_not_apply_are_refused_in_one_line(capfd, argv, what):
     assert main(argv) == 1

@@ -384,6 +384,10 @@ def test_arch_names():
     assert nvrtc.normalize_arch((8, 0)) == "sm_80"
     with pytest.raises(ValueError):
         nvrtc.normalize_arch("hopper")
+    assert nvrtc.normalize_arch("75") == "sm_75" and nvrtc.normalize_arch("sm_120") == "sm_120"
+    for made_up in ("sm_42", "sm_70", "sm_1000", (4, 2)):  # below what CUDA 13 builds, or no such number
+        with pytest.raises(ValueError, match="not one tilefuse builds for"):
+            nvrtc.normalize_arch(made_up)
 
 
 # ---------------------------------------------------------------- the cubin cache

@@ -306,6 +306,19 @@ def test_module_forward_lines_are_sources():
     assert exp.source.startswith(f"{HERE}:") and "# module line" in exp.source
 
 
+def test_a_batch_norm_in_training_mode_is_refused_naming_its_buffer_and_eval():
+    """Its in-place update of num_batches_tracked is a write into the module's state: the error
+    names the buffer and says to compile after .eval(), which then compiles."""
+    import tilefuse
+    from tilefuse.frontend.capture import CaptureError
+
+    m, x = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4)), torch.randn(5, 4)
+    with pytest.raises(CaptureError, match=r"buffer 1\.num_batches_tracked.*after \.eval\(\)"):
+        tilefuse.compile(m, (x,))
+    m.eval()
+    torch.testing.assert_close(tilefuse.compile(m, (x,))(x), m(x), rtol=1e-5, atol=1e-5)
+
+
 def test_in_place_write_through_a_view_is_refused_not_lost():
     import tilefuse
 

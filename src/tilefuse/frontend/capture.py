@@ -123,6 +123,10 @@ def to_graph(ep, expr: str | None = None) -> ir.Graph:
     state.update(getattr(ep, "constants", {}) or {})
     user_inputs = {n for n in ep.graph.nodes if n.op == "placeholder" and sig[n.name].kind.name == "USER_INPUT"}
     owned = owned_tensors(ep.graph, user_inputs)
+    # a weight's or buffer's placeholder -> what it is in the module ("buffer bn.num_batches_tracked")
+    state_of = {n: f"{sig[n.name].kind.name.lower()} {sig[n.name].target}" for n in ep.graph.nodes
+                if n.op == "placeholder" and sig[n.name].kind.name in ("PARAMETER", "BUFFER")
+                and sig[n.name].target}
     updated: dict = {}  # input placeholder -> its value after the program's in-place writes
     given: dict = {}  # input placeholder -> its Input's name
 
@@ -157,7 +161,7 @@ def to_graph(ep, expr: str | None = None) -> ir.Graph:
             return
         try:
             if _mutates(node.target) and _op_name(node.target) != "detach_":
-                _translate_in_place(b, node, resolve, env, expr, owned, updated)
+                _translate_in_place(b, node, resolve, env, expr, owned, updated, state_of)
             else:
                 _translate(b, node, resolve, env, tuple_outputs, expr)
         except ValueError as e:  # an unsupported dtype, shapes that do not broadcast...
@@ -355,7 +359,7 @@ def _overload(name: str, overload: str):
     return found
 
 
-def _translate_in_place(b: Builder, node, resolve, env, expr, owned: dict, updated: dict):
+def _translate_in_place(b: Builder, node, resolve, env, expr, owned: dict, updated: dict, state_of: dict = None):
     """`x.op_(...)` on a tensor the program owns, or on one of the user's inputs: x's value from
     here on is `op(x, ...)`. Every later reader of x, or of an earlier in-place result on it,
     reads the new value (the graph runs in order, so rebinding them all here is exactly
@@ -364,7 +368,13 @@ def _translate_in_place(b: Builder, node, resolve, env, expr, owned: dict, updat
     written, root = _written(node), owned.get(node)
     why = None
     if root is None:
-        why = "here it writes a weight or buffer, a view, or a tensor a view was taken of"
+        target = node.args[0] if node.args else None
+        what = (state_of or {}).get(target)
+        if what is not None:  # (a batch norm in training mode counts its batches and updates its statistics)
+            why = (f"here it writes the module's {what}; where that is a module in training mode updating its "
+                   f"state, as a batch norm's statistics, compile the module after .eval()")
+        else:
+            why = "here it writes a weight or buffer, a view, or a tensor a view was taken of"
     elif len(written) != 1 or written[0] is not node.args[0]:
         why = "here it writes other than its first argument"
     if why is None:
@@ -408,10 +418,10 @@ def _translate(b: Builder, node, resolve, env, tuple_outputs, expr, functional: 
     first = val[0] if multi else val
     if not isinstance(first, torch.Tensor):
         if name in ("item", "_local_scalar_dense"):
-            raise CaptureError(f"aten.{name} reads a tensor's value into Python ({b.source}); dynamo makes one for a "
-                               f"Python number it treats as dynamic (an argument that changes between calls, or a "
-                               f"module's float attribute under dynamic=True): pass it as a tensor, or compile "
-                               f"without dynamic=True")
+            raise CaptureError(f"aten.{name} reads a tensor's value into Python ({b.source}), which a compiled "
+                               f"program cannot do: keep the value a tensor (`.item()`, `.tolist()`, `float(t)` "
+                               f"make one; under torch.compile dynamo also makes one for a Python number it treats "
+                               f"as dynamic: pass that number as a tensor, or compile without dynamic=True)")
         raise CaptureError(f"{name} returns {type(first).__name__}, not a tensor ({b.source})")
     out = Out(_static_shape(first, name, b.source), dtypes.from_torch(first.dtype), name)
     args = resolve(node.args)

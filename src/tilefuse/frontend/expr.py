@@ -92,11 +92,11 @@ class _Hoist(ast.NodeTransformer):
                 return ast.copy_location(ast.Name(name, ast.Load()), node)
         return node
 
-    def _per_item(self, parts, what: str):
+    def _per_item(self, parts, what: str, advice: str = "would make a new input per item: write each input out "
+                  "(e.g. torch.stack([torch.randn(4), torch.randn(4)]))"):
         for part in parts:
             if any(_is_factory(n) for n in ast.walk(part)):
-                raise ExprError(f"{what} would make a new input per item: write each input out "
-                                f"(e.g. torch.stack([torch.randn(4), torch.randn(4)]))")
+                raise ExprError(f"{what} {advice}")
             self.built_per_item += [n for n in ast.walk(part) if self._makes_module(n)]
 
     def _makes_module(self, node) -> bool:
@@ -131,7 +131,9 @@ class _Hoist(ast.NodeTransformer):
     visit_ListComp = visit_SetComp = visit_GeneratorExp = visit_DictComp = _visit_comprehension
 
     def visit_Lambda(self, node):
-        self._per_item([node.body], f"a torch factory call inside {ast.unparse(node)!r}")
+        self._per_item([node.body], f"a torch factory call inside {ast.unparse(node)!r}",
+                       "would run on each call of the lambda, not become one of the program's inputs: pass "
+                       "the tensor in as an argument, e.g. (lambda x, c: x + c)(torch.randn(3), torch.ones(3))")
         return node
 
 

@@ -72,6 +72,10 @@ def normalize_arch(arch: str) -> str:
     m = re.fullmatch(r"sm_(\d+)(a?)", arch)
     if not m:
         raise ValueError(f"unknown GPU architecture {given!r} (expected e.g. sm_90a or sm_80)")
+    if int(m.group(1)) < 75 or len(m.group(1)) > 3:
+        # (CUDA 13's NVRTC builds sm_75 and newer; a made-up sm_42 is not one)
+        raise ValueError(f"GPU architecture {given!r} is not one tilefuse builds for: sm_75 (Turing) and newer, "
+                         f"e.g. sm_80, sm_89, sm_90a")
     return "sm_90a" if m.group(1) == "90" else arch
 
 
