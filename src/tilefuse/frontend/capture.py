@@ -421,7 +421,8 @@ def _translate(b: Builder, node, resolve, env, tuple_outputs, expr, functional: 
             raise CaptureError(f"aten.{name} reads a tensor's value into Python ({b.source}), which a compiled "
                                f"program cannot do: keep the value a tensor (`.item()`, `.tolist()`, `float(t)` "
                                f"make one; under torch.compile dynamo also makes one for a Python number it treats "
-                               f"as dynamic: pass that number as a tensor, or compile without dynamic=True)")
+                               f"as dynamic, an argument that changes between calls or a module's float attribute "
+                               f"under dynamic=True: pass that number as a tensor, or compile without dynamic=True)")
         raise CaptureError(f"{name} returns {type(first).__name__}, not a tensor ({b.source})")
     out = Out(_static_shape(first, name, b.source), dtypes.from_torch(first.dtype), name)
     args = resolve(node.args)
