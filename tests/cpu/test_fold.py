@@ -44,3 +44,17 @@ def test_only_the_weights_a_fold_reads_are_converted(monkeypatch):
     with torch.no_grad():
         res = compare("out", c.program(x), float64_reference(m, (x,)), m(x))
     assert res.ok, res
+
+
+def test_a_folded_cast_to_bool_keeps_pytorch_truth():
+    """atan(ones) is 0.785 everywhere; its .bool() folds into a weight that must hold True (a
+    fuzzed program computed atan(False) = 0 from the fold's truncating cast)."""
+    import tilefuse
+
+    def f(b):
+        return torch.atan(torch.atan(torch.ones_like(b)).bool())
+
+    b = torch.randint(1, 5, (3, 2), dtype=torch.int32)
+    st = compile_stages(f, (b,))
+    assert any(n.name in st.graph.weights for n in st.graph.nodes), "the cast folded into a weight"
+    torch.testing.assert_close(tilefuse.compile(f, (b,))(b), f(b))

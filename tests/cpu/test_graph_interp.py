@@ -650,3 +650,13 @@ def test_dropout_in_training_mode_is_not_dropped():
     x = torch.randn(4, 8)
     _, g, _ = captured(lambda x: F.dropout(x, 0.5, training=True) + 1, [x])
     assert any(isinstance(n, ir.Extern) and "dropout" in n.target for n in g.nodes)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_a_float_cast_to_bool_is_nonzero_as_in_pytorch(dtype):
+    """0.5, -0.25, a subnormal, NaN and inf are True, both zeros False: not truncated first (the
+    fold of `atan(ones).bool()` into a weight gave False)."""
+    x = torch.tensor([[0.5, -0.25, 0.0, -0.0, float("nan"), float("inf"), 1e-30, -3.0]], dtype=dtype)
+    g = to_graph(export(lambda a: a.bool(), (x,)))
+    (got,) = run_graph(g, {g.inputs[0]: x})
+    assert torch.equal(as_torch(got), x.bool())

@@ -40,6 +40,8 @@ def eval_map(n: ir.Map, args, precision="native"):
         x = args[0]
         if dtypes.is_float(out) or not np.issubdtype(x.dtype, np.floating):
             return x.astype(_store_type(out, precision))
+        if out == "bool":  # nonzero, as PyTorch (and the Loop IR and the kernels): 0.5 and NaN are True
+            return x != 0
         if out == "u8":  # through int64, as PyTorch does: a negative value wraps (-1.5 -> 255)
             with np.errstate(invalid="ignore"):
                 return np.trunc(x).astype(np.int64).astype(np.uint8)
