@@ -660,3 +660,12 @@ def test_a_float_cast_to_bool_is_nonzero_as_in_pytorch(dtype):
     g = to_graph(export(lambda a: a.bool(), (x,)))
     (got,) = run_graph(g, {g.inputs[0]: x})
     assert torch.equal(as_torch(got), x.bool())
+
+
+@pytest.mark.parametrize("alpha", [-1, 0, 1, 2])
+def test_bool_add_takes_alpha_as_a_bool_as_pytorch_does(alpha):
+    """torch.add(x, y, alpha=-1) of bool tensors is x | y (alpha is True), not x + (-1) * y."""
+    x, y = torch.tensor([True, False, True, False]), torch.tensor([True, True, False, False])
+    g = to_graph(export(lambda a, b: torch.add(a, b, alpha=alpha), (x, y)))
+    (got,) = run_graph(g, dict(zip(g.inputs, (x, y))))
+    assert torch.equal(as_torch(got), torch.add(x, y, alpha=alpha))
