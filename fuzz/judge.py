@@ -109,6 +109,9 @@ def check(fn, example, fresh=None, verbose=True, coarse=None, backend=False):
     if backend:
         try:
             out = _through_backend(fn, example, fresh)
+        except torch._dynamo.exc.TorchRuntimeError as ex:  # dynamo's own tracing (a meta kernel eager lacks
+            # or disagrees with: `bool >> int`), before any backend runs: PyTorch's, not tilefuse's
+            return "skip", f"dynamo: {str(ex).splitlines()[0][:200]}"
         except Exception as ex:
             return "crash", "backend " + "".join(traceback.format_exception(ex)[-6:])
         return _judge(fn, fresh, eager, out, coarse)
