@@ -43,10 +43,11 @@ def _binary(op):
         alpha = kwargs.get("alpha", args[2] if len(args) > 2 else 1)  # rsub.Scalar takes it by position
         like = x if _is_tensor(b, x) else y
         xs, ys = _operand(b, x, like, op), _operand(b, y, like, op)
-        if alpha != 1 and b.result_type(xs, ys) == "bool":  # PyTorch takes alpha as a bool there: -1 is True
+        common = b.result_type(xs, ys)
+        if alpha != 1 and common == "bool":  # PyTorch takes alpha as a bool there: -1 is True
             alpha = 1 if alpha else 0
         if alpha != 1:  # x + alpha y in the result's dtype, as PyTorch (not alpha y in y's: an i8 y wraps)
-            ys = b.cast(ys, b.result_type(xs, ys))
+            ys = b.cast(ys, common)
             ys = b.map("mul", ys, b.scalar(alpha, ys, "alpha"))
         return b.map(op, xs, ys)
     return handler

@@ -359,7 +359,7 @@ def _overload(name: str, overload: str):
     return found
 
 
-def _translate_in_place(b: Builder, node, resolve, env, expr, owned: dict, updated: dict, state_of: dict = None):
+def _translate_in_place(b: Builder, node, resolve, env, expr, owned: dict, updated: dict, state_of: dict):
     """`x.op_(...)` on a tensor the program owns, or on one of the user's inputs: x's value from
     here on is `op(x, ...)`. Every later reader of x, or of an earlier in-place result on it,
     reads the new value (the graph runs in order, so rebinding them all here is exactly
@@ -368,8 +368,7 @@ def _translate_in_place(b: Builder, node, resolve, env, expr, owned: dict, updat
     written, root = _written(node), owned.get(node)
     why = None
     if root is None:
-        target = node.args[0] if node.args else None
-        what = (state_of or {}).get(target)
+        what = state_of.get(node.args[0])
         if what is not None:  # (a batch norm in training mode counts its batches and updates its statistics)
             why = (f"here it writes the module's {what}; where that is a module in training mode updating its "
                    f"state, as a batch norm's statistics, compile the module after .eval()")
