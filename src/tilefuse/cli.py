@@ -218,14 +218,15 @@ def cmd_compile(args) -> int:
                     continue
                 # the source the program builds: names made from what the kernel computes
                 built = named_by_structure(lk.kernel)
+                src = render(built, sched, arch=args.arch or _default_arch())
                 params = ", ".join(f"{b.name} = {a.name}" for a, b in zip(lk.kernel.params, built.params))
-                if built in printed:
-                    console.print(f"// ---- {lk.kernel.name}: built as {built.name} ({params}), printed above",
+                rows = f", tf_rows = {src.rows}" if src.rows is not None else ""
+                if src.source in printed:  # (one source serves every row count: codegen.mapreduce.rows_free)
+                    console.print(f"// ---- {lk.kernel.name}: built as {src.name} ({params}{rows}), printed above",
                                   markup=False)
                     continue
-                printed.add(built)
-                src = render(built, sched, arch=args.arch or _default_arch())
-                console.print(f"// ---- {lk.kernel.name}: built as {built.name} ({params}): grid {src.grid} "
+                printed.add(src.source)
+                console.print(f"// ---- {lk.kernel.name}: built as {src.name} ({params}{rows}): grid {src.grid} "
                               f"block {src.block} smem {src.smem_bytes}B cluster {src.cluster}", markup=False)
                 console.print(src.source, markup=False)
             _print_gemms(console, st, stage, args.arch or _default_arch())

@@ -48,7 +48,9 @@ def _case(name, R, C, sched):
     nchunk, _ = mapreduce._plan_chunks(C, sched.vector, sched.group * sched.cluster)
     pieces = max(1, sched.vector * 2 // 16)
     lay = rowlayout.row_layouts(threads=sched.threads, group=sched.group, cluster=sched.cluster,
-                                vector=sched.vector, nchunk=nchunk, pieces=pieces, rows=R, batch=sched.batch)
+                                vector=sched.vector, nchunk=nchunk, pieces=pieces, batch=sched.batch,
+                                # a source taking its row count as an argument is written for any count
+                                rows=R if src.rows is None else mapreduce.ROWS_LAYOUT)
     return k, sched, src, lay, nchunk
 
 

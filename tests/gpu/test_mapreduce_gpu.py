@@ -397,3 +397,23 @@ def test_grid_reduced_kernel_alone_and_its_scalar_fallback(shape, monkeypatch):
                 eager.append(fn(x, t).reshape(1))
         c = compare("loss", torch.cat(got), torch.cat(refs), torch.cat(eager))
         assert c.ok, f"{shape} {variant.schedule}: {c}"
+
+
+@pytest.mark.parametrize("misalign", [False, True], ids=["aligned", "scalar"])
+@pytest.mark.parametrize("cols", [256, 4096, 65536])
+@pytest.mark.parametrize("name", fx.NAMES)
+def test_one_build_serves_every_row_count(name, cols, misalign):
+    """A source taking its row count as an argument (codegen.mapreduce.rows_free), built at one
+    count, runs right at others under the same schedule, tails of a CTA's rows included: the
+    launch passes each kernel's own count and grid."""
+    from tilefuse.runtime import nvrtc
+
+    sched = default_schedule(fx.BUILDERS[name](1000, cols, "bf16"), nvrtc.current_arch())
+    sources = set()
+    for rows in (1000, 999, 37, 2):
+        ex = fx.example(name, rows, cols, "bf16", seed=_seed(name, rows, cols))
+        fx.check_against_torch(ex, _run(ex, sched, misalign))
+        ck = compile_kernel(ex.kernel, schedule=sched)
+        assert ck.source.rows == rows
+        sources.add(ck.source.source)
+    assert len(sources) == 1

@@ -143,6 +143,8 @@ class KernelSource:
     workspace_bytes: int = 0        # > 0: a last parameter, zeroed device memory owned by the caller
     kept: int = 0                   # values kept in registers between passes (codegen/keep.py)
     moved: int = 0                  # stores made by an earlier pass than the one holding them (keep.Moved)
+    rows: int | None = None         # the row count, passed as the kernel's last argument (an int);
+                                    # None: written into the source (rows_free says where)
 
 
 # ---------------------------------------------------------------- access analysis
@@ -651,6 +653,7 @@ class _Ctx:
     passes: list | None = None  # where given, each pass's blocks are recorded (for keep.plan)
     pass_no: int = 0            # passes over the row emitted so far (this row)
     stores: dict = field(default_factory=dict)  # each Store of the row body, by value: this render's own object
+    rows_arg: bool = False      # the row count is the argument tf_rows (rows_free)
 
     def c(self, ssa: str) -> str:
         return self.names[ssa]
@@ -1772,6 +1775,10 @@ def _plan_chunks(C: int, V: int, P: int):
     return nchunk, (C == nchunk * P * V)
 
 
+ROWS_ARG = True  # the row count a kernel argument wherever rows_free allows (False: always baked)
+_RENDERED: dict = {}  # _rows_free_key -> the source rendered for it (the row count an argument)
+
+
 def render(kernel: ir.Kernel, schedule: MapReduceSchedule | None = None, arch: str = "sm_90a",
            keep_values: bool = True) -> KernelSource:
     """CUDA C++ for a map-reduce kernel under `schedule` (default_schedule(kernel, arch) if None).
@@ -1779,16 +1786,104 @@ def render(kernel: ir.Kernel, schedule: MapReduceSchedule | None = None, arch: s
     Rendered once to see its passes over the row; where a later pass recomputes a costly value
     an earlier one made and one CTA holds the row (not the stream stage, not a cluster),
     rendered again keeping those values in registers between the passes (codegen/keep.py),
-    and with the stores of values an earlier pass made moved to that pass (keep.Moved)."""
+    and with the stores of values an earlier pass made moved to that pass (keep.Moved).
+
+    Where the row count reaches the source only as the bound of `row_ok` (rows_free), it is
+    the kernel's last argument: one source (one NVRTC build, one cubin) serves every row count
+    of the same schedule, so a new prompt length of a model builds no map-reduce kernel whose
+    schedule it shares with a length seen before; and a source rendered for one row count is
+    the source for the others (the render alone is tens of ms of Python per kernel)."""
+    free = rows_free(kernel) if ROWS_ARG else None
+    if free is None:
+        return _render_kept(kernel, schedule, arch, keep_values, False)
+    sched = schedule or default_schedule(kernel, arch)
+    key = _rows_free_key(free, sched, arch, keep_values)
+    src = _RENDERED.get(key)
+    if src is None:
+        src = _render_kept(free, sched, arch, keep_values, True)
+        if len(_RENDERED) > 1024:
+            _RENDERED.clear()
+        _RENDERED[key] = src
+    return at_rows(src, ir.row_kernel_parts(kernel).rows)
+
+
+def rows_free(kernel: ir.Kernel) -> ir.Kernel | None:
+    """`kernel` with its row count left out (its row loop's extent, and the leading dim of each
+    buffer of that many rows, zeroed), or None where the count may reach the source otherwise.
+
+    A buffer's leading dim is no stride, so the source holds it only as the bound that keeps a
+    gathered index inside the buffer: a buffer read at a gathered leading index keeps it (an
+    embedding table of as many rows as the kernel). Constants and index expressions stay as
+    they are (a table read at r % S keeps S; a count written as a constant keeps it), so two
+    kernels with the same rows_free differ in the row count alone. None for a grid reduction
+    (its workspace and finishing tail are sized by the rows) and for a single row (its
+    buffers drop the row dim, a structure of its own)."""
+    if kernel.scratch or kernel.family != "mapreduce":
+        return None
+    try:
+        parts = ir.row_kernel_parts(kernel)
+    except ValueError:
+        return None
+    R = parts.rows
+    if R <= 1:
+        return None
+    gathered = {s.buf for s in ir.walk(parts.body)
+                if isinstance(s, (ir.Load, ir.Store)) and s.index and ir.index_values(s.index[0])}
+    params = tuple(replace(b, shape=(0,) + tuple(b.shape[1:])) if b.shape and b.shape[0] == R and b.name not in gathered
+                   else b for b in kernel.params)
+    return replace(kernel, params=params, body=(replace(kernel.body[0], extent=0),))
+
+
+def _rows_free_key(free: ir.Kernel, sched: MapReduceSchedule, arch: str, keep_values: bool):
+    """What a rows-argument source is made from: the kernel without its row count, the
+    constants as the source writes them (-0.0 == 0.0 in Python, not in C), the schedule, the
+    target, and the generator's module knobs (a test or bench that changes one must not get a
+    source rendered before)."""
+    consts = tuple(repr(x.value) for x in ir.walk(free.body) if isinstance(x, ir.Const))
+    knobs = tuple((m.__name__, k, v) for m in (keep, patterns) for k, v in vars(m).items()
+                  if k.isupper() and isinstance(v, (bool, int, float, str, tuple)))
+    knobs += tuple((k, v) for k, v in globals().items()
+                   if k.isupper() and isinstance(v, (bool, int, float, str, tuple)) and not k.endswith("PRELUDE"))
+    return (free, consts, knobs, sched, arch, keep_values)
+
+
+ROWS_LAYOUT = 1 << 30  # the rows a rows-argument source's layouts are written for (any count above one block)
+
+
+def _digestless(name: str) -> str:
+    """A kernel name without its structural digest (loop.canon.named_by_structure's), which
+    counts the rows."""
+    return re.sub(r"_[0-9a-f]{10}$", "", name)
+
+
+def _rows_buffer(b: ir.Buffer) -> str:
+    """A rows_free buffer as its header comment shows it: its zeroed row dim as `rows`."""
+    if not b.shape or b.shape[0] != 0:
+        return str(b)
+    return f"{b.role} {b.name}: {b.dtype}[{'x'.join(['rows', *map(str, b.shape[1:])])}]"
+
+
+def at_rows(src: KernelSource, rows: int) -> KernelSource:
+    """`src` (a source taking its row count as an argument) as the launch of `rows` rows."""
+    sch = src.schedule
+    if rows + sch.rows_per_cta >= 2**31:
+        raise ValueError(f"kernel {src.name}: {rows} rows are too many (row indices are 32-bit)")
+    return replace(src, rows=rows, grid=(-(-rows // sch.rows_per_cta) * sch.cluster, 1, 1))
+
+
+def _render_kept(kernel: ir.Kernel, schedule: MapReduceSchedule | None, arch: str, keep_values: bool,
+                 rows_arg: bool) -> KernelSource:
+    """render's body: the source with values kept between passes where that pays."""
+    draw = lambda *a: _render(*a, rows_arg=rows_arg)  # noqa: E731
     if not keep_values or not keep.ENABLED:
-        return _render(kernel, schedule, arch, keep.KeepPlan(), None)
+        return draw(kernel, schedule, arch, keep.KeepPlan(), None)
     passes = []
     online = not keep.SPLIT_LSE
-    src = _render(kernel, schedule, arch, keep.KeepPlan(), passes, online)
+    src = draw(kernel, schedule, arch, keep.KeepPlan(), passes, online)
     if src.schedule.stage == "stream" or src.cluster != (1, 1, 1):
         # rows not held, or held by a cluster, whose extra exchange (the split max and sum)
         # crosses CTAs: issue 2's tuned kernels there are kept as they were (not measured)
-        return src if online else _render(kernel, schedule, arch, keep.KeepPlan(), None)
+        return src if online else draw(kernel, schedule, arch, keep.KeepPlan(), None)
     kp = keep_plan(kernel, passes)
     sch = src.schedule
     gp = ir.grid_parts(kernel)
@@ -1800,9 +1895,9 @@ def render(kernel: ir.Kernel, schedule: MapReduceSchedule | None = None, arch: s
         # only stores to move: the passes recorded are the online render's too unless the
         # kernel has a (max, sum-exp) pass, which keeps its online form without kept values
         if kp.moved and not exchanges(gp.head if gp else kernel)[1]:
-            return _render(kernel, schedule, arch, kp, None)
-        return src if online else _render(kernel, schedule, arch, keep.KeepPlan(), None)
-    return _render(kernel, schedule, arch, kp, None, online)
+            return draw(kernel, schedule, arch, kp, None)
+        return src if online else draw(kernel, schedule, arch, keep.KeepPlan(), None)
+    return draw(kernel, schedule, arch, kp, None, online)
 
 
 def keep_plan(kernel: ir.Kernel, passes: list) -> keep.KeepPlan:
@@ -1821,7 +1916,8 @@ def keep_plan(kernel: ir.Kernel, passes: list) -> keep.KeepPlan:
 
 
 def _render(kernel: ir.Kernel, schedule: MapReduceSchedule | None, arch: str, kept: keep.KeepPlan,
-            passes: list | None, online: bool = True) -> KernelSource:
+            passes: list | None, online: bool = True, *, rows_arg: bool = False) -> KernelSource:
+    """`rows_arg`: `kernel` is a rows_free one, rendered with its row count an argument."""
     whole = kernel
     gp = ir.grid_parts(kernel)
     if gp is not None:  # the row kernel is rendered as usual, then its grid reduction (_emit_grid_tail)
@@ -1842,7 +1938,7 @@ def _render(kernel: ir.Kernel, schedule: MapReduceSchedule | None, arch: str, ke
     ana = _analyse(kernel, parts, V) if V > 1 else _analyse(kernel, parts, 1)
     P = sch.group * sch.cluster
     nchunk, full = _plan_chunks(C, V, P)
-    if C + P * V >= 2**31 or R + sch.rows_per_cta >= 2**31:
+    if C + P * V >= 2**31 or (not rows_arg and R + sch.rows_per_cta >= 2**31):
         raise ValueError(f"kernel {kernel.name}: {R} rows of {C} elements are too many "
                          f"(row and column indices are 32-bit)")
     staged_regs = nchunk * sch.batch * sum(_words(st.buf.dtype, V) for st in ana.in_streams.values() if st.per_row)
@@ -1859,7 +1955,8 @@ def _render(kernel: ir.Kernel, schedule: MapReduceSchedule | None, arch: str, ke
     # columns, f16, sm_80: spilled under its 32-register cap)
     movable = sch.stage == "smem" and not sch.pipeline
     kept = kept.only_moving(lambda st: movable and st in stores and id(stores[st]) in ana.store_stream)
-    ctx = _Ctx(kernel, parts, sch, ana, V, C, P, nchunk, full, kept=kept, passes=passes, stores=stores)
+    ctx = _Ctx(kernel, parts, sch, ana, V, C, P, nchunk, full, kept=kept, passes=passes, stores=stores,
+               rows_arg=rows_arg)
     # a kept value is read back by a later pass: its cast must round, whatever stores it
     ctx.store_only_casts = _cast_store_only(kernel, parts.body) - {k.producer[1] for k in kept.kept}
     ctx.fast = fast_math(whole)  # a grid reduction's scratch values are not outputs
@@ -1883,15 +1980,17 @@ def _render(kernel: ir.Kernel, schedule: MapReduceSchedule | None, arch: str, ke
     pieces = max([_words(st.buf.dtype, V) // 4 for st in ana.in_streams.values() if st.key in ctx.smem_offset],
                  default=1)
     ctx.lay = row_layouts(threads=sch.threads, group=sch.group, cluster=sch.cluster, vector=V, nchunk=nchunk,
-                          pieces=pieces, rows=R, batch=sch.batch)
+                          pieces=pieces, rows=ROWS_LAYOUT if rows_arg else R, batch=sch.batch)
     lay = ctx.lay
-    name = _ident(kernel.name)
+    name = f"{_ident(_digestless(kernel.name))}_@ROWS@" if rows_arg else _ident(kernel.name)
     em = _Emitter()
 
     # ---- header and parameters
-    em(f"// tilefuse map-reduce kernel {kernel.name}: {R} rows x {C} columns")
+    em(f"// tilefuse map-reduce kernel {name}: "
+       + (f"rows (tf_rows, an argument) x {C} columns" if rows_arg else f"{R} rows x {C} columns"))
     em(f"// schedule: {sch}")
-    em(f"// {'; '.join(str(b) for b in kernel.params)}")
+    em(f"// {'; '.join(str(b) for b in kernel.params)}" if not rows_arg else
+       f"// {'; '.join(_rows_buffer(b) for b in kernel.params)}")
     params = []
     for b in whole.params:
         t = cexpr.storage_ctype(b.dtype)
@@ -1899,6 +1998,8 @@ def _render(kernel: ir.Kernel, schedule: MapReduceSchedule | None, arch: str, ke
     ws = workspace_layout(whole) if gp is not None else None
     if ws is not None:
         params.append("unsigned char* __restrict__ tf_ws")
+    if rows_arg:
+        params.append("const int tf_rows")
     em(f'extern "C" __global__ void __launch_bounds__({sch.threads}, {sch.min_blocks})')
     em.open(f"{name}({', '.join(params)})")
     if ws is not None:
@@ -2014,6 +2115,11 @@ def _render(kernel: ir.Kernel, schedule: MapReduceSchedule | None, arch: str, ke
             + (VAR_PRELUDE if ctx.var_state else "") + (GRID_PRELUDE if gp is not None else "")
             + "\n" + em.text())
     grid = (-(-R // sch.rows_per_cta) * sch.cluster, 1, 1)
+    if rows_arg:  # named by what it computes, the row count left out (at_rows sets the grid)
+        import hashlib
+
+        name = name.replace("@ROWS@", hashlib.sha256(code.encode()).hexdigest()[:10])
+        code = code.replace(f"{name.rsplit('_', 1)[0]}_@ROWS@", name)
     align = []
     for st in list(ana.in_streams.values()) + list(ana.out_streams.values()):
         need = min(16, V * st.itemsize)
@@ -2034,7 +2140,7 @@ def _emit_row_start(ctx: _Ctx, em: _Emitter, b: int | None, streams: list):
     it exists, and the row bases of `streams`."""
     if b is not None:
         em(f"const long long r = {ctx.lay.c_row('slot', 'blockIdx.x', b)};")
-    em(f"const bool row_ok = r < {ctx.parts.rows};")
+    em(f"const bool row_ok = r < {'tf_rows' if ctx.rows_arg else ctx.parts.rows};")
     if b is None:
         em(f"(void)slot; (void)lane; (void)p;  // chunk j of thread p covers columns {ctx.lay.column} (v, (p, j))")
         if ctx.sched.l2_hints:

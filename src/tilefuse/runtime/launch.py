@@ -103,7 +103,11 @@ class CompiledKernel:
         n = len(self.source.params) + (1 if self.source.workspace_bytes else 0)
         self._vals = (ctypes.c_void_p * max(n, 1))()
         base = ctypes.addressof(self._vals)
-        self._ptrs = (ctypes.c_void_p * max(n, 1))(*[base + i * ctypes.sizeof(ctypes.c_void_p) for i in range(n)])
+        addrs = [base + i * ctypes.sizeof(ctypes.c_void_p) for i in range(n)]
+        if self.source.rows is not None:  # the row count, the last argument (codegen.mapreduce.rows_free)
+            self._rows = ctypes.c_int(self.source.rows)
+            addrs.append(ctypes.addressof(self._rows))
+        self._ptrs = (ctypes.c_void_p * max(len(addrs), 1))(*addrs)
         self._ptrs_addr = ctypes.addressof(self._ptrs)
         self._align = dict(self.source.alignment)
         self._align_idx = tuple((i, self._align[b.name]) for i, b in enumerate(self.kernel.params)

@@ -1,0 +1,124 @@
+"""Map-reduce kernels that take their row count as an argument (codegen.mapreduce.rows_free).
+
+One source serves every row count of a schedule, so a new prompt length builds no map-reduce
+kernel whose schedule it shares with a length seen before. The properties: the source rendered
+with the count an argument is the baked source but for its name, its comments and the row
+guard's bound; it is the same text at every count; the count reaches the launch (the grid, the
+`rows` the launcher passes); and where the count could reach the source otherwise (a gathered
+leading index bounded by a table as long as the kernel, a grid reduction, a single row) the
+count stays baked.
+"""
+import re
+from dataclasses import replace
+
+import pytest
+
+import loop_fixtures as fx
+from tilefuse.codegen import mapreduce
+from tilefuse.codegen.mapreduce import default_schedule, render, rows_free
+from tilefuse.runtime import cache
+from tilefuse.runtime.launch import CompiledKernel, compile_source_only
+
+NAMES = ["rmsnorm", "softmax", "cross_entropy", "layernorm", "add_rmsnorm", "map"]
+SHAPES = [(3000, 4096), (1001, 256), (9, 136), (5, 65536)]
+
+
+@pytest.fixture(autouse=True)
+def _private_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("TILEFUSE_CACHE_DIR", str(tmp_path / "cubins"))
+
+
+def _baked(kernel, sched):
+    old = mapreduce.ROWS_ARG
+    mapreduce.ROWS_ARG = False
+    try:
+        return render(kernel, sched, "sm_90a")
+    finally:
+        mapreduce.ROWS_ARG = old
+
+
+def _code(src) -> list:
+    """The source's lines that compile to something, without comments, its entry point's name
+    taken out."""
+    text = cache.code_of(src.source).replace(src.name, "NAME")
+    return [re.sub(r"\s*//.*$", "", line.strip()) for line in text.splitlines()]
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("R,C", SHAPES)
+def test_the_rows_argument_source_is_the_baked_one_but_for_the_row_bound(name, R, C):
+    k = fx.BUILDERS[name](R, C, "bf16")
+    sched = default_schedule(k, "sm_90a")
+    arg, baked = render(k, sched, "sm_90a"), _baked(k, sched)
+    assert arg.rows == R and baked.rows is None
+    assert arg.grid == baked.grid and arg.block == baked.block and arg.smem_bytes == baked.smem_bytes
+    a, b = _code(arg), _code(baked)
+    assert len(a) == len(b)
+    diff = [(x, y) for x, y in zip(a, b) if x != y]
+    # the entry point takes the count last; each row guard reads it; where every row fits one
+    # CTA the baked source wrote the row index without the block's digit (it is zero there)
+    assert diff[0][0] == diff[0][1][:-len(") {")] + ", const int tf_rows) {"
+    for x, y in diff[1:]:
+        if x.startswith("const bool row_ok"):
+            assert (x, y) == ("const bool row_ok = r < tf_rows;", f"const bool row_ok = r < {R};")
+        else:
+            assert re.match(r"const (long long r|int rowblock) = ", x) and -(-R // sched.rows_per_cta) == 1, (x, y)
+    assert sum(x.startswith("const bool row_ok") for x, _ in diff) >= 1
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_one_source_serves_every_row_count_of_a_schedule(name):
+    """Renders at other counts under one schedule are the same text (one cubin cache key), each
+    with its own grid; an unseen count renders no new source."""
+    k0 = fx.BUILDERS[name](3000, 2048, "bf16")
+    sched = default_schedule(k0, "sm_90a")
+    srcs = {R: render(fx.BUILDERS[name](R, 2048, "bf16"), sched, "sm_90a") for R in (3000, 2250, 3001, 17)}
+    assert len({s.source for s in srcs.values()}) == 1 and len({s.name for s in srcs.values()}) == 1
+    for R, s in srcs.items():
+        assert s.rows == R and s.grid == (-(-R // sched.rows_per_cta) * sched.cluster, 1, 1)
+
+
+def test_a_second_row_count_compiles_nothing():
+    """The cubin cache hits for a count whose schedule was built at another count."""
+    k1, k2 = fx.rmsnorm_kernel(3000, 4096), fx.rmsnorm_kernel(2250, 4096)
+    sched = default_schedule(k1, "sm_90a")
+    assert default_schedule(k2, "sm_90a") == sched  # (the two counts share the default schedule)
+    s1, c1 = compile_source_only(k1, "sm_90a", sched)
+    s2, _ = compile_source_only(k2, "sm_90a", sched)
+    _, hit = cache.compile_cached(s2.source, s2.name, "sm_90a")
+    assert hit and s1.source == s2.source and c1.info.clean
+
+
+def test_the_launcher_passes_the_count_last():
+    """The kernel parameter block holds the buffers' pointers, then a pointer to an int holding
+    the count."""
+    import ctypes
+
+    k = fx.rmsnorm_kernel(1001, 256)
+    src, cubin = compile_source_only(k, "sm_90a")
+    ck = CompiledKernel(k, "sm_90a", src, cubin, False)
+    assert len(ck._ptrs) == len(src.params) + 1
+    assert ctypes.c_int.from_address(ck._ptrs[len(src.params)]).value == 1001
+
+
+def test_a_gathered_table_as_long_as_the_kernel_keeps_its_bound():
+    """An embedding table read at a gathered row bounds the index by its length; when that
+    length equals the row count it must not be left out with it."""
+    k = fx.gather_kernel(11, 64, V=11)
+    free = rows_free(k)
+    assert free is not None and free.buffer("table").shape == (11, 64) and free.buffer("ids").shape[0] == 0
+    a = render(k, None, "sm_90a")
+    b = render(fx.gather_kernel(12, 64, V=12), default_schedule(k, "sm_90a"), "sm_90a")
+    assert "< 11ULL" in a.source and "< 12ULL" in b.source and a.source != b.source
+
+
+def test_grid_reductions_and_single_rows_keep_the_count_in_the_source():
+    k = fx.rmsnorm_kernel(1, 4096)
+    assert rows_free(k) is None and render(k, None, "sm_90a").rows is None
+    assert rows_free(replace(fx.rmsnorm_kernel(8, 64), scratch=fx.rmsnorm_kernel(8, 64).params[:1])) is None
+
+
+def test_a_count_too_large_for_32_bit_rows_is_refused():
+    src = render(fx.rmsnorm_kernel(4096, 256), None, "sm_90a")
+    with pytest.raises(ValueError, match="too many"):
+        mapreduce.at_rows(src, 2**31 - 1)
