@@ -19,6 +19,8 @@ from the same random prompt:
   timed: every size compiled and, for tilefuse, its CUDA graph captured (a program's second
   call captures, later calls replay); each repeat's time is in the JSON;
 - other prompt: a prompt half as long, so every size is new (what each new size costs);
+- `--lengths N,N,...`: then one generate at each of these prompt lengths, each new, timed (with
+  lengths seen before, a new one shares the kernels whose schedule it shares);
 and the peak GPU memory, the compiled variants and exports per graph (tilefuse; with
 `tilefuse-nographs`, TILEFUSE_CUDA_GRAPHS=0: no CUDA-graph capture or replay), and how
 many generated tokens equal eager's (bf16 greedy decoding may part ways at a near tie).
@@ -104,6 +106,17 @@ def one(args) -> dict:
                 stages["per_generate"].append({k: dict(v) for k, v in stages["now"].items()})
                 stages["now"].clear()
             tokens = seq if tokens is None else tokens
+    new_lengths = []
+    with torch.no_grad():  # more prompt lengths, each new: what a new length costs once others were seen
+        for n in (int(x) for x in args.lengths.split(",") if x):
+            sync()
+            t0 = time.perf_counter()
+            model.generate(torch.randint(0, cfg.vocab_size, (1, n), device=args.device), **gen)
+            sync()
+            new_lengths.append({"prompt": n, "s": time.perf_counter() - t0})
+            if stages is not None:
+                new_lengths[-1]["stage_times"] = {k: dict(v) for k, v in stages["now"].items()}
+                stages["now"].clear()
     if args.profile:  # (the half prompt: its sizes all compiled; the first prompt's prefill would now compile
         # again, for the dynamic graph dynamo made at the half prompt)
         profile(args, lambda: model.generate(ids[:, args.prompt // 2:], **gen), sync)
@@ -121,6 +134,8 @@ def one(args) -> dict:
            "tokens": tokens[0, args.prompt:].tolist()}
     if stages is not None:
         out["stage_times"] = stages["per_generate"]
+    if new_lengths:
+        out["new_lengths"] = new_lengths
     if runners:
         from collections import Counter
 
@@ -257,6 +272,8 @@ def main() -> None:
                          "into PREFIX-<mode>.txt")
     ap.add_argument("--window", type=int, default=0,
                     help="a Mistral (every layer a sliding window of this many tokens) instead of a Llama")
+    ap.add_argument("--lengths", default="", metavar="N,N,...",
+                    help="after the runs, one generate at each of these prompt lengths (each new), timed")
     ap.add_argument("--stage-times", action="store_true",
                     help="time the compile's stages per generate (export and lowering, kernel builds, NVRTC summed "
                          "over threads) into the JSON")
@@ -283,6 +300,7 @@ def main() -> None:
             cmd += [f"--kv-heads={args.kv_heads}"] if args.kv_heads else []
             cmd += ["--mask-skip"] if args.mask_skip else []
             cmd += ["--stage-times"] if args.stage_times else []
+            cmd += [f"--lengths={args.lengths}"] if args.lengths else []
             p = subprocess.run(cmd, env=env, capture_output=True, text=True)
             if p.returncode != 0:  # said, and the other modes still run
                 err = [ln for ln in p.stderr.strip().splitlines() if ln.strip()]
@@ -309,6 +327,10 @@ def main() -> None:
               f"{r.get('again_ms_per_token_min', float('nan')):6.2f} "
               f"{r['other_prompt_s']:15.2f} "
               f"{r['peak_gib']:9.2f} {r['tokens_as_eager']!s:>6}/{args.new}  {ve}")
+    for r in rows:
+        if r.get("new_lengths"):
+            print(f"{r['mode']:18} new prompt lengths: "
+                  + ", ".join(f"{x['prompt']}: {x['s']:.2f} s" for x in r["new_lengths"]))
     for f in failed:
         print(f"{f['mode']:18} failed: {f['error'].splitlines()[-1]}")
     for r in rows:

@@ -701,8 +701,11 @@ def _cross_entropy(b, args, kwargs, out):
         raise Unsupported("logits that are not (N, C) with integer class targets")
     xf = b.cast(x, _acc(b, x))
     m = b.reduce("max", xf, (1,), True)
-    lse = b.map("add", b.map("log", b.reduce("sum", b.map("exp", b.map("sub", xf, m)), (1,), True)), m)
-    loss = b.map("sub", b.reshape(lse, b.type(target).shape), _target_logit(b, xf, target))
+    log_sum = b.map("log", b.reduce("sum", b.map("exp", b.map("sub", xf, m)), (1,), True))
+    # (max - x[target]) + log(sum): the row's max and its target logit cancel first, as log_softmax's
+    # x - max does; lse - x[target] would round lse at the logits' magnitude (2^-13 near 2048 in f32)
+    rows = b.type(target).shape
+    loss = b.map("add", b.map("sub", b.reshape(m, rows), _target_logit(b, xf, target)), b.reshape(log_sum, rows))
     valid = b.map("ne", target, b.scalar(ignore, target))
     loss = b.map("where", valid, loss, b.scalar(0.0, loss))
     loss = _nan_outside_classes(b, loss, target, valid, b.type(x).shape[1])

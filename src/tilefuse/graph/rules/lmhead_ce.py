@@ -4,8 +4,8 @@
     →  z3 = reshape(y, [M, T, W])                      (T = ceil(V / W) column groups of W)
        pmax[m, t] = max_c z3                           psum[m, t] = sum_c exp(z3 - shift)
        psel[m, t] = sum_c (t W + c == target[m]) ? z3 : 0,   shift = pmax, or 0 where it is -inf
-       lse[m]  = B + log(sum_t exp(pmax - B) psum),  B = max_t pmax
-       tgt[m]  = sum_t psel
+       max[m]  = B = max_t pmax       log[m] = log(sum_t exp(pmax - B) psum)
+       tgt[m]  = sum_t psel           (the loss: (max - tgt) + log, as the graph has it)
 
 When W does not divide V (GPT-2's 50257), the last group is short: y is first padded to T W
 columns with -inf,
@@ -18,9 +18,10 @@ t W + c wrapped into the row and mask it to the reduction's identity past V, and
 template's tail tiles read clamped columns and keep those masks. The pad itself never runs:
 the planner takes it into the GEMM with the partials.
 
-lse and the target logit replace the graph's own (the log-sum-exp and the target select that
-torch.export gives for F.cross_entropy); the masked mean or sum over rows (ignore_index) after
-them is left as it is. The partials are the generated GEMM's epilogue (`partials_after` is what
+The row max, the log of the sum and the target logit replace the graph's own (those of the
+cross-entropy that torch.export gives for F.cross_entropy, as frontend/aten.py spells it); the
+loss made of them and the masked mean or sum over rows (ignore_index) after it are left as they
+are. The partials are the generated GEMM's epilogue (`partials_after` is what
 the planner recognises, codegen/epilogue.py's partial_lse / partial_select what it lowers them
 to): the GEMM writes 3 floats per row and group instead of V logits per row, and the small row
 kernel over [M, T] finishes them. The sum of exp is regrouped (by group, then across groups), so
@@ -81,7 +82,7 @@ def _rows(shape: tuple, m: int, v: int) -> bool:
 class _CE:
     z: str
     mx: str          # reduce max(z, keepdim)
-    lse: str         # add(log(sum(exp(z - mx))), mx)
+    log: str         # log(sum(exp(z - mx))), keepdim
     select: str      # reduce sum(where(eq(iota, target[:, None]), z, 0))
     target: str      # the [M] class indices
     base: str        # y: z is casts, row reshapes and row slices of it
@@ -131,7 +132,7 @@ def _find(g: ir.Graph, users, mx: str) -> _CE | None:
     chain = _chain(g, users, z)
     if chain is None:
         return None
-    sub = lse = log = ssum = exp = sel = where = eq = target = None
+    sub = log = ssum = exp = sel = where = eq = target = None
     for u in users[z]:
         if u == mx:
             continue
@@ -151,11 +152,7 @@ def _find(g: ir.Graph, users, mx: str) -> _CE | None:
     if not (_red(g, ssum, "sum", exp, (1,), True) and len(users[ssum]) == 1):
         return None
     log = users[ssum][0]
-    if not (_map(g, log, "log") and len(users[log]) == 1):
-        return None
-    lse = users[log][0]
-    a = _map(g, lse, "add")
-    if a is None or set(a.args) != {log, mx} or set(users[mx]) != {sub, lse}:
+    if not _map(g, log, "log"):
         return None
     eq = g[where].args[0]
     e = _map(g, eq, "eq")
@@ -173,7 +170,7 @@ def _find(g: ir.Graph, users, mx: str) -> _CE | None:
             break
     else:
         return None
-    return _CE(z, mx, lse, sel, target, *chain, (mx, sub, exp, ssum, log, lse, eq, where, sel))
+    return _CE(z, mx, log, sel, target, *chain, (mx, sub, exp, ssum, log, eq, where, sel))
 
 
 def _rewrite(g: ir.Graph, ce: _CE, width: int) -> tuple[ir.Graph, str]:
@@ -181,7 +178,7 @@ def _rewrite(g: ir.Graph, ce: _CE, width: int) -> tuple[ir.Graph, str]:
     ed = Editor(g)
     zt = g[ce.z].type
     m, v = zt.shape
-    t, dt, src = -(-v // width), zt.dtype, g[ce.lse].source
+    t, dt, src = -(-v // width), zt.dtype, g[ce.log].source
     y = g[ce.base]
     lead = y.type.shape[:-1]
 
@@ -233,25 +230,27 @@ def _rewrite(g: ir.Graph, ce: _CE, width: int) -> tuple[ir.Graph, str]:
     sel = ir.Map(f("pselect"), T((mf, t, width)), "where", (hit.name, z3.name, zero.name), src)
     psel = ir.Reduce(f("psel"), T((mf, t)), "sum", sel.name, (2,), False, src)
     new += [z3, pmax, pmk, ninf, empty, zero, shift, d, e, psum, iota, cols, tg, hit, sel, psel]
-    # the finishing reduction over the T groups of a row (of all of y's rows: then the slices)
-    big = ir.Reduce(f("lse_max"), T((mf, 1)), "max", pmax.name, (1,), True, src)
+    # the finishing reduction over the T groups of a row (of all of y's rows: then the slices):
+    # the row's max and the log of its sum of exp(z - max), which the graph's own max and log
+    # become (the loss after them, (max - target logit) + log, is left as it is)
+    whole = not ce.box
+    big = ir.Reduce(ce.mx if whole else f("lse_max"), T((mf, 1)), "max", pmax.name, (1,), True, src)
     dd = ir.Map(f("lse_shift"), T((mf, t)), "sub", (pmax.name, big.name), src)
     ee = ir.Map(f("lse_scale"), T((mf, t)), "exp", (dd.name,), src)
     ww = ir.Map(f("lse_terms"), T((mf, t)), "mul", (ee.name, psum.name), src)
     ss = ir.Reduce(f("lse_sum"), T((mf, 1)), "sum", ww.name, (1,), True, src)
-    lg = ir.Map(f("lse_log"), T((mf, 1)), "log", (ss.name,), src)
-    new += [big, dd, ee, ww, ss, lg]
-    if not ce.box:
-        lse = ir.Map(ce.lse, g[ce.lse].type, "add", (lg.name, big.name), src)
+    lg = ir.Map(ce.log if whole else f("lse_log"), T((mf, 1)), "log", (ss.name,), src)
+    new += [dd, ee, ww, ss]
+    if whole:
         select = ir.Reduce(ce.select, g[ce.select].type, "sum", psel.name, (1,), False, g[ce.select].source)
+        replaced = {ce.mx: big, ce.log: lg, ce.select: select}
     else:
-        lse_all = ir.Map(f("lse_all_rows"), T((mf, 1)), "add", (lg.name, big.name), src)
         sel_all = ir.Reduce(f("select_all_rows"), T((mf,)), "sum", psel.name, (1,), False, src)
-        lse_views = _kept_rows(f, lse_all.name, ce.lse, ce.box, lead, (1,), dt, src)
+        mx_views = _kept_rows(f, big.name, ce.mx, ce.box, lead, (1,), dt, src)
+        log_views = _kept_rows(f, lg.name, ce.log, ce.box, lead, (1,), dt, src)
         sel_views = _kept_rows(f, sel_all.name, ce.select, ce.box, lead, (), dt, src)
-        new += [lse_all, sel_all] + lse_views[:-1] + sel_views[:-1]
-        lse, select = lse_views[-1], sel_views[-1]
-    replaced = {ce.lse: lse, ce.select: select}
+        new += [big, lg, sel_all] + mx_views[:-1] + log_views[:-1] + sel_views[:-1]
+        replaced = {ce.mx: mx_views[-1], ce.log: log_views[-1], ce.select: sel_views[-1]}
     drop = set(ce.dead) - set(replaced)
     out = []
     for n in g.nodes:
