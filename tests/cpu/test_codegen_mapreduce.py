@@ -777,7 +777,7 @@ def test_a_batch_loads_every_row_before_the_first_exchange(name):
         staged = re.findall(r"auto& (\w+)_s = (\w+);", scope)
         assert staged and all(alias == f"{st}_s{b}" for st, alias in staged)  # row b reads row b's chunks
     # two load scopes, two row scopes; the row count is the kernel's argument (rows_free)
-    assert src.rows == R and body.count("const bool row_ok = r < tf_rows;") == 4
+    assert src.rows == R and body.count("const bool row_ok = (int)r < tf_rows;") == 4
     assert src.grid == (-(-R // (128 // s.group * 2)), 1, 1)
     assert cubin.info.clean, cubin.info
 

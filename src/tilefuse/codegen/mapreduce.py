@@ -2140,7 +2140,9 @@ def _emit_row_start(ctx: _Ctx, em: _Emitter, b: int | None, streams: list):
     it exists, and the row bases of `streams`."""
     if b is not None:
         em(f"const long long r = {ctx.lay.c_row('slot', 'blockIdx.x', b)};")
-    em(f"const bool row_ok = r < {'tf_rows' if ctx.rows_arg else ctx.parts.rows};")
+    # (a 32-bit compare with the argument: r < 2^31 (at_rows); the 64-bit one held a register
+    # pair for the whole row and spilled a batch of rows under its register cap)
+    em(f"const bool row_ok = {'(int)r < tf_rows' if ctx.rows_arg else f'r < {ctx.parts.rows}'};")
     if b is None:
         em(f"(void)slot; (void)lane; (void)p;  // chunk j of thread p covers columns {ctx.lay.column} (v, (p, j))")
         if ctx.sched.l2_hints:
