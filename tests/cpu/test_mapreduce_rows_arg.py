@@ -139,3 +139,27 @@ def test_the_argument_costs_no_spill_the_baked_source_does_not_have(name, R, C, 
     b = nvrtc.compile_cuda(baked.source, baked.name, "sm_90a").info
     assert (a.spill_stores, a.spill_loads, a.stack_bytes) <= (b.spill_stores, b.spill_loads, b.stack_bytes), (a, b)
     assert a.registers <= b.registers + 4, (a, b)
+
+
+def test_a_program_kernel_at_another_count_is_rendered_once():
+    """A program renders kernels named by structure (their digest counts the rows): the memo
+    keys them without that digest, so a second count renders nothing new."""
+    from tilefuse.loop.canon import named_by_structure
+
+    sched = default_schedule(fx.rmsnorm_kernel(3000, 4096), "sm_90a")
+    mapreduce._RENDERED.clear()
+    a = render(named_by_structure(fx.rmsnorm_kernel(3000, 4096)), sched, "sm_90a")
+    n = len(mapreduce._RENDERED)
+    b = render(named_by_structure(fx.rmsnorm_kernel(2250, 4096)), sched, "sm_90a")
+    assert len(mapreduce._RENDERED) == n and a.source == b.source and (a.rows, b.rows) == (3000, 2250)
+
+
+def test_schedules_that_render_the_same_code_are_one_kernel():
+    """The name hashes the code without its comments (the header comment names every knob), so
+    two schedules whose code is the same are one kernel: the tuner counts them once, the cubin
+    cache builds them once. (two_pass changes nothing for a row of a CTA's width.)"""
+    k = fx.rmsnorm_kernel(64, 1024)
+    sched = replace(default_schedule(k, "sm_90a"), group=256, threads=256, batch=1)
+    a, b = render(k, sched, "sm_90a"), render(k, replace(sched, two_pass=not sched.two_pass), "sm_90a")
+    assert cache.code_of(a.source) == cache.code_of(b.source) and a.name == b.name
+    assert a.source != b.source  # (their comments differ)

@@ -1797,7 +1797,7 @@ def render(kernel: ir.Kernel, schedule: MapReduceSchedule | None = None, arch: s
     if free is None:
         return _render_kept(kernel, schedule, arch, keep_values, False)
     sched = schedule or default_schedule(kernel, arch)
-    key = _rows_free_key(free, sched, arch, keep_values)
+    key = _rows_free_key(replace(free, name=_digestless(free.name)), sched, arch, keep_values)
     src = _RENDERED.get(key)
     if src is None:
         src = _render_kept(free, sched, arch, keep_values, True)
@@ -1866,9 +1866,11 @@ def _rows_buffer(b: ir.Buffer) -> str:
 def at_rows(src: KernelSource, rows: int) -> KernelSource:
     """`src` (a source taking its row count as an argument) as the launch of `rows` rows."""
     sch = src.schedule
-    if rows + sch.rows_per_cta >= 2**31:
-        raise ValueError(f"kernel {src.name}: {rows} rows are too many (row indices are 32-bit)")
-    return replace(src, rows=rows, grid=(-(-rows // sch.rows_per_cta) * sch.cluster, 1, 1))
+    grid = -(-rows // sch.rows_per_cta) * sch.cluster
+    if rows + sch.rows_per_cta >= 2**31 or grid >= 2**31:
+        raise ValueError(f"kernel {src.name}: {rows} rows are too many (row indices are 32-bit, and a grid "
+                         f"holds fewer than 2^31 CTAs)")
+    return replace(src, rows=rows, grid=(grid, 1, 1))
 
 
 def _render_kept(kernel: ir.Kernel, schedule: MapReduceSchedule | None, arch: str, keep_values: bool,
@@ -2115,10 +2117,13 @@ def _render(kernel: ir.Kernel, schedule: MapReduceSchedule | None, arch: str, ke
             + (VAR_PRELUDE if ctx.var_state else "") + (GRID_PRELUDE if gp is not None else "")
             + "\n" + em.text())
     grid = (-(-R // sch.rows_per_cta) * sch.cluster, 1, 1)
-    if rows_arg:  # named by what it computes, the row count left out (at_rows sets the grid)
+    if rows_arg:  # named by its code, comments left out (at_rows sets the grid): schedules that
+        # render the same code (the header comment names every knob) are one kernel, one build
         import hashlib
 
-        name = name.replace("@ROWS@", hashlib.sha256(code.encode()).hexdigest()[:10])
+        from ..runtime.cache import code_of
+
+        name = name.replace("@ROWS@", hashlib.sha256(code_of(code).encode()).hexdigest()[:10])
         code = code.replace(f"{name.rsplit('_', 1)[0]}_@ROWS@", name)
     align = []
     for st in list(ana.in_streams.values()) + list(ana.out_streams.values()):
