@@ -8,6 +8,7 @@ naming the op and the user's line.
 """
 from __future__ import annotations
 
+import itertools
 import math
 
 from .. import dtypes
@@ -538,7 +539,7 @@ def _split(b, args, kwargs, out):
     if out.op == "chunk":
         arg = -(-n // arg)
     sizes = [min(arg, n - s) for s in range(0, n, arg)] if isinstance(arg, int) else list(arg)
-    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    starts = [0, *itertools.accumulate(sizes)][:-1]  # (a running total: 33,000 pieces summed afresh took 6 s)
     return tuple(_part(b, x, dim, s, s + k) for s, k in zip(starts, sizes))
 
 
