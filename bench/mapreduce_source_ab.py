@@ -16,6 +16,7 @@ a different reduction order may round differently); then "AB case: new .. us, ol
 """
 import dataclasses
 import json
+import re
 import statistics
 import sys
 from pathlib import Path
@@ -63,7 +64,6 @@ def run(path, cases):
         osrc_text = old[case]
         # the old source's entry point (its name may differ: a source taking its row count as an
         # argument is named by its text), and whether it takes the count (a trailing `int tf_rows`)
-        import re
         oname, oparams = re.search(r'extern "C" __global__ void __launch_bounds__\([^)]*\)\n(\w+)\(([^)]*)\)', osrc_text).groups()
         orows = R if "tf_rows" in oparams else None
         cub, _ = cache.compile_cached(osrc_text, oname, new.arch)

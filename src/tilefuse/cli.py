@@ -209,7 +209,7 @@ def cmd_compile(args) -> int:
             from .loop.canon import named_by_structure
             from .tune.lookup import choose
 
-            printed = set()
+            printed, rendered = set(), {}
             for lk in st.kernels.values():
                 choice = choose(lk.kernel, args.arch or _default_arch())  # tuned (cache hit) or heuristic default
                 sched = choice.schedule
@@ -218,7 +218,9 @@ def cmd_compile(args) -> int:
                     continue
                 # the source the program builds: names made from what the kernel computes
                 built = named_by_structure(lk.kernel)
-                src = render(built, sched, arch=args.arch or _default_arch())
+                if (built, sched) not in rendered:  # (steps equal but for their names render once)
+                    rendered[built, sched] = render(built, sched, arch=args.arch or _default_arch())
+                src = rendered[built, sched]
                 params = ", ".join(f"{b.name} = {a.name}" for a, b in zip(lk.kernel.params, built.params))
                 rows = f", tf_rows = {src.rows}" if src.rows is not None else ""
                 if src.source in printed:  # (one source serves every row count: codegen.mapreduce.rows_free)

@@ -1804,7 +1804,7 @@ def render(kernel: ir.Kernel, schedule: MapReduceSchedule | None = None, arch: s
         if len(_RENDERED) > 1024:
             _RENDERED.clear()
         _RENDERED[key] = src
-    return at_rows(src, ir.row_kernel_parts(kernel).rows)
+    return at_rows(src, kernel.body[0].extent)  # (the row loop: rows_free checked the shape)
 
 
 def rows_free(kernel: ir.Kernel) -> ir.Kernel | None:
