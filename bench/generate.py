@@ -155,7 +155,7 @@ def one(args) -> dict:
 
 def _stage_timers() -> dict:
     """Wrap the compile's stages (export and lowering, kernel builds, NVRTC) with timers that sum
-    seconds and count calls per generate: where a first generate's time goes, which cProfile
+    seconds and count calls per generate (and name NVRTC's kernels): where a first generate's time goes, which cProfile
     (the main thread only) cannot say while kernels build in worker threads. Patched by name, so
     another tree's (TILEFUSE_SRC) is timed the same way."""
     import threading
@@ -178,6 +178,8 @@ def _stage_timers() -> dict:
                 with lock:
                     now[label]["s"] += time.perf_counter() - t
                     now[label]["n"] += 1
+                    if label.startswith("nvrtc"):  # which kernels a generate built
+                        now[label].setdefault("names", []).append(str(a[1] if len(a) > 1 else k.get("name")))
         setattr(owner, name, wrapper)
 
     timed(nvrtc, "compile_cuda", "nvrtc (summed over threads)")

@@ -223,6 +223,7 @@ def cmd_compile(args) -> int:
                 src = rendered[built, sched]
                 params = ", ".join(f"{b.name} = {a.name}" for a, b in zip(lk.kernel.params, built.params))
                 rows = f", tf_rows = {src.rows}" if src.rows is not None else ""
+                rows += f", tf_s = {src.period}" if src.period is not None else ""
                 if src.source in printed:  # (one source serves every row count: codegen.mapreduce.rows_free)
                     console.print(f"// ---- {lk.kernel.name}: built as {src.name} ({params}{rows}), printed above",
                                   markup=False)

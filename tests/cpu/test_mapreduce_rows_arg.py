@@ -6,16 +6,20 @@ with the count an argument is the baked source but for its name, its comments an
 guard's bound; it is the same text at every count; the count reaches the launch (the grid, the
 `rows` the launcher passes); and where the count could reach the source otherwise (a gathered
 leading index bounded by a table as long as the kernel, a grid reduction, a single row) the
-count stays baked.
+count stays baked. Rows that cycle through a table (RoPE's cos / sin, read at r % S beside
+heads x S rows) take the period S as a second argument, so a new prompt length shares their
+source too.
 """
 import re
 from dataclasses import replace
 
 import pytest
+import torch
 
 import loop_fixtures as fx
-from tilefuse.codegen import mapreduce
+from tilefuse.codegen import cexpr, mapreduce
 from tilefuse.codegen.mapreduce import default_schedule, render, rows_free
+from tilefuse.loop import ir
 from tilefuse.runtime import cache
 from tilefuse.runtime.launch import CompiledKernel, compile_source_only
 
@@ -163,3 +167,115 @@ def test_schedules_that_render_the_same_code_are_one_kernel():
     a, b = render(k, sched, "sm_90a"), render(k, replace(sched, two_pass=not sched.two_pass), "sm_90a")
     assert cache.code_of(a.source) == cache.code_of(b.source) and a.name == b.name
     assert a.source != b.source  # (their comments differ)
+
+
+# -- rows cycling through a table (rows_period): RoPE's cos / sin beside heads x S rows ------------
+
+
+def _rope(q, cos, sin):
+    half = q.shape[-1] // 2
+    return q * cos + torch.cat((-q[..., half:], q[..., :half]), -1) * sin
+
+
+def _rope_kernel(S, heads=4, dim=16, batch=1, dtype=None):
+    """The program's kernel that reads the cos / sin tables, as the program builds it."""
+    from tilefuse.compiler import compile_stages
+    from tilefuse.loop.canon import named_by_structure
+
+    t = dtype or torch.bfloat16
+    x = (torch.randn(batch, heads, S, dim, dtype=t), torch.randn(batch, 1, S, dim, dtype=t),
+         torch.randn(batch, 1, S, dim, dtype=t))
+    st = compile_stages(_rope, x, arch="sm_90a")
+    (k,) = [named_by_structure(lk.kernel) for lk in st.kernels.values()
+            if any(b.shape and b.shape[0] == batch * S and len(b.shape) == 2 for b in lk.kernel.params)
+            or batch > 1 and any(len(b.shape) == 3 for b in lk.kernel.params)]
+    return k
+
+
+def _restored(free, k, S):
+    """`free` with its count and period put back (the inverse of rows_free, given `k`'s params)."""
+    def ix(e):
+        if e == ir.Var(cexpr.PERIOD):
+            return ir.IConst(S)
+        return replace(e, a=ix(e.a), b=ix(e.b)) if isinstance(e, ir.IBin) else e
+
+    def st(s):
+        if isinstance(s, (ir.Load, ir.Store)):
+            return replace(s, index=tuple(map(ix, s.index)))
+        if isinstance(s, ir.IndexValue):
+            return replace(s, expr=ix(s.expr))
+        if isinstance(s, (ir.Loop, ir.Reduce)):
+            return replace(s, body=tuple(map(st, s.body)))
+        return s
+    loop = free.body[0]
+    return replace(free, params=k.params, body=(replace(loop, extent=k.body[0].extent, body=tuple(map(st, loop.body))),))
+
+
+@pytest.mark.parametrize("S", [40, 30, 3000, 7])
+def test_the_rows_free_form_is_the_kernel_at_its_count_and_period(S):
+    """Putting the count and the period back into rows_free's form gives the kernel: every place
+    the form differs from the kernel held one of them (so two kernels with one form are that
+    form at their own count and period)."""
+    k = _rope_kernel(S)
+    assert mapreduce.rows_period(k) == S
+    free = rows_free(k)
+    assert free != k and _restored(free, k, S) == k
+    assert all(b.shape[0] == 0 for b in free.params)  # (q, the tables and the output: none keeps a length)
+
+
+def test_rope_at_every_prompt_length_is_one_source():
+    """The tables' kernel at 40, 30, 3000 and 7 tokens renders one text (one NVRTC build), each
+    launch with its own count, period and grid; the table is read at the row modulo tf_s in
+    32-bit arithmetic, and no length is written into the code."""
+    srcs = {S: render(_rope_kernel(S), default_schedule(_rope_kernel(40), "sm_90a"), "sm_90a")
+            for S in (40, 30, 3000, 7)}
+    assert len({s.source for s in srcs.values()}) == 1 and len({s.name for s in srcs.values()}) == 1
+    for S, s in srcs.items():
+        assert (s.rows, s.period) == (4 * S, S)
+        assert s.grid == (-(-4 * S // s.schedule.rows_per_cta) * s.schedule.cluster, 1, 1)
+    code = "\n".join(_code(srcs[40]))
+    assert "const int tf_rows, const int tf_s)" in code and "(long long)((int)(r) % tf_s)" in code
+    assert not re.search(r"\b(40|30|3000|160|120)\b", code)
+
+
+def test_the_period_source_is_the_baked_one_but_for_the_row_bound_and_the_period():
+    k = _rope_kernel(40)
+    sched = default_schedule(k, "sm_90a")
+    a, b = _code(render(k, sched, "sm_90a")), _code(_baked(k, sched))
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        if x != y:
+            assert (x.replace("(long long)((int)(r) % tf_s)", "(r % 40)") == y
+                    or x.startswith("const bool row_ok") or x.endswith("const int tf_rows, const int tf_s) {")
+                    or re.match(r"const (long long r|int rowblock) = ", x)), (x, y)
+
+
+def test_no_period_where_the_tables_hold_a_batch():
+    """A table per batch item ([B, S, d]: S is a stride) keeps its length: each prompt length is
+    its own source (its count is still an argument); a kernel with no table has no period."""
+    k2, k3 = _rope_kernel(40, batch=2), _rope_kernel(30, batch=2)
+    assert mapreduce.rows_period(k2) is None and rows_free(k2) is not None
+    sched = default_schedule(k2, "sm_90a")
+    assert render(k2, sched, "sm_90a").source != render(k3, sched, "sm_90a").source
+    assert render(k2, sched, "sm_90a").period is None
+    assert mapreduce.rows_period(fx.rmsnorm_kernel(3000, 4096)) is None
+
+
+def test_the_launcher_passes_the_period_after_the_count():
+    import ctypes
+
+    k = _rope_kernel(30)
+    src, cubin = compile_source_only(k, "sm_90a")
+    assert cubin.info.clean, cubin.info
+    ck = CompiledKernel(k, "sm_90a", src, cubin, False)
+    n = len(src.params)
+    assert len(ck._ptrs) == n + 2
+    assert [ctypes.c_int.from_address(ck._ptrs[n + i]).value for i in (0, 1)] == [120, 30]
+
+
+def test_a_source_taking_a_period_is_not_launched_without_one():
+    src = render(_rope_kernel(30), None, "sm_90a")
+    with pytest.raises(ValueError, match="period"):
+        mapreduce.at_rows(src, 120)
+    with pytest.raises(ValueError, match="takes no period"):
+        mapreduce.at_rows(render(fx.rmsnorm_kernel(64, 256), None, "sm_90a"), 64, 8)

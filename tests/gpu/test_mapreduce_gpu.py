@@ -415,3 +415,37 @@ def test_one_build_serves_every_row_count(name, cols, misalign):
         assert ck.source.rows == rows
         sources.add(ck.source.source)
     assert len(sources) == 1
+
+
+def _rope(q, cos, sin):
+    half = q.shape[-1] // 2
+    return q * cos + torch.cat((-q[..., half:], q[..., :half]), -1) * sin
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_rope_tables_one_build_serves_every_prompt_length(dtype):
+    """The kernel reading RoPE's cos / sin tables at the row modulo the prompt length (its rows'
+    period, codegen.mapreduce.rows_period) runs right at every length with one source: each
+    launch passes its own count and period (outputs poisoned, both program paths: the direct
+    launch, then the CUDA-graph replay; DESIGN.md's 2x rule against float64)."""
+    import tilefuse
+    from tilefuse.check import compare, float64_reference
+
+    names = set()
+    for S in (300, 299, 37, 2, 1):
+        x = (torch.randn(1, 5, S, 64, device="cuda", dtype=dtype), torch.randn(1, 1, S, 64, device="cuda", dtype=dtype),
+             torch.randn(1, 1, S, 64, device="cuda", dtype=dtype))
+        prog = tilefuse.compile(_rope, x, graphs=True)
+        prog.poison = True
+        ref, eager = float64_reference(_rope, x), _rope(*x)
+        for _ in range(3):
+            c = compare(f"rope S={S}", prog(*x), ref, eager)
+            assert c.ok, c
+        periodic = [k for k in prog._compiled.values() if getattr(getattr(k, "source", None), "period", None)]
+        if S == 1:  # (one row of the table: no period)
+            assert not periodic
+            continue
+        (ck,) = periodic
+        assert (ck.source.period, ck.source.rows) == (S, 5 * S)
+        names.add(ck.source.name)
+    assert len(names) == 1

@@ -455,10 +455,16 @@ def check_all_ops_spelled():
 # ---------------------------------------------------------------- index expressions
 
 
+PERIOD = "tf_s"  # a size the launch passes as an int argument (codegen.mapreduce.rows_free's period)
+
+
 def index(e: ir.Index, env: dict[str, str]) -> str:
     """C++ (long long) for an index expression; `env` maps loop vars and SSA values to C names.
 
     Index arithmetic is 64-bit with C's truncating `/` and `%` (the interpreter's semantics).
+    A loop variable divided by the PERIOD argument divides in 32 bits (a 64-bit division by a
+    variable is a long subroutine): loop variables of a kernel taking sizes as arguments are
+    below 2^31 (mapreduce.at_rows and _render check), and none is negative.
     """
     if isinstance(e, ir.IConst):
         return f"{e.value}LL" if abs(e.value) >= 2**31 else str(e.value)
@@ -472,6 +478,8 @@ def index(e: ir.Index, env: dict[str, str]) -> str:
             return f"({a} + {b})"
         if e.op == "*":
             return f"((long long)({a}) * ({b}))"
+        if e.b == ir.Var(PERIOD) and isinstance(e.a, ir.Var):
+            return f"(long long)((int)({a}) {'/' if e.op == '//' else '%'} {b})"
         # "//" and "%" are C's (truncating) division and remainder, as in the interpreter
         return f"({a} {'/' if e.op == '//' else '%'} {b})"
     raise TypeError(f"not an index expression: {e!r}")

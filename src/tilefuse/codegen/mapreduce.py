@@ -143,8 +143,10 @@ class KernelSource:
     workspace_bytes: int = 0        # > 0: a last parameter, zeroed device memory owned by the caller
     kept: int = 0                   # values kept in registers between passes (codegen/keep.py)
     moved: int = 0                  # stores made by an earlier pass than the one holding them (keep.Moved)
-    rows: int | None = None         # the row count, passed as the kernel's last argument (an int);
+    rows: int | None = None         # the row count, passed as the kernel's argument tf_rows (an int);
                                     # None: written into the source (rows_free says where)
+    period: int | None = None       # the rows' period (rows_period), passed after it as tf_s; None:
+                                    # the source takes none
 
 
 # ---------------------------------------------------------------- access analysis
@@ -712,7 +714,7 @@ def _cast_store_only(kernel: ir.Kernel, body) -> set:
 
 
 def _env(ctx: _Ctx, cvar: str | None) -> dict:
-    env = {ctx.parts.row_var: "r"}
+    env = {ctx.parts.row_var: "r", cexpr.PERIOD: cexpr.PERIOD}  # (the period's argument: rows_period)
     if cvar is not None:
         env[cvar] = "c"
     env.update(ctx.names)
@@ -1804,7 +1806,7 @@ def render(kernel: ir.Kernel, schedule: MapReduceSchedule | None = None, arch: s
         if len(_RENDERED) > 1024:
             _RENDERED.clear()
         _RENDERED[key] = src
-    return at_rows(src, kernel.body[0].extent)  # (the row loop: rows_free checked the shape)
+    return at_rows(src, kernel.body[0].extent, rows_period(kernel))  # (the row loop: rows_free checked the shape)
 
 
 def rows_free(kernel: ir.Kernel) -> ir.Kernel | None:
@@ -1827,11 +1829,67 @@ def rows_free(kernel: ir.Kernel) -> ir.Kernel | None:
     R = parts.rows
     if R <= 1:
         return None
-    gathered = {s.buf for s in ir.walk(parts.body)
-                if isinstance(s, (ir.Load, ir.Store)) and s.index and ir.index_values(s.index[0])}
-    params = tuple(replace(b, shape=(0,) + tuple(b.shape[1:])) if b.shape and b.shape[0] == R and b.name not in gathered
-                   else b for b in kernel.params)
-    return replace(kernel, params=params, body=(replace(kernel.body[0], extent=0),))
+    gathered = _gathered(parts)
+    S = rows_period(kernel)
+    params = tuple(replace(b, shape=(0,) + tuple(b.shape[1:]))
+                   if b.shape and b.shape[0] in (R, S) and b.name not in gathered else b for b in kernel.params)
+    body = (replace(kernel.body[0], extent=0),)
+    return replace(kernel, params=params, body=body if S is None else _with_period(body, S))
+
+
+def _gathered(parts: ir.RowKernel) -> set:
+    return {s.buf for s in ir.walk(parts.body)
+            if isinstance(s, (ir.Load, ir.Store)) and s.index and ir.index_values(s.index[0])}
+
+
+def rows_period(kernel: ir.Kernel) -> int | None:
+    """The period S of rows that cycle through a table of S rows (R = k x S rows read an [S, ...]
+    table at r % S: RoPE's cos and sin tables beside the heads x S rows of a prompt of S
+    tokens), or None. rows_free leaves S out as it leaves out R (the `tf_s` argument): the table's
+    leading dim zeroed, and every S in an index expression the variable cexpr.PERIOD. Two
+    kernels whose rows_free forms are equal are then the same form at their own R and S, as
+    every place a form differs from its kernel holds the count or the period. S is taken only
+    where one candidate is a divisor in an index, the leading dim of a buffer read unmasked,
+    and a proper divisor of R."""
+    if kernel.scratch or kernel.family != "mapreduce":
+        return None
+    try:
+        parts = ir.row_kernel_parts(kernel)
+    except ValueError:
+        return None
+    R, gathered = parts.rows, _gathered(parts)
+    divisors = set()
+    for s in ir.walk(parts.body):
+        for e in (s.index if isinstance(s, (ir.Load, ir.Store)) else (s.expr,) if isinstance(s, ir.IndexValue) else ()):
+            divisors |= _divisors(e)
+    tables = {b.shape[0] for b in kernel.params if b.shape and b.name not in gathered}
+    found = {v for v in divisors & tables if 1 < v < R and R % v == 0}
+    return found.pop() if len(found) == 1 else None
+
+
+def _divisors(e: ir.Index) -> set:
+    if not isinstance(e, ir.IBin):
+        return set()
+    own = {e.b.value} if e.op in ("//", "%") and isinstance(e.b, ir.IConst) else set()
+    return own | _divisors(e.a) | _divisors(e.b)
+
+
+def _with_period(body: tuple, S: int) -> tuple:
+    """`body` with every S in its index expressions the variable cexpr.PERIOD."""
+    def ix(e):
+        if isinstance(e, ir.IConst) and e.value == S:
+            return ir.Var(cexpr.PERIOD)
+        return replace(e, a=ix(e.a), b=ix(e.b)) if isinstance(e, ir.IBin) else e
+
+    def st(s):
+        if isinstance(s, (ir.Load, ir.Store)):
+            return replace(s, index=tuple(map(ix, s.index)))
+        if isinstance(s, ir.IndexValue):
+            return replace(s, expr=ix(s.expr))
+        if isinstance(s, (ir.Loop, ir.Reduce)):
+            return replace(s, body=tuple(map(st, s.body)))
+        return s
+    return tuple(map(st, body))
 
 
 def _rows_free_key(free: ir.Kernel, sched: MapReduceSchedule, arch: str, keep_values: bool):
@@ -1856,21 +1914,27 @@ def _digestless(name: str) -> str:
     return re.sub(r"_[0-9a-f]{10}$", "", name)
 
 
-def _rows_buffer(b: ir.Buffer) -> str:
-    """A rows_free buffer as its header comment shows it: its zeroed row dim as `rows`."""
+def _rows_buffer(b: ir.Buffer, periodic: set) -> str:
+    """A rows_free buffer as its header comment shows it: its zeroed leading dim as `rows`, or as
+    `tf_s` for a table the rows cycle through (`periodic`: the buffers read at an index holding it)."""
     if not b.shape or b.shape[0] != 0:
         return str(b)
-    return f"{b.role} {b.name}: {b.dtype}[{'x'.join(['rows', *map(str, b.shape[1:])])}]"
+    lead = cexpr.PERIOD if b.name in periodic else "rows"
+    return f"{b.role} {b.name}: {b.dtype}[{'x'.join([lead, *map(str, b.shape[1:])])}]"
 
 
-def at_rows(src: KernelSource, rows: int) -> KernelSource:
-    """`src` (a source taking its row count as an argument) as the launch of `rows` rows."""
+def at_rows(src: KernelSource, rows: int, period: int | None = None) -> KernelSource:
+    """`src` (a source taking its row count as an argument) as the launch of `rows` rows, and of
+    rows cycling through `period`-row tables where it takes that too (rows_period)."""
     sch = src.schedule
     grid = -(-rows // sch.rows_per_cta) * sch.cluster
     if rows + sch.rows_per_cta >= 2**31 or grid >= 2**31:
         raise ValueError(f"kernel {src.name}: {rows} rows are too many (row indices are 32-bit, and a grid "
                          f"holds fewer than 2^31 CTAs)")
-    return replace(src, rows=rows, grid=(grid, 1, 1))
+    if (period is None) != (src.period is None):
+        raise ValueError(f"kernel {src.name}: " + ("takes the period of its rows (tf_s); none given" if period is None
+                                                    else f"takes no period; {period} given"))
+    return replace(src, rows=rows, grid=(grid, 1, 1), period=period)
 
 
 def _render_kept(kernel: ir.Kernel, schedule: MapReduceSchedule | None, arch: str, keep_values: bool,
@@ -1991,8 +2055,10 @@ def _render(kernel: ir.Kernel, schedule: MapReduceSchedule | None, arch: str, ke
     em(f"// tilefuse map-reduce kernel {name}: "
        + (f"rows (tf_rows, an argument) x {C} columns" if rows_arg else f"{R} rows x {C} columns"))
     em(f"// schedule: {sch}")
+    periodic = {x.buf for x in ir.walk(parts.body) if isinstance(x, (ir.Load, ir.Store))
+                and any(cexpr.PERIOD in ir.index_vars(e) for e in x.index)}
     em(f"// {'; '.join(str(b) for b in kernel.params)}" if not rows_arg else
-       f"// {'; '.join(_rows_buffer(b) for b in kernel.params)}")
+       f"// {'; '.join(_rows_buffer(b, periodic) for b in kernel.params)}")
     params = []
     for b in whole.params:
         t = cexpr.storage_ctype(b.dtype)
@@ -2002,6 +2068,10 @@ def _render(kernel: ir.Kernel, schedule: MapReduceSchedule | None, arch: str, ke
         params.append("unsigned char* __restrict__ tf_ws")
     if rows_arg:
         params.append("const int tf_rows")
+    periodic = rows_arg and (bool(periodic) or any(isinstance(x, ir.IndexValue) and cexpr.PERIOD in ir.index_vars(x.expr)
+                                                   for x in ir.walk(parts.body)))
+    if periodic:
+        params.append(f"const int {cexpr.PERIOD}")
     em(f'extern "C" __global__ void __launch_bounds__({sch.threads}, {sch.min_blocks})')
     em.open(f"{name}({', '.join(params)})")
     if ws is not None:
@@ -2137,7 +2207,7 @@ def _render(kernel: ir.Kernel, schedule: MapReduceSchedule | None, arch: str, ke
                         cluster=(sch.cluster if hw_cluster else 1, 1, 1), params=tuple(b.name for b in whole.params),
                         alignment=tuple(sorted(align_d.items())), schedule=sch,
                         workspace_bytes=ws.nbytes if ws is not None else 0, kept=len(kept.kept),
-                        moved=len(kept.moved))
+                        moved=len(kept.moved), period=0 if periodic else None)  # (at_rows sets the period)
 
 
 def _emit_row_start(ctx: _Ctx, em: _Emitter, b: int | None, streams: list):

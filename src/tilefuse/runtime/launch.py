@@ -104,9 +104,12 @@ class CompiledKernel:
         self._vals = (ctypes.c_void_p * max(n, 1))()
         base = ctypes.addressof(self._vals)
         addrs = [base + i * ctypes.sizeof(ctypes.c_void_p) for i in range(n)]
-        if self.source.rows is not None:  # the row count, the last argument (codegen.mapreduce.rows_free)
+        if self.source.rows is not None:  # the row count, then the rows' period (codegen.mapreduce.rows_free)
             self._rows = ctypes.c_int(self.source.rows)
             addrs.append(ctypes.addressof(self._rows))
+            if self.source.period is not None:
+                self._period = ctypes.c_int(self.source.period)
+                addrs.append(ctypes.addressof(self._period))
         self._ptrs = (ctypes.c_void_p * max(len(addrs), 1))(*addrs)
         self._ptrs_addr = ctypes.addressof(self._ptrs)
         self._align = dict(self.source.alignment)
