@@ -464,3 +464,26 @@ def test_the_allocator_cache_is_emptied_before_a_capture_only_where_memory_is_sh
     assert emptied == []
     assert graphs.release_if_tight("cuda:0", info=lambda d: (10 * gib, 80 * gib), empty=lambda: emptied.append(1))
     assert emptied == [1]
+
+
+def test_only_the_first_call_at_a_size_runs_as_a_one_off():
+    """graphs.FIRST_CALL is set while the warm-up call runs (attention then builds no per-shape
+    plan: program._planless_attention) and never in a capture's run or a replay."""
+    seen = []
+
+    class Spy:
+        def __init__(self, runner):
+            self.runner, self.written, self.device = runner, runner.written, runner.device
+
+        def run(self, tensors):
+            seen.append(graphs.FIRST_CALL.get())
+            return self.runner.run(tensors)
+
+    prog = compile_stages(_fn, [torch.randn(4, 16), W]).program
+    g = Graphed(Spy(prog.runner("cpu")), capture=emulated_capture, max_slots=2)
+    x = torch.randn(4, 16)
+    for _ in range(4):
+        _close(g([x, W]), _ref(x, W))
+    # warm-up, the capture's run, then replays (each replay runs the program in the emulation)
+    assert seen[0] is True and not any(seen[1:]) and len(seen) >= 4
+    assert graphs.FIRST_CALL.get() is False

@@ -55,6 +55,7 @@ A capture that fails turns them off for that program, with a warning naming why.
 """
 from __future__ import annotations
 
+import contextvars
 import functools
 import os
 import re
@@ -76,6 +77,11 @@ _HOST_SYNC = ("nonzero", "masked_select", "unique", "_local_scalar_dense", "item
               "bincount", "histc", "_assert_async", "equal", "is_nonzero")
 
 _use_count = getattr(torch._C, "_storage_Use_Count", None)
+
+# True while a program runs its first call at its sizes (the call before any capture): a
+# one-off call, as every call of `generate`'s prefill and decode steps at a new length is.
+# program.run_extern then runs attention where no per-shape plan is built (_PLANLESS there).
+FIRST_CALL: contextvars.ContextVar = contextvars.ContextVar("tilefuse_first_call", default=False)
 
 
 def enabled_by_env(environ=None) -> bool:
@@ -395,7 +401,11 @@ class Graphed:
         if not self.warm:
             self.warm, self.last = True, ptrs
             self.stats["warmup"] += 1
-            return self.runner.run(tensors)
+            token = FIRST_CALL.set(True)
+            try:
+                return self.runner.run(tensors)
+            finally:
+                FIRST_CALL.reset(token)
         stream = self.streams.current()
         slot = self._find(ptrs)
         if slot is not None and slot.stream is not None and slot.stream != stream:

@@ -385,6 +385,41 @@ def _exact_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return r != 0 if a.dtype == torch.bool else r.to(a.dtype)
 
 
+# A one-off attention call (a program's first at its sizes: graphs.FIRST_CALL) runs on a backend
+# that builds no per-shape plan. PyTorch's default on Hopper (2.11, cuDNN 9.19) is cuDNN's, which
+# plans each new shape on the host before it runs: 65-70 ms for a causal prefill of ~2000-2300
+# tokens (32 heads of 128), 35 ms for a one-token decode step at a new cache length, against
+# 0.4-0.9 ms and 0.06-0.2 ms for flash and memory-efficient attention (H200,
+# bench/results/s43/sdpa_first_call_h200.txt). A plan pays once a shape recurs: cuDNN ran that
+# prefill in 120-142 us against flash's 314-358, so a captured program (replayed) keeps the
+# default, and so does a one-off call whose attention is long enough for the plan to pay
+# within a call of a few dozen layers (PLANLESS_MAX_FLOPS: flash's extra time there ~2 ms a call).
+_PLANLESS = None
+PLANLESS_MAX_FLOPS = 2.5e11
+
+
+def _attention_flops(q: torch.Tensor, k: torch.Tensor, causal: bool) -> float:
+    f = 4.0 * q.shape[:-2].numel() * q.shape[-2] * k.shape[-2] * q.shape[-1]
+    return f / 2 if causal else f
+
+
+def _planless_attention(args, kw) -> torch.Tensor | None:
+    """SDPA on flash or memory-efficient attention, or None where neither takes these inputs."""
+    global _PLANLESS
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    if _PLANLESS is None:
+        _PLANLESS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
+    try:
+        with warnings.catch_warnings(), sdpa_kernel(_PLANLESS):
+            warnings.simplefilter("ignore")  # (why each was not used, before it gives up)
+            return F.scaled_dot_product_attention(*args, **kw)
+    except RuntimeError as e:
+        if "No available kernel" not in str(e):
+            raise
+        return None
+
+
 def run_extern(n, get) -> torch.Tensor:
     """Run one graph node in PyTorch: the explicit fallback the plan shows."""
     if isinstance(n, ir.Contraction):
@@ -394,9 +429,14 @@ def run_extern(n, get) -> torch.Tensor:
         return torch.matmul(a, b)
     if isinstance(n, ir.Attention):
         q, k = get(n.q), get(n.k)
-        return F.scaled_dot_product_attention(q, k, get(n.v), attn_mask=get(n.mask) if n.mask else None,
-                                              is_causal=n.causal, scale=n.scale,
-                                              enable_gqa=k.shape[-3] != q.shape[-3])
+        args = (q, k, get(n.v))
+        kw = dict(attn_mask=get(n.mask) if n.mask else None, is_causal=n.causal, scale=n.scale,
+                  enable_gqa=k.shape[-3] != q.shape[-3])
+        if q.is_cuda and cuda_graphs.FIRST_CALL.get() and _attention_flops(q, k, n.causal) <= PLANLESS_MAX_FLOPS:
+            out = _planless_attention(args, kw)
+            if out is not None:
+                return out
+        return F.scaled_dot_product_attention(*args, **kw)
     if isinstance(n, ir.View):
         x = get(n.arg)
         if n.op == "reshape":
