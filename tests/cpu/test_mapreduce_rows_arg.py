@@ -194,21 +194,9 @@ def _rope_kernel(S, heads=4, dim=16, batch=1, dtype=None):
 
 def _restored(free, k, S):
     """`free` with its count and period put back (the inverse of rows_free, given `k`'s params)."""
-    def ix(e):
-        if e == ir.Var(cexpr.PERIOD):
-            return ir.IConst(S)
-        return replace(e, a=ix(e.a), b=ix(e.b)) if isinstance(e, ir.IBin) else e
-
-    def st(s):
-        if isinstance(s, (ir.Load, ir.Store)):
-            return replace(s, index=tuple(map(ix, s.index)))
-        if isinstance(s, ir.IndexValue):
-            return replace(s, expr=ix(s.expr))
-        if isinstance(s, (ir.Loop, ir.Reduce)):
-            return replace(s, body=tuple(map(st, s.body)))
-        return s
     loop = free.body[0]
-    return replace(free, params=k.params, body=(replace(loop, extent=k.body[0].extent, body=tuple(map(st, loop.body))),))
+    body = mapreduce.map_index(loop.body, lambda e: ir.IConst(S) if e == ir.Var(cexpr.PERIOD) else e)
+    return replace(free, params=k.params, body=(replace(loop, extent=k.body[0].extent, body=body),))
 
 
 @pytest.mark.parametrize("S", [40, 30, 3000, 7])

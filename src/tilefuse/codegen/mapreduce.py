@@ -1815,31 +1815,43 @@ def rows_free(kernel: ir.Kernel) -> ir.Kernel | None:
 
     A buffer's leading dim is no stride, so the source holds it only as the bound that keeps a
     gathered index inside the buffer: a buffer read at a gathered leading index keeps it (an
-    embedding table of as many rows as the kernel). Constants and index expressions stay as
-    they are (a table read at r % S keeps S; a count written as a constant keeps it), so two
-    kernels with the same rows_free differ in the row count alone. None for a grid reduction
-    (its workspace and finishing tail are sized by the rows) and for a single row (its
-    buffers drop the row dim, a structure of its own)."""
-    if kernel.scratch or kernel.family != "mapreduce":
+    embedding table of as many rows as the kernel). Where the rows cycle through a table
+    (rows_period), its length S is left out too. Other constants and index expressions stay as
+    they are (a count written as a constant keeps it), so two kernels with the same rows_free
+    differ in the row count and the period alone. None for a grid reduction (its workspace and
+    finishing tail are sized by the rows) and for a single row (its buffers drop the row dim, a
+    structure of its own)."""
+    parts = _row_parts(kernel)
+    if parts is None or parts.rows <= 1:
         return None
-    try:
-        parts = ir.row_kernel_parts(kernel)
-    except ValueError:
-        return None
-    R = parts.rows
-    if R <= 1:
-        return None
-    gathered = _gathered(parts)
-    S = rows_period(kernel)
+    R, gathered, S = parts.rows, _gathered(parts), rows_period(kernel)
     params = tuple(replace(b, shape=(0,) + tuple(b.shape[1:]))
                    if b.shape and b.shape[0] in (R, S) and b.name not in gathered else b for b in kernel.params)
     body = (replace(kernel.body[0], extent=0),)
-    return replace(kernel, params=params, body=body if S is None else _with_period(body, S))
+    if S is not None:
+        period = ir.Var(cexpr.PERIOD)
+        body = map_index(body, lambda e: period if e == ir.IConst(S) else e)
+    return replace(kernel, params=params, body=body)
+
+
+def _row_parts(kernel: ir.Kernel) -> ir.RowKernel | None:
+    """The row kernel's parts, or None for a grid reduction or a kernel of another shape."""
+    if kernel.scratch or kernel.family != "mapreduce":
+        return None
+    try:
+        return ir.row_kernel_parts(kernel)
+    except ValueError:
+        return None
 
 
 def _gathered(parts: ir.RowKernel) -> set:
     return {s.buf for s in ir.walk(parts.body)
             if isinstance(s, (ir.Load, ir.Store)) and s.index and ir.index_values(s.index[0])}
+
+
+def _indices(s) -> tuple:
+    """The index expressions a statement holds."""
+    return s.index if isinstance(s, (ir.Load, ir.Store)) else (s.expr,) if isinstance(s, ir.IndexValue) else ()
 
 
 def rows_period(kernel: ir.Kernel) -> int | None:
@@ -1851,16 +1863,13 @@ def rows_period(kernel: ir.Kernel) -> int | None:
     every place a form differs from its kernel holds the count or the period. S is taken only
     where one candidate is a divisor in an index, the leading dim of a buffer read unmasked,
     and a proper divisor of R."""
-    if kernel.scratch or kernel.family != "mapreduce":
-        return None
-    try:
-        parts = ir.row_kernel_parts(kernel)
-    except ValueError:
+    parts = _row_parts(kernel)
+    if parts is None:
         return None
     R, gathered = parts.rows, _gathered(parts)
     divisors = set()
     for s in ir.walk(parts.body):
-        for e in (s.index if isinstance(s, (ir.Load, ir.Store)) else (s.expr,) if isinstance(s, ir.IndexValue) else ()):
+        for e in _indices(s):
             divisors |= _divisors(e)
     tables = {b.shape[0] for b in kernel.params if b.shape and b.name not in gathered}
     found = {v for v in divisors & tables if 1 < v < R and R % v == 0}
@@ -1874,12 +1883,10 @@ def _divisors(e: ir.Index) -> set:
     return own | _divisors(e.a) | _divisors(e.b)
 
 
-def _with_period(body: tuple, S: int) -> tuple:
-    """`body` with every S in its index expressions the variable cexpr.PERIOD."""
+def map_index(body: tuple, fn) -> tuple:
+    """`body` with `fn` applied to every leaf and node of its index expressions, bottom up."""
     def ix(e):
-        if isinstance(e, ir.IConst) and e.value == S:
-            return ir.Var(cexpr.PERIOD)
-        return replace(e, a=ix(e.a), b=ix(e.b)) if isinstance(e, ir.IBin) else e
+        return fn(replace(e, a=ix(e.a), b=ix(e.b)) if isinstance(e, ir.IBin) else e)
 
     def st(s):
         if isinstance(s, (ir.Load, ir.Store)):
@@ -2056,7 +2063,7 @@ def _render(kernel: ir.Kernel, schedule: MapReduceSchedule | None, arch: str, ke
        + (f"rows (tf_rows, an argument) x {C} columns" if rows_arg else f"{R} rows x {C} columns"))
     em(f"// schedule: {sch}")
     periodic = {x.buf for x in ir.walk(parts.body) if isinstance(x, (ir.Load, ir.Store))
-                and any(cexpr.PERIOD in ir.index_vars(e) for e in x.index)}
+                and any(cexpr.PERIOD in ir.index_vars(e) for e in _indices(x))}
     em(f"// {'; '.join(str(b) for b in kernel.params)}" if not rows_arg else
        f"// {'; '.join(_rows_buffer(b, periodic) for b in kernel.params)}")
     params = []
@@ -2068,8 +2075,7 @@ def _render(kernel: ir.Kernel, schedule: MapReduceSchedule | None, arch: str, ke
         params.append("unsigned char* __restrict__ tf_ws")
     if rows_arg:
         params.append("const int tf_rows")
-    periodic = rows_arg and (bool(periodic) or any(isinstance(x, ir.IndexValue) and cexpr.PERIOD in ir.index_vars(x.expr)
-                                                   for x in ir.walk(parts.body)))
+    periodic = rows_arg and any(cexpr.PERIOD in ir.index_vars(e) for x in ir.walk(parts.body) for e in _indices(x))
     if periodic:
         params.append(f"const int {cexpr.PERIOD}")
     em(f'extern "C" __global__ void __launch_bounds__({sch.threads}, {sch.min_blocks})')
