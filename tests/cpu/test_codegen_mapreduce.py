@@ -412,6 +412,24 @@ def test_cache_hits_and_rebuilds_corrupted_entries(tmp_path):
     assert not list(tmp_path.rglob(".tmp-*")), "no temporary files left behind"
 
 
+def test_a_source_met_again_is_keyed_without_stripping_and_hashing_it_again(tmp_path, monkeypatch):
+    """The key of a source is memoised by its text, arch and flags (a new size of a program meets
+    its sources again); the memo gives the key a fresh computation gives, and the entry hits."""
+    c = cache.CubinCache(tmp_path)
+    src = render(fx.rmsnorm_kernel(8, 512, "bf16"))
+    cache._KEYS.clear()
+    cache.compile_cached(src.source, src.name, "sm_90a", cache=c)
+    calls = []
+    real = cache.code_of
+    monkeypatch.setattr(cache, "code_of", lambda s: calls.append(1) or real(s))
+    _, hit = cache.compile_cached(src.source, src.name, "sm_90a", cache=c)
+    assert hit and not calls
+    opts = nvrtc.options_for("sm_90a")
+    assert cache._key(src.source, "sm_90a", opts) == cache.cache_key(real(src.source), "sm_90a", opts, nvrtc.version())
+    cache.compile_cached(src.source, src.name, "sm_80", cache=c)  # another arch: keyed afresh
+    assert calls
+
+
 def test_cache_key_covers_source_arch_flags_and_version():
     k = cache.cache_key("src", "sm_90a", ("-O3",), (13, 0))
     assert k != cache.cache_key("src2", "sm_90a", ("-O3",), (13, 0))
