@@ -267,3 +267,31 @@ def test_a_source_taking_a_period_is_not_launched_without_one():
         mapreduce.at_rows(src, 120)
     with pytest.raises(ValueError, match="takes no period"):
         mapreduce.at_rows(render(fx.rmsnorm_kernel(64, 256), None, "sm_90a"), 64, 8)
+
+
+def _row_and_constant_reads(S, C=4100, k=4):
+    """out[r, c] = x[r, c] + T[r % S, c] + W[S, c]: a table read at the row's period, and a row
+    of W at the constant S (shared by every row)."""
+    from loop_fixtures import _load, _store
+
+    r, c = ir.Var("r"), ir.Var("c")
+    body = (ir.Loop("c", C, (*_load("x1", "x", (r, c), "f32"), *_load("t1", "T", (ir.IBin("%", r, ir.IConst(S)), c), "f32"),
+                             *_load("w1", "W", (ir.IConst(S), c), "f16"),
+                             ir.Op("a", "add", ("x1", "t1"), "f32"), ir.Op("b", "add", ("a", "w1"), "f32"),
+                             *_store("out", (r, c), "b", "f32"))),)
+    params = (ir.Buffer("x", (k * S, C), "f32", "in"), ir.Buffer("T", (S, C), "f32", "in"),
+              ir.Buffer("W", (64, C), "f16", "in"), ir.Buffer("out", (k * S, C), "f32", "out"))
+    return ir.Kernel("row_of_w", params, (ir.Loop("r", k * S, body, parallel=True),))
+
+
+def test_only_the_rows_divisors_become_the_period():
+    """An S that does not divide the row (a constant row index W[S, c]) stays a number: the form
+    renders under its kernel's own schedule (read as the row-shared vector it is, not as a row
+    stream), and the kernel at another S is another source."""
+    k8, k9 = _row_and_constant_reads(8), _row_and_constant_reads(9)
+    assert mapreduce.rows_period(k8) == 8
+    loads = {s.buf: s.index for s in ir.walk(rows_free(k8).body) if isinstance(s, ir.Load)}
+    assert loads["W"][0] == ir.IConst(8) and loads["T"][0] == ir.IBin("%", ir.Var("r"), ir.Var(cexpr.PERIOD))
+    sched = default_schedule(k8, "sm_90a")
+    a, b = render(k8, sched, "sm_90a"), render(k9, sched, "sm_90a")
+    assert a.period == 8 and b.period == 9 and a.source != b.source

@@ -487,3 +487,26 @@ def test_only_the_first_call_at_a_size_runs_as_a_one_off():
     # warm-up, the capture's run, then replays (each replay runs the program in the emulation)
     assert seen[0] is True and not any(seen[1:]) and len(seen) >= 4
     assert graphs.FIRST_CALL.get() is False
+
+
+def test_planless_attention_keeps_pytorchs_backend_switches():
+    """program._planless_attention uses only the backends the process has enabled, and leaves
+    PyTorch's (process-wide) switches as it found them; inputs neither planless backend takes
+    (CPU tensors here) get None: the caller runs the default."""
+    from tilefuse.runtime import program
+
+    cuda = torch.backends.cuda
+    switches = (cuda.flash_sdp_enabled, cuda.mem_efficient_sdp_enabled, cuda.math_sdp_enabled, cuda.cudnn_sdp_enabled)
+    before = [f() for f in switches]
+    q = torch.randn(1, 2, 5, 8)
+    kw = dict(attn_mask=None, is_causal=True, scale=None, enable_gqa=False)
+    try:
+        assert program._planless_attention((q, q, q), kw) is None
+        assert [f() for f in switches] == before
+        cuda.enable_flash_sdp(False)
+        cuda.enable_mem_efficient_sdp(False)
+        assert program._planless_attention((q, q, q), kw) is None
+        assert not cuda.flash_sdp_enabled() and not cuda.mem_efficient_sdp_enabled()
+    finally:
+        cuda.enable_flash_sdp(before[0])
+        cuda.enable_mem_efficient_sdp(before[1])

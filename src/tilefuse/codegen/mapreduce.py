@@ -1829,8 +1829,8 @@ def rows_free(kernel: ir.Kernel) -> ir.Kernel | None:
                    if b.shape and b.shape[0] in (R, S) and b.name not in gathered else b for b in kernel.params)
     body = (replace(kernel.body[0], extent=0),)
     if S is not None:
-        period = ir.Var(cexpr.PERIOD)
-        body = map_index(body, lambda e: period if e == ir.IConst(S) else e)
+        period, row = ir.Var(cexpr.PERIOD), parts.row_var
+        body = map_index(body, lambda e: replace(e, b=period) if _row_divisor(e, row) == S else e)
     return replace(kernel, params=params, body=body)
 
 
@@ -1858,7 +1858,8 @@ def rows_period(kernel: ir.Kernel) -> int | None:
     """The period S of rows that cycle through a table of S rows (R = k x S rows read an [S, ...]
     table at r % S: RoPE's cos and sin tables beside the heads x S rows of a prompt of S
     tokens), or None. rows_free leaves S out as it leaves out R (the `tf_s` argument): the table's
-    leading dim zeroed, and every S in an index expression the variable cexpr.PERIOD. Two
+    leading dim zeroed, and each S that divides the row (`r % S`, `r // S`) the variable
+    cexpr.PERIOD. Two
     kernels whose rows_free forms are equal are then the same form at their own R and S, as
     every place a form differs from its kernel holds the count or the period. S is taken only
     where one candidate is a divisor in an index, the leading dim of a buffer read unmasked,
@@ -1870,17 +1871,26 @@ def rows_period(kernel: ir.Kernel) -> int | None:
     divisors = set()
     for s in ir.walk(parts.body):
         for e in _indices(s):
-            divisors |= _divisors(e)
+            divisors |= _row_divisors(e, parts.row_var)
     tables = {b.shape[0] for b in kernel.params if b.shape and b.name not in gathered}
     found = {v for v in divisors & tables if 1 < v < R and R % v == 0}
     return found.pop() if len(found) == 1 else None
 
 
-def _divisors(e: ir.Index) -> set:
+def _row_divisor(e: ir.Index, row: str) -> int | None:
+    """k where `e` is (an expression of the row) // k or % k: the places rows_free writes the
+    period (only there: an S elsewhere, a constant row index or a column's divisor, stays a
+    number, and a kernel holding one is a source per length)."""
+    if isinstance(e, ir.IBin) and e.op in ("//", "%") and isinstance(e.b, ir.IConst) and row in ir.index_vars(e.a):
+        return e.b.value
+    return None
+
+
+def _row_divisors(e: ir.Index, row: str) -> set:
     if not isinstance(e, ir.IBin):
         return set()
-    own = {e.b.value} if e.op in ("//", "%") and isinstance(e.b, ir.IConst) else set()
-    return own | _divisors(e.a) | _divisors(e.b)
+    own = _row_divisor(e, row)
+    return ({own} if own is not None else set()) | _row_divisors(e.a, row) | _row_divisors(e.b, row)
 
 
 def map_index(body: tuple, fn) -> tuple:

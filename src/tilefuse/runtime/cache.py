@@ -114,7 +114,7 @@ def _key(source: str, arch: str, opts: tuple[str, ...]) -> str:
     key = _KEYS.get(k)
     if key is None:
         key = cache_key(code_of(source), arch, opts, nvrtc.version())
-        if len(_KEYS) >= 1024:
+        if len(_KEYS) >= 256:  # (each entry holds its source: ~64 KB for a GEMM)
             _KEYS.clear()
         _KEYS[k] = key
     return key
@@ -126,7 +126,7 @@ def compile_cached(source: str, name: str, arch: str, options: tuple[str, ...] |
     arch = nvrtc.normalize_arch(arch)
     opts = options if options is not None else nvrtc.options_for(arch)
     cache = cache or CubinCache()
-    key = _key(source, arch, opts)
+    key = _key(source, arch, tuple(opts))
     hit = cache.get(key)
     if hit is not None:
         return hit, True

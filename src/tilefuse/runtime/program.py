@@ -13,6 +13,7 @@ program is captured and replayed, and a result the caller still holds is never o
 from __future__ import annotations
 
 import os
+import threading
 import warnings
 import weakref
 from concurrent.futures import ThreadPoolExecutor
@@ -394,8 +395,11 @@ def _exact_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 # prefill in 120-142 us against flash's 314-358, so a captured program (replayed) keeps the
 # default, and so does a one-off call whose attention is long enough for the plan to pay
 # within a call of a few dozen layers (PLANLESS_MAX_FLOPS: flash's extra time there ~2 ms a call).
-_PLANLESS = None
+# Only attention without a mask (causal or full): how a row with every key masked comes out is
+# the backend's choice, and a first call must give what its replays give.
+PLANLESS = os.environ.get("TILEFUSE_PLANLESS_ATTENTION", "1") != "0"
 PLANLESS_MAX_FLOPS = 2.5e11
+_PLANLESS_LOCK = threading.Lock()
 
 
 def _attention_flops(q: torch.Tensor, k: torch.Tensor, causal: bool) -> float:
@@ -404,20 +408,41 @@ def _attention_flops(q: torch.Tensor, k: torch.Tensor, causal: bool) -> float:
 
 
 def _planless_attention(args, kw) -> torch.Tensor | None:
-    """SDPA on flash or memory-efficient attention, or None where neither takes these inputs."""
-    global _PLANLESS
+    """SDPA on flash or memory-efficient attention (those of them the process has enabled), or
+    None where neither is enabled or takes these inputs. PyTorch's backend switches are the
+    process's, not the thread's: the lock keeps two threads' first calls from restoring each
+    other's switches out of order (another thread's own SDPA call in that window sees only these
+    backends, or math if it is enabled: torch.backends.cuda.enable_math_sdp)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    if _PLANLESS is None:
-        _PLANLESS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
-    try:
-        with warnings.catch_warnings(), sdpa_kernel(_PLANLESS):
-            warnings.simplefilter("ignore")  # (why each was not used, before it gives up)
-            return F.scaled_dot_product_attention(*args, **kw)
-    except RuntimeError as e:
-        if "No available kernel" not in str(e):
-            raise
+    cuda = torch.backends.cuda
+    backends = [b for b, on in ((SDPBackend.FLASH_ATTENTION, cuda.flash_sdp_enabled()),
+                                (SDPBackend.EFFICIENT_ATTENTION, cuda.mem_efficient_sdp_enabled())) if on]
+    if not backends or not _planless_takes(args, kw):
         return None
+    if cuda.math_sdp_enabled():
+        backends.append(SDPBackend.MATH)  # (kept on for other threads: ours is taken by one above)
+    with _PLANLESS_LOCK:
+        try:
+            with warnings.catch_warnings(), sdpa_kernel(backends):
+                warnings.simplefilter("ignore")  # (why each was not used, before it gives up)
+                return F.scaled_dot_product_attention(*args, **kw)
+        except RuntimeError as e:
+            if "No available kernel" not in str(e):
+                raise
+            return None
+
+
+def _planless_takes(args, kw) -> bool:
+    """Whether flash or memory-efficient attention takes these inputs (PyTorch's own checks)."""
+    from torch.backends.cuda import SDPAParams, can_use_efficient_attention, can_use_flash_attention
+
+    q, k, v = args
+    try:
+        p = SDPAParams(q, k, v, kw["attn_mask"], 0.0, kw["is_causal"], kw["enable_gqa"])
+    except TypeError:  # (another torch's signature: let the backends decide)
+        return True
+    return can_use_flash_attention(p, False) or can_use_efficient_attention(p, False)
 
 
 def run_extern(n, get) -> torch.Tensor:
@@ -432,7 +457,8 @@ def run_extern(n, get) -> torch.Tensor:
         args = (q, k, get(n.v))
         kw = dict(attn_mask=get(n.mask) if n.mask else None, is_causal=n.causal, scale=n.scale,
                   enable_gqa=k.shape[-3] != q.shape[-3])
-        if q.is_cuda and cuda_graphs.FIRST_CALL.get() and _attention_flops(q, k, n.causal) <= PLANLESS_MAX_FLOPS:
+        if (q.is_cuda and n.mask is None and cuda_graphs.FIRST_CALL.get() and PLANLESS
+                and _attention_flops(q, k, n.causal) <= PLANLESS_MAX_FLOPS):
             out = _planless_attention(args, kw)
             if out is not None:
                 return out
