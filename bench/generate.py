@@ -121,7 +121,10 @@ def one(args) -> dict:
         # again, for the dynamic graph dynamo made at the half prompt)
         profile(args, lambda: model.generate(ids[:, args.prompt // 2:], **gen), sync)
     if args.profile_new:
-        profile_new(args, lambda: model.generate(ids[:, args.prompt // 4:], **gen), sync)
+        seen = {args.prompt, args.prompt - args.prompt // 2} | {int(x) for x in args.lengths.split(",") if x}
+        n = next(n for n in range(args.prompt - args.prompt // 4, 0, -1) if n not in seen)  # (3/4, or below: unseen)
+        profile_new(args, lambda: model.generate(torch.randint(0, cfg.vocab_size, (1, n), device=args.device), **gen),
+                    sync)
     again = sorted(times[2:2 + args.repeats])
     out = {"mode": args.mode, "first_s": times[0], "again_s": again[len(again) // 2], "other_prompt_s": times[-1],
            "again_ms_per_token": again[len(again) // 2] / args.new * 1e3,
@@ -222,7 +225,8 @@ def profile(args, generate, sync) -> None:
 
 
 def profile_new(args, generate, sync) -> None:
-    """A generate of a prompt length not seen yet (3/4 of the first): host time by function
+    """A generate of a prompt length not seen yet (3/4 of the first, or the next below it that
+    no earlier generate used): host time by function
     (cProfile), so what one new prefill size costs is seen, into `args.profile_new`-<mode>.txt."""
     import cProfile
     import io
