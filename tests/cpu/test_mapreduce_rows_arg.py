@@ -15,6 +15,8 @@ from dataclasses import replace
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import loop_fixtures as fx
 from tilefuse.codegen import cexpr, mapreduce
@@ -186,10 +188,8 @@ def _rope_kernel(S, heads=4, dim=16, batch=1, dtype=None):
     x = (torch.randn(batch, heads, S, dim, dtype=t), torch.randn(batch, 1, S, dim, dtype=t),
          torch.randn(batch, 1, S, dim, dtype=t))
     st = compile_stages(_rope, x, arch="sm_90a")
-    (k,) = [named_by_structure(lk.kernel) for lk in st.kernels.values()
-            if any(b.shape and b.shape[0] == batch * S and len(b.shape) == 2 for b in lk.kernel.params)
-            or batch > 1 and any(len(b.shape) == 3 for b in lk.kernel.params)]
-    return k
+    # (the tables' kernel: q, cos, rotated q, sin and the output; the other rotates half of q)
+    return named_by_structure(max((lk.kernel for lk in st.kernels.values()), key=lambda k: len(k.params)))
 
 
 def _restored(free, k, S):
@@ -295,3 +295,30 @@ def test_only_the_rows_divisors_become_the_period():
     sched = default_schedule(k8, "sm_90a")
     a, b = render(k8, sched, "sm_90a"), render(k9, sched, "sm_90a")
     assert a.period == 8 and b.period == 9 and a.source != b.source
+
+
+@settings(max_examples=6, deadline=None)
+@given(heads=st.integers(1, 6), S=st.integers(2, 50), dim=st.sampled_from([8, 16, 64]), batch=st.integers(1, 2),
+       other=st.integers(2, 50), half=st.booleans())
+def test_period_forms_at_hypothesis_shapes(heads, S, dim, batch, other, half):
+    """At any shape: the count and the period put back into rows_free's form give the kernel;
+    where a second length has the same form, both render one source, each launched with its
+    own count and period; and a kernel that rows_period gives no period keeps its S in a form
+    that differs from the other length's."""
+    dt = torch.float16 if half else torch.float32
+    ks = {n: _rope_kernel(n, heads, dim, batch, dt) for n in (S, other)}
+    for n, k in ks.items():
+        free = rows_free(k)
+        period = mapreduce.rows_period(k)
+        assert period in (None, n)
+        assert free is not None and _restored(free, k, n) == k
+    if S != other:
+        fa, fb = rows_free(ks[S]), rows_free(ks[other])
+        if replace(fa, name="k") == replace(fb, name="k"):
+            sched = default_schedule(ks[S], "sm_90a")
+            a, b = render(ks[S], sched, "sm_90a"), render(ks[other], sched, "sm_90a")
+            assert a.source == b.source and (a.period, b.period) == tuple(map(mapreduce.rows_period, ks.values()))
+            assert heads == 1 or (a.period, b.period) == (S, other)  # (one head: the rows are the table's)
+            assert (a.rows, b.rows) == (batch * heads * S, batch * heads * other)
+        else:
+            assert batch > 1 or heads == 1 or mapreduce.rows_period(ks[S]) is None
