@@ -1795,7 +1795,7 @@ def render(kernel: ir.Kernel, schedule: MapReduceSchedule | None = None, arch: s
     of the same schedule, so a new prompt length of a model builds no map-reduce kernel whose
     schedule it shares with a length seen before; and a source rendered for one row count is
     the source for the others (the render alone is tens of ms of Python per kernel)."""
-    free = rows_free(kernel) if ROWS_ARG else None
+    free, period = _rows_free(kernel) if ROWS_ARG else (None, None)
     if free is None:
         return _render_kept(kernel, schedule, arch, keep_values, False)
     sched = schedule or default_schedule(kernel, arch)
@@ -1806,7 +1806,7 @@ def render(kernel: ir.Kernel, schedule: MapReduceSchedule | None = None, arch: s
         if len(_RENDERED) > 1024:
             _RENDERED.clear()
         _RENDERED[key] = src
-    return at_rows(src, kernel.body[0].extent, rows_period(kernel))  # (the row loop: rows_free checked the shape)
+    return at_rows(src, kernel.body[0].extent, period)  # (the row loop: rows_free checked the shape)
 
 
 def rows_free(kernel: ir.Kernel) -> ir.Kernel | None:
@@ -1821,17 +1821,23 @@ def rows_free(kernel: ir.Kernel) -> ir.Kernel | None:
     differ in the row count and the period alone. None for a grid reduction (its workspace and
     finishing tail are sized by the rows) and for a single row (its buffers drop the row dim, a
     structure of its own)."""
+    return _rows_free(kernel)[0]
+
+
+def _rows_free(kernel: ir.Kernel) -> tuple[ir.Kernel | None, int | None]:
+    """(rows_free(kernel), rows_period(kernel)), the kernel's parts found once."""
     parts = _row_parts(kernel)
     if parts is None or parts.rows <= 1:
-        return None
-    R, gathered, S = parts.rows, _gathered(parts), rows_period(kernel)
+        return None, None
+    R, gathered = parts.rows, _gathered(parts)
+    S = _period(kernel, parts, gathered)
     params = tuple(replace(b, shape=(0,) + tuple(b.shape[1:]))
                    if b.shape and b.shape[0] in (R, S) and b.name not in gathered else b for b in kernel.params)
     body = (replace(kernel.body[0], extent=0),)
     if S is not None:
         period, row = ir.Var(cexpr.PERIOD), parts.row_var
         body = map_index(body, lambda e: replace(e, b=period) if _row_divisor(e, row) == S else e)
-    return replace(kernel, params=params, body=body)
+    return replace(kernel, params=params, body=body), S
 
 
 def _row_parts(kernel: ir.Kernel) -> ir.RowKernel | None:
@@ -1859,15 +1865,16 @@ def rows_period(kernel: ir.Kernel) -> int | None:
     table at r % S: RoPE's cos and sin tables beside the heads x S rows of a prompt of S
     tokens), or None. rows_free leaves S out as it leaves out R (the `tf_s` argument): the table's
     leading dim zeroed, and each S that divides the row (`r % S`, `r // S`) the variable
-    cexpr.PERIOD. Two
-    kernels whose rows_free forms are equal are then the same form at their own R and S, as
-    every place a form differs from its kernel holds the count or the period. S is taken only
-    where one candidate is a divisor in an index, the leading dim of a buffer read unmasked,
-    and a proper divisor of R."""
+    cexpr.PERIOD. Two kernels whose rows_free forms are equal are then the same form at their
+    own R and S, as every place a form differs from its kernel holds the count or the period.
+    S is taken only where one candidate is a divisor in an index, the leading dim of a buffer
+    read unmasked, and a proper divisor of R."""
     parts = _row_parts(kernel)
-    if parts is None:
-        return None
-    R, gathered = parts.rows, _gathered(parts)
+    return None if parts is None else _period(kernel, parts, _gathered(parts))
+
+
+def _period(kernel: ir.Kernel, parts: ir.RowKernel, gathered: set) -> int | None:
+    R = parts.rows
     divisors = set()
     for s in ir.walk(parts.body):
         for e in _indices(s):
@@ -2072,10 +2079,11 @@ def _render(kernel: ir.Kernel, schedule: MapReduceSchedule | None, arch: str, ke
     em(f"// tilefuse map-reduce kernel {name}: "
        + (f"rows (tf_rows, an argument) x {C} columns" if rows_arg else f"{R} rows x {C} columns"))
     em(f"// schedule: {sch}")
-    periodic = {x.buf for x in ir.walk(parts.body) if isinstance(x, (ir.Load, ir.Store))
-                and any(cexpr.PERIOD in ir.index_vars(e) for e in _indices(x))}
+    uses = [x for x in ir.walk(parts.body) if any(cexpr.PERIOD in ir.index_vars(e) for e in _indices(x))]
+    periodic = rows_arg and bool(uses)  # (a rows_free kernel whose rows cycle through a table)
+    tables = {x.buf for x in uses if isinstance(x, (ir.Load, ir.Store))}
     em(f"// {'; '.join(str(b) for b in kernel.params)}" if not rows_arg else
-       f"// {'; '.join(_rows_buffer(b, periodic) for b in kernel.params)}")
+       f"// {'; '.join(_rows_buffer(b, tables) for b in kernel.params)}")
     params = []
     for b in whole.params:
         t = cexpr.storage_ctype(b.dtype)
@@ -2085,7 +2093,6 @@ def _render(kernel: ir.Kernel, schedule: MapReduceSchedule | None, arch: str, ke
         params.append("unsigned char* __restrict__ tf_ws")
     if rows_arg:
         params.append("const int tf_rows")
-    periodic = rows_arg and any(cexpr.PERIOD in ir.index_vars(e) for x in ir.walk(parts.body) for e in _indices(x))
     if periodic:
         params.append(f"const int {cexpr.PERIOD}")
     em(f'extern "C" __global__ void __launch_bounds__({sch.threads}, {sch.min_blocks})')
