@@ -92,7 +92,7 @@ def one(args) -> dict:
         model.forward = torch.compile(model.forward, mode="reduce-overhead")
     elif args.mode != "eager":
         model.forward = torch.compile(model.forward)
-    times, tokens = [], None
+    times, tokens, each = [], None, []
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     with torch.no_grad():
@@ -106,6 +106,7 @@ def one(args) -> dict:
                 stages["per_generate"].append({k: dict(v) for k, v in stages["now"].items()})
                 stages["now"].clear()
             tokens = seq if tokens is None else tokens
+            each.append(seq[0, -args.new:].tolist())
     new_lengths = []
     with torch.no_grad():  # more prompt lengths, each new: what a new length costs once others were seen
         for n in (int(x) for x in args.lengths.split(",") if x):
@@ -134,7 +135,9 @@ def one(args) -> dict:
            "again_ms_per_token_min": again[0] / args.new * 1e3,
            "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan"),
            "weights_gib": sum(p.numel() * p.element_size() for p in model.parameters()) / 2**30,
-           "tokens": tokens[0, args.prompt:].tolist()}
+           "tokens": tokens[0, args.prompt:].tolist(),
+           # (each generate's: the first runs every size's first call, the repeats their replays)
+           "tokens_each": each}
     if stages is not None:
         out["stage_times"] = stages["per_generate"]
     if new_lengths:

@@ -489,6 +489,26 @@ def test_only_the_first_call_at_a_size_runs_as_a_one_off():
     assert graphs.FIRST_CALL.get() is False
 
 
+def test_a_mask_keeps_a_key_only_where_every_query_row_has_one():
+    """program._keeps_a_key: a bool mask's True or a float mask's value above -inf (a large
+    finite negative, as transformers writes, still keeps its key) in every query row, over any
+    broadcast shape; one row of none, or no keys at all, is not."""
+    from tilefuse.runtime.program import _keeps_a_key
+
+    causal = torch.ones(5, 5, dtype=torch.bool).tril()
+    assert _keeps_a_key(causal) and _keeps_a_key(causal[None, None].expand(2, 3, 5, 5))
+    lo = torch.finfo(torch.bfloat16).min
+    assert _keeps_a_key(torch.zeros(5, 5, dtype=torch.bfloat16).masked_fill(~causal, lo))
+    additive = torch.zeros(2, 1, 5, 5).masked_fill(~causal, float("-inf"))
+    assert _keeps_a_key(additive)
+    additive[1, 0, 3] = float("-inf")
+    assert not _keeps_a_key(additive)
+    blocked = causal.clone()
+    blocked[0, 0] = False
+    assert not _keeps_a_key(blocked)
+    assert not _keeps_a_key(torch.ones(4, 0, dtype=torch.bool))
+
+
 def test_planless_attention_keeps_pytorchs_backend_switches():
     """program._planless_attention uses only the backends the process has enabled, and leaves
     PyTorch's (process-wide) switches as it found them; inputs neither planless backend takes

@@ -395,8 +395,9 @@ def _exact_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 # prefill in 120-142 us against flash's 314-358, so a captured program (replayed) keeps the
 # default, and so does a one-off call whose attention is long enough for the plan to pay
 # within a call of a few dozen layers (PLANLESS_MAX_FLOPS: flash's extra time there ~2 ms a call).
-# Only attention without a mask (causal or full): how a row with every key masked comes out is
-# the backend's choice, and a first call must give what its replays give.
+# A mask is taken where every query row keeps a key (_keeps_a_key: one reduction and a wait, on a
+# call that would plan for 35-70 ms): how a row with every key masked comes out is the backend's
+# choice, and a first call must give what its replays give.
 PLANLESS = os.environ.get("TILEFUSE_PLANLESS_ATTENTION", "1") != "0"
 PLANLESS_MAX_FLOPS = 2.5e11
 _PLANLESS_LOCK = threading.Lock()
@@ -405,6 +406,13 @@ _PLANLESS_LOCK = threading.Lock()
 def _attention_flops(q: torch.Tensor, k: torch.Tensor, causal: bool) -> float:
     f = 4.0 * q.shape[:-2].numel() * q.shape[-2] * k.shape[-2] * q.shape[-1]
     return f / 2 if causal else f
+
+
+def _keeps_a_key(mask: torch.Tensor) -> bool:
+    """Whether every query row of an attention mask keeps at least one key (a bool mask's True, a
+    float mask's value above -inf), so that every backend computes the same softmax over it."""
+    kept = mask if mask.dtype == torch.bool else mask > float("-inf")
+    return bool(kept.any(-1).all())
 
 
 def _planless_attention(args, kw) -> torch.Tensor | None:
@@ -457,8 +465,9 @@ def run_extern(n, get) -> torch.Tensor:
         args = (q, k, get(n.v))
         kw = dict(attn_mask=get(n.mask) if n.mask else None, is_causal=n.causal, scale=n.scale,
                   enable_gqa=k.shape[-3] != q.shape[-3])
-        if (q.is_cuda and n.mask is None and cuda_graphs.FIRST_CALL.get() and PLANLESS
-                and _attention_flops(q, k, n.causal) <= PLANLESS_MAX_FLOPS):
+        if (q.is_cuda and cuda_graphs.FIRST_CALL.get() and PLANLESS
+                and _attention_flops(q, k, n.causal) <= PLANLESS_MAX_FLOPS
+                and (n.mask is None or _keeps_a_key(kw["attn_mask"]))):
             out = _planless_attention(args, kw)
             if out is not None:
                 return out
