@@ -256,7 +256,8 @@ def _print_gemms(console, st, stage: str, arch: str):
                               f"(source: heuristic default)", markup=False)
             else:
                 src = gemm_sm80.render(problem, sched, arch)
-                console.print(f"// ---- {src.name}: GEMM {_gemm_shape(lg)} for {arch}", markup=False)
+                console.print(f"// ---- {src.name} ({lg.epilogue.name}): GEMM {_gemm_shape(lg)} for {arch}",
+                              markup=False)
                 console.print(src.source, markup=False)
             continue
         choice = choose_gemm(problem, "sm_90a")  # tuned (cache hit) or the heuristic default
@@ -266,7 +267,8 @@ def _print_gemms(console, st, stage: str, arch: str):
                           markup=False)
             continue
         src = gemm_sm90.render(problem, sched)
-        console.print(f"// ---- {src.name}: GEMM {_gemm_shape(lg)}, block {src.block} smem {src.smem_bytes}B "
+        console.print(f"// ---- {src.name} ({lg.epilogue.name}): GEMM {_gemm_shape(lg)}, block {src.block} "
+                      f"smem {src.smem_bytes}B "
                       f"cluster {src.cluster}", markup=False)
         console.print(src.source, markup=False)
 

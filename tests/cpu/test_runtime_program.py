@@ -148,7 +148,8 @@ def test_prepare_compiles_every_kernel_once_across_threads_and_raises_the_first_
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(lookup, "tuned_gemm_schedule", lambda *a, **k: None)
-    monkeypatch.setattr(gemm_mod, "compile_gemm", lambda problem, sched, arch: fake(problem.out_epilogue.name))
+    monkeypatch.setattr(gemm_mod, "compile_gemm",
+                        lambda problem, sched, arch: fake((problem.out_epilogue.name, problem.n, problem.k)))
     monkeypatch.setattr(launch_mod, "compile_kernel", lambda kernel, arch=None, schedule=None: fake(kernel.name))
     monkeypatch.setattr(program_mod, "PREPARE_THREADS", 4)
     monkeypatch.setattr(program_mod.os, "cpu_count", lambda: 4)
@@ -166,12 +167,13 @@ def test_prepare_compiles_every_kernel_once_across_threads_and_raises_the_first_
     assert len(built) == before
 
     def broken(problem, sched, arch):
-        raise RuntimeError(f"cannot compile {problem.out_epilogue.name}")
+        raise RuntimeError(f"cannot compile {problem.out_epilogue.name} {problem.n}x{problem.k}")
 
     monkeypatch.setattr(gemm_mod, "compile_gemm", broken)
     q = _prog(lambda a, b, c: torch.softmax(torch.softmax(a @ b, -1) @ c, -1), a, w1, w2)
     first = next(s for s in q.plan.steps if s.family == "gemm")
-    with pytest.raises(RuntimeError, match=f"cannot compile {q.gemms[first.name].epilogue.name}$"):
+    fp = q.gemms[first.name].problem()
+    with pytest.raises(RuntimeError, match=f"cannot compile {fp.out_epilogue.name} {fp.n}x{fp.k}$"):
         q.prepare("cuda")
 
 

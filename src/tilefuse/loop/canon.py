@@ -53,7 +53,7 @@ def named_by_structure(k: Kernel) -> Kernel:
     one NVRTC build and one cubin cache entry, where their names made each its own. The order is
     kept rather than made canonical so that the source is the one the lowering chose."""
     digest = structural_hash(k)[:10]
-    return replace(_renamed(k, k.body, True), name=f"{_stem(k.name.removesuffix('_' + digest))}_{digest}", notes=())
+    return replace(_renamed(k, k.body, True), name=f"{stem(k.name.removesuffix('_' + digest))}_{digest}", notes=())
 
 
 def _renamed(k: Kernel, body, rename_buffers: bool) -> Kernel:
@@ -65,7 +65,7 @@ def _renamed(k: Kernel, body, rename_buffers: bool) -> Kernel:
                    scratch=tuple(replace(b, name=buffers[b.name]) for b in k.scratch))
 
 
-def _stem(name: str) -> str:
+def stem(name: str) -> str:
     """A kernel name without its step number and its values' numbers (`tf_k16_mean_1_sum` -> `tf_mean_sum`)."""
     words = [w for w in name.split("_") if w and not w.isdigit() and not (w[0] == "k" and w[1:].isdigit())]
     return "_".join(words) or "kernel"

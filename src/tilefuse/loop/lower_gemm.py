@@ -13,7 +13,7 @@ RMSNorm's sum of squares (partial_sum) is stored beside the value.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..codegen.epilogue import EpilogueBuilder
 from ..graph import ir as g_ir
@@ -36,11 +36,18 @@ class LoweredGemm:
         return tuple(b for b in self.bindings if self.epilogue.buffer(b.buffer).role == "out")
 
     def problem(self):
-        """The GemmProblem the sm_90a template renders."""
+        """The GemmProblem the sm_90a template renders. Its epilogue is named by its stem
+        (loop.canon.stem: `tf_k17_matmul_4_glu_acc_epilogue` -> `tf_matmul_glu_acc_epilogue`),
+        not by its step: the source writes the epilogue's name, and a model's layers repeat each
+        GEMM with an epilogue equal but for that name, so they render one source, build once
+        (NVRTC) and share one cubin. (No structural digest: it counts M, which an M-argument
+        source leaves out; the body follows the name in the source.)"""
         from ..codegen.gemm_sm90 import GemmProblem
+        from .canon import stem
 
         s = self.spec
-        return GemmProblem(s.m, s.n, s.k, s.dtype, s.b_major, s.batch, self.epilogue)
+        epilogue = replace(self.epilogue, name=stem(self.epilogue.name))
+        return GemmProblem(s.m, s.n, s.k, s.dtype, s.b_major, s.batch, epilogue)
 
     def operand_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """a and B as the GEMM reads them: [batch,] M x K and [batch,] N x K or K x N."""
