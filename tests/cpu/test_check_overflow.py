@@ -1,0 +1,40 @@
+"""check.compare where a value leaves the output dtype's range: the check must still see a wrong
+output (an infinite PyTorch error made the bound infinite, passing anything), and an output
+that overflows as the float64 reference rounds, or as PyTorch does, passes."""
+import torch
+
+from tilefuse.check import compare
+
+
+def _case(dtype=torch.float32):
+    ref = torch.randn(64, dtype=torch.float64)
+    ref[:4] = torch.tensor([1e39, -1e39, 5e38, 3.0], dtype=torch.float64)  # the first three overflow f32
+    eager = ref.to(dtype)
+    return ref, eager
+
+
+def test_overflowing_reference_rounds_to_inf_and_a_wrong_rest_still_fails():
+    ref, eager = _case()
+    assert compare("same", eager.clone(), ref, eager).ok
+    wrong = eager.clone()
+    wrong[10:] *= 1.01  # finite elements off by 1%: PyTorch's own error is ~1e-8
+    c = compare("wrong", wrong, ref, eager)
+    assert not c.ok and c.bound < 1e-3, c
+    finite = eager.clone()
+    finite[0] = 3.4e38  # where the reference overflows f32, a finite value is neither inf nor PyTorch's
+    c = compare("finite", finite, ref, eager)
+    assert not c.ok and "overflows" in c.note, c
+
+
+def test_where_pytorch_overflows_inside_its_chain_the_output_is_judged_by_the_reference():
+    """(x * 1000) / 1000 in f16: eager overflows to inf at x > 65.5, the exact result is x."""
+    ref = torch.linspace(50, 120, 64, dtype=torch.float64)
+    x16 = ref.to(torch.float16)
+    eager = (x16 * 1000) / 1000
+    assert not torch.isfinite(eager).all()
+    assert compare("exact", x16.clone(), ref, eager).ok  # finite and right where PyTorch is inf
+    assert compare("as eager", eager.clone(), ref, eager).ok  # inf where PyTorch is inf
+    off = x16.clone()
+    off[-1] = 1.0  # wrong where PyTorch is inf: it counts in the output's error
+    c = compare("off", off, ref, eager)
+    assert not c.ok and c.torch_error < 1e-2, c
