@@ -159,6 +159,29 @@ def test_capture_failure_falls_back_with_its_reason():
     assert r.status == "eager" and "topk" in r.reason and r.calls_eager == 1
 
 
+@pytest.mark.parametrize("where", ["inside", "around"])
+def test_autocast_falls_back_to_eager_with_its_reason(where):
+    """torch.export records none of autocast's casts (two Linears in a row met a bf16 @ f32), so a
+    graph under autocast, entered inside the compiled function or around its call, runs in
+    eager, saying why, and gives eager's result."""
+    l1, l2 = nn.Linear(4, 8), nn.Linear(8, 4)
+
+    def inner(x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return l2(l1(x))
+
+    x = torch.randn(3, 4)
+    with torch.no_grad():
+        if where == "inside":
+            out, eager = torch.compile(inner, backend="tilefuse")(x), inner(x)
+        else:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                out, eager = torch.compile(lambda x: l2(l1(x)), backend="tilefuse")(x), l2(l1(x))
+    assert out.dtype == torch.bfloat16 and torch.equal(out, eager)
+    (r,) = tb.reports()
+    assert r.status == "eager" and "autocast" in r.reason and r.calls_eager == 1, r
+
+
 def test_run_time_failure_falls_back_once(monkeypatch):
     from tilefuse.runtime.program import Program
 

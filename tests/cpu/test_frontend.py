@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import tilefuse
 from tilefuse import dtypes
 from tilefuse.frontend.builder import Builder, broadcast_shapes, promote
 from tilefuse.frontend.capture import CaptureError, export, source_of, to_graph
@@ -376,3 +377,12 @@ def test_a_pass_that_runs_out_of_stack_is_one_capture_error(monkeypatch):
     monkeypatch.setattr(compiler, "_stages", too_deep)
     with pytest.raises(CaptureError, match="chain: its chain of dependent ops is too long"):
         tilefuse.compile(chain, (torch.randn(2, 4),))
+
+
+def test_compile_under_autocast_is_refused_in_one_line_naming_the_module():
+    """torch.export drops autocast's casts (Linear then Linear met bf16 @ f32): a clear refusal,
+    naming the module's class, instead of a dtype error about the second matmul."""
+    m = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 4))
+    with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(CaptureError) as e:
+        tilefuse.compile(m, (torch.randn(3, 4),))
+    assert "Sequential" in str(e.value) and "autocast" in str(e.value) and "\n" not in str(e.value)

@@ -259,6 +259,8 @@ class _Lifted(torch.nn.Module):
     w0, w1, ...), so torch.export sees only the user's tensors as inputs. Its sizes are
     either fixed ints or (input, dim) read from a user tensor, which keeps them symbolic."""
 
+    capture_name = "the graph"  # (what capture's errors call it)
+
     def __init__(self, gm, kinds, ints, weights, drop=frozenset()):
         super().__init__()
         self.gm = gm
@@ -748,6 +750,9 @@ class GraphRunner:
         user = _distinct([a for a, k in zip(args, self.kinds) if k == "input"])
         t0 = time.perf_counter()
         try:
+            if any(n.target is torch.amp.autocast_mode._enter_autocast for n in self.gm.graph.nodes):
+                raise _Unsupported("it enters torch.autocast, whose casts torch.export does not record (cast the "
+                                   "model instead: model.to(torch.bfloat16))")
             out_ints = self._int_values(ints, user)
             live = storages(weights)  # (derived weights some program holds: not twice; parameters: never pooled)
             with torch.no_grad(), interning(lambda t: POOL.intern(t, live)):

@@ -76,6 +76,13 @@ def _quiet(*names):
 
 def export(fn, example_inputs, expr: str | None = None, dynamic_shapes=None):
     """torch.export the callable; errors become one clear CaptureError line."""
+    what = expr or getattr(fn, "capture_name", None) or (
+        type(fn).__name__ if isinstance(fn, torch.nn.Module) else getattr(fn, "__name__", "the program"))
+    on = [d for d in ("cuda", "cpu") if torch.is_autocast_enabled(d)]
+    if on:
+        raise CaptureError(f"cannot capture {what} under torch.autocast ({on[0]}): torch.export does not record "
+                           f"autocast's casts, so the program would not compute what autocast runs; cast the model "
+                           f"and inputs instead (model.to(torch.bfloat16)), or compile outside autocast")
     module = _as_module(fn)
     try:
         with _quiet("torch._subclasses.fake_tensor"):  # it logs a traceback for a failed meta kernel
@@ -86,7 +93,7 @@ def export(fn, example_inputs, expr: str | None = None, dynamic_shapes=None):
             # eager takes uint8 class targets in cross_entropy / nll_loss, but export's trace of them
             # indexes with the targets, which must be int32/int64 there (as gather's index must be)
             first += " (an index, or class targets, of dtype uint8 cannot be captured: pass it as int64, .long())"
-        raise CaptureError(f"torch.export could not capture {expr or getattr(fn, '__name__', 'the program')}: {first}") from e
+        raise CaptureError(f"torch.export could not capture {what}: {first}") from e
 
 
 def _meta(node) -> Out | None:
