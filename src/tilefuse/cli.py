@@ -118,12 +118,36 @@ def main(argv: list[str] | None = None) -> int:
         return cmd_run(args)
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # the reader left (`| head`): stop quietly, as Unix tools do
+        return closed_pipe()
     except Exception as e:  # one clear line unless -v
         if getattr(args, "verbose", 0):
             raise
         print(f"tilefuse: error: {type(e).__name__}: {e}" if not _known(e) else f"tilefuse: error: {e}",
               file=sys.stderr)
         return 1
+
+
+def quiet_pipe(console):
+    """`console` raising BrokenPipeError when stdout's reader leaves (rich's default exits with
+    status 1 from inside print), so that main stops quietly with status 0."""
+    def broken():
+        raise BrokenPipeError
+
+    console.on_broken_pipe = broken
+    return console
+
+
+def closed_pipe() -> int:
+    """Exit status after stdout's reader has gone: stdout pointed at /dev/null, so that Python's
+    own flush at exit does not fail again."""
+    import os
+
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
+    return 0
 
 
 def _known(e) -> bool:
@@ -180,7 +204,7 @@ def _tune_stages(args) -> list:
 def cmd_compile(args) -> int:
     from rich.console import Console
 
-    console = Console(highlight=False, soft_wrap=True)
+    console = quiet_pipe(Console(highlight=False, soft_wrap=True))
     _, _, _, st = _build(args)
     if args.verbose >= 2:
         for f in st.fired:
@@ -292,7 +316,7 @@ def cmd_run(args) -> int:
 
     from .check import Results, check_outputs, flatten, float64_reference
 
-    console = Console(highlight=False, soft_wrap=True)
+    console = quiet_pipe(Console(highlight=False, soft_wrap=True))
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     if device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda, but no CUDA GPU is visible")
@@ -421,7 +445,7 @@ def cmd_run_model(args) -> int:
     from .check import Results, check_outputs, flatten, float64_reference
     from .frontend import backend as tb
 
-    console = Console(highlight=False, soft_wrap=True)
+    console = quiet_pipe(Console(highlight=False, soft_wrap=True))
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     if device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda, but no CUDA GPU is visible")

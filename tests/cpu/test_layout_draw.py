@@ -123,3 +123,27 @@ def test_png_through_matplotlib(monkeypatch, tmp_path):
     save_png(str(path), parse("Sw<3,3,3> o (8,64):(64,1)"))
     assert path.read_bytes() == b"\x89PNG"
     assert drawn["patches"] == 512 and "72" in drawn["texts"]
+
+
+def test_a_layout_too_large_to_draw_is_refused_at_once(capsys):
+    """10^10 cells never finished drawing; now one line and status 2."""
+    assert main(["(100000,100000)", "--text"]) == 2
+    err = capsys.readouterr().err
+    assert "too many to draw" in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("argv", [["layout", "(256,256):(256,1)", "--text"],
+                                  ["compile", "-c", "nn.Linear(512, 512, dtype=torch.bfloat16)(F.gelu(nn.Linear(512, 512, "
+                                   "dtype=torch.bfloat16)(torch.randn(512, 512, dtype=torch.bfloat16))))",
+                                   "--ir", "cuda", "--ir", "loop"]])  # (each well over a pipe's 64 KB)
+def test_a_reader_that_leaves_early_ends_the_command_quietly(argv):
+    """`tilefuse ... | head -1`: status 0 and nothing on stderr, as Unix tools do (it was
+    `cannot write None: Broken pipe` and status 2 for layout, status 1 with rich's exit for compile)."""
+    import subprocess
+
+    p = subprocess.Popen([sys.executable, "-m", "tilefuse.cli", *argv], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE)
+    p.stdout.readline()
+    p.stdout.close()
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=120) == 0 and err == "", err

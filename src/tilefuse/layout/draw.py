@@ -247,6 +247,9 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+MAX_CELLS = 1 << 16  # a drawing of more cells is unreadable, and a 10^10-cell one never finishes
+
+
 def main(argv: list[str] | None = None) -> int:
     """`tilefuse layout ...`; returns the exit status."""
     parser = _parser()
@@ -274,6 +277,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.color == "thread" and tv is None:
             raise ValueError("--color thread needs --tv")
         kw = dict(tv=tv, label=args.label, elem_bytes=args.elem_bytes)
+        if size(layout) > MAX_CELLS:
+            raise ValueError(f"{layout} has {size(layout)} cells, too many to draw (at most {MAX_CELLS}); "
+                             f"draw a tile of it")
         print(f"{layout}  size={size(layout)}")
         if args.text or not args.output:
             print(render_text(layout, **kw), end="")
@@ -289,6 +295,10 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 raise ValueError(f"output {args.output!r}: use a .svg or .png file name")
             print(f"wrote {args.output}")
+    except BrokenPipeError:  # the reader left (`| head`)
+        from ..cli import closed_pipe
+
+        return closed_pipe()
     except OSError as e:  # the output file cannot be written
         print(f"tilefuse layout: error: cannot write {args.output}: {e.strerror or e}", file=sys.stderr)
         return 2

@@ -121,9 +121,10 @@ def run(args, build) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
     from rich.table import Table
 
+    from ..cli import quiet_pipe
     from .cache import TuneCache
 
-    console = Console(highlight=False, soft_wrap=True)
+    console = quiet_pipe(Console(highlight=False, soft_wrap=True))
     devices = check_gpus(args.gpus)
     if args.arch:
         from ..runtime.nvrtc import normalize_arch
