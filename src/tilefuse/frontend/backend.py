@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+import warnings
 import weakref
 from collections import Counter
 from dataclasses import dataclass, field
@@ -90,6 +91,7 @@ def reset() -> None:
     """Forget the reports and the graph breaks seen so far (dynamo's own caches are reset with
     torch._dynamo.reset())."""
     REPORTS.clear()
+    _WARNED_TRAINING.clear()
     _seen_breaks.clear()
     _breaks_before.clear()
     _breaks_before.update(_graph_breaks())
@@ -120,6 +122,18 @@ def _logging() -> bool:
 def _log(msg: str) -> None:
     if _logging():
         print(f"tilefuse: {msg}", file=sys.stderr, flush=True)
+
+
+_WARNED_TRAINING = []
+
+
+def _warn_training(why: str) -> None:
+    """Once a process: a model called with grad on (no torch.no_grad()) runs every graph in
+    eager, which without TILEFUSE_LOG would pass unseen (tilefuse.compile warns likewise)."""
+    if not _WARNED_TRAINING:
+        _WARNED_TRAINING.append(True)
+        warnings.warn(f"tilefuse: a graph runs in eager: {why} (TILEFUSE_LOG=summary lists every graph)",
+                      RuntimeWarning, stacklevel=2)
 
 
 def _graph_breaks() -> Counter:
@@ -461,6 +475,8 @@ class GraphRunner:
         if self.fallback:
             self.report.status, self.report.reason = "eager", self.fallback
             _log(self.report.line())
+            if self.fallback.startswith("training graph"):
+                _warn_training(self.fallback)
         elif "int" in self.kinds or self.scalars:  # (compiled at the first call, which gives their values)
             self.report.reason = "dynamic sizes are specialised"
             _log(self.report.line())

@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 import contextlib
+import io
 import logging
 import operator
 import re
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -84,9 +86,14 @@ def export(fn, example_inputs, expr: str | None = None, dynamic_shapes=None):
                            f"autocast's casts, so the program would not compute what autocast runs; cast the model "
                            f"and inputs instead (model.to(torch.bfloat16)), or compile outside autocast")
     module = _as_module(fn)
+    said = io.StringIO()  # what export writes to stderr: shown where it succeeds, dropped where it fails
     try:
-        with _quiet("torch._subclasses.fake_tensor"):  # it logs a traceback for a failed meta kernel
-            return torch.export.export(module, tuple(example_inputs), strict=False, dynamic_shapes=dynamic_shapes)
+        # fake_tensor logs a traceback for a failed meta kernel; symbolic_shapes, for a symbolic
+        # export (the backend's), a warning per unmatched symbol; a failed export prints its
+        # partial graph (hundreds of lines for a model) and warnings that the one line replaces
+        with _quiet("torch._subclasses.fake_tensor", "torch.fx.experimental.symbolic_shapes"), \
+                contextlib.redirect_stderr(said):
+            ep = torch.export.export(module, tuple(example_inputs), strict=False, dynamic_shapes=dynamic_shapes)
     except Exception as e:  # torch raises many kinds; the user needs the first line
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         if "for index, but got torch.uint8" in first:
@@ -94,6 +101,8 @@ def export(fn, example_inputs, expr: str | None = None, dynamic_shapes=None):
             # indexes with the targets, which must be int32/int64 there (as gather's index must be)
             first += " (an index, or class targets, of dtype uint8 cannot be captured: pass it as int64, .long())"
         raise CaptureError(f"torch.export could not capture {what}: {first}") from e
+    sys.stderr.write(said.getvalue())
+    return ep
 
 
 def _meta(node) -> Out | None:

@@ -45,7 +45,8 @@ def eval_map(n: ir.Map, args, precision="native"):
         if out == "u8":  # through int64, as PyTorch does: a negative value wraps (-1.5 -> 255)
             with np.errstate(invalid="ignore"):
                 return np.trunc(x).astype(np.int64).astype(np.uint8)
-        return np.trunc(x).astype(_store_type(out, precision))
+        with np.errstate(invalid="ignore"):  # NaN or inf to an integer: a value as PyTorch's, no warning
+            return np.trunc(x).astype(_store_type(out, precision))
     if n.op == "where":
         c, x, y = args
         t = _float_type(out, precision) if dtypes.is_float(out) else dtypes.to_numpy(out)
