@@ -71,7 +71,7 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--bench", action="store_true", help="on a GPU: time it against eager and torch.compile")
     r.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto",
                    help="where to run: the GPU's kernels, or the CPU interpreter (default: cuda when a GPU is visible)")
-    r.add_argument("--seed", type=int, default=None,
+    r.add_argument("--seed", type=_seed_arg, default=None,
                    help="draw weights and inputs from this seed (default: a fresh one, printed, each run)")
     t = sub.add_parser("tune", help="tune each kernel's schedule on this GPU; later runs use the picks",
                        description="Search each distinct kernel's schedule knobs (SP-MCTS, or every candidate "
@@ -88,7 +88,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="measure every candidate when a kernel admits at most this many (default 48; map-reduce kernels with at most 256 distinct valid candidates are measured whole anyway)")
     t.add_argument("--force", action="store_true", help="re-tune kernels the cache already has")
     t.add_argument("--timeout", type=float, default=60.0, help="seconds before a candidate counts as hung")
-    t.add_argument("--seed", type=int, default=0, help="seed of the search and of --model's weights (default 0)")
+    t.add_argument("--seed", type=_seed_arg, default=0, help="seed of the search and of --model's weights (default 0)")
     lay = sub.add_parser("layout", help="print or draw a CuTe layout", add_help=False)
     lay.add_argument("rest", nargs=argparse.REMAINDER)
     return p
@@ -98,6 +98,17 @@ def _version():
     from . import __version__
 
     return __version__
+
+
+def _seed_arg(text: str) -> int:
+    """A --seed: an integer torch.manual_seed takes (0 to 2^63 - 1)."""
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if not 0 <= v < 2**63:
+        raise argparse.ArgumentTypeError(f"{v} is out of range: a seed is 0 to 2^63 - 1")
+    return v
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -207,6 +218,8 @@ def cmd_compile(args) -> int:
     console = quiet_pipe(Console(highlight=False, soft_wrap=True))
     _, _, _, st = _build(args)
     if args.verbose >= 2:
+        if not st.fired:
+            console.print("(-vv: no rewrite fired; the graph below is the captured one)")
         for f in st.fired:
             console.print(f"[bold]rewrite {f.rule}[/bold]")
             for line in difflib.unified_diff(f.before.splitlines(), f.after.splitlines(), lineterm="", n=1):

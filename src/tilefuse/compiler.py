@@ -275,6 +275,9 @@ def compile(fn, example_inputs, *, arch: str | None = None, graphs: bool | None 
     """
     if isinstance(example_inputs, torch.Tensor):
         example_inputs = (example_inputs,)
+    if isinstance(example_inputs, dict):  # (a tuple of it would be its keys)
+        raise TypeError("example_inputs is a dict: pass the positional inputs as a tuple, "
+                        "(x,) or (x, y); a dict of tensors may be one of them, ({'x': x},)")
     c = compile_stages(fn, tuple(example_inputs), arch=arch)
     if graphs is not None:
         c.program.graphs = graphs

@@ -347,6 +347,7 @@ def test_seed_repeats_a_run_weights_included_and_is_printed(capsys):
     (["run", "-c", "torch.randn(4)*2", "--layers", "3"], "--layers is a --model option"),
     (["compile", "-c", "torch.randn(4)*2", "--arch", "foo"], "unknown GPU architecture 'foo'"),
     (["compile", "-c", "torch.randn(4)*2", "--arch", "sm_42"], "'sm_42' is not one tilefuse builds for"),
+    (["compile", "-c", "torch.randn(4)*2", "--arch", "sm_999"], "'sm_999' is not one this NVRTC builds for"),
 ])
 def test_options_that_do_not_apply_are_refused_in_one_line(capfd, argv, what):
     assert main(argv) == 1
@@ -394,3 +395,27 @@ def test_run_judges_an_input_written_in_place_and_each_run_writes_its_own_copy(e
     errors = [float(tok) for line in out.splitlines() if "│" in line for tok in line.split("│")[3:4]
               if tok.strip() and tok.strip()[0].isdigit()]
     assert errors and max(errors) < 1e-5, out
+
+
+def test_vv_says_when_no_rewrite_fired(capsys):
+    assert main(["compile", "-c", "torch.randn(4, 4).exp()", "-vv"]) == 0
+    assert "no rewrite fired" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv,what", [
+    (["run", "-c", "torch.randn(3).exp()", "--seed", "99999999999999999999"], "a seed is 0 to 2^63 - 1"),
+    (["run", "-c", "torch.randn(3).exp()", "--seed", "x"], "is not an integer"),
+])
+def test_a_bad_seed_is_a_usage_error_naming_it(capsys, argv, what):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2 and what in capsys.readouterr().err
+
+
+def test_an_expression_cut_short_says_where():
+    from tilefuse.frontend.expr import ExprError, parse
+
+    with pytest.raises(ExprError, match="does not parse: .* at its end"):
+        parse("torch.randn(3, 4) +")
+    with pytest.raises(ExprError, match="at column 21"):
+        parse("torch.randn(3, 4) + )")

@@ -386,3 +386,13 @@ def test_compile_under_autocast_is_refused_in_one_line_naming_the_module():
     with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(CaptureError) as e:
         tilefuse.compile(m, (torch.randn(3, 4),))
     assert "Sequential" in str(e.value) and "autocast" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_example_inputs_as_a_dict_or_a_number_are_refused_saying_what_to_pass():
+    """A dict as example_inputs was taken as its keys (`input args_0 is a str`)."""
+    with pytest.raises(TypeError, match="example_inputs is a dict: pass the positional inputs as a tuple"):
+        tilefuse.compile(lambda x: x * 2, {"x": torch.randn(3)})
+    with pytest.raises(CaptureError, match="input args_1 is an int, not a tensor"):
+        tilefuse.compile(lambda x, n: x * n, (torch.randn(3), 2))
+    out = tilefuse.compile(lambda d: d["x"] * 2, ({"x": torch.ones(3)},))({"x": torch.ones(3)})
+    assert torch.equal(out, torch.full((3,), 2.0))

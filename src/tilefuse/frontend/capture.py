@@ -217,7 +217,9 @@ def to_graph(ep, expr: str | None = None) -> ir.Graph:
         if node.op == "placeholder":
             val = node.meta["val"]
             if not isinstance(val, torch.Tensor):
-                raise CaptureError(f"input {node.name} is a {type(val).__name__}, not a tensor")
+                kind = type(val).__name__
+                raise CaptureError(f"input {node.name} is {'an' if kind[0] in 'aeiou' else 'a'} {kind}, not a tensor "
+                                   f"(tilefuse.compile takes tensors, or lists, tuples and dicts of them)")
             try:
                 t = ir.TensorType(tuple(int(s) for s in val.shape), dtypes.from_torch(val.dtype))
             except ValueError as e:

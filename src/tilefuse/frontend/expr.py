@@ -162,7 +162,9 @@ def parse(text: str, dtype: torch.dtype | None = None):
         try:
             tree = ast.parse(text.strip(), mode="eval")
         except SyntaxError as e:
-            raise ExprError(f"the expression does not parse: {e.msg} at column {e.offset}") from None
+            # (Python gives no column, or 0, where the text ends before the expression does)
+            where = f"column {e.offset}" if e.offset and e.offset <= len(text.strip()) else "its end"
+            raise ExprError(f"the expression does not parse: {e.msg} at {where}") from None
         hoist = _Hoist(_scope(), text.strip())
         body = ast.fix_missing_locations(hoist.visit(tree))
         hoist.check_per_item_modules(body)

@@ -6,6 +6,7 @@ toolkit headers can pass `include_dirs` (`cuda_include_dir()` finds a toolkit's)
 """
 from __future__ import annotations
 
+import functools
 import os
 import re
 from dataclasses import dataclass
@@ -76,7 +77,24 @@ def normalize_arch(arch: str) -> str:
         # (CUDA 13's NVRTC builds sm_75 and newer; a made-up sm_42 is not one)
         raise ValueError(f"GPU architecture {given!r} is not one tilefuse builds for: sm_75 (Turing) and newer, "
                          f"e.g. sm_80, sm_89, sm_90a")
+    known = supported_archs()
+    if known and int(m.group(1)) not in known:
+        raise ValueError(f"GPU architecture {given!r} is not one this NVRTC builds for: "
+                         + ", ".join(f"sm_{a}" for a in known))
     return "sm_90a" if m.group(1) == "90" else arch
+
+
+@functools.lru_cache(maxsize=1)
+def supported_archs() -> tuple[int, ...]:
+    """The architectures this NVRTC builds for (75, 80, ..., 121 with CUDA 13), or () where it
+    cannot be asked (no cuda-python)."""
+    try:
+        from cuda.bindings import nvrtc
+
+        err, archs = nvrtc.nvrtcGetSupportedArchs()
+        return tuple(int(a) for a in archs) if int(err) == 0 else ()
+    except Exception:  # (no cuda-python, no NVRTC library)
+        return ()
 
 
 def current_arch() -> str:
