@@ -226,3 +226,23 @@ def test_a_padded_batch_with_a_static_cache_gives_eager_tokens_from_one_decode_c
         sampled = model.generate(ids, attention_mask=mask, **{**static, "do_sample": True})
     assert sampled.shape == eager.shape and _variants() == variants, tb.summary()
     _assert_ran_in_tilefuse()
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2"])
+def test_a_padded_batch_with_a_dynamic_cache_makes_later_decode_lengths_with_no_compile(name):
+    """Two prompts, the second left-padded, dynamic cache: eager's tokens, and once the growing
+    mask's small maps run in PyTorch, later decode lengths are made with no compile. (The mask's
+    `and` shared a kernel with RoPE's [batch, 1, 1] position cast, whose shape does not grow, and
+    every decode length compiled in full: runtime.resize.torch_maps took only growing maps.)"""
+    model = _build(name)
+    ids = torch.randint(2, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones(2, 12, dtype=torch.long)
+    mask[1, :4], ids[1, :4] = 0, 0
+    with torch.no_grad():
+        eager = model.generate(ids, attention_mask=mask, **GENERATE)
+        model.forward = torch.compile(model.forward, backend="tilefuse")
+        got = model.generate(ids, attention_mask=mask, **GENERATE)
+    assert torch.equal(got, eager), (got, eager)
+    _assert_ran_in_tilefuse()
+    decode = max(tb.reports(), key=lambda r: r.variants)
+    assert decode.variants >= GENERATE["max_new_tokens"] - 2 and decode.resized >= 2, tb.summary()

@@ -113,7 +113,9 @@ def torch_maps(p0, p1) -> frozenset:
     """Where `family(p0, p1)` fails only because kernels compute small maps over tensors whose
     shapes change with the sizes (transformers 5.17's decode step casts `generate`'s attention
     mask, one longer each step): those maps' names, to run in PyTorch (graph.fusion.plan's
-    `in_torch`) so that the next two sizes make a family. Empty where that would not do."""
+    `in_torch`) so that the next two sizes make a family. A small map of a fixed shape fused
+    into such a kernel goes with it (a left-padded batch's mask `and` shared its kernel with
+    RoPE's [batch, 1, 1] position cast). Empty where that would not do."""
     from ..graph.fusion import TORCH_MAPS
 
     g0, g1 = p0.graph, p1.graph
@@ -126,7 +128,7 @@ def torch_maps(p0, p1) -> frozenset:
             continue
         for name in s.nodes:
             n = g1[name]
-            if not (isinstance(n, ir.Map) and n.op in TORCH_MAPS and name in varying
+            if not (isinstance(n, ir.Map) and n.op in TORCH_MAPS
                     and max(g0[name].type.numel, n.type.numel) <= SMALL):
                 return frozenset()
             found.add(name)
