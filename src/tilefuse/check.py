@@ -58,16 +58,15 @@ def compare(name: str, out: torch.Tensor, ref64: torch.Tensor, torch_out: torch.
         return Check(name, False, float("nan"), 0.0, 0.0, f"{bad} element(s) differ where the reference is not finite")
     # a finite reference beyond the output dtype's range rounds to +-inf there: the output must
     # be that, or PyTorch's value (an inf error there would make the bound inf, passing anything)
-    over = finite & (r.abs() > torch.finfo(out.dtype).max) if out.dtype != torch.float64 else None
-    if over is not None and over.any():
-        at, rounded = (o[over], t[over]), r[over].to(out.dtype).double()
-        bad = int(((at[0] != rounded) & (at[0] != at[1])).sum())
+    over = finite & (r.abs() > torch.finfo(out.dtype).max)
+    n_over = int(over.sum())
+    if n_over:
+        rounded = r[over].to(out.dtype).double()
+        bad = int(((o[over] != rounded) & (o[over] != t[over])).sum())
         if bad:
             return Check(name, False, float("nan"), 0.0, 0.0,
                          f"{bad} element(s) differ where the reference overflows {_dt(out)}")
         finite = finite & ~over
-    else:
-        over = None
     # where PyTorch's own result is not finite but the reference is (an overflow inside its
     # chain of ops), PyTorch has no error to measure the output by: the output there counts in
     # its error unless it is PyTorch's value, and PyTorch's error is measured on the rest
@@ -78,7 +77,7 @@ def compare(name: str, out: torch.Tensor, ref64: torch.Tensor, torch_out: torch.
     else:
         err, terr = rel_error(o[finite], r[finite]), rel_error(t[finite], r[finite])
     bound = 2 * terr + FLOOR
-    note = f"{int(over.sum())} element(s) beyond {_dt(out)}'s range, as PyTorch" if over is not None else ""
+    note = f"{n_over} element(s) beyond {_dt(out)}'s range, as PyTorch" if n_over else ""
     if torch_off.any():
         note = (note + "; " if note else "") + f"PyTorch not finite at {int(torch_off.sum())} element(s)"
     return Check(name, err <= bound, err, terr, bound, note)

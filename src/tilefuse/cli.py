@@ -139,12 +139,16 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
 
-def quiet_pipe(console):
-    """`console` raising BrokenPipeError when stdout's reader leaves (rich's default exits with
-    status 1 from inside print), so that main stops quietly with status 0."""
+def make_console():
+    """The subcommands' rich console. It raises BrokenPipeError when stdout's reader leaves
+    (rich's default exits with status 1 from inside print), so that main stops quietly with
+    status 0."""
+    from rich.console import Console
+
     def broken():
         raise BrokenPipeError
 
+    console = Console(highlight=False, soft_wrap=True)
     console.on_broken_pipe = broken
     return console
 
@@ -213,9 +217,7 @@ def _tune_stages(args) -> list:
 
 
 def cmd_compile(args) -> int:
-    from rich.console import Console
-
-    console = quiet_pipe(Console(highlight=False, soft_wrap=True))
+    console = make_console()
     _, _, _, st = _build(args)
     if args.verbose >= 2:
         if not st.fired:
@@ -323,13 +325,12 @@ def cmd_run(args) -> int:
     if getattr(args, "model", None):
         return cmd_run_model(args)
     import torch
-    from rich.console import Console
     from rich.markup import escape
     from rich.table import Table
 
     from .check import Results, check_outputs, flatten, float64_reference
 
-    console = quiet_pipe(Console(highlight=False, soft_wrap=True))
+    console = make_console()
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     if device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda, but no CUDA GPU is visible")
@@ -450,7 +451,6 @@ def random_ops(graph) -> list[str]:
 def cmd_run_model(args) -> int:
     """A transformers model through torch.compile(backend="tilefuse"): check, summary, optional bench."""
     import torch
-    from rich.console import Console
     from rich.markup import escape
     from rich.table import Table
 
@@ -458,7 +458,7 @@ def cmd_run_model(args) -> int:
     from .check import Results, check_outputs, flatten, float64_reference
     from .frontend import backend as tb
 
-    console = quiet_pipe(Console(highlight=False, soft_wrap=True))
+    console = make_console()
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     if device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda, but no CUDA GPU is visible")

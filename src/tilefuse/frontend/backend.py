@@ -125,6 +125,8 @@ def _log(msg: str) -> None:
 
 
 _WARNED_TRAINING = []
+_TRAINING = ("training graph (grad mode on and inputs that require grad): tilefuse has no backward yet; run "
+             "inference under torch.no_grad() or torch.inference_mode()")
 
 
 def _warn_training(why: str) -> None:
@@ -475,7 +477,7 @@ class GraphRunner:
         if self.fallback:
             self.report.status, self.report.reason = "eager", self.fallback
             _log(self.report.line())
-            if self.fallback.startswith("training graph"):
+            if self.fallback is _TRAINING:
                 _warn_training(self.fallback)
         elif "int" in self.kinds or self.scalars:  # (compiled at the first call, which gives their values)
             self.report.reason = "dynamic sizes are specialised"
@@ -542,8 +544,10 @@ class GraphRunner:
             return f"dynamo gave {len(example_inputs)} inputs for {len(placeholders)} placeholders"
         tensors = [x for x in example_inputs if isinstance(x, torch.Tensor)]
         if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-            return ("training graph (grad mode on and inputs that require grad): tilefuse has no backward "
-                    "yet; run inference under torch.no_grad() or torch.inference_mode()")
+            return _TRAINING
+        if any(n.target is torch.amp.autocast_mode._enter_autocast for n in self.gm.graph.nodes):
+            return ("it enters torch.autocast, whose casts torch.export does not record (cast the model "
+                    "instead: model.to(torch.bfloat16))")
         if any(t.is_sparse or t.is_quantized or t.is_nested for t in tensors):
             return "sparse, quantized or nested tensor inputs"
         devices = {t.device for t in tensors}
@@ -766,9 +770,6 @@ class GraphRunner:
         user = _distinct([a for a, k in zip(args, self.kinds) if k == "input"])
         t0 = time.perf_counter()
         try:
-            if any(n.target is torch.amp.autocast_mode._enter_autocast for n in self.gm.graph.nodes):
-                raise _Unsupported("it enters torch.autocast, whose casts torch.export does not record (cast the "
-                                   "model instead: model.to(torch.bfloat16))")
             out_ints = self._int_values(ints, user)
             live = storages(weights)  # (derived weights some program holds: not twice; parameters: never pooled)
             with torch.no_grad(), interning(lambda t: POOL.intern(t, live)):

@@ -117,14 +117,13 @@ def collect(stages: list) -> dict:
 def run(args, build) -> int:
     """The subcommand; `build(args)` compiles the program and returns its stages, a list of
     `compiler.Compiled` (cli._tune_stages: one for -c, one per dynamo graph for --model)."""
-    from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
     from rich.table import Table
 
-    from ..cli import quiet_pipe
+    from ..cli import make_console
     from .cache import TuneCache
 
-    console = quiet_pipe(Console(highlight=False, soft_wrap=True))
+    console = make_console()
     devices = check_gpus(args.gpus)
     if args.arch:
         from ..runtime.nvrtc import normalize_arch
