@@ -282,6 +282,18 @@ def test_an_in_place_op_that_would_reshape_an_input_is_refused(fn):
         tilefuse.compile(fn, ({_squeeze: torch.randn(1, 4), _transpose: torch.randn(2, 4)}.get(fn, torch.randn(4, 4)),))
 
 
+def test_an_in_place_op_that_adds_a_dim_to_an_input_is_refused_in_words():
+    """unsqueeze_ on an input fails inside torch.export itself (a bare IndexError from its
+    guards, which index the input by its new rank): the error says what the program did."""
+
+    def fn(x):
+        x.unsqueeze_(0)
+        return x * 2
+
+    with torch.no_grad(), pytest.raises(CaptureError, match="in-place op changes the number of dimensions of an input"):
+        tilefuse.compile(fn, (torch.randn(3, 4),))
+
+
 def test_a_write_into_a_copy_made_by_to_copy_true_is_never_the_originals():
     """`.to(dtype, copy=True)` (copy passed by position in the export) is new memory, not x."""
 

@@ -96,6 +96,11 @@ def export(fn, example_inputs, expr: str | None = None, dynamic_shapes=None):
             ep = torch.export.export(module, tuple(example_inputs), strict=False, dynamic_shapes=dynamic_shapes)
     except Exception as e:  # torch raises many kinds; the user needs the first line
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        if isinstance(e, IndexError) and _raised_in(e, "produce_guards_verbose"):
+            # torch.export's guards index an input by its rank at the end of the trace: an
+            # in-place op that changed it (x.unsqueeze_(0)) fails there with this bare IndexError
+            first = ("an in-place op changes the number of dimensions of an input (unsqueeze_ or the like), "
+                     "which torch.export cannot capture; reshape it out of place")
         if "for index, but got torch.uint8" in first:
             # eager takes uint8 class targets in cross_entropy / nll_loss, but export's trace of them
             # indexes with the targets, which must be int32/int64 there (as gather's index must be)
@@ -103,6 +108,15 @@ def export(fn, example_inputs, expr: str | None = None, dynamic_shapes=None):
         raise CaptureError(f"torch.export could not capture {what}: {first}") from e
     sys.stderr.write(said.getvalue())
     return ep
+
+
+def _raised_in(e: BaseException, function: str) -> bool:
+    tb = e.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_name == function:
+            return True
+        tb = tb.tb_next
+    return False
 
 
 def _meta(node) -> Out | None:
