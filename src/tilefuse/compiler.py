@@ -2,12 +2,13 @@
 from __future__ import annotations
 
 import operator
+import sys
 from dataclasses import dataclass, field
 
 import torch
 
 from . import collector
-from .frontend.capture import export, to_graph
+from .frontend.capture import export_and_log, to_graph
 from .graph import ir
 from .graph.fold import fold_weights
 from .graph.rules.causal_mask import causal_masks
@@ -126,9 +127,10 @@ def _stages(fn, example_inputs, expr: str | None, arch: str | None, exported=Non
     import time
 
     t0 = time.perf_counter()
-    ep = exported if exported is not None else export(fn, example_inputs, expr=expr)
+    ep, said = (exported, "") if exported is not None else export_and_log(fn, example_inputs, expr=expr)
     t1 = time.perf_counter()
     captured = to_graph(ep, expr=expr)
+    sys.stderr.write(said)
     graph, fired = run_rewrites(captured)
     gemm = gemm_enabled(arch)
     if gemm:  # the transformer glue moves into GEMM epilogues (weights folded here, once)

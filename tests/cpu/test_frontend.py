@@ -239,6 +239,40 @@ def test_mismatched_shapes_are_one_capture_error_and_log_nothing(capfd):
     assert "Traceback" not in out + err
 
 
+class _KeepsAState(torch.nn.Module):
+    """Assigns a tensor attribute in forward: torch.export warns that it was "assigned during
+    export" (as for an LSTM's flat weights)."""
+
+    def __init__(self, then):
+        super().__init__()
+        self.then = then
+
+    def forward(self, x):
+        self.state = x.detach() * 0
+        return self.then(x)
+
+
+def _warnings_to_stderr(monkeypatch):
+    import sys
+    import warnings
+
+    monkeypatch.setattr(warnings, "showwarning",
+                        lambda m, c, f, n, file=None, line=None: sys.stderr.write(warnings.formatwarning(m, c, f, n)))
+    monkeypatch.setattr(warnings, "filters", [("always", None, Warning, None, 0)])
+
+
+def test_export_warnings_show_only_when_the_capture_succeeds(monkeypatch, capfd):
+    """What torch.export says on stderr is shown after the whole capture succeeded, so a program
+    then refused gives its one error line alone, not a warning about export internals first."""
+    _warnings_to_stderr(monkeypatch)
+    with torch.no_grad():
+        tilefuse.compile(_KeepsAState(lambda x: x * 2), (torch.randn(3),))
+    assert "assigned during export" in capfd.readouterr().err
+    with torch.no_grad(), pytest.raises(CaptureError, match="topk"):
+        tilefuse.compile(_KeepsAState(lambda x: torch.topk(x, 2)), (torch.randn(3),))
+    assert "assigned during export" not in capfd.readouterr().err
+
+
 def test_unsupported_dtype_names_the_dtype_and_op():
     with pytest.raises(CaptureError) as e:
         graph_of(lambda x: x.to(torch.complex64) * 2, torch.randn(3))

@@ -78,6 +78,15 @@ def _quiet(*names):
 
 def export(fn, example_inputs, expr: str | None = None, dynamic_shapes=None):
     """torch.export the callable; errors become one clear CaptureError line."""
+    ep, said = export_and_log(fn, example_inputs, expr, dynamic_shapes)
+    sys.stderr.write(said)
+    return ep
+
+
+def export_and_log(fn, example_inputs, expr: str | None = None, dynamic_shapes=None):
+    """`export`, and what torch.export wrote to stderr (its warnings), for the caller to show
+    once the capture as a whole succeeded: a warning about a program then refused (an LSTM's
+    flat weights "assigned during export") would precede the error that matters."""
     what = expr or getattr(fn, "capture_name", None) or (
         type(fn).__name__ if isinstance(fn, torch.nn.Module) else getattr(fn, "__name__", "the program"))
     on = [d for d in ("cuda", "cpu") if torch.is_autocast_enabled(d)]
@@ -106,8 +115,7 @@ def export(fn, example_inputs, expr: str | None = None, dynamic_shapes=None):
             # indexes with the targets, which must be int32/int64 there (as gather's index must be)
             first += " (an index, or class targets, of dtype uint8 cannot be captured: pass it as int64, .long())"
         raise CaptureError(f"torch.export could not capture {what}: {first}") from e
-    sys.stderr.write(said.getvalue())
-    return ep
+    return ep, said.getvalue()
 
 
 def _raised_in(e: BaseException, function: str) -> bool:
