@@ -140,3 +140,26 @@ def test_an_exact_product_rounded_in_row_blocks_equals_rounding_it_whole(monkeyp
         for b in (torch.rand(100, 1, dtype=dtype) + 0.5, torch.rand(1, 33, dtype=dtype) + 0.5):
             whole = match.exact_product(a, b).to(dtype)
             assert torch.equal(match.exact_product(a, b, round_to=dtype), whole), (dtype, tuple(b.shape))
+
+
+def _extremes(dtype) -> torch.Tensor:
+    info = torch.finfo(dtype)
+    return torch.tensor([info.max, -info.max, info.tiny, info.tiny / 4, info.eps, 0.0, -0.0, 1.0, -3.0],
+                        dtype=torch.float64).to(dtype)
+
+
+def test_an_exact_product_of_16_bit_floats_is_pytorchs_multiply_bit_for_bit():
+    """The 16-bit fast path (torch.mul, float32 opmath, one rounding) gives the bits of the
+    product formed in float64 and rounded once, overflow to inf and subnormals included, for
+    a row or a column broadcast."""
+    from tilefuse.graph.rules import match
+
+    torch.manual_seed(0)
+    for dtype in (torch.bfloat16, torch.float16):
+        x = _extremes(dtype)
+        a = torch.cat([torch.randn(64 * 33, dtype=torch.float64).to(dtype), x.repeat(33)]).reshape(-1, 33)
+        for b in (torch.randn(a.shape[0], 1, dtype=torch.float64).to(dtype),
+                  torch.cat([x, torch.randn(33 - x.numel(), dtype=torch.float64).to(dtype)]).reshape(1, 33)):
+            got = match.exact_product(a, b, round_to=dtype)
+            want = (a.double() * b.double()).to(dtype)
+            assert got.dtype == dtype and torch.equal(got, want), (dtype, tuple(b.shape))

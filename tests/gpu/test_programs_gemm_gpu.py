@@ -175,3 +175,23 @@ def test_transformers_model_through_tilefuse_compile(name):
     for call in range(2):
         c = compare(f"{name} call {call}", prog(*b.inputs), ref, eager)
         assert c.ok, c
+
+
+def test_folding_a_norm_weight_on_the_gpu_rounds_once_as_in_float64():
+    """Folding γ into a weight on the GPU (the weights are there when compiling) takes PyTorch's
+    16-bit multiply (float32 opmath, one rounding): the bits of the float64 product rounded once,
+    overflow, subnormals and both broadcasts included."""
+    from tilefuse.graph.rules.match import exact_product
+
+    torch.manual_seed(0)
+    for dtype in (torch.bfloat16, torch.float16):
+        info = torch.finfo(dtype)
+        edge = torch.tensor([info.max, -info.max, info.tiny, info.tiny / 4, info.eps, 0.0, -0.0, 1.0, -3.0],
+                            dtype=torch.float64)
+        a = torch.cat([torch.randn(4096 * 33, dtype=torch.float64), edge.repeat(33)]).reshape(-1, 33)
+        a = a.to(dtype).cuda()
+        for b in (torch.randn(a.shape[0], 1, dtype=torch.float64),
+                  torch.cat([edge, torch.randn(33 - edge.numel(), dtype=torch.float64)]).reshape(1, 33)):
+            b = b.to(dtype).cuda()
+            got = exact_product(a, b, round_to=dtype)
+            assert got.is_cuda and torch.equal(got, (a.double() * b.double()).to(dtype)), (dtype, tuple(b.shape))
