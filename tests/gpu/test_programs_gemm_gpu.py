@@ -178,9 +178,9 @@ def test_transformers_model_through_tilefuse_compile(name):
 
 
 def test_folding_a_norm_weight_on_the_gpu_rounds_once_as_in_float64():
-    """Folding γ into a weight on the GPU (the weights are there when compiling) takes PyTorch's
-    16-bit multiply (float32 opmath, one rounding): the bits of the float64 product rounded once,
-    overflow, subnormals and both broadcasts included."""
+    """Folding γ into a weight on the GPU (the weights are there when compiling): the bits of the
+    float64 product rounded once, overflow, subnormals and both broadcasts included (the check
+    that would let the GPU take the CPU's one-pass 16-bit multiply too)."""
     from tilefuse.graph.rules.match import exact_product
 
     torch.manual_seed(0)
