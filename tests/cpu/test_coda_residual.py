@@ -94,6 +94,32 @@ def test_left_alone_when_the_matmul_output_is_used_twice_or_feeds_the_residual()
     assert residual_into_epilogue(g) is g
 
 
+def test_an_integer_matmul_keeps_its_float_maps_float():
+    """An integer product followed by float maps and an add (found by the fuzzer: `(v @ v).exp()
+    .log() + 0`) is no float accumulator's chain: the rule once retyped exp and log to i64,
+    which the Loop IR verifier then refused. Left alone, the program compiles and is eager's."""
+    import tilefuse
+
+    def fn(a, b, r):
+        return (a @ b).exp().log() + r
+
+    a, b = torch.randint(-2, 3, (3, 4)), torch.randint(-2, 3, (4, 5))
+    r = torch.randn(3, 5)
+    g = capture(_Fn(fn), a, b, r)
+    assert residual_into_epilogue(g) is g
+    with torch.no_grad():
+        torch.testing.assert_close(tilefuse.compile(fn, (a, b, r))(a, b, r), fn(a, b, r))
+
+
+class _Fn(nn.Module):
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, *args):
+        return self.fn(*args)
+
+
 def _ancestors(g: ir.Graph, name: str) -> set[str]:
     seen, stack = set(), [name]
     while stack:

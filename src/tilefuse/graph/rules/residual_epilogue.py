@@ -77,6 +77,8 @@ def residual_into_epilogue(g: ir.Graph) -> ir.Graph:
             if found is None:
                 continue
             mm, maps, tip = found
+            if not _float(g[mm].type.dtype):
+                continue  # an integer product's chain is no float accumulator's (its maps would be retyped to it)
             acc = "f32" if low_precision(g[mm].type.dtype) else g[mm].type.dtype
             if tip == a and all(g[x].type.dtype == acc for x in (mm, *maps)):
                 break  # already an add on the accumulator's chain: nothing to move
