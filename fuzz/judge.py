@@ -97,6 +97,41 @@ def _through_backend(fn, example, fresh):
     return out
 
 
+def check_sizes(fn, example, others, coarse=None):
+    """The program under torch.compile(backend="tilefuse") with dynamo's default shape handling:
+    called at the example's sizes, then at each of `others` (inputs where one dim size, the same
+    in every input holding it, is another). Dynamo's second compile is symbolic, so the later
+    sizes go through tilefuse's size variants (one symbolic export instantiated per size, or a
+    program made with no compile); each later call is judged against eager at its sizes."""
+    from tilefuse.frontend import backend
+
+    eagers = []
+    for inputs in others:
+        try:
+            with torch.no_grad():
+                eagers.append(fn(*[x.clone() for x in inputs]))
+        except Exception as ex:
+            return "skip", f"eager at other sizes: {type(ex).__name__}: {str(ex)[:100]}"
+    backend.register()
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, backend="tilefuse")
+    outs = []
+    try:
+        with torch.no_grad():
+            compiled(*[x.clone() for x in example])
+            for inputs in others:
+                outs.append(compiled(*[x.clone() for x in inputs]))
+    except torch._dynamo.exc.TorchRuntimeError as ex:
+        return "skip", f"dynamo: {str(ex).splitlines()[0][:200]}"
+    except Exception as ex:
+        return "crash", "backend sizes " + "".join(traceback.format_exception(ex)[-6:])
+    for inputs, eager, out in zip(others, eagers, outs):
+        st, msg = _judge(fn, inputs, eager, out, coarse)
+        if st != "ok":
+            return st, f"at {[tuple(x.shape) for x in inputs]}: {msg}"
+    return "ok", ""
+
+
 def check(fn, example, fresh=None, verbose=True, coarse=None, backend=False):
     """returns (status, msg): status in ok/skip/bad/crash. backend=True runs the program under
     torch.compile(backend="tilefuse") instead of tilefuse.compile."""

@@ -27,6 +27,17 @@ def rand_shape(r):
     k = r.choice([0, 1, 1, 2, 2, 2, 3, 3, 4])
     return tuple(r.choice([1, 1, 2, 3, 4, 5, 7, 8, 13, 16, 33]) for _ in range(k))
 
+def other_sizes(example, r, device):
+    """Two sets of fresh inputs where one dim size of the example (above 1, so dynamo makes it
+    symbolic) is another, in every input holding it; None when no dim is above 1."""
+    dims = sorted({d for x in example for d in x.shape if d > 1})
+    if not dims:
+        return None
+    d = r.choice(dims)
+    return [[make_input(r, tuple(new if s == d else s for s in x.shape), str(x.dtype)).to(device) for x in example]
+            for new in (d + 2, d + 5)]
+
+
 def make_input(r, shape, dt, seed=None):
     g = torch.Generator().manual_seed(seed if seed is not None else r.randrange(1 << 30))
     dtype = eval(dt)

@@ -5,8 +5,8 @@ usage: python fuzz/rerun.py cuda|cpu OUTDIR/bad_123.txt ...   """
 import sys, os, random, math, re, torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch.nn.functional as F
-from judge import check
-from programs import make_input
+from judge import check, check_sizes
+from programs import make_input, other_sizes
 dev = torch.device(sys.argv[1])
 for path in sys.argv[2:]:
     text = open(path).read()
@@ -25,7 +25,10 @@ for path in sys.argv[2:]:
     fl = [v.dtype for v in g.env.values() if v.is_floating_point()]
     coarse = max(fl, key=lambda d: {torch.float64: 0, torch.float32: 1, torch.float16: 2, torch.bfloat16: 3}[d]) if fl else None
     try:
-        st, msg = check(ns["f"], example, fresh, coarse=coarse)
+        if "# mode: small sizes" in text or "# mode: big sizes" in text:  # FUZZ_BACKEND=sizes
+            st, msg = check_sizes(ns["f"], example, other_sizes(example, rr, dev), coarse=coarse)
+        else:
+            st, msg = check(ns["f"], example, fresh, coarse=coarse)
     except Exception as ex:
         st, msg = "harness", repr(ex)[:200]
     print(f"{path}: {st} {msg.splitlines()[-1][:160] if msg else ''}", flush=True)

@@ -4,14 +4,16 @@ program (factories placed on the device), its inputs' shapes and dtypes, and wha
 
 usage: python fuzz/run.py START COUNT OUTDIR [big]
   FUZZ_DEVICE=cuda (default) or cpu (the interpreter); FUZZ_SECONDS stops it after that long;
-  FUZZ_BACKEND=1 runs each program under torch.compile(backend="tilefuse"), called three times."""
+  FUZZ_BACKEND=1 runs each program under torch.compile(backend="tilefuse"), called three times;
+  FUZZ_BACKEND=sizes under it too, at the example's sizes and then at two others (one dim size
+  changed in every input that has it), each later call judged."""
 import sys, os, random, time, math, signal, re, json
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch
 import torch.nn.functional as F
 import programs
-from judge import check
-from programs import Gen, make_input
+from judge import check, check_sizes
+from programs import Gen, make_input, other_sizes
 
 FACT = ("tensor", "linspace", "arange", "zeros", "ones", "full", "randn", "rand")
 
@@ -69,7 +71,11 @@ for seed in range(start, start + count):
     try:
         fl = [v.dtype for v in g.env.values() if v.is_floating_point()]
         coarse = max(fl, key=lambda d: {torch.float64: 0, torch.float32: 1, torch.float16: 2, torch.bfloat16: 3}[d]) if fl else None
-        st, msg = check(fn, example, fresh, coarse=coarse, backend=os.environ.get("FUZZ_BACKEND") == "1")
+        if os.environ.get("FUZZ_BACKEND") == "sizes":
+            others = other_sizes(example, rr, DEVICE)
+            st, msg = ("skip", "no dim above 1") if others is None else check_sizes(fn, example, others, coarse=coarse)
+        else:
+            st, msg = check(fn, example, fresh, coarse=coarse, backend=os.environ.get("FUZZ_BACKEND") == "1")
     except TO:
         st, msg = "timeout", ""
     except Exception as ex:
@@ -78,7 +84,7 @@ for seed in range(start, start + count):
     stats[st] = stats.get(st, 0) + 1
     if st in ("bad", "crash", "timeout", "harness"):
         with open(f"{outdir}/{st}_{seed}.txt", "w") as fh:
-            fh.write(dsrc + f"\n# mode: {'big' if big else 'small'}\n# inputs: " + repr([(tuple(x.shape), str(x.dtype)) for x in example]) + "\n# " + msg.replace("\n", "\n# ") + "\n")
+            fh.write(dsrc + f"\n# mode: {'big' if big else 'small'}" + (" sizes" if os.environ.get("FUZZ_BACKEND") == "sizes" else "") + "\n# inputs: " + repr([(tuple(x.shape), str(x.dtype)) for x in example]) + "\n# " + msg.replace("\n", "\n# ") + "\n")
     elif st == "skip":
         with open(f"{outdir}/skips.log", "a") as fh:
             fh.write(f"{seed}: {msg[:200]}\n")
