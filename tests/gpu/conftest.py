@@ -8,7 +8,7 @@ import torch
 def pytest_configure(config):
     """Under pytest-xdist (`-n 8`) each worker takes its share of the cores for torch's CPU
     threads: eight workers of 16 threads each on 16 cores made a test of 200 small calls take
-    200 s instead of 2 (OpenMP threads spinning against each other)."""
+    200 s instead of 2 (oversubscribed threads, most likely OpenMP's spinning against each other)."""
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
     if workers > 1:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
