@@ -102,9 +102,11 @@ def check_sizes(fn, example, others, coarse=None):
     called at the example's sizes, then at each of `others` (inputs where one dim size, the same
     in every input holding it, is another). Dynamo's second compile is symbolic, so the later
     sizes go through tilefuse's size variants (one symbolic export instantiated per size, or a
-    program made with no compile); each later call is judged against eager at its sizes."""
+    program made with no compile); each later call is judged against eager at its sizes, and a
+    last call at the example's sizes again (the first size's variant, picked once more)."""
     from tilefuse.frontend import backend
 
+    others = list(others) + [example]
     eagers = []
     for inputs in others:
         try:
@@ -118,7 +120,7 @@ def check_sizes(fn, example, others, coarse=None):
     outs = []
     try:
         with torch.no_grad():
-            compiled(*[x.clone() for x in example])
+            compiled(*[x.clone() for x in example])  # (not judged: the last of `others` is this size again)
             for inputs in others:
                 outs.append(compiled(*[x.clone() for x in inputs]))
     except torch._dynamo.exc.TorchRuntimeError as ex:

@@ -6,7 +6,7 @@ usage: python fuzz/run.py START COUNT OUTDIR [big]
   FUZZ_DEVICE=cuda (default) or cpu (the interpreter); FUZZ_SECONDS stops it after that long;
   FUZZ_BACKEND=1 runs each program under torch.compile(backend="tilefuse"), called three times;
   FUZZ_BACKEND=sizes under it too, at the example's sizes and then at two others (one dim size
-  changed in every input that has it), each later call judged."""
+  changed in every input that has it), then at the first sizes again, each later call judged."""
 import sys, os, random, time, math, signal, re, json
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch
