@@ -201,6 +201,7 @@ class Run:
     outs: tuple  # output names
     checks: list = field(default_factory=list)  # tilefuse.check.Check
     reports: list = field(default_factory=list)  # the backend's GraphReports
+    stages: list = field(default_factory=list)  # each report's last Compiled, taken while the model lives
     breaks: int = 0  # dynamo graph breaks
     draws: int = 0
 
@@ -235,7 +236,8 @@ def run_architecture(name: str, s: Sizes, device: str, draws: int = VALUES, seed
             eager = [flatten(model(*x)) for x in xs]
         model64 = copy.deepcopy(model).double()  # what float64_reference makes of a module, made once
         ref = [flatten(float64_reference(lambda *a: model64(*a), x)) for x in xs]  # a function: no copy per draw
-        run = Run(name, s, outs, reports=tb.reports(), breaks=sum(tb._graph_breaks().values()), draws=draws)
+        run = Run(name, s, outs, reports=tb.reports(), stages=[r.stages for r in tb.reports()],
+                  breaks=sum(tb._graph_breaks().values()), draws=draws)
         assert all(len(g) == len(outs) for g in got), [len(g) for g in got]
         for i, o in enumerate(outs):
             need = draws_needed(eager[0][i])
@@ -273,11 +275,11 @@ def assert_ran_in_tilefuse(run: Run) -> None:
     assert run.reports, "no graph reached the tilefuse backend"
     assert run.breaks == 0, f"{run.breaks} dynamo graph break(s):\n{summary}"
     gemms = 0
-    for r in run.reports:
-        assert r.status == "tilefuse" and r.stages is not None, f"graph {r.index} in eager: {r.reason}\n{summary}"
+    for r, stages in zip(run.reports, run.stages):
+        assert r.status == "tilefuse" and stages is not None, f"graph {r.index} in eager: {r.reason}\n{summary}"
         assert r.calls_eager == 0 and r.calls_tilefuse == run.draws, (r.calls_tilefuse, r.calls_eager, r.events)
         assert not [e for e in r.events if "runtime error" in e], r.events
-        plan = r.stages.plan
+        plan = stages.plan
         gemms += sum(st.family == "gemm" for st in plan.steps)
         left = [st.nodes[0] for st in plan.steps if st.family == "extern" and isinstance(plan.graph[st.nodes[0]],
                                                                                            ir.Contraction)]

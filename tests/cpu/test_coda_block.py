@@ -79,9 +79,9 @@ def test_transformers_llama_graph():
                 m.weight.copy_(1 + 0.3 * torch.randn(m.weight.shape))
     with torch.no_grad():
         torch.compile(b.model, backend="tilefuse")(*b.inputs)
-    torch._dynamo.reset()
     (r,) = tb.reports()
-    g = r.stages.captured
+    g = r.stages.captured  # (while dynamo holds the graph: a report keeps no stages past a reset)
+    torch._dynamo.reset()
     g2, fired = run_coda(g)
     assert {f.rule for f in fired} == {"interleave_glu", "rmsnorm_into_matmul"}
     ins = [b.inputs[0]]

@@ -61,7 +61,15 @@ class GraphReport:
     calls_eager: int = 0
     events: list[str] = field(default_factory=list)
     inference_weights: bool = False  # compiled with weights that keep no version counter (said once)
-    stages: object = field(default=None, repr=False)  # the last variant's tilefuse.compiler.Compiled
+    runner: object = field(default=None, repr=False, compare=False)  # weakref to its GraphRunner
+
+    @property
+    def stages(self):
+        """The last compiled variant's tilefuse.compiler.Compiled, while dynamo keeps the graph
+        (None after torch._dynamo.reset()): the reports outlive the graphs, and holding the
+        stages here kept every program, with its derived weights, for the whole process."""
+        runner = self.runner() if self.runner is not None else None
+        return getattr(runner, "stages", None)
 
     def line(self) -> str:
         head = f"graph {self.index} ({self.fx_ops} fx ops)"
@@ -447,8 +455,9 @@ class GraphRunner:
             # (no int() of dynamo's SymInts here: it would guard the graph on their values)
             example_inputs = self._tensorized([0 if i in self.scalars else a for i, a in enumerate(example_inputs)])
         fx_ops = sum(n.op in ("call_function", "call_method", "call_module") for n in gm.graph.nodes)
-        self.report = GraphReport(len(REPORTS), fx_ops)
+        self.report = GraphReport(len(REPORTS), fx_ops, runner=weakref.ref(self))
         REPORTS.append(self.report)
+        self.stages = None  # the last compiled variant's tilefuse.compiler.Compiled (GraphReport.stages)
         self.variants: dict = {}
         self.refusals: Counter = Counter()  # failure reason -> sizes it failed at
         self.refused = ""  # a reason met at REFUSED_AFTER sizes: new sizes run in eager, untried
@@ -850,7 +859,7 @@ class GraphRunner:
         from ..graph import ir
 
         r = self.report
-        r.status, r.reason, r.stages = "tilefuse", "", c
+        r.status, r.reason, self.stages = "tilefuse", "", c
         r.variants += 1
         r.compile_s = seconds
         steps = c.plan.steps
