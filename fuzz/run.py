@@ -38,6 +38,7 @@ def on_device(src):
     return "".join(out)
 
 DEVICE = torch.device(os.environ.get("FUZZ_DEVICE", "cuda"))
+SIZES = os.environ.get("FUZZ_BACKEND") == "sizes"
 start, count, outdir = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 big = len(sys.argv) > 4 and sys.argv[4] == "big"
 programs.BIG = big
@@ -71,7 +72,7 @@ for seed in range(start, start + count):
     try:
         fl = [v.dtype for v in g.env.values() if v.is_floating_point()]
         coarse = max(fl, key=lambda d: {torch.float64: 0, torch.float32: 1, torch.float16: 2, torch.bfloat16: 3}[d]) if fl else None
-        if os.environ.get("FUZZ_BACKEND") == "sizes":
+        if SIZES:
             others = other_sizes(example, rr, DEVICE)
             st, msg = ("skip", "no dim above 1") if others is None else check_sizes(fn, example, others, coarse=coarse)
         else:
@@ -84,7 +85,7 @@ for seed in range(start, start + count):
     stats[st] = stats.get(st, 0) + 1
     if st in ("bad", "crash", "timeout", "harness"):
         with open(f"{outdir}/{st}_{seed}.txt", "w") as fh:
-            fh.write(dsrc + f"\n# mode: {'big' if big else 'small'}" + (" sizes" if os.environ.get("FUZZ_BACKEND") == "sizes" else "") + "\n# inputs: " + repr([(tuple(x.shape), str(x.dtype)) for x in example]) + "\n# " + msg.replace("\n", "\n# ") + "\n")
+            fh.write(dsrc + f"\n# mode: {'big' if big else 'small'}" + (" sizes" if SIZES else "") + "\n# inputs: " + repr([(tuple(x.shape), str(x.dtype)) for x in example]) + "\n# " + msg.replace("\n", "\n# ") + "\n")
     elif st == "skip":
         with open(f"{outdir}/skips.log", "a") as fh:
             fh.write(f"{seed}: {msg[:200]}\n")
