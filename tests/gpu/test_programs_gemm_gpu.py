@@ -179,8 +179,8 @@ def test_transformers_model_through_tilefuse_compile(name):
 
 def test_folding_a_norm_weight_on_the_gpu_rounds_once_as_in_float64():
     """Folding γ into a weight on the GPU (the weights are there when compiling): the bits of the
-    float64 product rounded once, overflow, subnormals and both broadcasts included (the check
-    that would let the GPU take the CPU's one-pass 16-bit multiply too)."""
+    float64 product rounded once, overflow, subnormals and both broadcasts included: PyTorch's
+    own 16-bit multiply on the GPU (the one pass exact_product takes) and exact_product itself."""
     from tilefuse.graph.rules.match import exact_product
 
     torch.manual_seed(0)
@@ -193,5 +193,7 @@ def test_folding_a_norm_weight_on_the_gpu_rounds_once_as_in_float64():
         for b in (torch.randn(a.shape[0], 1, dtype=torch.float64),
                   torch.cat([edge, torch.randn(33 - edge.numel(), dtype=torch.float64)]).reshape(1, 33)):
             b = b.to(dtype).cuda()
+            want = (a.double() * b.double()).to(dtype)
+            assert torch.equal(torch.mul(a, b), want), ("torch.mul", dtype, tuple(b.shape))
             got = exact_product(a, b, round_to=dtype)
-            assert got.is_cuda and torch.equal(got, (a.double() * b.double()).to(dtype)), (dtype, tuple(b.shape))
+            assert got.is_cuda and torch.equal(got, want), ("exact_product", dtype, tuple(b.shape))

@@ -84,11 +84,11 @@ def exact_product(a: torch.Tensor, b: torch.Tensor, round_to: torch.dtype | None
     floats: at most 11 + 11 significant bits) and float64 otherwise; the caller rounds once.
     `round_to`: rounded to that dtype here, a block of a's rows at a time, so that the exact
     product of a whole weight (0.5 GiB in float32 for a 32000 x 4096 LM head, beside its
-    widened copy) is never held at once. On a CPU, with both operands and `round_to` one 16-bit
-    float: PyTorch's own multiply, which computes in float32 and rounds once (the same bits, a
-    CPU test checks; one pass, ~10x faster there, where folding an LM head took ~1 s; on a GPU
-    the widened product costs little, and this path is not yet checked there)."""
-    if round_to in (torch.bfloat16, torch.float16) and a.dtype == b.dtype == round_to and a.device.type == "cpu":
+    widened copy) is never held at once. With both operands and `round_to` one 16-bit float:
+    PyTorch's own multiply, which computes in float32 and rounds once (the same bits, a CPU
+    test and a GPU test check; one pass, ~10x faster on a CPU, where folding an LM head took
+    ~1 s)."""
+    if round_to in (torch.bfloat16, torch.float16) and a.dtype == b.dtype == round_to:
         return torch.mul(a, b)
     wide = torch.float32 if a.dtype in (torch.bfloat16, torch.float16) and b.dtype in (torch.bfloat16, torch.float16) \
         else torch.float64
