@@ -34,13 +34,15 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+# TILEFUSE_SRC: another tree's src, to time its defaults beside this one's (bench/LOG_gemm.md)
+sys.path.insert(0, os.environ.get("TILEFUSE_SRC", str(Path(__file__).resolve().parents[1] / "src")))
 
 from tilefuse.check import rel_error  # noqa: E402
 from tilefuse.codegen import epilogue as epi  # noqa: E402

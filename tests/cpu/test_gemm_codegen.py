@@ -230,22 +230,35 @@ def test_default_splits_k_only_where_tiles_leave_half_the_sms_idle():
 
 def test_a_short_m_streams_b_through_64_row_tiles():
     """Where one 64-row tile holds all of M (decode), the default takes 64-row tiles on one
-    consumer storing from registers: 64x256 where N makes >= 40 of them (the widest stage of B
-    per barrier round), else 64x128 (64x64 below N = 2048) with _with_split's slices; M = 65 and
-    batched problems keep the wave rule's pick."""
-    def pick(m, n, k, batch=1):
-        s = g.default_schedule(g.GemmProblem(m, n, k, batch=batch))
-        return s.bm, s.bn, s.consumers, s.tma_store, s.split_k
-    assert pick(1, 22016, 4096) == (64, 256, 1, False, 1)     # 86 tiles of 256
-    assert pick(64, 10240, 2048) == (64, 256, 1, False, 1)    # 40 tiles: the threshold
-    assert pick(1, 9728, 4096) == (64, 128, 1, False, 1)      # 38 tiles of 256; 76 of 128, too many to slice
-    assert pick(1, 8192, 4096) == (64, 128, 1, False, 2)      # 64 tiles of 128 x 2 slices
-    assert pick(1, 4096, 4096) == (64, 128, 1, False, 4)      # 32 tiles x 4 slices of 16 K steps
-    assert pick(1, 5632, 1024) == (64, 128, 1, False, 1)      # 16 K steps: too short to slice
-    assert pick(1, 1024, 2816) == (64, 64, 1, False, 2)       # 16 tiles; 44 K steps make 2 slices of >= 16
+    consumer storing from registers: the narrowest of 64x64 and 64x128 whose tiles fit one wave,
+    with the deepest ring it fits (14 and 9 stages), _with_split's slices (and a 12-deep ring) where
+    the tiles fill a quarter of the SMs or less; else 64x256 (5 stages) with stream-K as the tile count asks.
+    Partial row reductions keep tiles of whole groups; M = 65 and batched problems keep the wave
+    rule's pick."""
+    def pick(m, n, k, batch=1, epilogue=None):
+        s = g.default_schedule(g.GemmProblem(m, n, k, batch=batch, epilogue=epilogue))
+        return s.bm, s.bn, s.stages, s.consumers, s.tma_store, s.split_k
+    assert pick(1, 4096, 4096) == (64, 64, 14, 1, False, 1)       # 64 tiles of 64: one wave
+    assert pick(64, 8192, 2048) == (64, 64, 14, 1, False, 1)      # 128 tiles of 64
+    assert pick(1, 8448, 4096)[1] == 64 and pick(1, 8449, 4096)[1] == 128   # 132 tiles of 64, then 133
+    assert pick(1, 11008, 4096) == (64, 128, 9, 1, False, 1)      # 172 tiles of 64; 86 of 128
+    assert pick(1, 16896, 4096)[1] == 128 and pick(1, 16897, 4096)[1] == 256
+    assert pick(1, 22016, 4096) == (64, 256, 5, 1, False, 1)      # 172 tiles of 128; 86 of 256
+    assert pick(1, 1024, 2816) == (64, 64, 12, 1, False, 2)       # 16 tiles; 44 K steps make 2 slices (12-deep)
+    assert pick(1, 1024, 1024) == (64, 64, 14, 1, False, 1)       # 16 K steps: too short to slice
+    assert pick(1, 3072, 1024)[5] == 1                            # 48 tiles: more than a quarter of the SMs
     assert pick(65, 22016, 4096)[:2] != (64, 256)
     assert pick(1, 22016, 4096, batch=4)[:2] != (64, 256)
     assert g.default_schedule(g.GemmProblem(1, 128256, 4096)).stream_k == 0   # 501 tiles: 5% of a wave idle
+    assert g.default_schedule(g.GemmProblem(1, 40000, 1024)).stream_k == 132  # 157 tiles: 16% idle
+    e = epi.EpilogueBuilder(1, 4096)
+    y = e.op("add", e.acc(), e.load("residual", "tile", "bf16"))
+    e.store("out", y, "bf16")
+    e.partial_sum("sq", e.op("mul", y, y), epi.PARTIAL_WIDTH)
+    assert pick(1, 4096, 4096, epilogue=e.kernel("residual_sq")) == (64, 128, 9, 1, False, 4)  # whole groups of 128
+    for m, n, k in [(1, 4096, 4096), (1, 11008, 4096), (1, 22016, 4096), (1, 1024, 2816)]:
+        s = g.default_schedule(g.GemmProblem(m, n, k))
+        assert s.smem_bytes() <= g.SMEM_LIMIT, s
 
 
 @pytest.mark.parametrize("kind", ["glu", "bias_gelu", "residual_sq", "rope"])

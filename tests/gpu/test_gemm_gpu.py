@@ -409,8 +409,8 @@ SMALL_M_CASES = [(1, 22016, 4096, "glu"), (1, 4096, 4096, "residual"), (16, 1228
 
 @pytest.mark.parametrize("m, n, k, kind", SMALL_M_CASES, ids=lambda x: str(x))
 def test_default_small_m_schedules_with_epilogues(m, n, k, kind):
-    """Decode's projections (M <= 64) on the default's short-M picks (64x256 wide, 64x128 with
-    4 K slices, 64x64 with 2): right within the 2x rule with each epilogue a decoder puts there,
+    """Decode's projections (M <= 64) on the default's short-M picks (64x64 14-deep, 64x128
+    9-deep, 64x256, 64x64 with 2 K slices): right within the 2x rule with each epilogue a decoder puts there,
     outputs poisoned first, the same bits on a second launch."""
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)

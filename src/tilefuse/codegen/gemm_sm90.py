@@ -215,6 +215,8 @@ def _heuristic_schedule(problem: GemmProblem, sms: int) -> GemmSchedule:
       (128x4096x4096, session 8: 1.016x cuBLAS against 0.971x with 8 stages).
     """
     width = epi.partial_width(problem.epilogue) if problem.epilogue is not None else None
+    if width is not None and problem.m <= SMALL_M and problem.batch == 1 and 256 % width == 0:
+        return _small_m_schedule(problem, sms, width)
     if width is not None:  # partial row reductions: tiles of whole column groups only
         if inline_partials(problem, problem.epilogue) is not None:
             # beside the element code, the partials leave it its store path: the plain pick
@@ -251,30 +253,41 @@ def _plain_schedule(problem: GemmProblem, sms: int) -> GemmSchedule:
 
 
 SMALL_M = 64          # rows one 64-row tile holds: below this the GEMM streams B (decode's projections)
-WIDE_SMALL_M_TILES = 40  # 64x256 tiles where N makes at least this many, else 64x128 (64x64 for N < 2048)
+# (tile width, ring depth) for short M, narrowest first: the deepest ring each width fits
+# (64x64: 14 stages of 16 KB in 227 KB; 64x128: 9 of 24 KB); 64x256 (5 of 40 KB) past them
+SMALL_M_RINGS = ((64, 14), (128, 9))
+SPLIT_SMALL_M_STAGES = 12  # the ring of a short-M tile sliced along K
 
 
-def _small_m_schedule(problem: GemmProblem, sms: int) -> GemmSchedule:
-    """Where one 64-row tile holds all of M, the time is B's bytes streamed through the SMs;
-    tiles are counted by how they spread those bytes, not by waves of MMA work. H200 sweep
-    (bench/LOG_gemm.md, session 37; us, cuBLAS in brackets):
-    - 64x256 tiles, 5 stages, where N makes >= 40 of them: the stage's 32 KB of B to 8 KB of
-      A (of which TMA fills only M's rows since a_rows, 1 KB at M = 1) and fewer barrier rounds
-      per byte. 1x22016x4096 52.3 (47.9) against 64.5 with 64x128 and 84.7 with the old pick
-      (128x128, stream-K); 1x11008x4096 32.5 (26.3) against 66.8; 1x32000x4096 67.3 (69.5)
-      against 86.0 (these before a_rows). Fewer tiles leave SMs idle: 1x8192x4096 30.3 against 26.3 with 64x128 and 2 slices,
-      1x9728x4096 33.0 against 31.1; at 40 tiles (N = 10240) 33.1 against 33.7;
-    - else 64x128 (64x64 where N < 2048: more CTAs), 8 (12) stages, split-K as _with_split
-      allows: 1x4096x4096 17.1 (15.5) with 4 slices against 19.8 with 64x64 and 2;
-      1x4096x11008 32.7 (29.5) against 40.0; 1x5632x1024 8.9 (8.7) whole. At M = 64 the old
-      64x64 with 2 slices stays ahead at 4096x4096 (16.3 against 17.5 us).
-    Stores go straight from registers (a one-row tile has nothing for TMA to gather)."""
-    wide = GemmSchedule(64, 256, stages=5, consumers=1, tma_store=False)
-    if -(-problem.n // wide.bn) >= WIDE_SMALL_M_TILES:
-        return _with_stream_k(wide, problem, sms)
-    s = (GemmSchedule(64, 128, stages=8, consumers=1, tma_store=False) if problem.n >= 2048 else
-         GemmSchedule(64, 64, stages=12, consumers=1, tma_store=False))
-    return _with_split(s, problem, sms)
+def _small_m_schedule(problem: GemmProblem, sms: int, multiple: int = 1) -> GemmSchedule:
+    """Where one 64-row tile holds all of M, the time is B's bytes streamed through the SMs,
+    and what sets the rate is how many bytes are in flight: CTAs x ring depth x B's bytes a
+    stage. So the narrowest 64-row tile whose tiles fit one wave (every CTA one tile, none
+    idle for a second round), with the deepest ring it fits; past 64x128's wave, 64x256 (5
+    stages) with stream-K as the tile count asks. Few tiles (a quarter of the SMs or less)
+    also take _with_split's K slices. H200 sweep, M = 1 (bench/LOG_gemm.md, session 46; us,
+    cuBLAS in brackets): 1x4096x4096 13.8 (15.7) with 64x64 x 14 stages against 17.5 with
+    64x128 x 6 and 24.1 with 64x256 x 5; 1x4096x11008 29.2 (29.6) against 32.9 with 64x128 x
+    9; 1x11008x4096 26.7-27.4 (26.5) with 64x128 x 6-9 against 29.3 with 64x256 x 5 and 29.9
+    with 64x64 (172 tiles: a second round for 40 CTAs); 1x22016x4096 48.4-48.7 (50.4) with
+    64x256 x 4-5 against 50.9-52.9 for the narrower tiles' rounds; 64x4096x4096 14.4 (14.3)
+    with 64x64 x 14 against 16.3 for session 37's 64x64 x 12 with 2 slices. Within a width,
+    fewer stages were slower at every shape (64x64 at 1x4096x11008: 36.4, 31.1, 29.2 us with
+    6, 10, 14). Stores go straight from registers (a one-row tile has nothing for TMA to
+    gather). `multiple`: tile widths must be multiples of it (partial row reductions' groups)."""
+    for bn, stages in SMALL_M_RINGS:
+        tiles = -(-problem.n // bn)
+        if bn % multiple:
+            continue
+        if tiles <= sms:
+            s = GemmSchedule(64, bn, stages=stages, consumers=1, tma_store=False)
+            if tiles * 4 > sms:
+                return s
+            split = _with_split(s, problem, sms)
+            # sliced, session 37's 12-deep ring: at 1x1024x2816 (2 slices) 14 stages took 10.5 us
+            # against 9.8-9.9 (H200, session 46)
+            return replace(split, stages=min(stages, SPLIT_SMALL_M_STAGES)) if split.split_k > 1 else split
+    return _with_stream_k(GemmSchedule(64, 256, stages=5, consumers=1, tma_store=False), problem, sms)
 
 
 TMA_RESIDUAL_MAX_K_STEPS = 32   # the residual by TMA (3 stages) where K takes at most this many steps
