@@ -121,7 +121,25 @@ PROFILE = False
 ROUNDS = 1  # --rounds
 SETTLE = 1.0  # --settle, seconds
 TIMING = "sustained"  # --timing
-TUNER = None  # bench/tuning.py's tuner when --tune
+TUNINGS: dict = {}  # --tune: case -> (what the tuner said, its seconds), all tuned before any timing
+
+
+def tune_all(cases: list) -> None:
+    """Every case's kernels tuned, and the tuner closed, before anything is timed: its
+    compile-ahead jobs would otherwise share the CPU with the timed calls (bench/mapreduce.py's
+    tune_all says what that did there)."""
+    tuner = tuning.make_tuner()
+    try:
+        for case in cases:
+            m, inputs, _ = build(case)
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                TUNINGS[case] = (tuning.tune(tuner, m, inputs), time.perf_counter() - t0)
+            del m, inputs
+            torch._dynamo.reset()
+            torch.cuda.empty_cache()
+    finally:
+        tuning.close(tuner)
 
 
 def kernel_us(fn, inputs, calls: int = 5) -> dict:
@@ -144,10 +162,8 @@ def run_case(case: str) -> dict:
     m, inputs, tokens = build(case)
     row: dict = {"case": case, "tokens": tokens}
     with torch.no_grad():
-        if TUNER is not None:
-            t0 = time.perf_counter()
-            row["tuning"] = tuning.tune(TUNER, m, inputs)
-            row["tuning_s"] = time.perf_counter() - t0
+        if case in TUNINGS:
+            row["tuning"], row["tuning_s"] = TUNINGS[case]
         t0 = time.perf_counter()
         prog = tilefuse.compile(m, inputs)
         row["tilefuse_compile_s"] = time.perf_counter() - t0 + first_call_s(prog, inputs)
@@ -213,9 +229,10 @@ def main(argv=None) -> int:
         ap.error(f"--rounds must be at least 1, not {args.rounds}")
     if args.settle < 0:
         ap.error(f"--settle must be 0 or more seconds, not {args.settle}")
-    global PROFILE, TUNER, ROUNDS, SETTLE, TIMING
+    global PROFILE, ROUNDS, SETTLE, TIMING
     PROFILE, ROUNDS, SETTLE, TIMING = args.profile, args.rounds, args.settle, args.timing
-    TUNER = tuning.make_tuner() if args.tune else None
+    if args.tune:
+        tune_all(args.cases.split(","))
     rows = []
     for case in args.cases.split(","):
         try:
@@ -225,15 +242,13 @@ def main(argv=None) -> int:
         torch._dynamo.reset()
         torch.cuda.empty_cache()
         print(json.dumps(rows[-1]), flush=True)
-    if TUNER is not None:
-        tuning.close(TUNER)
     try:
         import transformers
         hf_version = transformers.__version__
     except ImportError:
         hf_version = None
     result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "transformers": hf_version,
-              "tuned": TUNER is not None, "timing": TIMING, "settle_s": SETTLE, "rows": rows}
+              "tuned": bool(args.tune), "timing": TIMING, "settle_s": SETTLE, "rows": rows}
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=1))

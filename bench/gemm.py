@@ -127,7 +127,7 @@ def tuned(tuner, prob: GemmProblem) -> GemmSchedule:
     return choose_gemm(prob).schedule
 
 
-def run_shape(m, n, k, schedules, b_major="K", with_alternative=False, tuner=None):
+def run_shape(m, n, k, schedules, b_major="K", with_alternative=False, tuned_schedule=None):
     a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(*((n, k) if b_major == "K" else (k, n)), device="cuda", dtype=torch.bfloat16)
     bt = b.t() if b_major == "K" else b
@@ -140,8 +140,8 @@ def run_shape(m, n, k, schedules, b_major="K", with_alternative=False, tuner=Non
     if not schedules:
         schedules = [default_schedule(prob)] + ([alternative(default_schedule(prob))] if with_alternative else [])
         roles = ["default", "alternative"][:len(schedules)]
-        if tuner is not None:
-            schedules, roles = schedules + [tuned(tuner, prob)], roles + ["tuned"]
+        if tuned_schedule is not None:
+            schedules, roles = schedules + [tuned_schedule], roles + ["tuned"]
     for role, sched in zip(roles, schedules):
         t0 = time.perf_counter()
         try:
@@ -340,19 +340,22 @@ def main(argv=None):
               DECODE_SHAPES if args.decode else SHAPES)
     scheds = [parse_schedule(s) for s in args.schedules.split(",") if s]
     rows = []
-    tuner = None
-    if args.tune:
+    picks = {}
+    if args.tune and not scheds:
         import tuning
 
+        # every shape tuned, and the tuner closed, before anything is timed: its compile-ahead
+        # jobs would otherwise share the CPU with the timed calls
         tuner = tuning.make_tuner()
-    try:
-        for m, n, k in shapes:
-            for r in run_shape(m, n, k, scheds, args.b_major, args.with_alternative, tuner):
-                rows.append(r)
-                print(json.dumps(r), flush=True)
-    finally:
-        if tuner is not None:
+        try:
+            for m, n, k in shapes:
+                picks[m, n, k] = tuned(tuner, GemmProblem(m, n, k, "bf16", b_major=args.b_major))
+        finally:
             tuning.close(tuner)
+    for m, n, k in shapes:
+        for r in run_shape(m, n, k, scheds, args.b_major, args.with_alternative, picks.get((m, n, k))):
+            rows.append(r)
+            print(json.dumps(r), flush=True)
     best, alt = {}, {}
     for r in rows:
         key = (r["m"], r["n"], r["k"])
