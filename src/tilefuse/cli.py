@@ -8,6 +8,15 @@ import time
 
 EXAMPLE = 'torch.nn.RMSNorm(2048)(torch.randn(1, 32, 2048))'
 DTYPES = {"bf16": "bfloat16", "f16": "float16", "f32": "float32"}
+DTYPE_SPELLINGS = {"bfloat16": "bf16", "fp16": "f16", "float16": "f16", "half": "f16", "fp32": "f32",
+                   "float32": "f32", "float": "f32"}
+
+
+def _dtype_name(text: str) -> str:
+    """--dtype's value as DTYPES names it; PyTorch's and the fp spellings mean the same
+    (fp16, float16, torch.half, ...), anything else is left for argparse's choices to refuse."""
+    t = text.strip().lower().removeprefix("torch.")
+    return DTYPE_SPELLINGS.get(t, t)
 
 
 MODEL_DEFAULTS = {"layers": 2, "hidden": 256, "seq": 64, "batch": 1, "vocab": 1024, "output": "logits"}
@@ -40,7 +49,9 @@ def _parser() -> argparse.ArgumentParser:
             what.add_argument("--model", choices=["llama", "qwen2", "gpt2"],
                               help="a transformers causal LM with random weights, run through "
                                    "torch.compile(backend='tilefuse') (needs transformers)")
-        sp.add_argument("--dtype", choices=sorted(DTYPES), help="cast inputs and weights to this dtype first")
+        sp.add_argument("--dtype", type=_dtype_name, choices=sorted(DTYPES),
+                        help="cast inputs and weights to this dtype first (fp16, float16 and half name f16, "
+                             "and likewise for the others)")
         sp.add_argument("--arch", help="GPU architecture to build for (sm_90a, sm_80; default: the current GPU's)")
         sp.add_argument("-v", "--verbose", action="count", default=0,
                         help="-v: tracebacks; -vv: also a diff for every rewrite that fired" if diffs

@@ -156,6 +156,26 @@ def test_run_bf16_on_cpu_passes(capsys, expr):
     assert "fused kernel(s)" in out
 
 
+@pytest.mark.parametrize("spelling, want", [("fp16", "f16"), ("float16", "f16"), ("torch.half", "f16"),
+                                             ("BF16", "bf16"), ("bfloat16", "bf16"), ("fp32", "f32"),
+                                             ("float32", "f32")])
+def test_dtype_takes_pytorchs_and_the_fp_spellings(spelling, want):
+    """--dtype fp16 (or float16, torch.half, ...) means f16: the spelling a user types is taken,
+    not refused for want of the short one."""
+    from tilefuse.cli import _parser
+
+    assert _parser().parse_args(["compile", "-c", "torch.randn(2)", "--dtype", spelling]).dtype == want
+
+
+def test_dtype_refuses_an_unknown_one_with_the_choices(capsys):
+    """A dtype tilefuse does not cast to is refused by argparse, naming the choices."""
+    from tilefuse.cli import _parser
+
+    with pytest.raises(SystemExit):
+        _parser().parse_args(["compile", "-c", "torch.randn(2)", "--dtype", "int8"])
+    assert "choose from" in capsys.readouterr().err
+
+
 # -- the compiled program --------------------------------------------------------------------------------
 
 
