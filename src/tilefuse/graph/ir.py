@@ -160,7 +160,9 @@ class Gather:
 
 @dataclass(frozen=True)
 class Contraction:
-    """a @ b with torch.matmul semantics (batched, broadcast). Runs as extern until the GEMM lands."""
+    """a @ b with torch.matmul semantics (batched, broadcast). The planner gives it a generated
+    GEMM, with what follows it fused into the epilogue, where the GEMM takes its operands, and
+    runs it as an extern (torch.matmul) where not, saying why in the plan."""
 
     name: str
     type: TensorType
