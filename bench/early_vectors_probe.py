@@ -1,0 +1,126 @@
+"""Would loading a norm's column vectors (LayerNorm's weight and bias, RMSNorm's weight) before
+the row's reduction, instead of in the output pass after it, make short rows faster? A probe,
+not a feature: the rendered CUDA is edited as text (`hoist`: each row's vector chunks loaded
+into registers ahead of its reduction, where their latency hides under the row's own loads;
+the output pass reads the registers) and timed against the source as rendered, on the
+program's own tensors, with torch.compile beside them (9 rotated rounds, CUDA events, L2
+flushed). Session 46 saw LayerNorm 32768 x 256 at 0.951x torch.compile on an H200 with the
+tuner's whole space no better (12.56 against 12.70 us): in the rendered kernel each row's
+vector loads wait for its shuffle tree, a load latency on every row's critical path.
+
+    python3 bench/early_vectors_probe.py layernorm:32768x256 add+rmsnorm:32768x256 rmsnorm:32768x256 \
+        layernorm:32768x4096
+
+Writes $OUT/early_vectors.json (or /tmp/early_vectors.json). Predicted: a few percent at 256
+columns (one L2 or L1 round trip out of a row's ~2 us life), nothing at long rows.
+"""
+import dataclasses
+import json
+import os
+import re
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+def hoist(src: str) -> str:
+    """`src` with each row block's output-pass column-vector loads moved ahead of its reduction
+    (ValueError where the kernel has no such loads, or not in the form this edit knows)."""
+    marks = list(re.finditer(r"^( *)// ---- map over the row[^\n]*\n", src, re.M))
+    if not marks:
+        raise ValueError("no output pass ('map over the row') in this kernel")
+    done = 0
+    for mark in reversed(marks):
+        ind = mark.group(1)
+        red = src.rindex(f"{ind}// ---- reduce", 0, mark.start())
+        loop = re.compile(rf"{ind}#pragma unroll\n{ind}for \(int j = 0; j < (\d+); \+\+j\) \{{\n"
+                          rf"{ind}  (const int c0 = [^\n]*;)[^\n]*\n").match(src, mark.end())
+        if loop is None:
+            raise ValueError("the output pass is not one unrolled loop over the row's chunks")
+        end = src.find(f"\n{ind}}}\n", loop.end())  # the j loop's close (its body is indented further)
+        body = src[loop.end():end]
+        loads = list(re.finditer(rf"{ind}  unsigned (b\d+)_c\[(\d+)\];\n{ind}  if \(row_ok\) \{{ (tf_ld\d+)"
+                                 rf"\(\1_c \+ 0, (g_\1 \+ b_\1 \+ c0)\); \}} else \{{ [^}}]* \}}\n", body))
+        if not loads:
+            continue
+        n, c0 = loop.group(1), loop.group(2)
+        pre = "".join(f"{ind}unsigned {m.group(1)}_h[{n}][{m.group(2)}];\n" for m in loads)
+        pre += (f"{ind}#pragma unroll\n{ind}for (int j = 0; j < {n}; ++j) {{  // the vectors first "
+                f"(early_vectors_probe)\n{ind}  {c0}\n")
+        for m in loads:
+            b, words, ld, addr = m.groups()
+            zero = " ".join(f"{b}_h[j][{i}] = 0u;" for i in range(int(words)))
+            pre += f"{ind}  if (row_ok) {{ {ld}({b}_h[j], {addr}); }} else {{ {zero} }}\n"
+        pre += f"{ind}}}\n"
+        for m in loads:
+            body = body.replace(m.group(0), f"{ind}  const unsigned* {m.group(1)}_c = {m.group(1)}_h[j];\n")
+        src = src[:red] + pre + src[red:loop.end()] + body + src[end:]
+        done += 1
+    if not done:
+        raise ValueError("no column vector is loaded in the output pass")
+    return src
+
+
+def main():
+    import torch
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from mapreduce import PROGRAMS, inputs_for
+    from program_schedules import program_launch
+
+    import tilefuse
+    from tilefuse.analyze.bench import timings_ms
+    from tilefuse.runtime import cache
+    from tilefuse.runtime.launch import CompiledKernel, compile_kernel
+
+    res = []
+    for case in sys.argv[1:]:
+        name, shape = case.split(":")
+        R, C = (int(v) for v in shape.split("x"))
+        module = PROGRAMS[name](C).cuda().bfloat16()
+        inputs = inputs_for(name, R, C)
+        prog = tilefuse.compile(module, inputs)
+        want = [o.clone() for o in prog(*inputs)]
+        lowered, op, ptrs, outs = program_launch(prog, inputs)
+        ck = compile_kernel(lowered.kernel, schedule=op.ck.source.schedule)
+        try:
+            es = hoist(ck.source.source)
+        except ValueError as e:
+            print(f"{case}: {e}; skipped", flush=True)
+            continue
+        cub, _ = cache.compile_cached(es, ck.source.name, ck.arch)
+        ek = CompiledKernel(kernel=lowered.kernel, arch=ck.arch, source=dataclasses.replace(ck.source, source=es),
+                            cubin=cub, cache_hit=False)
+        calls = {}
+        for lab, k in (("as rendered", ck), ("vectors first", ek)):
+            for o in outs:
+                o.fill_(float("nan"))
+            k.launch_ptrs(0, ptrs)
+            torch.cuda.synchronize()
+            same = all(torch.equal(o, w) for o, w in zip(outs, want))
+            print(case, lab, "bitwise equal to the program's output:", same, "regs", k.cubin.info.registers,
+                  "spills", k.cubin.info.spill_bytes if hasattr(k.cubin.info, "spill_bytes") else "?", flush=True)
+            assert same, f"{case} {lab}: outputs differ from the program's"
+            calls[lab] = (lambda k=k: k.launch_ptrs(0, ptrs))
+        compiled = torch.compile(module)
+        compiled(*inputs)
+        calls["torch.compile"] = lambda: compiled(*inputs)
+        keys = list(calls)
+        per = {k: [] for k in keys}
+        for rnd in range(9):
+            for k in keys[rnd % len(keys):] + keys[:rnd % len(keys)]:
+                per[k].append(statistics.median(timings_ms(calls[k], warmup=10, rep=50)) * 1e3)
+        tc = statistics.median(per["torch.compile"])
+        print(f"\n{case}  ({ck.source.schedule})")
+        for us, k in sorted((statistics.median(v), k) for k, v in per.items()):
+            print(f"  {us:8.2f} us {tc / us:.3f}x t.c.  {k}")
+        res.append({"case": case, "schedule": str(ck.source.schedule), "rounds_us": per})
+        Path(os.environ.get("OUT", "/tmp") + "/early_vectors.json").write_text(
+            json.dumps({"gpu": torch.cuda.get_device_name(), "results": res}, indent=1))
+
+
+if __name__ == "__main__":
+    import torch
+
+    with torch.no_grad():
+        main()
