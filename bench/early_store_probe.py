@@ -12,16 +12,14 @@ found and the probe stops).
 Writes $OUT/early.json (or /tmp/early.json). Session 26: 1.4-2.4% faster under the default
 layout (bench/LOG.md, results/s26/add_rmsnorm_early_store_h100.json).
 """
-import dataclasses, re, statistics, sys, json, os
+import re, statistics, sys, json, os
 from pathlib import Path
 import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from mapreduce import PROGRAMS, inputs_for
-from program_schedules import program_launch
+from program_schedules import program_launch, rotated_rounds, with_source
 import tilefuse
-from tilefuse.analyze.bench import timings_ms
-from tilefuse.runtime import cache
-from tilefuse.runtime.launch import CompiledKernel, compile_kernel
+from tilefuse.runtime.launch import compile_kernel
 from tilefuse.codegen.mapreduce import MapReduceSchedule as S
 
 def early(src):
@@ -55,9 +53,7 @@ def main():
         calls = {}
         for s in [base, S(threads=256, group=64, vector=8, stage="smem", min_blocks=4)]:
             ck = compile_kernel(lowered.kernel, schedule=s)
-            es = early(ck.source.source)
-            cub, _ = cache.compile_cached(es, ck.source.name, ck.arch)
-            ek = CompiledKernel(kernel=lowered.kernel, arch=ck.arch, source=dataclasses.replace(ck.source, source=es), cubin=cub, cache_hit=False)
+            ek = with_source(ck, early(ck.source.source))
             for lab, k in ((str(s), ck), (str(s) + " EARLY", ek)):
                 for o in outs: o.fill_(float("nan"))
                 k.launch_ptrs(0, ptrs); torch.cuda.synchronize()
@@ -67,10 +63,7 @@ def main():
                 calls[lab] = (lambda k=k: k.launch_ptrs(0, ptrs))
         compiled = torch.compile(module); compiled(*inputs)
         calls["torch.compile"] = lambda: compiled(*inputs)
-        keys = list(calls); per = {k: [] for k in keys}
-        for rnd in range(9):
-            for k in keys[rnd % len(keys):] + keys[:rnd % len(keys)]:
-                per[k].append(statistics.median(timings_ms(calls[k], warmup=10, rep=50)) * 1e3)
+        per = rotated_rounds(calls)
         tc = statistics.median(per["torch.compile"])
         print(f"\n{case}")
         for us, k in sorted((statistics.median(v), k) for k, v in per.items()):

@@ -14,7 +14,6 @@ vector loads wait for its shuffle tree, a load latency on every row's critical p
 Writes $OUT/early_vectors.json (or /tmp/early_vectors.json). Predicted: a few percent at 256
 columns (one L2 or L1 round trip out of a row's ~2 us life), nothing at long rows.
 """
-import dataclasses
 import json
 import os
 import re
@@ -66,12 +65,10 @@ def main():
     import torch
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from mapreduce import PROGRAMS, inputs_for
-    from program_schedules import program_launch
+    from program_schedules import program_launch, rotated_rounds, with_source
 
     import tilefuse
-    from tilefuse.analyze.bench import timings_ms
-    from tilefuse.runtime import cache
-    from tilefuse.runtime.launch import CompiledKernel, compile_kernel
+    from tilefuse.runtime.launch import compile_kernel
 
     res = []
     for case in sys.argv[1:]:
@@ -88,9 +85,7 @@ def main():
         except ValueError as e:
             print(f"{case}: {e}; skipped", flush=True)
             continue
-        cub, _ = cache.compile_cached(es, ck.source.name, ck.arch)
-        ek = CompiledKernel(kernel=lowered.kernel, arch=ck.arch, source=dataclasses.replace(ck.source, source=es),
-                            cubin=cub, cache_hit=False)
+        ek = with_source(ck, es)
         calls = {}
         for lab, k in (("as rendered", ck), ("vectors first", ek)):
             for o in outs:
@@ -105,11 +100,7 @@ def main():
         compiled = torch.compile(module)
         compiled(*inputs)
         calls["torch.compile"] = lambda: compiled(*inputs)
-        keys = list(calls)
-        per = {k: [] for k in keys}
-        for rnd in range(9):
-            for k in keys[rnd % len(keys):] + keys[:rnd % len(keys)]:
-                per[k].append(statistics.median(timings_ms(calls[k], warmup=10, rep=50)) * 1e3)
+        per = rotated_rounds(calls)
         tc = statistics.median(per["torch.compile"])
         print(f"\n{case}  ({ck.source.schedule})")
         for us, k in sorted((statistics.median(v), k) for k, v in per.items()):

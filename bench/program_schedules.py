@@ -140,6 +140,28 @@ def program_launch(prog, inputs):
     return next(iter(prog.kernels.values())), op, ptrs, outs
 
 
+def with_source(ck, source: str):
+    """`ck` (a CompiledKernel) built from `source` instead, an edit of its own (the probes'
+    hand edits of a rendered kernel): same kernel, arch, name and launch."""
+    from tilefuse.runtime import cache
+    from tilefuse.runtime.launch import CompiledKernel
+
+    cubin, _ = cache.compile_cached(source, ck.source.name, ck.arch)
+    return CompiledKernel(kernel=ck.kernel, arch=ck.arch, source=replace(ck.source, source=source), cubin=cubin,
+                          cache_hit=False)
+
+
+def rotated_rounds(calls: dict, rounds: int = 9) -> dict:
+    """label -> us per round: each call timed once a round (timings_ms' median, L2 flushed),
+    the order rotated from round to round."""
+    keys = list(calls)
+    per = {k: [] for k in keys}
+    for rnd in range(rounds):
+        for k in keys[rnd % len(keys):] + keys[:rnd % len(keys)]:
+            per[k].append(statistics.median(timings_ms(calls[k], warmup=10, rep=50)) * 1e3)
+    return per
+
+
 def rows_for(name: str, R: int, C: int, placements: int, extra: list[S]):
     module = PROGRAMS[name](C).cuda().bfloat16()
     compiled = torch.compile(module)

@@ -5,9 +5,15 @@ the default picks decides what tilefuse's extern attention and torch.compile's b
 
     python3 bench/sdpa_backends.py [--json FILE]
 """
-import argparse, json, statistics, torch
+import argparse, json, sys
+from pathlib import Path
+
+import torch
 import torch.nn.functional as F
 from torch.nn.attention import sdpa_kernel, SDPBackend
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+from tilefuse.analyze.bench import median_ms  # noqa: E402
 
 ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 ap.add_argument("--json")
@@ -17,17 +23,11 @@ gpu = torch.cuda.get_device_name()
 print(gpu, torch.__version__, "cudnn", torch.backends.cudnn.version(), flush=True)
 backends = {"default": None, "cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
             "efficient": SDPBackend.EFFICIENT_ATTENTION}
-flush = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
 
 
-def timed(fn, reps=20):
-    fn(); torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        flush.zero_()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record(); fn(); b.record(); torch.cuda.synchronize(); ts.append(a.elapsed_time(b) * 1e3)
-    return statistics.median(ts)
+def timed(fn):
+    """us per call: the project's flushed per-call median (analyze.bench.median_ms)."""
+    return median_ms(fn) * 1e3
 
 
 rows = []

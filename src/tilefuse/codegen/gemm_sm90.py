@@ -277,9 +277,7 @@ def _small_m_schedule(problem: GemmProblem, sms: int, multiple: int = 1) -> Gemm
     gather). `multiple`: tile widths must be multiples of it (partial row reductions' groups)."""
     for bn, stages in SMALL_M_RINGS:
         tiles = -(-problem.n // bn)
-        if bn % multiple:
-            continue
-        if tiles <= sms:
+        if tiles <= sms and bn % multiple == 0:
             s = GemmSchedule(64, bn, stages=stages, consumers=1, tma_store=False)
             if tiles * 4 > sms:
                 return s
