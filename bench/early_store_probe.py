@@ -16,9 +16,7 @@ import re, statistics, sys, json, os
 from pathlib import Path
 import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from mapreduce import PROGRAMS, inputs_for
-from program_schedules import program_launch, rotated_rounds, with_source
-import tilefuse
+from program_schedules import program_case, rotated_rounds, with_source
 from tilefuse.runtime.launch import compile_kernel
 from tilefuse.codegen.mapreduce import MapReduceSchedule as S
 
@@ -42,13 +40,7 @@ def early(src):
 def main():
     res = []
     for case in sys.argv[1:]:
-        name, shape = case.split(":")
-        R, C = (int(v) for v in shape.split("x"))
-        module = PROGRAMS[name](C).cuda().bfloat16()
-        inputs = inputs_for(name, R, C)
-        prog = tilefuse.compile(module, inputs)
-        want = [o.clone() for o in prog(*inputs)]
-        lowered, op, ptrs, outs = program_launch(prog, inputs)
+        module, inputs, want, lowered, op, ptrs, outs = program_case(case)
         base = op.ck.source.schedule
         calls = {}
         for s in [base, S(threads=256, group=64, vector=8, stage="smem", min_blocks=4)]:

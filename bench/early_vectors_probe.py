@@ -64,21 +64,13 @@ def hoist(src: str) -> str:
 def main():
     import torch
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from mapreduce import PROGRAMS, inputs_for
-    from program_schedules import program_launch, rotated_rounds, with_source
+    from program_schedules import program_case, rotated_rounds, with_source
 
-    import tilefuse
     from tilefuse.runtime.launch import compile_kernel
 
     res = []
     for case in sys.argv[1:]:
-        name, shape = case.split(":")
-        R, C = (int(v) for v in shape.split("x"))
-        module = PROGRAMS[name](C).cuda().bfloat16()
-        inputs = inputs_for(name, R, C)
-        prog = tilefuse.compile(module, inputs)
-        want = [o.clone() for o in prog(*inputs)]
-        lowered, op, ptrs, outs = program_launch(prog, inputs)
+        module, inputs, want, lowered, op, ptrs, outs = program_case(case)
         ck = compile_kernel(lowered.kernel, schedule=op.ck.source.schedule)
         try:
             es = hoist(ck.source.source)

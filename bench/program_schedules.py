@@ -140,6 +140,18 @@ def program_launch(prog, inputs):
     return next(iter(prog.kernels.values())), op, ptrs, outs
 
 
+def program_case(case: str):
+    """'layernorm:32768x256' -> (module, inputs, the program's outputs, and program_launch's
+    lowered kernel, launch step, pointers and outputs): a probe's starting point, on the GPU."""
+    name, shape = case.split(":")
+    rows, cols = (int(v) for v in shape.split("x"))
+    module = PROGRAMS[name](cols).cuda().bfloat16()
+    inputs = inputs_for(name, rows, cols)
+    prog = tilefuse.compile(module, inputs)
+    want = [o.clone() for o in prog(*inputs)]
+    return (module, inputs, want, *program_launch(prog, inputs))
+
+
 def with_source(ck, source: str):
     """`ck` (a CompiledKernel) built from `source` instead, an edit of its own (the probes'
     hand edits of a rendered kernel): same kernel, arch, name and launch."""
