@@ -97,13 +97,38 @@ def test_rows_are_read_once_with_16_byte_loads():
     src = render(k, arch="sm_90a")  # default: the row staged in shared memory
     body = _body(src)
     # one copy site for the row of x (16-byte cp.async), one load site for the weight vector
+    # (ahead of the reduction: _hoisted_vectors)
     assert src.schedule.stage == "smem" and body.count("tf_cp_async16(") == 1
     assert src.smem_bytes == 4096 * 2
-    assert body.count("tf_ld16(w_c") == 1 and "tf_ld16_stream" not in body
+    assert body.count("tf_ld16(w_h[j]") == 1 and "tf_ld16(w_c" not in body and "tf_ld16_stream" not in body
     assert body.count("tf_st16(g_y") == 1
     assert dict(src.alignment) == {"x": 16, "w": 16, "y": 16}
     regs = _body(render(k, default_schedule(k, "sm_90a", stage="regs")))
     assert regs.count("tf_ld16_stream(x_s[j]") == 1 and "tf_cp_async16(" not in regs
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_80"])
+def test_a_staged_rows_column_vectors_are_loaded_before_its_reductions(arch):
+    """Where a CTA's one row is staged in shared memory, the weight and bias its output pass
+    reads are loaded into registers ahead of the row's reductions, once each (their latency
+    then overlaps the row's copies instead of following its shuffle tree), and the pass reads
+    them there; rows held in registers, or spread over a cluster, load them in the pass."""
+    k = fx.layernorm_kernel(32768, 4096, "bf16")
+    src = render(k, arch=arch)
+    assert src.schedule.stage == "smem" and src.schedule.group == src.schedule.threads
+    head, out = _body(src).split("// ---- map over the row")
+    ahead = head.index("loaded ahead of the reductions")
+    assert ahead < head.index("// ---- reduce")
+    for v in ("w", "b"):
+        assert head.count(f"tf_ld16({v}_h[j]") == 1 and f"tf_ld16({v}" not in out
+        assert f"const unsigned* {v}_c = {v}_h[j];" in out
+    _, cubin = compile_source_only(k, arch, src.schedule)
+    assert cubin.info.spill_stores == 0 and cubin.info.spill_loads == 0
+    short = _body(render(k := fx.layernorm_kernel(32768, 256, "bf16"), default_schedule(k, arch), arch))
+    assert "ahead of the reductions" not in short and "tf_ld16(w_c" in short.split("// ---- map over the row")[1]
+    if arch == "sm_90a":  # a cluster's row holds too many chunks per thread to keep them (it spilled)
+        long = render(k := fx.layernorm_kernel(4096, 65536, "bf16"), arch=arch)
+        assert long.schedule.cluster > 1 and "ahead of the reductions" not in long.source
 
 
 def test_l2_hints_keep_a_re_read_row_until_its_last_pass():

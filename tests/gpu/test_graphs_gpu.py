@@ -307,9 +307,11 @@ def test_graph_memory_counts_each_capture_and_stops_captures_at_the_limit(monkey
 
 
 class _TwoProjections(torch.nn.Module):
+    # narrow outputs over long K: 32 and 16 tiles of 64 columns, few enough on a 132-SM GPU that
+    # one row's GEMMs take K slices (4096 x 4096 fills a wave with 64 tiles and is not sliced)
     def __init__(self):
         super().__init__()
-        self.a, self.b = torch.nn.Linear(4096, 4096, bias=False), torch.nn.Linear(4096, 4096, bias=False)
+        self.a, self.b = torch.nn.Linear(4096, 2048, bias=False), torch.nn.Linear(2048, 1024, bias=False)
 
     def forward(self, x):
         return self.b(torch.relu(self.a(x)))
