@@ -45,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import tilefuse  # noqa: E402
 from tilefuse import models  # noqa: E402
-from tilefuse.analyze.bench import host_us, median_ms, settle, sustained_ms  # noqa: E402
+from tilefuse.analyze.bench import fresh_compile, host_us, median_ms, settle, sustained_ms  # noqa: E402
 from tilefuse.check import compare, flatten, float64_reference  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -179,7 +179,7 @@ def run_case(case: str) -> dict:
         if not all(c.ok for c in checks):
             row["error"] = "tilefuse output failed the 2x rule; not timed"
             return row
-        tc = torch.compile(m)
+        tc = fresh_compile(m)
         row["torch_compile_s"] = first_call_s(tc, inputs)
         runs = {"eager": lambda: m(*inputs), "torch_compile": lambda: tc(*inputs), "tilefuse": lambda: prog(*inputs)}
         names = list(runs)

@@ -194,7 +194,10 @@ def epilogue_operands(m, n) -> dict:
 def _baseline(fn, *args):
     """The faster of eager and torch.compile (default) for the same function, in ms."""
     eager = median_ms(lambda: fn(*args))
-    compiled = torch.compile(fn)
+    from tilefuse.analyze.bench import fresh_compile
+
+    # fresh: each epilogue's function is one code object, met at every shape of the table
+    compiled = fresh_compile(fn)
     for _ in range(3):
         compiled(*args)
     comp = median_ms(lambda: compiled(*args))

@@ -27,7 +27,7 @@ import loop_fixtures as fx  # noqa: E402
 from mapreduce_kernels import make_inputs, outputs_close, torch_fn  # noqa: E402
 
 from tilefuse import dtypes  # noqa: E402
-from tilefuse.analyze.bench import timings_ms  # noqa: E402
+from tilefuse.analyze.bench import fresh_compile, timings_ms  # noqa: E402
 from tilefuse.codegen.mapreduce import MapReduceSchedule as S  # noqa: E402
 from tilefuse.codegen.mapreduce import default_schedule  # noqa: E402
 from tilefuse.runtime.launch import compile_kernel  # noqa: E402
@@ -65,7 +65,7 @@ def probe(case: str, rounds: int) -> dict:
     torch_args = [inputs[b.name] for b in kernel.inputs]
     fn = torch_fn(name)
     ref = fn(*torch_args)
-    compiled = torch.compile(fn)
+    compiled = fresh_compile(fn)
     compiled(*torch_args)
     calls = {"torch.compile": lambda: compiled(*torch_args)}
     errors = {}

@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import blocks  # noqa: E402
-from tilefuse.analyze.bench import back_to_back_ms  # noqa: E402
+from tilefuse.analyze.bench import back_to_back_ms, fresh_compile  # noqa: E402
 import tilefuse  # noqa: E402
 
 
@@ -104,7 +104,7 @@ def compiled_pair(case: str):
     each called 3 times already (graph capture, dynamo's compile). Call under torch.no_grad()."""
     m, inputs, tokens = blocks.build(case)
     prog = tilefuse.compile(m, inputs)
-    tc = torch.compile(m)
+    tc = fresh_compile(m)
     impls = {"tilefuse": lambda: prog(*inputs), "torch_compile": lambda: tc(*inputs)}
     for f in impls.values():
         for _ in range(3):

@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from mapreduce import PROGRAMS, inputs_for  # noqa: E402
 
 import tilefuse  # noqa: E402
-from tilefuse.analyze.bench import timings_ms  # noqa: E402
+from tilefuse.analyze.bench import fresh_compile, timings_ms  # noqa: E402
 from tilefuse.codegen.mapreduce import MapReduceSchedule as S  # noqa: E402
 from tilefuse.runtime.launch import CudaError, compile_kernel  # noqa: E402
 
@@ -177,7 +177,7 @@ def rotated_rounds(calls: dict, rounds: int = 9) -> dict:
 
 def rows_for(name: str, R: int, C: int, placements: int, extra: list[S]):
     module = PROGRAMS[name](C).cuda().bfloat16()
-    compiled = torch.compile(module)
+    compiled = fresh_compile(module)
     calls, regs = {}, {}
     with torch.no_grad():
         for p in range(placements):

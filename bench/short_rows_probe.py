@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from mapreduce import PROGRAMS, inputs_for  # noqa: E402
 
 import tilefuse  # noqa: E402
-from tilefuse.analyze.bench import timings_ms  # noqa: E402
+from tilefuse.analyze.bench import fresh_compile, timings_ms  # noqa: E402
 
 CASES = "rmsnorm:32768x256,layernorm:32768x256,softmax:32768x256"
 
@@ -35,7 +35,7 @@ def probe(case: str, placements: int, rounds: int) -> dict:
     rows, cols = (int(x) for x in shape.split("x"))
     module = PROGRAMS[name](cols).cuda().bfloat16()
     sets = [inputs_for(name, rows, cols) for _ in range(placements)]
-    compiled = torch.compile(module)
+    compiled = fresh_compile(module)
     calls = {}
     with torch.no_grad():
         for i, inputs in enumerate(sets):

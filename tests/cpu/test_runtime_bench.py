@@ -185,3 +185,26 @@ def test_sustained_timing_only_for_matrix_bound_programs_whose_data_outgrow_l2()
     assert not bench.sustained_timing(0, 100 * l2, l2)
     assert not bench.sustained_timing(big, big, l2)  # 1 FLOP a byte
     assert not bench.sustained_timing(100 * big - 1, big, l2)
+
+
+def test_a_fresh_compile_at_new_sizes_is_static_as_a_first_compile_is():
+    """The torch.compile baseline of a benchmark's later case is compiled as a user compiling
+    once at its sizes gets it: the same function met again at other sizes would otherwise be
+    recompiled with dynamic shapes (dynamo's automatic dynamic), a slower baseline."""
+    seen = []
+
+    def record(gm, example_inputs):
+        sizes = [d for t in example_inputs for d in (t.shape if isinstance(t, torch.Tensor) else (t,))]
+        seen.append(any(isinstance(d, torch.SymInt) for d in sizes))  # a size symbol: a dynamic graph
+        return gm.forward
+
+    def fn(x):
+        return torch.softmax(x * 2, -1)
+
+    torch._dynamo.reset()
+    torch.compile(fn, backend=record)(torch.randn(4, 8))
+    torch.compile(fn, backend=record)(torch.randn(4, 16))  # the same code at new sizes: dynamic
+    assert seen == [False, True]
+    bench.fresh_compile(fn, backend=record)(torch.randn(4, 32))
+    assert seen[-1] is False
+    torch._dynamo.reset()

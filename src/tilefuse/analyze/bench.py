@@ -168,6 +168,16 @@ class Row:
     host_us: float = float("nan")  # host time of one call with the GPU idle
 
 
+def fresh_compile(fn, **kwargs):
+    """torch.compile(fn, **kwargs) on a fresh dynamo, as a user compiling once at these sizes
+    gets it: after an earlier call of the same code at other sizes (a benchmark's previous case
+    of the same module class, or of the same lambda) dynamo would recompile it with dynamic
+    shapes (automatic dynamic), a slower baseline than the program it is timed against.
+    (Resetting drops the caches of what was compiled before: compile, time, then the next.)"""
+    torch._dynamo.reset()
+    return torch.compile(fn, **kwargs)
+
+
 def compare(prog, module, inputs, nbytes: int, copy_bps: float | None = None, with_compile=True,
             extra: dict | None = None, rounds: int = 1, sustained: bool = False) -> list[Row]:
     """Time tilefuse, eager, torch.compile (and any `extra` named callables) in this run.
@@ -185,10 +195,7 @@ def compare(prog, module, inputs, nbytes: int, copy_bps: float | None = None, wi
     with torch.no_grad():
         runs["eager"] = lambda: module(*inputs)
         if with_compile:
-            # a fresh dynamo: after an earlier case of the same module class it would recompile
-            # with dynamic shapes (automatic dynamic), a slower baseline than this program gets
-            torch._dynamo.reset()
-            compiled = torch.compile(module)
+            compiled = fresh_compile(module)
             compiled(*inputs)
             runs["torch.compile"] = lambda: compiled(*inputs)
         runs.update(extra or {})
