@@ -146,16 +146,19 @@ def test_sustained_ms_times_back_to_back_calls_between_two_events(monkeypatch):
     monkeypatch.setattr(bench, "settle", lambda fn, s: _FakeEvent.log.append(("settle", s)))
     monkeypatch.setattr(bench, "_read_flush", lambda: pytest.fail("sustained timing must not flush"))
 
+    clock = [0.0]  # a host clock that each call advances by 2 ms (sleeping stretched under load)
+    monkeypatch.setattr(bench.time, "perf_counter", lambda: clock[0])
+
     def call():
         _FakeEvent.log.append(("call", None))
-        time.sleep(0.002)
+        clock[0] += 0.002
 
     ms = bench.sustained_ms(call, seconds=0.04, settle_s=1.5)
     kinds = [k for k, _ in _FakeEvent.log]
     first, last = kinds.index("record"), len(kinds) - 1 - kinds[::-1].index("record")
     n = kinds[first:last].count("call")
     assert _FakeEvent.log[0] == ("settle", 1.5) and kinds.count("record") == 2
-    assert 8 <= n <= 20  # ~0.04 s / 2 ms
+    assert n == int(0.04 / 0.002)  # sized from the probe call's time
     assert ms == (last - first) / n  # the fake clock: one unit per log entry
     _FakeEvent.log = []
     bench.sustained_ms(lambda: _FakeEvent.log.append(("call", None)), seconds=0.0, settle_s=0)
