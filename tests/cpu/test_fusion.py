@@ -371,3 +371,17 @@ def test_bitwise_and_of_integers_is_a_visible_extern_and_of_bools_a_map():
     assert any(isinstance(n, ir.Map) and n.op == "and" for n in g.nodes)
     g, p = planned(lambda x, y: x & y, [x, y])
     assert [s.family for s in p.steps] == ["extern"] and "not both bool" in p.steps[0].note
+
+
+def test_an_embedding_counts_the_rows_it_reads_not_its_whole_table():
+    """An embedding extern's bytes (and so its floor in the plan) are the rows its indices
+    select, at most the output's size, plus the indices and the output: not the whole table
+    (a 4000-row table read for 6 tokens)."""
+    table = torch.nn.Embedding(4000, 64).bfloat16()
+    ids = torch.randint(0, 4000, (2, 3))
+    g, p = planned(lambda i: table(i) * 2, [ids])
+    check_invariants(g, p)
+    (emb,) = [s for s in p.steps if s.family == "extern" and "embedding" in g[s.nodes[0]].describe()]
+    out = sum(g[t].type.nbytes for t in emb.outputs)
+    assert out == 6 * 64 * 2
+    assert emb.bytes == 2 * out + ids.numel() * 8
