@@ -2341,7 +2341,7 @@ def _emit_hoisted_vectors(ctx: _Ctx, em: _Emitter, vecs: list):
     em.open(f"for (int j = 0; j < {ctx.nchunk}; ++j)")
     em(f"const int c0 = {ctx.lay.c_column(0)};  // first column of chunk j")
     for st in vecs:
-        _emit_chunk_load(ctx, em, st, f"{st.name}_h[j]", "row_ok" if ctx.full else f"row_ok && c0 < {ctx.C}")
+        _emit_chunk_load(ctx, em, st, f"{st.name}_h[j]", "row_ok")  # (full rows only: no column guard)
     em.close()
 
 
