@@ -230,6 +230,11 @@ class _Lowerer:
         self.counter += 1
         body: list = self.block()
         x = self.emit(n.arg, body, {}, col)
+        if self.g[n.arg].type.dtype in ("bf16", "f16"):
+            # a 16-bit value reduced is a value of its graph dtype, as a cast of it sees it
+            # (emit_map): the mean of x and the cast x in x - mean(x) must be the same values, or
+            # a row of equal values gets a variance (std of ten equal f16 values: 0.0012)
+            x = self.convert(x, self.g[n.arg].type.dtype, body)
         want = dtypes.compute_type(n.type.dtype)
         x = self.convert(x, want if dtypes.is_float(want) else "i64" if n.op == "sum" else want, body)
         acc_t = self.dtype[x]
