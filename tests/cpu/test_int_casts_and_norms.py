@@ -47,6 +47,10 @@ CASES = [
     ("relu of uint8", lambda x: torch.relu(x), (_ints(0, 256, 8, 40, dtype=torch.uint8),)),
     ("relu of int8", lambda x: torch.relu(x), (_ints(-128, 128, 8, 40, dtype=torch.int8),)),
     ("clamp of int8 by numbers", lambda x: torch.clamp(x, min=-3, max=100), (_ints(-128, 128, 8, 40, dtype=torch.int8),)),
+    # a float bound makes the result f32 and the int bound is compared as a float (in uint8 the
+    # -1 had wrapped to 255: every value clamped to 255, a fuzzing finding)
+    ("clamp of uint8 by an int and a float", lambda x: torch.clamp(x, -1, 100000.0), (_ints(0, 256, 8, 40, dtype=torch.uint8),)),
+    ("std of uint8 clamped by a float", lambda x: torch.std(torch.clamp(x, -1, 1e5), dim=0), (_ints(0, 256, 7, 3, dtype=torch.uint8),)),
     ("maximum of uint8 tensors", lambda x: torch.maximum(x, x.flip(-1)), (_ints(0, 256, 8, 40, dtype=torch.uint8),)),
     ("relu of bf16 cast to uint8 then to int8", lambda x: torch.relu(x.byte()).char(), (_randn(4, 64, dtype=torch.bfloat16, scale=100),)),
     ("min over bool rows of 33000", lambda x: (x > -2).amin(-1), (_randn(3, 33000),)),

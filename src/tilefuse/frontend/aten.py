@@ -160,9 +160,15 @@ def _gelu(b, args, kwargs, out):
     return b.cast(y, out.dtype)
 
 
+def _promoted(b, x, out):
+    """x in the clamp's result dtype: a float bound promotes an integer tensor (clamp(u8, -1,
+    1e5) is f32, its bounds compared as floats; in u8 the -1 wrapped to 255)."""
+    return b.cast(x, out.dtype) if b.type(x).dtype != out.dtype else x
+
+
 @handles("clamp", "clip", "hardtanh")
 def _clamp(b, args, kwargs, out):
-    x = args[0]
+    x = _promoted(b, args[0], out)
     lo = kwargs.get("min", args[1] if len(args) > 1 else None)
     hi = kwargs.get("max", args[2] if len(args) > 2 else None)
     if lo is not None:
@@ -176,7 +182,8 @@ def _clamp(b, args, kwargs, out):
 def _clamp_one(b, args, kwargs, out):
     """x.clamp_min(lo) (F.normalize's guard against a zero norm) and clamp_max."""
     op = "max" if out.op == "clamp_min" else "min"
-    return b.map(op, args[0], _operand(b, args[1], args[0], op))
+    x = _promoted(b, args[0], out)
+    return b.map(op, x, _operand(b, args[1], x, op))
 
 
 @handles("where")
