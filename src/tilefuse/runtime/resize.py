@@ -79,6 +79,11 @@ def family(p0, p1) -> Family | str:
         return "the two programs have the same shapes"
     if set(g0.weights) != set(g1.weights):
         return "its weights differ between sizes"
+    for name in g0.weights:
+        # a value folded from the sizes (a sum of ones over a varying dim) is a weight too:
+        # shared, the third size would get a compiled size's value
+        if not _same_value(g0.weights[name], g1.weights[name]):
+            return f"weight {name} has another value at each size"
     if len(p0.plan.steps) != len(p1.plan.steps):
         return "its plan differs between sizes"
     for s0, s in zip(p0.plan.steps, p1.plan.steps):
@@ -133,6 +138,16 @@ def torch_maps(p0, p1) -> frozenset:
                 return frozenset()
             found.add(name)
     return frozenset(found)
+
+
+def _same_value(a, b) -> bool:
+    """Whether two weights (torch tensors or ndarrays) hold the same values (one tensor: yes)."""
+    if a is b:
+        return True
+    a, b = (torch.as_tensor(x) for x in (a, b))
+    return a.dtype == b.dtype and a.shape == b.shape and a.device == b.device and bool(
+        torch.equal(a, b) or (a.is_floating_point() and torch.equal(a.isnan(), b.isnan())
+                              and torch.equal(torch.nan_to_num(a), torch.nan_to_num(b))))
 
 
 def _step_key(s) -> tuple:
