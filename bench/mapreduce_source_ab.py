@@ -43,22 +43,15 @@ def dump(path, cases):
 
 def run(path, cases):
     import torch
-    import tilefuse
-    from mapreduce import PROGRAMS, inputs_for
-    from program_schedules import program_launch
+    from program_schedules import program_case
     from tilefuse.analyze.bench import timings_ms
     from tilefuse.runtime import cache
     from tilefuse.runtime.launch import CompiledKernel, compile_kernel
     old = json.loads(Path(path).read_text())
     for case in cases:
-        name, shape = case.split(":")
-        R, C = (int(v) for v in shape.split("x"))
-        module = PROGRAMS[name](C).cuda().bfloat16()
-        inputs = inputs_for(name, R, C)
-        prog = tilefuse.compile(module, inputs)
-        want = prog(*inputs)
-        want = want if isinstance(want, torch.Tensor) else want[-1]
-        lowered, _, ptrs, outs = program_launch(prog, inputs)
+        R = int(case.split(":")[1].split("x")[0])
+        _, _, wants, lowered, _, ptrs, outs = program_case(case)
+        want = wants[-1]
         new = compile_kernel(lowered.kernel)
         src = new.source
         osrc_text = old[case]
