@@ -530,3 +530,63 @@ def test_planless_attention_keeps_pytorchs_backend_switches():
     finally:
         cuda.enable_flash_sdp(before[0])
         cuda.enable_mem_efficient_sdp(before[1])
+
+
+def test_a_kept_input_replaced_after_a_settled_stay_is_read_in_place_at_its_new_address():
+    """A buffer the caller keeps for many calls and then replaces (each `generate` makes a new
+    static KV cache) gets a slot captured on it where it now lies, the stale slot evicted: it is
+    never copied. Copied, every layer's cache went into the slot and back out on every step of
+    every later generate."""
+    g = _graphed(max_slots=2)
+    kept = []  # (every x stays alive, so each lies at a new address)
+    for _ in range(3):
+        x = torch.randn(4, 16)
+        kept.append(x)
+        for _ in range(graphs.SETTLED + 2):
+            x.normal_()
+            out = g([x, W])
+            _close(out, _ref(x, W))
+            del out
+    assert g.stats["copies"] == 0 and g.volatile == set(), g.stats
+    assert g.stats["captures"] == 3 and g.stats["evictions"] == 1 and g.stats["thin"] == 0, g.stats
+    assert {s.ptrs[0] for s in g.slots} == {kept[1].data_ptr(), kept[2].data_ptr()}
+
+
+def test_an_input_moved_after_a_short_stay_is_copied_from_then_on():
+    """Fewer than SETTLED calls at one address is a tensor made fresh per call that happened to
+    land where the last one was: copied in every later capture, so moves cost no captures."""
+    g = _graphed(max_slots=2)
+    kept = []
+    for _ in range(4):
+        x = torch.randn(4, 16)
+        kept.append(x)
+        for _ in range(graphs.SETTLED - 2):
+            x.normal_()
+            out = g([x, W])
+            _close(out, _ref(x, W))
+            del out
+    assert g.volatile == {0} and g.stats["captures"] == 2 and g.stats["thin"] == 0, g.stats
+
+
+def _step(cache, x):
+    cache.add_(x)  # written in place, as a static cache's index_copy_ is
+    return cache * 2
+
+
+def test_a_replaced_buffer_the_program_writes_is_written_in_place_at_its_new_address():
+    """The replay writes the caller's new buffer itself: its values after each call are the
+    program's, and nothing is copied in or back."""
+    example = (torch.randn(3, 8), torch.randn(3, 8))
+    g = _graphed(_step, example, max_slots=2)
+    for _ in range(2):
+        cache = torch.zeros(3, 8)
+        want = torch.zeros(3, 8)
+        for _ in range(graphs.SETTLED + 3):
+            x = torch.randn(3, 8)
+            (out,) = g([cache, x])
+            want += x
+            torch.testing.assert_close(cache, want)
+            torch.testing.assert_close(out, want * 2)
+            del out
+    assert all(s.ptrs[0] is not None for s in g.slots) and g.stats["captures"] == 2, g.stats
+    assert 0 not in g.volatile

@@ -10,7 +10,8 @@ read from a step counter, advances the counter, and attends over the caches:
   out), the same holds;
 - transformers' `generate` with `cache_implementation="static"` through the backend gives
   eager's tokens (float32), every graph runs in tilefuse (the prefill's 0-d CPU step counter
-  beside CUDA tensors included), and its decode graph compiles once and replays its CUDA graph.
+  beside CUDA tensors included), and its decode graph compiles once and replays its CUDA graph,
+  which reads each generate's new caches in place.
 """
 import pytest
 import torch
@@ -110,3 +111,8 @@ def test_generate_with_a_static_cache_replays_one_decode_graph_with_eager_tokens
     (v,) = r.variants.values()
     info = v.program.graph_info()
     assert sum(g["replays"] for g in info) >= 2 * 15 - 2, info
+    # each generate makes new caches: after the first, the decode slot is captured where they lie
+    # now and writes them in place (copied, they went in and back out on every step)
+    g = max(v.program._graphed.values(), key=lambda g: g.stats["replays"])
+    assert g.written and all(g.slots[-1].ptrs[i] is not None for i in g.written), (g.written, g.slots[-1].ptrs)
+    assert not set(g.written) & g.volatile, (g.written, g.volatile)

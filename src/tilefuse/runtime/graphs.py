@@ -12,7 +12,12 @@ slot is either
 - copied: captured on a private buffer, into which each call copies the caller's tensor.
 An input whose address once differed from a direct slot's is copied in every later capture
 (two tensors that happened to share an address, the caching allocator's doing, are not a
-static buffer). Inputs the program writes in place (Graph.writes: a static cache's
+static buffer), unless it had lain at its old address for `SETTLED` calls or more: a buffer
+the caller keeps and then replaces (each `generate` makes a new static KV cache and steps it
+~32-1000 times) is read in place at its new address, by a slot captured there, the stale
+slot evicted. Copying it instead would copy every layer's cache in and out again on every
+step for the rest of the process (two foreach copies a step, ~0.2 ms of host time each at
+8 layers, and twice the cache's bytes through the GPU). Inputs the program writes in place (Graph.writes: a static cache's
 `index_copy_`, a step counter's `add_`) are written by the replay itself where direct, and
 copied back to the caller's tensor where copied.
 
@@ -35,8 +40,9 @@ without the wait the next call's copy and replay overwrite buffers the other str
 
 Memory. A slot keeps its copied inputs' buffers and its graph's memory pool (its outputs and
 intermediates) for as long as it lives, and every size of a growing cache is a program with
-slots of its own: a decode step's slot holds the cache twice (before the step, copied in; after
-it, the output), so a long generation's slots would grow with sizes x cache length. All slots of
+slots of its own: a decode step's slot that copies its cache holds it twice (before the step,
+copied in; after it, the output), so a long generation's slots would grow with sizes x cache
+length. All slots of
 the process share one limit per device (`GraphMemory`, TILEFUSE_GRAPH_MEMORY: a fraction of the
 device's memory or a number of bytes, default a quarter); once the slots hold that much, or the
 device has less than an eighth of its memory free, new captures are skipped and those calls take
@@ -311,6 +317,12 @@ def capture_cuda(runner, tensors, direct):
     return replay, outs, static, max(pool, 0) + arena.nbytes()
 
 
+# Calls an input must have lain at one address before a move counts as the caller replacing a
+# kept buffer (read in place at its new address) rather than a tensor made fresh per call (copied).
+# A move after a shorter stay marks the input volatile for good, so captures for moved buffers
+# come at most once every SETTLED calls.
+SETTLED = 8
+
 TIGHT = 0.25  # of the device: below this much free to the driver, the cache is emptied before a capture
 
 
@@ -386,6 +398,8 @@ class Graphed:
         self.capture = capture
         self.slots: list[Slot] = []
         self.last = None          # input addresses of the previous call (None where not contiguous)
+        self.since: list[int] = []       # per input: calls in a row at its present address
+        self.moved: set[int] = set()     # inputs this call passes at a new address after a settled stay
         self.volatile: set[int] = set()  # inputs seen at another address than a direct slot's: copied
         self.written = tuple(getattr(runner, "written", ()))  # inputs the program writes in place
         self.warm = False
@@ -398,6 +412,7 @@ class Graphed:
             self.stats["thin"] += 1
             return self.runner.run(tensors)
         ptrs = tuple([t.data_ptr() if t.is_contiguous() else None for t in tensors])
+        self._track(ptrs)
         if not self.warm:
             self.warm, self.last = True, ptrs
             self.stats["warmup"] += 1
@@ -417,11 +432,11 @@ class Graphed:
                 _copy_all(dst, [t for s, t in zip(slot.inputs, tensors) if s is not None])
                 self.stats["copies"] += 1
         else:
-            if not self._room() or (len(self.slots) >= self.max_slots and not self._evict()):
+            if not self._room() or (len(self.slots) >= self.max_slots and not self._evict(ptrs)):
                 self.last = ptrs
                 self.stats["thin"] += 1
                 return self.runner.run(tensors)
-            direct = tuple([p is not None and p == q and i not in self.volatile
+            direct = tuple([p is not None and (p == q or i in self.moved) and i not in self.volatile
                             for i, (p, q) in enumerate(zip(ptrs, self.last or ()))])
             direct += (False,) * (len(tensors) - len(direct))
             slot = self._capture(tensors, direct)
@@ -438,20 +453,40 @@ class Graphed:
 
     def _find(self, ptrs) -> Slot | None:
         """A free slot whose direct inputs lie at these addresses, the one copying least. An input
-        at another address than a slot's direct one is marked volatile (later captures copy it)."""
+        that moved since the last call to another address than a slot's direct one is marked
+        volatile (later captures copy it), unless it is a replaced buffer (`moved`); a slot left
+        stale by one marks nothing on the calls after."""
         best = None
+        last = self.last or (None,) * len(ptrs)
         for s in self.slots:
             if not s.fits(ptrs):
-                self.volatile.update(i for i, (p, q) in enumerate(zip(s.ptrs, ptrs)) if p is not None and p != q)
+                self.volatile.update(i for i, (p, q, r) in enumerate(zip(s.ptrs, ptrs, last))
+                                     if p is not None and p != q and q != r and i not in self.moved)
             elif s.free() and (best is None or s.copies() < best.copies()):
                 best = s
         return best
 
-    def _evict(self) -> bool:
-        """All slots taken: drop a free one that reads a volatile input directly (it is unlikely
-        to fit again) to make room; False if there is none."""
+    def _track(self, ptrs) -> None:
+        """Count each input's calls at its address; `moved`: those at a new one after SETTLED or
+        more calls at the old (a kept buffer replaced), unless already volatile."""
+        if self.last is None or len(self.since) != len(ptrs):
+            self.since, self.moved = [1] * len(ptrs), set()
+            return
+        self.moved = set()
+        for i, (p, q) in enumerate(zip(ptrs, self.last)):
+            if p is not None and p == q:
+                self.since[i] += 1
+                continue
+            if p is not None and q is not None and self.since[i] >= SETTLED and i not in self.volatile:
+                self.moved.add(i)
+            self.since[i] = 1
+
+    def _evict(self, ptrs) -> bool:
+        """All slots taken: drop a free one whose direct inputs are not at this call's addresses
+        (a volatile input's, or a replaced buffer's old one: unlikely to fit again) to make room;
+        False if there is none."""
         for s in self.slots:
-            if s.free() and any(s.ptrs[i] is not None for i in self.volatile):
+            if s.free() and not s.fits(ptrs):
                 self.slots.remove(s)
                 self.stats["evictions"] += 1
                 return True
