@@ -16,10 +16,10 @@ static buffer), unless it had lain at its old address for `SETTLED` calls or mor
 the caller keeps and then replaces (each `generate` makes a new static KV cache and steps it
 ~32-1000 times) is read in place at its new address, by a slot captured there, the stale
 slot evicted. Copying it instead would copy every layer's cache in and out again on every
-step for the rest of the process (two foreach copies a step, ~0.2 ms of host time each at
-8 layers, and twice the cache's bytes through the GPU). Inputs the program writes in place (Graph.writes: a static cache's
-`index_copy_`, a step counter's `add_`) are written by the replay itself where direct, and
-copied back to the caller's tensor where copied.
+step for the rest of the process (two foreach copies a step, ~0.2 ms of host time each at 8
+layers, and twice the cache's bytes through the GPU). Inputs the program writes in place
+(Graph.writes: a static cache's `index_copy_`, a step counter's `add_`) are written by the
+replay itself where direct, and copied back to the caller's tensor where copied.
 
 Outputs. A slot's output buffers are returned as fresh tensors that alias them, and a slot
 is replayed only while the caller holds none of its previous outputs (the storage's use
@@ -42,8 +42,7 @@ Memory. A slot keeps its copied inputs' buffers and its graph's memory pool (its
 intermediates) for as long as it lives, and every size of a growing cache is a program with
 slots of its own: a decode step's slot that copies its cache holds it twice (before the step,
 copied in; after it, the output), so a long generation's slots would grow with sizes x cache
-length. All slots of
-the process share one limit per device (`GraphMemory`, TILEFUSE_GRAPH_MEMORY: a fraction of the
+length. All slots of the process share one limit per device (`GraphMemory`, TILEFUSE_GRAPH_MEMORY: a fraction of the
 device's memory or a number of bytes, default a quarter); once the slots hold that much, or the
 device has less than an eighth of its memory free, new captures are skipped and those calls take
 the thin path (`stats["over_budget"]`, one warning a process). The check comes before a capture,
@@ -398,7 +397,8 @@ class Graphed:
         self.capture = capture
         self.slots: list[Slot] = []
         self.last = None          # input addresses of the previous call (None where not contiguous)
-        self.since: list[int] = []       # per input: calls in a row at its present address
+        self.calls = 0                   # calls seen by `_track`
+        self.arrived: list[int] = []     # per input: the call that first passed its present address
         self.moved: set[int] = set()     # inputs this call passes at a new address after a settled stay
         self.volatile: set[int] = set()  # inputs seen at another address than a direct slot's: copied
         self.written = tuple(getattr(runner, "written", ()))  # inputs the program writes in place
@@ -467,19 +467,22 @@ class Graphed:
         return best
 
     def _track(self, ptrs) -> None:
-        """Count each input's calls at its address; `moved`: those at a new one after SETTLED or
-        more calls at the old (a kept buffer replaced), unless already volatile."""
-        if self.last is None or len(self.since) != len(ptrs):
-            self.since, self.moved = [1] * len(ptrs), set()
+        """Note where each input's present address began; `moved`: those at a new address after
+        SETTLED or more calls at the old (a kept buffer replaced), unless already volatile."""
+        self.calls += 1
+        if self.moved:
+            self.moved = set()
+        if self.last is None or len(self.arrived) != len(ptrs):
+            self.arrived = [self.calls] * len(ptrs)
             return
-        self.moved = set()
+        if ptrs == self.last and None not in ptrs:  # (every input where it was: nothing to note)
+            return
         for i, (p, q) in enumerate(zip(ptrs, self.last)):
-            if p is not None and p == q:
-                self.since[i] += 1
-                continue
-            if p is not None and q is not None and self.since[i] >= SETTLED and i not in self.volatile:
-                self.moved.add(i)
-            self.since[i] = 1
+            if p is None or p != q:
+                if p is not None and q is not None and self.calls - self.arrived[i] >= SETTLED \
+                        and i not in self.volatile:
+                    self.moved.add(i)
+                self.arrived[i] = self.calls
 
     def _evict(self, ptrs) -> bool:
         """All slots taken: drop a free one whose direct inputs are not at this call's addresses
