@@ -590,3 +590,22 @@ def test_a_replaced_buffer_the_program_writes_is_written_in_place_at_its_new_add
             del out
     assert all(s.ptrs[0] is not None for s in g.slots) and g.stats["captures"] == 2, g.stats
     assert 0 not in g.volatile
+
+
+def test_captures_for_moved_buffers_are_bounded_then_the_buffer_is_copied():
+    """A caller swapping a kept buffer every SETTLED calls gets MOVE_CAPTURES captures for the
+    moves plus one per MOVE_CALLS calls; past that the buffer is copied, and results stay right."""
+    g = _graphed(max_slots=2)
+    kept = []
+    calls = 0
+    for _ in range(12):
+        x = torch.randn(4, 16)
+        kept.append(x)
+        for _ in range(graphs.SETTLED):
+            x.normal_()
+            out = g([x, W])
+            _close(out, _ref(x, W))
+            del out
+            calls += 1
+    assert g.move_captures <= graphs.MOVE_CAPTURES + calls // graphs.MOVE_CALLS, g.stats
+    assert g.volatile == {0} and g.stats["captures"] <= 1 + g.move_captures + 1, (g.stats, g.move_captures)

@@ -318,9 +318,12 @@ def capture_cuda(runner, tensors, direct):
 
 # Calls an input must have lain at one address before a move counts as the caller replacing a
 # kept buffer (read in place at its new address) rather than a tensor made fresh per call (copied).
-# A move after a shorter stay marks the input volatile for good, so captures for moved buffers
-# come at most once every SETTLED calls.
+# A move after a shorter stay marks the input volatile for good. Captures made for moves are
+# also held to MOVE_CAPTURES + one per MOVE_CALLS calls: past that a moved buffer is copied
+# (volatile), so a caller swapping buffers every SETTLED calls does not capture every SETTLED
+# calls. (transformers' generate alternates two cache addresses, which two slots then serve.)
 SETTLED = 8
+MOVE_CAPTURES, MOVE_CALLS = 2, 64
 
 TIGHT = 0.25  # of the device: below this much free to the driver, the cache is emptied before a capture
 
@@ -400,6 +403,7 @@ class Graphed:
         self.calls = 0                   # calls seen by `_track`
         self.arrived: list[int] = []     # per input: the call that first passed its present address
         self.moved: set[int] = set()     # inputs this call passes at a new address after a settled stay
+        self.move_captures = 0           # captures made for such moves
         self.volatile: set[int] = set()  # inputs seen at another address than a direct slot's: copied
         self.written = tuple(getattr(runner, "written", ()))  # inputs the program writes in place
         self.warm = False
@@ -442,6 +446,8 @@ class Graphed:
             slot = self._capture(tensors, direct)
             if slot is None:
                 return self.runner.run(tensors)
+            if self.moved:
+                self.move_captures += 1
         self.last = ptrs
         slot.replay()
         back = [i for i in self.written if slot.inputs[i] is not None]  # copied inputs it writes: to the caller's
@@ -480,7 +486,7 @@ class Graphed:
         for i, (p, q) in enumerate(zip(ptrs, self.last)):
             if p is None or p != q:
                 if p is not None and q is not None and self.calls - self.arrived[i] >= SETTLED \
-                        and i not in self.volatile:
+                        and i not in self.volatile and self.move_captures < MOVE_CAPTURES + self.calls // MOVE_CALLS:
                     self.moved.add(i)
                 self.arrived[i] = self.calls
 
