@@ -104,7 +104,7 @@ def test_new_inputs_each_call_use_one_copy_slot():
         _close(g([x, W]), _ref(x, W))
     # x is copied; W, at one address every call, is read where it lies
     assert g.stats["captures"] == 1 and g.slots[0].ptrs[0] is None and g.slots[0].ptrs[1] is not None
-    assert g.stats["copies"] == 3
+    assert g.stats["copies"] == 3 and g.stats["copied_bytes"] == 3 * 4 * 16 * 4  # x's f32 bytes, 3 replays
 
 
 def test_a_direct_slot_is_not_replayed_for_other_addresses():
@@ -609,3 +609,19 @@ def test_captures_for_moved_buffers_are_bounded_then_the_buffer_is_copied():
             calls += 1
     assert g.move_captures <= graphs.MOVE_CAPTURES + calls // graphs.MOVE_CALLS, g.stats
     assert g.volatile == {0} and g.stats["captures"] <= 1 + g.move_captures + 1, (g.stats, g.move_captures)
+
+
+def test_copied_bytes_count_a_written_input_in_and_back_out():
+    """A fresh cache each call is copied into the slot and, being written, back out: the stats
+    count its bytes twice and the step input's once, per replay that copies (the capture's own
+    call fills the slot's buffers as it captures)."""
+    example = (torch.randn(3, 8), torch.randn(3, 8))
+    g = _graphed(_step, example, max_slots=2)
+    for _ in range(4):
+        cache, x = torch.zeros(3, 8), torch.randn(3, 8)
+        (out,) = g([cache, x])
+        torch.testing.assert_close(cache, x)
+        del out
+    per = 3 * 8 * 4
+    assert g.stats["replays"] == 3 and g.stats["copies"] == 2, g.stats
+    assert g.stats["copied_bytes"] == 2 * (2 * per + per), g.stats

@@ -222,6 +222,7 @@ class Slot:
     storages: list = field(default_factory=list)  # distinct storages of the private outputs
     base: list = field(default_factory=list)      # their use counts with no caller holding one
     stream: int | None = None   # the stream of its last replay (a raw handle); None before the first
+    copy_bytes: int = 0         # bytes a replay copies in (its copied inputs), and back out (written ones)
 
     def settle(self):
         """Record how the output storages are held while only the slot holds them."""
@@ -408,7 +409,7 @@ class Graphed:
         self.written = tuple(getattr(runner, "written", ()))  # inputs the program writes in place
         self.warm = False
         self.off: str | None = None
-        self.stats = {"warmup": 0, "captures": 0, "replays": 0, "copies": 0, "thin": 0,
+        self.stats = {"warmup": 0, "captures": 0, "replays": 0, "copies": 0, "copied_bytes": 0, "thin": 0,
                       "stream_waits": 0, "evictions": 0, "over_budget": 0}
 
     def __call__(self, tensors) -> list:
@@ -435,6 +436,7 @@ class Graphed:
             if dst:
                 _copy_all(dst, [t for s, t in zip(slot.inputs, tensors) if s is not None])
                 self.stats["copies"] += 1
+                self.stats["copied_bytes"] += slot.copy_bytes
         else:
             if not self._room() or (len(self.slots) >= self.max_slots and not self._evict(ptrs)):
                 self.last = ptrs
@@ -543,5 +545,7 @@ class Graphed:
                 seen.add(key)
                 storages.append(o.untyped_storage())
         slot = Slot(replay, list(outs), tuple(private), list(static), ptrs, storages)
+        nbytes = [0 if b is None else b.numel() * b.element_size() for b in static]
+        slot.copy_bytes = sum(nbytes) + sum(nbytes[i] for i in self.written if i < len(nbytes))
         slot.settle()
         return slot
