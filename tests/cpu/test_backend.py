@@ -422,6 +422,20 @@ def test_inference_tensor_weights_are_said_to_go_unwatched():
     assert any("inference tensors" in e for e in r.events)
 
 
+def test_inference_tensor_weights_serve_later_calls_without_a_compile():
+    """Inference tensors keep no version counter (reading it raises): a call still finds the
+    variant compiled for them, by identity and address."""
+    torch.manual_seed(0)
+    with torch.inference_mode():
+        m = nn.Linear(8, 4)
+        f = torch.compile(m, backend="tilefuse")
+        for _ in range(3):
+            x = torch.randn(3, 8)
+            torch.testing.assert_close(f(x), m(x), atol=1e-5, rtol=1e-5)
+    (r,) = tb.reports()
+    assert r.variants == 1 and r.calls_tilefuse == 3 and r.calls_eager == 0, (r.variants, r.calls_tilefuse)
+
+
 def test_a_graph_refused_at_two_sizes_for_one_reason_stops_being_tried(monkeypatch):
     """Each try of a refused graph costs a compile (~0.5 s a size of a small model, every token of
     a `generate`): after REFUSED_AFTER sizes fail for the same reason, new sizes run in eager
