@@ -3,7 +3,7 @@ output (an infinite PyTorch error made the bound infinite, passing anything), an
 that overflows as the float64 reference rounds, or as PyTorch does, passes."""
 import torch
 
-from tilefuse.check import compare
+from tilefuse.check import compare, rel_error
 
 
 def _case(dtype=torch.float32):
@@ -38,3 +38,18 @@ def test_where_pytorch_overflows_inside_its_chain_the_output_is_judged_by_the_re
     off[-1] = 1.0  # wrong where PyTorch is inf: it counts in the output's error
     c = compare("off", off, ref, eager)
     assert not c.ok and c.torch_error < 1e-2, c
+
+
+def test_float64_outputs_near_the_top_and_bottom_of_the_range_are_judged_not_nan():
+    """Squares of float64 values past ~1e154 overflow and below ~1e-162 vanish: the relative
+    error is taken on values scaled by a power of two, so an output of 1e306 off by 3e-10 (a pow
+    of a GEMM's result, as fuzzing found) has that error, not NaN, and one off by 1% fails."""
+    for magnitude in (1e306, 1e-300):
+        ref = torch.linspace(1, 2, 64, dtype=torch.float64) * magnitude
+        close = ref * (1 + 3e-10)
+        c = compare("close", close, ref, ref)
+        assert c.ok and 1e-10 < c.error < 1e-9, (magnitude, c)
+        c = compare("off", ref * 1.01, ref, ref)
+        assert not c.ok and abs(c.error - 0.01) < 1e-6, (magnitude, c)
+    assert rel_error(torch.zeros(4, dtype=torch.float64), torch.zeros(4, dtype=torch.float64)) == 0.0
+    assert rel_error(torch.ones(4), torch.zeros(4)) == 2.0  # a zero reference: the absolute norm
