@@ -419,3 +419,23 @@ def test_a_reduced_16_bit_value_is_the_same_value_its_cast_sees():
 
     b = torch.randn(10, 1).half()
     assert compile_stages(f, [b]).program(b).item() == f(b).item() == 0.0
+
+
+@pytest.mark.parametrize("dt", [torch.bfloat16, torch.float16])
+def test_a_16_bit_value_promoted_in_a_wider_op_is_the_value_its_cast_sees(dt):
+    """A 16-bit op result entering an op of a wider type (beside an f64 or f32 tensor) is
+    promoted from its rounded value, as an explicit cast of it is: `v - v.double()` is 0, as
+    in PyTorch. Before, the cast rounded and the promotion did not (-0.5 at a bf16 value near
+    100: fuzzing). Values compared with a wider one are compared as rounded too."""
+    b = (torch.randn(64) * 100).to(dt)
+    n, x = torch.tensor(3), torch.randn(64)
+
+    def f(b, n, x):
+        v = b - n  # a 16-bit op result, held in f32 inside the kernel
+        w = b * 3
+        return v - v.double(), (w - w.float()) + x * 0, (w > w.float()) | (w < x * 0 + w.float())
+
+    got, want = compile_stages(f, [b, n, x]).program(b, n, x), f(b, n, x)
+    assert not got[0].any() and not got[1].any() and not got[2].any(), got
+    for g, e in zip(got, want):
+        assert g.dtype == e.dtype and torch.equal(g, e)

@@ -205,6 +205,15 @@ class _Lowerer:
             if out_t in ("bf16", "f16"):
                 return self.convert(src, out_t, block)  # its users widen it where they need to
             return self.convert(src, dtypes.compute_type(out_t), block)  # float -> int truncates, as in torch
+        # A 16-bit value entering an op of a wider type (`v - v.double()`, a bf16 value beside an
+        # f32 tensor) is promoted from its graph dtype's value, as a cast of it sees it: the
+        # cast rounded and the promotion did not, so `v - v.double()` came out -0.5 (fuzzing).
+        # Chains within one 16-bit type stay unrounded in f32, as above.
+        graph_t = [self.g[a].type.dtype for a in n.args]
+        operand_t = (_compared_as(graph_t) if n.op in ("eq", "ne", "lt", "le", "gt", "ge") else out_t)
+        args = [self.convert(a, t, block) if t in ("bf16", "f16") and operand_t != t and n.op not in
+                ("and", "or", "not") and not (n.op == "where" and i == 0) else a
+                for i, (a, t) in enumerate(zip(args, graph_t))]
         if n.op in ("eq", "ne", "lt", "le", "gt", "ge"):
             common = _common([self.dtype[a] for a in args])
             args = [self.convert(a, common, block) for a in args]
@@ -282,6 +291,13 @@ class _Lowerer:
                           (L.Loop("r", rows, tuple(self.row_block), parallel=True),), "mapreduce",
                           notes=tuple(f"{n}: {self.g[n].describe()}" for n in step.nodes))
         return Lowered(kernel, tuple(self.bindings))
+
+
+def _compared_as(ts: list[str]) -> str:
+    """The type a comparison of these graph dtypes compares in: one 16-bit float type among the
+    floats compares as that type (its values as they are), mixed floats as f32/f64 (_common)."""
+    floats = {t for t in ts if dtypes.is_float(t)}
+    return floats.pop() if len(floats) == 1 and floats <= {"bf16", "f16"} else _common(ts)
 
 
 def _common(ts: list[str]) -> str:
