@@ -205,23 +205,24 @@ class _Lowerer:
             if out_t in ("bf16", "f16"):
                 return self.convert(src, out_t, block)  # its users widen it where they need to
             return self.convert(src, dtypes.compute_type(out_t), block)  # float -> int truncates, as in torch
+        if n.op in ("and", "or", "not"):
+            args = [self.convert(a, "bool", block) for a in args]
+            block.append(L.Op(v, n.op, tuple(args), "bool"))
+            self.dtype[v] = "bool"
+            return v
         # A 16-bit value entering an op of a wider type (`v - v.double()`, a bf16 value beside an
         # f32 tensor) is promoted from its graph dtype's value, as a cast of it sees it: the
         # cast rounded and the promotion did not, so `v - v.double()` came out -0.5 (fuzzing).
         # Chains within one 16-bit type stay unrounded in f32, as above.
+        compares = n.op in ("eq", "ne", "lt", "le", "gt", "ge")
         graph_t = [self.g[a].type.dtype for a in n.args]
-        operand_t = (_compared_as(graph_t) if n.op in ("eq", "ne", "lt", "le", "gt", "ge") else out_t)
-        args = [self.convert(a, t, block) if t in ("bf16", "f16") and operand_t != t and n.op not in
-                ("and", "or", "not") and not (n.op == "where" and i == 0) else a
+        operand_t = _compared_as(graph_t) if compares else out_t
+        first = 1 if n.op == "where" else 0  # (where's condition is a bool, not an operand)
+        args = [self.convert(a, t, block) if i >= first and t in ("bf16", "f16") and t != operand_t else a
                 for i, (a, t) in enumerate(zip(args, graph_t))]
-        if n.op in ("eq", "ne", "lt", "le", "gt", "ge"):
+        if compares:
             common = _common([self.dtype[a] for a in args])
             args = [self.convert(a, common, block) for a in args]
-            block.append(L.Op(v, n.op, tuple(args), "bool"))
-            self.dtype[v] = "bool"
-            return v
-        if n.op in ("and", "or", "not"):
-            args = [self.convert(a, "bool", block) for a in args]
             block.append(L.Op(v, n.op, tuple(args), "bool"))
             self.dtype[v] = "bool"
             return v

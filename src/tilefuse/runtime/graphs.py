@@ -42,8 +42,9 @@ Memory. A slot keeps its copied inputs' buffers and its graph's memory pool (its
 intermediates) for as long as it lives, and every size of a growing cache is a program with
 slots of its own: a decode step's slot that copies its cache holds it twice (before the step,
 copied in; after it, the output), so a long generation's slots would grow with sizes x cache
-length. All slots of the process share one limit per device (`GraphMemory`, TILEFUSE_GRAPH_MEMORY: a fraction of the
-device's memory or a number of bytes, default a quarter); once the slots hold that much, or the
+length. All slots of the process share one limit per device (`GraphMemory`,
+TILEFUSE_GRAPH_MEMORY: a fraction of the device's memory or a number of bytes, default a
+quarter); once the slots hold that much, or the
 device has less than an eighth of its memory free, new captures are skipped and those calls take
 the thin path (`stats["over_budget"]`, one warning a process). The check comes before a capture,
 whose size is known only after it, so the capture reaching the limit may pass it by its own
@@ -485,10 +486,11 @@ class Graphed:
             return
         if ptrs == self.last and None not in ptrs:  # (every input where it was: nothing to note)
             return
+        budget = self.move_captures < MOVE_CAPTURES + self.calls // MOVE_CALLS
         for i, (p, q) in enumerate(zip(ptrs, self.last)):
             if p is None or p != q:
-                if p is not None and q is not None and self.calls - self.arrived[i] >= SETTLED \
-                        and i not in self.volatile and self.move_captures < MOVE_CAPTURES + self.calls // MOVE_CALLS:
+                settled = self.calls - self.arrived[i] >= SETTLED
+                if budget and settled and p is not None and q is not None and i not in self.volatile:
                     self.moved.add(i)
                 self.arrived[i] = self.calls
 
