@@ -97,6 +97,9 @@ def build(case: str):
     elif case == "llama4":
         m = models.llama(32000, 4, 2048, 5632, 16, max_seq=4096)
         inputs, tokens = [torch.randint(0, 32000, (2, 4096))], 8192
+    elif case == "decode8":  # one token through an 8-layer, 4096-wide Llama: every GEMM at M = 1
+        m = models.llama(32000, 8, 4096, 11008, 32, max_seq=64)
+        inputs, tokens = [torch.randint(0, 32000, (1, 1))], 1
     elif case == "lmhead_ce":
         m = LMHeadLoss(4096, 32000)
         inputs, tokens = [torch.randn(8192, 4096), torch.randint(0, 32000, (8192,))], 8192
@@ -110,7 +113,7 @@ def build(case: str):
         b = models.build("qwen2", 4, hidden=2048, seq=4096, batch=2, vocab=32000, heads=16, kv_heads=8, ffn=5632)
         m, inputs, tokens = b.model, list(b.inputs), 8192
     else:
-        raise SystemExit(f"unknown case {case!r}; known: mlp, layer7b, llama4, lmhead_ce, gpt2, hf_llama, "
+        raise SystemExit(f"unknown case {case!r}; known: mlp, layer7b, llama4, decode8, lmhead_ce, gpt2, hf_llama, "
                          "hf_qwen2")
     m = _randomise_norms(m).to("cuda", torch.bfloat16).eval()
     inputs = [t.cuda().to(torch.bfloat16) if t.is_floating_point() else t.cuda() for t in inputs]
@@ -210,7 +213,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--cases", default="mlp,layer7b,llama4")
     ap.add_argument("--json", type=Path)
-    ap.add_argument("--profile", action="store_true", help="also record each implementation's GPU time per kernel")
+    ap.add_argument("--profile", action="store_true", help="also record each implementation's GPU time per kernel "
+                    "(with TILEFUSE_PDL=0: else a kernel's time includes its wait for the one before)")
     ap.add_argument("--tune", action="store_true", help="tune each block's kernels first (as `tilefuse tune` does; "
                     "picks cached in TILEFUSE_CACHE_DIR), so tilefuse runs with the tuned schedules")
     ap.add_argument("--rounds", type=int, default=3,

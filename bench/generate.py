@@ -278,7 +278,7 @@ def main() -> None:
                          "not seen yet (what a new size costs) into PREFIX-<mode>.txt")
     ap.add_argument("--profile", default=None, metavar="PREFIX",
                     help="after the timed generates, profile one more (host by function, GPU by kernel) "
-                         "into PREFIX-<mode>.txt")
+                         "into PREFIX-<mode>.txt (GPU times per kernel want TILEFUSE_PDL=0)")
     ap.add_argument("--window", type=int, default=0,
                     help="a Mistral (every layer a sliding window of this many tokens) instead of a Llama")
     ap.add_argument("--lengths", default="", metavar="N,N,...",

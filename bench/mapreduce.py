@@ -323,7 +323,7 @@ def main():
     ap.add_argument("--profile", action="store_true", help="cProfile the thin launch path of one program")
     ap.add_argument("--no-compile-baseline", action="store_true", help="skip torch.compile (it takes a while)")
     ap.add_argument("--cases", help="only these program:RxC cases, comma-separated (e.g. softmax:4096x65536)")
-    ap.add_argument("--kernel-times", action="store_true", help="GPU time of each kernel (torch.profiler)")
+    ap.add_argument("--kernel-times", action="store_true", help="GPU time of each kernel (torch.profiler; run with TILEFUSE_PDL=0, else a kernel's time includes its wait for the one before)")
     ap.add_argument("--rounds", type=int, default=5,
                     help="interleaved timing rounds per case (rotated order; each time is the median of its rounds)")
     ap.add_argument("--tune", action="store_true", help="tune each program's kernels first (as `tilefuse tune` "

@@ -202,6 +202,22 @@ __device__ __forceinline__ void tf_lds16(unsigned* w, unsigned src) {
 __device__ __forceinline__ void tf_st4(void* p, const unsigned* w) { *(unsigned*)p = w[0]; }
 __device__ __forceinline__ void tf_st2(void* p, const unsigned* w) { *(unsigned short*)p = (unsigned short)w[0]; }
 __device__ __forceinline__ void tf_st1(void* p, const unsigned* w) { *(unsigned char*)p = (unsigned char)w[0]; }
+// Programmatic dependent launch (sm_90+; no-ops before): a kernel launched with the
+// programmatic-serialization attribute may start while the kernel before it still runs.
+// tf_pdl_wait blocks until that kernel has finished and its writes are visible: every
+// thread calls it before its first global read or write of anything another kernel makes
+// or reads. tf_pdl_launch lets the next kernel start as soon as every CTA of this one has
+// called it (or exited); it orders nothing, so it is called first thing.
+__device__ __forceinline__ void tf_pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void tf_pdl_launch() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
 """.replace("{ncdf_fast}", _ncdf_fast_source())
 
 # The cluster prelude: distributed shared memory through PTX (sm_90).

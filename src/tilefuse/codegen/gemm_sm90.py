@@ -56,6 +56,8 @@ class GemmProblem:
     epilogue: ir.Kernel | None = field(default=None, compare=False)
     m_arg: bool | None = None    # M a kernel argument (the source holds no M, so one cubin serves every
                                  # M of a tail class): None, wherever the schedule allows (rows_as_argument)
+    b_const: bool = False        # B is a program's weight, which no kernel writes: its first stages are
+                                 # loaded before the wait for the kernel before (programmatic launch)
 
     def __post_init__(self):
         if self.dtype not in OPERAND_DTYPES:
@@ -1957,6 +1959,13 @@ def kernel_name(problem: GemmProblem, sched: GemmSchedule, kernel: ir.Kernel, h:
 _RENDERED: dict = {}  # _m_free_key -> the GemmSource rendered at the first M of that key
 
 
+def prefetch_b(problem: GemmProblem, sched: GemmSchedule) -> bool:
+    """Whether the producer loads B's first stages before waiting for the kernel before it
+    (programmatic dependent launch): where B is a weight no kernel writes (`b_const`) and no
+    cluster shares the loads (a multicast lands in the peer's stages too)."""
+    return problem.b_const and sched.cluster_m * sched.cluster_n == 1
+
+
 def render(problem: GemmProblem, sched: GemmSchedule | None = None) -> GemmSource:
     """CUDA C++ for one GEMM (+ epilogue). Where M is the kernel's argument, a source rendered
     for another M of the same key (_m_free_key) is the source for this M too: a new prompt
@@ -2013,7 +2022,7 @@ def _m_free_key(problem: GemmProblem, sched: GemmSchedule):
     knobs = tuple((k, v) for k, v in globals().items()
                   if k.isupper() and isinstance(v, (int, float, str, tuple)) and not k.endswith("PRELUDE"))
     return (free, consts, knobs, kernel.scratch, problem.n, problem.k, problem.dtype, problem.b_major,
-            problem.m_arg, sched, problem.m % sched.span[0] == 0)
+            problem.m_arg, problem.b_const, sched, problem.m % sched.span[0] == 0)
 
 
 def _at_m(src: GemmSource, problem: GemmProblem) -> GemmSource:
@@ -2211,6 +2220,68 @@ def _render(problem: GemmProblem, sched: GemmSchedule) -> GemmSource:
             issue += ["          " + x for x in box_lines] + ["        }"]
         loads_early = "\n".join(issue) + ("\n" + loads_early if loads_early else "")
     pair_coord = "tn = tn * CLUSTER + rank;" if CLN > 1 else "tm = tm * CLUSTER + rank;"
+    b_load_inner = "\n".join("            " + x for x in b_loads)
+    common_wait = ("\n  tf_pdl_wait();    // and this one touches global memory only once the one before has finished")
+    consumer_wait = ""
+    if prefetch_b(problem, S):
+        # B (a weight) needs no wait: its first stages of the first unit go out before it,
+        # overlapping the kernel before; the consumers wait before their first global access
+        common_wait = ""
+        consumer_wait = "\n    tf_pdl_wait();  // (the epilogue reads and writes global memory)"
+        first_unit = {"split": "if (first < UNITS) {\n        const int t = first / SPLIT, k_lo = (first % SPLIT) * K_SPLIT, "
+                               "k_hi = min(k_lo + K_SPLIT, K_ITERS);",
+                      "stream_k": "tf_units peek(first, TILES);\n      int t, k_lo, k_hi;\n      "
+                                  "if (peek.next(t, k_lo, k_hi)) {",  # (in a scope of its own: see below)
+                      "plain": "if (first < TILES) {\n        const int t = first, k_lo = 0, k_hi = K_ITERS;"}[
+            "split" if split > 1 else "stream_k" if S.stream_k else "plain"]
+        if S.stream_k:
+            first_unit = "{\n      " + first_unit
+        producer_loop = f"""
+      int pre = 0;  // steps of the first unit whose B went out before the wait (stages 0, 1, ...)
+      {first_unit}
+        int batch, tm, tn;
+        tf_tile_coords(t, TILES_M, batch, tm, tn);
+        {pair_coord}
+        for (int kt = k_lo; kt < k_hi && pre < STAGES; ++kt, ++pre) {{
+          const unsigned full = bars + 8 * pre;
+          tf_bar_expect(full, STAGE_TX);
+          const unsigned sb = base + pre * STAGE_BYTES + A_BYTES;
+{b_load_lines}
+        }}
+      }}{"}" if S.stream_k else ""}
+      tf_pdl_wait();  // A is the kernel before's output
+{prod_head}
+        int batch, tm, tn;
+        tf_tile_coords(t, TILES_M, batch, tm, tn);
+        {pair_coord}
+        for ({k_range}) {{
+          const unsigned full = bars + 8 * stage;
+          const unsigned sa = base + stage * STAGE_BYTES, sb = sa + A_BYTES;
+          if (pre > 0) {{
+            --pre;  // B is in flight, the stage's bytes expected
+          }} else {{
+            tf_bar_wait(bars + 8 * (STAGES + stage), phase ^ 1);
+            tf_bar_expect(full, STAGE_TX);
+{b_load_inner}
+          }}
+          {a_load}
+          if (++stage == STAGES) {{ stage = 0; phase ^= 1; }}
+        }}"""
+    else:
+        producer_loop = f"""
+{prod_head}
+        int batch, tm, tn;
+        tf_tile_coords(t, TILES_M, batch, tm, tn);
+        {pair_coord}
+        for ({k_range}) {{
+          tf_bar_wait(bars + 8 * (STAGES + stage), phase ^ 1);
+          const unsigned full = bars + 8 * stage;
+          tf_bar_expect(full, STAGE_TX);
+          const unsigned sa = base + stage * STAGE_BYTES, sb = sa + A_BYTES;
+          {a_load}
+{b_load_lines}
+          if (++stage == STAGES) {{ stage = 0; phase ^= 1; }}
+        }}"""
     # (no division where there is one batch: with TILES_M an argument it would not fold away)
     batch_coord = ("  batch = 0;" if P.batch == 1 else
                    "  batch = t / (tiles_m * TILES_N);\n  t -= batch * (tiles_m * TILES_N);")
@@ -2273,28 +2344,16 @@ extern "C" __global__ void __launch_bounds__({S.threads}, 1)
     asm volatile("fence.mbarrier_init.release.cluster;\\n\\tfence.proxy.async.shared::cta;" ::: "memory");
   }}
   {"tf_cluster_sync_all();" if CL > 1 else "__syncthreads();"}
+  tf_pdl_launch();  // the next kernel may start once every CTA is here (programmatic launch){common_wait}
   int stage = 0;
   unsigned phase = 0;
   if (wg == 0) {{
     asm volatile("setmaxnreg.dec.sync.aligned.u32 {_producer_regs(S)};");
-    if (threadIdx.x == 0) {{
-{prod_head}
-        int batch, tm, tn;
-        tf_tile_coords(t, TILES_M, batch, tm, tn);
-        {pair_coord}
-        for ({k_range}) {{
-          tf_bar_wait(bars + 8 * (STAGES + stage), phase ^ 1);
-          const unsigned full = bars + 8 * stage;
-          tf_bar_expect(full, STAGE_TX);
-          const unsigned sa = base + stage * STAGE_BYTES, sb = sa + A_BYTES;
-          {a_load}
-{b_load_lines}
-          if (++stage == STAGES) {{ stage = 0; phase ^= 1; }}
-        }}
+    if (threadIdx.x == 0) {{{producer_loop}
       }}
     }}
   }} else {{
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 {S.consumer_regs};");
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 {S.consumer_regs};");{consumer_wait}
     const int c = wg - 1;
     const int tid = threadIdx.x % 128;
     const unsigned stage_out = staging + c * {staging // S.consumers};

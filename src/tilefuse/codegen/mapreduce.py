@@ -2100,6 +2100,8 @@ def _render(kernel: ir.Kernel, schedule: MapReduceSchedule | None, arch: str, ke
         params.append(f"const int {cexpr.PERIOD}")
     em(f'extern "C" __global__ void __launch_bounds__({sch.threads}, {sch.min_blocks})')
     em.open(f"{name}({', '.join(params)})")
+    em("tf_pdl_launch();  // the next kernel may start once every CTA is here (programmatic launch)")
+    em("tf_pdl_wait();    // and this one touches global memory only once the one before has finished")
     if ws is not None:
         em("// per-row values of the grid reduction: scratch carved out of the workspace")
         for b in gp.scratch:

@@ -29,6 +29,7 @@ class LoweredGemm:
     spec: GemmSpec
     epilogue: L.Kernel
     bindings: tuple[Binding, ...]  # the epilogue's operands and output (not acc)
+    b_const: bool = False          # B is a weight of the graph: no kernel of the program writes it
 
     @property
     def outputs(self) -> tuple[Binding, ...]:
@@ -40,14 +41,15 @@ class LoweredGemm:
         (loop.canon.stem: `tf_k17_matmul_4_glu_acc_epilogue` -> `tf_matmul_glu_acc_epilogue`),
         not by its step: the source writes the epilogue's name, and a model's layers repeat each
         GEMM with an epilogue equal but for that name, so they render one source, build once
-        (NVRTC) and share one cubin. (No structural digest: it counts M, which an M-argument
+        (NVRTC) and share one cubin. A weight as B (`b_const`) has its first stages loaded
+        before the kernel waits for the one before it (gemm_sm90.prefetch_b). (No structural digest: it counts M, which an M-argument
         source leaves out; the body follows the name in the source.)"""
         from ..codegen.gemm_sm90 import GemmProblem
         from .canon import stem
 
         s = self.spec
         epilogue = replace(self.epilogue, name=stem(self.epilogue.name))
-        return GemmProblem(s.m, s.n, s.k, s.dtype, s.b_major, s.batch, epilogue)
+        return GemmProblem(s.m, s.n, s.k, s.dtype, s.b_major, s.batch, epilogue, b_const=self.b_const)
 
     def operand_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """a and B as the GEMM reads them: [batch,] M x K and [batch,] N x K or K x N."""
@@ -160,4 +162,4 @@ def lower_gemm_step(graph: g_ir.Graph, step: Step, name: str | None = None) -> L
         bindings.append(Binding(buf, o, kernel.buffer(buf).shape))
     notes = tuple(f"{m}: {graph[m].describe()}" for m in (s.contraction,) + s.maps)
     kernel = L.Kernel(kernel.name, kernel.params, kernel.body, kernel.family, notes=notes)
-    return LoweredGemm(s, kernel, tuple(bindings))
+    return LoweredGemm(s, kernel, tuple(bindings), b_const=s.b in graph.weights)

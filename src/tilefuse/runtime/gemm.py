@@ -19,7 +19,7 @@ from .. import dtypes
 from ..codegen import epilogue as epi, gemm_sm90
 from ..codegen.gemm_sm90 import GemmError, GemmProblem, GemmSchedule
 from . import cache, nvrtc
-from .launch import _drv, _raw_stream, load_function
+from .launch import _drv, _raw_stream, launch_attributes, load_function, pdl_enabled
 
 
 def _sm_count(device: int) -> int:
@@ -59,6 +59,7 @@ class GemmKernel:
     _args: dict = field(default_factory=dict, repr=False)    # pointer set -> launch argument block
     _streams: dict = field(default_factory=dict, repr=False)
     _foreign: list = field(default_factory=list, repr=False)  # workspaces of captures tilefuse did not begin
+    pdl = True  # its kernel waits for the one before (tf_pdl_wait): it may launch programmatically
 
     def __post_init__(self):
         # What every call checks against, built once: a call of a small GEMM is over in
@@ -166,16 +167,14 @@ class GemmKernel:
         else:
             grid = min(self.source.grid_tiles, _sm_count(device) // cl) * cl
         cfg = None
-        if cl > 1:
+        attrs = launch_attributes(driver, (cl, 1, 1), self.pdl and pdl_enabled(self.cubin.arch))
+        if attrs:
             cfg = driver.CUlaunchConfig()
             cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = grid, 1, 1
             cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = self.source.block
             cfg.sharedMemBytes = self.source.smem_bytes
-            attr = driver.CUlaunchAttribute()
-            attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
-            attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z = cl, 1, 1
-            cfg.attrs = [attr]
-            cfg.numAttrs = 1
+            cfg.attrs = attrs
+            cfg.numAttrs = len(attrs)
         self._loaded[device] = (module, func, grid, cfg)
         return self._loaded[device]
 

@@ -27,6 +27,8 @@ from .launch import _drv, _raw_stream, load_function
 class Sm80GemmKernel(GemmKernel):
     """A compiled sm_80 GEMM; `source` is a gemm_sm80.Sm80Source."""
 
+    pdl = False  # launched plainly: its kernel does not wait for the one before
+
     def _check_alignment(self, where: str, name: str, t):
         align = {"a": self.source.align_a, "b": self.source.align_b}.get(name, 1)
         if self.source.pair_store and name in {o.name for o in self.problem.out_epilogue.outputs}:

@@ -41,6 +41,40 @@ def _drv(result, what: str):
     return result[1] if len(result) == 2 else (result[1:] if len(result) > 2 else None)
 
 
+PDL_ENV = "TILEFUSE_PDL"
+
+
+def pdl_enabled(arch: str, environ=None) -> bool:
+    """Whether a kernel built for `arch` launches with programmatic stream serialization: on
+    sm_90 and later (where its tf_pdl_wait is an instruction; codegen/cexpr.py), unless
+    TILEFUSE_PDL=0 (or false/off/no)."""
+    import os
+
+    value = (os.environ if environ is None else environ).get(PDL_ENV, "1")
+    if value.strip().lower() in ("0", "false", "off", "no"):
+        return False
+    digits = "".join(ch for ch in arch.split("_")[-1] if ch.isdigit())
+    return bool(digits) and int(digits) >= 90
+
+
+def launch_attributes(driver, cluster: tuple = (1, 1, 1), pdl: bool = False) -> list:
+    """cuLaunchKernelEx's attributes: the cluster shape where there is one, and programmatic
+    stream serialization where `pdl` (the kernel may begin while the one before it on the
+    stream ends: its prologue, and its CTAs' placement, overlap that kernel's last wave)."""
+    attrs = []
+    if tuple(cluster) != (1, 1, 1):
+        attr = driver.CUlaunchAttribute()
+        attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+        attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z = cluster
+        attrs.append(attr)
+    if pdl:
+        attr = driver.CUlaunchAttribute()
+        attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+        attr.value.programmaticStreamSerializationAllowed = 1
+        attrs.append(attr)
+    return attrs
+
+
 def _build(kernel: ir.Kernel, arch: str, schedule, use_cache: bool = True):
     """(source, cubin, cache hit). Where values kept between passes (codegen/keep.py), or
     stores moved to an earlier pass, would spill, the kernel is built again without them; a
@@ -82,7 +116,7 @@ class _Loaded:
     stream_handle: int
     context: object = None
     switch_context: bool = False  # several GPUs: make this device's context current per launch
-    plain: bool = True            # no cluster attribute: cuLaunchKernel suffices
+    plain: bool = True            # no launch attribute (cluster, programmatic launch): cuLaunchKernel suffices
     stream: object = None
     prefix: tuple = ()            # cuLaunchKernel's leading arguments: function, grid, block, smem
     driver: object = None         # cuda.bindings.driver, bound once
@@ -192,21 +226,16 @@ class CompiledKernel:
         cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = src.grid
         cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = src.block
         cfg.sharedMemBytes = src.smem_bytes
-        if src.cluster != (1, 1, 1):
-            if src.cluster[0] > 8:
-                _drv(driver.cuFuncSetAttribute(
-                    func, driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1),
-                    "cuFuncSetAttribute(non-portable cluster size)")
-            attr = driver.CUlaunchAttribute()
-            attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
-            attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z = src.cluster
-            cfg.attrs = [attr]
-            cfg.numAttrs = 1
-        else:
-            cfg.numAttrs = 0
+        if src.cluster[0] > 8:
+            _drv(driver.cuFuncSetAttribute(
+                func, driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1),
+                "cuFuncSetAttribute(non-portable cluster size)")
+        attrs = launch_attributes(driver, src.cluster, pdl_enabled(self.arch))
+        cfg.attrs = attrs
+        cfg.numAttrs = len(attrs)
         import torch
 
-        loaded = _Loaded(module, func, cfg, -1, ctx, torch.cuda.device_count() > 1, src.cluster == (1, 1, 1),
+        loaded = _Loaded(module, func, cfg, -1, ctx, torch.cuda.device_count() > 1, not attrs,
                          prefix=(func, *src.grid, *src.block, src.smem_bytes), driver=driver)
         self._loaded[device] = loaded
         return loaded
