@@ -8,6 +8,7 @@ import loop_fixtures as fx
 import pytest
 from cuda.bindings import driver
 
+from tilefuse.codegen import epilogue as epi
 from tilefuse.codegen import gemm_sm90 as g
 from tilefuse.codegen import mapreduce
 from tilefuse.runtime import nvrtc
@@ -31,6 +32,8 @@ def _assert_waits_first(source: str):
     used = [n for n in names if re.search(rf"\b{n}\b", before)]
     assert not used, f"parameters used before the wait: {used}"
     assert before.count("{") == before.count("}"), "the wait sits inside a block some threads may skip"
+    line = body[:body.index("tf_pdl_wait();") + len("tf_pdl_wait();")].rsplit("\n", 1)[-1]
+    assert line.strip() == "tf_pdl_wait();", f"the wait is a statement of its own, not under a condition: {line!r}"
 
 
 MAPREDUCE = [fx.rmsnorm_kernel(64, 4096), fx.softmax_kernel(8, 65536), fx.cross_entropy_kernel(32, 1000),
@@ -112,7 +115,13 @@ def _producer(source: str) -> str:
     (g.GemmProblem(1152, 4096, 4096, b_const=True), None),                     # stream-K
     (g.GemmProblem(4096, 4096, 4096, b_const=True), g.GemmSchedule(128, 128, stages=4, pingpong=True)),
     (g.GemmProblem(300, 1000, 2000, "bf16", "N", b_const=True), None),          # N-major B, tails
-], ids=str)
+    (g.GemmProblem(8192, 2048, 2048, b_const=True, epilogue=epi.standard(8192, 2048, "bf16", bias="col",
+                                                                         residual=True)),
+     g.GemmSchedule(128, 256, stages=3, tma_loads=True)),                          # the residual by TMA
+    (g.GemmProblem(512, 1024, 2048, b_const=True, epilogue=epi.standard(512, 1024, "bf16", row_scale=True,
+                                                                        activation="gelu")),
+     g.GemmSchedule(128, 128, stages=4, split_k=2)),
+], ids=lambda x: str(x)[:120])
 def test_a_weight_as_b_goes_out_before_the_wait_and_a_after_it(problem, sched):
     """B, a weight no kernel writes, is loaded for the first unit's first stages before the
     producer waits; A (the kernel before's output) only after; the consumers wait before
@@ -125,7 +134,8 @@ def test_a_weight_as_b_goes_out_before_the_wait_and_a_after_it(problem, sched):
     body, _ = _params(src.source)
     assert "tf_pdl_wait();" not in body[:body.index("if (wg == 0)")], "no common wait before the roles"
     consumer = body[body.index('setmaxnreg.inc'):]
-    assert consumer.index("tf_pdl_wait();") < min(consumer.index(x) for x in ("g_", "tf_ws", "out") if x in consumer)
+    first_global = min(consumer.index(x) for x in ("g_", "tf_ws", "tf_flags", "&r_map", "&c_map", "out") if x in consumer)
+    assert consumer.index("tf_pdl_wait();") < first_global
     assert src.schedule.cluster_m * src.schedule.cluster_n == 1
     cubin = nvrtc.compile_cuda(src.source, src.name, "sm_90a")
     assert cubin.info.clean, cubin.info

@@ -28,15 +28,25 @@ SCHEDULES = {  # the producer loops a schedule can have
 }
 
 
-def _chain(m: int, widths: list, sched, x, weights):
-    """x through len(weights) GEMMs, each B a weight prefetched before its wait; no sync between."""
-    outs = []
-    for n, k, w in zip(widths[1:], widths[:-1], weights):
-        g = compile_gemm(GemmProblem(m, n, k, "bf16", b_const=True), sched)
-        y = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
-        g(x, w, out=y)
-        outs.append(y)
-        x = y
+def _chain(m: int, widths: list, sched, xs: list, weights) -> list:
+    """Each x of `xs` through len(weights) GEMMs, each B a weight loaded before its wait: every
+    kernel built, every output allocated (NaN) and the device synchronised first, then all the
+    launches back to back, so that each GEMM's predecessor is the GEMM it reads."""
+    gemms = [compile_gemm(GemmProblem(m, n, k, "bf16", b_const=True), sched)
+             for n, k in zip(widths[1:], widths[:-1])]
+    outs = [[torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16) for n in widths[1:]]
+            for _ in xs]
+    for g, w, y in zip(gemms, weights, outs[0]):  # a first call loads each kernel and encodes its maps
+        g(torch.zeros(m, w.shape[1], device="cuda", dtype=torch.bfloat16), w, out=y)
+    for ys in outs:
+        for y in ys:
+            y.fill_(float("nan"))
+    torch.cuda.synchronize()
+    for x, ys in zip(xs, outs):
+        for g, w, y in zip(gemms, weights, ys):
+            g(x, w, out=y)
+            x = y
+    torch.cuda.synchronize()
     return outs
 
 
@@ -59,13 +69,11 @@ def test_a_gemm_launched_during_the_one_before_reads_its_finished_output(kind, m
     weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
                for k, n in zip(widths[:-1], widths[1:])]
     xs = [torch.randn(m, widths[0], device="cuda", dtype=torch.bfloat16) for _ in range(3)]
-    runs = [_chain(m, widths, SCHEDULES[kind], x, weights) for x in xs]  # back to back, no sync
-    torch.cuda.synchronize()
+    runs = _chain(m, widths, SCHEDULES[kind], xs, weights)
     for i, (x, outs) in enumerate(zip(xs, runs)):
         _links_pass(x, outs, weights, f"chain {i}")
-    monkeypatch.setenv(rt_launch.PDL_ENV, "0")  # read when a kernel object first loads
-    plain = _chain(m, widths, SCHEDULES[kind], xs[0], weights)
-    torch.cuda.synchronize()
+    monkeypatch.setenv(rt_launch.PDL_ENV, "0")  # read when a kernel object first loads: new objects
+    plain = _chain(m, widths, SCHEDULES[kind], xs[:1], weights)[0]
     assert all(torch.equal(a, b) for a, b in zip(runs[0], plain)), "programmatic launch changed the bits"
 
 
@@ -104,3 +112,30 @@ def test_map_reduce_kernels_between_gemms_read_and_are_read_finished():
             assert torch.isfinite(out).all()
             err, base = rel_error(out.double(), ref), rel_error(low.double(), ref)
             assert err <= 2 * base + 1e-5, f"error {err:.3e} vs eager bf16's {base:.3e}"
+
+
+def test_a_weight_at_an_odd_address_is_copied_once_at_a_16_byte_boundary():
+    """A GEMM reads its weight before waiting for the kernel before it, so a weight must not be
+    a copy that kernel makes: one at an odd address (a slice of a larger tensor) is copied
+    once, when the program first runs on the device, not by every call."""
+    import tilefuse
+
+    torch.manual_seed(2)
+    lin = torch.nn.Linear(1024, 1024, bias=False).cuda().to(torch.bfloat16)
+    big = torch.randn(1024 * 1024 + 8, device="cuda", dtype=torch.bfloat16) / 32
+    lin.weight = torch.nn.Parameter(big[1:1 + 1024 * 1024].view(1024, 1024), requires_grad=False)
+    assert lin.weight.data_ptr() % 16
+    x = torch.randn(64, 1024, device="cuda", dtype=torch.bfloat16)
+    model = torch.nn.Sequential(lin, torch.nn.ReLU())
+    prog = tilefuse.compile(model, (x,))
+    with torch.no_grad():
+        for _ in range(3):
+            x = torch.randn(64, 1024, device="cuda", dtype=torch.bfloat16)
+            out = prog(x)
+            torch.cuda.synchronize()
+            ref = (x.double() @ lin.weight.double().T).relu()
+            low = lin(x).relu()
+            err, base = rel_error(out.double(), ref), rel_error(low.double(), ref)
+            assert err <= 2 * base + 1e-5, f"error {err:.3e} vs eager bf16's {base:.3e}"
+    weights = prog.weights_on(x.device)
+    assert weights and all(w.data_ptr() % 16 == 0 for w in weights.values() if w.is_cuda)

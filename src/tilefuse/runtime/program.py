@@ -55,6 +55,16 @@ def _shared(key, build):
     return got
 
 
+def _aligned(t):
+    """A weight on a GPU at a 16-byte boundary: a contiguous view at an odd offset (a slice of a
+    larger tensor) is copied here, once, where the GEMM would otherwise copy it on every call,
+    right before reading it (and a GEMM reads its weight B before waiting for the kernel before
+    it: codegen/gemm_sm90.prefetch_b), and a map-reduce kernel would take its scalar variant."""
+    if isinstance(t, torch.Tensor) and t.is_cuda and t.data_ptr() % 16:
+        return t.clone()
+    return t
+
+
 @dataclass
 class Program:
     graph: ir.Graph
@@ -183,7 +193,7 @@ class Program:
         key = str(device)
         if key not in self._weights:
             on = self.pool.on if self.pool is not None else lambda v, d: torch.as_tensor(v).to(d).contiguous()
-            self._weights[key] = {k: on(v, device) for k, v in self.graph.weights.items()}
+            self._weights[key] = {k: _aligned(on(v, device)) for k, v in self.graph.weights.items()}
         return self._weights[key]
 
     def compiled(self, lowered: Lowered, device):
