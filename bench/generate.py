@@ -107,6 +107,7 @@ def one(args) -> dict:
                 stages["now"].clear()
             tokens = seq if tokens is None else tokens
             each.append(seq[0, -args.new:].tolist())
+    steps = step_times(lambda: model.generate(ids, **gen)) if args.step_times and cuda else None
     new_lengths = []
     with torch.no_grad():  # more prompt lengths, each new: what a new length costs once others were seen
         for n in (int(x) for x in args.lengths.split(",") if x):
@@ -140,6 +141,8 @@ def one(args) -> dict:
            "tokens_each": each}
     if stages is not None:
         out["stage_times"] = stages["per_generate"]
+    if steps is not None:
+        out["step_times"] = steps
     if new_lengths:
         out["new_lengths"] = new_lengths
     if runners:
@@ -193,6 +196,48 @@ def _stage_timers() -> dict:
     timed(program.Program, "prepare", "prepare (wall)")
     timed(backend.GraphRunner, "_compile", "variant compile (wall)")
     return {"now": now, "per_generate": []}
+
+
+def step_times(generate) -> dict | None:
+    """One more generate of the timed prompt, each call of a CUDA-graphed program (tilefuse's
+    `graphs.Graphed`: the decode steps) bracketed by CUDA events: the GPU time from its input
+    copies to its replay's end, the GPU's idle time before it (since the previous call's end),
+    and the host time between calls' starts. Idle near zero: the GPU sets the pace; idle near
+    the host interval less the GPU time: the host does. Medians over the decode steps, ms."""
+    import statistics
+
+    import torch
+
+    from tilefuse.runtime import graphs
+
+    marks = []
+    call = graphs.Graphed.__call__
+
+    def timed(self, tensors):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        host = time.perf_counter()
+        start.record()
+        try:
+            return call(self, tensors)
+        finally:
+            end.record()
+            marks.append((host, start, end))
+
+    graphs.Graphed.__call__ = timed
+    try:
+        with torch.no_grad():
+            generate()
+        torch.cuda.synchronize()
+    finally:
+        graphs.Graphed.__call__ = call
+    if len(marks) < 3:
+        return None
+    steps = marks[1:]  # (the first: the prefill)
+    gpu = [s.elapsed_time(e) for _, s, e in steps]
+    idle = [max(0.0, prev[2].elapsed_time(cur[1])) for prev, cur in zip(steps, steps[1:])]
+    host = [(cur[0] - prev[0]) * 1e3 for prev, cur in zip(steps, steps[1:])]
+    med = statistics.median
+    return {"calls": len(steps), "gpu_ms": med(gpu), "gpu_idle_before_ms": med(idle), "host_interval_ms": med(host)}
 
 
 def profile(args, generate, sync) -> None:
@@ -286,6 +331,10 @@ def main() -> None:
     ap.add_argument("--stage-times", action="store_true",
                     help="time the compile's stages per generate (export and lowering, kernel builds, NVRTC summed "
                          "over threads) into the JSON")
+    ap.add_argument("--step-times", action="store_true",
+                    help="one more generate with each decode step's GPU time, the GPU's idle time before it and "
+                         "the host time between steps (CUDA events around tilefuse's graphed calls) in the JSON: "
+                         "whether the host or the GPU sets the pace")
     ap.add_argument("--device", default="cuda", help="cpu: check the script (kernels run in the interpreter)")
     ap.add_argument("--mode", help=argparse.SUPPRESS)  # the child process's one mode
     args = ap.parse_args()
@@ -309,6 +358,7 @@ def main() -> None:
             cmd += [f"--kv-heads={args.kv_heads}"] if args.kv_heads else []
             cmd += ["--mask-skip"] if args.mask_skip else []
             cmd += ["--stage-times"] if args.stage_times else []
+            cmd += ["--step-times"] if args.step_times else []
             cmd += [f"--lengths={args.lengths}"] if args.lengths else []
             p = subprocess.run(cmd, env=env, capture_output=True, text=True)
             if p.returncode != 0:  # said, and the other modes still run
@@ -345,6 +395,11 @@ def main() -> None:
     for r in rows:
         if "cuda_graphs" in r:
             print(f"{r['mode']}: CUDA graphs {r['cuda_graphs']}")
+    for r in rows:
+        st = r.get("step_times")
+        if st:
+            print(f"{r['mode']}: decode steps (median of {st['calls']}): GPU {st['gpu_ms']:.3f} ms, GPU idle before "
+                  f"{st['gpu_idle_before_ms']:.3f} ms, host between steps {st['host_interval_ms']:.3f} ms")
 
 
 if __name__ == "__main__":

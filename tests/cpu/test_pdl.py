@@ -45,6 +45,8 @@ MAPREDUCE = [fx.rmsnorm_kernel(64, 4096), fx.softmax_kernel(8, 65536), fx.cross_
 def test_map_reduce_kernels_wait_for_the_kernel_before_them_before_any_global_access(kernel):
     src = mapreduce.render(kernel, None, "sm_90a")
     _assert_waits_first(src.source)
+    # and the scalar variant a misaligned tensor runs, launched the same way
+    _assert_waits_first(mapreduce.render(kernel, mapreduce.scalar_fallback(src.schedule), "sm_90a").source)
 
 
 @pytest.mark.parametrize("problem,sched", [
