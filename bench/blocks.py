@@ -7,6 +7,8 @@ randomised so folding them is exercised):
   mlp      Llama MLP block, 8192 tokens, d=4096, ffn=11008: x + down(silu(gate(n)) * up(n)), n = RMSNorm(x)
   layer7b  a Llama-7B decoder layer in prefill (1 x 8192 tokens, d=4096, 32 heads), attention through SDPA
   llama4   a 4-layer Llama, d=2048, ffn=5632, 16 heads, vocab 32000, batch 2 x seq 4096, ids -> logits
+  decode8  one token through an 8-layer Llama, d=4096, ffn=11008, 32 heads, vocab 32000 (--cases decode8;
+           no KV cache: a decode step's GEMMs at M = 1 and its small kernels, GPU-bound under graph replay)
   lmhead_ce  LM head (d=4096, vocab 32000) + mean cross-entropy over 8192 tokens (--cases lmhead_ce)
   gpt2     a 4-layer transformers GPT-2, d=1024, 16 heads, vocab 32000, batch 4 x seq 1024, ids -> logits
            (--cases gpt2; needs transformers; no target in the issue: LayerNorm's partials measured here)
