@@ -69,12 +69,15 @@ def test_the_wait_builds_on_hopper_and_before_it(arch):
     assert nvrtc.compile_cuda(src.source, src.name, arch).data
 
 
-def test_programmatic_launch_is_asked_for_on_hopper_on_unless_turned_off():
-    assert pdl_enabled("sm_90a", {}) and pdl_enabled("sm_90", {}) and pdl_enabled("sm_100a", {})
-    assert not pdl_enabled("sm_80", {}) and not pdl_enabled("sm_89", {})
+def test_programmatic_launch_is_asked_for_on_hopper_with_a_new_enough_driver_unless_turned_off():
+    new = 13000
+    assert pdl_enabled("sm_90a", {}, new) and pdl_enabled("sm_90", {}, new) and pdl_enabled("sm_100a", {}, new)
+    assert not pdl_enabled("sm_80", {}, new) and not pdl_enabled("sm_89", {}, new)
     for off in ("0", "false", "OFF", " no "):
-        assert not pdl_enabled("sm_90a", {"TILEFUSE_PDL": off})
-    assert pdl_enabled("sm_90a", {"TILEFUSE_PDL": "1"})
+        assert not pdl_enabled("sm_90a", {"TILEFUSE_PDL": off}, new)
+    assert pdl_enabled("sm_90a", {"TILEFUSE_PDL": "1"}, new)
+    # a driver before CUDA 12.3 cannot capture programmatic launches into a graph
+    assert pdl_enabled("sm_90a", {}, 12030) and not pdl_enabled("sm_90a", {}, 12020)
 
 
 def test_launch_attributes_carry_the_cluster_and_the_programmatic_serialization():

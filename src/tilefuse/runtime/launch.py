@@ -44,17 +44,35 @@ def _drv(result, what: str):
 PDL_ENV = "TILEFUSE_PDL"
 
 
-def pdl_enabled(arch: str, environ=None) -> bool:
+PDL_MIN_DRIVER = 12030  # CUDA 12.3: programmatic launches captured into CUDA graphs as programmatic edges
+
+
+def pdl_enabled(arch: str, environ=None, driver_version: int | None = None) -> bool:
     """Whether a kernel built for `arch` launches with programmatic stream serialization: on
-    sm_90 and later (where its tf_pdl_wait is an instruction; codegen/cexpr.py), unless
-    TILEFUSE_PDL=0 (or false/off/no)."""
+    sm_90 and later (where its tf_pdl_wait is an instruction; codegen/cexpr.py), with a driver
+    of CUDA 12.3 or later (`driver_version` as cuDriverGetVersion gives it: queried once where
+    None), unless TILEFUSE_PDL=0 (or false/off/no)."""
     import os
 
     value = (os.environ if environ is None else environ).get(PDL_ENV, "1")
     if value.strip().lower() in ("0", "false", "off", "no"):
         return False
     digits = "".join(ch for ch in arch.split("_")[-1] if ch.isdigit())
-    return bool(digits) and int(digits) >= 90
+    if not digits or int(digits) < 90:
+        return False
+    return (driver_version if driver_version is not None else _driver_version()) >= PDL_MIN_DRIVER
+
+
+@functools.cache
+def _driver_version() -> int:
+    """The CUDA driver's version (12030 for 12.3); 0 where it cannot be asked."""
+    try:
+        from cuda.bindings import driver
+
+        err, version = driver.cuDriverGetVersion()
+        return version if err == driver.CUresult.CUDA_SUCCESS else 0
+    except Exception:  # no driver library (a CPU machine)
+        return 0
 
 
 def launch_attributes(driver, cluster: tuple = (1, 1, 1), pdl: bool = False) -> list:
