@@ -1966,6 +1966,73 @@ def prefetch_b(problem: GemmProblem, sched: GemmSchedule) -> bool:
     return problem.b_const and sched.cluster_m * sched.cluster_n == 1
 
 
+def _producer_loop(problem: GemmProblem, S: GemmSchedule, split: int, prod_head: str, k_range: str,
+                   pair_coord: str, a_load: str, b_loads: list) -> tuple[str, str, str]:
+    """The producer thread's loop over its units' K steps, and where the kernel waits for the
+    kernel before it (programmatic launch): (loop, the wait every thread makes after the barrier
+    set-up, the consumers' own wait). Where B is a weight (`prefetch_b`), B's loads for the first
+    unit's first STAGES steps go out before the producer's wait (the stages' bytes expected
+    then), its main loop skips them, and the consumers wait for themselves; else every thread
+    waits before the roles part."""
+    b_lines = "\n".join("          " + x for x in b_loads)
+    if not prefetch_b(problem, S):
+        loop = f"""
+{prod_head}
+        int batch, tm, tn;
+        tf_tile_coords(t, TILES_M, batch, tm, tn);
+        {pair_coord}
+        for ({k_range}) {{
+          tf_bar_wait(bars + 8 * (STAGES + stage), phase ^ 1);
+          const unsigned full = bars + 8 * stage;
+          tf_bar_expect(full, STAGE_TX);
+          const unsigned sa = base + stage * STAGE_BYTES, sb = sa + A_BYTES;
+          {a_load}
+{b_lines}
+          if (++stage == STAGES) {{ stage = 0; phase ^= 1; }}
+        }}"""
+        return loop, "\n  tf_pdl_wait();    // and this one touches global memory only once the one before has finished", ""
+    # the first unit as the loop takes it: whole tiles, K slices, or stream-K's first share
+    # (peeked in a scope of its own: the loop declares the same names)
+    first_unit = ("if (first < UNITS) {\n        const int t = first / SPLIT, k_lo = (first % SPLIT) * K_SPLIT, "
+                  "k_hi = min(k_lo + K_SPLIT, K_ITERS);" if split > 1 else
+                  "{\n      tf_units peek(first, TILES);\n      int t, k_lo, k_hi;\n      "
+                  "if (peek.next(t, k_lo, k_hi)) {" if S.stream_k else
+                  "if (first < TILES) {\n        const int t = first, k_lo = 0, k_hi = K_ITERS;")
+    b_inner = "\n".join("            " + x for x in b_loads)
+    loop = f"""
+      int pre = 0;  // steps of the first unit whose B went out before the wait (stages 0, 1, ...)
+      {first_unit}
+        int batch, tm, tn;
+        tf_tile_coords(t, TILES_M, batch, tm, tn);
+        {pair_coord}
+        for (int kt = k_lo; kt < k_hi && pre < STAGES; ++kt, ++pre) {{
+          const unsigned full = bars + 8 * pre;
+          tf_bar_expect(full, STAGE_TX);
+          const unsigned sb = base + pre * STAGE_BYTES + A_BYTES;
+{b_lines}
+        }}
+      }}{"}" if S.stream_k else ""}
+      tf_pdl_wait();  // A is the kernel before's output
+{prod_head}
+        int batch, tm, tn;
+        tf_tile_coords(t, TILES_M, batch, tm, tn);
+        {pair_coord}
+        for ({k_range}) {{
+          const unsigned full = bars + 8 * stage;
+          const unsigned sa = base + stage * STAGE_BYTES, sb = sa + A_BYTES;
+          if (pre > 0) {{
+            --pre;  // B is in flight, the stage's bytes expected
+          }} else {{
+            tf_bar_wait(bars + 8 * (STAGES + stage), phase ^ 1);
+            tf_bar_expect(full, STAGE_TX);
+{b_inner}
+          }}
+          {a_load}
+          if (++stage == STAGES) {{ stage = 0; phase ^= 1; }}
+        }}"""
+    return loop, "", "\n    tf_pdl_wait();  // (the epilogue reads and writes global memory)"
+
+
 def render(problem: GemmProblem, sched: GemmSchedule | None = None) -> GemmSource:
     """CUDA C++ for one GEMM (+ epilogue). Where M is the kernel's argument, a source rendered
     for another M of the same key (_m_free_key) is the source for this M too: a new prompt
@@ -2178,7 +2245,6 @@ def _render(problem: GemmProblem, sched: GemmSchedule) -> GemmSource:
             b_loads = [f"tf_tma_load_mc(sb + (rank * {per} + {j}) * {b.box_step}, &b_map, "
                        f"tn * BN + (rank * {per} + {j}) * 64, kt * BK, batch, full, 3);" for j in range(per)]
 
-    b_load_lines = "\n".join("          " + x for x in b_loads)
     early = {"decl": [], "coords": [], "groups": []}  # (filled where the epilogue loads ahead: _epilogue_code_tma)
     inl = inline_partials(problem, kernel)
     if store_dt:
@@ -2220,68 +2286,8 @@ def _render(problem: GemmProblem, sched: GemmSchedule) -> GemmSource:
             issue += ["          " + x for x in box_lines] + ["        }"]
         loads_early = "\n".join(issue) + ("\n" + loads_early if loads_early else "")
     pair_coord = "tn = tn * CLUSTER + rank;" if CLN > 1 else "tm = tm * CLUSTER + rank;"
-    b_load_inner = "\n".join("            " + x for x in b_loads)
-    common_wait = ("\n  tf_pdl_wait();    // and this one touches global memory only once the one before has finished")
-    consumer_wait = ""
-    if prefetch_b(problem, S):
-        # B (a weight) needs no wait: its first stages of the first unit go out before it,
-        # overlapping the kernel before; the consumers wait before their first global access
-        common_wait = ""
-        consumer_wait = "\n    tf_pdl_wait();  // (the epilogue reads and writes global memory)"
-        first_unit = {"split": "if (first < UNITS) {\n        const int t = first / SPLIT, k_lo = (first % SPLIT) * K_SPLIT, "
-                               "k_hi = min(k_lo + K_SPLIT, K_ITERS);",
-                      "stream_k": "tf_units peek(first, TILES);\n      int t, k_lo, k_hi;\n      "
-                                  "if (peek.next(t, k_lo, k_hi)) {",  # (in a scope of its own: see below)
-                      "plain": "if (first < TILES) {\n        const int t = first, k_lo = 0, k_hi = K_ITERS;"}[
-            "split" if split > 1 else "stream_k" if S.stream_k else "plain"]
-        if S.stream_k:
-            first_unit = "{\n      " + first_unit
-        producer_loop = f"""
-      int pre = 0;  // steps of the first unit whose B went out before the wait (stages 0, 1, ...)
-      {first_unit}
-        int batch, tm, tn;
-        tf_tile_coords(t, TILES_M, batch, tm, tn);
-        {pair_coord}
-        for (int kt = k_lo; kt < k_hi && pre < STAGES; ++kt, ++pre) {{
-          const unsigned full = bars + 8 * pre;
-          tf_bar_expect(full, STAGE_TX);
-          const unsigned sb = base + pre * STAGE_BYTES + A_BYTES;
-{b_load_lines}
-        }}
-      }}{"}" if S.stream_k else ""}
-      tf_pdl_wait();  // A is the kernel before's output
-{prod_head}
-        int batch, tm, tn;
-        tf_tile_coords(t, TILES_M, batch, tm, tn);
-        {pair_coord}
-        for ({k_range}) {{
-          const unsigned full = bars + 8 * stage;
-          const unsigned sa = base + stage * STAGE_BYTES, sb = sa + A_BYTES;
-          if (pre > 0) {{
-            --pre;  // B is in flight, the stage's bytes expected
-          }} else {{
-            tf_bar_wait(bars + 8 * (STAGES + stage), phase ^ 1);
-            tf_bar_expect(full, STAGE_TX);
-{b_load_inner}
-          }}
-          {a_load}
-          if (++stage == STAGES) {{ stage = 0; phase ^= 1; }}
-        }}"""
-    else:
-        producer_loop = f"""
-{prod_head}
-        int batch, tm, tn;
-        tf_tile_coords(t, TILES_M, batch, tm, tn);
-        {pair_coord}
-        for ({k_range}) {{
-          tf_bar_wait(bars + 8 * (STAGES + stage), phase ^ 1);
-          const unsigned full = bars + 8 * stage;
-          tf_bar_expect(full, STAGE_TX);
-          const unsigned sa = base + stage * STAGE_BYTES, sb = sa + A_BYTES;
-          {a_load}
-{b_load_lines}
-          if (++stage == STAGES) {{ stage = 0; phase ^= 1; }}
-        }}"""
+    producer_loop, common_wait, consumer_wait = _producer_loop(problem, S, split, prod_head, k_range, pair_coord,
+                                                               a_load, b_loads)
     # (no division where there is one batch: with TILES_M an argument it would not fold away)
     batch_coord = ("  batch = 0;" if P.batch == 1 else
                    "  batch = t / (tiles_m * TILES_N);\n  t -= batch * (tiles_m * TILES_N);")
