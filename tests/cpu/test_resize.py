@@ -152,6 +152,45 @@ def test_sized_op_names_an_op_that_takes_a_size():
     assert plain.why_not == "" and plain.sized_op == ""
 
 
+def test_piecewise_names_a_size_two_compiles_cannot_show():
+    """A diagonal's length is Min(7, s0): equal at s0 = 7 and 10, so two compiled sizes cannot
+    tell a program made from them that it is 5 at s0 = 5; a polynomial size (a reshape's 7 s0)
+    can be told."""
+
+    class Diagonal(nn.Module):
+        def forward(self, b):
+            return torch.cat([torch.ones_like(b.diagonal())] * 2, 0)
+
+    class Flat(nn.Module):
+        def forward(self, b):
+            return b.reshape(-1) * 2
+
+    d = Symbolic(export(Diagonal(), (torch.randn(7, 7),), dynamic_shapes=({0: Dim.AUTO},)))
+    assert d.why_not == "" and d.sized_op == "" and "Min(" in d.piecewise
+    f = Symbolic(export(Flat(), (torch.randn(7, 7),), dynamic_shapes=({0: Dim.AUTO},)))
+    assert f.why_not == "" and f.piecewise == ""
+
+
+@pytest.mark.usefixtures("fresh_backend")
+def test_a_piecewise_size_makes_no_family_so_a_third_size_is_right():
+    """The fuzzer's case (seed 6106035): through the backend at (5, 7), then (7, 7) and
+    (10, 7) (dynamo's symbolic graph, compiled at each), then (5, 7) again: eager's shapes and
+    values at every size; no size made from the other two."""
+
+    def f(a, b):
+        return torch.cat([torch.ones_like(b.diagonal())] * 2, 0) + a.sum()
+
+    step = torch.compile(f, backend="tilefuse")
+    with torch.no_grad():
+        for rows in (5, 7, 10, 5):
+            a, b = torch.randn(1, 1, rows, 1), torch.randn(rows, 7)
+            got, want = step(a, b), f(a, b)
+            assert got.shape == want.shape, (rows, got.shape, want.shape)
+            torch.testing.assert_close(got, want)
+    assert all(r.resized == 0 for r in tb.reports()), tb.summary()
+    assert any("piecewise" in e for r in tb.reports() for e in r.events), [r.events for r in tb.reports()]
+
+
 def _decode_calls(m, lengths):
     """The step compiled with the tilefuse backend, called at each cache length; its results and eager's."""
     step = torch.compile(m, backend="tilefuse")

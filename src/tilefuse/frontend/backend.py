@@ -767,10 +767,12 @@ class GraphRunner:
         if (v.program is None or last is None or last[1].program is None or sym is None or sym.why_not
                 or last[0][2] != key[2] or last[0][:2] == key[:2]):
             return  # (two sizes of one weight set: not a recompile after an in-place update)
-        fam = f"an op takes a size as an argument ({sym.sized_op})" if sym.sized_op else \
-            resize.family(last[1].program, v.program)
+        fam = (f"an op takes a size as an argument ({sym.sized_op})" if sym.sized_op else
+               f"a size is a piecewise function of the sizes ({sym.piecewise}), which two sizes cannot show"
+               if sym.piecewise else resize.family(last[1].program, v.program))
         if isinstance(fam, str):
-            maps = resize.torch_maps(last[1].program, v.program) if not self.in_torch and not sym.sized_op else None
+            maps = (resize.torch_maps(last[1].program, v.program)
+                    if not self.in_torch and not sym.sized_op and not sym.piecewise else None)
             if maps:  # (the next two sizes compile with them in PyTorch, then make a family)
                 self.in_torch, self.last_compiled = maps, None
                 self._event(f"{fam}: that map ({', '.join(sorted(maps))}) runs in PyTorch from the next size on, "

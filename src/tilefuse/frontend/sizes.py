@@ -52,6 +52,7 @@ class Symbolic:
         self.bound = self._bound_symbols() if self.env is not None else set()  # the inputs' size symbols
         self.why_not = self._why_not()
         self.sized_op = self._first_sized_op()  # "" when no op takes a size as an argument
+        self.piecewise = self._first_piecewise()  # "" when every size is a polynomial of the inputs'
 
     def _why_not(self) -> str:
         """Why this export cannot serve other sizes ("" when it can)."""
@@ -76,6 +77,30 @@ class Symbolic:
         return next((n.name for n in self.ep.graph.nodes if n.op == "call_function" and n in live
                      and not isinstance(n.meta.get("val"), _SYM) and not _is_assert(n) and not _restates(n)
                      and any(_is_size(a) for a in torch.utils._pytree.tree_leaves((n.args, n.kwargs)))), "")
+
+    def _first_piecewise(self) -> str:
+        """The first live node with a size that is not a polynomial of the inputs' sizes
+        (`Min(7, s0)`: the length of a diagonal, a window, a clamp; `s0 // 2`), or "" when none
+        has one. Two compiled sizes show how a polynomial size changes (it differs between
+        them unless it does not depend on the size that changed), but a piecewise one can be
+        equal at both and differ at a third: `ones_like(b.diagonal())` of b at (7, 7) and
+        (10, 7) is 7 long both times, 5 long at (5, 7), and a program made from the first two
+        (runtime.resize, whose constants keep their shapes) would return 7 ones."""
+        if self.env is None:
+            return ""
+        live = _live(self.ep.graph)
+        for n in self.ep.graph.nodes:
+            if n not in live:
+                continue
+            val = n.meta.get("val")
+            for v in val if isinstance(val, (tuple, list)) else (val,):
+                sizes = v.shape if isinstance(v, torch.Tensor) else (v,) if isinstance(v, torch.SymInt) else ()
+                for size in sizes:
+                    if isinstance(size, torch.SymInt):
+                        expr = self.env.replace(sympy.sympify(size.node.expr))
+                        if not expr.is_polynomial(*expr.free_symbols):
+                            return f"{n.name}: {expr}"
+        return ""
 
     def _bound_symbols(self) -> set:
         found = set()
