@@ -68,7 +68,7 @@ def main(argv):
         for k in changed:
             print("  ", k)
         return 1 if changed else 0
-    if len(argv) != 1:
+    if len(argv) != 1 or argv[0].startswith("-"):  # (`--help` is no output path)
         raise SystemExit(__doc__)
     out = hashes()
     Path(argv[0]).write_text(json.dumps(out, indent=0, sort_keys=True))
