@@ -90,7 +90,7 @@ class Sm80GemmKernel(GemmKernel):
 
 def _arch(arch: str | None) -> str:
     arch = nvrtc.normalize_arch(arch) if arch else nvrtc.current_arch()
-    major = int("".join(ch for ch in arch.split("_")[1] if ch.isdigit())) // 10
+    major = nvrtc.arch_number(arch) // 10
     if major < 8:
         raise GemmError(f"the mma.sync / cp.async GEMM needs sm_80 or later, not {arch}")
     return arch

@@ -42,8 +42,6 @@ def _drv(result, what: str):
 
 
 PDL_ENV = "TILEFUSE_PDL"
-
-
 PDL_MIN_DRIVER = 12030  # CUDA 12.3: programmatic launches captured into CUDA graphs as programmatic edges
 
 
@@ -57,8 +55,7 @@ def pdl_enabled(arch: str, environ=None, driver_version: int | None = None) -> b
     value = (os.environ if environ is None else environ).get(PDL_ENV, "1")
     if value.strip().lower() in ("0", "false", "off", "no"):
         return False
-    digits = "".join(ch for ch in arch.split("_")[-1] if ch.isdigit())
-    if not digits or int(digits) < 90:
+    if nvrtc.arch_number(arch) < 90:
         return False
     return (driver_version if driver_version is not None else _driver_version()) >= PDL_MIN_DRIVER
 

@@ -84,6 +84,12 @@ def normalize_arch(arch: str) -> str:
     return "sm_90a" if m.group(1) == "90" else arch
 
 
+def arch_number(arch: str) -> int:
+    """'sm_90a' -> 90, 'sm_80' -> 80, 'sm_100a' -> 100 (0 where it names no number)."""
+    digits = "".join(ch for ch in str(arch).split("_")[-1] if ch.isdigit())
+    return int(digits) if digits else 0
+
+
 @functools.lru_cache(maxsize=1)
 def supported_archs() -> tuple[int, ...]:
     """The architectures this NVRTC builds for (75, 80, ..., 121 with CUDA 13), or () where it
