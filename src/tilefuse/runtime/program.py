@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from .. import dtypes
 from ..graph import ir
+from ..codegen.gemv import takes as gemv_takes
 from ..graph.fusion import Plan
 from ..loop.lower import Lowered
 from . import graphs as cuda_graphs
@@ -216,7 +217,8 @@ class Program:
 
     def compiled_gemm(self, lowered, device):
         """The generated GEMM for a planned step, compiled once per device: the TMA/wgmma
-        kernel on sm_90a, the cp.async/mma.sync one (docs/gemm_sm80.md) on other GPUs from sm_80."""
+        kernel on sm_90a, the cp.async/mma.sync one (docs/gemm_sm80.md) on other GPUs from sm_80,
+        and for a few rows of A (a decode step's projections) the GEMV (docs/gemm.md, "Short M")."""
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:  # "cuda" and "cuda:0" are one key
             device = torch.device("cuda", torch.cuda.current_device())
@@ -226,8 +228,13 @@ class Program:
 
             cap = torch.cuda.get_device_capability(device)
             problem = lowered.problem()
+            short = cap >= (8, 0) and gemv_takes(problem)  # a few rows: B streamed by warps (codegen/gemv.py)
 
             def build():
+                if short:
+                    from .gemv import compile_gemv
+
+                    return compile_gemv(problem, None, "sm_90a" if cap == (9, 0) else f"sm_{cap[0]}{cap[1]}")
                 if cap == (9, 0):
                     from .gemm import compile_gemm
 
@@ -246,7 +253,7 @@ class Program:
                                 f"TILEFUSE_GEMM=0 runs matmuls in cuBLAS")
 
             self._compiled[key] = _shared(("gemm", problem, problem.epilogue, cap, str(device),  # (problem's == skips it)
-                                           self.schedules is not None), build)
+                                           self.schedules is not None, short), build)
         return self._compiled[key]
 
     def prepare(self, device="cuda"):

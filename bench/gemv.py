@@ -1,0 +1,125 @@
+"""Short-M GEMMs (a decode step's projections): the GEMV template against the tile template and cuBLAS.
+
+    python3 bench/gemv.py [--m 1,2,4] [--sweep] [--json bench/results/gemv_h200.json]
+
+Each implementation's calls are captured in one CUDA graph, 60 back to back, each reading
+the next of several copies of B (together more than twice the L2, so B comes from DRAM as
+a decode step's weights do), and the graph replayed: the time per call with the host's launch
+rate out of it, and under programmatic launch where tilefuse launches so (as in a program's
+graph). B is a weight (`b_const`: its first loads before the wait). Every output is checked
+against float32 (2x rule) first. --sweep also times every GEMV schedule at each shape.
+Prints a table (us a call, B's bytes a second, ratios against cuBLAS and the tile template).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
+from tilefuse.check import rel_error  # noqa: E402
+from tilefuse.codegen import gemv  # noqa: E402
+from tilefuse.codegen.gemm_sm90 import GemmProblem  # noqa: E402
+from tilefuse.runtime.gemm import compile_gemm  # noqa: E402
+from tilefuse.runtime.gemv import compile_gemv  # noqa: E402
+
+# Llama decode projections: 4096 wide (QKV fused 12288, O 4096, gate/up 2 x 11008, down, LM head
+# 32000), 1024 wide (GQA's K/V), and a 2048-wide model's
+SHAPES = [(4096, 4096), (12288, 4096), (1024, 4096), (22016, 4096), (4096, 11008), (32000, 4096),
+          (2048, 2048), (11264, 2048), (2048, 5632)]
+CALLS, REPLAYS = 60, 5
+
+
+def per_call_us(fn) -> float:
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for i in range(3):
+            fn(i)
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        g.capture_begin()
+        for i in range(CALLS):
+            fn(i)
+        g.capture_end()
+    torch.cuda.current_stream().wait_stream(s)
+    g.replay()
+    torch.cuda.synchronize()
+    e0, e1 = torch.cuda.Event(True), torch.cuda.Event(True)
+    e0.record()
+    for _ in range(REPLAYS):
+        g.replay()
+    e1.record()
+    torch.cuda.synchronize()
+    return e0.elapsed_time(e1) / (CALLS * REPLAYS) * 1e3
+
+
+def _ok(out, a, b) -> bool:
+    ref = a.float() @ b.float().T
+    return rel_error(out.float(), ref) <= 2 * rel_error((a @ b.T).float(), ref) + 1e-5
+
+
+def run_shape(m, n, k, sweep: bool) -> dict:
+    copies = max(2, int(2 * 100e6 // (n * k * 2)) + 1)
+    bs = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
+    a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+    prob = GemmProblem(m, n, k, "bf16", b_major="K", b_const=True)
+    row = dict(m=m, n=n, k=k, copies=copies)
+    row["cublas_us"] = per_call_us(lambda i: torch.matmul(a, bs[i % copies].T, out=out))
+    tile = compile_gemm(prob)
+    tile(a, bs[0], out=out)
+    row["tile_ok"] = _ok(out, a, bs[0])
+    row["tile_schedule"] = str(tile.schedule)
+    row["tile_us"] = per_call_us(lambda i: tile(a, bs[i % copies], out=out))
+    g = compile_gemv(prob)
+    out.fill_(float("nan"))
+    g(a, bs[0], out=out)
+    row["gemv_ok"] = _ok(out, a, bs[0])
+    row["gemv_schedule"] = str(g.schedule)
+    row["gemv_us"] = per_call_us(lambda i: g(a, bs[i % copies], out=out))
+    row["gemv_TBs"] = n * k * 2 / row["gemv_us"] / 1e6
+    if sweep:
+        row["sweep"] = {}
+        for cols in (1, 2, 4):
+            for warps in (4, 8, 16):
+                for unroll in (1, 2, 4, 8):
+                    s = gemv.GemvSchedule(cols, warps, unroll)
+                    if cols * unroll > 16 or cols * m > 32:
+                        continue
+                    gs = compile_gemv(prob, s)
+                    row["sweep"][f"c{cols}w{warps}u{unroll}"] = per_call_us(lambda i: gs(a, bs[i % copies], out=out))
+    return row
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--m", default="1,2,4", help="rows of A (comma-separated)")
+    ap.add_argument("--sweep", action="store_true", help="also time every GEMV schedule at each shape")
+    ap.add_argument("--json")
+    args = ap.parse_args(argv)
+    rows = []
+    for m in [int(x) for x in args.m.split(",")]:
+        for n, k in SHAPES:
+            r = run_shape(m, n, k, args.sweep)
+            rows.append(r)
+            print(json.dumps({x: v for x, v in r.items() if x != "sweep"}), flush=True)
+    gpu = torch.cuda.get_device_name()
+    if args.json:
+        Path(args.json).write_text(json.dumps(dict(gpu=gpu, calls=CALLS, replays=REPLAYS, rows=rows), indent=1))
+    print(f"\n{gpu}, bf16, B K-major (a weight), us a call back to back in a CUDA graph")
+    print(f"{'M x N x K':>16} {'cuBLAS':>8} {'tile':>8} {'GEMV':>8} {'TB/s':>6} {'vs cuBLAS':>9} {'vs tile':>8} ok"
+          + ("  best of sweep" if args.sweep else ""))
+    for r in rows:
+        best = min(r["sweep"].items(), key=lambda kv: kv[1]) if args.sweep else None
+        print(f"{r['m']}x{r['n']}x{r['k']:>6} {r['cublas_us']:8.2f} {r['tile_us']:8.2f} {r['gemv_us']:8.2f} "
+              f"{r['gemv_TBs']:6.2f} {r['cublas_us'] / r['gemv_us']:9.3f} {r['tile_us'] / r['gemv_us']:8.3f} "
+              f"{'y' if r['gemv_ok'] and r['tile_ok'] else 'N'}"
+              + (f"  {best[0]} {best[1]:.2f}" if best else ""))
+
+
+if __name__ == "__main__":
+    main()

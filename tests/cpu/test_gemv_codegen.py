@@ -1,0 +1,122 @@
+"""The GEMV template (codegen/gemv.py) without a GPU: which GEMMs it takes, its default
+schedule, that every knob and epilogue kind compiles for sm_90a and sm_80 with no spills, and
+that nothing global is read before the wait for the kernel before except B where B is a weight.
+(tests/gpu/test_gemv_gpu.py checks its numbers against float32.)"""
+import re
+
+import pytest
+
+from tilefuse.codegen import epilogue as epi, gemv
+from tilefuse.codegen.gemm_sm90 import GemmError, GemmProblem
+from tilefuse.runtime import nvrtc
+
+S = gemv.GemvSchedule
+
+
+def test_takes_one_row_of_a_k_major_weight_and_says_why_not_otherwise():
+    assert gemv.why_not(GemmProblem(1, 4096, 4096)) == ""
+    assert "rows" in gemv.why_not(GemmProblem(2, 4096, 4096))
+    assert gemv.why_not(GemmProblem(2, 4096, 4096), max_m=4) == ""
+    assert "batched" in gemv.why_not(GemmProblem(1, 64, 64, batch=2))
+    assert "N-major" in gemv.why_not(GemmProblem(1, 64, 64, b_major="N"))
+    assert "multiple of 8" in gemv.why_not(GemmProblem(1, 64, 68))
+    assert "argument" in gemv.why_not(GemmProblem(1, 64, 64, m_arg=True))
+    sq = epi.EpilogueBuilder(1, 256)
+    y = sq.acc()
+    sq.store("out", y, "bf16")
+    sq.partial_sum("ss", sq.op("mul", y, y))
+    assert "partial" in gemv.why_not(GemmProblem(1, 256, 64, epilogue=sq.kernel("with_partials")))
+
+
+def test_tilefuse_gemv_0_turns_it_off():
+    p = GemmProblem(1, 4096, 4096)
+    assert gemv.takes(p, environ={})
+    assert not gemv.takes(p, environ={gemv.ENV: "0"})
+    assert not gemv.takes(p, environ={gemv.ENV: "off"})
+    assert not gemv.takes(GemmProblem(8, 4096, 4096), environ={})
+
+
+@pytest.mark.parametrize("k,unroll", [(4096, 8), (2048, 8), (5632, 2), (11008, 1), (1024, 4), (72, 1), (8, 1)])
+def test_default_unroll_is_the_deepest_whose_steps_tile_k(k, unroll):
+    """The session-50 sweep's rule: the deepest unroll whose steps (32 lanes x unroll vectors)
+    divide K's 16-byte vectors; one column a warp, 4 warps."""
+    s = gemv.default_schedule(GemmProblem(1, 4096, k))
+    assert (s.cols, s.warps, s.unroll) == (1, 4, unroll)
+
+
+def test_a_pairwise_epilogue_takes_two_columns_a_warp():
+    s = gemv.default_schedule(GemmProblem(1, 22016, 4096, epilogue=epi.glu(1, 22016, "bf16")))
+    assert s.cols == 2 and s.unroll == 4
+
+
+def _compiles(p, sched=None, arch="sm_90a"):
+    src = gemv.render(p, sched, arch)
+    info = nvrtc.compile_cuda(src.source, src.name, arch).info
+    assert info.clean, (src.name, info)
+    return src
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_80"])
+@pytest.mark.parametrize("dtype", ["bf16", "f16"])
+@pytest.mark.parametrize("m,n,k", [(1, 1, 8), (1, 33, 72), (2, 4097, 4104), (4, 130, 96), (1, 4096, 11008)])
+def test_shapes_and_dtypes_compile_without_spills(m, n, k, dtype, arch):
+    _compiles(GemmProblem(m, n, k, dtype, b_const=True), None, arch)
+
+
+@pytest.mark.parametrize("sched", [S(c, w, u) for c in (1, 2, 4) for w in (1, 4, 16) for u in (1, 2, 4, 8)
+                                   if c * u <= 16], ids=str)
+def test_knobs_compile_without_spills(sched):
+    _compiles(GemmProblem(2, 1000, 2056, "bf16", b_const=True), sched)
+
+
+@pytest.mark.parametrize("act", epi.ACTIVATIONS)
+def test_epilogue_kinds_compile(act):
+    m, n, k = 1, 1030, 776
+    ep = epi.standard(m, n, "bf16", bias="col", activation=act, residual=True, row_scale=True)
+    _compiles(GemmProblem(m, n, k, "bf16", epilogue=ep), S(2, 4, 4))
+
+
+@pytest.mark.parametrize("sched", [None, S(2, 8, 4), S(4, 4, 2)], ids=str)
+def test_glu_compiles(sched):
+    _compiles(GemmProblem(3, 3002, 1032, "bf16", epilogue=epi.glu(3, 3002, "bf16")), sched)
+
+
+def test_bad_knobs_are_clear_errors():
+    with pytest.raises(GemmError, match="cols"):
+        S(3, 4, 4)
+    with pytest.raises(GemmError, match="warps"):
+        S(1, 3, 4)
+    with pytest.raises(GemmError, match="unroll"):
+        S(1, 4, 3)
+    with pytest.raises(GemmError, match="even number of columns"):
+        gemv.render(GemmProblem(1, 64, 64, epilogue=epi.glu(1, 64, "bf16")), S(1, 4, 1))
+    with pytest.raises(GemmError, match="32 lanes"):
+        gemv.render(GemmProblem(16, 64, 64), S(4, 4, 1))
+    with pytest.raises(GemmError, match="does not take"):
+        gemv.render(GemmProblem(1, 64, 64, b_major="N"))
+
+
+def _before_wait(src: str) -> str:
+    body = src.split('extern "C"')[1]
+    return body.split("tf_pdl_wait();")[0]
+
+
+@pytest.mark.parametrize("m,k", [(1, 4096), (2, 4104), (1, 72)])
+def test_nothing_but_a_weight_is_read_before_the_wait(m, k):
+    """Under programmatic launch the kernel before may still be writing A and the epilogue's
+    operands: before tf_pdl_wait only B's loads may run, and only where B is a weight (b_const);
+    then they are the first whole step's, each row's vectors at lane + 32 u."""
+    ep = epi.standard(m, 512, "bf16", bias="col", residual=True, row_scale=True)
+    for b_const in (False, True):
+        src = gemv.render(GemmProblem(m, 512, k, "bf16", epilogue=ep, b_const=b_const)).source
+        head = _before_wait(src)
+        assert "tf_pdl_launch();" in head
+        for name in ("A", "bias", "residual", "row_scale", "__ldg"):
+            assert not re.search(rf"\b{name}\b", head.split("{", 1)[1]), (name, head)
+        loads = re.findall(r"tf_ld_stream\((\w+) \+ lane \+ (\d+)\)", head)
+        s = gemv.default_schedule(GemmProblem(m, 512, k))
+        whole = k // 8 >= 32 * s.unroll
+        if b_const and whole:
+            assert sorted(loads) == sorted((f"brow{c}", str(32 * u)) for u in range(s.unroll) for c in range(s.cols))
+        else:
+            assert loads == []

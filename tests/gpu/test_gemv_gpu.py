@@ -1,0 +1,167 @@
+"""The GEMV template (codegen/gemv.py: a GEMM of a few rows, B streamed by warps) on the GPU
+against a float32 reference (DESIGN.md's 2x rule).
+
+Fresh random normal inputs per case; outputs poisoned with NaN first, so an unwritten
+element fails. Odd shapes (N not a multiple of a warp's columns or a CTA's warps, K not a
+multiple of a lane step), M from 1 to MAX_M, bf16 and f16, every schedule knob, every
+epilogue kind and GLU, B a weight (loaded before the wait) or not, chains of GEMVs launched
+back to back under programmatic launch, and programs whose short GEMMs it runs.
+"""
+import pytest
+import torch
+
+from tilefuse.check import rel_error
+from tilefuse.codegen import epilogue as epi, gemv
+from tilefuse.codegen.gemm_sm90 import GemmProblem
+from tilefuse.runtime.gemv import compile_gemv
+
+pytestmark = pytest.mark.gpu
+
+if torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 0):
+    pytest.skip("the GEMV template is built for sm_80 or later", allow_module_level=True)
+
+TDT = {"bf16": torch.bfloat16, "f16": torch.float16}
+SHAPES = [(1, 1, 8), (1, 33, 72), (2, 4097, 4104), (3, 777, 1024), (4, 130, 96), (1, 4096, 4096),
+          (1, 1024, 11008), (2, 22016, 512)]
+S = gemv.GemvSchedule
+SCHEDULES = [S(1, 1, 1), S(1, 16, 8), S(2, 4, 2), S(4, 8, 1), S(4, 2, 8), S(2, 8, 4)]
+_F = torch.nn.functional
+ACT_FN = {"none": lambda x: x, "relu": torch.relu, "gelu": _F.gelu,
+          "gelu_tanh": lambda x: _F.gelu(x, approximate="tanh"), "silu": _F.silu, "sigmoid": torch.sigmoid}
+
+
+def _passes(out, ref, lowp):
+    """2x rule: our error at most twice torch's own low-precision error (+1e-5)."""
+    assert torch.isfinite(out).all(), "NaN/inf in the output: an element was not written"
+    err, base = rel_error(out.float(), ref), rel_error(lowp.float(), ref)
+    assert err <= 2 * base + 1e-5, f"error {err:.3e} vs torch's {base:.3e}"
+
+
+def _plain(m, n, k, dtype="bf16", sched=None, b_const=False):
+    tdt = TDT[dtype]
+    a = torch.randn(m, k, device="cuda", dtype=tdt)
+    b = torch.randn(n, k, device="cuda", dtype=tdt)
+    g = compile_gemv(GemmProblem(m, n, k, dtype, b_major="K", b_const=b_const), sched)
+    assert g.info.clean, g.info
+    out = torch.full((m, n), float("nan"), device="cuda", dtype=tdt)
+    g(a, b, out=out)
+    torch.cuda.synchronize()
+    _passes(out, a.float() @ b.float().T, a @ b.T)
+
+
+@pytest.mark.parametrize("b_const", [False, True])
+@pytest.mark.parametrize("dtype", list(TDT))
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_plain_gemv_matches_float32(shape, dtype, b_const):
+    _plain(*shape, dtype, b_const=b_const)
+
+
+@pytest.mark.parametrize("sched", SCHEDULES, ids=lambda s: f"c{s.cols}w{s.warps}u{s.unroll}")
+@pytest.mark.parametrize("m", [1, 4])
+def test_schedules_match_float32(sched, m):
+    _plain(m, 1000, 2056, "bf16", sched, b_const=True)
+
+
+@pytest.mark.parametrize("act,dtype,m", [(a, "bf16", 1) for a in epi.ACTIVATIONS] + [("gelu", "f16", 3),
+                                                                                      ("silu", "bf16", 4)])
+def test_epilogue_bias_activation_residual_rowscale(act, dtype, m):
+    n, k = 1030, 776
+    tdt = TDT[dtype]
+    a, b = torch.randn(m, k, device="cuda", dtype=tdt), torch.randn(n, k, device="cuda", dtype=tdt)
+    bias = torch.randn(n, device="cuda", dtype=tdt)
+    res = torch.randn(m, n, device="cuda", dtype=tdt)
+    scale = torch.rand(m, device="cuda", dtype=torch.float32) + 0.5
+    ep = epi.standard(m, n, dtype, bias="col", activation=act, residual=True, row_scale=True)
+    g = compile_gemv(GemmProblem(m, n, k, dtype, epilogue=ep, b_const=True), S(2, 4, 4))
+    out = torch.full((m, n), float("nan"), device="cuda", dtype=tdt)
+    g(a, b, out=out, bias=bias, residual=res, row_scale=scale)
+    torch.cuda.synchronize()
+    f = ACT_FN[act]
+    ref = f((a.float() @ b.float().T) * scale[:, None] + bias.float()) + res.float()
+    lowp = f((a @ b.T) * scale[:, None].to(tdt) + bias) + res
+    _passes(out, ref, lowp)
+
+
+@pytest.mark.parametrize("sched", [None, S(2, 8, 4), S(4, 4, 2)], ids=str)
+@pytest.mark.parametrize("m", [1, 3])
+@pytest.mark.parametrize("act", ["silu", "gelu"])
+def test_glu_epilogue_on_interleaved_weights(act, m, sched):
+    """SwiGLU/GeGLU as a pairwise epilogue equals act(x @ Wg.T) * (x @ Wu.T)."""
+    n2, k = 2 * 1501, 1032
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    wg, wu = (torch.randn(n2 // 2, k, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    w = torch.stack([wg, wu], dim=1).reshape(n2, k).contiguous()  # gate j at row 2j, up j at 2j+1
+    g = compile_gemv(GemmProblem(m, n2, k, "bf16", epilogue=epi.glu(m, n2, "bf16", activation=act), b_const=True),
+                     sched)
+    out = torch.full((m, n2 // 2), float("nan"), device="cuda", dtype=torch.bfloat16)
+    g(x, w, out=out)
+    torch.cuda.synchronize()
+    f = ACT_FN[act]
+    _passes(out, f(x.float() @ wg.float().T) * (x.float() @ wu.float().T), f(x @ wg.T) * (x @ wu.T))
+
+
+@pytest.mark.parametrize("b_const", [False, True])
+def test_chains_launched_back_to_back_read_the_gemv_before(b_const):
+    """Each GEMV reads the one before's output; launched with nothing between them (programmatic
+    launch lets each begin while the one before ends), the chain gives the bits of the same
+    launches each synchronised, and every link is within the 2x rule of its own reference."""
+    n, links = 2048, 12
+    g = compile_gemv(GemmProblem(1, n, n, "bf16", b_const=b_const))
+    ws = [torch.randn(n, n, device="cuda", dtype=torch.bfloat16) / 32 for _ in range(links)]
+    x0 = torch.randn(1, n, device="cuda", dtype=torch.bfloat16)
+    outs = [torch.full((1, n), float("nan"), device="cuda", dtype=torch.bfloat16) for _ in range(links)]
+    torch.cuda.synchronize()
+    x = x0
+    for w, o in zip(ws, outs):
+        g(x, w, out=o)
+        x = o
+    torch.cuda.synchronize()
+    x = x0
+    for i, w in enumerate(ws):
+        o = torch.full((1, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+        g(x, w, out=o)
+        torch.cuda.synchronize()
+        assert torch.equal(o, outs[i]), f"link {i}: back to back differs from synchronised"
+        _passes(o, x.float() @ w.float().T, x @ w.T)
+        x = o
+
+
+def test_misaligned_operand_is_a_clear_error():
+    g = compile_gemv(GemmProblem(1, 64, 64, "bf16"))
+    spare = torch.randn(64 + 1, device="cuda", dtype=torch.bfloat16)
+    a = spare[1:].view(1, 64)
+    b = torch.randn(64, 64, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="16-byte"):
+        g(a, b)
+
+
+def _linear_program(m, monkeypatch, on: bool):
+    import tilefuse
+
+    monkeypatch.setenv(gemv.ENV, "1" if on else "0")
+    torch.manual_seed(0)
+    mod = torch.nn.Sequential(torch.nn.Linear(512, 1536, bias=False), torch.nn.SiLU(),
+                              torch.nn.Linear(1536, 512)).to("cuda", torch.bfloat16)
+    x = torch.randn(m, 512, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        prog = tilefuse.compile(mod, (x,))
+        return prog, mod, x
+
+
+@pytest.mark.parametrize("m", [1, 2])
+def test_a_program_runs_its_short_gemms_here(m, monkeypatch):
+    """A program's GEMMs of M <= MAX_M build the GEMV (TILEFUSE_GEMV=0: the tile templates), and
+    its output is within the 2x rule of float32 eager either way."""
+    names = {}
+    for on in (True, False):
+        prog, mod, x = _linear_program(m, monkeypatch, on)
+        with torch.no_grad():
+            out = prog(x)
+            ref = mod.float()(x.float())
+            lowp = mod.to(torch.bfloat16)(x)
+        torch.cuda.synchronize()
+        _passes(out, ref, lowp)
+        names[on] = sorted(type(k).__name__ for k in prog._compiled.values())
+        mod.to(torch.bfloat16)
+    assert "GemvKernel" in names[True], names
+    assert "GemvKernel" not in names[False], names
