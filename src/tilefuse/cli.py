@@ -292,13 +292,24 @@ def _gemm_shape(lg) -> str:
 
 
 def _print_gemms(console, st, stage: str, arch: str):
-    from .codegen import gemm_sm80, gemm_sm90
+    from .codegen import gemm_sm80, gemm_sm90, gemv
     from .runtime.nvrtc import normalize_arch
     from .tune.lookup import choose_gemm
 
     arch = normalize_arch(arch)
     for lg in st.gemms.values():
         problem = lg.problem()
+        if gemv.takes(problem):  # one row of A: the GEMV (codegen/gemv.py), on every arch
+            sched = gemv.default_schedule(problem)
+            if stage == "schedule":
+                console.print(f"{lg.epilogue.name} (GEMM {_gemm_shape(lg)}, {arch}): {sched}  "
+                              f"(source: heuristic default; TILEFUSE_GEMV=0 runs the tile template)", markup=False)
+            else:
+                src = gemv.render(problem, sched, arch)
+                console.print(f"// ---- {src.name} ({lg.epilogue.name}): GEMM {_gemm_shape(lg)} as a GEMV for {arch}, "
+                              f"block {src.block}", markup=False)
+                console.print(src.source, markup=False)
+            continue
         if arch != "sm_90a":  # the cp.async / mma.sync kernel (docs/gemm_sm80.md)
             sched = gemm_sm80.default_schedule(problem)
             if stage == "schedule":

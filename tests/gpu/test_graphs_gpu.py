@@ -317,13 +317,17 @@ class _TwoProjections(torch.nn.Module):
         return self.b(torch.relu(self.a(x)))
 
 
-def test_a_captures_split_k_gemms_share_one_workspace_that_it_keeps():
+def test_a_captures_split_k_gemms_share_one_workspace_that_it_keeps(monkeypatch):
     """Decode-sized GEMMs (one row; K cut in slices summed through a workspace) replay the thin
     path's bits on fresh inputs, with results held so that two slots are captured; each capture's
     GEMMs take one workspace, which the capture keeps, reserved at the largest kernel's partials
     and counters (each kernel kept its own per capture before: 2.8 GiB for an 8-layer Llama's
-    decode steps)."""
+    decode steps). (The tile template's split-K: a program runs one-row GEMMs in the GEMV
+    unless TILEFUSE_GEMV=0.)"""
+    from tilefuse.codegen import gemv
     from tilefuse.runtime.gemm import GemmKernel
+
+    monkeypatch.setenv(gemv.ENV, "0")
 
     m = _TwoProjections().cuda().to(BF16)
     make = lambda: (torch.randn(1, 4096, device="cuda", dtype=BF16),)

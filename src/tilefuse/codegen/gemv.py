@@ -44,7 +44,7 @@ class GemvSchedule:
             raise GemmError(f"GEMV unroll must be 1, 2, 4 or 8, not {self.unroll}")
 
     def __str__(self):
-        return f"gemv {self.cols} col(s) a warp, {self.warps} warps, {self.unroll} vectors in flight"
+        return f"gemv {self.cols} column(s) a warp, {self.warps} warps, {self.unroll} vector(s) of B a lane in flight"
 
 
 @dataclass(frozen=True)
