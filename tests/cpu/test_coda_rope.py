@@ -91,6 +91,29 @@ def test_same_bits_in_bf16_and_same_function_in_f64(batch, seq):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("batch", [1, 2])
+def test_one_position_whose_transpose_is_a_reshape_rotates_the_same(batch):
+    """At one position (decode) the heads' transpose (B, 1, H, D) -> (B, H, 1, D) moves a unit
+    dim only and the standard rewrites make it a reshape: the rule still fires, the result is
+    the same bits, and the transpose back is a reshape too (an alias, not a permute copy)."""
+    from tilefuse.graph.rewrites import RULES
+
+    torch.manual_seed(0)
+    m = Attention().bfloat16().eval()
+    x = torch.randn(batch, 1, 64).bfloat16()
+    g, _ = run_rewrites(capture(m, x), RULES + (fold_weights,))
+    assert not any(isinstance(n, ir.View) and n.op == "permute" and len(n.type.shape) == 4 for n in g.nodes)
+    g2 = rope_into_projection(g)
+    assert g2 is not g
+    assert not any(isinstance(n, ir.Extern) and n.target == "aten.stack.default" and len(n.type.shape) == 5
+                   for n in g2.nodes)
+    assert all(n.op == "reshape" for n in g2.nodes if isinstance(n, ir.View) and n.name.startswith("rope_bhsd"))
+    for i in range(2):
+        a = run(ir.Graph(g.nodes, g.inputs, (g.outputs[i],), g.weights), [x])
+        b = run(ir.Graph(g2.nodes, g2.inputs, (g2.outputs[i],), g2.weights), [x])
+        assert a.dtype == b.dtype and torch.equal(a, b), f"output {i} differs"
+
+
 def test_the_tables_are_views_of_the_small_ones_made_once_and_shared_by_q_and_k():
     """No new weight: the (B, S, H*D/2) tables are views (reshape, expand, reshape) of the folded
     (S, D/2) cos and sin, one chain each, read by Q's and K's rotations alike, holding cos[s, i] at

@@ -112,6 +112,22 @@ def test_llama_block_with_rope_in_the_projection_epilogues(batch, monkeypatch):
     assert sum(1 for s in prog.plan.steps if s.family == "gemm" and s.gemm.stacks) == 2
 
 
+@pytest.mark.parametrize("batch", [1, 2])
+def test_one_position_rotates_in_the_projection_epilogues_too(batch, monkeypatch):
+    """At one position (a decode step's shape) the heads' transpose is a reshape; the Q and K
+    projections still rotate their pairs in the epilogue (at batch 1 in the GEMV: M = 1, a
+    pairwise epilogue reading the cos / sin tables through views), no `stack` runs in PyTorch,
+    and the block matches the float64 reference."""
+    from tilefuse.runtime.gemv import GemvKernel
+
+    monkeypatch.setenv("TILEFUSE_ROPE_EPILOGUE", "1")
+    prog, _ = _run(_block(), [torch.randn(batch, 1, 256)], torch.bfloat16)
+    assert sum(1 for s in prog.plan.steps if s.family == "gemm" and s.gemm.stacks) == 2
+    assert not any(s.family == "extern" and "stack" in s.name for s in prog.plan.steps)
+    if batch == 1:
+        assert sum(isinstance(k, GemvKernel) for k in prog._compiled.values()) >= 2
+
+
 def test_batched_matmul_with_scale_is_one_gemm():
     """bmm with a scalar scale and a column bias: one batched GEMM."""
     torch.manual_seed(0)

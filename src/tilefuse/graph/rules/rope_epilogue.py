@@ -2,6 +2,7 @@
 
     p = x @ Wq                       (B, S, H*D)
     q = permute(view(p, B, S, H, D), 0, 2, 1, 3)                 (B, H, S, D)
+                                    (at S = 1, a decode step's, that permute is a reshape)
     x0, x1 = q[..., 0::2], q[..., 1::2]     (through a view to (..., D/2, 2) and two slices)
     r = stack((x0 cos - x1 sin, x0 sin + x1 cos), -1) viewed (B, H, S, D)
 
@@ -74,6 +75,15 @@ def _rotation(g: ir.Graph, a: str, b: str):
     return None
 
 
+def _unit_transpose(g: ir.Graph, t) -> bool:
+    """t is the heads' transpose (B, 1, H, D) -> (B, H, 1, D) of one position, which moves only a
+    dim of size 1 and so is a reshape (rewrites.unit_permutes_as_reshapes): a decode step's."""
+    if t.op != "reshape" or len(t.type.shape) != 4:
+        return False
+    src = g[t.arg].type.shape
+    return len(src) == 4 and src[1] == 1 and tuple(t.type.shape) == (src[0], src[2], 1, src[3])
+
+
 def _match(g: ir.Graph, users, st):
     """Everything one RoPE rewrite needs, or None: (p, heads, D, view (the stack's full-width
     reshape), its users' cast if it is the only one, x0, x1, cos, sin, the f32 cast of q)."""
@@ -93,7 +103,7 @@ def _match(g: ir.Graph, users, st):
         return None
     qf = g[g[src].arg]  # (B, H, S, D) in f32: a cast of the transposed head view, or that view itself
     t = g[qf.args[0]] if isinstance(qf, ir.Map) and qf.op == "cast" else qf
-    if not (isinstance(t, ir.View) and t.op == "permute" and tuple(t.params) == (0, 2, 1, 3)):
+    if not (isinstance(t, ir.View) and (t.op == "permute" and tuple(t.params) == (0, 2, 1, 3) or _unit_transpose(g, t))):
         return None
     heads_view = g[t.arg]
     if not (isinstance(heads_view, ir.View) and heads_view.op == "reshape" and len(heads_view.type.shape) == 4):
@@ -179,7 +189,10 @@ def rope_into_projection(g: ir.Graph) -> ir.Graph:
             nodes.append(rc)
             last, dt, old = rc.name, cast.type.dtype, cast.name
         hv = ir.View(ed.fresh("rope_heads"), tt((B, S, H, D), dt), "reshape", last, (B, S, H, D), src)
-        tr = ir.View(ed.fresh("rope_bhsd"), tt((B, H, S, D), dt), "permute", hv.name, (0, 2, 1, 3), src)
+        if S == 1:  # one position: the transpose moves a unit dim only, a reshape (an alias, not a copy)
+            tr = ir.View(ed.fresh("rope_bhsd"), tt((B, H, S, D), dt), "reshape", hv.name, (B, H, S, D), src)
+        else:
+            tr = ir.View(ed.fresh("rope_bhsd"), tt((B, H, S, D), dt), "permute", hv.name, (0, 2, 1, 3), src)
         nodes += [hv, tr]
         emit[st_name] = nodes
         replace_by[old] = tr.name
