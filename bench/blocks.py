@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -43,7 +44,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+# TILEFUSE_SRC: another tree's src, to time it beside this one (bench/LOG_blocks.md)
+sys.path.insert(0, os.environ.get("TILEFUSE_SRC", str(Path(__file__).resolve().parents[1] / "src")))
 
 import tilefuse  # noqa: E402
 from tilefuse import models  # noqa: E402
