@@ -293,13 +293,13 @@ def _gemm_shape(lg) -> str:
 
 def _print_gemms(console, st, stage: str, arch: str):
     from .codegen import gemm_sm80, gemm_sm90, gemv
-    from .runtime.nvrtc import normalize_arch
+    from .runtime.nvrtc import arch_number, normalize_arch
     from .tune.lookup import choose_gemm
 
     arch = normalize_arch(arch)
     for lg in st.gemms.values():
         problem = lg.problem()
-        if gemv.takes(problem):  # one row of A: the GEMV (codegen/gemv.py), on every arch
+        if gemv.takes(problem) and arch_number(arch) >= 80:  # one row of A: the GEMV (codegen/gemv.py)
             sched = gemv.default_schedule(problem)
             if stage == "schedule":
                 console.print(f"{lg.epilogue.name} (GEMM {_gemm_shape(lg)}, {arch}): {sched}  "

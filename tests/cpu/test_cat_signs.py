@@ -19,11 +19,11 @@ class RotateHalf(torch.nn.Module):
 
 
 class Pieces(torch.nn.Module):
-    """Three pieces along a middle dim, two negated, the result read by a reduction too."""
+    """Three pieces along a middle dim, two negated, the result read by two maps."""
 
     def forward(self, a, b, c):
         x = torch.cat((-a, b, -c), 1)
-        return x * 2, x.sum(-1)
+        return x * 2, x + 1
 
 
 def _same(g, g2, inputs):
@@ -74,16 +74,51 @@ class NegReadTwice(torch.nn.Module):
 
 class Ints(torch.nn.Module):
     def forward(self, a, b):
-        return torch.cat((-a, b), -1)
+        return torch.cat((-a, b), -1) * 2
 
 
-def test_a_neg_read_elsewhere_and_integer_cats_are_left_alone():
+class Returned(torch.nn.Module):
+    """The cat is a result and read by a reduction: a sign there would be a pass of its own."""
+
+    def forward(self, a, b):
+        x = torch.cat((-(a * 3), b), -1)
+        return x, x.sum(-1)
+
+
+class LegacyEmpty(torch.nn.Module):
+    def forward(self, a, e):
+        return torch.cat((e, -a), 1) * 2
+
+
+def test_what_is_left_alone():
+    """A neg read elsewhere too, integer pieces (an integer neg wraps: int8 -128 stays -128, and
+    a promoted integer 0 is +0, where a float multiply by -1 gives 128 and -0), a cat returned or
+    reduced, and a legacy 1-D empty piece (no such dim: compiling must not fail)."""
     a, b = torch.randn(2, 3), torch.randn(2, 4)
     g = capture(NegReadTwice(), a, b)
     assert negated_pieces_as_signs(g) is g
     ai, bi = torch.randint(-5, 5, (2, 3)), torch.randint(-5, 5, (2, 4))
     g = capture(Ints(), ai, bi)
     assert negated_pieces_as_signs(g) is g
+    a8 = torch.tensor([[-128, 0]], dtype=torch.int8)
+    g = capture(Ints(), a8, torch.randn(1, 2))
+    assert negated_pieces_as_signs(g) is g
+    g = capture(Returned(), a, b)
+    assert negated_pieces_as_signs(g) is g
+    e = torch.randn(0)
+    g = capture(LegacyEmpty(), a, e)
+    assert negated_pieces_as_signs(g) is g
+
+
+def test_an_integer_piece_in_a_float_cat_keeps_its_wrapped_values_through_compile():
+    import tilefuse
+
+    a8, b = torch.tensor([[-128, 0, 5]], dtype=torch.int8), torch.randn(1, 2)
+    prog = tilefuse.compile(Ints(), (a8, b))
+    assert torch.equal(prog(a8, b), Ints()(a8, b))
+    a, e = torch.randn(2, 3), torch.randn(0)
+    prog = tilefuse.compile(LegacyEmpty(), (a, e))
+    assert torch.equal(prog(a, e), LegacyEmpty()(a, e))
 
 
 def test_transformers_decode_step_runs_no_neg_and_no_slice_copy():

@@ -209,6 +209,22 @@ def test_tune_collects_the_planned_gemms_with_the_map_reduce_kernels():
     assert len(two) == 4 and all(name.startswith(("g0.", "g1.")) for name in two)
 
 
+def test_tune_leaves_out_the_gemms_programs_run_in_the_gemv(monkeypatch):
+    """A GEMM of one row runs in the GEMV (codegen/gemv.py), whose knobs the tuner does not
+    search: tuning the tile template for it would spend GPU time on a kernel that never runs;
+    with TILEFUSE_GEMV=0 the tile template runs it, and is tuned."""
+    from tilefuse.tune.command import collect
+    from tilefuse.tune.gemm import GemmTask
+
+    torch.manual_seed(0)
+    m = Fn(lambda s, x: torch.softmax(F.gelu(x @ s.w.t()), -1), w=torch.randn(32, 64, dtype=BF))  # B K-major
+    st = compile_stages(m, (torch.randn(1, 64, dtype=BF),))
+    assert len(_gemms(st)) == 1
+    assert not [k for k in collect([st]).values() if isinstance(k, GemmTask)]
+    monkeypatch.setenv("TILEFUSE_GEMV", "0")
+    assert len([k for k in collect([st]).values() if isinstance(k, GemmTask)]) == 1
+
+
 def test_tune_model_without_a_gpu_is_one_error_line(capfd):
     from tilefuse.cli import main
 

@@ -101,7 +101,9 @@ def _summary(r: KernelResult) -> str:
 
 def collect(stages: list) -> dict:
     """name -> tunable kernel, for every generated kernel of the compiled programs (one per
-    dynamo graph for a model): the map-reduce kernels and the planned GEMMs."""
+    dynamo graph for a model): the map-reduce kernels and the planned GEMMs (but those of one
+    row, which programs run in the GEMV: codegen/gemv.py)."""
+    from ..codegen import gemv
     from .gemm import GemmTask
 
     kernels = {}
@@ -110,7 +112,10 @@ def collect(stages: list) -> dict:
         for name, lk in st.kernels.items():
             kernels[prefix + lk.kernel.name] = lk.kernel
         for name, lg in st.gemms.items():
-            kernels[prefix + lg.epilogue.name] = GemmTask(lg.problem(), name=lg.epilogue.name)
+            problem = lg.problem()
+            if gemv.takes(problem):  # a program runs it in the GEMV, whose knobs the tuner does not search
+                continue
+            kernels[prefix + lg.epilogue.name] = GemmTask(problem, name=lg.epilogue.name)
     return kernels
 
 

@@ -11,8 +11,10 @@ HF's RoPE goes into the projections instead (`rope_rotate_half`, which runs firs
 nothing left here to match.
 
 Negation and a multiply by -1 give the same bits in every float format (zeros, infinities and
-NaNs included), so the rewritten graph computes the same values. Only float pieces, and only
-a `neg` the cat alone reads (anything else reading it still needs it).
+NaNs included), so the rewritten graph computes the same values. Only pieces of the cat's own
+float dtype (an integer `neg` wraps: int8 -128 stays -128, and a promoted 0 is +0) and rank (a
+legacy 1-D empty piece has no such dim), only a `neg` the cat alone reads (anything else
+reading it still needs it), and only where maps alone read the cat (`_pays`).
 """
 from __future__ import annotations
 
@@ -40,6 +42,14 @@ def _pieces(g: ir.Graph, n) -> tuple[list, int] | None:
     return [r.name for r in refs], dim % len(n.type.shape) if n.type.shape else 0
 
 
+def _pays(g: ir.Graph, users, n) -> bool:
+    """Only where the sign joins a kernel that runs anyway: every reader of the cat is a map
+    and the cat is not a result (read by an extern or returned, it would be a pass of its own,
+    where the `neg` may have been fused into the kernel that made its argument)."""
+    readers = users[n.name]
+    return bool(readers) and n.name not in g.outputs and all(isinstance(g[u], ir.Map) for u in readers)
+
+
 def negated_pieces_as_signs(g: ir.Graph) -> ir.Graph:
     users = g.users()
     ed, out, renamed, changed = Editor(g), [], {}, False
@@ -50,12 +60,14 @@ def negated_pieces_as_signs(g: ir.Graph) -> ir.Graph:
             continue
         names, dim = found
         negs = [isinstance(g[x], ir.Map) and g[x].op == "neg" and users[x] == [n.name] for x in names]
-        if not any(negs) or any(g[x].type.shape[dim] == 0 for x in names):
+        rank = len(n.type.shape)
+        if (not any(negs) or not _pays(g, users, n)
+                or any(g[x].type.dtype != n.type.dtype or len(g[x].type.shape) != rank or g[x].type.shape[dim] == 0
+                       for x in names)):
             out.append(n)
             continue
         sign = torch.cat([torch.full((g[x].type.shape[dim],), -1.0 if neg else 1.0, dtype=torch.float64)
                           for x, neg in zip(names, negs)])
-        rank = len(n.type.shape)
         w = ed.weight(f"{n.name}_signs", sign.reshape((-1,) + (1,) * (rank - 1 - dim)), n.type.dtype, "")
         pieces = tuple(ir.Ref(g[x].args[0] if neg else x) for x, neg in zip(names, negs))
         bare = ir.Extern(ed.fresh(f"{n.name}_unsigned"), n.type, n.target, (pieces,) + tuple(n.args[1:]), n.kwargs,
