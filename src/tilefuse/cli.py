@@ -297,41 +297,31 @@ def _print_gemms(console, st, stage: str, arch: str):
     from .tune.lookup import choose_gemm
 
     arch = normalize_arch(arch)
+
+    def show(lg, sched, note: str, render, header: str):
+        if stage == "schedule":
+            console.print(f"{lg.epilogue.name} (GEMM {_gemm_shape(lg)}, {arch}): {sched}  (source: {note})",
+                          markup=False)
+        else:
+            src = render()
+            console.print(f"// ---- {src.name} ({lg.epilogue.name}): GEMM {_gemm_shape(lg)}{header(src)}", markup=False)
+            console.print(src.source, markup=False)
+
     for lg in st.gemms.values():
         problem = lg.problem()
         if gemv.takes(problem) and arch_number(arch) >= 80:  # one row of A: the GEMV (codegen/gemv.py)
             sched = gemv.default_schedule(problem)
-            if stage == "schedule":
-                console.print(f"{lg.epilogue.name} (GEMM {_gemm_shape(lg)}, {arch}): {sched}  "
-                              f"(source: heuristic default; TILEFUSE_GEMV=0 runs the tile template)", markup=False)
-            else:
-                src = gemv.render(problem, sched, arch)
-                console.print(f"// ---- {src.name} ({lg.epilogue.name}): GEMM {_gemm_shape(lg)} as a GEMV for {arch}, "
-                              f"block {src.block}", markup=False)
-                console.print(src.source, markup=False)
-            continue
-        if arch != "sm_90a":  # the cp.async / mma.sync kernel (docs/gemm_sm80.md)
+            show(lg, sched, "heuristic default; TILEFUSE_GEMV=0 runs the tile template",
+                 lambda: gemv.render(problem, sched, arch), lambda src: f" as a GEMV for {arch}, block {src.block}")
+        elif arch != "sm_90a":  # the cp.async / mma.sync kernel (docs/gemm_sm80.md)
             sched = gemm_sm80.default_schedule(problem)
-            if stage == "schedule":
-                console.print(f"{lg.epilogue.name} (GEMM {_gemm_shape(lg)}, {arch}): {sched}  "
-                              f"(source: heuristic default)", markup=False)
-            else:
-                src = gemm_sm80.render(problem, sched, arch)
-                console.print(f"// ---- {src.name} ({lg.epilogue.name}): GEMM {_gemm_shape(lg)} for {arch}",
-                              markup=False)
-                console.print(src.source, markup=False)
-            continue
-        choice = choose_gemm(problem, "sm_90a")  # tuned (cache hit) or the heuristic default
-        sched = choice.schedule if choice.tuned else gemm_sm90.default_schedule(problem)
-        if stage == "schedule":
-            console.print(f"{lg.epilogue.name} (GEMM {_gemm_shape(lg)}): {sched}  (source: {choice.note})",
-                          markup=False)
-            continue
-        src = gemm_sm90.render(problem, sched)
-        console.print(f"// ---- {src.name} ({lg.epilogue.name}): GEMM {_gemm_shape(lg)}, block {src.block} "
-                      f"smem {src.smem_bytes}B "
-                      f"cluster {src.cluster}", markup=False)
-        console.print(src.source, markup=False)
+            show(lg, sched, "heuristic default", lambda: gemm_sm80.render(problem, sched, arch),
+                 lambda src: f" for {arch}")
+        else:
+            choice = choose_gemm(problem, "sm_90a")  # tuned (cache hit) or the heuristic default
+            sched = choice.schedule if choice.tuned else gemm_sm90.default_schedule(problem)
+            show(lg, sched, choice.note, lambda: gemm_sm90.render(problem, sched),
+                 lambda src: f", block {src.block} smem {src.smem_bytes}B cluster {src.cluster}")
 
 
 def _default_arch() -> str:

@@ -149,30 +149,18 @@ def _epilogue_lines(problem: GemmProblem, s: GemvSchedule, kernel: ir.Kernel) ->
     M = problem.m
     body = epi.inner_body(kernel)
     pair = epi.is_pairwise(kernel)
-    lines = []
-    if pair:
-        owners = s.cols // 2 * M
-        lines += ["float v0 = 0.f, v1 = 0.f;"]
-        for j in range(s.cols // 2):
-            for m in range(M):
-                lines.append(f"if (lane == {j * M + m}) {{ v0 = acc[{2 * j}][{m}]; v1 = acc[{2 * j + 1}][{m}]; }}")
-        lines += [f"if (lane < {owners}) {{",
-                  f"  const int m = lane % {M};",
-                  f"  const int n = (n0 >> 1) + lane / {M};",
-                  f"  if (2 * n < {problem.n}) {{"]
-        _render_element(kernel, body, ["v0", "v1"], "n", lines, "", store=True)
-        lines += ["  }", "}"]
-        return lines
-    owners = s.cols * M
-    lines.append("float v = 0.f;")
-    for c in range(s.cols):
+    width = 2 if pair else 1                          # accumulator columns one element reads
+    names = ["v0", "v1"] if pair else ["v"]
+    lines = [f"float {', '.join(f'{v} = 0.f' for v in names)};"]
+    for j in range(s.cols // width):
         for m in range(M):
-            lines.append(f"if (lane == {c * M + m}) v = acc[{c}][{m}];")
-    lines += [f"if (lane < {owners}) {{",
+            sets = " ".join(f"{v} = acc[{width * j + e}][{m}];" for e, v in enumerate(names))
+            lines.append(f"if (lane == {j * M + m}) {{ {sets} }}")
+    lines += [f"if (lane < {s.cols // width * M}) {{",
               f"  const int m = lane % {M};",
-              f"  const int n = n0 + lane / {M};",
-              f"  if (n < {problem.n}) {{"]
-    _render_element(kernel, body, "v", "n", lines, "", store=True)
+              f"  const int n = {'(n0 >> 1)' if pair else 'n0'} + lane / {M};",
+              f"  if ({'2 * n' if pair else 'n'} < {problem.n}) {{"]
+    _render_element(kernel, body, names if pair else "v", "n", lines, "", store=True)
     lines += ["  }", "}"]
     return lines
 
