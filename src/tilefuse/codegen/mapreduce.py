@@ -1834,8 +1834,10 @@ def _rows_free(kernel: ir.Kernel) -> tuple[ir.Kernel | None, int | None]:
         return None, None
     R, gathered = parts.rows, _gathered(parts)
     S = _period(kernel, parts, gathered)
+    row_led = _row_led(parts)  # (a column vector as long as R or S keeps its length: it is no row count)
     params = tuple(replace(b, shape=(0,) + tuple(b.shape[1:]))
-                   if b.shape and b.shape[0] in (R, S) and b.name not in gathered else b for b in kernel.params)
+                   if b.shape and b.shape[0] in (R, S) and b.name not in gathered and b.name in row_led else b
+                   for b in kernel.params)
     body = (replace(kernel.body[0], extent=0),)
     if S is not None:
         period, row = ir.Var(cexpr.PERIOD), parts.row_var
@@ -1851,6 +1853,12 @@ def _row_parts(kernel: ir.Kernel) -> ir.RowKernel | None:
         return ir.row_kernel_parts(kernel)
     except ValueError:
         return None
+
+
+def _row_led(parts: ir.RowKernel) -> set:
+    """Buffers whose leading index is an expression of the row."""
+    return {s.buf for s in ir.walk(parts.body)
+            if isinstance(s, (ir.Load, ir.Store)) and s.index and parts.row_var in ir.index_vars(s.index[0])}
 
 
 def _gathered(parts: ir.RowKernel) -> set:
@@ -1882,7 +1890,10 @@ def _period(kernel: ir.Kernel, parts: ir.RowKernel, gathered: set) -> int | None
     for s in ir.walk(parts.body):
         for e in _indices(s):
             divisors |= _row_divisors(e, parts.row_var)
-    tables = {b.shape[0] for b in kernel.params if b.shape and b.name not in gathered}
+    # a table's leading dim is indexed by the row (a column vector's length is no period: RoPE's
+    # signs, cat_signs.py, of D = 64 beside 2 batches of 32 rows read at r // 64 named 64)
+    row_led = _row_led(parts)
+    tables = {b.shape[0] for b in kernel.params if b.shape and b.name not in gathered and b.name in row_led}
     found = {v for v in divisors & tables if 1 < v < R and R % v == 0}
     return found.pop() if len(found) == 1 else None
 
