@@ -234,7 +234,7 @@ class Program:
                 if short:
                     from .gemv import compile_gemv
 
-                    return compile_gemv(problem, None, "sm_90a" if cap == (9, 0) else f"sm_{cap[0]}{cap[1]}")
+                    return compile_gemv(problem, None, f"sm_{cap[0]}{cap[1]}")  # (sm_90 is built as sm_90a)
                 if cap == (9, 0):
                     from .gemm import compile_gemm
 

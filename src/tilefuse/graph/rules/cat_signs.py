@@ -20,12 +20,10 @@ from __future__ import annotations
 
 import torch
 
+from ... import dtypes
 from .. import ir
 from ..rewrites import substitute
 from .match import Editor, prune
-
-_FLOATS = ("f32", "f16", "bf16", "f64")
-
 
 def _pieces(g: ir.Graph, n) -> tuple[list, int] | None:
     """(the cat's pieces as names, its dim) when n is a cat of named tensors; else None."""
@@ -54,7 +52,7 @@ def negated_pieces_as_signs(g: ir.Graph) -> ir.Graph:
     users = g.users()
     ed, out, renamed, changed = Editor(g), [], {}, False
     for n in g.nodes:
-        found = _pieces(g, n) if n.type.dtype in _FLOATS and n.type.shape else None
+        found = _pieces(g, n) if dtypes.is_float(n.type.dtype) and n.type.shape else None
         if found is None:
             out.append(n)
             continue

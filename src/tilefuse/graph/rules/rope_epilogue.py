@@ -189,10 +189,9 @@ def rope_into_projection(g: ir.Graph) -> ir.Graph:
             nodes.append(rc)
             last, dt, old = rc.name, cast.type.dtype, cast.name
         hv = ir.View(ed.fresh("rope_heads"), tt((B, S, H, D), dt), "reshape", last, (B, S, H, D), src)
-        if S == 1:  # one position: the transpose moves a unit dim only, a reshape (an alias, not a copy)
-            tr = ir.View(ed.fresh("rope_bhsd"), tt((B, H, S, D), dt), "reshape", hv.name, (B, H, S, D), src)
-        else:
-            tr = ir.View(ed.fresh("rope_bhsd"), tt((B, H, S, D), dt), "permute", hv.name, (0, 2, 1, 3), src)
+        # at one position the transpose moves a unit dim only: a reshape (an alias, not a copy)
+        op, params = ("reshape", (B, H, S, D)) if S == 1 else ("permute", (0, 2, 1, 3))
+        tr = ir.View(ed.fresh("rope_bhsd"), tt((B, H, S, D), dt), op, hv.name, params, src)
         nodes += [hv, tr]
         emit[st_name] = nodes
         replace_by[old] = tr.name
