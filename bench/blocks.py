@@ -9,6 +9,7 @@ randomised so folding them is exercised):
   llama4   a 4-layer Llama, d=2048, ffn=5632, 16 heads, vocab 32000, batch 2 x seq 4096, ids -> logits
   decode8  one token through an 8-layer Llama, d=4096, ffn=11008, 32 heads, vocab 32000 (--cases decode8;
            no KV cache: a decode step's GEMMs at M = 1 and its small kernels, GPU-bound under graph replay)
+  decode8b4  the same for a batch of 4 sequences (--cases decode8b4: every GEMM at M = 4)
   lmhead_ce  LM head (d=4096, vocab 32000) + mean cross-entropy over 8192 tokens (--cases lmhead_ce)
   gpt2     a 4-layer transformers GPT-2, d=1024, 16 heads, vocab 32000, batch 4 x seq 1024, ids -> logits
            (--cases gpt2; needs transformers; no target in the issue: LayerNorm's partials measured here)
@@ -104,6 +105,9 @@ def build(case: str):
     elif case == "decode8":  # one token through an 8-layer, 4096-wide Llama: every GEMM at M = 1
         m = models.llama(32000, 8, 4096, 11008, 32, max_seq=64)
         inputs, tokens = [torch.randint(0, 32000, (1, 1))], 1
+    elif case == "decode8b4":  # the same for 4 sequences at once: every GEMM at M = 4
+        m = models.llama(32000, 8, 4096, 11008, 32, max_seq=64)
+        inputs, tokens = [torch.randint(0, 32000, (4, 1))], 4
     elif case == "lmhead_ce":
         m = LMHeadLoss(4096, 32000)
         inputs, tokens = [torch.randn(8192, 4096), torch.randint(0, 32000, (8192,))], 8192
@@ -117,8 +121,8 @@ def build(case: str):
         b = models.build("qwen2", 4, hidden=2048, seq=4096, batch=2, vocab=32000, heads=16, kv_heads=8, ffn=5632)
         m, inputs, tokens = b.model, list(b.inputs), 8192
     else:
-        raise SystemExit(f"unknown case {case!r}; known: mlp, layer7b, llama4, decode8, lmhead_ce, gpt2, hf_llama, "
-                         "hf_qwen2")
+        raise SystemExit(f"unknown case {case!r}; known: mlp, layer7b, llama4, decode8, decode8b4, lmhead_ce, gpt2, "
+                         "hf_llama, hf_qwen2")
     m = _randomise_norms(m).to("cuda", torch.bfloat16).eval()
     inputs = [t.cuda().to(torch.bfloat16) if t.is_floating_point() else t.cuda() for t in inputs]
     return m, inputs, tokens

@@ -1,13 +1,15 @@
 """Short-M GEMMs (a decode step's projections): the GEMV template against the tile template and cuBLAS.
 
-    python3 bench/gemv.py [--m 1,2,4] [--sweep] [--json bench/results/gemv_h200.json]
+    python3 bench/gemv.py [--m 1,2,4,8] [--sweep fma|mma|both] [--json bench/results/gemv_h200.json]
 
 Each implementation's calls are captured in one CUDA graph, 60 back to back, each reading
 the next of several copies of B (together more than twice the L2, so B comes from DRAM as
 a decode step's weights do), and the graph replayed: the time per call with the host's launch
 rate out of it, and under programmatic launch where tilefuse launches so (as in a program's
 graph). B is a weight (`b_const`: its first loads before the wait). Every output is checked
-against float32 (2x rule) first. --sweep also times every GEMV schedule at each shape.
+against float32 (2x rule) first. At M > 1 the FMA form's default (one row's schedule) is timed
+beside the tensor-core form (the default there). --sweep also times every schedule of the FMA
+form, the tensor-core form or both at each shape (sources compiled first, in parallel).
 Prints a table (us a call, B's bytes a second, ratios against cuBLAS and the tile template).
 """
 from __future__ import annotations
@@ -62,7 +64,41 @@ def _ok(out, a, b) -> bool:
     return rel_error(out.float(), ref) <= 2 * rel_error((a @ b.T).float(), ref) + 1e-5
 
 
-def run_shape(m, n, k, sweep: bool) -> dict:
+def sweep_schedules(m: int, kinds: str) -> list:
+    out = []
+    if kinds in ("fma", "both"):
+        out += [gemv.GemvSchedule(c, w, u) for c in (1, 2, 4) for w in (4, 8, 16) for u in (1, 2, 4, 8)
+                if c * u <= 16 and c * m <= 32]
+    if kinds in ("mma", "both") and m <= gemv.MAX_M:
+        out += [gemv.MmaGemvSchedule(w, u) for w in (4, 8, 16, 32) for u in (1, 2, 4, 8)]
+    return out
+
+
+def _build(job):
+    """Render and compile one source into the cubin cache (a worker process)."""
+    kind, prob, sched = job
+    if kind == "tile":
+        compile_gemm(prob)
+    else:
+        compile_gemv(prob, sched)
+    return True
+
+
+def precompile(ms, sweep: str | None) -> None:
+    from concurrent.futures import ProcessPoolExecutor
+    import multiprocessing as mp
+
+    jobs = []
+    for m in ms:
+        for n, k in SHAPES:
+            prob = GemmProblem(m, n, k, "bf16", b_major="K", b_const=True)
+            jobs += [("tile", prob, None), ("gemv", prob, None), ("gemv", prob, gemv._fma_default(prob))]
+            jobs += [("gemv", prob, s) for s in sweep_schedules(m, sweep or "")]
+    with ProcessPoolExecutor(max_workers=min(16, mp.cpu_count()), mp_context=mp.get_context("spawn")) as ex:
+        list(ex.map(_build, jobs, chunksize=4))
+
+
+def run_shape(m, n, k, sweep: str | None) -> dict:
     copies = max(2, int(2 * 100e6 // (n * k * 2)) + 1)
     bs = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
     a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
@@ -82,27 +118,34 @@ def run_shape(m, n, k, sweep: bool) -> dict:
     row["gemv_schedule"] = str(g.schedule)
     row["gemv_us"] = per_call_us(lambda i: g(a, bs[i % copies], out=out))
     row["gemv_TBs"] = n * k * 2 / row["gemv_us"] / 1e6
+    if m > 1:
+        f = compile_gemv(prob, gemv._fma_default(prob))
+        out.fill_(float("nan"))
+        f(a, bs[0], out=out)
+        row["fma_ok"] = _ok(out, a, bs[0])
+        row["fma_us"] = per_call_us(lambda i: f(a, bs[i % copies], out=out))
     if sweep:
         row["sweep"] = {}
-        for cols in (1, 2, 4):
-            for warps in (4, 8, 16):
-                for unroll in (1, 2, 4, 8):
-                    s = gemv.GemvSchedule(cols, warps, unroll)
-                    if cols * unroll > 16 or cols * m > 32:
-                        continue
-                    gs = compile_gemv(prob, s)
-                    row["sweep"][f"c{cols}w{warps}u{unroll}"] = per_call_us(lambda i: gs(a, bs[i % copies], out=out))
+        for s in sweep_schedules(m, sweep):
+            gs = compile_gemv(prob, s)
+            out.fill_(float("nan"))
+            gs(a, bs[0], out=out)
+            key = gs.source.name.split("_")[4]
+            row["sweep"][key] = per_call_us(lambda i: gs(a, bs[i % copies], out=out)) if _ok(out, a, bs[0]) else None
     return row
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--m", default="1,2,4", help="rows of A (comma-separated)")
-    ap.add_argument("--sweep", action="store_true", help="also time every GEMV schedule at each shape")
+    ap.add_argument("--m", default="1,2,4,8", help="rows of A (comma-separated)")
+    ap.add_argument("--sweep", choices=("fma", "mma", "both"),
+                    help="also time every schedule of the FMA form, the tensor-core form or both")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     rows = []
-    for m in [int(x) for x in args.m.split(",")]:
+    ms = [int(x) for x in args.m.split(",")]
+    precompile(ms, args.sweep)
+    for m in ms:
         for n, k in SHAPES:
             r = run_shape(m, n, k, args.sweep)
             rows.append(r)
@@ -111,13 +154,17 @@ def main(argv=None):
     if args.json:
         Path(args.json).write_text(json.dumps(dict(gpu=gpu, calls=CALLS, replays=REPLAYS, rows=rows), indent=1))
     print(f"\n{gpu}, bf16, B K-major (a weight), us a call back to back in a CUDA graph")
-    print(f"{'M x N x K':>16} {'cuBLAS':>8} {'tile':>8} {'GEMV':>8} {'TB/s':>6} {'vs cuBLAS':>9} {'vs tile':>8} ok"
-          + ("  best of sweep" if args.sweep else ""))
+    print(f"{'M x N x K':>16} {'cuBLAS':>8} {'tile':>8} {'FMA':>8} {'GEMV':>8} {'TB/s':>6} {'vs cuBLAS':>9} "
+          f"{'vs tile':>8} {'vs FMA':>7} ok" + ("  best of sweep" if args.sweep else ""))
     for r in rows:
-        best = min(r["sweep"].items(), key=lambda kv: kv[1]) if args.sweep else None
-        print(f"{r['m']}x{r['n']}x{r['k']:>6} {r['cublas_us']:8.2f} {r['tile_us']:8.2f} {r['gemv_us']:8.2f} "
+        timed = {key: us for key, us in r.get("sweep", {}).items() if us is not None}
+        best = min(timed.items(), key=lambda kv: kv[1]) if timed else None
+        bad = len(r.get("sweep", {})) - len(timed)
+        fma = r.get("fma_us", r["gemv_us"])
+        ok = r["gemv_ok"] and r["tile_ok"] and r.get("fma_ok", True) and not bad
+        print(f"{r['m']}x{r['n']}x{r['k']:>6} {r['cublas_us']:8.2f} {r['tile_us']:8.2f} {fma:8.2f} {r['gemv_us']:8.2f} "
               f"{r['gemv_TBs']:6.2f} {r['cublas_us'] / r['gemv_us']:9.3f} {r['tile_us'] / r['gemv_us']:8.3f} "
-              f"{'y' if r['gemv_ok'] and r['tile_ok'] else 'N'}"
+              f"{fma / r['gemv_us']:7.3f} {'y' if ok else f'N ({bad} of the sweep wrong)'}"
               + (f"  {best[0]} {best[1]:.2f}" if best else ""))
 
 

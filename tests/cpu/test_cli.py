@@ -255,8 +255,9 @@ def test_run_needs_an_expression_or_a_model(capsys):
 
 
 def test_compile_prints_the_gemm_for_the_target_architecture(capsys):
-    """--ir cuda shows the TMA/wgmma kernel for sm_90a and the mma.sync one for other targets."""
-    e = "nn.Linear(64, 32, dtype=torch.bfloat16)(torch.randn(8, 64, dtype=torch.bfloat16))"
+    """--ir cuda shows the TMA/wgmma kernel for sm_90a and the mma.sync one for other targets (16
+    rows: more than the GEMV takes)."""
+    e = "nn.Linear(64, 32, dtype=torch.bfloat16)(torch.randn(16, 64, dtype=torch.bfloat16))"
     assert main(["compile", "-c", e, "--ir", "cuda", "--arch", "sm_90a"]) == 0
     assert "wgmma" in capsys.readouterr().out
     assert main(["compile", "-c", e, "--ir", "cuda", "--arch", "sm_86"]) == 0

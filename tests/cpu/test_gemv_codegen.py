@@ -15,8 +15,9 @@ S = gemv.GemvSchedule
 
 def test_takes_one_row_of_a_k_major_weight_and_says_why_not_otherwise():
     assert gemv.why_not(GemmProblem(1, 4096, 4096)) == ""
-    assert "rows" in gemv.why_not(GemmProblem(2, 4096, 4096))
-    assert gemv.why_not(GemmProblem(2, 4096, 4096), max_m=4) == ""
+    assert gemv.why_not(GemmProblem(8, 4096, 4096)) == ""
+    assert "more than 8 rows" in gemv.why_not(GemmProblem(9, 4096, 4096))
+    assert gemv.why_not(GemmProblem(9, 4096, 4096), max_m=16) == ""
     assert "batched" in gemv.why_not(GemmProblem(1, 64, 64, batch=2))
     assert "N-major" in gemv.why_not(GemmProblem(1, 64, 64, b_major="N"))
     assert "multiple of 8" in gemv.why_not(GemmProblem(1, 64, 68))
@@ -33,7 +34,8 @@ def test_tilefuse_gemv_0_turns_it_off():
     assert gemv.takes(p, environ={})
     assert not gemv.takes(p, environ={gemv.ENV: "0"})
     assert not gemv.takes(p, environ={gemv.ENV: "off"})
-    assert not gemv.takes(GemmProblem(8, 4096, 4096), environ={})
+    assert gemv.takes(GemmProblem(8, 4096, 4096), environ={})
+    assert not gemv.takes(GemmProblem(9, 4096, 4096), environ={})
 
 
 @pytest.mark.parametrize("k,unroll", [(4096, 8), (2048, 8), (5632, 2), (11008, 1), (1024, 4), (72, 1), (8, 1)])
@@ -107,16 +109,87 @@ def test_nothing_but_a_weight_is_read_before_the_wait(m, k):
     operands: before tf_pdl_wait only B's loads may run, and only where B is a weight (b_const);
     then they are the first whole step's, each row's vectors at lane + 32 u."""
     ep = epi.standard(m, 512, "bf16", bias="col", residual=True, row_scale=True)
+    s = gemv._fma_default(GemmProblem(m, 512, k))
     for b_const in (False, True):
-        src = gemv.render(GemmProblem(m, 512, k, "bf16", epilogue=ep, b_const=b_const)).source
+        src = gemv.render(GemmProblem(m, 512, k, "bf16", epilogue=ep, b_const=b_const), s).source
         head = _before_wait(src)
         assert "tf_pdl_launch();" in head
         for name in ("A", "bias", "residual", "row_scale", "__ldg"):
             assert not re.search(rf"\b{name}\b", head.split("{", 1)[1]), (name, head)
         loads = re.findall(r"tf_ld_stream\((\w+) \+ lane \+ (\d+)\)", head)
-        s = gemv.default_schedule(GemmProblem(m, 512, k))
         whole = k // 8 >= 32 * s.unroll
         if b_const and whole:
             assert sorted(loads) == sorted((f"brow{c}", str(32 * u)) for u in range(s.unroll) for c in range(s.cols))
         else:
             assert loads == []
+
+
+T = gemv.MmaGemvSchedule
+
+
+def test_more_than_one_row_defaults_to_the_tensor_core_form():
+    assert isinstance(gemv.default_schedule(GemmProblem(1, 4096, 4096)), S)
+    for m in (2, 5, 8):
+        assert isinstance(gemv.default_schedule(GemmProblem(m, 4096, 4096)), T)
+
+
+@pytest.mark.parametrize("n,k,warps,unroll", [(4096, 4096, 16, 8), (22016, 4096, 16, 8), (4096, 11008, 16, 2),
+                                              (11264, 2048, 16, 2), (2048, 2048, 32, 2), (1024, 4096, 32, 4),
+                                              (2048, 5632, 32, 2), (2048, 4096, 32, 4), (2049, 4096, 16, 8)])
+def test_tensor_core_default_rule(n, k, warps, unroll):
+    """Session 51's rule: 32 warps where at most 128 CTAs of 16 columns, else 16; the deepest
+    unroll (128 / warps chunks) where K is whole steps of it, else 2."""
+    s = gemv.default_schedule(GemmProblem(4, n, k))
+    assert (s.warps, s.unroll) == (warps, unroll)
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_80"])
+@pytest.mark.parametrize("dtype", ["bf16", "f16"])
+@pytest.mark.parametrize("m,n,k", [(2, 1, 8), (2, 33, 72), (5, 4097, 4104), (8, 130, 96), (8, 4096, 11008),
+                                   (1, 1024, 4096)])
+def test_tensor_core_form_compiles_without_spills(m, n, k, dtype, arch):
+    src = _compiles(GemmProblem(m, n, k, dtype, b_const=True), T(), arch)
+    assert f"mma.sync.aligned.m16n8k16.row.col.f32.{dtype}.{dtype}.f32" in src.source
+
+
+@pytest.mark.parametrize("sched", [T(w, u) for w in (1, 2, 4, 8, 16) for u in (1, 2, 4, 8)], ids=str)
+def test_tensor_core_knobs_compile_without_spills(sched):
+    src = _compiles(GemmProblem(8, 1000, 2056, "bf16", b_const=True), sched)
+    assert src.block == (32 * sched.warps, 1, 1) and src.grid == (-(-1000 // 16), 1, 1)
+
+
+@pytest.mark.parametrize("sched", [T(4, 2), T(16, 2), T(16, 8), T(32, 4)], ids=str)
+@pytest.mark.parametrize("ep", list(epi.ACTIVATIONS) + ["glu"])
+def test_tensor_core_epilogues_compile(ep, sched):
+    """Every epilogue kind at the default rule's warps: no spills (at 16 warps ptxas spilled a
+    GLU epilogue while the cross-warp sum was unrolled)."""
+    m, n, k = 6, 1030, 4096
+    kernel = (epi.glu(m, n, "bf16") if ep == "glu" else
+              epi.standard(m, n, "bf16", bias="col", activation=ep, residual=True, row_scale=True))
+    _compiles(GemmProblem(m, n, k, "bf16", epilogue=kernel, b_const=True), sched)
+
+
+def test_tensor_core_form_refuses_more_than_8_rows():
+    with pytest.raises(GemmError, match="more than 8 rows"):
+        gemv.render(GemmProblem(9, 64, 64), T())
+
+
+@pytest.mark.parametrize("b_const", [False, True])
+def test_tensor_core_form_reads_nothing_before_the_wait(b_const):
+    """It is launched plainly (GemvKernel.pdl is False for it): nothing, a weight included, is
+    loaded before tf_pdl_wait, which then returns at once."""
+    ep = epi.standard(4, 512, "bf16", bias="col", residual=True, row_scale=True)
+    src = gemv.render(GemmProblem(4, 512, 4096, "bf16", epilogue=ep, b_const=b_const), T(4, 2)).source
+    head = _before_wait(src).split("{", 1)[1]
+    assert "tf_pdl_launch();" in head
+    for name in ("A", "bias", "residual", "row_scale", "__ldg", "tf_a", "tf_ld_stream"):
+        assert not re.search(rf"\b{name}\b", head.split("tf_pdl_launch();", 1)[1]), (name, head)
+
+
+def test_only_the_fma_form_launches_programmatically():
+    """Session 51: the tensor-core form launched programmatically made a batch-4 decode step
+    0.3 ms slower, so it launches plainly (its wait then returns at once)."""
+    from tilefuse.runtime.gemv import GemvKernel
+
+    assert GemvKernel(gemv.render(GemmProblem(1, 64, 64)), None, False).pdl
+    assert not GemvKernel(gemv.render(GemmProblem(4, 64, 64)), None, False).pdl

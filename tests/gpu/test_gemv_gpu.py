@@ -62,6 +62,47 @@ def test_schedules_match_float32(sched, m):
     _plain(m, 1000, 2056, "bf16", sched, b_const=True)
 
 
+T = gemv.MmaGemvSchedule
+MMA_SHAPES = [(2, 1, 8), (2, 33, 72), (5, 4097, 4104), (8, 777, 1000), (3, 130, 96), (8, 4096, 4096),
+              (4, 1024, 11008), (7, 17, 40), (6, 2048, 5632)]
+
+
+@pytest.mark.parametrize("b_const", [False, True])
+@pytest.mark.parametrize("dtype", list(TDT))
+@pytest.mark.parametrize("shape", MMA_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_tensor_core_form_matches_float32(shape, dtype, b_const):
+    """The tensor-core form (M > 1's default): N not a multiple of 16, K not of 32 (a partial
+    last chunk) or shorter than one step, every M from 2 to 8."""
+    assert isinstance(gemv.default_schedule(GemmProblem(*shape)), T)
+    _plain(*shape, dtype, b_const=b_const)
+
+
+@pytest.mark.parametrize("sched", [T(w, u) for w in (1, 2, 4, 16) for u in (1, 2, 8)], ids=str)
+@pytest.mark.parametrize("m", [1, 2, 8])
+def test_tensor_core_schedules_match_float32(sched, m):
+    _plain(m, 1000, 2056, "bf16", sched, b_const=True)
+
+
+@pytest.mark.parametrize("act,dtype,m,sched", [("gelu", "bf16", 2, T()), ("silu", "f16", 5, T(8, 2)),
+                                               ("sigmoid", "bf16", 8, T(1, 4))])
+def test_tensor_core_epilogue(act, dtype, m, sched):
+    n, k = 1030, 776
+    tdt = TDT[dtype]
+    a, b = torch.randn(m, k, device="cuda", dtype=tdt), torch.randn(n, k, device="cuda", dtype=tdt)
+    bias = torch.randn(n, device="cuda", dtype=tdt)
+    res = torch.randn(m, n, device="cuda", dtype=tdt)
+    scale = torch.rand(m, device="cuda", dtype=torch.float32) + 0.5
+    ep = epi.standard(m, n, dtype, bias="col", activation=act, residual=True, row_scale=True)
+    g = compile_gemv(GemmProblem(m, n, k, dtype, epilogue=ep, b_const=True), sched)
+    out = torch.full((m, n), float("nan"), device="cuda", dtype=tdt)
+    g(a, b, out=out, bias=bias, residual=res, row_scale=scale)
+    torch.cuda.synchronize()
+    f = ACT_FN[act]
+    ref = f((a.float() @ b.float().T) * scale[:, None] + bias.float()) + res.float()
+    lowp = f((a @ b.T) * scale[:, None].to(tdt) + bias) + res
+    _passes(out, ref, lowp)
+
+
 @pytest.mark.parametrize("act,dtype,m", [(a, "bf16", 1) for a in epi.ACTIVATIONS] + [("gelu", "f16", 3),
                                                                                       ("silu", "bf16", 4)])
 def test_epilogue_bias_activation_residual_rowscale(act, dtype, m):
@@ -82,8 +123,8 @@ def test_epilogue_bias_activation_residual_rowscale(act, dtype, m):
     _passes(out, ref, lowp)
 
 
-@pytest.mark.parametrize("sched", [None, S(2, 8, 4), S(4, 4, 2)], ids=str)
-@pytest.mark.parametrize("m", [1, 3])
+@pytest.mark.parametrize("sched", [None, S(2, 8, 4), S(4, 4, 2), T(4, 4), T(1, 2)], ids=str)
+@pytest.mark.parametrize("m", [1, 3, 8])
 @pytest.mark.parametrize("act", ["silu", "gelu"])
 def test_glu_epilogue_on_interleaved_weights(act, m, sched):
     """SwiGLU/GeGLU as a pairwise epilogue equals act(x @ Wg.T) * (x @ Wu.T)."""
@@ -100,16 +141,17 @@ def test_glu_epilogue_on_interleaved_weights(act, m, sched):
     _passes(out, f(x.float() @ wg.float().T) * (x.float() @ wu.float().T), f(x @ wg.T) * (x @ wu.T))
 
 
+@pytest.mark.parametrize("m", [1, 4])
 @pytest.mark.parametrize("b_const", [False, True])
-def test_chains_launched_back_to_back_read_the_gemv_before(b_const):
+def test_chains_launched_back_to_back_read_the_gemv_before(b_const, m):
     """Each GEMV reads the one before's output; launched with nothing between them (programmatic
     launch lets each begin while the one before ends), the chain gives the bits of the same
     launches each synchronised, and every link is within the 2x rule of its own reference."""
     n, links = 2048, 12
-    g = compile_gemv(GemmProblem(1, n, n, "bf16", b_const=b_const))
+    g = compile_gemv(GemmProblem(m, n, n, "bf16", b_const=b_const))
     ws = [torch.randn(n, n, device="cuda", dtype=torch.bfloat16) / 32 for _ in range(links)]
-    x0 = torch.randn(1, n, device="cuda", dtype=torch.bfloat16)
-    outs = [torch.full((1, n), float("nan"), device="cuda", dtype=torch.bfloat16) for _ in range(links)]
+    x0 = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+    outs = [torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16) for _ in range(links)]
     torch.cuda.synchronize()
     x = x0
     for w, o in zip(ws, outs):
@@ -118,7 +160,7 @@ def test_chains_launched_back_to_back_read_the_gemv_before(b_const):
     torch.cuda.synchronize()
     x = x0
     for i, w in enumerate(ws):
-        o = torch.full((1, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+        o = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
         g(x, w, out=o)
         torch.cuda.synchronize()
         assert torch.equal(o, outs[i]), f"link {i}: back to back differs from synchronised"
@@ -148,7 +190,7 @@ def _linear_program(m, monkeypatch, on: bool):
         return prog, mod, x
 
 
-@pytest.mark.parametrize("m", [1, 2])
+@pytest.mark.parametrize("m", [1, 4, 9])
 def test_a_program_runs_its_short_gemms_here(m, monkeypatch):
     """A program's GEMMs of M <= MAX_M build the GEMV (TILEFUSE_GEMV=0, or more rows: the tile
     templates), and its output is within the 2x rule of float32 eager either way."""

@@ -1,19 +1,27 @@
 """A GEMM of a few rows (a decode step's projections) as a matrix-vector kernel.
 
-At M = 1 a GEMM is B's bytes streamed through the SMs: no tile shape of the tensor-core
+At M <= 8 a GEMM is B's bytes streamed through the SMs: no tile shape of the tensor-core
 templates keeps enough of B in flight on every SM (a 64-wide tile of a 4096-wide weight is
 64 CTAs on 132 SMs), and their ramp (barriers, a ring of stages) is long beside a 10 us
-kernel. Here each warp owns `cols` adjacent rows of B ([N, K], nn.Linear's weight), its lanes
-stream them in 16-byte vectors, `unroll` vectors of each row in flight per lane, multiply by
-A's M rows (read through L1: every warp of the CTA reads the same A) and reduce across the
-lanes with shuffles. Then one lane per (row, column) runs the epilogue program for that
-element, the same Loop IR the tile templates run per accumulator register
-(gemm_sm90._render_element), pairwise ones included (each warp's columns come in pairs).
+kernel. Two forms:
+
+- FMA (one row, GemvSchedule): each warp owns `cols` adjacent rows of B ([N, K], nn.Linear's
+  weight), its lanes stream them in 16-byte vectors, `unroll` vectors of each row in flight
+  per lane, multiply by A's rows (read through L1: every warp of the CTA reads the same A) and
+  reduce across the lanes with shuffles. Its cost grows with the rows: every B vector is
+  converted and multiplied once per row of A.
+- Tensor cores (2-8 rows, MmaGemvSchedule): a CTA owns 16 rows of B, the M side of
+  mma.m16n8k16, whose N side (8) holds A's rows; its warps split K and meet in shared memory.
+
+Either way one lane per output element then runs the epilogue program, the same Loop IR the
+tile templates run per accumulator register (gemm_sm90._render_element), pairwise ones
+included (adjacent columns meet in one lane).
 
 What it takes (`why_not`): one batch, B K-major, K a multiple of 8 (16-byte vectors), M at
-most MAX_M, no partial row reductions. Under programmatic launch B's first vectors, where B is
-a weight (`b_const`), are loaded before the wait for the kernel before. CUDA C++ for sm_80 and
-later: no TMA, no wgmma.
+most MAX_M, no partial row reductions. Under programmatic launch the FMA form loads B's first
+vectors, where B is a weight (`b_const`), before the wait for the kernel before (in the
+source; ptxas 13.0 schedules them after it, session 51). CUDA C++ for sm_80 and later: no
+TMA, no wgmma.
 """
 from __future__ import annotations
 
@@ -23,8 +31,9 @@ from ..loop import ir
 from . import cexpr, epilogue as epi
 from .gemm_sm90 import GemmError, GemmProblem, _check_epilogue, _ident, _render_element
 
-MAX_M = 1            # rows of A a GEMM may have to run here by default (session 50: at M = 2 and 4
-                     # the tile template was as fast or faster at most decode shapes)
+MAX_M = 8            # rows of A a GEMM may have to run here: one in the FMA form, 2-8 in the
+                     # tensor-core form (whose N side, 8 wide, holds A's rows)
+FEW_GROUPS = 128     # at most this many CTAs (16 columns each), about a large GPU's SMs: 32 warps a CTA
 VEC = 8              # 16-bit elements per 16-byte vector
 ENV = "TILEFUSE_GEMV"
 
@@ -45,6 +54,25 @@ class GemvSchedule:
 
     def __str__(self):
         return f"gemv {self.cols} column(s) a warp, {self.warps} warps, {self.unroll} vector(s) of B a lane in flight"
+
+
+@dataclass(frozen=True)
+class MmaGemvSchedule:
+    """The tensor-core form: a CTA owns 16 rows of B (the M side of mma.m16n8k16, A's rows its
+    N side) and its warps split K; each lane holds one 16-byte vector of two B rows a chunk of
+    32 K."""
+    warps: int = 4     # warps per CTA, each a share of K (their sums meet in shared memory)
+    unroll: int = 4    # chunks of 32 K each lane loads before it multiplies
+
+    def __post_init__(self):
+        if self.warps not in (1, 2, 4, 8, 16, 32):
+            raise GemmError(f"GEMV warps must be 1, 2, 4, 8, 16 or 32, not {self.warps}")
+        if self.unroll not in (1, 2, 4, 8):
+            raise GemmError(f"GEMV unroll must be 1, 2, 4 or 8, not {self.unroll}")
+
+    def __str__(self):
+        return (f"gemv on tensor cores, 16 columns a CTA, K over {self.warps} warps, "
+                f"{self.unroll} chunk(s) of 32 a lane in flight")
 
 
 @dataclass(frozen=True)
@@ -97,7 +125,26 @@ def why_not(problem: GemmProblem, max_m: int = MAX_M) -> str:
     return ""
 
 
-def default_schedule(problem: GemmProblem) -> GemvSchedule:
+def default_schedule(problem: GemmProblem) -> GemvSchedule | MmaGemvSchedule:
+    """One row: the FMA form (below). More: the tensor-core form, whose cost does not grow with
+    the rows (each lane's FMA form multiplies every B vector by every row of A)."""
+    if problem.m > 1:
+        return _mma_default(problem)
+    return _fma_default(problem)
+
+
+def _mma_default(problem: GemmProblem) -> MmaGemvSchedule:
+    """From two sweeps at Llama's decode shapes, M = 2 and 8 (H200, bench/gemv.py --sweep mma,
+    session 51; noisy, so a simple rule): 16 warps a CTA, 32 where the CTAs (16 columns each)
+    are fewer than a large GPU's SMs (N <= 2048: 1.2-1.4x faster there); each lane the deepest
+    unroll (8 chunks, 4 at 32 warps) where K is whole steps of it, else 2."""
+    warps = 32 if -(-problem.n // 16) <= FEW_GROUPS else 16
+    deep = 128 // warps
+    kv = problem.k // VEC
+    return MmaGemvSchedule(warps, deep if kv % (4 * warps * deep) == 0 else 2)
+
+
+def _fma_default(problem: GemmProblem) -> GemvSchedule:
     """From a sweep of every knob at Llama's decode shapes (H200, bench/gemv.py --sweep, session
     50): one column a warp (two for a pairwise epilogue) and 4 warps a CTA were the best or within
     2% at every shape; the best unroll was the deepest (up to 8 vectors of B a lane) whose steps
@@ -108,11 +155,12 @@ def default_schedule(problem: GemmProblem) -> GemvSchedule:
     return GemvSchedule(cols=cols, warps=4, unroll=unroll)
 
 
-def kernel_name(problem: GemmProblem, s: GemvSchedule, kernel: ir.Kernel) -> str:
+def kernel_name(problem: GemmProblem, s: GemvSchedule | MmaGemvSchedule, kernel: ir.Kernel) -> str:
     from ..loop.canon import structural_hash
 
     h = structural_hash(kernel)[:10]
-    return (f"tf_gemv_{problem.m}x{problem.n}x{problem.k}_{problem.dtype}_c{s.cols}w{s.warps}u{s.unroll}"
+    knobs = f"tw{s.warps}u{s.unroll}" if isinstance(s, MmaGemvSchedule) else f"c{s.cols}w{s.warps}u{s.unroll}"
+    return (f"tf_gemv_{problem.m}x{problem.n}x{problem.k}_{problem.dtype}_{knobs}"
             f"{'_bc' if problem.b_const else ''}_{h}")
 
 
@@ -165,15 +213,19 @@ def _epilogue_lines(problem: GemmProblem, s: GemvSchedule, kernel: ir.Kernel) ->
     return lines
 
 
-def render(problem: GemmProblem, schedule: GemvSchedule | None = None, arch: str = "sm_90a") -> GemvSource:
+def render(problem: GemmProblem, schedule: GemvSchedule | MmaGemvSchedule | None = None,
+           arch: str = "sm_90a") -> GemvSource:
     """CUDA C++ for one short GEMM (+ epilogue) at fixed shapes."""
     P = problem
-    why = why_not(P, max_m=32)
+    S = schedule or default_schedule(P)
+    mma = isinstance(S, MmaGemvSchedule)
+    why = why_not(P, max_m=MAX_M if mma else 32)
     if why:
         raise GemmError(f"the GEMV template does not take {P.m}x{P.n}x{P.k}: {why}")
-    S = schedule or default_schedule(P)
     kernel = P.out_epilogue
     _check_epilogue(P, kernel)
+    if mma:
+        return _render_mma(P, S, kernel, arch)
     if epi.is_pairwise(kernel) and S.cols % 2:
         raise GemmError(f"{S}: a pairwise epilogue needs an even number of columns a warp")
     if S.cols * P.m > 32:
@@ -265,4 +317,128 @@ extern "C" __global__ void __launch_bounds__({32 * S.warps})
     w("}\n")
     params = tuple(p.name for p in out_params) + tuple(p.name for p in ops_params)
     return GemvSource(name=name, source="\n".join(src), grid=(grid, 1, 1), block=(32 * S.warps, 1, 1),
+                      smem_bytes=0, params=params, problem=P, schedule=S, arch=arch)
+
+
+def _mma(dtype: str) -> str:
+    """tf_mma(c, a0..a3, b0, b1): c += the m16n8k16 product of one B fragment (a) and one A
+    fragment (b), f32 accumulators."""
+    t = "bf16" if dtype == "bf16" else "f16"
+    return f"""
+__device__ __forceinline__ void tf_mma(float* c, unsigned a0, unsigned a1, unsigned a2, unsigned a3,
+                                       unsigned b0, unsigned b1) {{
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.{t}.{t}.f32 {{%0, %1, %2, %3}}, {{%4, %5, %6, %7}}, {{%8, %9}}, {{%0, %1, %2, %3}};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}}
+"""
+
+
+def _mma_epilogue_lines(problem: GemmProblem, kernel: ir.Kernel) -> list[str]:
+    """Lane (g, q) = (lane / 4, lane % 4) holds acc[2r + e] = C[n0 + 2g + r][2q + e]: columns
+    n0 + 2g and n0 + 2g + 1 of A's rows 2q and 2q + 1, so a pairwise epilogue's two columns
+    are in one lane."""
+    body = epi.inner_body(kernel)
+    M, N = problem.m, problem.n
+    lines = []
+    if epi.is_pairwise(kernel):
+        for e in range(2):
+            lines += [f"{{ const int m = 2 * tf_q + {e}; const int n = (n0 >> 1) + tf_g;",
+                      f"  if (m < {M} && 2 * n < {N}) {{",
+                      f"  const float v0 = acc[{e}], v1 = acc[{2 + e}];"]
+            _render_element(kernel, body, ["v0", "v1"], "n", lines, "", store=True)
+            lines += ["}}"]
+        return lines
+    for r in range(2):
+        for e in range(2):
+            lines += [f"{{ const int m = 2 * tf_q + {e}; const int n = n0 + 2 * tf_g + {r};",
+                      f"  if (m < {M} && n < {N}) {{",
+                      f"  const float v = acc[{2 * r + e}];"]
+            _render_element(kernel, body, "v", "n", lines, "", store=True)
+            lines += ["}}"]
+    return lines
+
+
+def _render_mma(P: GemmProblem, S: MmaGemvSchedule, kernel: ir.Kernel, arch: str) -> GemvSource:
+    """The tensor-core form. K may be taken in any order, the same for both operands: a lane's
+    16-byte vector at K offset 32c + 8q (q = lane % 4) holds the mma's k = 2q, 2q+1, 2q+8, 2q+9
+    of one k16 step (its .x, .y) and of the next (.z, .w), in B's rows and A's alike; fragment
+    row g (lane / 4) is B's row n0 + 2g and row g + 8 is n0 + 2g + 1. A's rows past M repeat
+    row M - 1 into accumulator columns nobody stores."""
+    name = kernel_name(P, S, kernel)
+    M, N, KV = P.m, P.n, P.k // VEC
+    U, W = S.unroll, S.warps
+    chunks = -(-KV // 4)                 # chunks of 32 K (4 vectors a row); the last may be partial
+    per_step = W * U
+    full = (KV // 4) // per_step         # whole steps of the CTA: every chunk whole
+    grid = -(-N // 16)
+    ops_params, out_params = epi.operands(kernel), kernel.outputs
+    cparams = ["const uint4* __restrict__ A", "const uint4* __restrict__ B"]
+    cparams += [f"{cexpr.storage_ctype(p.dtype)}* __restrict__ {_ident(p.name)}" for p in out_params]
+    cparams += [f"const {cexpr.storage_ctype(p.dtype)}* __restrict__ {_ident(p.name)}" for p in ops_params]
+    ind = "\n  "
+
+    def load_b(kv: str) -> str:
+        return ind.join(f"w0[{u}] = tf_ld_stream(tf_b0 + {kv} + {4 * u}); w1[{u}] = tf_ld_stream(tf_b1 + {kv} + {4 * u});"
+                        for u in range(U))
+
+    def mma(w0: str, w1: str, x: str) -> str:
+        return (f"tf_mma(tf_c0, {w0}.x, {w1}.x, {w0}.y, {w1}.y, {x}.x, {x}.y); "
+                f"tf_mma(tf_c1, {w0}.z, {w1}.z, {w0}.w, {w1}.w, {x}.z, {x}.w);")
+
+    src = []
+    w = src.append
+    w(f"// {name}\n// ({M} x {P.k}) @ ({N} x {P.k} K-major) {P.dtype}, {S}, for {arch}")
+    w(f"// {full} whole step(s) of {per_step} chunks of 32 K, then {chunks - full * per_step} chunk(s) a warp at a time")
+    w(f"// epilogue {kernel.name}: " + "; ".join(str(x) for x in epi.inner_body(kernel)))
+    w(cexpr.PRELUDE)
+    w(_dot(P.dtype))
+    w(_mma(P.dtype))
+    w(f"""
+extern "C" __global__ void __launch_bounds__({32 * W})
+{name}({", ".join(cparams)}) {{
+  tf_pdl_launch();
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int tf_g = lane >> 2, tf_q = lane & 3;
+  const int n0 = blockIdx.x * 16;
+  const uint4* tf_b0 = B + (long long)min(n0 + 2 * tf_g, {N - 1}) * {KV} + tf_q;
+  const uint4* tf_b1 = B + (long long)min(n0 + 2 * tf_g + 1, {N - 1}) * {KV} + tf_q;
+  float tf_c0[4] = {{0.f, 0.f, 0.f, 0.f}}, tf_c1[4] = {{0.f, 0.f, 0.f, 0.f}};
+  uint4 w0[{U}], w1[{U}];
+  tf_pdl_wait();   // launched plainly (runtime.gemv.GemvKernel.pdl): returns at once
+  const uint4* tf_a = A + min(tf_g, {M - 1}) * {KV} + tf_q;""")
+    if full:
+        loads = (ind + '  ').join(load_b('kv').split(ind))
+        w(f"""  for (int s = 0, kv = warp * {4 * U}; s < {full}; ++s, kv += {4 * per_step}) {{
+    {loads}
+    uint4 x[{U}];
+    #pragma unroll
+    for (int u = 0; u < {U}; ++u) x[u] = __ldg(tf_a + kv + 4 * u);
+    #pragma unroll
+    for (int u = 0; u < {U}; ++u) {{ {mma('w0[u]', 'w1[u]', 'x[u]')} }}
+  }}""")
+    if chunks > full * per_step:
+        w(f"""  for (int kv = {4 * full * per_step} + warp * 4; kv < {KV}; kv += {4 * W}) {{
+    const bool in = kv + tf_q < {KV};
+    const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+    const uint4 v0 = in ? tf_ld_stream(tf_b0 + kv) : zero, v1 = in ? tf_ld_stream(tf_b1 + kv) : zero;
+    const uint4 x = in ? __ldg(tf_a + kv) : zero;
+    {mma('v0', 'v1', 'x')}
+  }}""")
+    w("  float acc[4];\n  #pragma unroll\n  for (int i = 0; i < 4; ++i) acc[i] = tf_c0[i] + tf_c1[i];")
+    if W > 1:
+        w(f"""  __shared__ float4 part[{W - 1}][32];   // each other warp's share of K
+  if (warp) part[warp - 1][lane] = make_float4(acc[0], acc[1], acc[2], acc[3]);
+  __syncthreads();
+  if (warp) return;
+  #pragma unroll 1
+  for (int i = 0; i < {W - 1}; ++i) {{   // rolled: unrolled, ptxas spilled GLU epilogues at 16 warps
+    const float4 p = part[i][lane];
+    acc[0] += p.x; acc[1] += p.y; acc[2] += p.z; acc[3] += p.w;
+  }}""")
+    for line in _mma_epilogue_lines(P, kernel):
+        w("  " + line)
+    w("}\n")
+    params = tuple(p.name for p in out_params) + tuple(p.name for p in ops_params)
+    return GemvSource(name=name, source="\n".join(src), grid=(grid, 1, 1), block=(32 * W, 1, 1),
                       smem_bytes=0, params=params, problem=P, schedule=S, arch=arch)

@@ -4,8 +4,9 @@
     out = g(a, b)                          # a [M, K], b [N, K]; returns the epilogue's output
 
 Same problem type, call convention and checks as the tile templates' kernels
-(runtime.gemm.GemmKernel); A and B are plain pointers, 16-byte aligned. On sm_90 it launches
-programmatically like every generated kernel (runtime.launch.pdl_enabled).
+(runtime.gemm.GemmKernel); A and B are plain pointers, 16-byte aligned. On sm_90 the FMA form
+launches programmatically like every generated kernel (runtime.launch.pdl_enabled), the
+tensor-core form plainly (GemvKernel.pdl).
 """
 from __future__ import annotations
 
@@ -23,14 +24,19 @@ from .launch import _drv, _raw_stream, launch_attributes, load_function, pdl_ena
 class GemvKernel(Sm80GemmKernel):
     """A compiled GEMV; `source` is a gemv.GemvSource."""
 
-    pdl = True
+    @property
+    def pdl(self) -> bool:
+        """The FMA form launches programmatically; the tensor-core form plainly: launched
+        programmatically it made a decode step of 4 sequences through an 8 x 4096 Llama 0.3 ms
+        slower on an H200 (1.468 against 1.151 ms, session 51; not understood)."""
+        return not isinstance(self.source.schedule, gemv.MmaGemvSchedule)
 
     def _load(self, device: int):
         from cuda.bindings import driver
 
         module, func, _ = load_function(self.cubin.data, self.source.name, device, 0)
         cfg = None
-        attrs = launch_attributes(driver, (1, 1, 1), pdl_enabled(self.cubin.arch))
+        attrs = launch_attributes(driver, (1, 1, 1), self.pdl and pdl_enabled(self.cubin.arch))
         if attrs:
             cfg = driver.CUlaunchConfig()
             cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = self.source.grid

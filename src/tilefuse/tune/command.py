@@ -101,8 +101,8 @@ def _summary(r: KernelResult) -> str:
 
 def collect(stages: list) -> dict:
     """name -> tunable kernel, for every generated kernel of the compiled programs (one per
-    dynamo graph for a model): the map-reduce kernels and the planned GEMMs (but those of one
-    row, which programs run in the GEMV: codegen/gemv.py)."""
+    dynamo graph for a model): the map-reduce kernels and the planned GEMMs (but those of up
+    to 8 rows, which programs run in the GEMV: codegen/gemv.py)."""
     from ..codegen import gemv
     from .gemm import GemmTask
 
