@@ -19,9 +19,9 @@ included (adjacent columns meet in one lane).
 
 What it takes (`why_not`): one batch, B K-major, K a multiple of 8 (16-byte vectors), M at
 most MAX_M, no partial row reductions. Under programmatic launch the FMA form loads B's first
-vectors, where B is a weight (`b_const`), before the wait for the kernel before (in the
-source; ptxas 13.0 schedules them after it, session 51). CUDA C++ for sm_80 and later: no
-TMA, no wgmma.
+vectors, where B is a weight (`b_const`), before the wait for the kernel before (on the
+coherent path: ptxas 13.0 moves non-coherent loads after the wait; session 51). CUDA C++ for
+sm_80 and later: no TMA, no wgmma.
 """
 from __future__ import annotations
 
@@ -137,10 +137,13 @@ def _mma_default(problem: GemmProblem) -> MmaGemvSchedule:
     """From two sweeps at Llama's decode shapes, M = 2 and 8 (H200, bench/gemv.py --sweep mma,
     session 51; noisy, so a simple rule): 16 warps a CTA, 32 where the CTAs (16 columns each)
     are fewer than a large GPU's SMs (N <= 2048: 1.2-1.4x faster there); each lane the deepest
-    unroll (8 chunks, 4 at 32 warps) where K is whole steps of it, else 2."""
-    warps = 32 if -(-problem.n // 16) <= FEW_GROUPS else 16
-    deep = 128 // warps
+    unroll (8 chunks, 4 at 32 warps) where K is whole steps of it, else 2. No more warps than
+    K has chunks of 32 (a short K would leave the rest idle)."""
     kv = problem.k // VEC
+    warps = 32 if -(-problem.n // 16) <= FEW_GROUPS else 16
+    while warps > 1 and warps > -(-kv // 4):
+        warps //= 2
+    deep = min(8, 128 // warps)
     return MmaGemvSchedule(warps, deep if kv % (4 * warps * deep) == 0 else 2)
 
 
@@ -183,6 +186,23 @@ __device__ __forceinline__ float tf_dot8(float acc, const uint4& w, const uint4&
 __device__ __forceinline__ uint4 tf_ld_stream(const uint4* p) {{
   uint4 v;
   asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {{%0, %1, %2, %3}}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  return v;
+}}
+// The same load on the coherent path, for a weight's vectors before griddepcontrol.wait:
+// ptxas (13.0) schedules .nc loads after the wait, plain ones where the source puts them.
+__device__ __forceinline__ uint4 tf_ld_early(const uint4* p) {{
+  uint4 v;
+  asm volatile("ld.global.L1::no_allocate.v4.u32 {{%0, %1, %2, %3}}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  return v;
+}}
+// A (another kernel's output under programmatic launch) on the coherent path, kept in L1 (every
+// warp of the CTA reads it): ptxas moves non-coherent (.nc, __ldg) loads above
+// griddepcontrol.wait, where they would read A before the kernel before has written it.
+__device__ __forceinline__ uint4 tf_ld_act(const uint4* p) {{
+  uint4 v;
+  asm volatile("ld.global.v4.u32 {{%0, %1, %2, %3}}, [%4];"
                : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
   return v;
 }}
@@ -243,10 +263,10 @@ def render(problem: GemmProblem, schedule: GemvSchedule | MmaGemvSchedule | None
     full = KV // step   # whole steps: every lane's `unroll` vectors of each row lie inside K
     tail = KV - full * step
 
-    def load_b(kb: str) -> list[str]:
+    def load_b(kb: str, load: str = "tf_ld_stream") -> list[str]:
         """B's vectors of this lane for the whole step at vector column kb, each row of the
         warp's (a row past N reads row N - 1, whose sums are never stored)."""
-        return [f"w[{u}][{c}] = tf_ld_stream(brow{c} + {kb} + {u * 32});"
+        return [f"w[{u}][{c}] = {load}(brow{c} + {kb} + {u * 32});"
                 for u in range(S.unroll) for c in range(S.cols)]
 
     rows = [f"const uint4* brow{c} = B + (long long)min(n0 + {c}, {N - 1}) * {KV};" for c in range(S.cols)]
@@ -280,7 +300,7 @@ extern "C" __global__ void __launch_bounds__({32 * S.warps})
   // {note}
   {'' if early else 'tf_pdl_wait();'}""")
     if full:
-        w(f"""  {ind.join(load_b('lane'))}
+        w(f"""  {ind.join(load_b('lane', 'tf_ld_early' if early else 'tf_ld_stream'))}
   {'tf_pdl_wait();' if early else ''}
   for (int s = 0, kb = lane; s < {full}; ++s, kb += {step}) {{
     if (s) {{
@@ -290,7 +310,7 @@ extern "C" __global__ void __launch_bounds__({32 * S.warps})
     for (int u = 0; u < {S.unroll}; ++u)
       #pragma unroll
       for (int m = 0; m < {M}; ++m) {{
-        const uint4 x = __ldg(A + m * {KV} + kb + u * 32);
+        const uint4 x = tf_ld_act(A + m * {KV} + kb + u * 32);
         #pragma unroll
         for (int c = 0; c < {S.cols}; ++c) acc[c][m] = tf_dot8(acc[c][m], w[u][c], x);
       }}
@@ -300,7 +320,7 @@ extern "C" __global__ void __launch_bounds__({32 * S.warps})
     {(ind + '  ').join(f"w[0][{c}] = tf_ld_stream(brow{c} + kb);" for c in range(S.cols))}
     #pragma unroll
     for (int m = 0; m < {M}; ++m) {{
-      const uint4 x = __ldg(A + m * {KV} + kb);
+      const uint4 x = tf_ld_act(A + m * {KV} + kb);
       #pragma unroll
       for (int c = 0; c < {S.cols}; ++c) acc[c][m] = tf_dot8(acc[c][m], w[0][c], x);
     }}
@@ -413,7 +433,7 @@ extern "C" __global__ void __launch_bounds__({32 * W})
     {loads}
     uint4 x[{U}];
     #pragma unroll
-    for (int u = 0; u < {U}; ++u) x[u] = __ldg(tf_a + kv + 4 * u);
+    for (int u = 0; u < {U}; ++u) x[u] = tf_ld_act(tf_a + kv + 4 * u);
     #pragma unroll
     for (int u = 0; u < {U}; ++u) {{ {mma('w0[u]', 'w1[u]', 'x[u]')} }}
   }}""")
@@ -422,7 +442,7 @@ extern "C" __global__ void __launch_bounds__({32 * W})
     const bool in = kv + tf_q < {KV};
     const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
     const uint4 v0 = in ? tf_ld_stream(tf_b0 + kv) : zero, v1 = in ? tf_ld_stream(tf_b1 + kv) : zero;
-    const uint4 x = in ? __ldg(tf_a + kv) : zero;
+    const uint4 x = in ? tf_ld_act(tf_a + kv) : zero;
     {mma('v0', 'v1', 'x')}
   }}""")
     w("  float acc[4];\n  #pragma unroll\n  for (int i = 0; i < 4; ++i) acc[i] = tf_c0[i] + tf_c1[i];")
