@@ -209,6 +209,14 @@ __device__ __forceinline__ uint4 tf_ld_act(const uint4* p) {{
 """
 
 
+def _head(name: str, P: GemmProblem, S, kernel: ir.Kernel, arch: str, steps: str) -> list[str]:
+    """A GEMV source's opening: what it computes, how K is walked, the epilogue, the helpers."""
+    return [f"// {name}\n// ({P.m} x {P.k}) @ ({P.n} x {P.k} K-major) {P.dtype}, {S}, for {arch}",
+            f"// {steps}",
+            f"// epilogue {kernel.name}: " + "; ".join(str(x) for x in epi.inner_body(kernel)),
+            cexpr.PRELUDE, _dot(P.dtype)]
+
+
 def _epilogue_lines(problem: GemmProblem, s: GemvSchedule, kernel: ir.Kernel) -> list[str]:
     """Lane `lane` of each warp finishes one element: (m, column) = (lane % M, n0 + lane / M),
     or for a pairwise epilogue (m, pair) = (lane % M, n0 / 2 + lane / M) from the column pair's
@@ -275,13 +283,8 @@ def render(problem: GemmProblem, schedule: GemvSchedule | MmaGemvSchedule | None
         note = "B is a weight, which no kernel writes: its first step loads before the wait"
     else:
         note = "nothing loads before the wait (B may be written by the kernel before, or K is short)"
-    src = []
+    src = _head(name, P, S, kernel, arch, f"{full} whole step(s) of {step} vectors a row, then {tail} vector(s) one a lane")
     w = src.append
-    w(f"// {name}\n// ({M} x {P.k}) @ ({N} x {P.k} K-major) {P.dtype}, {S}, for {arch}")
-    w(f"// {full} whole step(s) of {step} vectors a row, then {tail} vector(s) one a lane")
-    w(f"// epilogue {kernel.name}: " + "; ".join(str(x) for x in epi.inner_body(kernel)))
-    w(cexpr.PRELUDE)
-    w(_dot(P.dtype))
     ind = "\n  "
     w(f"""
 extern "C" __global__ void __launch_bounds__({32 * S.warps})
@@ -406,13 +409,9 @@ def _render_mma(P: GemmProblem, S: MmaGemvSchedule, kernel: ir.Kernel, arch: str
         return (f"tf_mma(tf_c0, {w0}.x, {w1}.x, {w0}.y, {w1}.y, {x}.x, {x}.y); "
                 f"tf_mma(tf_c1, {w0}.z, {w1}.z, {w0}.w, {w1}.w, {x}.z, {x}.w);")
 
-    src = []
+    src = _head(name, P, S, kernel, arch, f"{full} whole step(s) of {per_step} chunks of 32 K, then "
+                f"{chunks - full * per_step} chunk(s) a warp at a time")
     w = src.append
-    w(f"// {name}\n// ({M} x {P.k}) @ ({N} x {P.k} K-major) {P.dtype}, {S}, for {arch}")
-    w(f"// {full} whole step(s) of {per_step} chunks of 32 K, then {chunks - full * per_step} chunk(s) a warp at a time")
-    w(f"// epilogue {kernel.name}: " + "; ".join(str(x) for x in epi.inner_body(kernel)))
-    w(cexpr.PRELUDE)
-    w(_dot(P.dtype))
     w(_mma(P.dtype))
     w(f"""
 extern "C" __global__ void __launch_bounds__({32 * W})
