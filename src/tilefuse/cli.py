@@ -70,8 +70,9 @@ def _parser() -> argparse.ArgumentParser:
     c = sub.add_parser("compile", help="compile a program and print its stages",
                        description="Compile a program and print the chosen stages.")
     program_args(c, diffs=True)
-    c.add_argument("--ir", action="append", choices=["graph", "loop", "schedule", "cuda"],
-                   help="stage to print (repeatable); default: graph")
+    c.add_argument("--ir", action="append", choices=["graph", "loop", "schedule", "cuda", "sass"],
+                   help="stage to print (repeatable); default: graph. sass: each kernel's machine code as "
+                        "ptxas made it (needs nvdisasm: a CUDA toolkit, or pip install nvidia-cuda-nvdisasm)")
     r = sub.add_parser("run", help="run a program and check it against PyTorch",
                        description="Run a program (generated CUDA kernels on a GPU, the Loop IR interpreter "
                                    "without one) on fresh random inputs and compare it with PyTorch: within "
@@ -237,6 +238,11 @@ def cmd_compile(args) -> int:
             console.print(f"[bold]rewrite {f.rule}[/bold]")
             for line in difflib.unified_diff(f.before.splitlines(), f.after.splitlines(), lineterm="", n=1):
                 console.print(line, markup=False)
+    if "sass" in (args.ir or ()):
+        from .runtime import sass
+
+        if not sass.available():
+            raise ValueError("--ir sass needs nvdisasm: install a CUDA toolkit, or pip install nvidia-cuda-nvdisasm")
     for stage in args.ir or ["graph"]:
         if stage != "graph" and not st.kernels and not st.gemms:
             console.print(f"(--ir {stage}: no generated kernels; every step runs in PyTorch, as --ir graph shows)",
@@ -281,9 +287,24 @@ def cmd_compile(args) -> int:
                 printed.add(src.source)
                 console.print(f"// ---- {lk.kernel.name}: built as {src.name} ({params}{rows}): grid {src.grid} "
                               f"block {src.block} smem {src.smem_bytes}B cluster {src.cluster}", markup=False)
-                console.print(src.source, markup=False)
+                _print_source(console, stage, src.source, src.name, args.arch or _default_arch())
             _print_gemms(console, st, stage, args.arch or _default_arch())
     return 0
+
+
+def _print_source(console, stage: str, source: str, name: str, arch: str):
+    """--ir cuda: the CUDA C++; --ir sass: what ptxas made of it (compiled for `arch` as
+    programs build it; registers and spills first)."""
+    if stage != "sass":
+        console.print(source, markup=False)
+        return
+    from .runtime import nvrtc, sass
+
+    cubin = nvrtc.compile_cuda(source, name, nvrtc.normalize_arch(arch))
+    info = cubin.info
+    console.print(f"// {info.registers} registers, {info.spill_stores} bytes spilled, {info.smem_bytes} B static "
+                  f"shared memory", markup=False)
+    console.print(sass.disassemble(cubin.data), markup=False)
 
 
 def _gemm_shape(lg) -> str:
@@ -305,7 +326,7 @@ def _print_gemms(console, st, stage: str, arch: str):
         else:
             src = render()
             console.print(f"// ---- {src.name} ({lg.epilogue.name}): GEMM {_gemm_shape(lg)}{header(src)}", markup=False)
-            console.print(src.source, markup=False)
+            _print_source(console, stage, src.source, src.name, arch)
 
     for lg in st.gemms.values():
         problem = lg.problem()

@@ -440,3 +440,27 @@ def test_an_expression_cut_short_says_where():
         parse("torch.randn(3, 4) +")
     with pytest.raises(ExprError, match="at column 21"):
         parse("torch.randn(3, 4) + )")
+
+
+def test_ir_sass_prints_what_ptxas_made(capsys):
+    """--ir sass compiles each kernel as a program builds it and prints its machine code, with
+    its registers and spills first: the map-reduce kernel and the GEMM (here the tensor-core
+    GEMV: HMMA)."""
+    from tilefuse.runtime import sass
+
+    if not sass.available():
+        pytest.skip("no nvdisasm")
+    e = "torch.softmax(nn.Linear(64, 32, dtype=torch.bfloat16)(torch.randn(4, 64, dtype=torch.bfloat16)), -1)"
+    assert main(["compile", "-c", e, "--ir", "sass", "--arch", "sm_90a"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("// ---- ") == 2 and out.count("bytes spilled") == 2
+    assert "HMMA" in out and "ACQBULK" in out and 'extern "C"' not in out
+
+
+def test_ir_sass_without_nvdisasm_is_one_clear_line(capsys, monkeypatch):
+    from tilefuse.runtime import sass
+
+    monkeypatch.setattr(sass, "nvdisasm", lambda: None)
+    assert main(["compile", "-c", "torch.softmax(torch.randn(4, 64), -1)", "--ir", "sass"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "nvidia-cuda-nvdisasm" in err, err
