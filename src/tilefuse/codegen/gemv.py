@@ -167,6 +167,23 @@ def kernel_name(problem: GemmProblem, s: GemvSchedule | MmaGemvSchedule, kernel:
             f"{'_bc' if problem.b_const else ''}_{h}")
 
 
+def _load(name: str, op: str, note: str = "") -> str:
+    """A 16-byte vector load helper `name` issuing PTX `op`."""
+    return (note + f"__device__ __forceinline__ uint4 {name}(const uint4* p) {{\n  uint4 v;\n"
+            f'  asm volatile("{op}.v4.u32 {{%0, %1, %2, %3}}, [%4];"\n'
+            '               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));\n  return v;\n}\n')
+
+
+_LOADS = (_load("tf_ld_stream", "ld.global.nc.L1::no_allocate")
+          + _load("tf_ld_early", "ld.global.L1::no_allocate",
+                  "// The same load on the coherent path, for a weight's vectors before griddepcontrol.wait:\n"
+                  "// ptxas (13.0) schedules .nc loads after the wait, plain ones where the source puts them.\n")
+          + _load("tf_ld_act", "ld.global",
+                  "// A (another kernel's output under programmatic launch) on the coherent path, kept in L1 (every\n"
+                  "// warp of the CTA reads it): ptxas moves non-coherent (.nc, __ldg) loads above\n"
+                  "// griddepcontrol.wait, where they would read A before the kernel before has written it.\n"))
+
+
 def _dot(dtype: str) -> str:
     """tf_dot8(acc, w, x): acc + the dot product of two 16-byte vectors of 16-bit values, in f32."""
     if dtype == "bf16":
@@ -183,30 +200,7 @@ __device__ __forceinline__ float tf_dot8(float acc, const uint4& w, const uint4&
   acc = fmaf(tf_lo(w.w), tf_lo(x.w), acc); acc = fmaf(tf_hi(w.w), tf_hi(x.w), acc);
   return acc;
 }}
-__device__ __forceinline__ uint4 tf_ld_stream(const uint4* p) {{
-  uint4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {{%0, %1, %2, %3}}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-  return v;
-}}
-// The same load on the coherent path, for a weight's vectors before griddepcontrol.wait:
-// ptxas (13.0) schedules .nc loads after the wait, plain ones where the source puts them.
-__device__ __forceinline__ uint4 tf_ld_early(const uint4* p) {{
-  uint4 v;
-  asm volatile("ld.global.L1::no_allocate.v4.u32 {{%0, %1, %2, %3}}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-  return v;
-}}
-// A (another kernel's output under programmatic launch) on the coherent path, kept in L1 (every
-// warp of the CTA reads it): ptxas moves non-coherent (.nc, __ldg) loads above
-// griddepcontrol.wait, where they would read A before the kernel before has written it.
-__device__ __forceinline__ uint4 tf_ld_act(const uint4* p) {{
-  uint4 v;
-  asm volatile("ld.global.v4.u32 {{%0, %1, %2, %3}}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-  return v;
-}}
-"""
+{_LOADS}"""
 
 
 def _head(name: str, P: GemmProblem, S, kernel: ir.Kernel, arch: str, steps: str) -> list[str]:
