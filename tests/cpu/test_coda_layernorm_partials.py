@@ -72,7 +72,7 @@ def test_same_function_and_both_row_reductions_gone(lead):
     rows = int(np.prod(lead))
     assert len(_row_reductions(g, rows, 256)) == 2, "the folded LayerNorm reduces x twice"
     assert not _row_reductions(g2, rows, 256), "no whole-row reduction left"
-    parts = [x for x in g2.nodes if isinstance(x, ir.Reduce) and x.type.shape == (rows, 256 // W)]
+    parts = [x for x in g2.nodes if isinstance(x, ir.Reduce) and x.type.shape == (rows, 256 // epi.width_for_rows(rows))]
     assert len(parts) == 2
 
 

@@ -1,5 +1,5 @@
 """rmsnorm_partials: an RMSNorm's sum of squares becomes per-group partials in the epilogue of
-the GEMM that wrote x, and a small finishing reduction over [M, N / 128].
+the GEMM that wrote x, and a small finishing reduction over [M, N / 128] (N / 16 at up to 8 rows).
 
 Properties: the rewritten graph computes the same function (float64 to rounding: the graphs
 run at f64 precision, the sum is regrouped; bf16 within DESIGN.md's 2x rule); the plan's
@@ -55,7 +55,7 @@ def test_same_function_and_the_row_reduction_gone(lead):
     rows = 1
     for d in lead:
         rows *= d
-    parts = [n for n in g2.nodes if isinstance(n, ir.Reduce) and n.type.shape == (rows, 256 // W)]
+    parts = [n for n in g2.nodes if isinstance(n, ir.Reduce) and n.type.shape == (rows, 256 // epi.width_for_rows(rows))]
     assert len(parts) == 1
     assert not any(isinstance(n, ir.Reduce) and g2[n.arg].type.shape[-1] == 256 and n is not parts[0]
                    and g2[n.arg].type.numel == rows * 256 for n in g2.nodes), "no whole-row reduce left"
@@ -99,6 +99,32 @@ def test_plan_reads_x_only_in_gemms_and_finishes_in_one_kernel():
         src = gemm_sm90.render(problem, sched)
         assert (src.c_box is not None) == src.schedule.tma_store, "the tile keeps its TMA store"
         assert nvrtc.compile_cuda(src.source, src.name, "sm_90a").info.clean
+
+
+@pytest.mark.parametrize("lead,width", [((1, 1), 16), ((4, 1), 16), ((8,), 16), ((9,), W), ((2, 8), W)])
+def test_a_few_rows_group_the_gemvs_16_columns(lead, width):
+    """At up to gemv.MAX_M rows (a decode step) the partials group 16 columns, a CTA's of the
+    GEMV, which then takes the producing GEMM (the tensor-core form, at one row too) and compiles
+    it without spills; at more rows, 128 (the tile templates'). The sm_90a template renders 16 too
+    (TILEFUSE_GEMV=0)."""
+    torch.manual_seed(5)
+    _, _, _, g2 = _graphs(ResidualNormLinear(), *_inputs(*lead))
+    p = plan(g2)
+    (s,) = [s for s in p.steps if s.family == "gemm" and s.gemm.partials]
+    assert s.gemm.partial_width == width
+    _, lowered = lower_plan(g2, p)
+    problem = lowered[s.name].problem()
+    from tilefuse.codegen import gemv
+
+    if width == W:
+        assert "more than 8 rows" in gemv.why_not(problem)
+        return
+    assert gemv.why_not(problem) == ""
+    assert isinstance(gemv.default_schedule(problem), gemv.MmaGemvSchedule)
+    src = gemv.render(problem)
+    assert nvrtc.compile_cuda(src.source, src.name, "sm_90a").info.clean
+    tile = gemm_sm90.render(problem, gemm_sm90.GemmSchedule(128, 128, stages=6))
+    assert nvrtc.compile_cuda(tile.source, tile.name, "sm_90a").info.clean
 
 
 @pytest.mark.parametrize("case", ["norm output read", "x an input", "N not a multiple of 128"])

@@ -11,6 +11,7 @@ from tilefuse.codegen.gemm_sm90 import GemmError, GemmProblem
 from tilefuse.runtime import nvrtc
 
 S = gemv.GemvSchedule
+T = gemv.MmaGemvSchedule
 
 
 def test_takes_one_row_of_a_k_major_weight_and_says_why_not_otherwise():
@@ -22,11 +23,50 @@ def test_takes_one_row_of_a_k_major_weight_and_says_why_not_otherwise():
     assert "N-major" in gemv.why_not(GemmProblem(1, 64, 64, b_major="N"))
     assert "multiple of 8" in gemv.why_not(GemmProblem(1, 64, 68))
     assert "argument" in gemv.why_not(GemmProblem(1, 64, 64, m_arg=True))
-    sq = epi.EpilogueBuilder(1, 256)
-    y = sq.acc()
-    sq.store("out", y, "bf16")
-    sq.partial_sum("ss", sq.op("mul", y, y))
-    assert "partial" in gemv.why_not(GemmProblem(1, 256, 64, epilogue=sq.kernel("with_partials")))
+    assert "128 columns" in gemv.why_not(GemmProblem(1, 256, 64, epilogue=_with_sq(1, 256, epi.PARTIAL_WIDTH)))
+
+
+def _with_sq(m, n, width=gemv.GROUP, also_max=False, lse=False):
+    """y = acc + residual stored in bf16, and per `width` columns the sum of y * y (and y's max,
+    or a log-sum-exp pair)."""
+    e = epi.EpilogueBuilder(m, n)
+    y = e.op("add", e.acc(), e.load("residual", "tile", "bf16"))
+    e.store("out", y, "bf16")
+    e.partial_sum("ss", e.op("mul", y, y), width)
+    if also_max:
+        e.partial_max("mx", y, width)
+    if lse:
+        e.partial_lse("pmax", "psum", y, width)
+    return e.kernel("with_partials")
+
+
+def test_partials_over_its_16_columns_and_nothing_else():
+    """A norm's sums (or maxima) over groups of a CTA's 16 columns: taken, at one row too, in the
+    tensor-core form; groups of 128, N not whole groups, a log-sum-exp (needs the group's max
+    before its sum): not, each saying why; the FMA form refuses partials."""
+    for m in (1, 4, 8):
+        p = GemmProblem(m, 4096, 4096, epilogue=_with_sq(m, 4096, also_max=True))
+        assert gemv.why_not(p) == ""
+        assert isinstance(gemv.default_schedule(p), T)
+    assert "not a multiple of 16" in gemv.why_not(GemmProblem(2, 200, 64, epilogue=_with_sq(2, 200)))
+    assert "log-sum-exp" in gemv.why_not(GemmProblem(2, 256, 64, epilogue=_with_sq(2, 256, lse=True)))
+    with pytest.raises(GemmError, match="tensor-core form"):
+        gemv.render(GemmProblem(1, 256, 64, epilogue=_with_sq(1, 256)), S())
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_80"])
+@pytest.mark.parametrize("sched", [None, T(1, 1), T(32, 4)], ids=str)
+@pytest.mark.parametrize("m,n,k", [(1, 4096, 4096), (3, 4096, 11008), (8, 16, 72)])
+def test_partials_compile_and_one_lane_stores_each(m, n, k, sched, arch):
+    """Without spills; each partial is stored by the lanes of g = 0 only (one per row of the
+    CTA), at column blockIdx.x of its [M, N / 16] output, after the xor-4/8/16 exchange."""
+    src = _compiles(GemmProblem(m, n, k, epilogue=_with_sq(m, n, also_max=True)), sched, arch).source
+    tail = src.split("// the partials:", 1)[1]
+    assert tail.count("__shfl_xor_sync") == 2 * 2 * 3  # two rows a lane, two partials, three masks
+    for buf in ("ss", "mx"):
+        stores = re.findall(rf"\b{buf}\[(.*?)\] = ", src)
+        assert stores == [f"(m) * {n // 16}LL + blockIdx.x" if n > 16 else "m + blockIdx.x"] * 2, stores
+    assert tail.count("if (tf_g == 0 && ") == 2
 
 
 def test_tilefuse_gemv_0_turns_it_off():
@@ -125,7 +165,6 @@ def test_nothing_but_a_weight_is_read_before_the_wait(m, k):
             assert loads == []
 
 
-T = gemv.MmaGemvSchedule
 
 
 def test_more_than_one_row_defaults_to_the_tensor_core_form():

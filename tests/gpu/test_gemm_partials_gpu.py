@@ -241,12 +241,19 @@ def _two_calls_pass(prog, m, inputs):
             assert c.ok, c
 
 
-@pytest.mark.parametrize("rows,d", [(2 * 1000, 512), (8192, 2048), (37, 256)])
-def test_compiled_rmsnorm_partials(rows, d):
+@pytest.mark.parametrize("gemv_on", [True, False])
+@pytest.mark.parametrize("rows,d", [(2 * 1000, 512), (8192, 2048), (37, 256), (1, 4096), (4, 512)])
+def test_compiled_rmsnorm_partials(rows, d, gemv_on, monkeypatch):
     """tilefuse.compile (its thin call, then its CUDA-graph replay) with the O GEMM writing h and
-    its per-group sums of squares: both outputs under the 2x rule, outputs poisoned."""
+    its per-group sums of squares: both outputs under the 2x rule, outputs poisoned. At up to 8
+    rows (a decode step) the groups are 16 columns and the GEMV writes them (TILEFUSE_GEMV=0: the
+    tile template, at 16 columns too)."""
     import tilefuse
+    from tilefuse.codegen import gemv
 
+    if not gemv_on and rows > gemv.MAX_M:
+        pytest.skip("the GEMV takes at most 8 rows: its switch changes nothing here")
+    monkeypatch.setenv(gemv.ENV, "1" if gemv_on else "0")
     torch.manual_seed(0)
     m = ResidualNormLinear(d, 384).cuda().to(torch.bfloat16).eval()
     with torch.no_grad():
@@ -256,11 +263,14 @@ def test_compiled_rmsnorm_partials(rows, d):
     prog = tilefuse.compile(m, (x, a))
     prog.poison = True
     assert "rmsnorm_partials" in [f.rule for f in prog.stages.fired]
-    assert sum(1 for s in prog.plan.steps if s.family == "gemm" and s.gemm.partials) == 1
+    (step,) = [s for s in prog.plan.steps if s.family == "gemm" and s.gemm.partials]
+    assert step.gemm.partial_width == (16 if rows <= gemv.MAX_M else 128)
     _two_calls_pass(prog, m, (x, a))
+    kinds = {type(k).__name__ for k in prog._compiled.values()}
+    assert ("GemvKernel" in kinds) == (gemv_on and rows <= gemv.MAX_M), kinds
 
 
-@pytest.mark.parametrize("rows,d", [(2 * 1000, 512), (8192, 2048), (37, 256), (300, 128)])
+@pytest.mark.parametrize("rows,d", [(2 * 1000, 512), (8192, 2048), (37, 256), (300, 128), (3, 1024)])
 def test_compiled_layernorm_partials(rows, d):
     """tilefuse.compile (thin call, then CUDA-graph replay) with the O GEMM writing h and the
     per-group sums of h and of h², the rank-1 correction after: both outputs under the 2x rule,

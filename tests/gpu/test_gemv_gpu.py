@@ -4,7 +4,7 @@ against a float32 reference (DESIGN.md's 2x rule).
 Fresh random normal inputs per case; outputs poisoned with NaN first, so an unwritten
 element fails. Odd shapes (N not a multiple of a warp's columns or a CTA's warps, K not a
 multiple of a lane step), M from 1 to MAX_M, bf16 and f16, every schedule knob, every
-epilogue kind and GLU, B a weight (loaded before the wait) or not, chains of GEMVs launched
+epilogue kind and GLU, partial row reductions (an RMSNorm's), B a weight (loaded before the wait) or not, chains of GEMVs launched
 back to back under programmatic launch, and programs whose short GEMMs it runs.
 """
 import pytest
@@ -121,6 +121,40 @@ def test_glu_epilogue_on_interleaved_weights(act, m, sched):
     torch.cuda.synchronize()
     f = ACT_FN[act]
     _passes(out, f(x.float() @ wg.float().T) * (x.float() @ wu.float().T), f(x @ wg.T) * (x @ wu.T))
+
+
+def _with_sq(m, n, operand):
+    """out = acc + residual[m, n] (or + bias[n]) in bf16, and per 16 columns (a CTA's) the sum of
+    its squares and its max: an RMSNorm's partials after a decode step's O or down projection."""
+    e = epi.EpilogueBuilder(m, n)
+    y = e.op("add", e.acc(), e.load(operand, "tile" if operand == "residual" else "col", "bf16"))
+    e.store("out", y, "bf16")
+    e.partial_sum("sq", e.op("mul", y, y), gemv.GROUP)
+    e.partial_max("mx", y, gemv.GROUP)
+    return e.kernel(f"{operand}_sq")
+
+
+@pytest.mark.parametrize("sched", [None, T(1, 1), T(4, 2), T(32, 4)], ids=str)
+@pytest.mark.parametrize("operand", ["residual", "bias"])
+@pytest.mark.parametrize("m,n,k", [(1, 4096, 4096), (3, 4096, 11008), (8, 2048, 1000), (4, 16, 72)])
+def test_partials_beside_the_store(m, n, k, operand, sched):
+    """The tensor-core form's partials (at M = 1 too): the stored tile and each (row, CTA)'s sum of
+    squares and max under the 2x rule of float64, every output poisoned first."""
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k ** -0.5
+    r = torch.randn(*((m, n) if operand == "residual" else (n,)), device="cuda", dtype=torch.bfloat16)
+    g = compile_gemv(GemmProblem(m, n, k, "bf16", epilogue=_with_sq(m, n, operand), b_const=True), sched)
+    assert isinstance(g.source.schedule, T) and g.info.clean, g.info
+    t = n // gemv.GROUP
+    out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+    sq, mx = (torch.full((m, t), float("nan"), device="cuda") for _ in range(2))
+    g(x, w, out=out, sq=sq, mx=mx, **{operand: r})
+    torch.cuda.synchronize()
+    ref, lowp = x.double() @ w.double().T + r.double(), (x @ w.T + r).float()
+    _passes(out, ref, lowp)
+    for got, want, lp in ((sq, ref ** 2, lowp.double() ** 2), (mx, ref, lowp.double())):
+        red = (lambda v: v.view(m, t, gemv.GROUP).sum(-1)) if got is sq else (lambda v: v.view(m, t, gemv.GROUP).amax(-1))
+        _passes(got, red(want), red(lp))
 
 
 @pytest.mark.parametrize("m", [1, 4])

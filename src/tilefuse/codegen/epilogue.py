@@ -38,7 +38,18 @@ from ..loop import ir
 
 ACC = "acc"
 PARTIAL_WIDTH = 128   # columns per partial: divides every bn of 128 or 256, one reduction per 128 columns
+SHORT_PARTIAL_WIDTH = 16  # ... after a GEMM of a few rows, which programs run in the GEMV: its CTA's 16 columns
+                          # (width_for_rows)
 PARTIAL_KINDS = ("sum", "max", "lse", "select")
+
+
+def width_for_rows(rows: int) -> int:
+    """The columns a norm's partials group after a GEMM of `rows` rows: the GEMV's CTA owns 16
+    output columns (codegen/gemv.py, which programs run at up to gemv.MAX_M rows: a decode
+    step's O and down projections), the tile templates a multiple of 128 (both render 16)."""
+    from .gemv import MAX_M
+
+    return SHORT_PARTIAL_WIDTH if rows <= MAX_M else PARTIAL_WIDTH
 
 
 @dataclass

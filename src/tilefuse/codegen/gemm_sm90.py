@@ -882,14 +882,21 @@ def inline_partials_add(kernel, inl: InlinePartials, frag, mb: int, v: int, acc_
     """Element (mb, v)'s terms, added to its (row, group) registers; `scope` is the element's
     (C names, dtypes) just rendered, `n_expr` its column."""
     r, cc = frag(0, v)
+    inline_partial_terms(kernel, inl, acc_expr, n_expr, lines, scope, suffix,
+                         [_inline_acc(i, mb, r, cc // inl.width) for i in range(len(inl.reds))])
+
+
+def inline_partial_terms(kernel, inl: InlinePartials, acc_expr: str, n_expr: str, lines: list,
+                         scope: tuple[dict, dict], suffix: str, regs: list[str]):
+    """One element's term of each partial (from the element's C names in `scope`, just
+    rendered), combined into its register regs[i] (the GEMV shares this with the template)."""
     for i, red in enumerate(inl.reds):
         names, dts = dict(scope[0]), dict(scope[1])
         for copy, orig in inl.twins[i].items():
             names[copy], dts[copy] = names[orig], dts[orig]
         _render_element(kernel, list(inl.rest[i]), acc_expr, n_expr, lines, f"{suffix}_q{i}", store=False,
                         scope=(names, dts))
-        acc = _inline_acc(i, mb, r, cc // inl.width)
-        lines.append(f"    {acc} = {_PARTIAL_COMBINE[red.op][0].format(a=acc, b=names[red.value])};")
+        lines.append(f"    {regs[i]} = {_PARTIAL_COMBINE[red.op][0].format(a=regs[i], b=names[red.value])};")
 
 
 def inline_partials_finish(problem: GemmProblem, sched: GemmSchedule, kernel: ir.Kernel,

@@ -18,7 +18,8 @@ tile templates run per accumulator register (gemm_sm90._render_element), pairwis
 included (adjacent columns meet in one lane).
 
 What it takes (`why_not`): one batch, B K-major, K a multiple of 8 (16-byte vectors), M at
-most MAX_M, no partial row reductions. Under programmatic launch the FMA form loads B's first
+most MAX_M; partial row reductions (a norm's sums after the O and down projections) only over
+groups of its CTA's 16 columns, which the tensor-core form renders (at M = 1 too). Under programmatic launch the FMA form loads B's first
 vectors, where B is a weight (`b_const`), before the wait for the kernel before (on the
 coherent path: ptxas 13.0 moves non-coherent loads after the wait; session 51). CUDA C++ for
 sm_80 and later: no TMA, no wgmma.
@@ -29,10 +30,12 @@ from dataclasses import dataclass
 
 from ..loop import ir
 from . import cexpr, epilogue as epi
-from .gemm_sm90 import GemmError, GemmProblem, _check_epilogue, _ident, _render_element
+from .gemm_sm90 import (_PARTIAL_COMBINE, GemmError, GemmProblem, _check_epilogue, _ident, _render_element,
+                        inline_partial_terms, inline_partials)
 
 MAX_M = 8            # rows of A a GEMM may have to run here: one in the FMA form, 2-8 in the
                      # tensor-core form (whose N side, 8 wide, holds A's rows)
+GROUP = epi.SHORT_PARTIAL_WIDTH  # output columns a CTA of the tensor-core form owns (16): a partial's
 FEW_GROUPS = 128     # at most this many CTAs (16 columns each), about a large GPU's SMs: 32 warps a CTA
 VEC = 8              # 16-bit elements per 16-byte vector
 ENV = "TILEFUSE_GEMV"
@@ -119,16 +122,36 @@ def why_not(problem: GemmProblem, max_m: int = MAX_M) -> str:
         return "M is a kernel argument"
     kernel = P.out_epilogue
     if epi.partials_loop(kernel) is not None:
-        return "the epilogue has partial row reductions"
+        why = _partials_why_not(P, kernel)
+        if why:
+            return why
     if epi.is_pairwise(kernel) and P.n % 2:
         return "a pairwise epilogue of odd N"
     return ""
 
 
+def _partials_why_not(P: GemmProblem, kernel: ir.Kernel) -> str:
+    """Why the tensor-core form does not render these partial row reductions ("" where it does):
+    it takes a norm's sums (or maxima) over its CTA's 16 columns, added up beside the element
+    code (gemm_sm90.InlinePartials), so one CTA makes each partial and none is shared."""
+    try:
+        width = epi.partial_width(kernel)
+    except ValueError as e:
+        return str(e)
+    if width != GROUP:
+        return f"partials over {width} columns (the GEMV's are its CTA's {GROUP})"
+    if P.n % GROUP:
+        return f"partials of N = {P.n}, not a multiple of {GROUP}"
+    if inline_partials(P, kernel) is None:
+        return "partials other than sums or maxima of the stored value (a log-sum-exp's, say)"
+    return ""
+
+
 def default_schedule(problem: GemmProblem) -> GemvSchedule | MmaGemvSchedule:
-    """One row: the FMA form (below). More: the tensor-core form, whose cost does not grow with
-    the rows (each lane's FMA form multiplies every B vector by every row of A)."""
-    if problem.m > 1:
+    """One row: the FMA form (below). More, or partial row reductions: the tensor-core form,
+    whose cost does not grow with the rows (each lane's FMA form multiplies every B vector by
+    every row of A), and whose CTA owns a partial's 16 columns."""
+    if problem.m > 1 or epi.partials_loop(problem.out_epilogue) is not None:
         return _mma_default(problem)
     return _fma_default(problem)
 
@@ -245,9 +268,12 @@ def render(problem: GemmProblem, schedule: GemvSchedule | MmaGemvSchedule | None
     if why:
         raise GemmError(f"the GEMV template does not take {P.m}x{P.n}x{P.k}: {why}")
     kernel = P.out_epilogue
-    _check_epilogue(P, kernel)
+    partials = epi.partials_loop(kernel) is not None
+    _check_epilogue(P, kernel, partials=partials)
     if mma:
         return _render_mma(P, S, kernel, arch)
+    if partials:
+        raise GemmError(f"{S}: partial row reductions run in the tensor-core form (MmaGemvSchedule)")
     if epi.is_pairwise(kernel) and S.cols % 2:
         raise GemmError(f"{S}: a pairwise epilogue needs an even number of columns a warp")
     if S.cols * P.m > 32:
@@ -366,13 +392,44 @@ def _mma_epilogue_lines(problem: GemmProblem, kernel: ir.Kernel) -> list[str]:
             _render_element(kernel, body, ["v0", "v1"], "n", lines, "", store=True)
             lines += ["}}"]
         return lines
+    inl = inline_partials(problem, kernel)  # (None without partials: why_not declines the rest)
+    regs = [[f"pp{i}_{e}" for i in range(len(inl.reds))] for e in range(2)] if inl else [[], []]
+    for i, red in enumerate(inl.reds if inl else ()):
+        lines.append(f"float pp{i}_0 = {cexpr.const(_PARTIAL_COMBINE[red.op][1], 'f32')}, pp{i}_1 = pp{i}_0;")
     for r in range(2):
         for e in range(2):
             lines += [f"{{ const int m = 2 * tf_q + {e}; const int n = n0 + 2 * tf_g + {r};",
                       f"  if (m < {M} && n < {N}) {{",
                       f"  const float v = acc[{2 * r + e}];"]
-            _render_element(kernel, body, "v", "n", lines, "", store=True)
+            scope = ({}, {})
+            _render_element(kernel, body, "v", "n", lines, "", store=True, scope=scope)
+            if inl:
+                inline_partial_terms(kernel, inl, "v", "n", lines, scope, "", regs[e])
             lines += ["}}"]
+    if inl:
+        lines += _mma_partials_finish(problem, kernel, inl, regs)
+    return lines
+
+
+def _mma_partials_finish(problem: GemmProblem, kernel: ir.Kernel, inl, regs: list[list[str]]) -> list[str]:
+    """Each of the lane's two rows' partials (rows 2q and 2q + 1) across the 8 lanes holding
+    that row's other columns (lane bits 2-4), then lane g = 0 stores the CTA's group t."""
+    stores = [x for x in epi.partials_loop(kernel).body if isinstance(x, ir.Store)]
+    lines = ["// the partials: this CTA's 16 columns of rows 2q, 2q + 1, across the lanes of one q"]
+    for e in range(2):
+        for i, red in enumerate(inl.reds):
+            for mask in (4, 8, 16):
+                other = f"__shfl_xor_sync(0xffffffffu, {regs[e][i]}, {mask})"
+                lines.append(f"{regs[e][i]} = {_PARTIAL_COMBINE[red.op][0].format(a=regs[e][i], b=other)};")
+    names = {red.dst: i for i, red in enumerate(inl.reds)}
+    for e in range(2):
+        lines.append(f"if (tf_g == 0 && 2 * tf_q + {e} < {problem.m}) {{")
+        lines.append(f"  const int m = 2 * tf_q + {e};")
+        for x in stores:
+            buf = kernel.buffer(x.buf)
+            off = cexpr.flat_offset(buf, x.index, {"m": "m", "t": "blockIdx.x"})
+            lines.append(f"  {_ident(buf.name)}[{off}] = {cexpr.to_storage(buf.dtype, regs[e][names[x.value]])};")
+        lines.append("}")
     return lines
 
 

@@ -420,7 +420,7 @@ def match(g: ir.Graph, c: ir.Contraction, users=None, taken: frozenset = frozens
                 bound += ((found.select[1], "target"),)
             maps += found.members
             outs = list(found.outs)
-        elif sums:
+        elif sums and len({s.width for s in sums}) == 1:  # (one epilogue groups its partials one way)
             # a norm's row sums after the stored value (RMSNorm's sum of squares, LayerNorm's sum
             # and sum of squares: rules/rmsnorm_partials.py, rules/layernorm_partials.py): the
             # epilogue also reduces them per column group, beside its store

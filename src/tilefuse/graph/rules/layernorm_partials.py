@@ -18,11 +18,10 @@ there, and partials would only add work to the GEMM. Otherwise the graph is left
 """
 from __future__ import annotations
 
-from ...codegen.epilogue import PARTIAL_WIDTH
 from .. import ir
 from .layernorm_matmul import _row_mean
 from .match import Editor
-from .rmsnorm_partials import Specs, in_one_pass, means_as_partials, producers
+from .rmsnorm_partials import Specs, group_width, in_one_pass, means_as_partials, producers
 
 
 def _stats(g: ir.Graph, users) -> list[tuple[str, str, str]]:
@@ -41,17 +40,17 @@ def _stats(g: ir.Graph, users) -> list[tuple[str, str, str]]:
     return found
 
 
-def candidates(g: ir.Graph, width: int = PARTIAL_WIDTH) -> list[tuple[str, str, str, str]]:
+def candidates(g: ir.Graph, width: int | None = None) -> list[tuple[str, str, str, str]]:
     """(mean, mean of squares, square, x') of each LayerNorm the rule may rewrite, in graph order."""
     return [(mean, msq, sq, g[sq].args[0]) for mean, msq, sq in _stats(g, g.users())
-            if g[g[sq].args[0]].type.shape[-1] % width == 0]
+            if g[g[sq].args[0]].type.shape[-1] % group_width(width, g[g[sq].args[0]].type.shape) == 0]
 
 
-def layernorm_partials(g: ir.Graph, width: int = PARTIAL_WIDTH) -> ir.Graph:
+def layernorm_partials(g: ir.Graph, width: int | None = None) -> ir.Graph:
     return in_one_pass(g, candidates(g, width), lambda h, norms: _rewritten(h, norms, width))
 
 
-def _rewritten(g: ir.Graph, norms, width: int) -> tuple[ir.Graph, list[bool]]:
+def _rewritten(g: ir.Graph, norms, width: int | None) -> tuple[ir.Graph, list[bool]]:
     """g with every norm of `norms` rewritten, and whether a GEMM takes each one's partials and
     only GEMMs read its x."""
     new = _from_the_sources(g, [(xf, sq) for _, _, sq, xf in norms])

@@ -4,7 +4,9 @@ After rmsnorm_into_matmul, an RMSNorm before matmuls is r = rsqrt(mean(x·x) + �
 reduction of x, and row scales in those matmuls' epilogues: a kernel still reads all of x
 only to reduce it. x is most often a GEMM's output with its residual added (the O and down
 projections), and that GEMM holds every element of x in registers: it reduces x·x per group of
-W columns there, beside its store of x, and the row kernel then reads T = N / W values a row:
+W columns there, beside its store of x, and the row kernel then reads T = N / W values a row
+(W = 128, or 16 where the GEMM has at most 8 rows and so runs in the GEMV, whose CTAs own 16
+columns each: epilogue.width_for_rows):
 
     ms = mean(q, last, keepdim),  q = x'·x'  (x' = x under casts)
  →  q3 = reshape(q, [M, T, W]);  psq[m, t] = sum_c q3;  ms = reshape(sum_t psq / N, ms's shape)
@@ -27,7 +29,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ...codegen.epilogue import PARTIAL_WIDTH
+from ...codegen.epilogue import PARTIAL_WIDTH, SHORT_PARTIAL_WIDTH, width_for_rows
 from .. import ir
 from .match import Editor
 from .rmsnorm_matmul import rsqrt_mean_square
@@ -61,7 +63,13 @@ def _square(g: ir.Graph, users, ms: str) -> str | None:
     return n.arg
 
 
-def candidates(g: ir.Graph, width: int = PARTIAL_WIDTH) -> list[tuple[str, str]]:
+def group_width(width: int | None, shape) -> int:
+    """`width`, or where None the group width for rows of `shape` (epilogue.width_for_rows:
+    16 where its GEMM runs in the GEMV, a decode step's)."""
+    return width or width_for_rows(math.prod(shape[:-1]))
+
+
+def candidates(g: ir.Graph, width: int | None = None) -> list[tuple[str, str]]:
     """(ms, q) of each norm the rule may rewrite, in graph order, before asking the GEMMs."""
     users = g.users()
     found = []
@@ -70,16 +78,16 @@ def candidates(g: ir.Graph, width: int = PARTIAL_WIDTH) -> list[tuple[str, str]]
             continue
         ms = next(a for a in g[g[r].args[0]].args if isinstance(g[a], ir.Reduce))
         q = _square(g, users, ms)
-        if q is not None and g[q].type.shape[-1] % width == 0:
+        if q is not None and g[q].type.shape[-1] % group_width(width, g[q].type.shape) == 0:
             found.append((ms, q))
     return found
 
 
-def rmsnorm_partials(g: ir.Graph, width: int = PARTIAL_WIDTH) -> ir.Graph:
+def rmsnorm_partials(g: ir.Graph, width: int | None = None) -> ir.Graph:
     return in_one_pass(g, candidates(g, width), lambda h, norms: _rewritten(h, norms, width))
 
 
-def _rewritten(g: ir.Graph, norms, width: int) -> tuple[ir.Graph, list[bool]]:
+def _rewritten(g: ir.Graph, norms, width: int | None) -> tuple[ir.Graph, list[bool]]:
     """g with every norm (ms, q) of `norms` as partials, and whether a GEMM takes each one's."""
     new, psqs = means_as_partials(g, norms, width)
     specs = Specs(new)
@@ -121,23 +129,24 @@ def one_at_a_time(g: ir.Graph, found: list, rewritten) -> ir.Graph:
     return out
 
 
-def means_as_partials(g: ir.Graph, pairs, width: int) -> tuple[ir.Graph, list[str]]:
+def means_as_partials(g: ir.Graph, pairs, width: int | None) -> tuple[ir.Graph, list[str]]:
     """g with each row mean ms = mean(q, last axis, keepdim) of `pairs` (ms, q) as the sum over t
     of per-group sums psq[m, t] of reshape(q, [M, T, W]), divided by N, all in one pass; and
-    the psq names in the pairs' order."""
+    the psq names in the pairs' order. W = `width`, or group_width's for q's rows."""
     ed = Editor(g)
     f = ed.fresh
     swap, psqs = {}, []
     for ms, q in pairs:
         qt, mt, src = g[q].type, g[ms].type, g[ms].source
         n = qt.shape[-1]
-        m, t = math.prod(qt.shape[:-1]), n // width
+        width_q = group_width(width, qt.shape)
+        m, t = math.prod(qt.shape[:-1]), n // width_q
 
         def T(shape, dtype=qt.dtype):
             return ir.TensorType(tuple(shape), dtype)
 
         lead = tuple(mt.shape[:-1])  # (q may be the rows of x under a reshape: layernorm_partials.py)
-        q3 = ir.View(f(f"{q}_groups"), T((m, t, width)), "reshape", q, (m, t, width), src)
+        q3 = ir.View(f(f"{q}_groups"), T((m, t, width_q)), "reshape", q, (m, t, width_q), src)
         psq = ir.Reduce(f(f"{ms}_partials"), T((m, t)), "sum", q3.name, (2,), False, src)
         if t == 1:  # one group: its partial is the row's sum (a sum over an axis of 1 is no kernel's)
             finish = [ir.View(f(f"{ms}_sum"), mt, "reshape", psq.name, tuple(mt.shape), src)]
@@ -211,25 +220,26 @@ class SumPartials:
 def sum_partials_after(g: ir.Graph, users, y: str) -> tuple[SumPartials, ...]:
     """The partials this rule and layernorm_partials.py leave after y ([..., N], the epilogue's
     stored value): along y's chain of casts, an f32 value v (a cast, or y) or its square
-    q = v·v, reshaped to [M, T, W] (W = PARTIAL_WIDTH, the groups the template renders) and
-    summed over axis 2. Each node after y is read only by what the partials compute from it
-    (the next cast, the reshape, the square), so that the epilogue holds all of them; () when
-    there are none."""
+    q = v·v, reshaped to [M, T, W] (W one of the widths the templates render: PARTIAL_WIDTH,
+    or SHORT_PARTIAL_WIDTH for a few rows) and summed over axis 2. Each node after y is read
+    only by what the partials compute from it (the next cast, the reshape, the square), so that
+    the epilogue holds all of them; () when there are none."""
     yt = g[y].type
-    if len(yt.shape) < 2 or yt.shape[-1] % PARTIAL_WIDTH:
+    if len(yt.shape) < 2:
         return ()
-    m, t = math.prod(yt.shape[:-1]), yt.shape[-1] // PARTIAL_WIDTH
+    m, n = math.prod(yt.shape[:-1]), yt.shape[-1]
+    shapes = {(m, n // w, w): w for w in (PARTIAL_WIDTH, SHORT_PARTIAL_WIDTH) if n % w == 0}
 
-    def grouped_sum(v: str) -> tuple[str, str] | None:
-        """(q3, psq) for psq = sum(q3 = reshape(v, [M, T, W]), axis 2), q3 read only by psq."""
+    def grouped_sum(v: str) -> tuple[str, str, int] | None:
+        """(q3, psq, W) for psq = sum(q3 = reshape(v, [M, T, W]), axis 2), q3 read only by psq."""
         for q3 in dict.fromkeys(users[v]):
             r = g[q3]
-            if not (isinstance(r, ir.View) and r.op == "reshape" and r.arg == v and r.type.shape == (m, t, PARTIAL_WIDTH)
+            if not (isinstance(r, ir.View) and r.op == "reshape" and r.arg == v and r.type.shape in shapes
                     and len(users[q3]) == 1 and q3 not in g.outputs):
                 continue
             p = g[users[q3][0]]
             if isinstance(p, ir.Reduce) and p.op == "sum" and tuple(p.axes) == (2,) and not p.keepdim:
-                return q3, p.name
+                return q3, p.name, shapes[r.type.shape]
         return None
 
     def square(v: str) -> str | None:
@@ -248,7 +258,7 @@ def sum_partials_after(g: ir.Graph, users, y: str) -> tuple[SumPartials, ...]:
             for value in (v, square(v)):
                 s = grouped_sum(value) if value is not None else None
                 if s is not None and (value == v or set(users[value]) == {s[0]}):
-                    found.append(SumPartials(s[1], value, PARTIAL_WIDTH, casts + ((value,) if value != v else ()) + s))
+                    found.append(SumPartials(s[1], value, s[2], casts + ((value,) if value != v else ()) + s[:2]))
                     taken |= {s[0]} if value == v else {value}
         return found, set(users[v]) - taken
 
