@@ -651,6 +651,7 @@ class _Ctx:
     var_state: dict = field(default_factory=dict)  # id(CentredSquares) -> its merged (n, k, u, m2)
     var_sums: dict = field(default_factory=dict)   # a CentredSquares' sum -> (it, its merged state)
     var_phase: dict = field(default_factory=dict)  # id(CentredSquares) -> pass 1 or 2 of its two-pass form
+    mean_err: dict = field(default_factory=dict)   # a mean _emit_var_mean rounded -> C name of (k + u) - it
     kept: keep.KeepPlan = field(default_factory=keep.KeepPlan)  # values kept between passes (codegen/keep.py)
     passes: list | None = None  # where given, each pass's blocks are recorded (for keep.plan)
     pass_no: int = 0            # passes over the row emitted so far (this row)
@@ -736,6 +737,18 @@ def _guarded_load(ctx: _Ctx, s: ir.Load, env: dict, extra_guard: str) -> str:
     return f"({' && '.join(guards)}) ? {load} : ({cexpr.ctype(buf.dtype)})0"
 
 
+def _minus_mean(ctx: _Ctx, s: ir.Op, args: list, arg_dtypes: list) -> str:
+    """x - mean (or mean - x) with the mean's rounding taken back out (_emit_var_mean's err):
+    on a row far from 0 and narrow (1e4 + N(0, 1) in f16) the mean's half ulp, times rstd * w,
+    was the whole error of y, up to 2.7x PyTorch's (the 2x rule failed on 2 of 40 random rows,
+    session 52); x - mean is exact there (x near the mean), and so is the difference now. One
+    add an element: 0.2-1.5% of a LayerNorm's time on an H200. (Taking err out in the FMA of
+    the multiply by rstd instead made ptxas spill at 64 registers: 32768 x 256 11% slower.)"""
+    i = 1 if s.args[1] in ctx.mean_err else 0
+    plain = cexpr.op(s.op, args, arg_dtypes, s.dtype, fast=ctx.fast)
+    return f"({plain} {'-' if i else '+'} {ctx.mean_err[s.args[i]]})"
+
+
 def _emit_stmt(ctx: _Ctx, em: _Emitter, s, env: dict, *, inner: bool, src_chunk=None, out_chunk=None):
     """One scalar statement (not a loop). In an inner body, `src_chunk(key)` names the
     staged words of a stream and `out_chunk(key)` the packed words of an output chunk."""
@@ -747,6 +760,8 @@ def _emit_stmt(ctx: _Ctx, em: _Emitter, s, env: dict, *, inner: bool, src_chunk=
         arg_dtypes = [ctx.dtype_of[a] for a in s.args]
         if s.dst in ctx.store_only_casts:  # the store's conversion rounds it
             expr = cexpr.cast(args[0], arg_dtypes[0], "f32")
+        elif s.op == "sub" and s.dtype in ("f32", "f64") and set(s.args) & set(ctx.mean_err) and s.args[0] != s.args[1]:
+            expr = _minus_mean(ctx, s, args, arg_dtypes)
         else:
             expr = cexpr.op(s.op, args, arg_dtypes, s.dtype, fast=ctx.fast)
         name = ctx.define(s.dst, s.dtype)
@@ -1265,7 +1280,10 @@ def _emit_var_mean(ctx: _Ctx, em: _Emitter, s) -> bool:
     if float(dtypes.to_numpy(r.dtype).type(c.value)) != want:
         return False
     name = ctx.define(s.dst, s.dtype)
-    em(f"const {cexpr.ctype(s.dtype)} {name} = {acc[1]} + {acc[2]};  // %{s.args[0]} / {C}: the mean, rounded once")
+    ct = cexpr.ctype(s.dtype)
+    em(f"const {ct} {name} = {acc[1]} + {acc[2]};  // %{s.args[0]} / {C}: the mean, rounded once")
+    em(f"const {ct} {name}_err = ({acc[1]} - {name}) + {acc[2]};  // what that rounding took off (exact: |u| <= |k| or k = 0)")
+    ctx.mean_err[s.dst] = f"{name}_err"
     return True
 
 
