@@ -531,6 +531,33 @@ def test_layernorm_output_pass_takes_the_rounding_out():
     assert re.search(rf"= \(\(\w+ - {m}\) - {m}_err\);", body), "x - mean takes the rounding out"
 
 
+def test_the_difference_of_two_means_takes_both_roundings_out():
+    """Two rows' statistics (x's and z's) and meana - meanb: both means' roundings come out of
+    the difference (not only the second's), and the kernel compiles with no spills."""
+    from loop_fixtures import C_, R_, _load, _row_kernel
+    from tilefuse.loop.ir import Buffer, Store
+
+    R, C = 9, 4096
+
+    def stats(p, buf):
+        return (Reduce(f"s1{p}", "sum", "c", C, _load(f"x0{p}", buf, (R_, C_), "bf16"), f"x0{p}", "f32"),
+                Op(f"mean{p}", "div", (f"s1{p}", "n"), "f32"),
+                Reduce(f"s2{p}", "sum", "c", C, (*_load(f"x1{p}", buf, (R_, C_), "bf16"),
+                       Op(f"d1{p}", "sub", (f"x1{p}", f"mean{p}"), "f32"),
+                       Op(f"dd{p}", "mul", (f"d1{p}", f"d1{p}"), "f32")), f"dd{p}", "f32"),
+                Op(f"var{p}", "div", (f"s2{p}", "n"), "f32"))
+
+    row = (Const("n", float(C), "f32"), *stats("a", "x"), *stats("b", "z"),
+           Op("dm", "sub", ("meana", "meanb"), "f32"), Store("dmean", (R_,), "dm"),
+           Op("v", "add", ("vara", "varb"), "f32"), Store("vv", (R_,), "v"))
+    params = (Buffer("x", (R, C), "bf16", "in"), Buffer("z", (R, C), "bf16", "in"),
+              Buffer("dmean", (R,), "f32", "out"), Buffer("vv", (R,), "f32", "out"))
+    k = _row_kernel("twomeans", params, R, row)
+    src, cubin = compile_source_only(k, "sm_90a", default_schedule(k))
+    assert re.search(r"= \(\(\w*meana - \w*meanb\) \+ \(\w*meana_err - \w*meanb_err\)\);", _body(src)), _body(src)
+    assert cubin.info.clean, cubin.info
+
+
 # ---------------------------------------------------------------- the schedule
 
 

@@ -388,6 +388,8 @@ def match(g: ir.Graph, c: ir.Contraction, users=None, taken: frozenset = frozens
     # (the one output, or its square, reduced per group is a norm's partials, below: not a second output)
     sums = (_sum_partials_after(g, users, outs[0]) if partials and len(outs) == 1 and batch == 1
             and not any(x in slices for x, _ in candidates[:best]) else ())
+    if len({s.width for s in sums}) > 1:  # (one epilogue groups its partials one way: none taken)
+        sums = ()
     if multi and multi[0] > best and not sums and _extra_outputs_pay(g, c, multi[1], single[1], users):
         best, outs = multi
     chosen = candidates[:best]
@@ -420,7 +422,7 @@ def match(g: ir.Graph, c: ir.Contraction, users=None, taken: frozenset = frozens
                 bound += ((found.select[1], "target"),)
             maps += found.members
             outs = list(found.outs)
-        elif sums and len({s.width for s in sums}) == 1:  # (one epilogue groups its partials one way)
+        elif sums:
             # a norm's row sums after the stored value (RMSNorm's sum of squares, LayerNorm's sum
             # and sum of squares: rules/rmsnorm_partials.py, rules/layernorm_partials.py): the
             # epilogue also reduces them per column group, beside its store
