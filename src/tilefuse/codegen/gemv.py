@@ -19,10 +19,10 @@ included (adjacent columns meet in one lane).
 
 What it takes (`why_not`): one batch, B K-major, K a multiple of 8 (16-byte vectors), M at
 most MAX_M; partial row reductions (a norm's sums after the O and down projections) only over
-groups of its CTA's 16 columns, which the tensor-core form renders (at M = 1 too). Under programmatic launch the FMA form loads B's first
-vectors, where B is a weight (`b_const`), before the wait for the kernel before (on the
-coherent path: ptxas 13.0 moves non-coherent loads after the wait; session 51). CUDA C++ for
-sm_80 and later: no TMA, no wgmma.
+groups of the tensor-core form's CTA's 16 columns, which that form renders (at M = 1 too).
+Under programmatic launch the FMA form loads B's first vectors, where B is a weight
+(`b_const`), before the wait for the kernel before (on the coherent path: ptxas 13.0 moves
+non-coherent loads after the wait; session 51). CUDA C++ for sm_80 and later: no TMA, no wgmma.
 """
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ from .gemm_sm90 import (_PARTIAL_COMBINE, GemmError, GemmProblem, _check_epilogu
 
 MAX_M = 8            # rows of A a GEMM may have to run here: one in the FMA form, 2-8 in the
                      # tensor-core form (whose N side, 8 wide, holds A's rows)
-GROUP = epi.SHORT_PARTIAL_WIDTH  # output columns a CTA of the tensor-core form owns (16): a partial's
+GROUP = epi.SHORT_PARTIAL_WIDTH  # output columns a CTA of the tensor-core form owns (16), so a partial's width
 FEW_GROUPS = 128     # at most this many CTAs (16 columns each), about a large GPU's SMs: 32 warps a CTA
 VEC = 8              # 16-bit elements per 16-byte vector
 ENV = "TILEFUSE_GEMV"
@@ -393,8 +393,9 @@ def _mma_epilogue_lines(problem: GemmProblem, kernel: ir.Kernel) -> list[str]:
             lines += ["}}"]
         return lines
     inl = inline_partials(problem, kernel)  # (None without partials: why_not declines the rest)
-    regs = [[f"pp{i}_{e}" for i in range(len(inl.reds))] for e in range(2)] if inl else [[], []]
-    for i, red in enumerate(inl.reds if inl else ()):
+    reds = inl.reds if inl else ()
+    regs = [[f"pp{i}_{e}" for i in range(len(reds))] for e in range(2)]  # per row of the lane's two
+    for i, red in enumerate(reds):
         lines.append(f"float pp{i}_0 = {cexpr.const(_PARTIAL_COMBINE[red.op][1], 'f32')}, pp{i}_1 = pp{i}_0;")
     for r in range(2):
         for e in range(2):
@@ -445,7 +446,7 @@ def _render_mma(P: GemmProblem, S: MmaGemvSchedule, kernel: ir.Kernel, arch: str
     chunks = -(-KV // 4)                 # chunks of 32 K (4 vectors a row); the last may be partial
     per_step = W * U
     full = (KV // 4) // per_step         # whole steps of the CTA: every chunk whole
-    grid = -(-N // 16)
+    grid = -(-N // GROUP)
     ops_params, out_params = epi.operands(kernel), kernel.outputs
     cparams = ["const uint4* __restrict__ A", "const uint4* __restrict__ B"]
     cparams += [f"{cexpr.storage_ctype(p.dtype)}* __restrict__ {_ident(p.name)}" for p in out_params]
@@ -470,7 +471,7 @@ extern "C" __global__ void __launch_bounds__({32 * W})
   tf_pdl_launch();
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int tf_g = lane >> 2, tf_q = lane & 3;
-  const int n0 = blockIdx.x * 16;
+  const int n0 = blockIdx.x * {GROUP};
   const uint4* tf_b0 = B + (long long)min(n0 + 2 * tf_g, {N - 1}) * {KV} + tf_q;
   const uint4* tf_b1 = B + (long long)min(n0 + 2 * tf_g + 1, {N - 1}) * {KV} + tf_q;
   float tf_c0[4] = {{0.f, 0.f, 0.f, 0.f}}, tf_c1[4] = {{0.f, 0.f, 0.f, 0.f}};

@@ -762,7 +762,7 @@ def _emit_stmt(ctx: _Ctx, em: _Emitter, s, env: dict, *, inner: bool, src_chunk=
         arg_dtypes = [ctx.dtype_of[a] for a in s.args]
         if s.dst in ctx.store_only_casts:  # the store's conversion rounds it
             expr = cexpr.cast(args[0], arg_dtypes[0], "f32")
-        elif s.op == "sub" and s.dtype in ("f32", "f64") and set(s.args) & set(ctx.mean_err) and s.args[0] != s.args[1]:
+        elif s.op == "sub" and s.dtype in ("f32", "f64") and any(a in ctx.mean_err for a in s.args):
             expr = _minus_mean(ctx, s, args, arg_dtypes)
         else:
             expr = cexpr.op(s.op, args, arg_dtypes, s.dtype, fast=ctx.fast)
