@@ -20,9 +20,11 @@ included (adjacent columns meet in one lane).
 What it takes (`why_not`): one batch, B K-major, K a multiple of 8 (16-byte vectors), M at
 most MAX_M; partial row reductions (a norm's sums after the O and down projections) only over
 groups of the tensor-core form's CTA's 16 columns, which that form renders (at M = 1 too).
-Under programmatic launch the FMA form loads B's first vectors, where B is a weight
+Both forms launch programmatically; the FMA form loads B's first vectors, where B is a weight
 (`b_const`), before the wait for the kernel before (on the coherent path: ptxas 13.0 moves
-non-coherent loads after the wait; session 51). CUDA C++ for sm_80 and later: no TMA, no wgmma.
+non-coherent loads after the wait; session 51). The tensor-core form loads nothing before it:
+its weight's first step there made a 4-sequence decode step 12% slower (session 53).
+CUDA C++ for sm_80 and later: no TMA, no wgmma.
 """
 from __future__ import annotations
 
@@ -476,7 +478,7 @@ extern "C" __global__ void __launch_bounds__({32 * W})
   const uint4* tf_b1 = B + (long long)min(n0 + 2 * tf_g + 1, {N - 1}) * {KV} + tf_q;
   float tf_c0[4] = {{0.f, 0.f, 0.f, 0.f}}, tf_c1[4] = {{0.f, 0.f, 0.f, 0.f}};
   uint4 w0[{U}], w1[{U}];
-  tf_pdl_wait();   // launched plainly (runtime.gemv.GemvKernel.pdl): returns at once
+  tf_pdl_wait();   // nothing loads before it (the module's docstring says why)
   const uint4* tf_a = A + min(tf_g, {M - 1}) * {KV} + tf_q;""")
     if full:
         loads = (ind + '  ').join(load_b('kv').split(ind))

@@ -4,9 +4,8 @@
     out = g(a, b)                          # a [M, K], b [N, K]; returns the epilogue's output
 
 Same problem type, call convention and checks as the tile templates' kernels
-(runtime.gemm.GemmKernel); A and B are plain pointers, 16-byte aligned. On sm_90 the FMA form
-launches programmatically like every generated kernel (runtime.launch.pdl_enabled), the
-tensor-core form plainly (GemvKernel.pdl).
+(runtime.gemm.GemmKernel); A and B are plain pointers, 16-byte aligned. On sm_90 both forms
+launch programmatically like every generated kernel (runtime.launch.pdl_enabled).
 """
 from __future__ import annotations
 
@@ -24,12 +23,7 @@ from .launch import _drv, _raw_stream, launch_attributes, load_function, pdl_ena
 class GemvKernel(Sm80GemmKernel):
     """A compiled GEMV; `source` is a gemv.GemvSource."""
 
-    @property
-    def pdl(self) -> bool:
-        """The FMA form launches programmatically; the tensor-core form plainly: launched
-        programmatically it made a decode step of 4 sequences through an 8 x 4096 Llama 0.3 ms
-        slower on an H200 (1.468 against 1.151 ms, session 51; not understood)."""
-        return not isinstance(self.source.schedule, gemv.MmaGemvSchedule)
+    pdl = True  # both forms wait for the kernel before (tf_pdl_wait): they may launch programmatically
 
     def _load(self, device: int):
         from cuda.bindings import driver
