@@ -1,6 +1,6 @@
 """Short-M GEMMs (a decode step's projections): the GEMV template against the tile template and cuBLAS.
 
-    python3 bench/gemv.py [--m 1,2,4,8] [--sweep fma|mma|both] [--json bench/results/gemv_h200.json]
+    python3 bench/gemv.py [--m 1,2,4,8] [--sweep fma|mma|both|prefetch] [--json bench/results/gemv_h200.json]
 
 Each implementation's calls are captured in one CUDA graph, 60 back to back, each reading
 the next of several copies of B (together more than twice the L2, so B comes from DRAM as
@@ -9,7 +9,8 @@ rate out of it, and under programmatic launch where tilefuse launches so (as in 
 graph). B is a weight (`b_const`: its first loads before the wait). Every output is checked
 against float32 (2x rule) first. At M > 1 the FMA form's default (one row's schedule) is timed
 beside the tensor-core form (the default there). --sweep also times every schedule of the FMA
-form, the tensor-core form or both at each shape (sources compiled first, in parallel).
+form, the tensor-core form or both at each shape (sources compiled first, in parallel); --sweep
+prefetch, the tensor-core default with `prefetch` 1 and 2 (MmaGemvSchedule).
 Prints a table (us a call, B's bytes a second, ratios against cuBLAS and the tile template).
 """
 from __future__ import annotations
@@ -64,8 +65,11 @@ def _ok(out, a, b) -> bool:
     return rel_error(out.float(), ref) <= 2 * rel_error((a @ b.T).float(), ref) + 1e-5
 
 
-def sweep_schedules(m: int, kinds: str) -> list:
+def sweep_schedules(m: int, kinds: str, n: int, k: int) -> list:
     out = []
+    if kinds == "prefetch" and m <= gemv.MAX_M:  # the default's layout, B's steps asked into L2 ahead
+        d = gemv._mma_default(GemmProblem(m, n, k, "bf16", b_major="K", b_const=True))
+        out += [gemv.MmaGemvSchedule(d.warps, d.unroll, p) for p in (1, 2)]
     if kinds in ("fma", "both"):
         out += [gemv.GemvSchedule(c, w, u) for c in (1, 2, 4) for w in (4, 8, 16) for u in (1, 2, 4, 8)
                 if c * u <= 16 and c * m <= 32]
@@ -93,7 +97,7 @@ def precompile(ms, sweep: str | None) -> None:
         for n, k in SHAPES:
             prob = GemmProblem(m, n, k, "bf16", b_major="K", b_const=True)
             jobs += [("tile", prob, None), ("gemv", prob, None), ("gemv", prob, gemv._fma_default(prob))]
-            jobs += [("gemv", prob, s) for s in sweep_schedules(m, sweep or "")]
+            jobs += [("gemv", prob, s) for s in sweep_schedules(m, sweep or "", n, k)]
     with ProcessPoolExecutor(max_workers=min(16, mp.cpu_count()), mp_context=mp.get_context("spawn")) as ex:
         list(ex.map(_build, jobs, chunksize=4))
 
@@ -126,7 +130,7 @@ def run_shape(m, n, k, sweep: str | None) -> dict:
         row["fma_us"] = per_call_us(lambda i: f(a, bs[i % copies], out=out))
     if sweep:
         row["sweep"] = {}
-        for s in sweep_schedules(m, sweep):
+        for s in sweep_schedules(m, sweep, n, k):
             gs = compile_gemv(prob, s)
             out.fill_(float("nan"))
             gs(a, bs[0], out=out)
@@ -138,8 +142,9 @@ def run_shape(m, n, k, sweep: str | None) -> dict:
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--m", default="1,2,4,8", help="rows of A (comma-separated)")
-    ap.add_argument("--sweep", choices=("fma", "mma", "both"),
-                    help="also time every schedule of the FMA form, the tensor-core form or both")
+    ap.add_argument("--sweep", choices=("fma", "mma", "both", "prefetch"),
+                    help="also time every schedule of the FMA form, the tensor-core form or both; or "
+                         "(prefetch) the tensor-core default with B's steps prefetched into L2, 1 or 2 ahead")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     rows = []

@@ -83,6 +83,15 @@ def test_tensor_core_schedules_match_float32(sched, m):
     _plain(m, 1000, 2056, "bf16", sched, b_const=True)
 
 
+@pytest.mark.parametrize("sched", [T(w, u, p) for w, u in ((16, 8), (4, 2), (1, 1)) for p in (1, 2)], ids=str)
+@pytest.mark.parametrize("b_const", [False, True])
+@pytest.mark.parametrize("m,n,k", [(4, 1000, 2056), (2, 4097, 11008), (8, 33, 72)])
+def test_tensor_core_form_with_l2_prefetches_matches_float32(m, n, k, b_const, sched):
+    """B's steps asked into L2 ahead of the loads (one or two ahead, the first before the
+    wait; rows past N and steps past K not asked) change no result."""
+    _plain(m, n, k, "bf16", sched, b_const=b_const)
+
+
 @pytest.mark.parametrize("act,dtype,m,sched", [(a, "bf16", 1, S(2, 4, 4)) for a in epi.ACTIVATIONS]
                          + [("gelu", "f16", 3, S(2, 4, 4)), ("silu", "bf16", 4, S(2, 4, 4)),
                             ("gelu", "bf16", 2, T()), ("silu", "f16", 5, T(8, 2)), ("sigmoid", "bf16", 8, T(1, 4))],

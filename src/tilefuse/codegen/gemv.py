@@ -68,16 +68,20 @@ class MmaGemvSchedule:
     32 K."""
     warps: int = 4     # warps per CTA, each a share of K (their sums meet in shared memory)
     unroll: int = 4    # chunks of 32 K each lane loads before it multiplies
+    prefetch: int = 0  # steps of B the CTA asks into L2 ahead of its loads (sm_90: bulk prefetches)
 
     def __post_init__(self):
         if self.warps not in (1, 2, 4, 8, 16, 32):
             raise GemmError(f"GEMV warps must be 1, 2, 4, 8, 16 or 32, not {self.warps}")
         if self.unroll not in (1, 2, 4, 8):
             raise GemmError(f"GEMV unroll must be 1, 2, 4 or 8, not {self.unroll}")
+        if self.prefetch not in (0, 1, 2):
+            raise GemmError(f"GEMV prefetch must be 0, 1 or 2 steps, not {self.prefetch}")
 
     def __str__(self):
+        ahead = f", {self.prefetch} step(s) of B prefetched into L2" if self.prefetch else ""
         return (f"gemv on tensor cores, 16 columns a CTA, K over {self.warps} warps, "
-                f"{self.unroll} chunk(s) of 32 a lane in flight")
+                f"{self.unroll} chunk(s) of 32 a lane in flight{ahead}")
 
 
 @dataclass(frozen=True)
@@ -187,9 +191,22 @@ def kernel_name(problem: GemmProblem, s: GemvSchedule | MmaGemvSchedule, kernel:
     from ..loop.canon import structural_hash
 
     h = structural_hash(kernel)[:10]
-    knobs = f"tw{s.warps}u{s.unroll}" if isinstance(s, MmaGemvSchedule) else f"c{s.cols}w{s.warps}u{s.unroll}"
+    knobs = (f"tw{s.warps}u{s.unroll}{f'p{s.prefetch}' if s.prefetch else ''}" if isinstance(s, MmaGemvSchedule)
+             else f"c{s.cols}w{s.warps}u{s.unroll}")
     return (f"tf_gemv_{problem.m}x{problem.n}x{problem.k}_{problem.dtype}_{knobs}"
             f"{'_bc' if problem.b_const else ''}_{h}")
+
+
+PREFETCH_L2 = """// Ask L2 for `bytes` (a multiple of 16) from a 16-byte aligned p: the copy engine's bulk
+// prefetch (sm_90), a hint that holds no register while it is in flight.
+__device__ __forceinline__ void tf_prefetch_l2(const void* p, unsigned bytes) {
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(p), "r"(bytes) : "memory");
+}
+"""
+
+
+def _arch_number(arch: str) -> int:
+    return int("".join(ch for ch in arch.split("_")[-1] if ch.isdigit()))
 
 
 def _load(name: str, op: str, note: str = "") -> str:
@@ -463,10 +480,31 @@ def _render_mma(P: GemmProblem, S: MmaGemvSchedule, kernel: ir.Kernel, arch: str
         return (f"tf_mma(tf_c0, {w0}.x, {w1}.x, {w0}.y, {w1}.y, {x}.x, {x}.y); "
                 f"tf_mma(tf_c1, {w0}.z, {w1}.z, {w0}.w, {w1}.w, {x}.z, {x}.w);")
 
+    if S.prefetch and _arch_number(arch) < 90:
+        raise GemmError(f"{S}: L2 bulk prefetches (cp.async.bulk.prefetch) need sm_90, not {arch}")
+    step_vectors = 4 * per_step          # a step's vectors of each B row (the last step may be short)
+
+    def prefetch(step: int | str) -> str:
+        """Threads 0-15 each ask L2 for one of the CTA's B rows' vectors of step `step` (a
+        number, or an expression in the loop's s), where that step and the row exist: one bulk
+        prefetch a row, no registers held."""
+        row = f"threadIdx.x < {GROUP} && n0 + threadIdx.x < {N}"
+        if isinstance(step, int):
+            v0 = step * step_vectors
+            if v0 >= KV:
+                return ""
+            return (f"if ({row}) tf_prefetch_l2(B + (long long)(n0 + threadIdx.x) * {KV} + {v0}, "
+                    f"{16 * min(step_vectors, KV - v0)}u);")
+        v0 = f"({step}) * {step_vectors}"
+        return (f"if ({row} && {v0} < {KV}) tf_prefetch_l2(B + (long long)(n0 + threadIdx.x) * {KV} + {v0}, "
+                f"16u * min({step_vectors}, {KV} - {v0}));")
+
     src = _head(name, P, S, kernel, arch, f"{full} whole step(s) of {per_step} chunks of 32 K, then "
                 f"{chunks - full * per_step} chunk(s) a warp at a time")
     w = src.append
     w(_mma(P.dtype))
+    if S.prefetch:
+        w(PREFETCH_L2)
     w(f"""
 extern "C" __global__ void __launch_bounds__({32 * W})
 {name}({", ".join(cparams)}) {{
@@ -477,12 +515,16 @@ extern "C" __global__ void __launch_bounds__({32 * W})
   const uint4* tf_b0 = B + (long long)min(n0 + 2 * tf_g, {N - 1}) * {KV} + tf_q;
   const uint4* tf_b1 = B + (long long)min(n0 + 2 * tf_g + 1, {N - 1}) * {KV} + tf_q;
   float tf_c0[4] = {{0.f, 0.f, 0.f, 0.f}}, tf_c1[4] = {{0.f, 0.f, 0.f, 0.f}};
-  uint4 w0[{U}], w1[{U}];
-  tf_pdl_wait();   // nothing loads before it (the module's docstring says why)
+  uint4 w0[{U}], w1[{U}];""")
+    if S.prefetch:  # L2 is where every write lands: asking it for B early reads nothing stale
+        w("  // B's first step(s) into L2 before the wait: the loads below then find them there")
+        w("\n".join(f"  {prefetch(j)}" for j in range(S.prefetch) if prefetch(j)))
+    w(f"""  tf_pdl_wait();   // nothing loads before it (the module's docstring says why)
   const uint4* tf_a = A + min(tf_g, {M - 1}) * {KV} + tf_q;""")
     if full:
         loads = (ind + '  ').join(load_b('kv').split(ind))
-        w(f"""  for (int s = 0, kv = warp * {4 * U}; s < {full}; ++s, kv += {4 * per_step}) {{
+        ahead = f"\n    {prefetch(f's + {S.prefetch}')}" if S.prefetch else ""
+        w(f"""  for (int s = 0, kv = warp * {4 * U}; s < {full}; ++s, kv += {4 * per_step}) {{{ahead}
     {loads}
     uint4 x[{U}];
     #pragma unroll
