@@ -422,6 +422,26 @@ def test_a_reduced_16_bit_value_is_the_same_value_its_cast_sees():
 
 
 @pytest.mark.parametrize("dt", [torch.bfloat16, torch.float16])
+def test_a_reduced_16_bit_value_is_the_same_value_at_every_use(dt):
+    """A 16-bit op result that one of the kernel's reductions reads is its rounded value in the
+    kernel's other uses too, as in PyTorch: `v - v.amax()` of softsign over a row of equal
+    values is exactly 0 (it was -0.0006 in bf16: the max read the rounded value, the
+    subtraction the unrounded f32; fuzzing), and at every row v - v.amax() <= 0 and
+    exp(v - max) peaks at exactly 1. (v itself may differ from PyTorch's by an ulp: the
+    kernel does not round softsign's own steps.)"""
+    x = torch.cat([torch.full((2, 16), 0.7), torch.randn(5, 16) * 3]).to(dt)
+
+    def f(x):
+        v = F.softsign(x)
+        d = v - v.amax(-1, keepdim=True)
+        return d, d.exp().amax(-1)
+
+    got = compile_stages(f, [x]).program(x)
+    assert torch.equal(got[0][:2], torch.zeros(2, 16, dtype=dt)) and (got[0] <= 0).all()
+    assert torch.equal(got[1], torch.ones(7, dtype=dt))
+
+
+@pytest.mark.parametrize("dt", [torch.bfloat16, torch.float16])
 def test_a_16_bit_value_promoted_in_a_wider_op_is_the_value_its_cast_sees(dt):
     """A 16-bit op result entering an op of a wider type (beside an f64 or f32 tensor) is
     promoted from its rounded value, as an explicit cast of it is: `v - v.double()` is 0, as

@@ -67,6 +67,7 @@ class _Lowerer:
         self.views: dict[str, list] = {}
         self.casts: dict[tuple, str] = {}  # (id(block), value, dtype) -> the value converted, in that block
         self.blocks: list[list] = []  # every block made, kept alive: the casts' keys are their ids
+        self.reduced16 = _reduced_16bit_maps(graph, step)
 
     def block(self) -> list:
         """A new statement list. It stays referenced until lowering ends, so its id() (a key of
@@ -135,6 +136,11 @@ class _Lowerer:
             self.dtype[v] = n.type.dtype
         elif isinstance(n, g_ir.Map):
             v = self.emit_map(n, block, memo, col)
+            if name in self.reduced16:
+                # a 16-bit result this kernel reduces is rounded to its dtype for every use, not
+                # only in the reduction (emit_reduce): `x - x.amax()` of a bf16 softsign(x) was
+                # -0.0006 for a row of equal values, where PyTorch's is 0 (fuzzing)
+                v = self.convert(v, n.type.dtype, block)
         elif isinstance(n, g_ir.View):
             v = self.emit(n.arg, block, memo, col)
         elif isinstance(n, g_ir.Reduce):
@@ -292,6 +298,20 @@ class _Lowerer:
                           (L.Loop("r", rows, tuple(self.row_block), parallel=True),), "mapreduce",
                           notes=tuple(f"{n}: {self.g[n].describe()}" for n in step.nodes))
         return Lowered(kernel, tuple(self.bindings))
+
+
+def _reduced_16bit_maps(graph: g_ir.Graph, step) -> frozenset[str]:
+    """The bf16/f16 maps of this step that one of its reductions reads (through views)."""
+    out = set()
+    for name in step.nodes:
+        n = graph[name]
+        if isinstance(n, g_ir.Reduce) and graph[n.arg].type.dtype in ("bf16", "f16"):
+            a = n.arg
+            while isinstance(graph[a], g_ir.View) and a in step.nodes:
+                a = graph[a].arg
+            if isinstance(graph[a], g_ir.Map) and a in step.nodes:
+                out.add(a)
+    return frozenset(out)
 
 
 def _compared_as(ts: list[str]) -> str:
