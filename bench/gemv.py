@@ -10,7 +10,7 @@ graph). B is a weight (`b_const`: its first loads before the wait). Every output
 against float32 (2x rule) first. At M > 1 the FMA form's default (one row's schedule) is timed
 beside the tensor-core form (the default there). --sweep also times every schedule of the FMA
 form, the tensor-core form or both at each shape (sources compiled first, in parallel); --sweep
-prefetch, the tensor-core default with `prefetch` 1 and 2 (MmaGemvSchedule).
+prefetch, the tensor-core default's layout with `prefetch` 0, 1 and 2 (MmaGemvSchedule).
 Prints a table (us a call, B's bytes a second, ratios against cuBLAS and the tile template).
 """
 from __future__ import annotations
@@ -67,9 +67,13 @@ def _ok(out, a, b) -> bool:
 
 def sweep_schedules(m: int, kinds: str, n: int, k: int) -> list:
     out = []
-    if kinds == "prefetch" and m <= gemv.MAX_M:  # the default's layout, B's steps asked into L2 ahead
+    if kinds == "prefetch" and m <= gemv.MAX_M:
+        # the tensor-core default's layout without and with B's steps asked into L2 ahead (at
+        # M = 1 the default is the FMA form: the first is the baseline then); two steps ahead
+        # only where K is more than one step
         d = gemv._mma_default(GemmProblem(m, n, k, "bf16", b_major="K", b_const=True))
-        out += [gemv.MmaGemvSchedule(d.warps, d.unroll, p) for p in (1, 2)]
+        steps = -(-(k // gemv.VEC) // (4 * d.warps * d.unroll))
+        out += [gemv.MmaGemvSchedule(d.warps, d.unroll, p) for p in ((0, 1, 2) if steps > 1 else (0, 1))]
     if kinds in ("fma", "both"):
         out += [gemv.GemvSchedule(c, w, u) for c in (1, 2, 4) for w in (4, 8, 16) for u in (1, 2, 4, 8)
                 if c * u <= 16 and c * m <= 32]

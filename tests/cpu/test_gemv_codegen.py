@@ -238,21 +238,27 @@ def test_both_forms_launch_programmatically():
 
 
 @pytest.mark.parametrize("m,n,k,sched", [(4, 22016, 4096, T(16, 8, 1)), (4, 4096, 11008, T(16, 2, 2)),
-                                         (3, 1000, 2056, T(32, 2, 2)), (8, 33, 72, T(1, 1, 1))], ids=str)
+                                         (3, 1000, 2056, T(32, 2, 2)), (8, 33, 72, T(1, 1, 1)),
+                                         (4, 4097, 11008, T(4, 2, 2))], ids=str)
 def test_l2_prefetches_are_asked_before_the_wait_and_ahead_in_the_loop(m, n, k, sched):
     """With `prefetch` p, B's first p steps (those K holds) are asked into L2 before
-    tf_pdl_wait, by threads 0-15 (a row each, rows past N not), and inside the main loop step
-    s asks for step s + p; the kernel compiles clean and is named apart from p = 0."""
+    tf_pdl_wait and, inside the main loop, step s asks for step s + p, by thread 0 a row at a
+    time (a uniform address), or where one step is all of K in one for the CTA's rows end to
+    end (rows past N not asked). The kernel compiles clean and is named apart from p = 0."""
     P = GemmProblem(m, n, k, "bf16", b_const=True)
     src = gemv.render(P, sched)
     assert src.name != gemv.render(P, T(sched.warps, sched.unroll)).name
     kv = k // 8
     step = 4 * sched.warps * sched.unroll
     head = _before_wait(src.source).split("tf_pdl_launch();", 1)[1]
-    assert head.count("tf_prefetch_l2(") == len([j for j in range(sched.prefetch) if j * step < kv]), head
-    assert f"threadIdx.x < 16 && n0 + threadIdx.x < {n}" in head
-    if kv // 4 >= sched.warps * sched.unroll:  # a main loop
-        assert f"(s + {sched.prefetch}) * {step} < {kv}) tf_prefetch_l2(" in src.source
+    if step >= kv:
+        assert head.count("tf_prefetch_l2(") == 1
+        assert f"if (threadIdx.x == 0) tf_prefetch_l2(B + (long long)n0 * {kv}, 16u * {kv} * min(16, {n} - n0));" in head
+        assert "(s + " not in src.source.split("tf_pdl_wait();", 1)[1].split("tf_prefetch_l2", 1)[0]
+    else:
+        rows = f"if (threadIdx.x == 0) for (int r = 0; r < min(16, {n} - n0); ++r) tf_prefetch_l2("
+        assert head.count(rows) == len([j for j in range(sched.prefetch) if j * step < kv]), head
+        assert f"if (threadIdx.x == 0 && (s + {sched.prefetch}) * {step} < {kv}) for (int r = 0;" in src.source
     _compiles(P, sched)
 
 

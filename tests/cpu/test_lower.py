@@ -421,24 +421,32 @@ def test_a_reduced_16_bit_value_is_the_same_value_its_cast_sees():
     assert compile_stages(f, [b]).program(b).item() == f(b).item() == 0.0
 
 
+SAME_VALUE_FORMS = {
+    "v - v.amax()": lambda v: v - v.amax(-1, keepdim=True),
+    "v + (-v).amin()": lambda v: v + (-v).amin(-1, keepdim=True),
+    "w - w.abs().amax()": lambda v: (lambda w: w - w.abs().amax(-1, keepdim=True))(v.abs()),
+    "2v - (2v).amax()": lambda v: v * 2 - (v * 2).amax(-1, keepdim=True),
+}
+
+
+@pytest.mark.parametrize("form", list(SAME_VALUE_FORMS))
 @pytest.mark.parametrize("dt", [torch.bfloat16, torch.float16])
-def test_a_reduced_16_bit_value_is_the_same_value_at_every_use(dt):
-    """A 16-bit op result that one of the kernel's reductions reads is its rounded value in the
-    kernel's other uses too, as in PyTorch: `v - v.amax()` of softsign over a row of equal
-    values is exactly 0 (it was -0.0006 in bf16: the max read the rounded value, the
-    subtraction the unrounded f32; fuzzing), and at every row v - v.amax() <= 0 and
-    exp(v - max) peaks at exactly 1. (v itself may differ from PyTorch's by an ulp: the
-    kernel does not round softsign's own steps.)"""
-    x = torch.cat([torch.full((2, 16), 0.7), torch.randn(5, 16) * 3]).to(dt)
+def test_a_reduced_16_bit_value_is_the_same_value_at_every_use(dt, form):
+    """A 16-bit op result that one of the kernel's reductions is computed from is its rounded
+    value at the kernel's other uses too, as in PyTorch: the forms below of softsign over a row
+    of equal values are exactly 0 (`v - v.amax()` was -0.0006 in bf16: the max read the rounded
+    value, the subtraction the unrounded f32; fuzzing), never positive at any row, and
+    exp(v - max) peaks at exactly 1. (v itself may differ from PyTorch's by an ulp: the kernel
+    does not round softsign's own steps.)"""
+    x = torch.cat([torch.full((2, 16), 0.7), torch.full((2, 16), -0.3), torch.randn(5, 16) * 3]).to(dt)
 
     def f(x):
-        v = F.softsign(x)
-        d = v - v.amax(-1, keepdim=True)
+        d = SAME_VALUE_FORMS[form](F.softsign(x))
         return d, d.exp().amax(-1)
 
     got = compile_stages(f, [x]).program(x)
-    assert torch.equal(got[0][:2], torch.zeros(2, 16, dtype=dt)) and (got[0] <= 0).all()
-    assert torch.equal(got[1], torch.ones(7, dtype=dt))
+    assert torch.equal(got[0][:4], torch.zeros(4, 16, dtype=dt)) and (got[0] <= 0).all()
+    assert torch.equal(got[1], torch.ones(9, dtype=dt))
 
 
 @pytest.mark.parametrize("dt", [torch.bfloat16, torch.float16])

@@ -23,7 +23,9 @@ groups of the tensor-core form's CTA's 16 columns, which that form renders (at M
 Both forms launch programmatically; the FMA form loads B's first vectors, where B is a weight
 (`b_const`), before the wait for the kernel before (on the coherent path: ptxas 13.0 moves
 non-coherent loads after the wait; session 51). The tensor-core form loads nothing before it:
-its weight's first step there made a 4-sequence decode step 12% slower (session 53).
+its weight's first step there made a 4-sequence decode step 12% slower (session 53). Its
+`prefetch` knob (off by default, unmeasured) asks L2 for B's next steps instead, with bulk
+prefetches that hold no registers.
 CUDA C++ for sm_80 and later: no TMA, no wgmma.
 """
 from __future__ import annotations
@@ -32,6 +34,7 @@ from dataclasses import dataclass
 
 from ..loop import ir
 from . import cexpr, epilogue as epi
+from .mapreduce import arch_number
 from .gemm_sm90 import (_PARTIAL_COMBINE, GemmError, GemmProblem, _check_epilogue, _ident, _render_element,
                         inline_partial_terms, inline_partials)
 
@@ -197,16 +200,12 @@ def kernel_name(problem: GemmProblem, s: GemvSchedule | MmaGemvSchedule, kernel:
             f"{'_bc' if problem.b_const else ''}_{h}")
 
 
-PREFETCH_L2 = """// Ask L2 for `bytes` (a multiple of 16) from a 16-byte aligned p: the copy engine's bulk
-// prefetch (sm_90), a hint that holds no register while it is in flight.
+PREFETCH_L2 = """// Ask L2 for `bytes` (a multiple of 16) from a 16-byte aligned p: a bulk prefetch the TMA
+// unit carries out (sm_90), a hint that holds no register while it is in flight.
 __device__ __forceinline__ void tf_prefetch_l2(const void* p, unsigned bytes) {
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(p), "r"(bytes) : "memory");
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(p), "r"(bytes));
 }
 """
-
-
-def _arch_number(arch: str) -> int:
-    return int("".join(ch for ch in arch.split("_")[-1] if ch.isdigit()))
 
 
 def _load(name: str, op: str, note: str = "") -> str:
@@ -480,24 +479,30 @@ def _render_mma(P: GemmProblem, S: MmaGemvSchedule, kernel: ir.Kernel, arch: str
         return (f"tf_mma(tf_c0, {w0}.x, {w1}.x, {w0}.y, {w1}.y, {x}.x, {x}.y); "
                 f"tf_mma(tf_c1, {w0}.z, {w1}.z, {w0}.w, {w1}.w, {x}.z, {x}.w);")
 
-    if S.prefetch and _arch_number(arch) < 90:
+    if S.prefetch and arch_number(arch) < 90:
         raise GemmError(f"{S}: L2 bulk prefetches (cp.async.bulk.prefetch) need sm_90, not {arch}")
     step_vectors = 4 * per_step          # a step's vectors of each B row (the last step may be short)
 
     def prefetch(step: int | str) -> str:
-        """Threads 0-15 each ask L2 for one of the CTA's B rows' vectors of step `step` (a
-        number, or an expression in the loop's s), where that step and the row exist: one bulk
-        prefetch a row, no registers held."""
-        row = f"threadIdx.x < {GROUP} && n0 + threadIdx.x < {N}"
+        """The CTA's 16 rows of B at step `step` (a number, or an expression in the loop's s)
+        asked into L2, where that step and the row exist, by thread 0: the instruction takes a
+        uniform address, and ptxas wraps one of lane-distinct addresses in a loop over them
+        (lane 0 of each warp for its rows did not do: the warp index is not uniform to it).
+        Where one step is all of K the rows lie end to end: one prefetch asks for them all."""
+        rows_here = f"min({GROUP}, {N} - n0)"
+        if isinstance(step, int) and step_vectors >= KV:  # one step: every row whole
+            return "" if step else (f"if (threadIdx.x == 0) tf_prefetch_l2(B + (long long)n0 * {KV}, "
+                                    f"16u * {KV} * {rows_here});")
         if isinstance(step, int):
             v0 = step * step_vectors
             if v0 >= KV:
                 return ""
-            return (f"if ({row}) tf_prefetch_l2(B + (long long)(n0 + threadIdx.x) * {KV} + {v0}, "
-                    f"{16 * min(step_vectors, KV - v0)}u);")
-        v0 = f"({step}) * {step_vectors}"
-        return (f"if ({row} && {v0} < {KV}) tf_prefetch_l2(B + (long long)(n0 + threadIdx.x) * {KV} + {v0}, "
-                f"16u * min({step_vectors}, {KV} - {v0}));")
+            size, guard = f"{16 * min(step_vectors, KV - v0)}u", ""
+        else:
+            v0 = f"({step}) * {step_vectors}"
+            size, guard = f"16u * min({step_vectors}, {KV} - {v0})", f" && {v0} < {KV}"
+        return (f"if (threadIdx.x == 0{guard}) for (int r = 0; r < {rows_here}; ++r) "
+                f"tf_prefetch_l2(B + (long long)(n0 + r) * {KV} + {v0}, {size});")
 
     src = _head(name, P, S, kernel, arch, f"{full} whole step(s) of {per_step} chunks of 32 K, then "
                 f"{chunks - full * per_step} chunk(s) a warp at a time")
@@ -523,7 +528,7 @@ extern "C" __global__ void __launch_bounds__({32 * W})
   const uint4* tf_a = A + min(tf_g, {M - 1}) * {KV} + tf_q;""")
     if full:
         loads = (ind + '  ').join(load_b('kv').split(ind))
-        ahead = f"\n    {prefetch(f's + {S.prefetch}')}" if S.prefetch else ""
+        ahead = f"\n    {prefetch(f's + {S.prefetch}')}" if S.prefetch and step_vectors < KV else ""
         w(f"""  for (int s = 0, kv = warp * {4 * U}; s < {full}; ++s, kv += {4 * per_step}) {{{ahead}
     {loads}
     uint4 x[{U}];

@@ -305,7 +305,7 @@ def _words(dtype: str, vector: int) -> int:
 # ---------------------------------------------------------------- default schedule
 
 
-def _arch_number(arch: str) -> int:
+def arch_number(arch: str) -> int:
     m = re.fullmatch(r"(?:sm|compute)_(\d+)a?", arch)
     if not m:
         raise ValueError(f"unknown GPU architecture {arch!r} (expected e.g. sm_90a or sm_80)")
@@ -313,7 +313,7 @@ def _arch_number(arch: str) -> int:
 
 
 def supports_clusters(arch: str) -> bool:
-    return _arch_number(arch) >= 90
+    return arch_number(arch) >= 90
 
 
 def _pow2ceil(n: int) -> int:
@@ -459,7 +459,7 @@ SMEM_PER_CTA = 96 * 1024   # keep at least two CTAs' staging in an SM's shared m
 
 def max_smem(arch: str) -> int:
     """Dynamic shared memory one CTA may have on `arch`."""
-    n = _arch_number(arch)
+    n = arch_number(arch)
     return {90: 227 * 1024, 80: 163 * 1024, 87: 163 * 1024}.get(n, 99 * 1024 if n >= 86 else 48 * 1024)
 
 

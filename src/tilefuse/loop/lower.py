@@ -137,9 +137,10 @@ class _Lowerer:
         elif isinstance(n, g_ir.Map):
             v = self.emit_map(n, block, memo, col)
             if name in self.reduced16:
-                # a 16-bit result this kernel reduces is rounded to its dtype for every use, not
-                # only in the reduction (emit_reduce): `x - x.amax()` of a bf16 softsign(x) was
-                # -0.0006 for a row of equal values, where PyTorch's is 0 (fuzzing)
+                # a 16-bit result a reduction of this kernel is computed from is rounded to its
+                # dtype for every use, not only in the reduction (emit_reduce): `x - x.amax()` of
+                # a bf16 softsign(x) was -0.0006 for a row of equal values, where PyTorch's is 0
+                # (fuzzing)
                 v = self.convert(v, n.type.dtype, block)
         elif isinstance(n, g_ir.View):
             v = self.emit(n.arg, block, memo, col)
@@ -301,16 +302,25 @@ class _Lowerer:
 
 
 def _reduced_16bit_maps(graph: g_ir.Graph, step) -> frozenset[str]:
-    """The bf16/f16 maps of this step that one of its reductions reads (through views)."""
-    out = set()
-    for name in step.nodes:
-        n = graph[name]
-        if isinstance(n, g_ir.Reduce) and graph[n.arg].type.dtype in ("bf16", "f16"):
-            a = n.arg
-            while isinstance(graph[a], g_ir.View) and a in step.nodes:
-                a = graph[a].arg
-            if isinstance(graph[a], g_ir.Map) and a in step.nodes:
+    """The bf16/f16 maps of this step that one of its 16-bit reductions is computed from (the
+    value it reads, through views, and the 16-bit maps under it in the step), so that each is
+    one value wherever the kernel uses it: `v + (-v).amin()` reads -v, and v itself must be
+    rounded for the sum of equal values to be 0."""
+    out, seen = set(), set()
+    todo = [graph[n].arg for n in step.nodes
+            if isinstance(graph[n], g_ir.Reduce) and graph[graph[n].arg].type.dtype in ("bf16", "f16")]
+    while todo:
+        a = todo.pop()
+        if a in seen or a not in step.nodes:
+            continue
+        seen.add(a)
+        n = graph[a]
+        if isinstance(n, g_ir.View):
+            todo.append(n.arg)
+        elif isinstance(n, g_ir.Map):
+            if n.type.dtype in ("bf16", "f16"):
                 out.add(a)
+            todo.extend(n.args)
     return frozenset(out)
 
 
