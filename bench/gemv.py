@@ -1,6 +1,7 @@
 """Short-M GEMMs (a decode step's projections): the GEMV template against the tile template and cuBLAS.
 
     python3 bench/gemv.py [--m 1,2,4,8] [--sweep fma|mma|both|prefetch] [--json bench/results/gemv_h200.json]
+    python3 bench/gemv.py --groups [--m 1,4] [--json FILE]   # Q, K, V one after another vs one launch
 
 Each implementation's calls are captured in one CUDA graph, 60 back to back, each reading
 the next of several copies of B (together more than twice the L2, so B comes from DRAM as
@@ -27,7 +28,7 @@ from tilefuse.check import rel_error  # noqa: E402
 from tilefuse.codegen import gemv  # noqa: E402
 from tilefuse.codegen.gemm_sm90 import GemmProblem  # noqa: E402
 from tilefuse.runtime.gemm import compile_gemm  # noqa: E402
-from tilefuse.runtime.gemv import compile_gemv  # noqa: E402
+from tilefuse.runtime.gemv import compile_gemv, compile_gemv_group  # noqa: E402
 
 # Llama decode projections: 4096 wide (QKV fused 12288, O 4096, gate/up 2 x 11008, down, LM head
 # 32000), 1024 wide (GQA's K/V), and a 2048-wide model's
@@ -143,16 +144,77 @@ def run_shape(m, n, k, sweep: str | None) -> dict:
     return row
 
 
+# GEMMs of one A a decode step runs side by side: Llama-7B's Q, K, V; with 8 KV heads (GQA);
+# the 4-layer Llama's (d 2048)
+GROUPS = [((4096, 4096, 4096), 4096), ((4096, 1024, 1024), 4096), ((2048, 2048, 2048), 2048)]
+
+
+def run_group(m: int, ns, k: int) -> dict:
+    """The members launched one after another (each its own default schedule, and each under
+    the group's schedule) against the group's one launch, each reading the next of several copies
+    of its B; the group's outputs checked equal to its members' under the same schedule."""
+    probs = [GemmProblem(m, n, k, "bf16", b_major="K", b_const=True) for n in ns]
+    copies = max(2, int(2 * 100e6 // (sum(ns) * k * 2)) + 1)
+    bs = [[torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for n in ns] for _ in range(copies)]
+    a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    outs = [torch.empty(m, n, device="cuda", dtype=torch.bfloat16) for n in ns]
+    group = compile_gemv_group(probs)
+    alone = [compile_gemv(p) for p in probs]
+    same = [compile_gemv(p, group.source.schedule) for p in probs]
+    group(a, bs[0], [dict(out=o) for o in outs])
+    got = [o.clone() for o in outs]
+    for j, g in enumerate(same):
+        g(a, bs[0][j], out=outs[j])
+    row = dict(m=m, ns=list(ns), k=k, copies=copies, schedule=str(group.source.schedule),
+               equal=all(torch.equal(x, y) for x, y in zip(got, outs)),
+               ok=all(_ok(o, a, b) for o, b in zip(got, bs[0])))
+
+    def each(kernels):
+        return lambda i: [g(a, bs[i % copies][j], out=outs[j]) for j, g in enumerate(kernels)]
+
+    row["alone_us"] = per_call_us(each(alone))
+    row["same_schedule_us"] = per_call_us(each(same))
+    row["group_us"] = per_call_us(lambda i: group(a, bs[i % copies], [dict(out=o) for o in outs]))
+    row["group_TBs"] = sum(ns) * k * 2 / row["group_us"] / 1e6
+    return row
+
+
+def groups_main(ms, path) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(8) as ex:  # NVRTC outside the GIL: the cubin cache first
+        list(ex.map(lambda j: compile_gemv_group([GemmProblem(j[0], n, j[2], "bf16", b_major="K", b_const=True)
+                                                  for n in j[1]]), [(m, ns, k) for m in ms for ns, k in GROUPS]))
+    rows = []
+    for m in ms:
+        for ns, k in GROUPS:
+            rows.append(run_group(m, ns, k))
+            print(json.dumps(rows[-1]), flush=True)
+    gpu = torch.cuda.get_device_name()
+    if path:
+        Path(path).write_text(json.dumps(dict(gpu=gpu, calls=CALLS, replays=REPLAYS, rows=rows), indent=1))
+    print(f"\n{gpu}, bf16, us a step of the group's GEMMs back to back in a CUDA graph")
+    print(f"{'M x Ns x K':>24} {'alone':>8} {'same sch':>8} {'group':>8} {'TB/s':>6} {'alone/group':>11} ok")
+    for r in rows:
+        shape = f"{r['m']}x{'+'.join(map(str, r['ns']))}x{r['k']}"
+        print(f"{shape:>24} {r['alone_us']:8.2f} {r['same_schedule_us']:8.2f} {r['group_us']:8.2f} "
+              f"{r['group_TBs']:6.2f} {r['alone_us'] / r['group_us']:11.3f} {'y' if r['ok'] and r['equal'] else 'N'}")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--m", default="1,2,4,8", help="rows of A (comma-separated)")
     ap.add_argument("--sweep", choices=("fma", "mma", "both", "prefetch"),
                     help="also time every schedule of the FMA form, the tensor-core form or both; or "
                          "(prefetch) the tensor-core default with B's steps prefetched into L2, 1 or 2 ahead")
+    ap.add_argument("--groups", action="store_true",
+                    help="instead: GEMMs of one A (Q, K, V) one after another against one launch (render_group)")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     rows = []
     ms = [int(x) for x in args.m.split(",")]
+    if args.groups:
+        return groups_main(ms, args.json)
     precompile(ms, args.sweep)
     for m in ms:
         for n, k in SHAPES:

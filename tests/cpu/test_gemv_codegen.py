@@ -268,3 +268,65 @@ def test_l2_prefetches_need_sm_90_and_at_most_two_steps():
     with pytest.raises(GemmError, match="prefetch"):
         T(4, 2, 3)
 
+
+
+def _qkv(m, n_kv=1024):
+    """A decode step's Q, K and V projections of one A: Q with a row scale (a folded norm),
+    K pairwise (a GLU stands in for RoPE's pairs), V plain; GQA's narrower K and V."""
+    return [GemmProblem(m, 4096, 4096, "bf16", epilogue=epi.standard(m, 4096, "bf16", row_scale=True), b_const=True),
+            GemmProblem(m, n_kv, 4096, "bf16", epilogue=epi.glu(m, n_kv, "bf16"), b_const=True),
+            GemmProblem(m, n_kv, 4096, "bf16", b_const=True)]
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_80"])
+@pytest.mark.parametrize("m", [1, 3, 8])
+def test_a_group_hands_each_member_its_ctas_under_one_schedule(m, arch):
+    """render_group: one schedule for all (the tensor-core form from 2 rows, else the FMA form
+    with the widest member's columns), each member's CTAs in turn (grid the sum of theirs),
+    its body the member's own with blockIdx.x rebased; A shared, each B and epilogue tensor
+    its own parameter; compiles clean."""
+    ps = _qkv(m)
+    g = gemv.render_group(ps, arch=arch)
+    alone = [gemv.render(p, g.schedule, arch) for p in ps]
+    assert isinstance(g.schedule, T if m > 1 else gemv.GemvSchedule) and (m > 1 or g.schedule.cols == 2)
+    assert g.grid[0] == sum(a.grid[0] for a in alone) and g.block == alone[0].block
+    assert g.params == ("g0_out", "g0_row_scale", "g1_B", "g1_out", "g2_B", "g2_out")
+    g0, g1 = alone[0].grid[0], alone[0].grid[0] + alone[1].grid[0]
+    assert f"if (blockIdx.x < {g0}) {{ tf_member0(A, B, g0_out, g0_row_scale, blockIdx.x - 0); return; }}" in g.source
+    assert f"if (blockIdx.x < {g1}) {{ tf_member1(A, g1_B, g1_out, blockIdx.x - {g0}); return; }}" in g.source
+    assert f"{{ tf_member2(A, g2_B, g2_out, blockIdx.x - {g1}); return; }}" in g.source
+    for i, a in enumerate(alone):  # each member's body is the kernel it would be alone, but for its CTA index
+        body = a.source.split(a.name + "(", 1)[1].split(") {", 1)[1].rstrip().removesuffix("}")
+        assert body.replace("blockIdx.x", "tf_bid") in g.source, i
+    assert g.members == tuple((p, a.params) for p, a in zip(ps, alone))
+    info = nvrtc.compile_cuda(g.source, g.name, arch).info
+    assert info.clean, info
+
+
+def test_a_group_takes_partials_and_refuses_what_is_not_one_a():
+    ps = _qkv(4)
+    e = epi.EpilogueBuilder(4, 4096)
+    y = e.op("add", e.acc(), e.load("residual", "tile", "bf16"))
+    e.store("out", y, "bf16")
+    e.partial_sum("sq", e.op("mul", y, y), gemv.GROUP)
+    ps[0] = GemmProblem(4, 4096, 4096, "bf16", epilogue=e.kernel("res_sq"), b_const=True)
+    g = gemv.render_group(ps)
+    assert "g0_sq" in g.params and nvrtc.compile_cuda(g.source, g.name, "sm_90a").info.clean
+    with pytest.raises(GemmError, match="one A"):
+        gemv.render_group([ps[1], GemmProblem(4, 1024, 2048, "bf16")])
+    with pytest.raises(GemmError, match="two or more"):
+        gemv.render_group(ps[:1])
+
+
+def test_a_group_kernels_call_says_what_is_wrong_and_which_member():
+    """A call with the wrong number of B tensors is refused before any check; a bad tensor is
+    named with the member it belongs to."""
+    import torch
+    from tilefuse.runtime.gemv import GemvGroupKernel
+
+    k = GemvGroupKernel(gemv.render_group([GemmProblem(4, 64, 64), GemmProblem(4, 32, 64)]), None, False)
+    a = torch.randn(4, 64).bfloat16()
+    with pytest.raises(ValueError, match="2 members, got 1 B tensor"):
+        k(a, [torch.randn(64, 64).bfloat16()])
+    with pytest.raises(ValueError, match=r"expected a CUDA tensor.*\(member 0: 4x64x64\)"):
+        k(a, [torch.randn(64, 64).bfloat16(), torch.randn(32, 64).bfloat16()])

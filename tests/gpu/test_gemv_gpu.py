@@ -5,7 +5,8 @@ Fresh random normal inputs per case; outputs poisoned with NaN first, so an unwr
 element fails. Odd shapes (N not a multiple of a warp's columns or a CTA's warps, K not a
 multiple of a lane step), M from 1 to MAX_M, bf16 and f16, every schedule knob, every
 epilogue kind and GLU, partial row reductions (an RMSNorm's), B a weight (loaded before the wait) or not, chains of GEMVs launched
-back to back under programmatic launch, and programs whose short GEMMs it runs.
+back to back under programmatic launch, programs whose short GEMMs it runs, and groups of GEMMs
+of one A in one launch.
 """
 import pytest
 import torch
@@ -13,7 +14,7 @@ import torch
 from tilefuse.check import rel_error
 from tilefuse.codegen import epilogue as epi, gemv
 from tilefuse.codegen.gemm_sm90 import GemmProblem
-from tilefuse.runtime.gemv import compile_gemv
+from tilefuse.runtime.gemv import compile_gemv, compile_gemv_group
 
 pytestmark = pytest.mark.gpu
 
@@ -232,3 +233,33 @@ def test_a_program_runs_its_short_gemms_here(m, monkeypatch):
         mod.to(torch.bfloat16)
     assert ("GemvKernel" in names[True]) == (m <= gemv.MAX_M), names
     assert "GemvKernel" not in names[False], names
+
+
+@pytest.mark.parametrize("m,k,n_kv", [(1, 4096, 1024), (4, 4096, 4096), (8, 1000, 520), (3, 72, 16)])
+def test_a_group_computes_what_its_members_compute_alone(m, k, n_kv):
+    """render_group's one launch (Q with a row scale, K pairwise as a GLU, V plain, of one A)
+    writes bit for bit what each member writes launched alone under the same schedule, and
+    passes the 2x rule; every output poisoned first, each member's B its own tensor."""
+    n_q = 4 * n_kv
+    ps = [GemmProblem(m, n_q, k, "bf16", epilogue=epi.standard(m, n_q, "bf16", row_scale=True), b_const=True),
+          GemmProblem(m, n_kv, k, "bf16", epilogue=epi.glu(m, n_kv, "bf16"), b_const=True),
+          GemmProblem(m, n_kv, k, "bf16", b_const=True)]
+    group = compile_gemv_group(ps)
+    assert group.info.clean, group.info
+    a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    bs = [torch.randn(p.n, k, device="cuda", dtype=torch.bfloat16) * k ** -0.5 for p in ps]
+    scale = torch.rand(m, device="cuda") + 0.5
+    outs = [torch.full((m, p.n // (2 if i == 1 else 1)), float("nan"), device="cuda", dtype=torch.bfloat16)
+            for i, p in enumerate(ps)]
+    got = group(a, bs, [dict(out=outs[0], row_scale=scale), dict(out=outs[1]), dict(out=outs[2])])
+    alone = [compile_gemv(p, group.source.schedule) for p in ps]
+    want = [alone[0](a, bs[0], row_scale=scale), alone[1](a, bs[1]), alone[2](a, bs[2])]
+    torch.cuda.synchronize()
+    for g, o, w in zip(got, outs, want):
+        assert g is o and torch.equal(g, w)
+    x, xf = a, a.float()
+    glu = lambda v: _F.silu(v[:, 0::2]) * v[:, 1::2]  # noqa: E731 (gate j at column 2j, up at 2j + 1)
+    _passes(outs[0], (xf @ bs[0].float().T) * scale[:, None], (x @ bs[0].T) * scale[:, None].to(x.dtype))
+    _passes(outs[1], glu(xf @ bs[1].float().T), glu(x @ bs[1].T))
+    _passes(outs[2], xf @ bs[2].float().T, x @ bs[2].T)
+

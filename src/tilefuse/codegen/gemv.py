@@ -30,6 +30,7 @@ CUDA C++ for sm_80 and later: no TMA, no wgmma.
 """
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 from ..loop import ir
@@ -101,6 +102,7 @@ class GemvSource:
     align_a: int = 16                 # bytes A and B must be aligned to: each is read in 16-byte vectors
     align_b: int = 16
     pair_store: bool = False
+    members: tuple = ()               # render_group: each GEMM's (problem, own params), in CTA order
 
 
 def enabled(environ=None) -> bool:
@@ -562,3 +564,75 @@ extern "C" __global__ void __launch_bounds__({32 * W})
     params = tuple(p.name for p in out_params) + tuple(p.name for p in ops_params)
     return GemvSource(name=name, source="\n".join(src), grid=(grid, 1, 1), block=(32 * W, 1, 1),
                       smem_bytes=0, params=params, problem=P, schedule=S, arch=arch)
+
+
+# ---------------------------------------------------------------- several GEMMs of one A
+
+
+def group_schedule(problems) -> GemvSchedule | MmaGemvSchedule:
+    """One schedule for GEMMs launched together (render_group): the tensor-core form where any
+    member would take it (more than one row, or partials), laid out for their columns together;
+    else the FMA form with the most columns a warp any member wants (2 for a pairwise one)."""
+    p0 = problems[0]
+    if any(isinstance(default_schedule(p), MmaGemvSchedule) for p in problems):
+        return _mma_default(GemmProblem(p0.m, sum(p.n for p in problems), p0.k, p0.dtype, b_major="K"))
+    fma = [_fma_default(p) for p in problems]
+    return max(fma, key=lambda s: s.cols)
+
+
+def render_group(problems, schedule: GemvSchedule | MmaGemvSchedule | None = None,
+                 arch: str = "sm_90a") -> GemvSource:
+    """GEMMs that read one A (a decode step's Q, K and V projections) in one launch: each
+    member is rendered as by itself, under one schedule (group_schedule), as a device function
+    of its CTA index, and the kernel hands CTAs [0, g0) to the first, [g0, g0 + g1) to the
+    second, and so on. Why: a 4096-wide projection alone streams its 32 MB at ~3.1-3.3 TB/s
+    on an H200, a 12288-wide one at 3.6-4.1 (bench/gemv.py, session 51): the small ones' ramp
+    and tail are paid once instead of three times.
+
+    The kernel's parameters: A, then each member's B and its epilogue's outputs and operands,
+    named g<i>_<name> (`params` lists them after A and the first B, which keeps the name B, as
+    a single GEMV's do)."""
+    problems = tuple(problems)
+    if len(problems) < 2:
+        raise GemmError("a group is two or more GEMMs")
+    p0 = problems[0]
+    for p in problems[1:]:
+        if (p.m, p.k, p.dtype) != (p0.m, p0.k, p0.dtype):
+            raise GemmError(f"a group's GEMMs read one A: {p.m}x{p.k} {p.dtype} is not {p0.m}x{p0.k} {p0.dtype}")
+    S = schedule or group_schedule(problems)
+    members = [render(p, S, arch) for p in problems]
+    head, kernels = members[0].source.split('extern "C"', 1)[0], []
+    helpers = head[head.index(cexpr.PRELUDE):]
+    params, cparams, calls, first = [], ["const uint4* __restrict__ A"], [], 0
+    for i, src in enumerate(members):
+        text = 'extern "C"' + src.source.split('extern "C"', 1)[1]
+        sig_open = text.index(src.name + "(") + len(src.name) + 1
+        sig_close = text.index(") {", sig_open)
+        own = [x.strip() for x in text[sig_open:sig_close].split(",")]
+        body = text[sig_close + len(") {"):].rstrip().removesuffix("}")
+        if "gridDim" in body:
+            raise GemmError(f"{src.name}: a member reads gridDim, which the group changes")
+        kernels.append(f"__device__ __forceinline__ void tf_member{i}({', '.join(own)}, const int tf_bid) {{"
+                       + body.replace("blockIdx.x", "tf_bid") + "}\n")
+        names = ["B"] + list(src.params)
+        mine = ["B" if i == 0 and n == "B" else f"g{i}_{n}" for n in names]
+        params += mine[1:] if i == 0 else mine
+        cparams += [decl.rsplit(" ", 1)[0] + " " + m for decl, m in zip(own[1:], mine)]
+        args = ", ".join(["A"] + mine)
+        last = i == len(members) - 1
+        calls.append(f"  {'' if last else f'if (blockIdx.x < {first + src.grid[0]}) '}"
+                     f"{{ tf_member{i}({args}, blockIdx.x - {first}); return; }}")
+        first += src.grid[0]
+    block = members[0].block
+    h = hashlib.sha1(" ".join(m.name for m in members).encode()).hexdigest()[:10]
+    knobs = members[0].name.split("_")[4]
+    name = (f"tf_gemvg_{p0.m}x{'_'.join(str(p.n) for p in problems)}x{p0.k}_{p0.dtype}_{knobs}"
+            f"{'_bc' if all(p.b_const for p in problems) else ''}_{h}")
+    lines = [f"// {name}\n// {len(members)} GEMMs of one A ({p0.m} x {p0.k} {p0.dtype}) in one launch, {S}, for {arch}:"]
+    lines += [f"//   CTAs from {sum(m.grid[0] for m in members[:i])}: {m.name}" for i, m in enumerate(members)]
+    lines += [helpers] + kernels
+    lines.append(f'extern "C" __global__ void __launch_bounds__({block[0]})\n{name}({", ".join(cparams)}) {{')
+    lines += calls + ["}\n"]
+    return GemvSource(name=name, source="\n".join(lines), grid=(first, 1, 1), block=block, smem_bytes=0,
+                      params=tuple(params), problem=p0, schedule=S, arch=arch,
+                      members=tuple((p, m.params) for p, m in zip(problems, members)))

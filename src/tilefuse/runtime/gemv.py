@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from ..codegen import gemv
 from ..codegen.gemm_sm90 import GemmError, GemmProblem
+from .. import dtypes
 from . import cache, nvrtc
 from .gemm_sm80 import Sm80GemmKernel
 from .launch import _drv, _raw_stream, launch_attributes, load_function, pdl_enabled
@@ -76,3 +77,76 @@ def compile_gemv(problem: GemmProblem, schedule: gemv.GemvSchedule | None = None
     src = gemv.render(problem, schedule, arch)
     cubin, hit = cache.compile_cached(src.source, src.name, arch)
     return GemvKernel(src, cubin, hit)
+
+
+@dataclass
+class GemvGroupKernel(GemvKernel):
+    """GEMMs of one A in one launch (gemv.render_group)."""
+
+    def __post_init__(self):
+        # not GemmKernel's: its per-call tables describe one epilogue, and a group's call
+        # checks each member against its own (_member); none of its TMA or split-K state applies
+        self._ep, self._out_bufs, self._param_bufs = None, (), ()
+        self._param_names = frozenset(self.source.params)
+        self._tma_out_names = self._tma_load_names = self._packed = self._map_at = ()
+        self._split = self._m_arg = False
+
+    def __call__(self, a, bs, tensors=None):
+        """Run each member on `a` and its B (`bs`, in the group's order) with its epilogue's
+        tensors (`tensors`: one dict a member, by the member's own names; outputs not passed
+        are allocated). Returns each member's output, or dict of outputs, in order."""
+        members = self.source.members
+        tensors = [dict(t) for t in (tensors or [{}] * len(members))]
+        if len(bs) != len(members) or len(tensors) != len(members):
+            raise ValueError(f"GEMV group {self.source.name}: {len(members)} members, got {len(bs)} B tensor(s) "
+                             f"and {len(tensors)} tensor dict(s)")
+        ptrs, results = [a.data_ptr()], []
+        for i, ((problem, names), b, own) in enumerate(zip(members, bs, tensors)):
+            try:
+                results.append(self._member(problem, names, a, b, own, ptrs, first=i == 0))
+            except ValueError as e:
+                raise ValueError(f"{e} (member {i}: {problem.m}x{problem.n}x{problem.k})") from None
+        self.launch_ptrs(a.get_device(), ptrs)
+        return results
+
+    def _member(self, problem, names, a, b, own, ptrs, first):
+        """Check one member's tensors, allocate its missing outputs, append its pointers (B,
+        then its own parameters); its output, or dict of outputs."""
+        import torch
+
+        if first:
+            self._check("a", a, (problem.m, problem.k), problem.dtype)  # (one A: the members agree on it)
+        self._check("b", b, (problem.n, problem.k), problem.dtype)
+        ep = problem.out_epilogue
+        unknown = set(own) - set(names)
+        if unknown:
+            raise ValueError(f"GEMV group {self.source.name}: unknown tensors {sorted(unknown)}; "
+                             f"it takes {', '.join(names)}")
+        outs = {}
+        for buf in ep.outputs:
+            if buf.name not in own:
+                own[buf.name] = torch.empty(buf.shape, dtype=dtypes.to_torch(buf.dtype), device=a.device)
+            outs[buf.name] = own[buf.name]
+        for t in [b, *own.values()]:
+            if t.device != a.device:
+                raise ValueError(f"GEMV group {self.source.name}: all tensors must be on {a.device}")
+        ptrs.append(b.data_ptr())
+        for name in names:
+            if name not in own:
+                raise ValueError(f"GEMV group {self.source.name}: missing epilogue operand {name!r}")
+            buf = ep.buffer(name)
+            self._check(name, own[name], buf.shape, buf.dtype)
+            ptrs.append(own[name].data_ptr())
+        return next(iter(outs.values())) if len(outs) == 1 else outs
+
+
+def compile_gemv_group(problems, schedule=None, arch: str | None = None) -> GemvGroupKernel:
+    """Render several GEMMs of one A as one launch (gemv.render_group) and compile it through the
+    cubin cache for `arch` (default: the current device's)."""
+    arch = nvrtc.normalize_arch(arch) if arch else nvrtc.current_arch()
+    if nvrtc.arch_number(arch) < 80:
+        raise GemmError(f"the GEMV template is built for sm_80 or later, not {arch}")
+    src = gemv.render_group(problems, schedule, arch)
+    cubin, hit = cache.compile_cached(src.source, src.name, arch)
+    return GemvGroupKernel(src, cubin, hit)
+
