@@ -263,3 +263,30 @@ def test_a_group_computes_what_its_members_compute_alone(m, k, n_kv):
     _passes(outs[1], glu(xf @ bs[1].float().T), glu(x @ bs[1].T))
     _passes(outs[2], xf @ bs[2].float().T, x @ bs[2].T)
 
+
+
+@pytest.mark.parametrize("kv_heads", [None, 2])
+@pytest.mark.parametrize("tokens", [1, 4])
+def test_a_programs_q_k_v_gemvs_run_as_one_launch_when_asked(tokens, kv_heads, monkeypatch):
+    """With TILEFUSE_GEMV_GROUPS=1 a decode step's Q, K and V projections (one A, RoPE on Q and
+    K) run as one launch (runner.grouped_gemvs), in the thin call and in the CUDA-graph replay
+    after it; the logits pass the 2x rule against float64, as with groups off."""
+    import tilefuse
+    from tilefuse import models
+    from tilefuse.check import compare, float64_reference
+    from tilefuse.runtime.runner import _GemvGroup
+
+    torch.manual_seed(0)
+    m = models.llama(256, 2, 512, 1024, 8, kv_heads, max_seq=64).cuda().to(torch.bfloat16).eval()
+    ids = torch.randint(0, 256, (tokens, 1), device="cuda")
+    ref = float64_reference(m, [ids])
+    with torch.no_grad():
+        eager = m(ids)
+    for on in ("1", "0"):
+        monkeypatch.setenv(gemv.GROUPS_ENV, on)
+        prog = tilefuse.compile(m, [ids])
+        for call in range(2):
+            c = compare(f"logits (groups {on}, call {call})", prog(ids), ref, eager)
+            assert c.ok, c
+        groups = [op for op in prog.runner(ids.device).ops if isinstance(op, _GemvGroup)]
+        assert len(groups) == (2 if on == "1" else 0) and all(len(g.members) == 3 for g in groups)

@@ -45,6 +45,7 @@ GROUP = epi.SHORT_PARTIAL_WIDTH  # output columns a CTA of the tensor-core form 
 FEW_GROUPS = 128     # at most this many CTAs (16 columns each), about a large GPU's SMs: 32 warps a CTA
 VEC = 8              # 16-bit elements per 16-byte vector
 ENV = "TILEFUSE_GEMV"
+GROUPS_ENV = "TILEFUSE_GEMV_GROUPS"
 
 
 @dataclass(frozen=True)
@@ -111,6 +112,15 @@ def enabled(environ=None) -> bool:
 
     value = (os.environ if environ is None else environ).get(ENV, "1")
     return value.strip().lower() not in ("0", "false", "off", "no")
+
+
+def groups_enabled(environ=None) -> bool:
+    """TILEFUSE_GEMV_GROUPS=1 (or true/on/yes) runs a program's consecutive GEMVs of one A as
+    one launch (render_group; runtime.runner). Off by default until measured."""
+    import os
+
+    value = (os.environ if environ is None else environ).get(GROUPS_ENV, "0")
+    return value.strip().lower() in ("1", "true", "on", "yes")
 
 
 def takes(problem: GemmProblem, environ=None) -> bool:

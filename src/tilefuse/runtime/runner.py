@@ -188,6 +188,11 @@ class Runner:
                     self.ops.append(_Launch(ck, lowered, g, slot, device, program.poison))
                 else:
                     self.ops.append(_Interpret(lowered, g, slot))
+        if device.type == "cuda":
+            from ..codegen.gemv import groups_enabled
+
+            if groups_enabled():
+                self.ops = grouped_gemvs(self.ops, lambda members: _GemvGroup(members))
         self.base = base
         self.n_inputs = len(g.inputs)
         self.outputs = tuple((slot(o), c) for o, c in zip(g.results, cloned_outputs(g, plan)))
@@ -517,3 +522,70 @@ class _Interpret:
         outs = run_kernel(self.kernel, {buf: to_numpy(env[i].reshape(shape)) for buf, i, shape in self.ins})
         for buf, i, shape in self.outs:
             env[i] = to_torch(outs[buf]).reshape(shape)
+
+
+def grouped_gemvs(ops: list, make) -> list:
+    """`ops` with each run of two or more consecutive GEMV launches that read one A (same
+    environment slot and shape), none reading what an earlier one of the run writes, replaced
+    by make(run): one launch for all (gemv.render_group). Only plain thin-path GEMV ops join
+    (no tables packed per call)."""
+    from .gemv import GemvGroupKernel, GemvKernel
+
+    def joins(op) -> bool:
+        return (isinstance(op, _Gemm) and isinstance(op.gk, GemvKernel) and not isinstance(op.gk, GemvGroupKernel)
+                and not op.packed and not op.per_call)
+
+    out, run = [], []
+
+    def close():
+        if len(run) > 1:
+            out.append(make(tuple(run)))
+        else:
+            out.extend(run)
+        run.clear()
+
+    for op in ops:
+        if joins(op) and run and (op.a, op.ashape) == (run[0].a, run[0].ashape):
+            written = {i for r in run for made, i, *_ in r.order if made}
+            read = {op.b} | {i for made, i, *_ in op.order if not made}
+            if not read & written:
+                run.append(op)
+                continue
+        close()
+        if joins(op):
+            run.append(op)
+        else:
+            out.append(op)
+    close()
+    return out
+
+
+class _GemvGroup:
+    """Consecutive GEMVs of one A (grouped_gemvs) as one launch: A, then each member's B and
+    parameters in its own order, as its _Gemm would pass them."""
+
+    __slots__ = ("gk", "members", "index", "device", "poison")
+
+    def __init__(self, members):
+        from .gemv import compile_gemv_group
+
+        first = members[0]
+        self.members, self.index, self.device, self.poison = members, first.index, first.device, first.poison
+        self.gk = compile_gemv_group([m.gk.source.problem for m in members], None, first.gk.source.arch)
+
+    def __call__(self, env):
+        keep: list = []
+        first = self.members[0]
+        ptrs = [_Gemm._ptr(env[first.a], first.ashape, keep)]
+        for m in self.members:
+            ptrs.append(_Gemm._ptr(env[m.b], m.bshape, keep))
+            for made, i, shape, dtype, _ in m.order:
+                if made:
+                    t = env[i] = torch.empty(shape, dtype=dtype, device=self.device)
+                    if self.poison:
+                        t.fill_(float("nan"))
+                    ptrs.append(t.data_ptr())
+                else:
+                    ptrs.append(_Gemm._ptr(env[i], shape, keep))
+        self.gk.launch_ptrs(self.index, ptrs)
+
