@@ -292,12 +292,15 @@ def test_a_group_hands_each_member_its_ctas_under_one_schedule(m, arch):
     assert g.grid[0] == sum(a.grid[0] for a in alone) and g.block == alone[0].block
     assert g.params == ("g0_out", "g0_row_scale", "g1_B", "g1_out", "g2_B", "g2_out")
     g0, g1 = alone[0].grid[0], alone[0].grid[0] + alone[1].grid[0]
-    assert f"if (blockIdx.x < {g0}) {{ tf_member0(A, B, g0_out, g0_row_scale, blockIdx.x - 0); return; }}" in g.source
-    assert f"if (blockIdx.x < {g1}) {{ tf_member1(A, g1_B, g1_out, blockIdx.x - {g0}); return; }}" in g.source
-    assert f"{{ tf_member2(A, g2_B, g2_out, blockIdx.x - {g1}); return; }}" in g.source
-    for i, a in enumerate(alone):  # each member's body is the kernel it would be alone, but for its CTA index
+    part = ", tf_part" if m > 1 else ""
+    assert f"if (blockIdx.x < {g0}) {{ tf_member0(A, B, g0_out, g0_row_scale{part}, blockIdx.x - 0); return; }}" in g.source
+    assert f"if (blockIdx.x < {g1}) {{ tf_member1(A, g1_B, g1_out{part}, blockIdx.x - {g0}); return; }}" in g.source
+    assert f"{{ tf_member2(A, g2_B, g2_out{part}, blockIdx.x - {g1}); return; }}" in g.source
+    for i, a in enumerate(alone):  # each member's body is the kernel it would be alone, but for its CTA
+        # index and the warps' exchange buffer, which the kernel declares once for all
         body = a.source.split(a.name + "(", 1)[1].split(") {", 1)[1].rstrip().removesuffix("}")
-        assert body.replace("blockIdx.x", "tf_bid") in g.source, i
+        assert gemv._EXCHANGE.sub("", body).replace("blockIdx.x", "tf_bid") in g.source, i
+    assert g.source.count("__shared__") == (1 if m > 1 else 0)
     assert g.members == tuple((p, a.params) for p, a in zip(ps, alone))
     info = nvrtc.compile_cuda(g.source, g.name, arch).info
     assert info.clean, info
@@ -330,3 +333,15 @@ def test_a_group_kernels_call_says_what_is_wrong_and_which_member():
         k(a, [torch.randn(64, 64).bfloat16()])
     with pytest.raises(ValueError, match=r"expected a CUDA tensor.*\(member 0: 4x64x64\)"):
         k(a, [torch.randn(64, 64).bfloat16(), torch.randn(32, 64).bfloat16()])
+
+
+def test_a_groups_warps_share_one_exchange_buffer():
+    """The tensor-core form's cross-warp buffer is declared once in the group's kernel, not once
+    a member: four 512-wide members at 32 warps take 15.5 KB of shared memory, not 62 KB (past
+    the 48 KB of static shared memory: sm_80's ptxas refused it)."""
+    g = gemv.render_group([GemmProblem(4, 512, 4096, "bf16") for _ in range(4)])
+    assert g.schedule.warps == 32
+    for arch in ("sm_90a", "sm_80"):
+        info = nvrtc.compile_cuda(g.source, g.name, arch).info
+        assert info.clean and info.smem_bytes == 31 * 32 * 16, info
+

@@ -55,3 +55,16 @@ def test_only_plain_gemv_launches_join():
 def test_groups_are_off_unless_asked_for():
     assert not gemv.groups_enabled({}) and gemv.groups_enabled({"TILEFUSE_GEMV_GROUPS": "1"})
     assert not gemv.groups_enabled({"TILEFUSE_GEMV_GROUPS": "off"})
+
+
+def test_a_group_that_does_not_build_leaves_its_launches_and_says_why():
+    import pytest
+
+    q, k = _gemv_op(0, 1, [10]), _gemv_op(0, 2, [11])
+
+    def fails(run):
+        raise RuntimeError("ptxas error: too much shared data")
+
+    with pytest.warns(UserWarning, match="2 GEMVs of one A run one by one.*too much shared data"):
+        assert grouped_gemvs([q, k], fails) == [q, k]
+

@@ -71,6 +71,23 @@ def test_the_tensor_core_forms_l2_prefetches_stay_before_its_wait(prefetch):
     assert ops.count("VOTEU.ANY") == plain.count("VOTEU.ANY"), [op for op in ops if op.startswith("VOTEU")]
 
 
+@pytest.mark.parametrize("m", [1, 4])
+def test_a_groups_members_each_load_only_their_weight_before_their_wait(m):
+    """In a group (render_group) each member keeps its own wait: before each ACQBULK only that
+    member's weight loads are issued (the FMA form's first step, at M = 1; none at M = 4), as
+    when it runs alone."""
+    ps = [GemmProblem(m, n, 4096, "bf16", b_const=True) for n in (4096, 1024, 1024)]
+    src = gemv.render_group(ps)
+    ops = sass.opcodes(sass.disassemble(nvrtc.compile_cuda(src.source, src.name, "sm_90a").data))
+    waits = [i for i, op in enumerate(ops) if op == "ACQBULK"]
+    assert len(waits) == 3
+    s = src.schedule
+    early = ["LDG.E.NA.128"] * (s.unroll * s.cols) if m == 1 else []
+    for wait in waits:  # a member's code before its wait: back to the end of the one before (EXIT)
+        start = max([i + 1 for i, op in enumerate(ops[:wait]) if op.startswith("EXIT")], default=0)
+        assert [op for op in ops[start:wait] if op.startswith("LDG")] == early, ops[start:wait + 1]
+
+
 def test_opcodes_reads_predicated_and_plain_instructions():
     text = """
         /*0000*/                   LDC R1, c[0x0][0x28] ;

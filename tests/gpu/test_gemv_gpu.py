@@ -285,8 +285,10 @@ def test_a_programs_q_k_v_gemvs_run_as_one_launch_when_asked(tokens, kv_heads, m
     for on in ("1", "0"):
         monkeypatch.setenv(gemv.GROUPS_ENV, on)
         prog = tilefuse.compile(m, [ids])
-        for call in range(2):
+        for call in range(3):
             c = compare(f"logits (groups {on}, call {call})", prog(ids), ref, eager)
             assert c.ok, c
         groups = [op for op in prog.runner(ids.device).ops if isinstance(op, _GemvGroup)]
         assert len(groups) == (2 if on == "1" else 0) and all(len(g.members) == 3 for g in groups)
+        info = prog.graph_info()
+        assert info and info[0]["graphs"] and info[0]["replays"] >= 1, info  # the replay ran the groups too

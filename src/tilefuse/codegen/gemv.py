@@ -31,6 +31,7 @@ CUDA C++ for sm_80 and later: no TMA, no wgmma.
 from __future__ import annotations
 
 import hashlib
+import re
 from dataclasses import dataclass
 
 from ..loop import ir
@@ -578,6 +579,8 @@ extern "C" __global__ void __launch_bounds__({32 * W})
 
 # ---------------------------------------------------------------- several GEMMs of one A
 
+_EXCHANGE = re.compile(r"__shared__ float4 part\[(\d+)\]\[32\];[^\n]*\n?")  # _render_mma's, between warps
+
 
 def group_schedule(problems) -> GemvSchedule | MmaGemvSchedule:
     """One schedule for GEMMs launched together (render_group): the tensor-core form where any
@@ -613,7 +616,7 @@ def render_group(problems, schedule: GemvSchedule | MmaGemvSchedule | None = Non
     members = [render(p, S, arch) for p in problems]
     head, kernels = members[0].source.split('extern "C"', 1)[0], []
     helpers = head[head.index(cexpr.PRELUDE):]
-    params, cparams, calls, first = [], ["const uint4* __restrict__ A"], [], 0
+    params, cparams, calls, first, exchange = [], ["const uint4* __restrict__ A"], [], 0, None
     for i, src in enumerate(members):
         text = 'extern "C"' + src.source.split('extern "C"', 1)[1]
         sig_open = text.index(src.name + "(") + len(src.name) + 1
@@ -622,13 +625,23 @@ def render_group(problems, schedule: GemvSchedule | MmaGemvSchedule | None = Non
         body = text[sig_close + len(") {"):].rstrip().removesuffix("}")
         if "gridDim" in body:
             raise GemmError(f"{src.name}: a member reads gridDim, which the group changes")
-        kernels.append(f"__device__ __forceinline__ void tf_member{i}({', '.join(own)}, const int tf_bid) {{"
+        # the warps' exchange buffer, declared once in the kernel: a static array in each member
+        # would add up (4 members at 32 warps: 62 KB, past the 48 KB of static shared memory)
+        found = _EXCHANGE.search(body)
+        extra = ""
+        if found:
+            exchange = found.group(1)
+            body = body[:found.start()] + body[found.end():]
+            extra = ", float4 (*part)[32]"
+        if "__shared__" in body:
+            raise GemmError(f"{src.name}: a member declares shared memory the group does not know how to share")
+        kernels.append(f"__device__ __forceinline__ void tf_member{i}({', '.join(own)}{extra}, const int tf_bid) {{"
                        + body.replace("blockIdx.x", "tf_bid") + "}\n")
-        names = ["B"] + list(src.params)
+        names = ["B"] + [_ident(n) for n in src.params]
         mine = ["B" if i == 0 and n == "B" else f"g{i}_{n}" for n in names]
         params += mine[1:] if i == 0 else mine
         cparams += [decl.rsplit(" ", 1)[0] + " " + m for decl, m in zip(own[1:], mine)]
-        args = ", ".join(["A"] + mine)
+        args = ", ".join(["A"] + mine + (["tf_part"] if found else []))
         last = i == len(members) - 1
         calls.append(f"  {'' if last else f'if (blockIdx.x < {first + src.grid[0]}) '}"
                      f"{{ tf_member{i}({args}, blockIdx.x - {first}); return; }}")
@@ -642,6 +655,8 @@ def render_group(problems, schedule: GemvSchedule | MmaGemvSchedule | None = Non
     lines += [f"//   CTAs from {sum(m.grid[0] for m in members[:i])}: {m.name}" for i, m in enumerate(members)]
     lines += [helpers] + kernels
     lines.append(f'extern "C" __global__ void __launch_bounds__({block[0]})\n{name}({", ".join(cparams)}) {{')
+    if exchange:
+        lines.append(f"  __shared__ float4 tf_part[{exchange}][32];   // each other warp's share of K, for whichever member runs")
     lines += calls + ["}\n"]
     return GemvSource(name=name, source="\n".join(lines), grid=(first, 1, 1), block=block, smem_bytes=0,
                       params=tuple(params), problem=p0, schedule=S, arch=arch,

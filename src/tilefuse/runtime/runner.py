@@ -528,7 +528,8 @@ def grouped_gemvs(ops: list, make) -> list:
     """`ops` with each run of two or more consecutive GEMV launches that read one A (same
     environment slot and shape), none reading what an earlier one of the run writes, replaced
     by make(run): one launch for all (gemv.render_group). Only plain thin-path GEMV ops join
-    (no tables packed per call)."""
+    (no tables packed per call). A run whose group fails to build keeps its launches, with a
+    warning that says why."""
     from .gemv import GemvGroupKernel, GemvKernel
 
     def joins(op) -> bool:
@@ -539,7 +540,14 @@ def grouped_gemvs(ops: list, make) -> list:
 
     def close():
         if len(run) > 1:
-            out.append(make(tuple(run)))
+            try:
+                out.append(make(tuple(run)))
+            except Exception as e:  # (a group that does not build: its members launch one by one)
+                import warnings
+
+                warnings.warn(f"tilefuse: {len(run)} GEMVs of one A run one by one: their group did not build "
+                              f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})", stacklevel=2)
+                out.extend(run)
         else:
             out.extend(run)
         run.clear()
