@@ -13,6 +13,11 @@ then, in this tree on the GPU:
 
 Each kernel's output is compared with the program's first (the max difference is printed:
 a different reduction order may round differently); then "AB case: new .. us, old .. us".
+The dump keeps each source's launch (grid, block, shared memory, cluster): until session 53 the
+old source was launched with this tree's, which is wrong wherever the two trees' default
+schedules differ. (That was not what put session 52's LayerNorm 32768 x 256 "old" row 11.7 off
+the program: the two sources there differ only by the compensated mean, on the same launch.
+Not understood.)
 """
 import dataclasses
 import json
@@ -38,7 +43,10 @@ def dump(path, cases):
                   "cross_entropy": (x, torch.randint(0, C, (R,)))}.get(name, (x,))
         prog = tilefuse.compile(module, inputs)
         k = next(iter(prog.kernels.values())).kernel
-        out[case] = mr.render(k, mr.default_schedule(k, "sm_90a"), "sm_90a").source
+        src = mr.render(k, mr.default_schedule(k, "sm_90a"), "sm_90a")
+        # the launch the source was rendered for: its schedule may differ from this tree's
+        out[case] = {"source": src.source, "grid": src.grid, "block": src.block, "smem_bytes": src.smem_bytes,
+                     "cluster": src.cluster, "params": src.params, "workspace_bytes": src.workspace_bytes}
     Path(path).write_text(json.dumps(out))
 
 def run(path, cases):
@@ -54,15 +62,23 @@ def run(path, cases):
         want = wants[-1]
         new = compile_kernel(lowered.kernel)
         src = new.source
-        osrc_text = old[case]
+        saved = old[case] if isinstance(old[case], dict) else {"source": old[case]}  # (files before session 53: text)
+        osrc_text = saved["source"]
+        if "grid" not in saved:
+            print(f"{case}: the saved source has no launch shape; the old kernel is launched with this tree's "
+                  f"(wrong where the schedules differ: dump it again)", flush=True)
+        if tuple(saved.get("params", src.params)) != tuple(src.params):
+            raise SystemExit(f"{case}: the old kernel takes {saved['params']}, this tree's {src.params}: not one launch")
         # the old source's entry point (its name may differ: a source taking its row count as an
         # argument is named by its text), and whether it takes the count (a trailing `int tf_rows`)
         oname, oparams = re.search(r'extern "C" __global__ void __launch_bounds__\([^)]*\)\n(\w+)\(([^)]*)\)', osrc_text).groups()
         orows = R if "tf_rows" in oparams else None
         cub, _ = cache.compile_cached(osrc_text, oname, new.arch)
+        shape = {f: tuple(saved[f]) if isinstance(saved[f], list) else saved[f]
+                 for f in ("grid", "block", "smem_bytes", "cluster", "workspace_bytes") if f in saved}
         oldk = CompiledKernel(kernel=lowered.kernel, arch=new.arch,
-                              source=dataclasses.replace(src, source=osrc_text, name=oname, rows=orows), cubin=cub,
-                              cache_hit=False)
+                              source=dataclasses.replace(src, source=osrc_text, name=oname, rows=orows, **shape),
+                              cubin=cub, cache_hit=False)
         for label, ck in (("new", new), ("old", oldk)):
             outs[-1].fill_(float("nan")); ck.launch_ptrs(0, ptrs); torch.cuda.synchronize()
             err = (outs[-1].float() - want.float()).abs().max().item()
