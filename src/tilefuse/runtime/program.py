@@ -278,6 +278,7 @@ class Program:
         if workers <= 1:
             for fn, lowered, dev in jobs:
                 fn(lowered, dev)
+            self._prepare_groups(device)
             return
         pool = ThreadPoolExecutor(workers, thread_name_prefix="tilefuse-compile")
         try:
@@ -287,6 +288,15 @@ class Program:
             pool.shutdown(wait=True, cancel_futures=True)  # the queued compiles are dropped
             raise
         pool.shutdown(wait=True)
+        self._prepare_groups(device)
+
+    def _prepare_groups(self, device):
+        """With TILEFUSE_GEMV_GROUPS=1, the runner for `device` now: it compiles the groups of
+        GEMVs it launches as one (runner.grouped_gemvs), which the first call would otherwise."""
+        from ..codegen.gemv import groups_enabled
+
+        if device.type == "cuda" and groups_enabled() and any(s.family == "gemm" for s in self.plan.steps):
+            self.runner(device)
 
 
 class OverlappingWrites(ValueError):
