@@ -71,12 +71,17 @@ class GemvKernel(Sm80GemmKernel):
 def compile_gemv(problem: GemmProblem, schedule: gemv.GemvSchedule | None = None,
                  arch: str | None = None) -> GemvKernel:
     """Render and compile (through the cubin cache) for `arch` (default: the current device's)."""
+    return _built(lambda a: gemv.render(problem, schedule, a), GemvKernel, arch)
+
+
+def _built(render, kind, arch: str | None):
+    """kind(render(arch)'s source, its cubin, whether the cache had it), for sm_80 and later."""
     arch = nvrtc.normalize_arch(arch) if arch else nvrtc.current_arch()
     if nvrtc.arch_number(arch) < 80:
         raise GemmError(f"the GEMV template is built for sm_80 or later, not {arch}")
-    src = gemv.render(problem, schedule, arch)
+    src = render(arch)
     cubin, hit = cache.compile_cached(src.source, src.name, arch)
-    return GemvKernel(src, cubin, hit)
+    return kind(src, cubin, hit)
 
 
 @dataclass
@@ -143,10 +148,5 @@ class GemvGroupKernel(GemvKernel):
 def compile_gemv_group(problems, schedule=None, arch: str | None = None) -> GemvGroupKernel:
     """Render several GEMMs of one A as one launch (gemv.render_group) and compile it through the
     cubin cache for `arch` (default: the current device's)."""
-    arch = nvrtc.normalize_arch(arch) if arch else nvrtc.current_arch()
-    if nvrtc.arch_number(arch) < 80:
-        raise GemmError(f"the GEMV template is built for sm_80 or later, not {arch}")
-    src = gemv.render_group(problems, schedule, arch)
-    cubin, hit = cache.compile_cached(src.source, src.name, arch)
-    return GemvGroupKernel(src, cubin, hit)
+    return _built(lambda a: gemv.render_group(problems, schedule, a), GemvGroupKernel, arch)
 

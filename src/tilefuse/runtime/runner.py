@@ -447,6 +447,11 @@ class _Gemm:
             return self._checked(env)
         keep: list = []
         ptrs = [self._ptr(env[self.a], self.ashape, keep), self._ptr(env[self.b], self.bshape, keep)]
+        self.params_into(env, ptrs, keep)
+        self.gk.launch_ptrs(self.index, ptrs)
+
+    def params_into(self, env, ptrs: list, keep: list) -> None:
+        """Append the epilogue's pointers in the kernel's order, allocating its outputs into env."""
         for made, i, shape, dtype, packed in self.order:
             if made:
                 t = env[i] = torch.empty(shape, dtype=dtype, device=self.device)
@@ -457,7 +462,6 @@ class _Gemm:
                 ptrs.append(self.fixed[packed].data_ptr())
             else:
                 ptrs.append(self._ptr(env[i], shape, keep))
-        self.gk.launch_ptrs(self.index, ptrs)
 
     def _checked(self, env):
         kw = {name: self._operand(env[i], shape) for name, i, shape in self.operands}
@@ -572,13 +576,13 @@ class _GemvGroup:
     """Consecutive GEMVs of one A (grouped_gemvs) as one launch: A, then each member's B and
     parameters in its own order, as its _Gemm would pass them."""
 
-    __slots__ = ("gk", "members", "index", "device", "poison")
+    __slots__ = ("gk", "members", "index")
 
     def __init__(self, members):
         from .gemv import compile_gemv_group
 
         first = members[0]
-        self.members, self.index, self.device, self.poison = members, first.index, first.device, first.poison
+        self.members, self.index = members, first.index
         self.gk = compile_gemv_group([m.gk.source.problem for m in members], None, first.gk.source.arch)
 
     def __call__(self, env):
@@ -587,13 +591,6 @@ class _GemvGroup:
         ptrs = [_Gemm._ptr(env[first.a], first.ashape, keep)]
         for m in self.members:
             ptrs.append(_Gemm._ptr(env[m.b], m.bshape, keep))
-            for made, i, shape, dtype, _ in m.order:
-                if made:
-                    t = env[i] = torch.empty(shape, dtype=dtype, device=self.device)
-                    if self.poison:
-                        t.fill_(float("nan"))
-                    ptrs.append(t.data_ptr())
-                else:
-                    ptrs.append(_Gemm._ptr(env[i], shape, keep))
+            m.params_into(env, ptrs, keep)
         self.gk.launch_ptrs(self.index, ptrs)
 
