@@ -270,6 +270,11 @@ def match(g: ir.Graph, c: ir.Contraction, users=None, taken: frozenset = frozens
     a, bt = g[c.a].type, g[c.b].type
     src = _transposed_source(g, c.b)
     b, b_major, absorbed = (src, "K", (c.b,)) if src is not None else (c.b, "N", ())
+    if absorbed and (c.a == c.b or set(users[c.b]) != {c.name}):
+        # B reads the stored matrix under the transpose, but the transpose itself is still read
+        # elsewhere (as A too: `v.T @ v.T`), so it stays a value of its own: absorbed, nothing
+        # would make it (fuzzing: A's slot was empty)
+        absorbed = ()
     if len(bt.shape) == 2:
         batch, m = 1, math.prod(a.shape[:-1])
     else:
