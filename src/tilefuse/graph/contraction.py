@@ -270,10 +270,10 @@ def match(g: ir.Graph, c: ir.Contraction, users=None, taken: frozenset = frozens
     a, bt = g[c.a].type, g[c.b].type
     src = _transposed_source(g, c.b)
     b, b_major, absorbed = (src, "K", (c.b,)) if src is not None else (c.b, "N", ())
-    if absorbed and (c.a == c.b or set(users[c.b]) != {c.name}):
-        # B reads the stored matrix under the transpose, but the transpose itself is still read
-        # elsewhere (as A too: `v.T @ v.T`), so it stays a value of its own: absorbed, nothing
-        # would make it (fuzzing: A's slot was empty)
+    if c.a == c.b:
+        # B reads the stored matrix under the transpose, but A reads the transpose itself
+        # (`t @ t`): absorbed, nothing would make it (fuzzing: A's slot was empty). Other
+        # readers of it the planner weighs itself (fusion.plan_gemms).
         absorbed = ()
     if len(bt.shape) == 2:
         batch, m = 1, math.prod(a.shape[:-1])

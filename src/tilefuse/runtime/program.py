@@ -278,16 +278,15 @@ class Program:
         if workers <= 1:
             for fn, lowered, dev in jobs:
                 fn(lowered, dev)
-            self._prepare_groups(device)
-            return
-        pool = ThreadPoolExecutor(workers, thread_name_prefix="tilefuse-compile")
-        try:
-            for f in [pool.submit(job, *j) for j in jobs]:
-                f.result()  # the first failure in plan order, as a sequential loop would raise it
-        except BaseException:
-            pool.shutdown(wait=True, cancel_futures=True)  # the queued compiles are dropped
-            raise
-        pool.shutdown(wait=True)
+        else:
+            pool = ThreadPoolExecutor(workers, thread_name_prefix="tilefuse-compile")
+            try:
+                for f in [pool.submit(job, *j) for j in jobs]:
+                    f.result()  # the first failure in plan order, as a sequential loop would raise it
+            except BaseException:
+                pool.shutdown(wait=True, cancel_futures=True)  # the queued compiles are dropped
+                raise
+            pool.shutdown(wait=True)
         self._prepare_groups(device)
 
     def _prepare_groups(self, device):
