@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The GEMV's open experiments in one device call (about 7 minutes at one pair; not yet run): the GEMV GPU
+# The GEMV's experiments in one device call (about 7 minutes at one pair; run in session 54,
+# bench/results/s54/, which made groups and the few-CTA prefetch the defaults): the GEMV GPU
 # tests, the tensor-core form's L2 prefetch knob against the same layout without it, Q/K/V as
 # one launch against three (bench/gemv.py --groups), then decode steps with TILEFUSE_GEMV_GROUPS
 # 0 and 1 alternated, one process each ($PAIRS pairs, default 1: ~40 s a process). JSON and

@@ -331,7 +331,7 @@ def _print_gemms(console, st, stage: str, arch: str):
     for lg in st.gemms.values():
         problem = lg.problem()
         if gemv.takes(problem) and arch_number(arch) >= 80:  # up to 8 rows of A: the GEMV (codegen/gemv.py)
-            sched = gemv.default_schedule(problem)
+            sched = gemv.for_arch(gemv.default_schedule(problem), arch)
             show(lg, sched, "heuristic default; TILEFUSE_GEMV=0 runs the tile template",
                  lambda: gemv.render(problem, sched, arch), lambda src: f" as a GEMV for {arch}, block {src.block}")
         elif arch != "sm_90a":  # the cp.async / mma.sync kernel (docs/gemm_sm80.md)

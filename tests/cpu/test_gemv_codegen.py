@@ -269,6 +269,20 @@ def test_l2_prefetches_need_sm_90_and_at_most_two_steps():
         T(4, 2, 3)
 
 
+@pytest.mark.parametrize("m,n,k,prefetch", [(4, 2048, 2048, 1), (4, 1024, 4096, 1), (2, 2048, 4096, 1),
+                                            (4, 2048, 5632, 0), (4, 4096, 4096, 0), (4, 11264, 2048, 0)],
+                         ids=str)
+def test_the_default_prefetches_where_the_ctas_are_few_and_k_short(m, n, k, prefetch):
+    """Session 54's sweep (H200): one step of B asked into L2 made the few-CTA shapes with K up
+    to 4096 7-15% faster and the rest slower, so the default asks for it there only, and on
+    sm_80 (which has no bulk prefetch) the default it renders asks for none."""
+    P = GemmProblem(m, n, k, "bf16", b_const=True)
+    assert gemv.default_schedule(P).prefetch == prefetch
+    assert ("tf_prefetch_l2(B" in gemv.render(P).source) == bool(prefetch)
+    old = gemv.render(P, arch="sm_80")
+    assert old.schedule.prefetch == 0 and "tf_prefetch_l2(B" not in old.source
+
+
 
 def _qkv(m, n_kv=1024):
     """A decode step's Q, K and V projections of one A: Q with a row scale (a folded norm),
@@ -339,9 +353,9 @@ def test_a_groups_warps_share_one_exchange_buffer():
     """The tensor-core form's cross-warp buffer is declared once in the group's kernel, not once
     a member: four 512-wide members at 32 warps take 15.5 KB of shared memory, not 62 KB (past
     the 48 KB of static shared memory: sm_80's ptxas refused it)."""
-    g = gemv.render_group([GemmProblem(4, 512, 4096, "bf16") for _ in range(4)])
-    assert g.schedule.warps == 32
     for arch in ("sm_90a", "sm_80"):
+        g = gemv.render_group([GemmProblem(4, 512, 4096, "bf16") for _ in range(4)], arch=arch)
+        assert g.schedule.warps == 32
         info = nvrtc.compile_cuda(g.source, g.name, arch).info
         assert info.clean and info.smem_bytes == 31 * 32 * 16, info
 

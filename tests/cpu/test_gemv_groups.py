@@ -52,9 +52,10 @@ def test_only_plain_gemv_launches_join():
     assert grouped_gemvs([q, grouped, k], make) == [q, grouped, k]
 
 
-def test_groups_are_off_unless_asked_for():
-    assert not gemv.groups_enabled({}) and gemv.groups_enabled({"TILEFUSE_GEMV_GROUPS": "1"})
+def test_groups_are_on_unless_turned_off():
+    assert gemv.groups_enabled({}) and gemv.groups_enabled({"TILEFUSE_GEMV_GROUPS": "1"})
     assert not gemv.groups_enabled({"TILEFUSE_GEMV_GROUPS": "off"})
+    assert not gemv.groups_enabled({"TILEFUSE_GEMV_GROUPS": "0"})
 
 
 def test_a_group_that_does_not_build_leaves_its_launches_and_says_why():

@@ -268,7 +268,7 @@ def test_a_group_computes_what_its_members_compute_alone(m, k, n_kv):
 @pytest.mark.parametrize("kv_heads", [None, 2])
 @pytest.mark.parametrize("tokens", [1, 4])
 def test_a_programs_q_k_v_gemvs_run_as_one_launch_when_asked(tokens, kv_heads, monkeypatch):
-    """With TILEFUSE_GEMV_GROUPS=1 a decode step's Q, K and V projections (one A, RoPE on Q and
+    """With GEMV groups on (the default) a decode step's Q, K and V projections (one A, RoPE on Q and
     K) run as one launch (runner.grouped_gemvs), in the thin call and in the CUDA-graph replay
     after it; the logits pass the 2x rule against float64, as with groups off."""
     import tilefuse

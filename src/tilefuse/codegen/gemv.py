@@ -24,15 +24,15 @@ Both forms launch programmatically; the FMA form loads B's first vectors, where 
 (`b_const`), before the wait for the kernel before (on the coherent path: ptxas 13.0 moves
 non-coherent loads after the wait; session 51). The tensor-core form loads nothing before it:
 its weight's first step there made a 4-sequence decode step 12% slower (session 53). Its
-`prefetch` knob (off by default, unmeasured) asks L2 for B's next steps instead, with bulk
-prefetches that hold no registers.
+`prefetch` knob asks L2 for B's next steps instead, with bulk prefetches that hold no
+registers: on by default where the CTAs are few and K short (_mma_default).
 CUDA C++ for sm_80 and later: no TMA, no wgmma.
 """
 from __future__ import annotations
 
 import hashlib
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..loop import ir
 from . import cexpr, epilogue as epi
@@ -44,6 +44,7 @@ MAX_M = 8            # rows of A a GEMM may have to run here: one in the FMA for
                      # tensor-core form (whose N side, 8 wide, holds A's rows)
 GROUP = epi.SHORT_PARTIAL_WIDTH  # output columns a CTA of the tensor-core form owns (16), so a partial's width
 FEW_GROUPS = 128     # at most this many CTAs (16 columns each), about a large GPU's SMs: 32 warps a CTA
+PREFETCH_MAX_K = 4096  # and, up to this K, one step of B prefetched into L2 (_mma_default)
 VEC = 8              # 16-bit elements per 16-byte vector
 ENV = "TILEFUSE_GEMV"
 GROUPS_ENV = "TILEFUSE_GEMV_GROUPS"
@@ -116,12 +117,13 @@ def enabled(environ=None) -> bool:
 
 
 def groups_enabled(environ=None) -> bool:
-    """TILEFUSE_GEMV_GROUPS=1 (or true/on/yes) runs a program's consecutive GEMVs of one A as
-    one launch (render_group; runtime.runner). Off by default until measured."""
+    """A program runs its consecutive GEMVs of one A as one launch (render_group;
+    runtime.runner) unless TILEFUSE_GEMV_GROUPS=0 (or false/off/no): a decode step 4-6% faster
+    (H200, session 54)."""
     import os
 
-    value = (os.environ if environ is None else environ).get(GROUPS_ENV, "0")
-    return value.strip().lower() in ("1", "true", "on", "yes")
+    value = (os.environ if environ is None else environ).get(GROUPS_ENV, "1")
+    return value.strip().lower() not in ("0", "false", "off", "no")
 
 
 def takes(problem: GemmProblem, environ=None) -> bool:
@@ -183,13 +185,28 @@ def _mma_default(problem: GemmProblem) -> MmaGemvSchedule:
     session 51; noisy, so a simple rule): 16 warps a CTA, 32 where the CTAs (16 columns each)
     are fewer than a large GPU's SMs (N <= 2048: 1.2-1.4x faster there); each lane the deepest
     unroll (8 chunks, 4 at 32 warps) where K is whole steps of it, else 2. No more warps than
-    K has chunks of 32 (a short K would leave the rest idle)."""
+    K has chunks of 32 (a short K would leave the rest idle).
+
+    One step of B prefetched into L2 (sm_90; `for_arch` drops it below) where the CTAs are that
+    few and K at most PREFETCH_MAX_K: there the first loads' latency is much of the kernel, and
+    the prefetch issued before the wait for the kernel before hides it (bench/gemv.py --sweep
+    prefetch, H200, session 54: 2048x2048 and 1024x4096 at M = 1 and 4, 7-15% faster; K = 5632
+    0.5-2% slower; over 128 CTAs up to 28% slower: the prefetches only add L2 traffic)."""
     kv = problem.k // VEC
-    warps = 32 if -(-problem.n // 16) <= FEW_GROUPS else 16
+    few = -(-problem.n // 16) <= FEW_GROUPS
+    warps = 32 if few else 16
     while warps > 1 and warps > -(-kv // 4):
         warps //= 2
     deep = min(8, 128 // warps)
-    return MmaGemvSchedule(warps, deep if kv % (4 * warps * deep) == 0 else 2)
+    return MmaGemvSchedule(warps, deep if kv % (4 * warps * deep) == 0 else 2,
+                           prefetch=int(few and problem.k <= PREFETCH_MAX_K))
+
+
+def for_arch(schedule: GemvSchedule | MmaGemvSchedule, arch: str) -> GemvSchedule | MmaGemvSchedule:
+    """A default schedule as `arch` can run it: no L2 bulk prefetches before sm_90."""
+    if isinstance(schedule, MmaGemvSchedule) and schedule.prefetch and arch_number(arch) < 90:
+        return replace(schedule, prefetch=0)
+    return schedule
 
 
 def _fma_default(problem: GemmProblem) -> GemvSchedule:
@@ -293,7 +310,7 @@ def render(problem: GemmProblem, schedule: GemvSchedule | MmaGemvSchedule | None
            arch: str = "sm_90a") -> GemvSource:
     """CUDA C++ for one short GEMM (+ epilogue) at fixed shapes."""
     P = problem
-    S = schedule or default_schedule(P)
+    S = schedule or for_arch(default_schedule(P), arch)
     mma = isinstance(S, MmaGemvSchedule)
     why = why_not(P, max_m=MAX_M if mma else 32)
     if why:
@@ -612,7 +629,7 @@ def render_group(problems, schedule: GemvSchedule | MmaGemvSchedule | None = Non
     for p in problems[1:]:
         if (p.m, p.k, p.dtype) != (p0.m, p0.k, p0.dtype):
             raise GemmError(f"a group's GEMMs read one A: {p.m}x{p.k} {p.dtype} is not {p0.m}x{p0.k} {p0.dtype}")
-    S = schedule or group_schedule(problems)
+    S = schedule or for_arch(group_schedule(problems), arch)
     members = [render(p, S, arch) for p in problems]
     head, kernels = members[0].source.split('extern "C"', 1)[0], []
     helpers = head[head.index(cexpr.PRELUDE):]
