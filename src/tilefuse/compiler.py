@@ -149,10 +149,12 @@ def _stages(fn, example_inputs, expr: str | None, arch: str | None, exported=Non
         # HF's rotate-half form becomes the adjacent-pair one on permuted weights first
         graph, more = run_rewrites(graph, (rotate_half_to_pairs, rope_into_projection))
         fired = fired + more
-    # what rotate-half RoPE left (HF's at a decode step: its k goes into the cache): neg's as signs
+    # what rotate-half RoPE left (HF's at a decode step: its k goes into the cache): neg's as
+    # signs, then the cat of the two halves as a roll, which the kernel reading it reads in place
+    from .graph.rules.cat_roll import rotated_cat_as_roll
     from .graph.rules.cat_signs import negated_pieces_as_signs
 
-    graph, more = run_rewrites(graph, (negated_pieces_as_signs,))
+    graph, more = run_rewrites(graph, (negated_pieces_as_signs, rotated_cat_as_roll))
     fired = fired + more
     if gemm and _partials_target(arch):  # GEMM-epilogue partials: the sm_90a template (or the interpreter)
         from .graph.rules.lmhead_ce import lmhead_ce_partials

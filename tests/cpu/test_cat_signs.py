@@ -123,8 +123,8 @@ def test_an_integer_piece_in_a_float_cat_keeps_its_wrapped_values_through_compil
 
 def test_transformers_decode_step_runs_no_neg_and_no_slice_copy():
     """An HF Llama's static-cache decode graph: its rotate-half RoPE (which stays outside the
-    projections: k goes into the cache) reads q's and k's halves in place through `cat`, and its
-    signs join the multiply-add kernel; no `neg` kernel and no slice copy are left."""
+    projections: k goes into the cache) reads q's and k's halves in place, as rolls, in its
+    multiply-add kernel, which the signs join; no `neg` kernel, slice copy or cat is left."""
     transformers = pytest.importorskip("transformers")
     import tilefuse  # noqa: F401  (registers the backend)
     from tilefuse.frontend import backend
@@ -148,5 +148,9 @@ def test_transformers_decode_step_runs_no_neg_and_no_slice_copy():
         assert not any(isinstance(r.stages.graph[x], ir.Map) and r.stages.graph[x].op == "neg" for x in fused)
         assert not any(s.family == "extern" and s.note.startswith("slice copy") for s in steps), \
             [s.note for s in steps if s.family == "extern"]
-        cats = [s for s in steps if s.family == "extern" and "cat" in s.name and "unsigned" in s.name]
-        assert len(cats) == 2  # q's and k's rotate-half
+        # q's and k's rotate-half: no cat left, each a roll (cat_roll.py) the multiply-add kernel
+        # reads in place (fusion.views_read_in_place)
+        assert not any(s.family == "extern" and "cat" in s.name for s in steps), [s.name for s in steps]
+        rolls = {x for s in steps if s.family == "mapreduce" for x in s.reads
+                 if r.stages.graph[x].op == "roll"}
+        assert len(rolls) == 2, str(r.stages.plan)

@@ -430,3 +430,21 @@ def test_example_inputs_as_a_dict_or_a_number_are_refused_saying_what_to_pass():
         tilefuse.compile(lambda x, n: x * n, (torch.randn(3), 2))
     out = tilefuse.compile(lambda d: d["x"] * 2, ({"x": torch.ones(3)},))({"x": torch.ones(3)})
     assert torch.equal(out, torch.full((3,), 2.0))
+
+
+def test_a_lambda_expression_runs_under_torch_compile_call_after_call():
+    """`tilefuse run --bench` times a -c expression under torch.compile too: dynamo installs what
+    it compiles from the expression's lambdas in their globals, which must be the same dict at
+    the next call (a fresh one each call raised NameError: __compiled_fn_...), and a copy of the
+    module still works (its globals, which hold modules, are not copied)."""
+    import copy
+
+    from tilefuse.frontend.expr import parse
+
+    m, ins, _ = parse("(lambda q: (lambda t: t * 2 + t[..., :1])(q.transpose(0, 1)))(torch.randn(3, 4))")
+    torch._dynamo.reset()
+    compiled = torch.compile(m, backend="eager")
+    want = m(*ins)
+    for _ in range(3):
+        assert torch.equal(compiled(*ins), want)
+    assert torch.equal(copy.deepcopy(m)(*ins), want)

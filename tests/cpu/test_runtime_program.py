@@ -379,18 +379,20 @@ def _rotate_half(q):
     return q * 2 + torch.cat((-q[..., h:], q[..., :h]), -1)
 
 
-def test_a_slice_only_a_cat_reads_is_a_view_not_a_copy():
+def test_a_rotate_half_is_one_kernel_reading_q_twice_in_place():
     """The rotate-half RoPE's `cat((-x2, x1))`: with the neg moved onto the cat's result as a sign
-    (graph/rules/cat_signs.py), both halves of q are read by the cat alone and taken in place
-    (x2 was a copy while a kernel, the neg, read it); the result is PyTorch's."""
+    (graph/rules/cat_signs.py) the cat of q's halves in rotated order is a roll of q
+    (graph/rules/cat_roll.py), which the multiply-add kernel reads where q lies: one kernel, no
+    slice, cat or copy left; the result is PyTorch's, bit for bit."""
     from tilefuse.graph import ir
 
     q = torch.randn(2, 3, 5, 8)
     p = _prog(_rotate_half, q)
-    strided = [s for s in p.plan.steps if s.view]
-    slices = [n.name for n in p.graph.nodes if isinstance(n, ir.View) and n.op == "slice"]
-    assert len(slices) == 2 and sorted(s.nodes[0] for s in strided) == sorted(slices), str(p.plan)
-    assert all("its readers (SDPA, cat) take it in place" in s.note and s.bytes == 0 for s in strided)
+    assert not any(isinstance(n, ir.View) and n.op == "slice" for n in p.graph.nodes), p.graph
+    assert [s.family for s in p.plan.steps] == ["mapreduce"], str(p.plan)
+    rolls = [n.name for n in p.graph.nodes if isinstance(n, ir.View) and n.op == "roll"]
+    assert len(rolls) == 1 and p.plan.steps[0].reads == {rolls[0]: p.graph.inputs[0]}
+    assert "in place" in str(p.plan)
     assert torch.equal(p(q), _rotate_half(q))
 
 

@@ -522,6 +522,21 @@ def _slice(b, args, kwargs, out):
     return b.view("slice", x, out.shape, (dim, start, end, step))
 
 
+@handles("narrow")
+def _narrow(b, args, kwargs, out):
+    """x.narrow(dim, start, length): x[..., start:start + length] along dim (start may count
+    from the end, as PyTorch's does)."""
+    x = args[0]
+    shape = b.type(x).shape
+    dim = (args[1] if len(args) > 1 else kwargs["dim"]) % len(shape)
+    start = args[2] if len(args) > 2 else kwargs["start"]
+    length = args[3] if len(args) > 3 else kwargs["length"]
+    if not all(isinstance(v, int) for v in (start, length)):
+        raise Unsupported("a narrow by a tensor's value")
+    start %= max(shape[dim], 1) if start < 0 else start + 1
+    return _slice(b, (x, dim, start, start + length, 1), {}, out)
+
+
 @handles("select")
 def _select(b, args, kwargs, out):
     x, dim, i = args

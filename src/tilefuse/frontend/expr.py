@@ -146,9 +146,18 @@ class ExprModule(nn.Module):
         self.mods = nn.ModuleDict(modules)
         self._code = compile(body, "<tilefuse -c>", "eval")
         self._n = n_inputs
+        self._globals: dict | None = None
+
+    def __getstate__(self):  # (copies and pickles: the globals hold modules; a copy makes its own)
+        return {**self.__dict__, "_globals": None}
 
     def forward(self, *inputs):
-        scope = _scope()
+        # one globals dict for every call: torch.compile installs the functions it compiles from
+        # a lambda of the expression in that lambda's globals, and a fresh dict each call lost
+        # them (NameError: __compiled_fn_..., `tilefuse run --bench` of a lambda)
+        if self._globals is None:
+            self._globals = _scope()
+        scope = self._globals
         scope.update(self.mods)
         scope.update({f"_in{i}": x for i, x in enumerate(inputs)})
         return eval(self._code, scope)

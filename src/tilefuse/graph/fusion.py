@@ -57,6 +57,7 @@ class Step:
     tail: "Step | None" = None    # ... and the one-row kernel that reduced its per-row outputs
     scratch: list[str] = field(default_factory=list)  # per-row values passed from head to tail on chip
     view: bool = False  # family "extern": a strided view for attention, no copy (attention_only_views)
+    reads: dict[str, str] = field(default_factory=dict)  # mapreduce: input view -> the tensor it reads it from (views_read_in_place)
     passes: int = 0      # mapreduce: its reductions, each a pass over the row computing its argument
     recomputed: int = 0  # ... and the per-element maps the passes after the first compute again (RECOMPUTE_LIMIT)
 
@@ -558,7 +559,7 @@ def plan(g: ir.Graph, gemm: bool = True, partials: bool = True, in_torch: frozen
             # checked and measured on a GPU (tests/gpu/test_mapreduce_gpu.py -k grid); otherwise
             # the finishing reduction stays a kernel of its own, as before
             p = grid_reductions(p) if grid_reduce_enabled() else p
-            return _mark_attention_views(p)
+            return views_read_in_place(_mark_attention_views(p))
         whole_rows |= coarse
     raise RuntimeError("internal: the fusion plan did not settle")
 
@@ -627,6 +628,71 @@ def _mark_attention_views(p: "Plan") -> "Plan":
             s.note = ("strided view for attention: SDPA reads it in place, no copy" if readers <= {"Attention"}
                       else "strided view: its readers (SDPA, cat) take it in place, no copy")
     return p
+
+
+def _keeps_rows(n: ir.View) -> bool:
+    """Whether a kernel reading through view `n` still reads each row where it lies in one run:
+    a permute that keeps the last dim last, a slice of the last dim with step 1 (or of another
+    dim), an expand or a reshape, a roll (a rotation: two runs). A transposing permute would
+    make every load its own transaction, slower than PyTorch's copy and a contiguous read."""
+    rank = len(n.type.shape)
+    if n.op == "permute":
+        return n.params[-1] % rank == rank - 1
+    if n.op == "slice":
+        dim, _, _, step = n.params
+        return step == 1 or dim % rank != rank - 1
+    return n.op in ("expand", "reshape", "roll")
+
+
+def views_read_in_place(p: Plan) -> Plan:
+    """Drop the copies of views (slices, permutes, rolls; extern steps, and the reshapes after
+    them) that only map-reduce kernels read, directly or through other such views: those
+    kernels read the tensor under the views where it lies, at the index composed through them
+    (loop/views.py; `Step.reads`). HF's rotate-half RoPE slices q and k and reads the halves
+    in maps; each slice was a copy kernel of its own (a decode step's small launches)."""
+    g = p.graph
+    users, outputs = g.users(), set(g.outputs) | set(g.results)
+    step_of = {n: s for s in p.steps for n in s.nodes}
+    memo: dict[str, bool] = {}
+
+    def consumable(name: str) -> bool:
+        """`name` a view step's value that only map-reduce kernels (not grid reductions) and
+        other consumable views read."""
+        if name not in memo:
+            s, n = step_of.get(name), g[name]
+            memo[name] = (isinstance(n, ir.View) and s is not None and s.family in ("extern", "alias")
+                          and not s.view and name not in outputs and _keeps_rows(n) and bool(users.get(name))
+                          and all(step_of[u].family == "mapreduce" and step_of[u].head is None
+                                  if not isinstance(g[u], ir.View) else consumable(u) for u in users[name]))
+        return memo[name]
+
+    def root(name: str) -> str:
+        while name in region:
+            name = g[name].arg
+        return name
+
+    region: set[str] = set()
+    for s in p.steps:  # in order: a view's argument is decided before it
+        n = g[s.nodes[0]]
+        if not consumable(n.name) or not (s.family == "extern" or n.arg in region):
+            continue
+        region.add(n.name)
+        r = g[root(n.name)]
+        if _generated(r) or (isinstance(r, ir.Input) and r.name in g.writes) or step_of.get(r.name) is not None \
+                and step_of[r.name].view:
+            region.discard(n.name)  # an iota's or constant's value is made where it is read; a strided view is not in memory as itself
+    if not region:
+        return p
+    steps = []
+    for s in p.steps:
+        if s.nodes[0] in region and s.family in ("extern", "alias"):
+            continue
+        if s.family == "mapreduce" and region & set(s.inputs):
+            s.reads = {x: root(x) for x in s.inputs if x in region}
+            s.inputs = list(dict.fromkeys(s.reads.get(x, x) for x in s.inputs))
+            s.bytes = sum(g[t].type.nbytes for t in s.inputs + s.outputs)
+        steps.append(s)
+    return Plan(g, steps)
 
 
 GRID_REDUCE_OPS = ("sum", "max", "min")
@@ -722,6 +788,8 @@ def format_plan(p: Plan) -> str:
         lines.append(f"    reads  {', '.join(f'{t}: {g[t].type}' for t in s.inputs) or '-'}")
         lines.append(f"    writes {', '.join(f'{t}: {g[t].type}' for t in s.outputs)}")
         lines.append(f"    fuses  {', '.join(s.nodes)}")
+        if s.reads:
+            lines.append(f"    in place {', '.join(f'{v} from {t}' for v, t in s.reads.items())} (no copy)")
         if s.gemm and (s.gemm.maps or s.gemm.pairwise):
             sp = s.gemm
             ops = ", ".join([getattr(g[m], "op", type(g[m]).__name__.lower()) for m in sp.maps]  # (a Gather: "gather")

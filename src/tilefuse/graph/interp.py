@@ -91,6 +91,9 @@ def eval_view(n: ir.View, x):
         sl = [slice(None)] * x.ndim
         sl[dim] = slice(start, end, step)
         return x[tuple(sl)]
+    if n.op == "roll":  # element i is x's (i + shift) % size along dim
+        dim, shift = n.params
+        return np.roll(x, -shift, axis=dim)
     raise ValueError(f"unknown view {n.op}")
 
 

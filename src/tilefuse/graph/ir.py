@@ -117,11 +117,12 @@ class Reduce:
 
 @dataclass(frozen=True)
 class View:
-    """An index map: reshape (same element order) or permute, expand, slice."""
+    """An index map: reshape (same element order) or permute, expand, slice, roll (params (dim,
+    shift): element i along dim is the argument's (i + shift) % size)."""
 
     name: str
     type: TensorType
-    op: str  # reshape | permute | expand | slice
+    op: str  # reshape | permute | expand | slice | roll
     arg: str
     params: tuple = ()
     source: str = field(default="", compare=False)

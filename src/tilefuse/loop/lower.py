@@ -90,7 +90,37 @@ class _Lowerer:
         self.bindings.append(Binding(tensor, tensor, shape))
         return tensor
 
+    def buffer_through(self, view: str):
+        """A view this kernel reads where its tensor lies (Step.reads): that tensor, in its own
+        shape, as a parameter named after the view."""
+        from .views import along_last_dim
+
+        root = self.step.reads[view]
+        t = self.g[root].type
+        shape = t.shape or (1,)
+        if len(shape) > 1 and along_last_dim(self.g, view, root):  # read as (rows, last dim): views.read_rows
+            shape = (math.prod(shape[:-1]), shape[-1])
+        self.views[view] = _buffer_view(self.g[view].type.shape, self.step.align[view], self.space)
+        self.params.append(L.Buffer(view, shape, t.dtype, "in"))
+        self.bindings.append(Binding(view, self.step.reads[view], shape))
+
     def index(self, tensor: str, col: str | None) -> tuple[L.Index, ...]:
+        own = self.own_index(tensor, col)
+        if tensor not in self.step.reads:
+            return own
+        from .views import along_last_dim, read_index, read_rows
+
+        root = self.step.reads[tensor]
+        extents = {"r": math.prod(self.space[0])} | ({col: self.space[1]} if col else {})
+        shape = tuple(s for s, _ in self.views[tensor])
+        # the views from `tensor` down to `root` (a view of a view of root, each read in place)
+        if not self.g[root].type.shape:
+            return (L.IConst(0),)
+        if len(self.g[root].type.shape) > 1 and along_last_dim(self.g, tensor, root):
+            return read_rows(self.g, tensor, shape, own, extents, until=root)
+        return read_index(self.g, tensor, shape, own, extents, until=root)
+
+    def own_index(self, tensor: str, col: str | None) -> tuple[L.Index, ...]:
         out = []
         for _, a in self.views[tensor]:
             if a is None:
@@ -275,7 +305,10 @@ class _Lowerer:
     def lower(self, kernel_name: str) -> Lowered:
         step = self.step
         for t in step.inputs:
-            self.buffer(t, "in")
+            if t in step.align:
+                self.buffer(t, "in")
+            for v in (v for v, r in step.reads.items() if r == t):
+                self.buffer_through(v)
         for t in step.outputs:
             self.buffer(t, "out")
         self.row_block, self.row_memo = self.block(), {}

@@ -98,17 +98,21 @@ def _small(r: _Sum, k: int, op: str, ext: dict) -> _Sum:
     return _sum({(op, r, k): 1})
 
 
-def _of_index(e: L.Index) -> _Sum:
+def _of_index(e: L.Index, ext: dict | None = None) -> _Sum:
+    """`e` as a _Sum; with the loop variables' extents, `//` and `%` by constants too (a row
+    kernel's coordinates of its merged row variable)."""
     if isinstance(e, L.Var):
         return _sum({e.name: 1})
     if isinstance(e, L.IConst):
         return _const(e.value)
     if isinstance(e, L.IBin) and e.op == "+":
-        return _add(_of_index(e.a), _of_index(e.b))
+        return _add(_of_index(e.a, ext), _of_index(e.b, ext))
     if isinstance(e, L.IBin) and e.op == "*" and isinstance(e.a, L.IConst):
-        return _scale(_of_index(e.b), e.a.value)
+        return _scale(_of_index(e.b, ext), e.a.value)
     if isinstance(e, L.IBin) and e.op == "*" and isinstance(e.b, L.IConst):
-        return _scale(_of_index(e.a), e.b.value)
+        return _scale(_of_index(e.a, ext), e.b.value)
+    if isinstance(e, L.IBin) and e.op in ("//", "%") and isinstance(e.b, L.IConst) and ext is not None:
+        return _divmod(_of_index(e.a, ext), e.b.value, e.op, ext)
     raise ValueError(f"not an affine index of loop variables: {e}")
 
 
@@ -159,18 +163,56 @@ def _back(n: g_ir.View, x: list, src: tuple, ext: dict) -> list:
         dim, start, _, step = n.params
         dim %= len(src)
         return [_add(_const(start), _scale(e, step)) if i == dim else e for i, e in enumerate(x)]
+    if n.op == "roll":  # element i of the view is element (i + shift) % size of its argument
+        dim, shift = n.params
+        dim %= len(src)
+        return [_divmod(_add(e, _const(shift)), src[dim], "%", ext) if i == dim else e for i, e in enumerate(x)]
     raise ValueError(f"cannot read through view {n.op}")
 
 
+def along_last_dim(g: g_ir.Graph, name: str, until: str) -> bool:
+    """Whether every view from `name` down to `until` only moves elements along the last dim
+    (slices and rolls of it): its rows are `until`'s rows, in order."""
+    for v in view_chain(g, name):
+        if v == until:
+            return True
+        n = g[v]
+        rank = len(n.type.shape)
+        if n.op not in ("slice", "roll") or n.params[0] % rank != rank - 1:
+            return False
+    return True
+
+
+def read_rows(g: g_ir.Graph, name: str, shape: tuple[int, ...], index: tuple[L.Index, ...],
+              extents: dict[str, int], until: str) -> tuple[L.Index, L.Index]:
+    """read_index for a chain `along_last_dim`, into `until` viewed as (rows, last dim): the
+    same row, and the last dim's index moved through the slices and rolls. A kernel whose rows
+    are a prompt's tokens then reads it without the prompt's length in its index (one source
+    serves every length: codegen.mapreduce.rows_free)."""
+    t = g[name].type
+    lead = math.prod(t.shape[:-1])
+    x = _reshape([_of_index(e, extents) for e in index], shape, (lead, t.shape[-1]), extents)
+    for v in view_chain(g, name):
+        if v == until:
+            break
+        n = g[v]
+        src = (lead, g[n.arg].type.shape[-1])
+        x = _back(g_ir.View(n.name, n.type, n.op, n.arg, (1,) + tuple(n.params[1:])), x, src, extents)
+    return _to_index(x[0]), _to_index(x[1])
+
+
 def read_index(g: g_ir.Graph, name: str, shape: tuple[int, ...], index: tuple[L.Index, ...],
-               extents: dict[str, int]) -> tuple[L.Index, ...]:
-    """The index into the tensor under `name`'s chain of views (`view_chain`) of element `index`
-    of `name` reshaped to `shape` (the layout the reader indexes it in), `index` affine in loop
-    variables of the given extents."""
+               extents: dict[str, int], until: str | None = None) -> tuple[L.Index, ...]:
+    """The index into the tensor under `name`'s chain of views (`view_chain`; or the tensor
+    `until` in it) of element `index` of `name` reshaped to `shape` (the layout the reader
+    indexes it in), `index` affine in loop variables of the given extents (or their `//` and
+    `%` by constants)."""
     if math.prod(shape) != g[name].type.numel:
         raise ValueError(f"{name} ({g[name].type}) cannot be read as {list(shape)}")
-    x = _reshape([_of_index(e) for e in index], shape, g[name].type.shape, extents)
+    x = _reshape([_of_index(e, extents) for e in index], shape, g[name].type.shape, extents)
     for v in view_chain(g, name):
+        if v == until:
+            break
         n = g[v]
         x = _back(n, x, g[n.arg].type.shape, extents)
     return tuple(_to_index(e) for e in x)

@@ -290,11 +290,13 @@ class Program:
         self._prepare_groups(device)
 
     def _prepare_groups(self, device):
-        """With TILEFUSE_GEMV_GROUPS=1, the runner for `device` now: it compiles the groups of
-        GEMVs it launches as one (runner.grouped_gemvs), which the first call would otherwise."""
-        from ..codegen.gemv import groups_enabled
+        """Unless TILEFUSE_GEMV_GROUPS=0, the runner for `device` now, where two GEMMs of a few
+        rows read one A: it compiles the groups of GEMVs it launches as one
+        (runner.grouped_gemvs), which the first call would otherwise."""
+        from ..codegen.gemv import MAX_M, groups_enabled
 
-        if device.type == "cuda" and groups_enabled() and any(s.family == "gemm" for s in self.plan.steps):
+        a = [s.gemm.a for s in self.plan.steps if s.family == "gemm" and s.gemm is not None and s.gemm.m <= MAX_M]
+        if device.type == "cuda" and groups_enabled() and len(set(a)) < len(a):
             self.runner(device)
 
 
@@ -392,6 +394,9 @@ def strided_view(n: ir.View, x: torch.Tensor) -> torch.Tensor:
         dim, start, end, step = n.params
         x = x.narrow(dim, start, end - start)
         return x if step == 1 else x[(slice(None),) * dim + (slice(None, None, step),)]
+    if n.op == "roll":  # not a strided view: a copy (a roll no kernel reads in place)
+        dim, shift = n.params
+        return torch.roll(x, -shift, dim)
     raise ValueError(f"unknown view {n.op}")
 
 

@@ -151,7 +151,7 @@ def _same_value(a, b) -> bool:
 
 
 def _step_key(s) -> tuple:
-    return s.name, s.family, tuple(s.nodes), tuple(s.inputs), tuple(s.outputs), s.view, s.space
+    return s.name, s.family, tuple(s.nodes), tuple(s.inputs), tuple(s.outputs), s.view, s.space, tuple(s.reads.items())
 
 
 def _not_polymorphic(g: ir.Graph, s) -> str:
