@@ -451,6 +451,18 @@ def _(draw, dtype):
     return (lambda x: (x[sl] * 2, x[i] + 1, x.select(-1, -1) - 1, x[..., -2:] * 3)), [randn(s, dtype)]
 
 
+@case("narrow", "narrow")
+def _(draw, dtype):
+    s = draw(shapes(1, 3))
+    d = draw(st.integers(-len(s), len(s) - 1))
+    n = s[d]
+    length = draw(st.integers(0, n))
+    start = draw(st.integers(0, n - length))
+    if draw(st.booleans()) and start:
+        start -= n  # counted from the end
+    return (lambda x: x.narrow(d, start, length) * 2), [randn(s, dtype)]
+
+
 @case("split_chunk_unbind", "split", "split_with_sizes", "chunk", "unbind")
 def _(draw, dtype):
     s = draw(shapes(1, 3))

@@ -176,3 +176,22 @@ def test_any_chain_of_views_read_in_place_computes_what_pytorch_does(case):
     x = torch.randn(*shape)
     p = _prog(fn, x)
     assert torch.equal(p(x), fn(x)), (shape, ops, params, str(p.plan))
+
+
+@pytest.mark.parametrize("h,whole", [(64, True), (32, True), (3, False)], ids=str)
+def test_a_rolls_chunks_are_whole_vectors_where_the_shift_allows(h, whole):
+    """A roll by a multiple of the 16-byte vector over a row of whole vectors reads each chunk
+    with one vector load from column (c0 + h) % n (codegen.mapreduce._chunk_col); by any other
+    shift its elements are scalar loads; both compile clean (NVRTC, sm_90a and sm_80)."""
+    from tilefuse.codegen import mapreduce
+    from tilefuse.runtime import nvrtc
+
+    fn = lambda x: torch.cat((x[..., h:], x[..., :h]), -1) * 2 + x  # noqa: E731
+    x = torch.randn(16, 128, dtype=torch.bfloat16)
+    p = _prog(fn, x)
+    (step,) = p.plan.steps
+    for arch in ("sm_90a", "sm_80"):
+        src = mapreduce.render(p.kernels[step.name].kernel, None, arch)
+        assert (f"((c0 + {h}) % 128))" in src.source) == whole, src.source
+        assert nvrtc.compile_cuda(src.source, src.name, arch).info.clean
+    assert torch.equal(p(x), fn(x))

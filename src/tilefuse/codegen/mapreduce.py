@@ -172,6 +172,7 @@ class _Stream:
     buf: ir.Buffer
     base_index: tuple  # the index with the column replaced by its constant offset
     name: str          # C identifier stem
+    wrap: tuple | None = None  # (k, n): a roll's stream, chunk c0 read at column (c0 + k) % n
 
     @property
     def itemsize(self):
@@ -189,6 +190,21 @@ class _Stream:
     def per_row(self) -> bool:
         """True for a row of a matrix (read once); False for a column vector shared by all rows."""
         return any(ir.index_vars(e) for e in self.base_index)
+
+
+def _c_wrap(e: ir.Index, cvar: str):
+    """`e` as (c + k) % n (returns (k, n): a roll's read, loop/views.py), or None."""
+    if isinstance(e, ir.IBin) and e.op == "%" and isinstance(e.b, ir.IConst):
+        k = _c_offset(e.a, cvar)
+        if k is not None:
+            return k, e.b.value
+    return None
+
+
+def _stream_wrap(index: tuple, cvar: str):
+    """The (k, n) of a stream whose column index is (c + k) % n, else None."""
+    found = [_c_wrap(e, cvar) for e in index if cvar in ir.index_vars(e)]
+    return found[0] if len(found) == 1 else None
 
 
 def _contiguous(buf: ir.Buffer, index: tuple, cvar: str, vector: int, row_values=frozenset()):
@@ -210,7 +226,12 @@ def _contiguous(buf: ir.Buffer, index: tuple, cvar: str, vector: int, row_values
         return None
     k = _c_offset(index[c_dims[0]], cvar)
     if k is None:
-        return None
+        # a roll's (c + k) % n: a chunk of `vector` columns from a multiple of it stays whole and
+        # in order when k and n are multiples of it too; the chunk's start wraps (_chunk_col)
+        wrap = _c_wrap(index[c_dims[0]], cvar)
+        if wrap is None or wrap[0] % vector or wrap[1] % vector or wrap[1] != buf.shape[c_dims[0]]:
+            return None
+        k = 0
     const_part = k
     for i, e in enumerate(index):
         if i == c_dims[0]:
@@ -274,7 +295,8 @@ def _analyse(kernel: ir.Kernel, parts: ir.RowKernel, vector: int) -> _Analysis:
                                row_values if isinstance(s, ir.Load) else frozenset())
             if base is None:
                 continue
-            key = (buf.name, tuple(str(e) for e in base))
+            wrap = _stream_wrap(s.index, blk.var)
+            key = (buf.name, tuple(str(e) for e in base), wrap)
             table = ins if isinstance(s, ir.Load) else outs
             if isinstance(s, ir.Store):
                 if key in stores_seen:  # two stores to one chunk in a loop: keep them scalar
@@ -282,9 +304,14 @@ def _analyse(kernel: ir.Kernel, parts: ir.RowKernel, vector: int) -> _Analysis:
                 stores_seen.add(key)
             if key not in table:
                 stem = _ident(buf.name) + ("" if not any(k[0] == buf.name for k in table) else f"_{len(table)}")
-                table[key] = _Stream(key, buf, base, stem)
+                table[key] = _Stream(key, buf, base, stem, wrap)
             (lmap if isinstance(s, ir.Load) else smap)[id(s)] = key
     return _Analysis(ins, outs, lmap, smap)
+
+
+def _chunk_col(st: _Stream) -> str:
+    """The column a stream's chunk c0 starts at in its buffer's row."""
+    return "c0" if st.wrap is None else f"((c0 + {st.wrap[0]}) % {st.wrap[1]})"
 
 
 def _ident(name: str) -> str:
@@ -831,7 +858,7 @@ def _emit_chunk_load(ctx: _Ctx, em: _Emitter, st: _Stream, dst: str, guard: str,
         calls = [(f"tf_ld16_{hint}", off) for _, off in calls]
         pol = f", tf_pol_{hint}"
     w = _words(st.buf.dtype, ctx.V)
-    ptr = f"{_param(st.buf.name)} + b_{st.name} + c0"
+    ptr = f"{_param(st.buf.name)} + b_{st.name} + {_chunk_col(st)}"
     if st.values:  # a gathered row: its base and bounds come from row-level values
         env = _env(ctx, None)
         em(f"const long long b_{st.name} = {cexpr.flat_offset(st.buf, st.base_index, env)};")
@@ -2211,7 +2238,7 @@ def _render(kernel: ir.Kernel, schedule: MapReduceSchedule | None, arch: str, ke
             if st.key in ctx.smem_offset:
                 for i in range(_words(st.buf.dtype, V) // 4):
                     off = "" if i == 0 else f" + {16 * i // st.itemsize}"
-                    em(f"{cp}({_smem_chunk(ctx, st, i)}, {_param(st.buf.name)} + b_{st.name} + c0{off}{pol});")
+                    em(f"{cp}({_smem_chunk(ctx, st, i)}, {_param(st.buf.name)} + b_{st.name} + {_chunk_col(st)}{off}{pol});")
         em.close()
         if pipelined:
             em("tf_cp_async_commit();")

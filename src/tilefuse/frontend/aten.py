@@ -533,7 +533,8 @@ def _narrow(b, args, kwargs, out):
     length = args[3] if len(args) > 3 else kwargs["length"]
     if not all(isinstance(v, int) for v in (start, length)):
         raise Unsupported("a narrow by a tensor's value")
-    start %= max(shape[dim], 1) if start < 0 else start + 1
+    if start < 0:
+        start += shape[dim]
     return _slice(b, (x, dim, start, start + length, 1), {}, out)
 
 

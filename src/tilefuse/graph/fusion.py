@@ -584,13 +584,7 @@ def attention_only_views(g: ir.Graph, steps) -> frozenset:
         n = g[name]
         if name not in extern or not isinstance(n, ir.View):
             return False
-        rank = len(n.type.shape)
-        if n.op == "permute":
-            return n.params[-1] % rank == rank - 1
-        if n.op == "slice":
-            dim, _, _, step = n.params
-            return step == 1 or dim % rank != rank - 1
-        return False
+        return n.op in ("permute", "slice") and _last_dim_whole(n)
 
     def for_attention_only(name: str) -> bool:
         if name not in memo:
@@ -630,18 +624,23 @@ def _mark_attention_views(p: "Plan") -> "Plan":
     return p
 
 
-def _keeps_rows(n: ir.View) -> bool:
-    """Whether a kernel reading through view `n` still reads each row where it lies in one run:
-    a permute that keeps the last dim last, a slice of the last dim with step 1 (or of another
-    dim), an expand or a reshape, a roll (a rotation: two runs). A transposing permute would
-    make every load its own transaction, slower than PyTorch's copy and a contiguous read."""
+def _last_dim_whole(n: ir.View) -> bool:
+    """A permute that keeps the last dim last, a slice of the last dim with step 1 (or of
+    another dim), any other view: its last dim stays contiguous in memory."""
     rank = len(n.type.shape)
     if n.op == "permute":
         return n.params[-1] % rank == rank - 1
     if n.op == "slice":
         dim, _, _, step = n.params
         return step == 1 or dim % rank != rank - 1
-    return n.op in ("expand", "reshape", "roll")
+    return True
+
+
+def _keeps_rows(n: ir.View) -> bool:
+    """Whether a kernel reading through view `n` still reads each row where it lies in one run
+    (`_last_dim_whole`; a roll: two runs). A transposing permute would make every load its own
+    transaction, slower than PyTorch's copy and a contiguous read."""
+    return n.op in ("permute", "slice", "expand", "reshape", "roll") and _last_dim_whole(n)
 
 
 def views_read_in_place(p: Plan) -> Plan:
