@@ -195,3 +195,10 @@ def test_a_rolls_chunks_are_whole_vectors_where_the_shift_allows(h, whole):
         assert (f"((c0 + {h}) % 128))" in src.source) == whole, src.source
         assert nvrtc.compile_cuda(src.source, src.name, arch).info.clean
     assert torch.equal(p(x), fn(x))
+
+
+def test_an_empty_view_is_refused_as_before_not_read_in_place():
+    """A zero-size slice read by a kernel keeps its step, so the compiler's refusal of empty
+    tensors names it (read in place, its index divided by a zero extent)."""
+    with pytest.raises(ValueError, match="no elements"):
+        _prog(lambda x: x[:, 3:3].sum(-1) * 2, torch.randn(4, 8))

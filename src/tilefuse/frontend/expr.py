@@ -159,8 +159,13 @@ class ExprModule(nn.Module):
             self._globals = _scope()
         scope = self._globals
         scope.update(self.mods)
-        scope.update({f"_in{i}": x for i, x in enumerate(inputs)})
-        return eval(self._code, scope)
+        names = [f"_in{i}" for i in range(len(inputs))]
+        scope.update(zip(names, inputs))
+        try:
+            return eval(self._code, scope)
+        finally:
+            for n in names:  # (not kept alive by the module between calls)
+                scope.pop(n, None)
 
 
 def parse(text: str, dtype: torch.dtype | None = None):

@@ -661,6 +661,7 @@ def views_read_in_place(p: Plan) -> Plan:
             s, n = step_of.get(name), g[name]
             memo[name] = (isinstance(n, ir.View) and s is not None and s.family in ("extern", "alias")
                           and not s.view and name not in outputs and _keeps_rows(n) and bool(users.get(name))
+                          and n.type.numel > 0  # (an empty one keeps its step: compiler._refuse_empty says why)
                           and all(step_of[u].family == "mapreduce" and step_of[u].head is None
                                   if not isinstance(g[u], ir.View) else consumable(u) for u in users[name]))
         return memo[name]
@@ -677,8 +678,11 @@ def views_read_in_place(p: Plan) -> Plan:
             continue
         region.add(n.name)
         r = g[root(n.name)]
-        if _generated(r) or (isinstance(r, ir.Input) and r.name in g.writes) or step_of.get(r.name) is not None \
-                and step_of[r.name].view:
+        under = r
+        while isinstance(under, ir.View):  # (a reshape of a written input is that input's memory)
+            under = g[under.arg]
+        if _generated(r) or (isinstance(under, ir.Input) and under.name in g.writes) \
+                or step_of.get(r.name) is not None and step_of[r.name].view:
             region.discard(n.name)  # an iota's or constant's value is made where it is read; a strided view is not in memory as itself
     if not region:
         return p
