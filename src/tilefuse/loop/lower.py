@@ -65,6 +65,7 @@ class _Lowerer:
         self.params: list[L.Buffer] = []
         self.bindings: list[Binding] = []
         self.views: dict[str, list] = {}
+        self.as_rows: set[str] = set()  # views read in place as (rows, last dim) of their tensor (buffer_through)
         self.casts: dict[tuple, str] = {}  # (id(block), value, dtype) -> the value converted, in that block
         self.blocks: list[list] = []  # every block made, kept alive: the casts' keys are their ids
         self.reduced16 = _reduced_16bit_maps(graph, step)
@@ -98,27 +99,26 @@ class _Lowerer:
         root = self.step.reads[view]
         t = self.g[root].type
         shape = t.shape or (1,)
-        if len(shape) > 1 and along_last_dim(self.g, view, root):  # read as (rows, last dim): views.read_rows
+        if len(shape) > 1 and along_last_dim(self.g, view, root):  # read as (rows, last dim): views.read_index
             shape = (math.prod(shape[:-1]), shape[-1])
+            self.as_rows.add(view)
         self.views[view] = _buffer_view(self.g[view].type.shape, self.step.align[view], self.space)
         self.params.append(L.Buffer(view, shape, t.dtype, "in"))
-        self.bindings.append(Binding(view, self.step.reads[view], shape))
+        self.bindings.append(Binding(view, root, shape))
 
     def index(self, tensor: str, col: str | None) -> tuple[L.Index, ...]:
         own = self.own_index(tensor, col)
         if tensor not in self.step.reads:
             return own
-        from .views import along_last_dim, read_index, read_rows
+        from .views import read_index
 
         root = self.step.reads[tensor]
+        if not self.g[root].type.shape:
+            return (L.IConst(0),)
         extents = {"r": math.prod(self.space[0])} | ({col: self.space[1]} if col else {})
         shape = tuple(s for s, _ in self.views[tensor])
         # the views from `tensor` down to `root` (a view of a view of root, each read in place)
-        if not self.g[root].type.shape:
-            return (L.IConst(0),)
-        if len(self.g[root].type.shape) > 1 and along_last_dim(self.g, tensor, root):
-            return read_rows(self.g, tensor, shape, own, extents, until=root)
-        return read_index(self.g, tensor, shape, own, extents, until=root)
+        return read_index(self.g, tensor, shape, own, extents, until=root, rows=tensor in self.as_rows)
 
     def own_index(self, tensor: str, col: str | None) -> tuple[L.Index, ...]:
         out = []

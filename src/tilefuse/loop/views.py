@@ -183,36 +183,29 @@ def along_last_dim(g: g_ir.Graph, name: str, until: str) -> bool:
     return True
 
 
-def read_rows(g: g_ir.Graph, name: str, shape: tuple[int, ...], index: tuple[L.Index, ...],
-              extents: dict[str, int], until: str) -> tuple[L.Index, L.Index]:
-    """read_index for a chain `along_last_dim`, into `until` viewed as (rows, last dim): the
-    same row, and the last dim's index moved through the slices and rolls. A kernel whose rows
-    are a prompt's tokens then reads it without the prompt's length in its index (one source
-    serves every length: codegen.mapreduce.rows_free)."""
-    t = g[name].type
-    lead = math.prod(t.shape[:-1])
-    x = _reshape([_of_index(e, extents) for e in index], shape, (lead, t.shape[-1]), extents)
-    for v in view_chain(g, name):
-        if v == until:
-            break
-        n = g[v]
-        src = (lead, g[n.arg].type.shape[-1])
-        x = _back(g_ir.View(n.name, n.type, n.op, n.arg, (1,) + tuple(n.params[1:])), x, src, extents)
-    return _to_index(x[0]), _to_index(x[1])
-
-
 def read_index(g: g_ir.Graph, name: str, shape: tuple[int, ...], index: tuple[L.Index, ...],
-               extents: dict[str, int], until: str | None = None) -> tuple[L.Index, ...]:
+               extents: dict[str, int], until: str | None = None, rows: bool = False) -> tuple[L.Index, ...]:
     """The index into the tensor under `name`'s chain of views (`view_chain`; or the tensor
     `until` in it) of element `index` of `name` reshaped to `shape` (the layout the reader
     indexes it in), `index` affine in loop variables of the given extents (or their `//` and
-    `%` by constants)."""
-    if math.prod(shape) != g[name].type.numel:
-        raise ValueError(f"{name} ({g[name].type}) cannot be read as {list(shape)}")
-    x = _reshape([_of_index(e, extents) for e in index], shape, g[name].type.shape, extents)
+    `%` by constants).
+
+    rows (a chain `along_last_dim`): into that tensor viewed as (rows, last dim), the same row
+    and the last dim's index moved through the slices and rolls. A kernel whose rows are a
+    prompt's tokens then reads it without the prompt's length in its index (one source serves
+    every length: codegen.mapreduce.rows_free)."""
+    t = g[name].type
+    if math.prod(shape) != t.numel:
+        raise ValueError(f"{name} ({t}) cannot be read as {list(shape)}")
+    lead = math.prod(t.shape[:-1])
+    x = _reshape([_of_index(e, extents) for e in index], shape, (lead, t.shape[-1]) if rows else t.shape, extents)
     for v in view_chain(g, name):
         if v == until:
             break
         n = g[v]
-        x = _back(n, x, g[n.arg].type.shape, extents)
+        if rows:  # the same view on the last of two dims
+            n, src = g_ir.View(n.name, n.type, n.op, n.arg, (1,) + tuple(n.params[1:])), (lead, g[n.arg].type.shape[-1])
+        else:
+            src = g[n.arg].type.shape
+        x = _back(n, x, src, extents)
     return tuple(_to_index(e) for e in x)

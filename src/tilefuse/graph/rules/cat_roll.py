@@ -33,15 +33,13 @@ def _rotation(g: ir.Graph, names: list, dim: int) -> tuple[str, int] | None:
     rank = len(shape)
     if not shape or any(v.arg != x or v.params[0] % rank != dim or v.params[3] != 1 for v in views):
         return None
-    n, at = shape[dim], views[0].params[1]
+    n, at, total = shape[dim], views[0].params[1], 0
     for v in views:
         start, end = v.params[1], min(v.params[2], n)
         if start != at % n or end <= start:
             return None
-        at = end
-    if sum(min(v.params[2], n) - v.params[1] for v in views) != n:
-        return None
-    return x, views[0].params[1] % n
+        at, total = end, total + end - start
+    return (x, views[0].params[1] % n) if total == n else None
 
 
 def _repeats(g: ir.Graph, node, names: list, dim: int) -> list | None:
