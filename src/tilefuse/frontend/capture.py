@@ -157,6 +157,7 @@ def to_graph(ep, expr: str | None = None) -> ir.Graph:
     inputs: list[str] = []
     tuple_outputs: dict = {}
     outputs: list[str] = []
+    layouts: list = []  # per result: eager_layout of its value
     state = dict(ep.state_dict)
     state.update(getattr(ep, "constants", {}) or {})
     user_inputs = {n for n in ep.graph.nodes if n.op == "placeholder" and sig[n.name].kind.name == "USER_INPUT"}
@@ -266,13 +267,39 @@ def to_graph(ep, expr: str | None = None) -> ir.Graph:
                 if o is None or not isinstance(o, torch.fx.Node):
                     raise CaptureError("the program must return tensors (or a tuple of tensors)")
                 outputs.append(env[o])  # (an input's name: the input as given; its update is a write)
+                layouts.append(eager_layout(o.meta.get("val")))
         else:
             raise CaptureError(f"unexpected fx node {node.op} {node.target}")
     writes = tuple(given[p] for p in updated)
     outputs += [updated[p] for p in updated]
     used = _live(b.nodes, outputs)
     nodes = tuple(n for n in b.nodes if n.name in used or isinstance(n, ir.Input))
-    return ir.Graph(nodes, tuple(inputs), tuple(outputs), {k: v for k, v in weights.items() if k in used}, writes)
+    return ir.Graph(nodes, tuple(inputs), tuple(outputs), {k: v for k, v in weights.items() if k in used}, writes,
+                    tuple(layouts) if any(layouts) else ())
+
+
+def eager_layout(val) -> tuple[int, ...] | None:
+    """The order of `val`'s dims in memory (outermost first) where PyTorch lays it out densely
+    but permuted, its last dim innermost: `x.transpose(1, 2) * c` keeps x's strides. None for a
+    contiguous tensor (size-1 dims in any place), for any other layout (overlapping, with gaps,
+    the last dim strided) and for symbolic sizes: those results are returned contiguous."""
+    if not isinstance(val, torch.Tensor) or val.dim() < 2:
+        return None
+    try:
+        shape, strides = [int(d) for d in val.shape], [int(d) for d in val.stride()]
+    except (TypeError, ValueError, RuntimeError):  # (a SymInt with no value)
+        return None
+    real = [d for d in range(len(shape)) if shape[d] != 1]
+    order = sorted(real, key=lambda d: -strides[d])
+    if order == real or not real or order[-1] != len(shape) - 1:
+        return None
+    expect = 1
+    for d in reversed(order):  # dense: each dim's stride the product of the sizes inside it
+        if strides[d] != expect:
+            return None
+        expect *= shape[d]
+    slots = iter(order)  # size-1 dims keep their places; the others fill theirs in memory order
+    return tuple(d if shape[d] == 1 else next(slots) for d in range(len(shape)))
 
 
 def _live(nodes, outputs) -> set[str]:

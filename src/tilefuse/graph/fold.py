@@ -119,7 +119,7 @@ def fold_weights(g: ir.Graph) -> ir.Graph:
     weights = dict(g.weights)
     for name in folded:
         weights[name] = to_torch(np.ascontiguousarray(values[name]).reshape(g[name].type.shape))
-    return prune(ir.Graph(tuple(nodes), g.inputs, g.outputs, weights, g.writes))
+    return prune(ir.Graph(tuple(nodes), g.inputs, g.outputs, weights, g.writes, g.layouts))
 
 
 def _of_type(value, n) -> np.ndarray:

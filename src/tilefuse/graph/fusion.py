@@ -56,7 +56,7 @@ class Step:
     head: "Step | None" = None    # a grid reduction: the row kernel as planned alone
     tail: "Step | None" = None    # ... and the one-row kernel that reduced its per-row outputs
     scratch: list[str] = field(default_factory=list)  # per-row values passed from head to tail on chip
-    view: bool = False  # family "extern": a strided view for attention, no copy (attention_only_views)
+    view: bool = False  # family "extern": a strided view, no copy (attention_only_views; a result in eager's layout)
     reads: dict[str, str] = field(default_factory=dict)  # mapreduce: input view -> the tensor it reads it from (views_read_in_place)
     passes: int = 0      # mapreduce: its reductions, each a pass over the row computing its argument
     recomputed: int = 0  # ... and the per-element maps the passes after the first compute again (RECOMPUTE_LIMIT)
@@ -613,6 +613,16 @@ def _readers(g: ir.Graph, users: dict, name: str) -> list:
 
 
 def _mark_attention_views(p: "Plan") -> "Plan":
+    """Also the results returned in PyTorch's layout (rules/permute_sink.layout_views): a
+    strided view of what a kernel wrote, as eager and torch.compile return them."""
+    from .rules.permute_sink import layout_views
+
+    step_of = {n: s for s in p.steps for n in s.nodes}
+    for name in layout_views(p.graph):
+        s, under = step_of.get(name), step_of.get(p.graph[name].arg)
+        if s is not None and s.family == "extern" and under is not None and under.family in ("mapreduce", "gemm"):
+            s.view, s.bytes = True, 0
+            s.note = "strided view: the result in the layout PyTorch gives it, no copy"
     views = attention_only_views(p.graph, p.steps)
     users = p.graph.users() if views else {}
     for s in p.steps:

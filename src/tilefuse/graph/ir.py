@@ -304,13 +304,18 @@ class Graph:
     `add_`). The last len(writes) outputs are their new values, of their inputs' types, copied
     into those inputs after the program runs; the outputs before them are the program's results
     (`results`). A result that names an input, written or not, is that input as given (a clone
-    of it taken before the write: rewrites may well reduce a value to it)."""
+    of it taken before the write: rewrites may well reduce a value to it).
+
+    `layouts`: for each result, the order of its dims in memory where PyTorch lays it out
+    permuted (an elementwise op on a transposed tensor keeps that tensor's strides), else
+    None; empty: every result contiguous (rules/permute_sink.results_in_eager_layout)."""
 
     nodes: tuple
     inputs: tuple[str, ...]
     outputs: tuple[str, ...]
     weights: dict[str, Any] = field(default_factory=dict)  # name -> torch.Tensor or ndarray
     writes: tuple[str, ...] = ()
+    layouts: tuple = ()
 
     def __post_init__(self):
         self._by_name = {n.name: n for n in self.nodes}
@@ -319,6 +324,8 @@ class Graph:
         if len(self.writes) > len(self.outputs) or not set(self.writes) <= set(self.inputs) \
                 or len(set(self.writes)) != len(self.writes):
             raise ValueError(f"writes {self.writes} must be distinct inputs, each with a new value among the outputs")
+        if self.layouts and len(self.layouts) != len(self.results):
+            raise ValueError(f"{len(self.layouts)} layouts for {len(self.results)} results")
         for x, v in self.written:
             if self._by_name[v].type != self._by_name[x].type:
                 raise ValueError(f"input {x} ({self._by_name[x].type}) would be written with {v} "
@@ -357,7 +364,7 @@ class Graph:
 
     def replace(self, nodes=None, outputs=None) -> "Graph":
         return Graph(tuple(nodes if nodes is not None else self.nodes), self.inputs,
-                     tuple(outputs if outputs is not None else self.outputs), self.weights, self.writes)
+                     tuple(outputs if outputs is not None else self.outputs), self.weights, self.writes, self.layouts)
 
     def __str__(self):
         return format_graph(self)

@@ -31,7 +31,7 @@ class Fired:
 
 def fired(rule: str, before: ir.Graph, after: ir.Graph) -> Fired:
     def bare(g):
-        return ir.Graph(g.nodes, g.inputs, g.outputs, {}, g.writes)
+        return ir.Graph(g.nodes, g.inputs, g.outputs, {}, g.writes, g.layouts)
 
     return Fired(rule, (bare(before), bare(after)))
 

@@ -182,8 +182,8 @@ MEMORY = GraphMemory()
 
 
 def launches(program) -> int:
-    """Kernel, GEMM and extern launches per call (aliases are views: no launch)."""
-    return sum(1 for step in program.plan.steps if step.family != "alias")
+    """Kernel, GEMM and extern launches per call (aliases and strided views: no launch)."""
+    return sum(1 for step in program.plan.steps if step.family != "alias" and not step.view)
 
 
 def blockers(program, device: torch.device, auto: bool = False) -> list[str]:

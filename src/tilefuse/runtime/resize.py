@@ -48,7 +48,7 @@ class Family:
             return None
         g = p.graph
         nodes = tuple(n if types[n.name] == n.type else dataclasses.replace(n, type=types[n.name]) for n in g.nodes)
-        graph = ir.Graph(nodes, g.inputs, g.outputs, g.weights, g.writes)
+        graph = ir.Graph(nodes, g.inputs, g.outputs, g.weights, g.writes, g.layouts)
         steps = []
         for s in p.plan.steps:
             if s.family == "extern" and self.varying.keys() & {*s.inputs, *s.outputs}:

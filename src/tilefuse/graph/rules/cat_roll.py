@@ -78,4 +78,4 @@ def rotated_cat_as_roll(g: ir.Graph) -> ir.Graph:
         changed = True
     if not changed:
         return g
-    return prune(substitute(ir.Graph(tuple(out), g.inputs, g.outputs, g.weights, g.writes), renamed))
+    return prune(substitute(ir.Graph(tuple(out), g.inputs, g.outputs, g.weights, g.writes, g.layouts), renamed))

@@ -76,4 +76,4 @@ def negated_pieces_as_signs(g: ir.Graph) -> ir.Graph:
         changed = True
     if not changed:
         return g
-    return prune(substitute(ir.Graph(tuple(out), g.inputs, g.outputs, ed.weights, g.writes), renamed))
+    return prune(substitute(ir.Graph(tuple(out), g.inputs, g.outputs, ed.weights, g.writes, g.layouts), renamed))

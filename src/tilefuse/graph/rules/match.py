@@ -158,7 +158,8 @@ class Editor:
         return [w], w.name
 
     def graph(self, nodes, outputs=None) -> ir.Graph:
-        g = ir.Graph(tuple(nodes), self.g.inputs, tuple(outputs or self.g.outputs), self.weights, self.g.writes)
+        g = ir.Graph(tuple(nodes), self.g.inputs, tuple(outputs or self.g.outputs), self.weights, self.g.writes,
+                     self.g.layouts)
         return prune(g)
 
 
@@ -187,7 +188,8 @@ def prune(g: ir.Graph) -> ir.Graph:
     nodes = tuple(n for n in g.nodes if n.name in live or isinstance(n, ir.Input))
     if len(nodes) == len(g.nodes):
         return g
-    return ir.Graph(nodes, g.inputs, g.outputs, {k: v for k, v in g.weights.items() if k in live}, g.writes)
+    return ir.Graph(nodes, g.inputs, g.outputs, {k: v for k, v in g.weights.items() if k in live}, g.writes,
+                    g.layouts)
 
 
 def depends_on(g: ir.Graph, name: str, targets) -> bool:

@@ -199,4 +199,4 @@ def rope_into_projection(g: ir.Graph) -> ir.Graph:
     for node in g.nodes:
         out.extend(emit.get(node.name, [node]))
     # the old results' readers read the new ones; what only the old chain read is pruned
-    return prune(substitute(ir.Graph(tuple(out), g.inputs, g.outputs, ed.weights, g.writes), replace_by))
+    return prune(substitute(ir.Graph(tuple(out), g.inputs, g.outputs, ed.weights, g.writes, g.layouts), replace_by))

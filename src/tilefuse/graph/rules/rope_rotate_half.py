@@ -299,4 +299,4 @@ def rotate_half_to_pairs(g: ir.Graph) -> ir.Graph:
             out.append(node)  # read until `substitute` points its readers at the new result; pruned then
         else:
             out.append(node)
-    return prune(substitute(ir.Graph(tuple(out), g.inputs, g.outputs, ed.weights, g.writes), replace_by))
+    return prune(substitute(ir.Graph(tuple(out), g.inputs, g.outputs, ed.weights, g.writes, g.layouts), replace_by))
