@@ -418,7 +418,7 @@ def cmd_run(args) -> int:
         console.print(f"not checked: the program draws random numbers ({', '.join(drawn)}), so its outputs "
                       f"differ from PyTorch's by design")
     console.print(f"compile: {compile_s * 1e3:.0f} ms; {len(st.kernels)} fused kernel(s), {len(st.gemms)} GEMM(s), "
-                  f"{sum(s.family == 'extern' for s in st.plan.steps)} extern(s); seed {seed} (--seed {seed} "
+                  f"{sum(s.family == 'extern' and not s.view for s in st.plan.steps)} extern(s); seed {seed} (--seed {seed} "
                   f"repeats this run)")
     if args.bench:
         if device != "cuda":

@@ -167,6 +167,8 @@ def test_a_program_returns_eager_values_with_eager_strides(fn, shapes):
     assert [s.family for s in steps] == ["mapreduce", "extern"] and steps[1].view and steps[1].bytes == 0, str(p.plan)
     assert layout_views(p.graph) == {steps[1].nodes[0]}
     assert graphs.launches(p) == 1  # (the view launches nothing: a CUDA graph would save no launch)
+    assert "0 extern(s)" in str(p.plan) and "1 strided view(s)" in str(p.plan), str(p.plan)
+    assert "layout " in str(p.graph) and "as PyTorch lays it out" in str(p.graph)
 
 
 @pytest.mark.parametrize("fn", [

@@ -778,8 +778,9 @@ def format_plan(p: Plan) -> str:
     g = p.graph
     lines = [f"plan: {sum(s.family == 'mapreduce' for s in p.steps)} fused kernel(s), "
              f"{sum(s.family == 'gemm' for s in p.steps)} GEMM(s), "
-             f"{sum(s.family == 'extern' for s in p.steps)} extern(s), "
-             f"{sum(s.family == 'alias' for s in p.steps)} alias(es)"]
+             f"{sum(s.family == 'extern' and not s.view for s in p.steps)} extern(s), "
+             f"{sum(s.family == 'alias' for s in p.steps)} alias(es)"
+             + (f", {views} strided view(s)" if (views := sum(s.view for s in p.steps)) else "")]
     for s in p.steps:
         if s.family == "alias":
             n = g[s.nodes[0]]

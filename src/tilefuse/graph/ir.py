@@ -377,6 +377,9 @@ def format_graph(g: Graph) -> str:
             continue
         lines.append(f"  {n.name}: {n.type} = {n.describe()}")
     lines.append(f"  return {', '.join(g.results)}")
+    for r, order in zip(g.results, g.layouts):
+        if order is not None:
+            lines.append(f"  layout {r}: dims ({', '.join(map(str, order))}) in memory, as PyTorch lays it out")
     for x, v in g.written:
         lines.append(f"  write {x} <- {v}")
     return "\n".join(lines)
