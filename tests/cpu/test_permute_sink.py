@@ -212,3 +212,80 @@ def test_a_transposed_contiguous_result_is_one_kernel_writing_it():
     assert got.is_contiguous()
     torch.testing.assert_close(got, want)
     assert [s.family for s in p.plan.steps if s.family != "alias"] == ["mapreduce"], str(p.plan)
+
+
+# -- found in review (session 55) -------------------------------------------------------------
+
+def _strides_match(a, b):  # (a size-1 dim's stride is any)
+    return [s for s, d in zip(a.stride(), a.shape) if d > 1] == [s for s, d in zip(b.stride(), b.shape) if d > 1]
+
+
+@pytest.mark.parametrize("fn,shape", [
+    (lambda x: x.exp().transpose(0, 1).sin().transpose(0, 1), (3, 4, 5)),        # two movable permutes in one chain
+    (lambda x: x.exp().transpose(0, 1).transpose(0, 1).sin().transpose(0, 1), (3, 4, 5)),
+    (lambda x: x.transpose(0, 1).exp().transpose(1, 2), (2, 3, 4, 5)),          # a result ending in a permute
+    (lambda x: x.abs().permute(2, 1, 0, 3), (1, 4, 4, 4)),                        # size-1 dims moved
+], ids=["chain", "double", "ends_in_permute", "unit_dims"])
+def test_chains_of_permutes_compute_eagers_values_in_eagers_layout(fn, shape):
+    """Two permutes that could both move in one pass crashed the rule (a KeyError: the second
+    read the first's map, replaced in the same pass); a result ending in a permute that is not
+    the layout's inverse, or moving dims of size 1, came back contiguous."""
+    x = torch.randn(shape)
+    p = tilefuse.compile(fn, (x,))
+    got, want = p(x), fn(x)
+    torch.testing.assert_close(got, want)
+    assert _strides_match(got, want), (got.stride(), want.stride())
+    assert graphs.launches(p) == 1, str(p.plan)
+
+
+def test_a_permute_above_a_reduction_stays_where_it_is():
+    """RMSNorm transposed: moving the permute onto the norm's statistics would compute them in
+    one row order and the scaling in another (two kernels where one was)."""
+    def fn(x):
+        y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return y.transpose(1, 2).contiguous()
+    x = torch.randn(2, 6, 3, 16)
+    g = tilefuse.compile(fn, (x,))
+    assert sum(s.family == "mapreduce" for s in g.plan.steps) == 1, str(g.plan)
+    torch.testing.assert_close(g(x), fn(x))
+
+
+def test_a_result_other_kernels_read_is_no_strided_view():
+    """`y` returned in eager's layout and read by other kernels: a strided view there would be
+    copied by each reader unseen. Its permute moves onto x instead: one kernel writes y
+    contiguous beside the others."""
+    def fn(x):
+        y = (x + 1).transpose(1, 2)
+        return y, y * 2, y.sum(-1)
+    x = torch.randn(2, 5, 3, 4)
+    p = tilefuse.compile(fn, (x,))
+    for a, b in zip(p(x), fn(x)):
+        torch.testing.assert_close(a, b)
+    assert not layout_views(p.graph) and not any(s.view for s in p.plan.steps), str(p.plan)
+    assert [s.family for s in p.plan.steps] == ["mapreduce"], str(p.plan)
+
+
+def test_a_result_read_by_another_result_is_computed_once():
+    """`m` and `m * 3` both returned, both laid out permuted in eager: `m`'s map stays where it
+    is (moving the second result's permute onto it would read it back through a view in a
+    second kernel): one kernel writes both."""
+    def fn(x):
+        t = x.permute(1, 0, 2)
+        m = ((t - t) - t).maximum(t) * 2
+        return m, m * 3
+    x = torch.randn(2, 2, 5)
+    p = tilefuse.compile(fn, (x,))
+    for a, b in zip(p(x), fn(x)):
+        torch.testing.assert_close(a, b)
+    assert graphs.launches(p) == 1, str(p.plan)
+
+
+def test_a_view_two_maps_read_is_moved_into_one_view():
+    """A transpose of the last dim read by two maps (a copy), under a permute that moves onto
+    both: each move made its own copy of the composed view; they are one."""
+    fn = lambda x: ((lambda t: (t + t) * t)(x.permute(2, 1, 0))).permute(1, 0, 2).contiguous()  # noqa: E731
+    x = torch.randn(4, 5, 6)
+    p = tilefuse.compile(fn, (x,))
+    torch.testing.assert_close(p(x), fn(x))
+    views = [n for n in p.graph.nodes if isinstance(n, ir.View) and n.op == "permute"]
+    assert len(views) == 1 and graphs.launches(p) == 2, str(p.plan)

@@ -10,17 +10,22 @@ reads in place (`fusion.views_read_in_place`), it writes the permuted result dir
 permute of a permute composes: there the query is read in its own order, contiguously.
 
 Only permutes that keep the last dimension (the kernels' rows stay rows), of a map nothing else
-reads and that is not an output; a permute of a permute composes into one (none when they
-cancel), a permute of a roll becomes a roll of the permute, an argument of lower rank that the
-permute leaves where it broadcasts stays as it is (others get leading 1s first). A map with an
-argument that is a generated tensor (a constant or iota of more than one element) that would
-need moving keeps its permute: the planner reads no generated tensor through a view. Each
-pass moves every qualifying permute one map down, so a chain of maps takes one pass each.
+reads and that is not an output, computed by maps of program inputs and weights alone
+(`_movable`): a permute moved onto a computed tensor would cost a kernel its fusion (an
+RMSNorm's statistics computed in one row order, its scaling in another: a third kernel). A
+permute of a permute composes into one (none when they cancel), a permute of a roll becomes a
+roll of the permute, an argument of lower rank that the permute leaves where it broadcasts
+stays as it is (others get leading 1s first). A map with an argument that is a generated
+tensor (a constant or iota of more than one element) that would need moving keeps its
+permute: the planner reads no generated tensor through a view. Each pass moves every
+qualifying permute one map down, so a chain of maps takes one pass each; a map that reads
+another moving map or permute waits for the next pass.
 """
 from __future__ import annotations
 
 from .. import ir
-from .match import Editor
+from ..rewrites import substitute
+from .match import Editor, prune
 
 
 def _perm(v: ir.View) -> tuple[int, ...]:
@@ -29,12 +34,16 @@ def _perm(v: ir.View) -> tuple[int, ...]:
 
 
 def layout_views(g: ir.Graph) -> frozenset:
-    """The results that are permutes back from the memory order `g.layouts` gives them: each
-    is returned as that strided view of its argument (graph.fusion), never sunk or copied."""
-    out = set()
+    """The results that are permutes back from the memory order `g.layouts` gives them, read
+    by nothing else: each is returned as that strided view of its argument (graph.fusion),
+    never sunk or copied. (One that a kernel reads too stays a copy the plan shows.)"""
+    if not g.layouts:
+        return frozenset()
+    users, out = g.users(), set()
     for name, order in zip(g.results, g.layouts):
         n = g[name]
-        if order is not None and isinstance(n, ir.View) and n.op == "permute" and _perm(n) == _inverse(order):
+        if (order is not None and isinstance(n, ir.View) and n.op == "permute" and _perm(n) == _inverse(order)
+                and not users[name]):
             out.add(name)
     return frozenset(out)
 
@@ -110,11 +119,55 @@ class _Mover:
         return self.view("permute", a, new, p)
 
 
+def _composed(g: ir.Graph, kept) -> ir.Graph:
+    """Each permute of a permute as one permute of the inner one's argument (none where they
+    cancel), but for the layout views (`kept`): a permute read through another one would
+    otherwise stop at it."""
+    alias, nodes, changed, seen = {}, [], False, {}
+    for n in g.nodes:
+        inner = g[n.arg] if isinstance(n, ir.View) and n.op == "permute" and n.name not in kept else None
+        if isinstance(inner, ir.View) and inner.op == "permute":
+            q, p = _perm(inner), _perm(n)
+            r = tuple(q[i] for i in p)
+            if r == tuple(range(len(r))):
+                alias[n.name] = inner.arg
+                continue
+            n = ir.View(n.name, n.type, "permute", inner.arg, r, n.source)
+            changed = True
+        if isinstance(n, ir.View) and n.name not in kept:  # (one view made twice, by two maps' moves, is one)
+            a = n.arg
+            while a in alias:
+                a = alias[a]
+            key = (n.op, a, tuple(n.params), n.type)
+            if key in seen:
+                alias[n.name] = seen[key]
+                continue
+            seen[key] = n.name
+        nodes.append(n)
+    if not alias and not changed:
+        return g
+    return prune(substitute(g.replace(nodes=nodes), alias))
+
+
+def _through_views(g: ir.Graph, a: str) -> list[str]:
+    out = [a]
+    while isinstance(g[a], ir.View):
+        a = g[a].arg
+        out.append(a)
+    return out
+
+
 def permutes_into_maps(g: ir.Graph) -> ir.Graph:
     out = g
     for _ in range(len(g.nodes) + 1):  # (each pass moves every permute one map down)
+        out = _composed(out, layout_views(out))
         users, outputs, kept = out.users(), set(out.outputs), layout_views(out)
-        hits = {n.arg: n for n in out.nodes if _sinkable(out, n, users, outputs, kept)}
+        hits = {n.arg: n for n in out.nodes if _sinkable(out, n, users, outputs, kept)
+                and _movable(out, n.arg, users, len(n.type.shape))}
+        touched = set(hits) | {v.name for v in hits.values()}
+        for m in list(hits):  # (one reading another's map or permute waits for the next pass)
+            if any(x in touched for a in out[m].args for x in _through_views(out, a)):
+                del hits[m]
         if not hits:
             return out
         ed, nodes, moved_any, done = Editor(out), [], False, set()
@@ -140,7 +193,7 @@ def permutes_into_maps(g: ir.Graph) -> ir.Graph:
     return out
 
 
-def _movable(g: ir.Graph, name: str, users, rank: int) -> bool:
+def _movable(g: ir.Graph, name: str, users, rank: int, root: bool = True) -> bool:
     """Whether permutes_into_maps would take a permute of `name` down to program inputs and
     weights: a map read by nothing else, of movable arguments; an input, a weight or views of
     one (read in place); or an argument it leaves where it is (of lower rank, or all dims 1).
@@ -149,8 +202,9 @@ def _movable(g: ir.Graph, name: str, users, rank: int) -> bool:
     n = g[name]
     if len(n.type.shape) < rank or all(d == 1 for d in n.type.shape):
         return True
-    if isinstance(n, ir.Map):
-        return len(set(users[name])) <= 1 and all(_movable(g, a, users, rank) for a in dict.fromkeys(n.args))
+    if isinstance(n, ir.Map):  # (a map the program returns too stays as it is: computed once, in its order)
+        return (len(set(users[name])) <= 1 and (root or name not in g.outputs)
+                and all(_movable(g, a, users, rank, False) for a in dict.fromkeys(n.args)))
     while isinstance(n, ir.View):
         n = g[n.arg]
     return isinstance(n, (ir.Input, ir.Weight))
@@ -174,9 +228,17 @@ def results_in_eager_layout(g: ir.Graph) -> ir.Graph:
     ed, outs, nodes, changed = Editor(g), list(g.outputs), list(g.nodes), False
     for i, (name, order) in enumerate(zip(g.results, g.layouts)):
         n = g[name]
-        if (order is None or not isinstance(n, ir.Map) or users[name] or g.outputs.count(name) != 1
-                or not _movable(g, name, users, len(order))):
+        if order is None or users[name] or g.outputs.count(name) != 1 or name in g.inputs:
             continue
+        base, chain = name, []  # (a result that is a permute of a map: the permutes compose, then move)
+        while isinstance(g[base], ir.View) and g[base].op == "permute" and len(set(users[g[base].arg])) == 1:
+            chain.append(_perm(g[base]))
+            base = g[base].arg
+        r = tuple(range(len(order)))
+        for q in [*reversed(chain), order]:  # base's dims as the laid-out result orders them
+            r = tuple(r[i] for i in q)
+        if not isinstance(g[base], ir.Map) or r[-1] != len(r) - 1 or not _movable(g, base, users, len(order)):
+            continue  # (a permute that moved the last dim would be a copy: the result stays as it is)
         shape = n.type.shape
         laid = ir.View(ed.fresh(f"{name}_laid"), ir.TensorType(tuple(shape[d] for d in order), n.type.dtype),
                        "permute", name, tuple(order), n.source)
