@@ -71,6 +71,25 @@ def test_summary_is_printed_when_asked(monkeypatch, capsys):
     assert "tilefuse kernel(s)" in tb.summary()
 
 
+def test_strided_views_are_counted_apart_from_externs():
+    """Head transposes SDPA reads in place, and a result in eager's layout, launch nothing and
+    copy nothing: the report lists them as views, not externs."""
+    def fn(q, k, v):
+        a = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        return a, q.transpose(1, 2) * 2
+    q, k, v = (torch.randn(2, 8, 4, 16) for _ in range(3))
+    out = torch.compile(fn, backend="tilefuse")(q, k, v)
+    want = fn(q, k, v)
+    for got, w in zip(out, want):
+        torch.testing.assert_close(got, w)
+    assert out[1].stride() == want[1].stride()
+    (r,) = tb.reports()
+    notes = {note for (what, note) in r.views if what == "permute"}
+    assert sum(r.views.values()) == 4 and len(notes) == 2, r.views  # q, k, v for SDPA; the result laid out as eager's
+    assert not any(what == "view permute" for what, _ in r.externs), r.externs
+    assert f"{sum(r.views.values())} strided view(s)" in r.line() and "\n    view " in r.line()
+
+
 def test_silent_without_the_variable(monkeypatch, capsys):
     monkeypatch.delenv("TILEFUSE_LOG", raising=False)
     with torch.no_grad():

@@ -53,6 +53,7 @@ class GraphReport:
     fused_ops: int = 0  # Graph IR ops inside those kernels
     externs: Counter = field(default_factory=Counter)  # (what, why) -> count
     aliases: int = 0
+    views: Counter = field(default_factory=Counter)  # strided views (no launch, no copy): (what, why) -> count
     compile_s: float = 0.0
     variants: int = 0
     exports: int = 0  # torch.export runs: one for all sizes where a symbolic export serves them (frontend.sizes)
@@ -77,11 +78,14 @@ class GraphReport:
             return f"{head}: eager fallback: {self.reason}"
         if self.status == "pending":
             return f"{head}: compiles at the first call of each size ({self.reason})"
-        ext = sum(self.externs.values())
+        ext, views = sum(self.externs.values()), sum(self.views.values())
         text = (f"{head}: {self.kernels} tilefuse kernel(s) fusing {self.fused_ops} op(s), "
-                f"{ext} extern(s), {self.aliases} alias(es); compiled in {self.compile_s:.2f} s")
+                f"{ext} extern(s), {self.aliases} alias(es)" + (f", {views} strided view(s)" if views else "")
+                + f"; compiled in {self.compile_s:.2f} s")
         for (what, why), n in sorted(self.externs.items(), key=lambda kv: -kv[1]):
             text += f"\n    extern {n}x {what}: {why}"
+        for (what, why), n in sorted(self.views.items(), key=lambda kv: -kv[1]):
+            text += f"\n    view {n}x {what}: {why}"
         return text
 
 
@@ -885,14 +889,14 @@ class GraphRunner:
         r.kernels = sum(s.family in ("mapreduce", "gemm") for s in steps)
         r.fused_ops = sum(len(s.nodes) for s in steps if s.family in ("mapreduce", "gemm"))
         r.aliases = sum(s.family == "alias" for s in steps)
-        r.externs = Counter()
+        r.externs, r.views = Counter(), Counter()
         for s in steps:
             if s.family == "extern":
                 n = c.graph[s.nodes[0]]
                 what = n.target if isinstance(n, ir.Extern) else type(n).__name__.lower()
                 if isinstance(n, ir.View):
-                    what = f"view {n.op}"
-                r.externs[(what, s.note)] += 1
+                    what = f"{'' if s.view else 'view '}{n.op}"
+                (r.views if s.view else r.externs)[(what, s.note)] += 1
         _log(r.line())
 
     def _event(self, text: str, once: bool = False) -> None:
