@@ -36,7 +36,8 @@ def _perm(v: ir.View) -> tuple[int, ...]:
 def layout_views(g: ir.Graph) -> frozenset:
     """The results that are permutes back from the memory order `g.layouts` gives them, read
     by nothing else: each is returned as that strided view of its argument (graph.fusion),
-    never sunk or copied. (One that a kernel reads too stays a copy the plan shows.)"""
+    never sunk or copied. (One that kernels read too is no such view: a strided view there
+    would be copied by each of them, unseen.)"""
     if not g.layouts:
         return frozenset()
     users, out = g.users(), set()
