@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import tilefuse
+from tilefuse.check import compare, float64_reference
 from tilefuse.frontend.capture import eager_layout
 from tilefuse.graph import ir
 from tilefuse.graph.interp import run_graph
@@ -289,3 +290,20 @@ def test_a_view_two_maps_read_is_moved_into_one_view():
     torch.testing.assert_close(p(x), fn(x))
     views = [n for n in p.graph.nodes if isinstance(n, ir.View) and n.op == "permute"]
     assert len(views) == 1 and graphs.launches(p) == 2, str(p.plan)
+
+
+@pytest.mark.parametrize("kind", ["gemm", "softmax"])
+def test_a_permute_of_a_kernels_result_is_returned_as_eagers_view(kind):
+    """A transposed matmul or softmax result: eager returns a view of the product or the
+    softmax; so does the program (no copy), with nothing moved into the kernel."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(16, 32).bfloat16()
+    fn = (lambda x: lin(x).transpose(0, 1)) if kind == "gemm" else (lambda x: torch.softmax(x, -1).transpose(0, 1))
+    x = torch.randn(4, 8, 16, dtype=torch.bfloat16)
+    p = tilefuse.compile(fn, (x,))
+    got, want = p(x), fn(x)
+    c = compare("out", got, float64_reference(fn, (x,)), want)  # (the 2x rule: bf16 rounds differently in eager)
+    assert c.ok, c
+    assert got.stride() == want.stride()
+    assert [s.family for s in p.plan.steps] == ["gemm" if kind == "gemm" else "mapreduce", "extern"], str(p.plan)
+    assert p.plan.steps[1].view and "1 strided view(s)" in str(p.plan)
