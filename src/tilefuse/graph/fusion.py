@@ -559,7 +559,7 @@ def plan(g: ir.Graph, gemm: bool = True, partials: bool = True, in_torch: frozen
             # checked and measured on a GPU (tests/gpu/test_mapreduce_gpu.py -k grid); otherwise
             # the finishing reduction stays a kernel of its own, as before
             p = grid_reductions(p) if grid_reduce_enabled() else p
-            return views_read_in_place(_mark_attention_views(p))
+            return views_read_in_place(_mark_attention_views(_mark_layout_views(p)))
         whole_rows |= coarse
     raise RuntimeError("internal: the fusion plan did not settle")
 
@@ -612,9 +612,9 @@ def _readers(g: ir.Graph, users: dict, name: str) -> list:
     return out
 
 
-def _mark_attention_views(p: "Plan") -> "Plan":
-    """Also the results returned in PyTorch's layout (rules/permute_sink.layout_views): a
-    strided view of what a kernel wrote, as eager and torch.compile return them."""
+def _mark_layout_views(p: "Plan") -> "Plan":
+    """The results returned in PyTorch's layout (rules/permute_sink.layout_views): a strided
+    view of what a kernel wrote, as eager and torch.compile return them."""
     from .rules.permute_sink import layout_views
 
     step_of = {n: s for s in p.steps for n in s.nodes}
@@ -623,6 +623,10 @@ def _mark_attention_views(p: "Plan") -> "Plan":
         if s is not None and s.family == "extern" and under is not None and under.family in ("mapreduce", "gemm"):
             s.view, s.bytes = True, 0
             s.note = "strided view: the result in the layout PyTorch gives it, no copy"
+    return p
+
+
+def _mark_attention_views(p: "Plan") -> "Plan":
     views = attention_only_views(p.graph, p.steps)
     users = p.graph.users() if views else {}
     for s in p.steps:

@@ -49,6 +49,11 @@ def layout_views(g: ir.Graph) -> frozenset:
     return frozenset(out)
 
 
+def _then(q, p) -> tuple[int, ...]:
+    """The one permute that is permute q, then permute p: x.permute(q).permute(p)."""
+    return tuple(q[i] for i in p)
+
+
 def _inverse(p) -> tuple[int, ...]:
     inv = [0] * len(p)
     for i, d in enumerate(p):
@@ -89,7 +94,7 @@ class _Mover:
             if all(p[i] == i for i in range(lead, rank)) or g[a].type.numel == 1:
                 return a  # the permute only reorders the dims `a` broadcasts along
             shape = (1,) * lead + shape
-            if isinstance(g[a], (ir.Constant, ir.Iota)) and g[a].type.numel > 1:
+            if isinstance(g[a], (ir.Constant, ir.Iota)):
                 return None
             a = self.view("reshape", a, shape, shape)
         return self.full(a, p)
@@ -100,8 +105,7 @@ class _Mover:
             return a
         n = self.node(a)
         if isinstance(n, ir.View) and n.op == "permute":  # permute(permute(x, q), p) = permute(x, q∘p)
-            q = _perm(n)
-            return self.full(n.arg, tuple(q[i] for i in p))
+            return self.full(n.arg, _then(_perm(n), p))
         if isinstance(n, ir.View) and n.op == "roll":  # roll along d, then p: p, then roll along p⁻¹(d)
             inner = self.full(n.arg, p)
             if inner is None:
@@ -128,8 +132,7 @@ def _composed(g: ir.Graph, kept) -> ir.Graph:
     for n in g.nodes:
         inner = g[n.arg] if isinstance(n, ir.View) and n.op == "permute" and n.name not in kept else None
         if isinstance(inner, ir.View) and inner.op == "permute":
-            q, p = _perm(inner), _perm(n)
-            r = tuple(q[i] for i in p)
+            r = _then(_perm(inner), _perm(n))
             if r == tuple(range(len(r))):
                 alias[n.name] = inner.arg
                 continue
@@ -161,8 +164,9 @@ def _through_views(g: ir.Graph, a: str) -> list[str]:
 def permutes_into_maps(g: ir.Graph) -> ir.Graph:
     out = g
     for _ in range(len(g.nodes) + 1):  # (each pass moves every permute one map down)
-        out = _composed(out, layout_views(out))
-        users, outputs, kept = out.users(), set(out.outputs), layout_views(out)
+        kept = layout_views(out)  # (composing leaves them as they are)
+        out = _composed(out, kept)
+        users, outputs = out.users(), set(out.outputs)
         hits = {n.arg: n for n in out.nodes if _sinkable(out, n, users, outputs, kept)
                 and _movable(out, n.arg, users, len(n.type.shape))}
         touched = set(hits) | {v.name for v in hits.values()}
@@ -237,7 +241,7 @@ def results_in_eager_layout(g: ir.Graph) -> ir.Graph:
             base = g[base].arg
         r = tuple(range(len(order)))
         for q in [*reversed(chain), order]:  # base's dims as the laid-out result orders them
-            r = tuple(r[i] for i in q)
+            r = _then(r, q)
         if not isinstance(g[base], ir.Map) or r[-1] != len(r) - 1 or not _movable(g, base, users, len(order)):
             continue  # (a permute that moved the last dim would be a copy: the result stays as it is)
         shape = n.type.shape
