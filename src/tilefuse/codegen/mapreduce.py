@@ -51,8 +51,10 @@ class MapReduceSchedule:
     cluster:    CTAs per row (> 1: sm_90 thread-block cluster; one row per cluster).
     stage:      "regs" (the row's chunks stay in registers, read once from memory),
                 "smem" (they stay in shared memory, copied there with cp.async: few
-                registers, so many CTAs per SM; needs 16-byte chunks), or "stream" (each
-                pass over the row re-reads it; any row, any alignment).
+                registers, so many CTAs per SM; needs 16-byte chunks), "stream" (each
+                pass over the row re-reads it; any row, any alignment), or "tiles" (a
+                map reading an input transposed: 2-D tiles, that input staged through
+                shared memory; codegen/tiles.py; only threads and min_blocks apply).
     unroll:     stream mode: chunks per unrolled iteration (loads in flight per thread).
     min_blocks: __launch_bounds__ minimum CTAs per SM (caps registers per thread).
     pipeline:   smem stage: one cp.async group per chunk, and the first pass over the row
@@ -100,8 +102,8 @@ class MapReduceSchedule:
             raise ValueError(f"cluster size must be 1, 2, 4, 8 or 16, not {self.cluster}")
         if self.cluster > 1 and self.group != self.threads:
             raise ValueError("a clustered schedule has one row per cluster: group must equal threads")
-        if self.stage not in ("regs", "smem", "stream"):
-            raise ValueError(f"stage must be 'regs', 'smem' or 'stream', not {self.stage!r}")
+        if self.stage not in ("regs", "smem", "stream", "tiles"):
+            raise ValueError(f"stage must be 'regs', 'smem', 'stream' or 'tiles', not {self.stage!r}")
         if self.batch not in (1, 2, 4, 8):
             raise ValueError(f"a row group's batch must be 1, 2, 4 or 8 rows, not {self.batch}")
         if self.batch > 1 and (self.group > 32 or self.cluster > 1 or self.stage != "regs"):
@@ -119,6 +121,8 @@ class MapReduceSchedule:
         return self.slots * self.batch
 
     def __str__(self):
+        if self.stage == "tiles":
+            return f"mapreduce(stage=tiles, threads={self.threads}, min_blocks={self.min_blocks})"
         return (f"mapreduce(threads={self.threads}, group={self.group}, rows/cta={self.rows_per_cta}, "
                 f"vector={self.vector}, cluster={self.cluster}, stage={self.stage}, "
                 f"unroll={self.unroll}, min_blocks={self.min_blocks}"
@@ -386,6 +390,15 @@ def _default_schedule(kernel: ir.Kernel, arch: str = "sm_90a", stage: str | None
     whole-space searches found better, their picks.
     """
     parts = ir.row_kernel_parts(kernel)
+    if stage in (None, "tiles"):
+        from . import tiles
+
+        if tiles.plan(kernel) is not None:
+            # a map reading an input transposed: `(x * 2 + 1).transpose(1, 2).contiguous()` at
+            # (64, 4096, 256) bf16 ran 11% of copy bandwidth as a row kernel (H200)
+            return MapReduceSchedule(threads=tiles.THREADS, group=tiles.THREADS, vector=1, stage="tiles")
+        if stage == "tiles":
+            raise ValueError(f"kernel {kernel.name}: stage='tiles' needs a map reading an input transposed")
     v = _choose_vector(kernel, parts)
     auto = stage is None
     if stage is None:
@@ -1849,6 +1862,10 @@ def render(kernel: ir.Kernel, schedule: MapReduceSchedule | None = None, arch: s
     of the same schedule, so a new prompt length of a model builds no map-reduce kernel whose
     schedule it shares with a length seen before; and a source rendered for one row count is
     the source for the others (the render alone is tens of ms of Python per kernel)."""
+    if schedule is not None and schedule.stage == "tiles":
+        from . import tiles
+
+        return tiles.render(kernel, schedule, arch)
     free, period = _rows_free(kernel) if ROWS_ARG else (None, None)
     if free is None:
         return _render_kept(kernel, schedule, arch, keep_values, False)

@@ -668,17 +668,24 @@ def views_read_in_place(p: Plan) -> Plan:
     step_of = {n: s for s in p.steps for n in s.nodes}
     memo: dict[str, bool] = {}
 
-    def consumable(name: str) -> bool:
+    def maps_only(step: Step) -> bool:
+        return not any(isinstance(g[x], ir.Reduce) for x in step.nodes)
+
+    def consumable(name: str, transposed: bool = False) -> bool:
         """`name` a view step's value that only map-reduce kernels (not grid reductions) and
-        other consumable views read."""
-        if name not in memo:
+        other consumable views read; under a permute that moved the last dim (`transposed`),
+        only kernels of maps, which read it in 2-D tiles (codegen/tiles.py)."""
+        if (name, transposed) not in memo:
             s, n = step_of.get(name), g[name]
-            memo[name] = (isinstance(n, ir.View) and s is not None and s.family in ("extern", "alias")
-                          and not s.view and name not in outputs and _keeps_rows(n) and bool(users.get(name))
-                          and n.type.numel > 0  # (an empty one keeps its step: compiler._refuse_empty says why)
-                          and all(step_of[u].family == "mapreduce" and step_of[u].head is None
-                                  if not isinstance(g[u], ir.View) else consumable(u) for u in users[name]))
-        return memo[name]
+            moved = transposed or (isinstance(n, ir.View) and n.op == "permute" and not _keeps_rows(n))
+            memo[name, transposed] = (
+                isinstance(n, ir.View) and s is not None and s.family in ("extern", "alias")
+                and not s.view and name not in outputs and (_keeps_rows(n) or moved) and bool(users.get(name))
+                and n.type.numel > 0  # (an empty one keeps its step: compiler._refuse_empty says why)
+                and all(step_of[u].family == "mapreduce" and step_of[u].head is None
+                        and (not moved or maps_only(step_of[u]))
+                        if not isinstance(g[u], ir.View) else consumable(u, moved) for u in users[name]))
+        return memo[name, transposed]
 
     def root(name: str) -> str:
         while name in region:

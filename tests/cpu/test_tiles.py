@@ -1,0 +1,114 @@
+"""codegen/tiles.py on the CPU: which maps read an input transposed, the tile analysis against
+every element of every tile, and the kernels' builds (sm_90a, sm_80: no spills)."""
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import tilefuse
+from tilefuse.codegen import mapreduce, tiles
+from tilefuse.loop import ir
+
+
+def _eval(e: ir.Index, env: dict) -> int:
+    if isinstance(e, ir.IConst):
+        return e.value
+    if isinstance(e, ir.Var):
+        return env[e.name]
+    a, b = _eval(e.a, env), _eval(e.b, env)
+    return {"+": a + b, "*": a * b, "//": a // b if b else 0, "%": a % b if b else 0}[e.op]
+
+
+def _offset(buf: ir.Buffer, index, env) -> int:
+    off = 0
+    for e, n in zip(index, buf.shape):
+        off = off * n + _eval(e, env)
+    return off
+
+
+def _kernels(fn, *shapes, dtype=torch.float32):
+    ins = tuple(torch.randn(*s, dtype=dtype) for s in shapes)
+    p = tilefuse.compile(fn, ins)
+    torch.testing.assert_close(p(*ins), fn(*ins))  # (the CPU interpreter runs the rewritten graph)
+    return p, [k.kernel for k in p.kernels.values()]
+
+
+def _check_tiles(k: ir.Kernel):
+    """Every staged load of `k`'s plan: at every valid element (i, j) of every tile, its address
+    is the corner's + i + dc * j, as the kernel computes it."""
+    tp = tiles.plan(k)
+    assert tp is not None, str(k)
+    parts = ir.row_kernel_parts(k)
+    for s in tp.staged:
+        seen = 0
+        for seg in range(tp.rows // tp.Lr):
+            for d0 in range(0, tp.Lr, tp.TR):
+                for c0 in range(0, tp.cols, tp.TC):
+                    r0 = seg * tp.Lr + d0
+                    corner = _offset(s.buf, s.index, {parts.row_var: r0, s.col: c0})
+                    for i in range(min(tp.TR, tp.Lr - d0)):
+                        for j in range(min(tp.TC, tp.cols - c0)):
+                            got = _offset(s.buf, s.index, {parts.row_var: r0 + i, s.col: c0 + j})
+                            assert got == corner + i + s.dc * j, (s, r0, c0, i, j)
+                            seen += 1
+        assert seen == tp.rows * tp.cols
+    return tp
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.data())
+def test_the_tile_analysis_holds_at_every_element(data):
+    """Random shapes and permutes that move the last dim, under a map: the plan's claim (an
+    address affine inside each tile) checked at every element; the program's values too."""
+    rank = data.draw(st.integers(2, 4))
+    shape = tuple(data.draw(st.lists(st.integers(1, 40), min_size=rank, max_size=rank)))
+    perm = data.draw(st.permutations(range(rank)))
+    if perm[-1] == rank - 1 or shape[-1] == 1:
+        return
+    fn = lambda x: (x * 2 + 1).permute(*perm).contiguous()  # noqa: E731
+    _, ks = _kernels(fn, shape)
+    for k in ks:
+        if tiles.plan(k) is not None:
+            _check_tiles(k)
+
+
+@pytest.mark.parametrize("shape,perm,lr", [
+    ((4, 96, 64), (0, 2, 1), 4 * 64),      # rows of whole tiles: no segment
+    ((3, 70, 100), (0, 2, 1), 100),        # 100 rows a batch: tiles stay inside one
+    ((2, 64, 56, 56), (0, 2, 3, 1), 2 * 3136),  # NCHW -> NHWC: the image's digits recombine
+], ids=str)
+def test_tiles_and_segments(shape, perm, lr):
+    _, ks = _kernels(lambda x: (x * 2).permute(*perm).contiguous(), shape)
+    assert len(ks) == 1 and mapreduce.default_schedule(ks[0]).stage == "tiles"
+    assert _check_tiles(ks[0]).Lr == lr
+
+
+def test_maps_that_read_rows_in_order_and_reductions_take_no_tiles():
+    _, ks = _kernels(lambda x: x * 2 + 1, (64, 128))
+    assert tiles.plan(ks[0]) is None and mapreduce.default_schedule(ks[0]).stage != "tiles"
+    p, ks = _kernels(lambda x: torch.softmax(x.transpose(0, 1), -1), (64, 128))
+    assert all(tiles.plan(k) is None for k in ks), str(p.plan)
+    with pytest.raises(ValueError, match="transposed"):
+        mapreduce.render(ks[-1], mapreduce.MapReduceSchedule(stage="tiles"))
+
+
+def test_a_transposed_map_is_one_kernel_in_the_plan():
+    p, ks = _kernels(lambda x: (x * 2 + 1).transpose(1, 2).contiguous(), (8, 64, 32))
+    assert [s.family for s in p.plan.steps if s.family != "alias"] == ["mapreduce"], str(p.plan)
+    assert "tiles" in str(mapreduce.default_schedule(ks[0]))
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_80"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("shape", [(8, 512, 256), (3, 100, 70), (1, 17, 5)], ids=str)
+def test_tiled_kernels_build_without_spills(arch, dtype, shape):
+    from tilefuse.runtime import launch
+
+    _, ks = _kernels(lambda x, y: (x.transpose(1, 2) * torch.sigmoid(y)).contiguous(), shape,
+                     (shape[0], shape[2], shape[1]), dtype=dtype)
+    for k in ks:
+        src, cubin = launch.compile_source_only(k, arch)
+        assert src.schedule.stage == "tiles"
+        assert not (cubin.info.spill_stores or cubin.info.spill_loads), cubin.info
