@@ -75,3 +75,38 @@ def test_a_misaligned_input_runs_the_scalar_fallback():
 
     c = compare("misaligned", prog(odd), float64_reference(fn, (odd,)), fn(odd))
     assert c.ok, c
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_every_tile_schedule_the_tuner_may_pick_computes_the_same(dtype):
+    """Output vectors of 1-8 columns, 128-512 threads, 1 or 8 CTAs an SM, on ragged tiles (a
+    [3, 100, 70] read transposed: 70 rows a segment, 100 columns): the default's values."""
+    from dataclasses import replace
+
+    import tilefuse
+    from tilefuse.codegen import mapreduce
+    from tilefuse.runtime.launch import compile_kernel
+
+    torch.manual_seed(4)
+    x = torch.randn(3, 100, 70, device="cuda", dtype=dtype)
+    prog = tilefuse.compile(lambda x: torch.sigmoid(x.transpose(1, 2)).contiguous() * 3, (x,))
+    want = prog(x)
+    (step, low), = prog.kernels.items()
+    d = mapreduce.default_schedule(low.kernel)
+    assert d.stage == "tiles"
+    ran = 0
+    for vector in (1, 2, 4, 8):
+        for threads in (128, 256, 512):
+            for mb in (1, 8):
+                s = replace(d, vector=vector, threads=threads, group=threads, min_blocks=mb)
+                try:
+                    ck = compile_kernel(low.kernel, None, s)
+                except ValueError:
+                    continue  # (wider than 16 bytes of output, or not dividing the columns)
+                (src, dst) = low.kernel.params  # (the input where it lies, the output as rows x columns)
+                out = torch.full(dst.shape, float("nan"), device="cuda", dtype=dtype)
+                ck(x.view(src.shape), out)
+                torch.cuda.synchronize()
+                assert torch.equal(out.view(want.shape), want), s
+                ran += 1
+    assert ran >= 12, ran

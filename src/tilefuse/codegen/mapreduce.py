@@ -54,7 +54,8 @@ class MapReduceSchedule:
                 registers, so many CTAs per SM; needs 16-byte chunks), "stream" (each
                 pass over the row re-reads it; any row, any alignment), or "tiles" (a
                 map reading an input transposed: 2-D tiles, that input staged through
-                shared memory; codegen/tiles.py; only threads and min_blocks apply).
+                shared memory; codegen/tiles.py; only threads, vector (output columns a
+                thread computes) and min_blocks apply).
     unroll:     stream mode: chunks per unrolled iteration (loads in flight per thread).
     min_blocks: __launch_bounds__ minimum CTAs per SM (caps registers per thread).
     pipeline:   smem stage: one cp.async group per chunk, and the first pass over the row
@@ -122,7 +123,8 @@ class MapReduceSchedule:
 
     def __str__(self):
         if self.stage == "tiles":
-            return f"mapreduce(stage=tiles, threads={self.threads}, min_blocks={self.min_blocks})"
+            return (f"mapreduce(stage=tiles, threads={self.threads}, vector={self.vector}, "
+                    f"min_blocks={self.min_blocks})")
         return (f"mapreduce(threads={self.threads}, group={self.group}, rows/cta={self.rows_per_cta}, "
                 f"vector={self.vector}, cluster={self.cluster}, stage={self.stage}, "
                 f"unroll={self.unroll}, min_blocks={self.min_blocks}"
@@ -393,10 +395,15 @@ def _default_schedule(kernel: ir.Kernel, arch: str = "sm_90a", stage: str | None
     if stage in (None, "tiles"):
         from . import tiles
 
-        if tiles.plan(kernel) is not None:
+        tp = tiles.plan(kernel)
+        if tp is not None:
             # a map reading an input transposed: `(x * 2 + 1).transpose(1, 2).contiguous()` at
-            # (64, 4096, 256) bf16 ran 11% of copy bandwidth as a row kernel (H200)
-            return MapReduceSchedule(threads=tiles.THREADS, group=tiles.THREADS, vector=1, stage="tiles")
+            # (64, 4096, 256) bf16 ran 11% of copy bandwidth as a row kernel, 95% in tiles (H200).
+            # 16-bit outputs: 8 CTAs an SM (32 registers a thread, no spill in tests/cpu/test_tiles.py):
+            # sigmoid(x.T) * 3 67.1 us against 72.9 at the registers ptxas picks (46: 5 CTAs),
+            # bench/tiles_probe.py, session 56
+            return MapReduceSchedule(threads=tiles.THREADS, group=tiles.THREADS, vector=tp.vb, stage="tiles",
+                                     min_blocks=8 if tp.small else 1)
         if stage == "tiles":
             raise ValueError(f"kernel {kernel.name}: stage='tiles' needs a map reading an input transposed")
     v = _choose_vector(kernel, parts)

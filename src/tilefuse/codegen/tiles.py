@@ -222,7 +222,8 @@ class TilePlan:
     TR: int
     TC: int
     staged: tuple        # _Staged, in order of first use
-    vb: int              # output elements per thread in phase B: 4 bytes of the widest output
+    vb: int              # output elements per thread in phase B (the default schedule's vector)
+    small: bool          # every output at most 16 bits wide
 
 
 def _map_only(parts: ir.RowKernel) -> bool:
@@ -294,10 +295,13 @@ def plan(kernel: ir.Kernel) -> TilePlan | None:
         return None
     _, Lr, TR, TC, st = best
     widest = max(dtypes.itemsize(b.dtype) for b in kernel.outputs) if kernel.outputs else 4
-    vb = max(1, 4 // widest)
+    # 8 bytes of 16-bit outputs a thread (four columns), 4 of wider ones: H200, bf16, same tensors
+    # (bench/tiles_probe.py, session 56), sigmoid(x.T) * 3 at 64 x 4096 x 256 ran 72.9 us against
+    # 83.7 at 4 bytes, the NCHW -> NHWC GELU 22.0 against 23.3; (x * 2 + 1).T 68.1 against 65.2
+    vb = max(1, (8 if widest <= 2 else 4) // widest)
     while vb > 1 and parts.col_extent % vb:
         vb //= 2
-    return TilePlan(R, C, Lr, TR, TC, tuple(st), vb)
+    return TilePlan(R, C, Lr, TR, TC, tuple(st), vb, widest <= 2)
 
 
 def _segments(parts: ir.RowKernel) -> list[int]:
@@ -331,7 +335,11 @@ def render(kernel: ir.Kernel, schedule, arch: str = "sm_90a"):
         raise ValueError(f"kernel {kernel.name}: reads no input transposed (or is no map): stage='tiles' "
                          f"does not apply")
     parts = ir.row_kernel_parts(kernel)
-    R, C, TR, TC, VB, T = tp.rows, tp.cols, tp.TR, tp.TC, tp.vb, schedule.threads
+    R, C, TR, TC, VB, T = tp.rows, tp.cols, tp.TR, tp.TC, schedule.vector, schedule.threads
+    widest = max((dtypes.itemsize(b.dtype) for b in kernel.outputs), default=1)
+    if C % VB or TC % VB or VB * widest > 16:
+        raise ValueError(f"kernel {kernel.name}: {VB} columns a thread (vector={VB}) do not divide its {C} "
+                         f"columns, or exceed 16 bytes of its outputs (the default: {tp.vb})")
     if R >= 2**31 or C >= 2**31:
         raise ValueError(f"kernel {kernel.name}: {R} rows of {C} elements are too many (indices are 32-bit)")
     row = parts.row_var

@@ -144,28 +144,29 @@ class ExprModule(nn.Module):
         super().__init__()
         self.text = text
         self.mods = nn.ModuleDict(modules)
-        self._code = compile(body, "<tilefuse -c>", "eval")
+        # a function of the inputs, not an eval of the expression each call: torch.compile traces
+        # a function's frame, and captured no graph from an eval's (it ran the expression in
+        # eager: `tilefuse run --bench` timed eager twice, under both names)
+        names = [ast.arg(f"_in{i}") for i in range(n_inputs)]
+        fn = ast.Lambda(ast.arguments(posonlyargs=[], args=names, kwonlyargs=[], kw_defaults=[], defaults=[]),
+                        body.body)
+        self._code = compile(ast.fix_missing_locations(ast.Expression(fn)), "<tilefuse -c>", "eval")
         self._n = n_inputs
         self._globals: dict | None = None
+        self._fn = None
 
     def __getstate__(self):  # (copies and pickles: the globals hold modules; a copy makes its own)
-        return {**self.__dict__, "_globals": None}
+        return {**self.__dict__, "_globals": None, "_fn": None}
 
     def forward(self, *inputs):
         # one globals dict for every call: torch.compile installs the functions it compiles from
         # a lambda of the expression in that lambda's globals, and a fresh dict each call lost
         # them (NameError: __compiled_fn_..., `tilefuse run --bench` of a lambda)
-        if self._globals is None:
-            self._globals = _scope()
-        scope = self._globals
-        scope.update(self.mods)
-        names = [f"_in{i}" for i in range(len(inputs))]
-        scope.update(zip(names, inputs))
-        try:
-            return eval(self._code, scope)
-        finally:
-            for n in names:  # (not kept alive by the module between calls)
-                scope.pop(n, None)
+        if self._fn is None:
+            self._globals = self._globals or _scope()
+            self._fn = eval(self._code, self._globals)
+        self._globals.update(self.mods)
+        return self._fn(*inputs)
 
 
 def parse(text: str, dtype: torch.dtype | None = None):

@@ -34,7 +34,7 @@ from ..codegen import mapreduce as mr
 from ..loop import ir
 from .space import Dim, Space
 
-STAGES = ("smem", "regs", "stream")
+STAGES = ("smem", "regs", "stream", "tiles")
 THREADS = (64, 128, 256, 512, 1024)
 GROUPS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 CLUSTERS = (1, 2, 4, 8)
@@ -62,6 +62,8 @@ def space(kernel: ir.Kernel, arch: str = "sm_90a") -> Space:
     knobs = asdict(d)
     C, R = parts.col_extent, parts.rows
     vectors = tuple(v for v in (d.vector, d.vector // 2) if v >= 1)
+    if d.stage == "tiles":  # (a tiled map: the output columns a thread computes, up to 16 bytes)
+        vectors += (d.vector * 2, d.vector * 4)
     clusters = CLUSTERS if mr.supports_clusters(arch) else (1,)
     rereads = mr.rereads_rows(kernel)
     # a batch overlaps the loads of its rows' staged chunks: a kernel with no row stream to
@@ -78,7 +80,7 @@ def space(kernel: ir.Kernel, arch: str = "sm_90a") -> Space:
     def admits(k: Mapping) -> bool:
         if all(knobs[n] == v for n, v in k.items()):
             return True  # the heuristic's pick and everything on the way to it
-        if "vector" in k and k["vector"] != d.vector and k["stage"] != "regs":
+        if "vector" in k and k["vector"] != d.vector and k["stage"] not in ("regs", "tiles"):
             return False  # narrower chunks only to ease register pressure; smem needs 16 bytes
         if "group" in k:
             t, g = k["threads"], k["group"]
