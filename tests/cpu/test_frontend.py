@@ -53,6 +53,23 @@ def test_expression_factories_become_inputs_and_modules_weights():
     torch.testing.assert_close(m(*inputs), m.mods._m0(inputs[0]) + inputs[1])
 
 
+@pytest.mark.parametrize("text", ["(torch.randn(4, 6, 8) * 2 + 1).transpose(1, 2).contiguous()",
+                                  "nn.Linear(8, 3)(torch.randn(2, 8)).relu()",
+                                  "(lambda x: x.sin())(torch.randn(5)) * 2"])
+def test_torch_compile_traces_the_expression_whole(text):
+    """The module's forward is a function of its inputs: torch.compile (the bench's baseline)
+    captures the whole expression as one graph. As an eval in forward it captured none and
+    ran eager under torch.compile's name."""
+    import copy
+
+    torch._dynamo.reset()
+    m, inputs, _ = parse(text)
+    ex = torch._dynamo.explain(m)(*inputs)
+    assert ex.graph_count == 1 and ex.graph_break_count == 0, ex.break_reasons
+    torch.testing.assert_close(copy.deepcopy(m)(*inputs), m(*inputs))
+    torch._dynamo.reset()
+
+
 def test_expression_module_methods_apply_to_the_hoisted_module():
     """`nn.Linear(8, 3).bfloat16()` calls a method of a module built in the expression: the
     result is that one module (its weights bf16), registered once."""

@@ -112,6 +112,6 @@ def test_tiled_kernels_build_without_spills(arch, dtype, shape):
         src, cubin = launch.compile_source_only(k, arch)
         assert src.schedule.stage == "tiles"
         assert not (cubin.info.spill_stores or cubin.info.spill_loads), cubin.info
-        # (16-bit outputs: 8 CTAs an SM as the default asks, not halved after a spill)
+        # (16-bit outputs 4 columns a thread: 8 CTAs an SM as the default asks, not halved after a spill)
         assert src.schedule == mapreduce.default_schedule(k, arch), src.schedule
-        assert src.schedule.min_blocks == (1 if dtype == torch.float32 else 8)
+        assert src.schedule.min_blocks == (8 if dtype != torch.float32 and shape[1] % 4 == 0 else 1)

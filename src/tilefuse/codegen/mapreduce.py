@@ -403,7 +403,7 @@ def _default_schedule(kernel: ir.Kernel, arch: str = "sm_90a", stage: str | None
             # sigmoid(x.T) * 3 67.1 us against 72.9 at the registers ptxas picks (46: 5 CTAs),
             # bench/tiles_probe.py, session 56
             return MapReduceSchedule(threads=tiles.THREADS, group=tiles.THREADS, vector=tp.vb, stage="tiles",
-                                     min_blocks=8 if tp.small else 1)
+                                     min_blocks=8 if tp.packed else 1)
         if stage == "tiles":
             raise ValueError(f"kernel {kernel.name}: stage='tiles' needs a map reading an input transposed")
     v = _choose_vector(kernel, parts)

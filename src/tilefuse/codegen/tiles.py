@@ -223,24 +223,25 @@ class TilePlan:
     TC: int
     staged: tuple        # _Staged, in order of first use
     vb: int              # output elements per thread in phase B (the default schedule's vector)
-    small: bool          # every output at most 16 bits wide
+    packed: bool         # 16-bit outputs, 8 bytes of them a thread (what 8 CTAs an SM were measured with)
 
 
 def _map_only(parts: ir.RowKernel) -> bool:
     return all(not isinstance(s, ir.Reduce) for s in parts.body)
 
 
-def _inner_loads(parts: ir.RowKernel):
+def _inner(parts: ir.RowKernel, kind):
+    """(column variable, statement) of each `kind` statement in the column loops."""
     for s in parts.body:
         if isinstance(s, ir.Loop):
             for t in s.body:
-                if isinstance(t, ir.Load):
+                if isinstance(t, kind):
                     yield s.var, t
 
 
 def _staged(kernel: ir.Kernel, parts: ir.RowKernel, TR: int, TC: int, seg: tuple) -> list[_Staged]:
     out: dict = {}
-    for col, s in _inner_loads(parts):
+    for col, s in _inner(parts, ir.Load):
         buf = kernel.buffer(s.buf)
         a = _flat(buf, s.index, parts.row_var, col, TR, TC, seg)
         if a is None or a.dr != 1 or a.dc <= 1:
@@ -301,7 +302,7 @@ def plan(kernel: ir.Kernel) -> TilePlan | None:
     vb = max(1, (8 if widest <= 2 else 4) // widest)
     while vb > 1 and parts.col_extent % vb:
         vb //= 2
-    return TilePlan(R, C, Lr, TR, TC, tuple(st), vb, widest <= 2)
+    return TilePlan(R, C, Lr, TR, TC, tuple(st), vb, widest <= 2 and vb * widest == 8)
 
 
 def _segments(parts: ir.RowKernel) -> list[int]:
@@ -406,7 +407,7 @@ def render(kernel: ir.Kernel, schedule, arch: str = "sm_90a"):
     # ---- phase B: VB consecutive columns of one row a thread, c fastest
     staged = {s.key: k for k, s in enumerate(tp.staged)}
     vec_out = {}
-    for col, s in _inner_stores(parts):
+    for col, s in _inner(parts, ir.Store):
         b = kernel.buffer(s.buf)
         a = _flat(b, s.index, row, col, TR, TC, (Lr, R // Lr, C))
         if VB > 1 and a is not None and a.dc == 1 and a.align % VB == 0 and TC % VB == 0:
@@ -419,7 +420,7 @@ def render(kernel: ir.Kernel, schedule, arch: str = "sm_90a"):
     em("#pragma unroll")
     em.open(f"for (int q = 0; q < {per}; ++q)")
     em(f"const int w = tid + q * {T}, i = w / {TC // VB}, jv = (w % {TC // VB}) * {VB};")
-    em(f"const int r = r0 + i;")
+    em("const int r = r0 + i;")
     if nb % T:
         em(f"if (w >= {nb}) continue;")
     vec_names = {}
@@ -490,7 +491,7 @@ def render(kernel: ir.Kernel, schedule, arch: str = "sm_90a"):
         else:
             emit(s, env, None)
     em.close()
-    for col, s in _inner_stores(parts):
+    for col, s in _inner(parts, ir.Store):
         if id(s) in vec_names:
             b = kernel.buffer(s.buf)
             vt = _VEC[VB * dtypes.itemsize(b.dtype)]
@@ -504,14 +505,6 @@ def render(kernel: ir.Kernel, schedule, arch: str = "sm_90a"):
                            block=(T, 1, 1), smem_bytes=0, cluster=(1, 1, 1),
                            params=tuple(b.name for b in kernel.params),
                            alignment=tuple(sorted(alignment.items())), schedule=schedule)
-
-
-def _inner_stores(parts: ir.RowKernel):
-    for s in parts.body:
-        if isinstance(s, ir.Loop):
-            for t in s.body:
-                if isinstance(t, ir.Store):
-                    yield s.var, t
 
 
 def _load(b: ir.Buffer, s: ir.Load, env: dict, param: str) -> str:
