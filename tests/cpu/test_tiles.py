@@ -115,3 +115,44 @@ def test_tiled_kernels_build_without_spills(arch, dtype, shape):
         # (16-bit outputs 4 columns a thread: 8 CTAs an SM as the default asks, not halved after a spill)
         assert src.schedule == mapreduce.default_schedule(k, arch), src.schedule
         assert src.schedule.min_blocks == (8 if dtype != torch.float32 and shape[1] % 4 == 0 else 1)
+
+
+def test_a_transposed_result_is_copied_by_a_kernel():
+    """x.transpose(1, 2).contiguous() (and a softmax's output transposed) as a result: a kernel
+    of one identity cast reading the view in place, in tiles, not PyTorch's copy."""
+    from tilefuse.graph.rules.permute_sink import transposed_results_as_copies
+
+    for fn, shape in ((lambda x: x.transpose(1, 2).contiguous(), (4, 96, 64)),
+                      (lambda x: torch.softmax(x, -1).transpose(1, 2).contiguous(), (4, 96, 64))):
+        p, ks = _kernels(fn, shape)
+        assert not [s for s in p.plan.steps if s.family == "extern"], str(p.plan)
+        assert any(tiles.plan(k) is not None for k in ks), str(p.plan)
+        assert transposed_results_as_copies(p.graph) is p.graph  # (once is enough)
+    # the rule alone: a transpose of an input is copied; a permute keeping the last dim, and a
+    # transposed iota (made where it is read), stay as they were
+    from tilefuse.graph import ir as g_ir
+
+    def T(*shape):
+        return g_ir.TensorType(shape, "f32")
+
+    g = g_ir.Graph((g_ir.Input("x", T(3, 4)), g_ir.View("y", T(4, 3), "permute", "x", (1, 0))), ("x",), ("y",))
+    h = transposed_results_as_copies(g)
+    (r,) = h.results
+    assert isinstance(h[r], g_ir.Map) and h[r].op == "cast" and h[r].args == ("y",), str(h)
+    keeps = g_ir.Graph((g_ir.Input("x", T(2, 3, 4)), g_ir.View("y", T(3, 2, 4), "permute", "x", (1, 0, 2))),
+                       ("x",), ("y",))
+    iota = g_ir.Graph((g_ir.Input("x", T(3, 4)), g_ir.Iota("i", T(3, 4), 1),
+                       g_ir.View("y", T(4, 3), "permute", "i", (1, 0))), ("x",), ("y",))
+    assert transposed_results_as_copies(keeps) is keeps and transposed_results_as_copies(iota) is iota
+
+
+def test_the_backend_still_returns_a_transposed_input_by_eager():
+    """Under torch.compile(backend="tilefuse") a graph returning x.t() runs in eager (code after
+    a graph break may write through the view): the check reads the graph as captured, before the
+    copy the rewrite makes."""
+    from tilefuse.frontend.backend import _aliased_output
+    from tilefuse.compiler import compile_stages
+
+    x = torch.randn(32, 16)
+    c = compile_stages(lambda x: x.t(), (x,))
+    assert "permute view of an input" in _aliased_output(c.captured)

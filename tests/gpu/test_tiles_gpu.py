@@ -110,3 +110,29 @@ def test_every_tile_schedule_the_tuner_may_pick_computes_the_same(dtype):
                 assert torch.equal(out.view(want.shape), want), s
                 ran += 1
     assert ran >= 12, ran
+
+
+@pytest.mark.parametrize("shape", [(16, 1024, 256), (3, 100, 70), (2, 7, 1000)], ids=str)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_a_transposed_input_returned_contiguous_is_copied_in_tiles(shape, dtype):
+    torch.manual_seed(5)
+    x = torch.randn(*shape, device="cuda", dtype=dtype)
+    prog = _check(lambda x: x.transpose(1, 2).contiguous(), (x,))
+    assert torch.equal(prog(x), x.transpose(1, 2))  # (a copy: the same bits)
+
+
+def test_a_transposed_softmax_is_the_row_kernel_then_a_tiled_copy():
+    import tilefuse
+    from tilefuse.check import compare, float64_reference
+    from tilefuse.codegen import mapreduce
+
+    torch.manual_seed(6)
+    x = torch.randn(4, 300, 96, device="cuda", dtype=torch.bfloat16)
+    fn = lambda x: torch.softmax(x, -1).transpose(1, 2).contiguous()  # noqa: E731
+    prog = tilefuse.compile(fn, (x,), graphs=True)
+    prog.poison = True
+    assert [s.family for s in prog.plan.steps if s.family != "alias"] == ["mapreduce", "mapreduce"], str(prog.plan)
+    assert [mapreduce.default_schedule(k.kernel).stage == "tiles" for k in prog.kernels.values()] == [False, True]
+    for call in range(3):
+        c = compare(f"call {call}", prog(x), float64_reference(fn, (x,)), fn(x))
+        assert c.ok, c

@@ -813,7 +813,9 @@ class GraphRunner:
             n_out = prog.out_spec.num_leaves if prog.out_spec is not None else len(c.graph.results)
             if n_out != len(c.graph.results):
                 raise _Unsupported(f"the program returns {len(c.graph.results)} tensors where the graph returns {n_out}")
-            aliased = _aliased_output(c.graph)
+            # (the graph as captured too: a transposed view of an input, returned, becomes a
+            # kernel's copy in the rewrites, and code after a graph break may write through it)
+            aliased = _aliased_output(c.captured) or _aliased_output(c.graph)
             if aliased:
                 raise _Unsupported(aliased)
             POOL.share(prog.graph.weights, live=weights)  # equal derived weights, held once by every size's program

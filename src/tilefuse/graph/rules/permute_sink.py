@@ -255,3 +255,28 @@ def results_in_eager_layout(g: ir.Graph) -> ir.Graph:
         outs[i] = back.name
         changed = True
     return ed.graph(nodes, outs) if changed else g
+
+
+def transposed_results_as_copies(g: ir.Graph) -> ir.Graph:
+    """A result that is a permute moving the last dim of a tensor in memory, returned
+    contiguous, is copied by a kernel of its own (an identity cast of the view, which that
+    kernel reads in place, in tiles: codegen/tiles.py) instead of PyTorch's copy:
+    `x.transpose(1, 2).contiguous()` at 64 x 4096 x 256 bf16 took 550 us in eager's copy, 11%
+    of copy bandwidth. A layout view (returned strided, no copy) stays as it is, as does a
+    permute of a generated tensor (a constant, an iota: made where it is read, no view of it is
+    read in place)."""
+    kept = layout_views(g)
+    ed, outs, nodes, changed = Editor(g), list(g.outputs), list(g.nodes), False
+    for i, name in enumerate(g.results):
+        n = g[name]
+        if (name in kept or not isinstance(n, ir.View) or n.op != "permute" or len(n.type.shape) < 2
+                or _perm(n)[-1] == len(n.type.shape) - 1 or g.outputs.count(name) != 1):
+            continue
+        root = _through_views(g, name)[-1]
+        if isinstance(g[root], (ir.Constant, ir.Iota)) or any(x in g.writes for x in _through_views(g, name)):
+            continue
+        copy = ir.Map(ed.fresh(f"{name}_copy"), n.type, "cast", (name,), n.source)
+        nodes.append(copy)
+        outs[i] = copy.name
+        changed = True
+    return ed.graph(nodes, outs) if changed else g
