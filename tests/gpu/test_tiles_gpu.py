@@ -136,3 +136,34 @@ def test_a_transposed_softmax_is_the_row_kernel_then_a_tiled_copy():
     for call in range(3):
         c = compare(f"call {call}", prog(x), float64_reference(fn, (x,)), fn(x))
         assert c.ok, c
+
+
+def _two_outputs(x):
+    y = x.transpose(1, 2) * 2
+    return y, y + 1
+
+
+@pytest.mark.parametrize("name,fn,dtype", [
+    ("two outputs", _two_outputs, torch.bfloat16),
+    ("bool", lambda x: (x.transpose(1, 2) > 0).contiguous(), torch.bfloat16),
+    ("int32 from f32", lambda x: (x.transpose(1, 2) * 10).to(torch.int32).contiguous(), torch.float32),
+    ("f64", lambda x: (x.transpose(1, 2) * 2).contiguous(), torch.float64),
+    ("f16 to f32", lambda x: (x.transpose(1, 2).float() * 2).contiguous(), torch.float16),
+], ids=lambda v: v if isinstance(v, str) else "")
+def test_outputs_of_every_width_from_tiles(name, fn, dtype):
+    """Outputs of 1, 2, 4 and 8 bytes (stores of 8 bytes a thread, or one element), two outputs
+    of one kernel: each equal to eager's within the 2x rule, every element written."""
+    import tilefuse
+    from tilefuse.check import compare, float64_reference
+    from tilefuse.codegen import mapreduce
+
+    torch.manual_seed(7)
+    x = (torch.randn(3, 100, 72, device="cuda") * 3).to(dtype)
+    prog = tilefuse.compile(fn, (x,), graphs=True)
+    prog.poison = True
+    assert [mapreduce.default_schedule(k.kernel).stage for k in prog.kernels.values()] == ["tiles"], str(prog.plan)
+    ref, eager = float64_reference(fn, (x,)), fn(x)
+    got = prog(x)
+    for i, (a, r, e) in enumerate(zip(*(v if isinstance(v, tuple) else (v,) for v in (got, ref, eager)))):
+        c = compare(f"{name} out{i}", a, r, e)
+        assert c.ok, c

@@ -650,11 +650,14 @@ def _last_dim_whole(n: ir.View) -> bool:
     return True
 
 
+_READ_THROUGH = ("permute", "slice", "expand", "reshape", "roll")  # views loop/views.py reads through
+
+
 def _keeps_rows(n: ir.View) -> bool:
     """Whether a kernel reading through view `n` still reads each row where it lies in one run
     (`_last_dim_whole`; a roll: two runs). A transposing permute would make every load its own
     transaction, slower than PyTorch's copy and a contiguous read."""
-    return n.op in ("permute", "slice", "expand", "reshape", "roll") and _last_dim_whole(n)
+    return n.op in _READ_THROUGH and _last_dim_whole(n)
 
 
 def views_read_in_place(p: Plan) -> Plan:
@@ -680,7 +683,8 @@ def views_read_in_place(p: Plan) -> Plan:
             moved = transposed or (isinstance(n, ir.View) and n.op == "permute" and not _keeps_rows(n))
             memo[name, transposed] = (
                 isinstance(n, ir.View) and s is not None and s.family in ("extern", "alias")
-                and not s.view and name not in outputs and (_keeps_rows(n) or moved) and bool(users.get(name))
+                and not s.view and name not in outputs and bool(users.get(name))
+                and (_keeps_rows(n) or moved and n.op in _READ_THROUGH)
                 and n.type.numel > 0  # (an empty one keeps its step: compiler._refuse_empty says why)
                 and all(step_of[u].family == "mapreduce" and step_of[u].head is None
                         and (not moved or maps_only(step_of[u]))
