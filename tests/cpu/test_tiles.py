@@ -98,6 +98,7 @@ def test_a_transposed_map_is_one_kernel_in_the_plan():
     p, ks = _kernels(lambda x: (x * 2 + 1).transpose(1, 2).contiguous(), (8, 64, 32))
     assert [s.family for s in p.plan.steps if s.family != "alias"] == ["mapreduce"], str(p.plan)
     assert "tiles" in str(mapreduce.default_schedule(ks[0]))
+    assert "a transpose of the last dim: the kernel reads it in 2-D tiles" in str(p.plan)
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_80"])

@@ -660,6 +660,16 @@ def _keeps_rows(n: ir.View) -> bool:
     return n.op in _READ_THROUGH and _last_dim_whole(n)
 
 
+def _transposes(g: ir.Graph, view: str, root: str) -> bool:
+    """Whether a permute between `view` and `root` moves the last dim (codegen/tiles.py reads it)."""
+    while view != root and isinstance(g[view], ir.View):
+        n = g[view]
+        if n.op == "permute" and not _last_dim_whole(n):
+            return True
+        view = n.arg
+    return False
+
+
 def views_read_in_place(p: Plan) -> Plan:
     """Drop the copies of views (slices, permutes, rolls; extern steps, and the reshapes after
     them) that only map-reduce kernels read, directly or through other such views: those
@@ -818,7 +828,9 @@ def format_plan(p: Plan) -> str:
         lines.append(f"    writes {', '.join(f'{t}: {g[t].type}' for t in s.outputs)}")
         lines.append(f"    fuses  {', '.join(s.nodes)}")
         if s.reads:
-            lines.append(f"    in place {', '.join(f'{v} from {t}' for v, t in s.reads.items())} (no copy)")
+            lines.append(f"    in place {', '.join(f'{v} from {t}' for v, t in s.reads.items())} (no copy"
+                         + ("; a transpose of the last dim: the kernel reads it in 2-D tiles)"
+                            if any(_transposes(g, v, t) for v, t in s.reads.items()) else ")"))
         if s.gemm and (s.gemm.maps or s.gemm.pairwise):
             sp = s.gemm
             ops = ", ".join([getattr(g[m], "op", type(g[m]).__name__.lower()) for m in sp.maps]  # (a Gather: "gather")
