@@ -143,11 +143,12 @@ def test_any_chain_of_maps_under_a_permute_computes_the_same(data):
 @pytest.mark.parametrize("shape,dims,want", [
     ((2, 5, 3, 4), (1, 2), (0, 2, 1, 3)),
     ((2, 5, 3, 4), None, None),       # contiguous
-    ((2, 5, 3, 4), (2, 3), None),     # the last dim strided
+    ((2, 5, 3, 4), (2, 3), (0, 1, 3, 2)),  # the last dim strided too (kernels transpose in tiles)
     ((1, 5, 1, 4), (1, 2), None),     # only size-1 dims moved: contiguous
 ])
 def test_eager_layout_is_the_memory_order_of_a_dense_permuted_result(shape, dims, want):
     x = torch.randn(shape)
+    assert eager_layout(x[:, :, :2]) is None  # (with gaps: no dense order)
     y = (x.transpose(*dims) if dims else x) * 2
     got = eager_layout(y)
     assert got == want

@@ -157,3 +157,27 @@ def test_the_backend_still_returns_a_transposed_input_by_eager():
     x = torch.randn(32, 16)
     c = compile_stages(lambda x: x.t(), (x,))
     assert "permute view of an input" in _aliased_output(c.captured)
+
+
+def test_an_empty_transposed_result_compiles_as_before():
+    """(review, session 56) A zero-size transposed result is no kernel's copy: it compiled
+    before the rule existed and still does, empty like eager's."""
+    x = torch.randn(0, 5)
+    p = tilefuse.compile(lambda x: x.t().contiguous(), (x,))
+    assert p(x).shape == (5, 0)
+
+
+@pytest.mark.parametrize("fn,shape", [
+    (lambda x: x.transpose(1, 2) * 2 + 1, (8, 16, 13)),
+    (lambda x: (x * 2).t(), (6, 5)),
+    (lambda x: torch.sigmoid(x.permute(2, 0, 1)), (4, 6, 10)),
+], ids=["map of x.T", "map.T", "sigmoid of a rotation"])
+def test_a_map_laid_out_with_its_last_dim_moved_keeps_eager_strides(fn, shape):
+    """(review, session 56) Eager keeps x's memory order for a map of x transposed, its last
+    dim strided too; the kernel computes in that order (reading x in its own) and the result is
+    returned as eager's strided view."""
+    x = torch.randn(*shape)
+    p = tilefuse.compile(fn, (x,))
+    y = p(x)
+    torch.testing.assert_close(y, fn(x))
+    assert y.stride() == fn(x).stride(), (y.stride(), fn(x).stride())

@@ -167,3 +167,21 @@ def test_outputs_of_every_width_from_tiles(name, fn, dtype):
     for i, (a, r, e) in enumerate(zip(*(v if isinstance(v, tuple) else (v,) for v in (got, ref, eager)))):
         c = compare(f"{name} out{i}", a, r, e)
         assert c.ok, c
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_a_map_of_a_transposed_input_comes_back_in_eagers_strides(dtype):
+    """x.transpose(1, 2) * 2 + 1 without .contiguous(): eager keeps x's memory order (its last
+    dim strided); the kernel computes in that order and the result is eager's strided view."""
+    import tilefuse
+    from tilefuse.check import compare, float64_reference
+
+    torch.manual_seed(8)
+    x = torch.randn(8, 300, 130, device="cuda", dtype=dtype)
+    fn = lambda x: x.transpose(1, 2) * 2 + 1  # noqa: E731
+    prog = tilefuse.compile(fn, (x,))
+    prog.poison = True
+    got, eager = prog(x), fn(x)
+    assert got.stride() == eager.stride(), (got.stride(), eager.stride())
+    c = compare("strided", got, float64_reference(fn, (x,)), eager)
+    assert c.ok, c

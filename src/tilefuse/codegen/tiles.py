@@ -410,7 +410,7 @@ def render(kernel: ir.Kernel, schedule, arch: str = "sm_90a"):
     for col, s in _inner(parts, ir.Store):
         b = kernel.buffer(s.buf)
         a = _flat(b, s.index, row, col, TR, TC, (Lr, R // Lr, C))
-        if VB > 1 and a is not None and a.dc == 1 and a.align % VB == 0 and TC % VB == 0:
+        if VB > 1 and a is not None and a.dc == 1 and a.align % VB == 0 and a.dr % VB == 0 and TC % VB == 0:
             vec_out[id(s)] = b
             alignment[b.name] = max(alignment.get(b.name, 1), VB * dtypes.itemsize(b.dtype))
     nb = TR * (TC // VB)

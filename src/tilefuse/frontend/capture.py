@@ -280,9 +280,10 @@ def to_graph(ep, expr: str | None = None) -> ir.Graph:
 
 def eager_layout(val) -> tuple[int, ...] | None:
     """The order of `val`'s dims in memory (outermost first) where PyTorch lays it out densely
-    but permuted, its last dim innermost: `x.transpose(1, 2) * c` keeps x's strides. None for a
-    contiguous tensor (size-1 dims in any place), for any other layout (overlapping, with gaps,
-    the last dim strided) and for symbolic sizes: those results are returned contiguous."""
+    but permuted: `x.transpose(1, 2) * c` keeps x's strides (its last dim innermost or not: a
+    kernel computing it in that order reads x in its own, codegen/tiles.py where it must
+    transpose). None for a contiguous tensor (size-1 dims in any place), for any other layout
+    (overlapping, with gaps) and for symbolic sizes: those results are returned contiguous."""
     if not isinstance(val, torch.Tensor) or val.dim() < 2:
         return None
     try:
@@ -291,7 +292,7 @@ def eager_layout(val) -> tuple[int, ...] | None:
         return None
     real = [d for d in range(len(shape)) if shape[d] != 1]
     order = sorted(real, key=lambda d: -strides[d])
-    if order == real or not real or order[-1] != len(shape) - 1:
+    if order == real or not real:
         return None
     expect = 1
     for d in reversed(order):  # dense: each dim's stride the product of the sizes inside it

@@ -245,8 +245,8 @@ def results_in_eager_layout(g: ir.Graph) -> ir.Graph:
         r = tuple(range(len(order)))
         for q in [*reversed(chain), order]:  # base's dims as the laid-out result orders them
             r = _then(r, q)
-        if not isinstance(g[base], ir.Map) or r[-1] != len(r) - 1 or not _movable(g, base, users, len(order)):
-            continue  # (a permute that moved the last dim would be a copy: the result stays as it is)
+        if not isinstance(g[base], ir.Map) or not _movable(g, base, users, len(order)):
+            continue
         shape = n.type.shape
         laid = ir.View(ed.fresh(f"{name}_laid"), ir.TensorType(tuple(shape[d] for d in order), n.type.dtype),
                        "permute", name, tuple(order), n.source)
@@ -270,6 +270,7 @@ def transposed_results_as_copies(g: ir.Graph) -> ir.Graph:
     for i, name in enumerate(g.results):
         n = g[name]
         if (name in kept or not isinstance(n, ir.View) or n.op != "permute" or len(n.type.shape) < 2
+                or n.type.numel == 0  # (an empty result is made without a kernel: no copy to take over)
                 or _perm(n)[-1] == len(n.type.shape) - 1 or g.outputs.count(name) != 1):
             continue
         root = _through_views(g, name)[-1]
