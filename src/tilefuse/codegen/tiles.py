@@ -279,6 +279,8 @@ def plan(kernel: ir.Kernel) -> TilePlan | None:
         return None
     if not _map_only(parts) or parts.rows <= 1 or parts.col_extent <= 1:
         return None
+    if all(_along_columns(s.index, col) for col, s in _inner(parts, ir.Load)):
+        return None  # (every load's last index is the column: the row kernel's case, found without the analysis)
     R, C = parts.rows, parts.col_extent
     best = None
     for Lr in _segments(parts):
@@ -303,6 +305,14 @@ def plan(kernel: ir.Kernel) -> TilePlan | None:
     while vb > 1 and parts.col_extent % vb:
         vb //= 2
     return TilePlan(R, C, Lr, TR, TC, tuple(st), vb, widest <= 2 and vb * widest == 8)
+
+
+def _along_columns(index: tuple, col: str) -> bool:
+    """The last index is the column (plus a constant): the load steps by 1 along a row."""
+    e = index[-1] if index else None
+    if isinstance(e, ir.IBin) and e.op == "+" and isinstance(e.b, ir.IConst):
+        e = e.a
+    return isinstance(e, ir.Var) and e.name == col
 
 
 def _segments(parts: ir.RowKernel) -> list[int]:
