@@ -147,6 +147,17 @@ def test_a_transposed_result_is_copied_by_a_kernel():
     assert transposed_results_as_copies(keeps) is keeps and transposed_results_as_copies(iota) is iota
 
 
+def test_a_transposed_left_operand_of_a_matmul_is_copied_by_a_kernel():
+    """x.transpose(1, 2) @ w (the GEMM reads its left operand row-major): the copy is a tiles
+    kernel, not PyTorch's; a transposed right operand stays as the GEMM takes it (no copy)."""
+    x, w = torch.randn(4, 64, 32, dtype=torch.bfloat16), torch.randn(64, 48, dtype=torch.bfloat16)
+    p, ks = _kernels(lambda x, w: x.transpose(1, 2) @ w, (4, 64, 32), (64, 48), dtype=torch.bfloat16)
+    assert [s.family for s in p.plan.steps] == ["mapreduce", "gemm"], str(p.plan)
+    assert [tiles.plan(k) is not None for k in ks] == [True]
+    p2 = tilefuse.compile(lambda x, w: x @ w.t(), (x.transpose(1, 2).contiguous(), w.t().contiguous()))
+    assert [s.family for s in p2.plan.steps if s.family != "alias"] == ["gemm"], str(p2.plan)
+
+
 def test_the_backend_still_returns_a_transposed_input_by_eager():
     """Under torch.compile(backend="tilefuse") a graph returning x.t() runs in eager (code after
     a graph break may write through the view): the check reads the graph as captured, before the

@@ -185,3 +185,20 @@ def test_a_map_of_a_transposed_input_comes_back_in_eagers_strides(dtype):
     assert got.stride() == eager.stride(), (got.stride(), eager.stride())
     c = compare("strided", got, float64_reference(fn, (x,)), eager)
     assert c.ok, c
+
+
+def test_a_transposed_left_operand_is_copied_in_tiles_before_the_gemm():
+    """x.transpose(1, 2) @ w: the tiled copy, then the generated GEMM (no PyTorch copy)."""
+    import tilefuse
+    from tilefuse.check import compare, float64_reference
+
+    torch.manual_seed(9)
+    x = torch.randn(8, 512, 384, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(512, 256, device="cuda", dtype=torch.bfloat16)
+    fn = lambda x, w: x.transpose(1, 2) @ w  # noqa: E731
+    prog = tilefuse.compile(fn, (x, w), graphs=True)
+    prog.poison = True
+    assert [s.family for s in prog.plan.steps if s.family != "alias"] == ["mapreduce", "gemm"], str(prog.plan)
+    for call in range(3):
+        c = compare(f"call {call}", prog(x, w), float64_reference(fn, (x, w)), fn(x, w))
+        assert c.ok, c

@@ -26,6 +26,8 @@ another moving map or permute waits for the next pass.
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 from .. import ir
 from ..rewrites import substitute
 from .match import Editor, prune
@@ -258,26 +260,46 @@ def results_in_eager_layout(g: ir.Graph) -> ir.Graph:
 
 
 def transposed_results_as_copies(g: ir.Graph) -> ir.Graph:
-    """A result that is a permute moving the last dim of a tensor in memory, returned
-    contiguous, is copied by a kernel of its own (an identity cast of the view, which that
-    kernel reads in place, in tiles: codegen/tiles.py) instead of PyTorch's copy:
-    `x.transpose(1, 2).contiguous()` at 64 x 4096 x 256 bf16 took 550 us in eager's copy, 11%
-    of copy bandwidth. A layout view (returned strided, no copy) stays as it is, as does a
-    permute of a generated tensor (a constant, an iota: made where it is read, no view of it is
-    read in place)."""
+    """A permute moving the last dim of a tensor in memory that a result returns contiguous, or
+    that a matmul takes as its left operand (which the GEMM reads row-major), is copied by a
+    kernel of its own (an identity cast of the view, which that kernel reads in place, in tiles:
+    codegen/tiles.py) instead of PyTorch's copy: `x.transpose(1, 2).contiguous()` at 64 x 4096 x
+    256 bf16 took 422 us in eager's copy (15% of copy bandwidth), 64 us so. A layout view
+    (returned strided, no copy) stays as it is, as does a permute of a generated tensor (a
+    constant, an iota: made where it is read, no view of it is read in place), of a written
+    input, or of no element."""
     kept = layout_views(g)
-    ed, outs, nodes, changed = Editor(g), list(g.outputs), list(g.nodes), False
-    for i, name in enumerate(g.results):
+    ed, outs, changed = Editor(g), list(g.outputs), False
+
+    def copied(name: str) -> bool:
         n = g[name]
         if (name in kept or not isinstance(n, ir.View) or n.op != "permute" or len(n.type.shape) < 2
-                or n.type.numel == 0  # (an empty result is made without a kernel: no copy to take over)
-                or _perm(n)[-1] == len(n.type.shape) - 1 or g.outputs.count(name) != 1):
-            continue
-        root = _through_views(g, name)[-1]
-        if isinstance(g[root], (ir.Constant, ir.Iota)) or any(x in g.writes for x in _through_views(g, name)):
-            continue
-        copy = ir.Map(ed.fresh(f"{name}_copy"), n.type, "cast", (name,), n.source)
-        nodes.append(copy)
-        outs[i] = copy.name
-        changed = True
-    return ed.graph(nodes, outs) if changed else g
+                or n.type.numel == 0 or _perm(n)[-1] == len(n.type.shape) - 1):
+            return False
+        chain = _through_views(g, name)
+        return not isinstance(g[chain[-1]], (ir.Constant, ir.Iota)) and not any(x in g.writes for x in chain)
+
+    copies: dict[str, ir.Map] = {}
+
+    def copy_of(name: str) -> str:
+        if name not in copies:
+            n = g[name]
+            copies[name] = ir.Map(ed.fresh(f"{name}_copy"), n.type, "cast", (name,), n.source)
+        return copies[name].name
+
+    for i, name in enumerate(g.results):
+        if g.outputs.count(name) == 1 and copied(name):
+            outs[i] = copy_of(name)
+            changed = True
+    nodes = []
+    for n in g.nodes:
+        if isinstance(n, ir.Contraction) and copied(n.a):
+            n = replace(n, a=copy_of(n.a))
+            changed = True
+        nodes.append(n)
+    if not changed:
+        return g
+    at = {v: i for i, v in enumerate(x.name for x in nodes)}
+    for name, c in sorted(copies.items(), key=lambda t: -at[t[0]]):  # each right after its view
+        nodes.insert(at[name] + 1, c)
+    return ed.graph(nodes, outs)
