@@ -216,6 +216,8 @@ class _Staged:
 
 @dataclass(frozen=True)
 class TilePlan:
+    """What `render` needs of a kernel: its rows and columns, the tile, the inputs it stages."""
+
     rows: int            # R
     cols: int            # C
     Lr: int              # rows a segment: a tile takes rows of one segment (Lr = R: no segments)
