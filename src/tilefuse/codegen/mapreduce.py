@@ -774,9 +774,9 @@ def _env(ctx: _Ctx, cvar: str | None) -> dict:
     return env
 
 
-def _guarded_load(ctx: _Ctx, s: ir.Load, env: dict, extra_guard: str) -> str:
-    """A scalar load at the element's own index, with masks for the row and for gathers."""
-    buf = ctx.kernel.buffer(s.buf)
+def _guarded_load(kernel: ir.Kernel, s: ir.Load, env: dict, extra_guard: str) -> str:
+    """A scalar load at the element's own index, with masks for the row (or tile) and for gathers."""
+    buf = kernel.buffer(s.buf)
     off = cexpr.flat_offset(buf, s.index, env)
     guards = [g for g in (extra_guard,) if g]
     for e, n in zip(s.index, buf.shape):
@@ -829,7 +829,7 @@ def _emit_stmt(ctx: _Ctx, em: _Emitter, s, env: dict, *, inner: bool, src_chunk=
         if key is not None and src_chunk is not None:
             expr = f"tf_get_{buf.dtype}({src_chunk(key)}, v)"
         else:
-            expr = _guarded_load(ctx, s, env, "row_ok")
+            expr = _guarded_load(ctx.kernel, s, env, "row_ok")
         name = ctx.define(s.dst, buf.dtype)
         em(f"const {cexpr.ctype(buf.dtype)} {name} = {expr};")
     elif isinstance(s, ir.Store):

@@ -248,7 +248,7 @@ def _staged(kernel: ir.Kernel, parts: ir.RowKernel, TR: int, TC: int, seg: tuple
         a = _flat(buf, s.index, parts.row_var, col, TR, TC, seg)
         if a is None or a.dr != 1 or a.dc <= 1:
             continue
-        key = (s.buf, tuple(str(e) for e in _renamed(s.index, col)))
+        key = _key(s, col)
         if key in out:
             continue
         size = dtypes.itemsize(buf.dtype)
@@ -259,15 +259,10 @@ def _staged(kernel: ir.Kernel, parts: ir.RowKernel, TR: int, TC: int, seg: tuple
     return list(out.values())
 
 
-def _renamed(index: tuple, col: str) -> tuple:
-    """The index with its column variable spelled `c` (loads in two column loops match)."""
-    def ren(e):
-        if isinstance(e, ir.Var) and e.name == col:
-            return ir.Var("c")
-        if isinstance(e, ir.IBin):
-            return ir.IBin(e.op, ren(e.a), ren(e.b))
-        return e
-    return tuple(ren(e) for e in index)
+def _key(s: ir.Load, col: str) -> tuple:
+    """(buffer, index with the column variable spelled `c`): loads of one element, in any column
+    loop, share one staged tile."""
+    return (s.buf, tuple(str(_subst(e, col, ir.Var("c"))) for e in s.index))
 
 
 def plan(kernel: ir.Kernel) -> TilePlan | None:
@@ -469,11 +464,11 @@ def render(kernel: ir.Kernel, schedule, arch: str = "sm_90a"):
                f"({cexpr.ctype(s.dtype)})({cexpr.index(s.expr, env)});")
         elif isinstance(s, ir.Load):
             b = kernel.buffer(s.buf)
-            key = (s.buf, tuple(str(e) for e in _renamed(s.index, col))) if col else None
+            key = _key(s, col) if col else None
             if key in staged:
                 expr = cexpr.from_storage(b.dtype, f"tf_tile{staged[key]}[j * {stride} + i]")
             else:
-                expr = _load(b, s, env, mr._param(b.name))
+                expr = mr._guarded_load(kernel, s, env, "ok")  # (masked outside the tile's valid part)
             em(f"const {cexpr.ctype(b.dtype)} {define(s.dst, b.dtype)} = {expr};")
         elif isinstance(s, ir.Store):
             b = kernel.buffer(s.buf)
@@ -518,12 +513,4 @@ def render(kernel: ir.Kernel, schedule, arch: str = "sm_90a"):
                            params=tuple(b.name for b in kernel.params),
                            alignment=tuple(sorted(alignment.items())), schedule=schedule)
 
-
-def _load(b: ir.Buffer, s: ir.Load, env: dict, param: str) -> str:
-    """A load where the element lies: masked outside the tile's valid part, and a gathered
-    index kept inside the buffer."""
-    guards = ["ok"] + [f"(unsigned long long)({cexpr.index(e, env)}) < {n}ULL"
-                       for e, n in zip(s.index, b.shape) if ir.index_values(e)]
-    load = cexpr.from_storage(b.dtype, f"{param}[{cexpr.flat_offset(b, s.index, env)}]")
-    return f"(({' && '.join(guards)}) ? {load} : ({cexpr.ctype(b.dtype)})0)"
 

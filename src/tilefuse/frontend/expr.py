@@ -152,20 +152,18 @@ class ExprModule(nn.Module):
                         body.body)
         self._code = compile(ast.fix_missing_locations(ast.Expression(fn)), "<tilefuse -c>", "eval")
         self._n = n_inputs
-        self._globals: dict | None = None
         self._fn = None
 
-    def __getstate__(self):  # (copies and pickles: the globals hold modules; a copy makes its own)
-        return {**self.__dict__, "_globals": None, "_fn": None}
+    def __getstate__(self):  # (copies and pickles: the function's globals hold modules; a copy makes its own)
+        return {**self.__dict__, "_fn": None}
 
     def forward(self, *inputs):
         # one globals dict for every call: torch.compile installs the functions it compiles from
         # a lambda of the expression in that lambda's globals, and a fresh dict each call lost
         # them (NameError: __compiled_fn_..., `tilefuse run --bench` of a lambda)
         if self._fn is None:
-            self._globals = self._globals or _scope()
-            self._fn = eval(self._code, self._globals)
-        self._globals.update(self.mods)
+            self._fn = eval(self._code, _scope())
+        self._fn.__globals__.update(self.mods)
         return self._fn(*inputs)
 
 

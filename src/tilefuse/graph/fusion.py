@@ -660,13 +660,17 @@ def _keeps_rows(n: ir.View) -> bool:
     return n.op in _READ_THROUGH and _last_dim_whole(n)
 
 
+def _moves_last_dim(n) -> bool:
+    """A permute that moves the last dim: kernels of maps read through it in tiles (codegen/tiles.py)."""
+    return isinstance(n, ir.View) and n.op == "permute" and not _last_dim_whole(n)
+
+
 def _transposes(g: ir.Graph, view: str, root: str) -> bool:
-    """Whether a permute between `view` and `root` moves the last dim (codegen/tiles.py reads it)."""
+    """Whether a permute between `view` and `root` moves the last dim."""
     while view != root and isinstance(g[view], ir.View):
-        n = g[view]
-        if n.op == "permute" and not _last_dim_whole(n):
+        if _moves_last_dim(g[view]):
             return True
-        view = n.arg
+        view = g[view].arg
     return False
 
 
@@ -690,7 +694,7 @@ def views_read_in_place(p: Plan) -> Plan:
         only kernels of maps, which read it in 2-D tiles (codegen/tiles.py)."""
         if (name, transposed) not in memo:
             s, n = step_of.get(name), g[name]
-            moved = transposed or (isinstance(n, ir.View) and n.op == "permute" and not _keeps_rows(n))
+            moved = transposed or _moves_last_dim(n)
             memo[name, transposed] = (
                 isinstance(n, ir.View) and s is not None and s.family in ("extern", "alias")
                 and not s.view and name not in outputs and bool(users.get(name))
