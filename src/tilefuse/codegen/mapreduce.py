@@ -406,6 +406,11 @@ def _default_schedule(kernel: ir.Kernel, arch: str = "sm_90a", stage: str | None
                                      min_blocks=8 if tp.packed else 1)
         if stage == "tiles":
             raise ValueError(f"kernel {kernel.name}: stage='tiles' needs a map reading an input transposed")
+    if stage is None:
+        from . import columns
+
+        if columns.strided_rows(kernel):
+            return columns.default_schedule(kernel, arch)
     v = _choose_vector(kernel, parts)
     auto = stage is None
     if stage is None:

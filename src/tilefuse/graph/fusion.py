@@ -13,6 +13,7 @@ it needs still fits on chip (shared memory of a cluster).
 """
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Optional
@@ -36,6 +37,18 @@ ON_CHIP_BYTES = 16 * 200 * 1024  # a 16-CTA cluster's shared memory
 # GELU-LayerNorm blocks at 64, 1.6x faster for 12 softmaxes), so the limit sits above every
 # program measured (12 softmaxes: 862).
 RECOMPUTE_LIMIT = 1024
+# A column kernel (Planner.column_start) gives each row a thread, neighbouring rows to
+# neighbouring lanes: their elements lie side by side in memory. Fewer rows than this leave
+# too few threads to keep the memory busy (a thread has 32 loads in flight, codegen/columns.py;
+# an H200 wants ~4 MB in flight, 64k rows of 16-bit values): such a reduction runs in PyTorch.
+# H200, bf16 (bench/columns.sh, session 57): 65536-262144 rows ran at 57-70% of copy bandwidth;
+# log_softmax over dim 0 of 1000 x 16384 (16384 rows of 1000) at 13%, 0.35x torch.compile.
+COLUMN_MIN_ROWS = 32768
+
+
+def columns_enabled() -> bool:
+    """TILEFUSE_COLUMNS=0 leaves reductions over a dim that is not last to PyTorch (for A/B runs)."""
+    return os.environ.get("TILEFUSE_COLUMNS", "1") != "0"
 
 
 @dataclass
@@ -58,6 +71,7 @@ class Step:
     scratch: list[str] = field(default_factory=list)  # per-row values passed from head to tail on chip
     view: bool = False  # family "extern": a strided view, no copy (attention_only_views; a result in eager's layout)
     reads: dict[str, str] = field(default_factory=dict)  # mapreduce: input view -> the tensor it reads it from (views_read_in_place)
+    columns: bool = False  # mapreduce: the row runs along a dim that is not last (a column reduction): alignments may permute dims
     passes: int = 0      # mapreduce: its reductions, each a pass over the row computing its argument
     recomputed: int = 0  # ... and the per-element maps the passes after the first compute again (RECOMPUTE_LIMIT)
 
@@ -111,10 +125,12 @@ def _arg_align(arg_shape, node_shape, node_align) -> Align:
     return tuple(None if s == 1 else node_align[off + i] for i, s in enumerate(arg_shape))
 
 
-def _valid(shape, align, space) -> bool:
+def _valid(shape, align, space, permuted: bool = False) -> bool:
+    """`align` puts each dim of `shape` on a space dim of its size (None: a size-1 dim), each on
+    another, in the space's order unless `permuted` (a column kernel's tensors)."""
     full = _full(space)
     dims = [a for a in align if a is not None]
-    if dims != sorted(set(dims)):
+    if len(dims) != len(set(dims)) or not permuted and dims != sorted(dims):
         return False
     return all((a is None and s == 1) or (a is not None and full[a] == s) for s, a in zip(shape, align))
 
@@ -212,12 +228,12 @@ class _Planner:
                         return None
                     align[j] = fallback[j]
             align = tuple(align)
-            if not _valid(shape, align, space):
+            if not _valid(shape, align, space, step.columns):
                 return None
             out = {n.name: align}
             for a in n.args:
                 out.setdefault(a, step.align.get(a) or _arg_align(g[a].type.shape, shape, align))
-                if not _valid(g[a].type.shape, out[a], space):
+                if not _valid(g[a].type.shape, out[a], space, step.columns):
                     return None
             return out
         if isinstance(n, ir.Reduce):
@@ -248,7 +264,7 @@ class _Planner:
                     return None
                 align = tuple(a if s0 != 1 else (None if s == 1 else fallback[i])
                               for i, (s0, s, a) in enumerate(zip(ashape, shape, aa)))
-                return {n.name: align} if _valid(shape, align, space) else None
+                return {n.name: align} if _valid(shape, align, space, step.columns) else None
         return None
 
     def start_space(self, n):
@@ -260,6 +276,50 @@ class _Planner:
             s = self.g[n.arg].type.shape
             if len(n.axes) == 1 and n.axes[0] == len(s) - 1:
                 return (tuple(s[:-1]), s[-1])
+        return None
+
+    def column_start(self, n):
+        """(space, the argument's alignment) of a column kernel that reduction `n` opens: it
+        reduces one dim of more than one element that is not last (`softmax(x, 1)`, a
+        channels-first norm, `x.mean(1)` over [B, S, D]), the row runs along that dim and the
+        rows along the others, in order; None where it is no such reduction, or has too few
+        rows for a thread each (COLUMN_MIN_ROWS), or column kernels are off."""
+        if not isinstance(n, ir.Reduce) or not columns_enabled() or n.op not in ("sum", "max", "min", "mean"):
+            return None
+        s = self.g[n.arg].type.shape
+        axes = [x for x in n.axes if s[x] != 1]
+        if len(axes) != 1 or axes[0] == len(s) - 1:
+            return None
+        k = axes[0]
+        rows = [d for i, d in enumerate(s) if i != k]
+        if math.prod(rows) < COLUMN_MIN_ROWS and any(d != 1 for d in s[k + 1:]):
+            return None
+        align = tuple(len(rows) if i == k else None if d == 1 else i - (i > k) for i, d in enumerate(s))
+        return (tuple(rows), s[k]), align
+
+    def column_ahead(self, n, limit: int = 16):
+        """A map whose result (through maps of its shape, `limit` of them at most) is the
+        argument of a column kernel's reduction starts that column kernel: (space, the map's
+        alignment), else None. Started as a row kernel of its own shape, it would write its
+        result for the column kernel to read back (a bf16 softmax(x, 1)'s upcast). So does a
+        map beside such a one, reading the same tensor (`x.float() * rsqrt(x.float().pow(2)
+        .mean(1))`: the first upcast, before the second that leads to the mean)."""
+        shape = n.type.shape
+        beside = [u for a in dict.fromkeys(n.args) if a in self.users for u in self.users[a]
+                  if u != n.name and isinstance(self.g[u], ir.Map) and self.g[u].type.shape == shape]
+        seen, todo = {n.name, *beside}, [*beside[:limit], n.name]
+        while todo and len(seen) <= limit:
+            for u in self.users[todo.pop()]:
+                m = self.g[u]
+                if u in seen:
+                    continue
+                seen.add(u)
+                if isinstance(m, ir.Reduce) and self.g[m.arg].type.shape == shape:
+                    start = self.column_start(m)
+                    if start is not None:
+                        return start
+                elif isinstance(m, ir.Map) and m.type.shape == shape:
+                    todo.append(u)
         return None
 
     def depends_on(self, step: Step, other: Step) -> bool:
@@ -332,21 +392,23 @@ class _Planner:
             return s, al
         return None
 
-    def join_sibling(self, n, space):
+    def join_sibling(self, n, space, columns: bool = False, arg_align=None):
         """A node none of whose producers it can join may still share a kernel of its row space,
-        or, for a map, a kernel whose rows it runs along (a per-row value such as a target mask)."""
+        or, for a map, a kernel whose rows it runs along (a per-row value such as a target mask).
+        A column kernel's row space is another than a row kernel's of the same sizes (`columns`;
+        a reduction's argument aligned as `arg_align`)."""
         # a kernel its arguments come from (transitively) is no sibling: found in one walk, first,
         # since a long chain of kernels makes every earlier kernel a candidate to rule out
         upstream = self.upstream([self.group_of[a] for a in ir.node_args(n) if a in self.group_of])
         for s in reversed(self.steps):
-            if s.family != "mapreduce" or id(s) in upstream:
+            if s.family != "mapreduce" or id(s) in upstream or s.columns != columns:
                 continue
             if s.space != space and not (isinstance(n, ir.Map) and row_align(n.type.shape, s.space) is not None
                                          and right_align(n.type.shape, s.space) is None):
                 continue
-            probe = Step(s.name, s.family, list(s.nodes), s.space, dict(s.align))
+            probe = Step(s.name, s.family, list(s.nodes), s.space, dict(s.align), columns=s.columns)
             if isinstance(n, ir.Reduce):
-                probe.align.setdefault(n.arg, right_align(self.g[n.arg].type.shape, space))
+                probe.align.setdefault(n.arg, arg_align or right_align(self.g[n.arg].type.shape, space))
                 if probe.align[n.arg] is None:
                     continue
             al = self.align_in(n, probe)
@@ -367,6 +429,25 @@ class _Planner:
         step.align.update(al)
         step.inputs_all.update(a for a in ir.node_args(n) if a not in step.nodes)
         self.group_of[n.name] = step
+
+    def open_step(self, n, space, columns: bool, arg_align) -> bool:
+        """Start a map-reduce kernel of row space `space` with `n`, if `n` aligns in it; a
+        reduction's argument is aligned as `arg_align` (else on the space's last dims), and
+        so are a map's arguments where `arg_align` is the map's own (column_ahead)."""
+        g = self.g
+        step = Step(f"k{len(self.steps)}_{n.name}", "mapreduce", [], space, {}, columns=columns)
+        step.inputs_all = set()
+        if isinstance(n, ir.Reduce):
+            step.align[n.arg] = arg_align or right_align(g[n.arg].type.shape, space)
+        elif arg_align is not None:
+            for a in n.args:
+                step.align[a] = _arg_align(g[a].type.shape, n.type.shape, arg_align)
+        al = self.align_in(n, step)
+        if al is None:
+            return False
+        self.steps.append(step)
+        self.add_to(step, n, al)
+        return True
 
     def new_step(self, family, n, space=None, align=None, note=""):
         step = Step(f"k{len(self.steps)}_{n.name}" if family != "alias" else n.name, family, [], space,
@@ -395,21 +476,21 @@ class _Planner:
             if joined:
                 self.add_to(joined[0], n, joined[1])
                 continue
-            space = self.start_space(n)
-            sibling = self.join_sibling(n, space) if space is not None else None
+            space, columns, arg_align = self.start_space(n), False, None
+            start = (self.column_start(n) if space is None and isinstance(n, ir.Reduce)
+                     else self.column_ahead(n) if isinstance(n, ir.Map) else None)
+            if start is not None:
+                space, arg_align = start
+                dims = [a for a in arg_align if a is not None]
+                columns = dims != sorted(dims)  # (else the row is contiguous after all: dims of 1 follow it)
+            sibling = self.join_sibling(n, space, columns, arg_align) if space is not None else None
             if sibling:
                 self.add_to(sibling[0], n, sibling[1])
                 continue
-            if space is not None:
-                step = Step(f"k{len(self.steps)}_{n.name}", "mapreduce", [], space, {})
-                step.inputs_all = set()
-                if isinstance(n, ir.Reduce):
-                    step.align[n.arg] = right_align(g[n.arg].type.shape, space)
-                al = self.align_in(n, step)
-                if al is not None:
-                    self.steps.append(step)
-                    self.add_to(step, n, al)
-                    continue
+            if space is not None and self.open_step(n, space, columns, arg_align):
+                continue
+            if columns and isinstance(n, ir.Map) and self.open_step(n, self.start_space(n), False, None):
+                continue  # (a map a column kernel could not start after all)
             if isinstance(n, ir.View) and n.op == "reshape":
                 self.new_step("alias", n, note="free: same memory, new shape")
             elif isinstance(n, ir.Reduce):
@@ -791,7 +872,7 @@ def grid_reductions(p: Plan) -> Plan:
             continue
         if not _grid_tail_ok(g, tail, set(scratch)):
             continue
-        merged = Step(head.name, "mapreduce", head.nodes + tail.nodes, head.space, dict(head.align),
+        merged = Step(head.name, "mapreduce", head.nodes + tail.nodes, head.space, dict(head.align), columns=head.columns,
                       inputs=list(head.inputs), outputs=[o for o in head.outputs if o not in scratch] + tail.outputs,
                       note="grid reduction: " + ", ".join(tail.nodes) + " over all rows, finished by the "
                            "last CTA (per-row " + ", ".join(scratch) + " stay on chip)",
@@ -818,7 +899,7 @@ def format_plan(p: Plan) -> str:
         head = f"  {s.family} {s.name}"
         if s.space:
             L, C = s.space
-            head += f"  rows={'x'.join(map(str, L)) or 1} row_len={C}"
+            head += f"  rows={'x'.join(map(str, L)) or 1} row_len={C}" + (" (strided: a column kernel)" if s.columns else "")
         if s.gemm:
             sp = s.gemm
             head += (f"  {'%dx' % sp.batch if sp.batch > 1 else ''}{sp.m}x{sp.n}x{sp.k}"

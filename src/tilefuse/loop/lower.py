@@ -45,11 +45,12 @@ def _coord(space_dim: int, space, r: L.Index) -> L.Index:
 
 
 def _buffer_view(shape, align, space):
-    """Squeeze size-1 dims and merge a full run of row dims into one: (r, c), (r), (c) patterns."""
+    """Squeeze size-1 dims and merge a full run of row dims into one: (r, c), (r), (c) patterns.
+    A column kernel's tensor with its row dim among the others keeps its dims."""
     Ls, C = space
     dims = [(s, a) for s, a in zip(shape, align) if a is not None]
     row = [a for _, a in dims if a < len(Ls)]
-    if row and row == [d for d in range(len(Ls)) if Ls[d] != 1] and len(row) > 1:
+    if row and row == [d for d in range(len(Ls)) if Ls[d] != 1] and len(row) > 1 and row == [a for _, a in dims[:len(row)]]:
         merged = [(math.prod(Ls), "rows")] + [(s, a) for s, a in dims if a == len(Ls)]
         return merged
     return dims or [(1, None)]

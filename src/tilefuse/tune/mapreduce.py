@@ -71,6 +71,10 @@ def space(kernel: ir.Kernel, arch: str = "sm_90a") -> Space:
     batches = ir.grid_parts(kernel) is None and any(
         st.per_row for st in mr._analyse(kernel, parts, d.vector).in_streams.values())
 
+    from ..codegen import columns
+
+    strided = d.stage != "tiles" and columns.strided_rows(kernel)  # a column kernel: a row a thread
+
     def occupancies(t: int) -> set:
         return {1, max(1, 1024 // t), SM_THREADS // t} | ({d.min_blocks} if t == d.threads else set())
 
@@ -80,6 +84,8 @@ def space(kernel: ir.Kernel, arch: str = "sm_90a") -> Space:
     def admits(k: Mapping) -> bool:
         if all(knobs[n] == v for n, v in k.items()):
             return True  # the heuristic's pick and everything on the way to it
+        if strided:
+            return _admits_columns(k, d, C, R)
         if "vector" in k and k["vector"] != d.vector and k["stage"] not in ("regs", "tiles"):
             return False  # narrower chunks only to ease register pressure; smem needs 16 bytes
         if "group" in k:
@@ -133,13 +139,37 @@ def space(kernel: ir.Kernel, arch: str = "sm_90a") -> Space:
 
     valid(knobs)  # the default claims its kernel first
     candidates = {"stage": STAGES, "vector": vectors, "threads": THREADS, "group": GROUPS, "cluster": clusters,
-                  "min_blocks": MIN_BLOCKS, "unroll": UNROLLS, "batch": BATCHES}
+                  "min_blocks": MIN_BLOCKS, "unroll": (COLUMN_UNROLLS if strided else UNROLLS), "batch": BATCHES}
     for f in fields(mr.MapReduceSchedule):
         if f.name not in candidates:
             candidates[f.name] = (False, True) if isinstance(knobs[f.name], bool) else (knobs[f.name],)
     dims = tuple(Dim(n, vals if knobs[n] in vals else tuple(vals) + (knobs[n],)) for n, vals in candidates.items())
     return Space("mapreduce", dims, valid=valid, admits=admits, default=tuple(knobs[x.name] for x in dims),
                  exhaustive_upto=EXHAUSTIVE_UPTO)
+
+
+COLUMN_UNROLLS = (8, 16, 32)
+
+
+def _admits_columns(k: Mapping, d: mr.MapReduceSchedule, C: int, R: int) -> bool:
+    """A column kernel's space (codegen/columns.py): a row a thread (group 1, single elements:
+    a row's neighbours lie a whole row apart), its row in registers (rows of up to twice
+    REGS_MAX_COLUMNS) or streamed 8-32 columns an iteration, 64-512 threads a CTA."""
+    from ..codegen import columns
+
+    if k.get("stage", "stream") not in ("regs", "stream") or k.get("vector", 1) != 1 or k.get("group", 1) != 1:
+        return False
+    if k.get("stage") == "regs" and C > 2 * columns.REGS_MAX_COLUMNS:
+        return False
+    if k.get("threads", 128) > 512 or k.get("threads", 128) > _pow2ceil(R) or k.get("cluster", 1) != 1:
+        return False
+    if "min_blocks" in k and (k["min_blocks"] * k["threads"] > SM_THREADS or k["min_blocks"] not in (1, 2, 4)):
+        return False
+    if "unroll" in k and k["unroll"] != d.unroll and (k["stage"] != "stream" or k["unroll"] not in COLUMN_UNROLLS):
+        return False
+    if k.get("l2_hints") or k.get("batch", 1) != 1 or k.get("two_pass"):
+        return False
+    return True
 
 
 def build(kernel: ir.Kernel, knobs: Mapping, arch: str = "sm_90a") -> mr.MapReduceSchedule:

@@ -1,0 +1,119 @@
+"""Schedules of column kernels (codegen/columns.py: reductions over a dim that is not last, a
+row a thread) side by side on the same tensors in one process (CUDA events, L2 flushed,
+rotated rounds), each checked equal to the default's output; beside them the same program
+with column kernels off (TILEFUSE_COLUMNS=0: PyTorch's reductions and row kernels of the
+maps, what tilefuse did before), eager and torch.compile.
+
+    python3 bench/columns_probe.py [--only REGEX]
+
+Writes $OUT/columns_probe.json (or /tmp/columns_probe.json); a line a case on stdout.
+"""
+import argparse
+import json
+import os
+import re
+import statistics
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from program_schedules import program_launch, rotated_rounds  # noqa: E402
+import tilefuse  # noqa: E402
+from tilefuse.analyze.bench import copy_bandwidth, fresh_compile  # noqa: E402
+from tilefuse.codegen import mapreduce  # noqa: E402
+from tilefuse.runtime.launch import compile_kernel  # noqa: E402
+
+
+def ln_channels_first(x, w, b):
+    """ConvNeXt's LayerNorm over the channels of [N, C, H, W]."""
+    u = x.mean(1, keepdim=True)
+    s = (x - u).pow(2).mean(1, keepdim=True)
+    x = (x - u) / torch.sqrt(s + 1e-6)
+    return w[:, None, None] * x + b[:, None, None]
+
+
+CASES = {
+    "softmax dim 1 32x128x56x56": (lambda x: torch.softmax(x, 1), [(32, 128, 56, 56)]),
+    "layernorm channels-first 32x96x56x56": (ln_channels_first, [(32, 96, 56, 56), (96,), (96,)]),
+    "mean dim 1 64x512x1024": (lambda x: x.mean(1), [(64, 512, 1024)]),
+    "amax dim 1 16x256x4096": (lambda x: x.amax(1), [(16, 256, 4096)]),
+    "softmax dim 1 8x64x8192": (lambda x: torch.softmax(x, 1), [(8, 64, 8192)]),
+    "rmsnorm channels-first 16x64x128x128": (
+        lambda x, w: x * torch.rsqrt(x.float().pow(2).mean(1, keepdim=True) + 1e-6).to(x.dtype) * w[:, None, None],
+        [(16, 64, 128, 128), (64,)]),
+}
+
+
+def variants_of(d):
+    stream = replace(d, stage="stream", min_blocks=2)
+    return (("stream unroll 8", replace(stream, unroll=8)), ("stream unroll 16", replace(stream, unroll=16)),
+            ("stream unroll 32", replace(stream, unroll=32)), ("stream 16, 128 threads", replace(stream, unroll=16, threads=128)),
+            ("regs", replace(d, stage="regs", min_blocks=1)), ("regs, 2 CTAs/SM", replace(d, stage="regs", min_blocks=2)),
+            ("regs, 128 threads", replace(d, stage="regs", threads=128, min_blocks=1)))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--only", default="")
+    args = ap.parse_args()
+    copy = copy_bandwidth()
+    out = {"gpu": torch.cuda.get_device_name(), "copy_bytes_per_s": copy, "cases": {}}
+    for name, (fn, shapes) in CASES.items():
+        if args.only and not re.search(args.only, name):
+            continue
+        torch.manual_seed(0)
+        inputs = tuple(torch.randn(*s, device="cuda", dtype=torch.bfloat16) for s in shapes)
+        prog = tilefuse.compile(fn, inputs)
+        lowered, op, ptrs, outs = program_launch(prog, inputs)
+        k = lowered.kernel
+        d = mapreduce.default_schedule(k)
+        variants = {"default": op.ck}
+        for label, s in variants_of(d):
+            try:
+                variants[label] = compile_kernel(k, None, s)
+            except Exception as e:  # noqa: BLE001 (a variant that does not build is reported, not fatal)
+                print(f"{name} {label}: {type(e).__name__}: {str(e)[:200]}")
+        want = None
+        for label, ck in variants.items():
+            outs[-1].fill_(float("nan"))
+            ck.launch_ptrs(0, ptrs)
+            torch.cuda.synchronize()
+            got = outs[-1].clone()
+            if want is None:
+                want = got
+                ref = fn(*(t.float() for t in inputs))
+                err = (got.float() - ref).abs().max().item()
+                assert err < 0.05 * max(1.0, ref.abs().max().item()), (name, err)
+            # (bit for bit where the stage is the default's; another stage may compute exp or
+            # the division another way: to within a bf16 rounding then)
+            same = variants[label].source.schedule.stage == d.stage
+            assert torch.equal(got, want) if same else torch.allclose(got.float(), want.float(), rtol=1e-2, atol=1e-3), \
+                (name, label)
+        os.environ["TILEFUSE_COLUMNS"] = "0"
+        try:
+            before = tilefuse.compile(fn, inputs)
+        finally:
+            del os.environ["TILEFUSE_COLUMNS"]
+        comp = fresh_compile(fn)
+        calls = {label: (lambda ck=ck: ck.launch_ptrs(0, ptrs)) for label, ck in variants.items()}
+        with torch.no_grad():
+            for _ in range(3):
+                comp(*inputs)
+                before(*inputs)
+            calls["columns off"] = lambda: before(*inputs)
+            calls["torch.compile"] = lambda: comp(*inputs)
+            calls["eager"] = lambda: fn(*inputs)
+            per = rotated_rounds(calls)
+        nbytes = sum(t.numel() * t.element_size() for t in inputs) + sum(t.numel() * t.element_size() for t in outs)
+        med = {k: statistics.median(v) for k, v in per.items()}
+        out["cases"][name] = {"schedule": str(d), "bytes": nbytes, "us": med, "rounds": per}
+        print(f"{name} [{d}]: " + ", ".join(f"{k} {v:.1f} us ({nbytes / (v * 1e-6) / copy:.0%})" for k, v in med.items()),
+              flush=True)
+    Path(os.environ.get("OUT", "/tmp"), "columns_probe.json").write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,191 @@
+"""Column kernels on the CPU: reductions over a dim that is not last planned as one map-reduce
+kernel whose row runs along that dim (graph/fusion.py, column_start / column_ahead), the
+results through the interpreter against PyTorch at random shapes, the row-a-thread schedule
+(codegen/columns.py) and its builds (sm_90a, sm_80: no spills)."""
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import tilefuse
+from tilefuse.codegen import columns, mapreduce
+from tilefuse.graph import fusion
+from tilefuse.runtime.launch import compile_source_only
+
+
+@pytest.fixture
+def any_rows(monkeypatch):
+    """Column kernels for any number of rows (the planner's floor is for the GPU's sake)."""
+    monkeypatch.setattr(fusion, "COLUMN_MIN_ROWS", 1)
+
+
+@pytest.fixture(autouse=True)
+def _private_cache(tmp_path_factory, monkeypatch):
+    monkeypatch.setenv("TILEFUSE_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "cubin"))
+
+
+def ln_channels_first(x, w, b):
+    u = x.mean(1, keepdim=True)
+    s = (x - u).pow(2).mean(1, keepdim=True)
+    return w[:, None, None] * ((x - u) / torch.sqrt(s + 1e-6)) + b[:, None, None]
+
+
+def _steps(p):
+    return [s for s in p.plan.steps if s.family != "alias" and not s.view]
+
+
+def test_softmax_over_channels_is_one_column_kernel(any_rows):
+    """softmax(x, 1) of [N, C, H, W]: max, exp, sum and division in one kernel, rows the N*H*W
+    positions, the row the C channels, where PyTorch's reductions and two row kernels ran."""
+    x = torch.randn(2, 16, 64, 64)
+    p = tilefuse.compile(lambda x: torch.softmax(x, 1), (x,))
+    (s,) = _steps(p)
+    assert s.family == "mapreduce" and s.columns and s.space == ((2, 64, 64), 16)
+    assert "(strided: a column kernel)" in str(p.plan)
+    torch.testing.assert_close(p(x), torch.softmax(x, 1))
+
+
+def test_a_16_bit_upcast_before_the_reduction_joins_the_column_kernel(any_rows):
+    """The cast to f32 a bf16 softmax starts with is no row kernel of its own (column_ahead)."""
+    x = torch.randn(2, 16, 64, 64, dtype=torch.bfloat16)
+    p = tilefuse.compile(lambda x: torch.softmax(x, 1), (x,))
+    (s,) = _steps(p)
+    assert s.columns and s.inputs == [p.graph.inputs[0]]
+    torch.testing.assert_close(p(x), torch.softmax(x, 1), atol=1e-2, rtol=1e-2)
+
+
+def test_channels_first_layernorm_is_one_kernel_with_its_weights_per_channel(any_rows):
+    x, w, b = torch.randn(2, 24, 64, 64), torch.randn(24), torch.randn(24)
+    p = tilefuse.compile(ln_channels_first, (x, w, b))
+    (s,) = _steps(p)
+    assert s.columns
+    torch.testing.assert_close(p(x, w, b), ln_channels_first(x, w, b), atol=1e-5, rtol=1e-4)
+
+
+def test_too_few_rows_stay_in_pytorch():
+    """Fewer rows than COLUMN_MIN_ROWS (threads to keep the memory busy): PyTorch's reduction;
+    from there on, a column kernel."""
+    x = torch.randn(4, fusion.COLUMN_MIN_ROWS // 2 - 1)
+    p = tilefuse.compile(lambda x: x.sum(0), (x,))
+    assert [s.family for s in _steps(p)] == ["extern"]
+    assert "reduction over a non-last axis runs in PyTorch" in str(p.plan)
+    x = torch.randn(4, fusion.COLUMN_MIN_ROWS)
+    p = tilefuse.compile(lambda x: x.sum(0), (x,))
+    assert [(s.family, s.columns) for s in _steps(p)] == [("mapreduce", True)]
+
+
+def test_columns_off_leaves_the_reductions_to_pytorch(monkeypatch, any_rows):
+    monkeypatch.setenv("TILEFUSE_COLUMNS", "0")
+    x = torch.randn(2, 16, 64, 64)
+    p = tilefuse.compile(lambda x: torch.softmax(x, 1), (x,))
+    assert sum(s.family == "extern" for s in _steps(p)) == 2
+    assert not any(s.columns for s in _steps(p))
+
+
+def test_a_row_kernel_of_the_same_sizes_is_not_joined_by_a_column_reduction(any_rows):
+    """[4, 8, 16] reduced over dim 1 and [4, 16, 8] over its last dim share sizes (rows 4 x 16,
+    rows of 8) but not a layout: two kernels, both right."""
+    fn = lambda x, y: (x.sum(1), y.sum(-1))  # noqa: E731
+    x, y = torch.randn(4, 8, 16), torch.randn(4, 16, 8)
+    p = tilefuse.compile(fn, (x, y))
+    steps = _steps(p)
+    assert sorted(s.columns for s in steps) == [False, True]
+    for got, want in zip(p(x, y), fn(x, y)):
+        torch.testing.assert_close(got, want)
+
+
+PROGRAMS = {
+    "sum": lambda x, k: x.sum(k),
+    "mean_keepdim": lambda x, k: x.mean(k, keepdim=True),
+    "amax": lambda x, k: x.amax(k),
+    "amin_plus": lambda x, k: x.amin(k, keepdim=True) + x,
+    "softmax": lambda x, k: torch.softmax(x, k),
+    "log_softmax": lambda x, k: torch.log_softmax(x, k),
+    "logsumexp": lambda x, k: (x - x.amax(k, keepdim=True)).exp().sum(k).log() + x.amax(k),
+    "var": lambda x, k: x.var(k),
+    "norm": lambda x, k: (x - x.mean(k, keepdim=True)) * torch.rsqrt(x.pow(2).mean(k, keepdim=True) + 1e-5),
+}
+
+
+@settings(max_examples=40, deadline=None)
+@given(shape=st.lists(st.integers(1, 7), min_size=2, max_size=4), data=st.data(),
+       name=st.sampled_from(sorted(PROGRAMS)))
+def test_reductions_over_a_dim_not_last_match_pytorch(shape, data, name):
+    """Any program of PROGRAMS over any dim but the last, at any shape (sizes 1 included), run
+    through the interpreter on the plan with column kernels for any number of rows, equals
+    PyTorch's; and where that dim has more than one element followed by one that has, the
+    reduction is in a column kernel."""
+    k = data.draw(st.integers(0, len(shape) - 2))
+    fn = PROGRAMS[name]
+    x = torch.randn(*shape, dtype=torch.float64)
+    old = fusion.COLUMN_MIN_ROWS
+    fusion.COLUMN_MIN_ROWS = 1
+    try:
+        p = tilefuse.compile(lambda x: fn(x, k), (x,))
+    finally:
+        fusion.COLUMN_MIN_ROWS = old
+    torch.testing.assert_close(p(x), fn(x, k), equal_nan=True)  # (var over one element: NaN, as in PyTorch)
+    strided = shape[k] > 1 and any(d > 1 for d in shape[k + 1:])
+    assert any(s.columns for s in _steps(p)) == strided, str(p.plan)
+    if strided:
+        assert not any(s.family == "extern" for s in _steps(p)), str(p.plan)
+
+
+def _kernel(fn, *shapes, dtype=torch.float32):
+    ins = tuple(torch.randn(*s, dtype=dtype) for s in shapes)
+    p = tilefuse.compile(fn, ins)
+    (lw,) = p.kernels.values()
+    return lw.kernel
+
+
+def test_column_kernels_take_a_row_a_thread_and_row_kernels_do_not(any_rows):
+    k = _kernel(lambda x: torch.softmax(x, 1), (2, 16, 64, 64))
+    assert columns.strided_rows(k)
+    s = mapreduce.default_schedule(k)
+    assert (s.group, s.vector) == (1, 1)
+    row = _kernel(lambda x: torch.softmax(x, -1), (2, 64, 64, 16))
+    assert not columns.strided_rows(row)
+    assert mapreduce.default_schedule(row).vector > 1  # (the row kernel reads chunks along its rows)
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_80"])
+@pytest.mark.parametrize("C", [3, 64, 96, 97, 1000])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("name", ["softmax", "layernorm", "mean"])
+def test_column_kernels_build_without_spills(name, dtype, C, arch, any_rows):
+    fn = {"softmax": lambda x, w, b: torch.softmax(x, 1), "layernorm": ln_channels_first,
+          "mean": lambda x, w, b: x.mean(1)}[name]
+    k = _kernel(fn, (4, C, 32, 64), (C,), (C,), dtype=dtype)
+    src, cubin = compile_source_only(k, arch)
+    assert src.schedule.group == 1
+    assert cubin.info.clean, f"{name} {C} {dtype} {arch} {src.schedule}: {cubin.info}"
+
+
+def test_an_upcast_beside_the_one_leading_to_the_reduction_joins_too(any_rows):
+    """`x.float() * rsqrt(x.float().pow(2).mean(1))`: two upcasts of x, the first read only after
+    the mean; both in the column kernel (column_ahead looks beside a map too), one kernel."""
+    fn = lambda x, w: ((x.float() * torch.rsqrt(x.float().pow(2).mean(1, keepdim=True) + 1e-6)).to(x.dtype)  # noqa: E731
+                       * w[:, None, None])
+    x, w = torch.randn(2, 64, 96, 96, dtype=torch.bfloat16), torch.randn(64, dtype=torch.bfloat16)
+    p = tilefuse.compile(fn, (x, w))
+    (s,) = _steps(p)
+    assert s.columns
+    torch.testing.assert_close(p(x, w), fn(x, w), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("C", [64, 1000])
+def test_the_tuner_searches_a_row_a_thread_for_column_kernels(C, any_rows):
+    """Every config of a column kernel's knob space keeps a row a thread and single elements
+    (a row's neighbours lie a whole row apart); rows of up to twice REGS_MAX_COLUMNS may be held
+    in registers, longer ones are streamed; the default is among them."""
+    from tilefuse.tune import mapreduce as tm
+
+    k = _kernel(lambda x: torch.softmax(x, 1), (4, C, 32, 64))
+    sp = tm.space(k)
+    configs = [dict(zip(sp.names, c)) for c in sp.configs() if sp.is_valid(c)]
+    assert configs and all(c["group"] == 1 and c["vector"] == 1 for c in configs)
+    stages = {c["stage"] for c in configs}
+    assert stages == ({"regs", "stream"} if C <= 2 * columns.REGS_MAX_COLUMNS else {"stream"})
+    assert dict(zip(sp.names, sp.default)) in configs

@@ -1,0 +1,87 @@
+"""Reductions over a dim that is not last, on the GPU: one column kernel a program (a row a
+thread, codegen/columns.py), rows of a few channels held in registers and long ones streamed,
+16-bit and f32, per-channel weights, reductions kept and dropped dims, rows that do not fill
+the last CTA. Outputs poisoned, the 2x rule against float64, in the thin call and in the
+CUDA-graph replay."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+
+
+def _check(fn, ins):
+    import tilefuse
+    from tilefuse.check import compare, float64_reference
+    from tilefuse.codegen import mapreduce
+
+    prog = tilefuse.compile(fn, ins, graphs=True)
+    prog.poison = True
+    kernels = [s for s in prog.plan.steps if s.family != "alias" and not s.view]
+    assert [(s.family, s.columns) for s in kernels] == [("mapreduce", True)], str(prog.plan)
+    groups = [mapreduce.default_schedule(k.kernel).group for k in prog.kernels.values()]
+    assert groups == [1], groups
+    ref = float64_reference(fn, ins)
+    eager = fn(*ins)
+    outs = lambda o: o if isinstance(o, tuple) else (o,)  # noqa: E731
+    for call in range(3):  # the thin call, then (one launch) CUDA-graph replays
+        for i, (got, r, e) in enumerate(zip(outs(prog(*ins)), outs(ref), outs(eager))):
+            c = compare(f"call {call} out {i}", got, r, e)
+            assert c.ok, c
+    return prog
+
+
+def ln_channels_first(x, w, b):
+    u = x.mean(1, keepdim=True)
+    s = (x - u).pow(2).mean(1, keepdim=True)
+    return w[:, None, None] * ((x - u) / torch.sqrt(s + 1e-6)) + b[:, None, None]
+
+
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+SHAPES = [(4, 64, 96, 96), (2, 3, 160, 110), (3, 200, 99, 111), (1, 96, 181, 191)]  # >= COLUMN_MIN_ROWS rows
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_softmax_over_channels(shape, dtype):
+    torch.manual_seed(0)
+    x = torch.randn(*shape, device="cuda", dtype=dtype) * 3
+    _check(lambda x: torch.softmax(x, 1), (x,))
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_channels_first_layernorm(shape, dtype):
+    torch.manual_seed(1)
+    x = torch.randn(*shape, device="cuda", dtype=dtype) + 2
+    w = torch.randn(shape[1], device="cuda", dtype=dtype)
+    b = torch.randn(shape[1], device="cuda", dtype=dtype)
+    _check(ln_channels_first, (x, w, b))
+
+
+@pytest.mark.parametrize("op", ["mean", "sum", "amax", "amin"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_plain_reductions_over_the_middle_dim(op, dtype):
+    torch.manual_seed(2)
+    x = torch.randn(32, 300, 1030, device="cuda", dtype=dtype)
+    _check(lambda x: getattr(x, op)(1), (x,))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_a_reduction_over_the_first_dim_kept_and_two_outputs(dtype):
+    """x.sum(0, keepdim=True) and x / it, one kernel writing both: rows 40 x 900, rows of 50."""
+    torch.manual_seed(3)
+    x = torch.rand(50, 40, 900, device="cuda", dtype=dtype) + 0.5
+    _check(lambda x: (x.sum(0, keepdim=True), x / x.sum(0, keepdim=True)), (x,))
+
+
+def test_rmsnorm_over_channels_with_an_upcast():
+    torch.manual_seed(4)
+    x = torch.randn(4, 64, 96, 96, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(64, device="cuda", dtype=torch.bfloat16)
+    _check(lambda x, w: (x.float() * torch.rsqrt(x.float().pow(2).mean(1, keepdim=True) + 1e-6)).to(x.dtype)
+           * w[:, None, None], (x, w))
