@@ -41,6 +41,8 @@ CASES = {
     "mean dim 1 64x512x1024": (lambda x: x.mean(1), [(64, 512, 1024)]),
     "amax dim 1 16x256x4096": (lambda x: x.amax(1), [(16, 256, 4096)]),
     "softmax dim 1 8x64x8192": (lambda x: torch.softmax(x, 1), [(8, 64, 8192)]),
+    "layernorm channels-first f32 32x96x56x56": (ln_channels_first, [(32, 96, 56, 56), (96,), (96,)], torch.float32),
+    "log_softmax dim 0 1000x65536": (lambda x: torch.log_softmax(x, 0), [(1000, 65536)]),
     "rmsnorm channels-first 16x64x128x128": (
         lambda x, w: x * torch.rsqrt(x.float().pow(2).mean(1, keepdim=True) + 1e-6).to(x.dtype) * w[:, None, None],
         [(16, 64, 128, 128), (64,)]),
@@ -61,11 +63,11 @@ def main():
     args = ap.parse_args()
     copy = copy_bandwidth()
     out = {"gpu": torch.cuda.get_device_name(), "copy_bytes_per_s": copy, "cases": {}}
-    for name, (fn, shapes) in CASES.items():
+    for name, (fn, shapes, *dtype) in CASES.items():
         if args.only and not re.search(args.only, name):
             continue
         torch.manual_seed(0)
-        inputs = tuple(torch.randn(*s, device="cuda", dtype=torch.bfloat16) for s in shapes)
+        inputs = tuple(torch.randn(*s, device="cuda", dtype=(dtype or [torch.bfloat16])[0]) for s in shapes)
         prog = tilefuse.compile(fn, inputs)
         lowered, op, ptrs, outs = program_launch(prog, inputs)
         k = lowered.kernel
