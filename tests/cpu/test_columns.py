@@ -76,6 +76,16 @@ def test_too_few_rows_stay_in_pytorch():
     assert [(s.family, s.columns) for s in _steps(p)] == [("mapreduce", True)]
 
 
+def test_the_row_floor_can_be_set_from_the_environment(monkeypatch):
+    x = torch.randn(4, 100)
+    monkeypatch.setenv("TILEFUSE_COLUMN_MIN_ROWS", "1")
+    p = tilefuse.compile(lambda x: x.sum(0), (x,))
+    assert [(s.family, s.columns) for s in _steps(p)] == [("mapreduce", True)]
+    monkeypatch.setenv("TILEFUSE_COLUMN_MIN_ROWS", "lots")
+    with pytest.raises(ValueError, match="TILEFUSE_COLUMN_MIN_ROWS"):
+        tilefuse.compile(lambda x: x.sum(0), (x,))
+
+
 def test_columns_off_leaves_the_reductions_to_pytorch(monkeypatch, any_rows):
     monkeypatch.setenv("TILEFUSE_COLUMNS", "0")
     x = torch.randn(2, 16, 64, 64)

@@ -51,6 +51,18 @@ def columns_enabled() -> bool:
     return os.environ.get("TILEFUSE_COLUMNS", "1") != "0"
 
 
+def column_min_rows() -> int:
+    """COLUMN_MIN_ROWS, or TILEFUSE_COLUMN_MIN_ROWS where set (1: column kernels at any size, as
+    the fuzzer's small programs want them)."""
+    v = os.environ.get("TILEFUSE_COLUMN_MIN_ROWS")
+    if v is None:
+        return COLUMN_MIN_ROWS
+    try:
+        return max(1, int(v))
+    except ValueError:
+        raise ValueError(f"TILEFUSE_COLUMN_MIN_ROWS must be a whole number of rows, not {v!r}") from None
+
+
 @dataclass
 class Step:
     """One step of the plan: a fused kernel, a free alias, or an extern op."""
@@ -283,7 +295,7 @@ class _Planner:
         reduces one dim of more than one element that is not last (`softmax(x, 1)`, a
         channels-first norm, `x.mean(1)` over [B, S, D]), the row runs along that dim and the
         rows along the others, in order; None where it is no such reduction, or has too few
-        rows for a thread each (COLUMN_MIN_ROWS), or column kernels are off."""
+        rows for a thread each (column_min_rows()), or column kernels are off."""
         if not isinstance(n, ir.Reduce) or not columns_enabled() or n.op not in ("sum", "max", "min", "mean"):
             return None
         s = self.g[n.arg].type.shape
@@ -292,7 +304,7 @@ class _Planner:
             return None
         k = axes[0]
         rows = [d for i, d in enumerate(s) if i != k]
-        if math.prod(rows) < COLUMN_MIN_ROWS and any(d != 1 for d in s[k + 1:]):
+        if math.prod(rows) < column_min_rows() and any(d != 1 for d in s[k + 1:]):
             return None
         align = tuple(len(rows) if i == k else None if d == 1 else i - (i > k) for i, d in enumerate(s))
         return (tuple(rows), s[k]), align
