@@ -199,3 +199,39 @@ def test_the_tuner_searches_a_row_a_thread_for_column_kernels(C, any_rows):
     stages = {c["stage"] for c in configs}
     assert stages == ({"regs", "stream"} if C <= 2 * columns.REGS_MAX_COLUMNS else {"stream"})
     assert dict(zip(sp.names, sp.default)) in configs
+
+
+def test_a_map_behind_a_last_dim_reduction_does_not_start_a_column_kernel():
+    """LayerNorm over the last dim, then a mean over dim 1 (final norm, then pooling): the residual
+    add stays in the LayerNorm's row kernel. Led into a column kernel toward the mean (through
+    the norm's maps, which its mean(-1) keeps out of that kernel), it was written and read back."""
+    fn = lambda x, r, w, b: torch.nn.functional.layer_norm(x + r, (1024,), w, b).mean(1)  # noqa: E731
+    ins = (torch.randn(32, 64, 1024), torch.randn(32, 64, 1024), torch.randn(1024), torch.randn(1024))
+    p = tilefuse.compile(fn, ins)
+    first = _steps(p)[0]
+    assert not first.columns and {"add", "rsqrt"} <= {p.graph[n].op for n in first.nodes if hasattr(p.graph[n], "op")}
+    torch.testing.assert_close(p(*ins), fn(*ins), atol=1e-4, rtol=1e-4)
+
+
+def test_a_sibling_of_square_sizes_joins_along_the_reduced_dim():
+    """(x.sum(1), (y * 2).sum(1)) at [64, 512, 512]: y * 2 joins x's column kernel aligned as a
+    column kernel's tensors are (not as a row kernel's, which square sizes also fit), and so does
+    its sum: one kernel, each input read once."""
+    fn = lambda x, y: (x.sum(1), (y * 2).sum(1))  # noqa: E731
+    ins = (torch.randn(64, 512, 512), torch.randn(64, 512, 512))
+    p = tilefuse.compile(fn, ins)
+    (s,) = _steps(p)
+    assert s.columns and s.outputs == list(p.graph.outputs)
+    for got, want in zip(p(*ins), fn(*ins)):
+        torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-4)
+
+
+def test_a_full_tensor_beside_a_reduced_one_joins_the_column_kernel(any_rows):
+    """x.amax(1, keepdim=True) * y: y, not yet in the kernel, takes the column kernel's alignment
+    of a full tensor (Step.ref), not the row kernel's fallback."""
+    fn = lambda x, y: x.amax(1, keepdim=True) * y  # noqa: E731
+    ins = (torch.randn(2, 16, 64, 64), torch.randn(2, 16, 64, 64))
+    p = tilefuse.compile(fn, ins)
+    (s,) = _steps(p)
+    assert s.columns
+    torch.testing.assert_close(p(*ins), fn(*ins))

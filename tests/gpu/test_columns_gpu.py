@@ -14,17 +14,19 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
 
-def _check(fn, ins):
+def _check(fn, ins, kernels=(("mapreduce", True),)):
+    """`fn` as the kernels named ((family, column kernel?), in order; a column kernel takes a
+    row a thread), right in the thin call and the graph replays."""
     import tilefuse
     from tilefuse.check import compare, float64_reference
     from tilefuse.codegen import mapreduce
 
     prog = tilefuse.compile(fn, ins, graphs=True)
     prog.poison = True
-    kernels = [s for s in prog.plan.steps if s.family != "alias" and not s.view]
-    assert [(s.family, s.columns) for s in kernels] == [("mapreduce", True)], str(prog.plan)
-    groups = [mapreduce.default_schedule(k.kernel).group for k in prog.kernels.values()]
-    assert groups == [1], groups
+    steps = [s for s in prog.plan.steps if s.family != "alias" and not s.view]
+    assert [(s.family, s.columns) for s in steps] == list(kernels), str(prog.plan)
+    groups = [mapreduce.default_schedule(prog.kernels[s.name].kernel).group for s in steps if s.columns]
+    assert groups == [1] * len(groups), groups
     ref = float64_reference(fn, ins)
     eager = fn(*ins)
     outs = lambda o: o if isinstance(o, tuple) else (o,)  # noqa: E731
@@ -85,3 +87,21 @@ def test_rmsnorm_over_channels_with_an_upcast():
     w = torch.randn(64, device="cuda", dtype=torch.bfloat16)
     _check(lambda x, w: (x.float() * torch.rsqrt(x.float().pow(2).mean(1, keepdim=True) + 1e-6)).to(x.dtype)
            * w[:, None, None], (x, w))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_global_average_pooling_and_a_squeeze_excitation(dtype):
+    """x.mean((2, 3)) a row kernel over the merged H * W (graph/rules/merged_reductions.py), and
+    x * sigmoid(relu(x).mean((2, 3))) its kernel, then the gate's."""
+    torch.manual_seed(5)
+    x = torch.randn(32, 256, 14, 14, device="cuda", dtype=dtype)
+    _check(lambda x: x.mean((2, 3)), (x,), kernels=[("mapreduce", False)])
+    _check(lambda x: x * torch.sigmoid(torch.relu(x).mean((2, 3), keepdim=True)), (x,),
+           kernels=[("mapreduce", False), ("mapreduce", False)])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_a_reduction_over_two_leading_dims_is_a_column_kernel(dtype):
+    torch.manual_seed(6)
+    x = torch.randn(8, 64, 40000, device="cuda", dtype=dtype)
+    _check(lambda x: x.sum((0, 1)), (x,))

@@ -84,6 +84,7 @@ class Step:
     view: bool = False  # family "extern": a strided view, no copy (attention_only_views; a result in eager's layout)
     reads: dict[str, str] = field(default_factory=dict)  # mapreduce: input view -> the tensor it reads it from (views_read_in_place)
     columns: bool = False  # mapreduce: the row runs along a dim that is not last (a column reduction): alignments may permute dims
+    ref: tuple | None = None  # a column kernel's (shape, alignment) of its full tensors: what others broadcast against
     passes: int = 0      # mapreduce: its reductions, each a pass over the row computing its argument
     recomputed: int = 0  # ... and the per-element maps the passes after the first compute again (RECOMPUTE_LIMIT)
 
@@ -129,6 +130,17 @@ def row_align(shape, space) -> Align | None:
     if not Ls:
         return None
     return right_align(shape, (tuple(Ls[:-1]), Ls[-1]))
+
+
+def _ref_align(shape, ref) -> Align | None:
+    """Alignment of `shape` broadcast against a column kernel's full tensors (`Step.ref`), or None."""
+    if ref is None:
+        return None
+    full, al = ref
+    off = len(full) - len(shape)
+    if off < 0 or any(s != 1 and s != full[off + i] for i, s in enumerate(shape)):
+        return None
+    return tuple(None if s == 1 else al[off + i] for i, s in enumerate(shape))
 
 
 def _arg_align(arg_shape, node_shape, node_align) -> Align:
@@ -233,7 +245,8 @@ class _Planner:
                             if align[off + i] not in (None, aa[i]):
                                 return None
                             align[off + i] = aa[i]
-            fallback = right_align(shape, space) or row_align(shape, space)
+            fallback = (_ref_align(shape, step.ref) if step.columns
+                        else right_align(shape, space) or row_align(shape, space))
             for j, s in enumerate(shape):
                 if align[j] is None and s != 1:
                     if fallback is None:
@@ -309,6 +322,20 @@ class _Planner:
         align = tuple(len(rows) if i == k else None if d == 1 else i - (i > k) for i, d in enumerate(s))
         return (tuple(rows), s[k]), align
 
+    def reduce_note(self, n) -> str:
+        """Why reduction `n` runs in PyTorch, for the plan."""
+        s = self.g[n.arg].type.shape
+        axes = [x for x in n.axes if s[x] != 1]
+        why = "reduction over a non-last axis runs in PyTorch"
+        if n.op not in ("sum", "max", "min", "mean"):
+            return f"{why}: {n.op}"
+        if len(axes) > 1:
+            return f"{why}: dims {axes} are not neighbours"
+        if not columns_enabled():
+            return f"{why}: column kernels are off (TILEFUSE_COLUMNS=0)"
+        rows = math.prod(d for i, d in enumerate(s) if i not in n.axes)
+        return f"{why}: {rows} rows beside it, fewer than a column kernel takes ({column_min_rows()})"
+
     def column_ahead(self, n, limit: int = 16):
         """A map whose result (through maps of its shape, `limit` of them at most) is the
         argument of a column kernel's reduction starts that column kernel: (space, the map's
@@ -330,9 +357,24 @@ class _Planner:
                     start = self.column_start(m)
                     if start is not None:
                         return start
-                elif isinstance(m, ir.Map) and m.type.shape == shape:
+                elif isinstance(m, ir.Map) and m.type.shape == shape and self.leading(m):
                     todo.append(u)
         return None
+
+    def leading(self, m, depth: int = 8) -> bool:
+        """Whether map `m` is computed from program inputs, weights and constants by maps and
+        views alone (`depth` deep at most): no reduction behind it, which a column kernel it
+        would lead to could not take (a LayerNorm over the last dim before a mean over dim 1)."""
+        stack = [(a, 0) for a in ir.node_args(m)]
+        while stack:
+            a, d = stack.pop()
+            x = self.g[a]
+            if isinstance(x, (ir.Input, ir.Weight, ir.Constant, ir.Iota)):
+                continue
+            if d >= depth or not isinstance(x, (ir.Map, ir.View)):
+                return False
+            stack.extend((b, d + 1) for b in ir.node_args(x))
+        return True
 
     def depends_on(self, step: Step, other: Step) -> bool:
         """Does `step` (transitively) read anything `other` writes?"""
@@ -418,7 +460,7 @@ class _Planner:
             if s.space != space and not (isinstance(n, ir.Map) and row_align(n.type.shape, s.space) is not None
                                          and right_align(n.type.shape, s.space) is None):
                 continue
-            probe = Step(s.name, s.family, list(s.nodes), s.space, dict(s.align), columns=s.columns)
+            probe = Step(s.name, s.family, list(s.nodes), s.space, dict(s.align), columns=s.columns, ref=s.ref)
             if isinstance(n, ir.Reduce):
                 probe.align.setdefault(n.arg, arg_align or right_align(self.g[n.arg].type.shape, space))
                 if probe.align[n.arg] is None:
@@ -449,6 +491,8 @@ class _Planner:
         g = self.g
         step = Step(f"k{len(self.steps)}_{n.name}", "mapreduce", [], space, {}, columns=columns)
         step.inputs_all = set()
+        if columns:
+            step.ref = (g[n.arg].type.shape if isinstance(n, ir.Reduce) else n.type.shape, arg_align)
         if isinstance(n, ir.Reduce):
             step.align[n.arg] = arg_align or right_align(g[n.arg].type.shape, space)
         elif arg_align is not None:
@@ -506,7 +550,7 @@ class _Planner:
             if isinstance(n, ir.View) and n.op == "reshape":
                 self.new_step("alias", n, note="free: same memory, new shape")
             elif isinstance(n, ir.Reduce):
-                self.new_step("extern", n, note="reduction over a non-last axis runs in PyTorch")
+                self.new_step("extern", n, note=self.reduce_note(n))
             elif n.name in self.gemm_notes:
                 self.new_step("extern", n, note=f"torch.matmul (cuBLAS): {self.gemm_notes[n.name]}")
             else:
@@ -885,6 +929,7 @@ def grid_reductions(p: Plan) -> Plan:
         if not _grid_tail_ok(g, tail, set(scratch)):
             continue
         merged = Step(head.name, "mapreduce", head.nodes + tail.nodes, head.space, dict(head.align), columns=head.columns,
+                      ref=head.ref,
                       inputs=list(head.inputs), outputs=[o for o in head.outputs if o not in scratch] + tail.outputs,
                       note="grid reduction: " + ", ".join(tail.nodes) + " over all rows, finished by the "
                            "last CTA (per-row " + ", ".join(scratch) + " stay on chip)",

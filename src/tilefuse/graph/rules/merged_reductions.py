@@ -1,0 +1,122 @@
+"""A reduction over neighbouring dims as a reduction over one dim of a reshape.
+
+    y = x.mean((2, 3))   ->   y = reshape(mean(reshape(x, [N, C, H * W]), 2), [N, C])
+
+The planner takes reductions over one dim (the last: a row kernel; another: a column kernel,
+graph/fusion.py), so `x.mean((2, 3))` (global average pooling, a squeeze-and-excitation's
+squeeze) and `x.sum((0, 1))` ran in PyTorch. The dims of more than one element a reduction
+takes, with only dims of one element between them, merge into one: a reshape that keeps the
+element order, free where x lies in memory. A map of the same shape that only the reduction
+reads moves below the reshape (`relu(x).mean((2, 3))`: the map runs on the merged shape, in
+the reduction's kernel) where each of its arguments has either the merged dims' sizes or ones
+there; the others keep their map, whose result the reshape then views.
+
+Not taken: a reduction of every dim of more than one element (one row of the whole tensor: a
+row kernel would give it a CTA or a cluster, where PyTorch's reduction uses the whole GPU), and
+a merged row reduction with fewer than MIN_ROWS rows beside it (a few very long rows: likewise).
+"""
+from __future__ import annotations
+
+import math
+
+from .. import ir
+from .match import Editor
+
+MIN_ROWS = 256  # rows beside a merged row reduction: about two a streaming multiprocessor
+
+
+def _run(shape: tuple, axes) -> tuple[int, int] | None:
+    """(i, j): the dims i..j the reduced dims of more than one element span, where there are two
+    or more and every dim between them of more than one element is reduced; else None."""
+    big = [a for a in axes if shape[a] != 1]
+    if len(big) < 2:
+        return None
+    i, j = min(big), max(big)
+    if any(shape[d] != 1 and d not in axes for d in range(i, j + 1)):
+        return None
+    return i, j
+
+
+def _merged(shape: tuple, i: int, j: int) -> tuple:
+    return tuple(shape[:i]) + (math.prod(shape[i:j + 1]),) + tuple(shape[j + 1:])
+
+
+def _taken(shape: tuple, i: int, j: int) -> bool:
+    """Whether the planner should see this merge: not a whole-tensor reduction, and a row
+    reduction only with MIN_ROWS rows or more beside it."""
+    outside = [d for k, d in enumerate(shape) if not i <= k <= j]
+    if all(d == 1 for d in outside):
+        return False
+    last = all(d == 1 for d in shape[j + 1:])
+    return not last or math.prod(shape[:i]) >= MIN_ROWS
+
+
+class _Merge:
+    """Builds the merged-shape version of tensors of rank `rank` whose dims i..j merge."""
+
+    def __init__(self, g: ir.Graph, ed: Editor, users: dict, outputs: set, full: tuple, i: int, j: int, source: str):
+        self.g, self.ed, self.users, self.outputs = g, ed, users, outputs
+        self.full, self.rank, self.i, self.j, self.source = full, len(full), i, j, source
+        self.nodes: list = []
+
+    def view(self, a: str, shape: tuple) -> str:
+        t = ir.TensorType(shape, self.g[a].type.dtype)
+        v = ir.View(self.ed.fresh(f"{a}_merged"), t, "reshape", a, shape, self.source)
+        self.nodes.append(v)
+        return v.name
+
+    def arg(self, a: str) -> str | None:
+        """`a`, an argument broadcast against the full shape, in the merged shape; None where its
+        dims i..j are neither all the full shape's nor all ones."""
+        n, rank, i, j = self.g[a], self.rank, self.i, self.j
+        s = n.type.shape
+        if n.type.numel == 1 or len(s) <= rank - 1 - j:
+            return a  # (a scalar, or dims after the run only: it broadcasts in the merged shape as it is)
+        padded = (1,) * (rank - len(s)) + tuple(s)
+        if all(d == 1 for d in padded[i:j + 1]):
+            shape = padded[:i] + (1,) + padded[j + 1:]
+        elif isinstance(n, ir.Map) and n.type.shape == self.full:
+            return self.map(a)
+        else:
+            shape = _merged(padded, i, j)
+            if shape[i] != math.prod(self.full[i:j + 1]):
+                return None  # (part of the run broadcast: no reshape of it spans the merged dim)
+        if isinstance(n, (ir.Constant, ir.Iota)):
+            return None  # (a generated tensor is made where it is read: no view of it)
+        return self.view(a, shape)
+
+    def map(self, a: str) -> str | None:
+        """Map `a` computed in the merged shape, where only the reduction's chain reads it."""
+        n = self.g[a]
+        if len(set(self.users[a])) != 1 or a in self.outputs:
+            return self.view(a, _merged(n.type.shape, self.i, self.j))
+        mark = len(self.nodes)
+        args = [self.arg(x) for x in n.args]
+        if any(x is None for x in args):
+            del self.nodes[mark:]
+            return self.view(a, _merged(n.type.shape, self.i, self.j))
+        m = ir.Map(self.ed.fresh(f"{a}_merged"), ir.TensorType(_merged(n.type.shape, self.i, self.j), n.type.dtype),
+                   n.op, tuple(args), n.source)
+        self.nodes.append(m)
+        return m.name
+
+
+def merged_reductions(g: ir.Graph) -> ir.Graph:
+    users, outputs = g.users(), set(g.outputs)
+    ed, nodes, changed = Editor(g), [], False
+    for n in g.nodes:
+        run = _run(g[n.arg].type.shape, n.axes) if isinstance(n, ir.Reduce) else None
+        if run is None or not _taken(g[n.arg].type.shape, *run):
+            nodes.append(n)
+            continue
+        i, j = run
+        xs = g[n.arg].type.shape
+        mg = _Merge(g, ed, users, outputs, xs, i, j, n.source)
+        x = mg.map(n.arg) if isinstance(g[n.arg], ir.Map) else mg.view(n.arg, _merged(xs, i, j))
+        ms = _merged(xs, i, j)
+        kept = tuple(d for k, d in enumerate(ms) if k != i or n.keepdim)
+        rt = ir.TensorType(tuple(1 if k == i else d for k, d in enumerate(ms)) if n.keepdim else kept, n.type.dtype)
+        r = ir.Reduce(ed.fresh(f"{n.name}_merged"), rt, n.op, x, (i,), n.keepdim, n.source)
+        nodes += mg.nodes + [r, ir.View(n.name, n.type, "reshape", r.name, tuple(n.type.shape), n.source)]
+        changed = True
+    return ed.graph(nodes) if changed else g
