@@ -3,7 +3,8 @@
 # not last, a row a thread) on the GPU machine, from the repository root, one device call (~3
 # minutes): `tilefuse run --bench` (tilefuse, eager and torch.compile in one process; bf16 unless
 # named), and each case tagged _off with column kernels off (TILEFUSE_COLUMNS=0: PyTorch's
-# reductions and row kernels of the maps around them, what tilefuse ran before).
+# reductions and row kernels of the maps around them, what tilefuse ran before); then reductions
+# over neighbouring dims (graph/rules/merged_reductions.py: before this session PyTorch's).
 # Text under $OUT (or ./columns); a line a run on stdout. ONLY=REGEX runs the cases whose tag matches.
 #
 #     bash bench/columns.sh
@@ -30,4 +31,8 @@ amax_dim1|bf16|1|torch.randn(16,256,4096).amax(1)
 softmax_dim1_64|bf16|1|torch.softmax(torch.randn(8,64,8192),1)
 log_softmax_dim0|bf16|1|torch.log_softmax(torch.randn(1000,16384),0)
 sum_dim0_few_rows|bf16|1|torch.randn(4096,1024).sum(0)
+global_avg_pool|bf16|1|torch.randn(128,512,14,14).mean((2,3))
+relu_global_avg_pool|bf16|1|torch.relu(torch.randn(128,512,14,14)).mean((2,3))
+squeeze_excitation|bf16|1|(lambda x: x * torch.sigmoid(x.mean((2,3), keepdim=True)))(torch.randn(128,512,14,14))
+sum_dims01|bf16|1|torch.randn(8,64,40000).sum((0,1))
 CASES
