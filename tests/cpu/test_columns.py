@@ -65,15 +65,18 @@ def test_channels_first_layernorm_is_one_kernel_with_its_weights_per_channel(any
 
 
 def test_too_few_rows_stay_in_pytorch():
-    """Fewer rows than COLUMN_MIN_ROWS (threads to keep the memory busy): PyTorch's reduction;
-    from there on, a column kernel."""
-    x = torch.randn(4, fusion.COLUMN_MIN_ROWS // 2 - 1)
-    p = tilefuse.compile(lambda x: x.sum(0), (x,))
-    assert [s.family for s in _steps(p)] == ["extern"]
-    assert "reduction over a non-last axis runs in PyTorch" in str(p.plan)
-    x = torch.randn(4, fusion.COLUMN_MIN_ROWS)
-    p = tilefuse.compile(lambda x: x.sum(0), (x,))
-    assert [(s.family, s.columns) for s in _steps(p)] == [("mapreduce", True)]
+    """Fewer rows than column_min_rows() (threads to keep the memory busy): PyTorch's reduction;
+    from there on, a column kernel; a lone reduction (one pass, per-row results: a single
+    PyTorch reduction otherwise) only from twice that."""
+    floor = fusion.COLUMN_MIN_ROWS
+    softmax = lambda x: torch.softmax(x, 0)  # noqa: E731
+    for rows, fn, columns in ((floor - 1, softmax, False), (floor, softmax, True),
+                              (2 * floor - 1, lambda x: x.sum(0) * 2, False), (2 * floor, lambda x: x.sum(0), True)):
+        p = tilefuse.compile(fn, (torch.randn(3, rows),))
+        assert any(s.columns for s in _steps(p)) == columns, (rows, str(p.plan))
+        if not columns:
+            assert "reduction over a non-last axis runs in PyTorch" in str(p.plan)
+            assert f"{rows} rows beside it, fewer than a column kernel takes" in str(p.plan)
 
 
 def test_the_row_floor_can_be_set_from_the_environment(monkeypatch):

@@ -41,9 +41,12 @@ RECOMPUTE_LIMIT = 1024
 # neighbouring lanes: their elements lie side by side in memory. Fewer rows than this leave
 # too few threads to keep the memory busy (a thread has 32 loads in flight, codegen/columns.py;
 # an H200 wants ~4 MB in flight, 64k rows of 16-bit values): such a reduction runs in PyTorch.
+# A lone reduction (one pass, per-row results only) must have twice as many: it replaces one
+# PyTorch reduction, where a softmax or a norm replaces two and the map kernels between them.
 # H200, bf16 (bench/columns.sh, session 57): 65536-262144 rows ran at 57-70% of copy bandwidth;
-# log_softmax over dim 0 of 1000 x 16384 (16384 rows of 1000) at 13%, 0.35x torch.compile.
-COLUMN_MIN_ROWS = 32768
+# log_softmax over dim 0 of 1000 x 16384 (16384 rows of 1000) at 13%, 114.6 us, where the plan
+# without column kernels took 251.3 (PyTorch's reductions, row kernels of the maps; eager 866)
+COLUMN_MIN_ROWS = 16384
 
 
 def columns_enabled() -> bool:
@@ -53,7 +56,7 @@ def columns_enabled() -> bool:
 
 def column_min_rows() -> int:
     """COLUMN_MIN_ROWS, or TILEFUSE_COLUMN_MIN_ROWS where set (1: column kernels at any size, as
-    the fuzzer's small programs want them)."""
+    the fuzzer's small programs want them); a lone reduction's floor is twice it."""
     v = os.environ.get("TILEFUSE_COLUMN_MIN_ROWS")
     if v is None:
         return COLUMN_MIN_ROWS
@@ -172,8 +175,9 @@ def partial_rows(align: Align, space) -> bool:
 
 class _Planner:
     def __init__(self, g: ir.Graph, gemm: bool = True, whole_rows: frozenset = frozenset(), partials: bool = True,
-                 in_torch: frozenset = frozenset()):
+                 in_torch: frozenset = frozenset(), lone: frozenset = frozenset()):
         self.partials = partials
+        self.lone = lone  # reductions a column kernel would take alone, with too few rows for that: PyTorch's
         self.in_torch = in_torch  # maps to run in PyTorch, each a step of its own (see plan())
         self.g = g
         self.whole_rows = whole_rows  # nodes that may only join kernels whose every row they run along
@@ -309,7 +313,8 @@ class _Planner:
         channels-first norm, `x.mean(1)` over [B, S, D]), the row runs along that dim and the
         rows along the others, in order; None where it is no such reduction, or has too few
         rows for a thread each (column_min_rows()), or column kernels are off."""
-        if not isinstance(n, ir.Reduce) or not columns_enabled() or n.op not in ("sum", "max", "min", "mean"):
+        if (not isinstance(n, ir.Reduce) or not columns_enabled() or n.op not in ("sum", "max", "min", "mean")
+                or n.name in self.lone):
             return None
         s = self.g[n.arg].type.shape
         axes = [x for x in n.axes if s[x] != 1]
@@ -334,6 +339,8 @@ class _Planner:
         if not columns_enabled():
             return f"{why}: column kernels are off (TILEFUSE_COLUMNS=0)"
         rows = math.prod(d for i, d in enumerate(s) if i not in n.axes)
+        if n.name in self.lone:
+            return f"{why}: {rows} rows beside it, fewer than a column kernel takes alone ({2 * column_min_rows()})"
         return f"{why}: {rows} rows beside it, fewer than a column kernel takes ({column_min_rows()})"
 
     def column_ahead(self, n, limit: int = 16):
@@ -677,8 +684,10 @@ def plan(g: ir.Graph, gemm: bool = True, partials: bool = True, in_torch: frozen
     kernels of their own rows, until none is left.
     """
     whole_rows: set[str] = set()
+    lone: set[str] = set()
     for _ in range(8):
-        p = _Planner(g, gemm, frozenset(whole_rows), partials, frozenset(in_torch)).plan()
+        p = _Planner(g, gemm, frozenset(whole_rows), partials, frozenset(in_torch), frozenset(lone)).plan()
+        few = {r for s in p.steps if (r := _lone_few(g, s)) is not None}
         coarse = set()
         for s in p.steps:
             if s.family != "mapreduce":
@@ -691,14 +700,26 @@ def plan(g: ir.Graph, gemm: bool = True, partials: bool = True, in_torch: frozen
                     continue
                 coarse.add(x)
                 stack.extend(a for a in ir.node_args(g[x]) if a in members and partial_rows(s.align[a], s.space))
-        if not coarse - whole_rows:
+        if not coarse - whole_rows and not few - lone:
             # grid reductions are opt-in (TILEFUSE_GRID_REDUCE=1) until their CUDA path has been
             # checked and measured on a GPU (tests/gpu/test_mapreduce_gpu.py -k grid); otherwise
             # the finishing reduction stays a kernel of its own, as before
             p = grid_reductions(p) if grid_reduce_enabled() else p
             return views_read_in_place(_mark_attention_views(_mark_layout_views(p)))
         whole_rows |= coarse
+        lone |= few
     raise RuntimeError("internal: the fusion plan did not settle")
+
+
+def _lone_few(g: ir.Graph, s: Step) -> str | None:
+    """The reduction of a column kernel that has only it (one pass, per-row results) and fewer
+    rows than twice column_min_rows(): PyTorch's reduction does as well with one launch."""
+    if s.family != "mapreduce" or not s.columns or math.prod(s.space[0]) >= 2 * column_min_rows():
+        return None
+    reduces = [x for x in s.nodes if isinstance(g[x], ir.Reduce)]
+    if len(reduces) != 1 or not all(is_row_level(s.align[o], s.space) for o in s.outputs):
+        return None
+    return reduces[0]
 
 
 # extern aten ops that read strided inputs as they are and write nothing
