@@ -12,7 +12,6 @@ import argparse
 import json
 import os
 import re
-import statistics
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -20,9 +19,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from program_schedules import program_launch, rotated_rounds  # noqa: E402
+from program_schedules import beside_baselines, case_summary, launched, program_launch  # noqa: E402
 import tilefuse  # noqa: E402
-from tilefuse.analyze.bench import copy_bandwidth, fresh_compile  # noqa: E402
+from tilefuse.analyze.bench import copy_bandwidth  # noqa: E402
 from tilefuse.codegen import mapreduce  # noqa: E402
 from tilefuse.runtime.launch import compile_kernel  # noqa: E402
 
@@ -79,11 +78,7 @@ def main():
             except Exception as e:  # noqa: BLE001 (a variant that does not build is reported, not fatal)
                 print(f"{name} {label}: {type(e).__name__}: {str(e)[:200]}")
         want = None
-        for label, ck in variants.items():
-            outs[-1].fill_(float("nan"))
-            ck.launch_ptrs(0, ptrs)
-            torch.cuda.synchronize()
-            got = outs[-1].clone()
+        for label, got in launched(variants, ptrs, outs):
             if want is None:
                 want = got
                 ref = fn(*(t.float() for t in inputs))
@@ -99,21 +94,8 @@ def main():
             before = tilefuse.compile(fn, inputs)
         finally:
             del os.environ["TILEFUSE_COLUMNS"]
-        comp = fresh_compile(fn)
-        calls = {label: (lambda ck=ck: ck.launch_ptrs(0, ptrs)) for label, ck in variants.items()}
-        with torch.no_grad():
-            for _ in range(3):
-                comp(*inputs)
-                before(*inputs)
-            calls["columns off"] = lambda: before(*inputs)
-            calls["torch.compile"] = lambda: comp(*inputs)
-            calls["eager"] = lambda: fn(*inputs)
-            per = rotated_rounds(calls)
-        nbytes = sum(t.numel() * t.element_size() for t in inputs) + sum(t.numel() * t.element_size() for t in outs)
-        med = {k: statistics.median(v) for k, v in per.items()}
-        out["cases"][name] = {"schedule": str(d), "bytes": nbytes, "us": med, "rounds": per}
-        print(f"{name} [{d}]: " + ", ".join(f"{k} {v:.1f} us ({nbytes / (v * 1e-6) / copy:.0%})" for k, v in med.items()),
-              flush=True)
+        per = beside_baselines(fn, inputs, variants, ptrs, {"columns off": lambda: before(*inputs)})
+        out["cases"][name] = case_summary(name, d, inputs, outs, per, copy)
     Path(os.environ.get("OUT", "/tmp"), "columns_probe.json").write_text(json.dumps(out, indent=1))
 
 

@@ -164,6 +164,43 @@ def with_source(ck, source: str):
                           cache_hit=False)
 
 
+def beside_baselines(fn, inputs, kernels: dict, ptrs, extra: dict | None = None) -> dict:
+    """label -> us per round (rotated_rounds) for each compiled kernel of `kernels` launched on
+    `ptrs`, each of `extra`'s calls (warmed up first), torch.compile of `fn` and eager `fn`."""
+    from tilefuse.analyze.bench import fresh_compile
+
+    comp = fresh_compile(fn)
+    calls = {label: (lambda ck=ck: ck.launch_ptrs(0, ptrs)) for label, ck in kernels.items()}
+    with torch.no_grad():
+        for _ in range(3):
+            comp(*inputs)
+            for call in (extra or {}).values():
+                call()
+        calls.update(extra or {})
+        calls["torch.compile"] = lambda: comp(*inputs)
+        calls["eager"] = lambda: fn(*inputs)
+        return rotated_rounds(calls)
+
+
+def launched(kernels: dict, ptrs, outs):
+    """(label, its last output) for each compiled kernel, launched on `ptrs` once, that output
+    poisoned with NaN first."""
+    for label, ck in kernels.items():
+        outs[-1].fill_(float("nan"))
+        ck.launch_ptrs(0, ptrs)
+        torch.cuda.synchronize()
+        yield label, outs[-1].clone()
+
+
+def case_summary(name: str, schedule, inputs, outs, per: dict, copy: float) -> dict:
+    """One probe case's record (schedule, bytes, median us per call, every round), its line printed."""
+    nbytes = sum(t.numel() * t.element_size() for t in list(inputs) + list(outs))
+    med = {k: statistics.median(v) for k, v in per.items()}
+    print(f"{name} [{schedule}]: " + ", ".join(f"{k} {v:.1f} us ({nbytes / (v * 1e-6) / copy:.0%})"
+                                              for k, v in med.items()), flush=True)
+    return {"schedule": str(schedule), "bytes": nbytes, "us": med, "rounds": per}
+
+
 def rotated_rounds(calls: dict, rounds: int = 9) -> dict:
     """label -> us per round: each call timed once a round (timings_ms' median, L2 flushed),
     the order rotated from round to round."""

@@ -10,7 +10,6 @@ Writes $OUT/tiles_probe.json (or /tmp/tiles_probe.json); a line a case on stdout
 """
 import json
 import os
-import statistics
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -19,9 +18,9 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from program_schedules import program_launch, rotated_rounds  # noqa: E402
+from program_schedules import beside_baselines, case_summary, launched, program_launch  # noqa: E402
 import tilefuse  # noqa: E402
-from tilefuse.analyze.bench import copy_bandwidth, fresh_compile  # noqa: E402
+from tilefuse.analyze.bench import copy_bandwidth  # noqa: E402
 from tilefuse.codegen import mapreduce  # noqa: E402
 from tilefuse.runtime.launch import compile_kernel  # noqa: E402
 
@@ -56,27 +55,12 @@ def main():
                 except ValueError as e:
                     print(f"{name} {label}: {e}")
         want = None
-        for label, ck in variants.items():
-            outs[-1].fill_(float("nan"))
-            ck.launch_ptrs(0, ptrs)
-            torch.cuda.synchronize()
-            got = outs[-1].clone()
+        for label, got in launched(variants, ptrs, outs):
             if want is None:
                 want = got
             assert torch.equal(got, want), (name, label)
-        comp = fresh_compile(fn)
-        calls = {label: (lambda ck=ck: ck.launch_ptrs(0, ptrs)) for label, ck in variants.items()}
-        with torch.no_grad():
-            for _ in range(3):
-                comp(*inputs)
-            calls["torch.compile"] = lambda: comp(*inputs)
-            calls["eager"] = lambda: fn(*inputs)
-            per = rotated_rounds(calls)
-        nbytes = sum(t.numel() * t.element_size() for t in inputs) + sum(t.numel() * t.element_size() for t in outs)
-        med = {k: statistics.median(v) for k, v in per.items()}
-        out["cases"][name] = {"stage": str(d), "bytes": nbytes, "us": med, "rounds": per}
-        print(f"{name} [{d}]: " + ", ".join(f"{k} {v:.1f} us ({nbytes / (v * 1e-6) / copy:.0%})" for k, v in med.items()),
-              flush=True)
+        per = beside_baselines(fn, inputs, variants, ptrs)
+        out["cases"][name] = case_summary(name, d, inputs, outs, per, copy)
     Path(os.environ.get("OUT", "/tmp"), "tiles_probe.json").write_text(json.dumps(out, indent=1))
 
 
