@@ -105,3 +105,14 @@ def test_a_reduction_over_two_leading_dims_is_a_column_kernel(dtype):
     torch.manual_seed(6)
     x = torch.randn(8, 64, 40000, device="cuda", dtype=dtype)
     _check(lambda x: x.sum((0, 1)), (x,))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_logsumexp_and_adaptive_pooling_to_one(dtype):
+    """torch.logsumexp over the last dim and F.adaptive_avg_pool2d(x, 1): row kernels
+    (frontend/aten.py lowers both to reductions)."""
+    torch.manual_seed(7)
+    x = torch.randn(4096, 1000, device="cuda", dtype=dtype) * 10
+    _check(lambda x: torch.logsumexp(x, -1), (x,), kernels=[("mapreduce", False)])
+    y = torch.randn(64, 512, 7, 7, device="cuda", dtype=dtype)
+    _check(lambda y: torch.nn.functional.adaptive_avg_pool2d(y, 1), (y,), kernels=[("mapreduce", False)])

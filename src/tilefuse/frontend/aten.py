@@ -421,6 +421,34 @@ def _log_softmax(b, args, kwargs, out):
     return b.cast(b.map("sub", sh, lse), out.dtype)
 
 
+@handles("logsumexp")
+def _logsumexp(b, args, kwargs, out):
+    """log(sum(exp(x))) over dims, about the max as PyTorch computes it, an infinite max taken
+    as 0 (a row of -inf: -inf, not NaN; a +inf in it: +inf)."""
+    x = args[0]
+    rank = len(b.type(x).shape)
+    dims = _dims(kwargs.get("dim", args[1] if len(args) > 1 else None), rank)
+    keep = kwargs.get("keepdim", args[2] if len(args) > 2 else False)
+    xf = _softmax_input(b, x, out)
+    dt = b.type(xf).dtype
+    m = b.reduce("max", xf, dims, True)
+    m = b.map("where", b.map("eq", b.map("abs", m), b.const(float("inf"), dt)), b.const(0.0, dt), m)
+    s = b.map("log", b.reduce("sum", b.map("exp", b.map("sub", xf, m)), dims, keep))
+    return b.cast(b.map("add", s, b.reshape(m, b.type(s).shape)), out.dtype)
+
+
+@handles("adaptive_avg_pool2d", "_adaptive_avg_pool2d", "adaptive_avg_pool1d")
+def _adaptive_avg_pool(b, args, kwargs, out):
+    """Pooling to one output element a channel (ResNet's and EfficientNet's heads): the mean over
+    the pooled dims (a reduction over neighbouring dims: graph/rules/merged_reductions.py)."""
+    x, size = args[0], kwargs.get("output_size", args[1] if len(args) > 1 else None)
+    size = [size] if isinstance(size, int) else list(size or ())
+    if not size or any(s != 1 for s in size):
+        raise Unsupported(f"output size {tuple(size)} (only 1 per pooled dim)")
+    rank = len(b.type(x).shape)
+    return b.cast(b.reduce("mean", x, tuple(range(rank - len(size), rank)), True), out.dtype)
+
+
 def _norm_dims(b, x, normalized_shape):
     rank = len(b.type(x).shape)
     return tuple(range(rank - len(normalized_shape), rank))
