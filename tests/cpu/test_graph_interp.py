@@ -304,6 +304,21 @@ def _(draw, dtype):
     return (lambda x: F.log_softmax(x, d)), [randn(s, dtype) * 3]
 
 
+@case("logsumexp", "logsumexp")
+def _(draw, dtype):
+    s = draw(shapes())
+    dims = tuple(sorted(draw(st.sets(st.integers(0, len(s) - 1), min_size=1))))
+    keep = draw(st.booleans())
+    return (lambda x: torch.logsumexp(x, dims, keepdim=keep)), [randn(s, dtype) * 3]
+
+
+@case("adaptive_avg_pool_to_one", "adaptive_avg_pool2d", "adaptive_avg_pool1d")
+def _(draw, dtype):
+    s = draw(shapes(3, 3))
+    return (lambda x, y: (F.adaptive_avg_pool2d(x, 1), F.adaptive_avg_pool1d(y, (1,)))), \
+        [randn((2,) + tuple(s), dtype), randn(s, dtype)]
+
+
 @case("layer_norm", "layer_norm")
 def _(draw, dtype):
     s = draw(shapes(1, 3))
@@ -612,6 +627,7 @@ def test_graph_interpreter_matches_pytorch(c, dtype, data):
 NOT_EMITTED = {
     "_softmax", "_log_softmax", "_safe_softmax", "_to_copy", "_unsafe_view", "alias", "lift_fresh_copy",
     "native_layer_norm", "nll_loss", "_assert_tensor_metadata", "contiguous", "_to_copy",
+    "_adaptive_avg_pool2d",
 }
 
 
