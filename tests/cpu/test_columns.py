@@ -238,3 +238,20 @@ def test_a_full_tensor_beside_a_reduced_one_joins_the_column_kernel(any_rows):
     (s,) = _steps(p)
     assert s.columns
     torch.testing.assert_close(p(*ins), fn(*ins))
+
+
+def test_strided_reads_experiment_reads_a_transposed_view_in_a_reduction_kernel(monkeypatch):
+    """TILEFUSE_STRIDED_READS=1: a LayerNorm over the channels of NHWC read from NCHW is one
+    kernel reading x in place, in a column kernel's layout; off (the default), PyTorch copies
+    the permute first."""
+    fn = lambda x: torch.nn.functional.layer_norm(x.permute(0, 2, 3, 1), (24,))  # noqa: E731
+    x = torch.randn(2, 24, 16, 16)
+    p = tilefuse.compile(fn, (x,))
+    assert [s.family for s in _steps(p)] == ["extern", "mapreduce"]
+    monkeypatch.setenv("TILEFUSE_STRIDED_READS", "1")
+    p = tilefuse.compile(fn, (x,))
+    (s,) = _steps(p)
+    assert "read across rows, a row a thread" in str(p.plan)
+    (lw,) = p.kernels.values()
+    assert columns.strided_rows(lw.kernel) and mapreduce.default_schedule(lw.kernel).group == 1
+    torch.testing.assert_close(p(x), fn(x), atol=1e-5, rtol=1e-5)

@@ -116,3 +116,14 @@ def test_logsumexp_and_adaptive_pooling_to_one(dtype):
     _check(lambda x: torch.logsumexp(x, -1), (x,), kernels=[("mapreduce", False)])
     y = torch.randn(64, 512, 7, 7, device="cuda", dtype=dtype)
     _check(lambda y: torch.nn.functional.adaptive_avg_pool2d(y, 1), (y,), kernels=[("mapreduce", False)])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_strided_reads_layernorm_of_nhwc_read_from_nchw(dtype, monkeypatch):
+    """TILEFUSE_STRIDED_READS=1 (an experiment): F.layer_norm(x.permute(0, 2, 3, 1)) one row kernel
+    reading x in place, a row a thread."""
+    monkeypatch.setenv("TILEFUSE_STRIDED_READS", "1")
+    torch.manual_seed(8)
+    x = torch.randn(8, 96, 56, 56, device="cuda", dtype=dtype)
+    _check(lambda x: torch.nn.functional.layer_norm(x.permute(0, 2, 3, 1), (96,)), (x,),
+           kernels=[("mapreduce", False)])

@@ -54,6 +54,14 @@ def columns_enabled() -> bool:
     return os.environ.get("TILEFUSE_COLUMNS", "1") != "0"
 
 
+def strided_reads_enabled() -> bool:
+    """TILEFUSE_STRIDED_READS=1 (an experiment, off until measured): a kernel with reductions
+    reads a permute that moved the last dim in place too (a LayerNorm over the channels of NHWC
+    read from NCHW, ConvNeXt's), in a column kernel's layout where most of its bytes are read
+    across rows (codegen/columns.py), instead of PyTorch's copy before a row kernel."""
+    return os.environ.get("TILEFUSE_STRIDED_READS", "0") == "1"
+
+
 def column_min_rows() -> int:
     """COLUMN_MIN_ROWS, or TILEFUSE_COLUMN_MIN_ROWS where set (1: column kernels at any size, as
     the fuzzer's small programs want them); a lone reduction's floor is twice it."""
@@ -859,7 +867,7 @@ def views_read_in_place(p: Plan) -> Plan:
                 and (_keeps_rows(n) or moved and n.op in _READ_THROUGH)
                 and n.type.numel > 0  # (an empty one keeps its step: compiler._refuse_empty says why)
                 and all(step_of[u].family == "mapreduce" and step_of[u].head is None
-                        and (not moved or maps_only(step_of[u]))
+                        and (not moved or maps_only(step_of[u]) or strided_reads_enabled())
                         if not isinstance(g[u], ir.View) else consumable(u, moved) for u in users[name]))
         return memo[name, transposed]
 
@@ -991,8 +999,10 @@ def format_plan(p: Plan) -> str:
         lines.append(f"    writes {', '.join(f'{t}: {g[t].type}' for t in s.outputs)}")
         lines.append(f"    fuses  {', '.join(s.nodes)}")
         if s.reads:
+            reduces = any(isinstance(g[x], ir.Reduce) for x in s.nodes)
             lines.append(f"    in place {', '.join(f'{v} from {t}' for v, t in s.reads.items())} (no copy"
-                         + ("; a transpose of the last dim: the kernel reads it in 2-D tiles)"
+                         + ((": a transpose of the last dim, read across rows, a row a thread)" if reduces
+                             else "; a transpose of the last dim: the kernel reads it in 2-D tiles)")
                             if any(_transposes(g, v, t) for v, t in s.reads.items()) else ")"))
         if s.gemm and (s.gemm.maps or s.gemm.pairwise):
             sp = s.gemm
