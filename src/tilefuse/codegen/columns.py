@@ -26,7 +26,7 @@ def _accesses(parts: ir.RowKernel):
 def strided_rows(kernel: ir.Kernel) -> bool:
     """Whether more of the row's bytes are read or written across rows (the address steps by one
     element from a row to the next and by more along the row) than along them."""
-    from .tiles import _flat
+    from .tiles import _along_columns, _flat
 
     try:
         parts = ir.row_kernel_parts(kernel)
@@ -34,6 +34,8 @@ def strided_rows(kernel: ir.Kernel) -> bool:
         return False
     if parts.rows <= 1 or parts.col_extent <= 1 or kernel.scratch:
         return False
+    if all(_along_columns(s.index, col) for col, s in _accesses(parts)):
+        return False  # (every access steps along the row: a row kernel, found without the analysis)
     across = along = 0
     seg = (parts.rows, 1, parts.col_extent)
     for col, s in _accesses(parts):

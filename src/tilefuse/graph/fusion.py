@@ -13,6 +13,7 @@ it needs still fits on chip (shared memory of a cluster).
 """
 from __future__ import annotations
 
+import itertools
 import math
 import os
 from dataclasses import dataclass, field
@@ -37,6 +38,7 @@ ON_CHIP_BYTES = 16 * 200 * 1024  # a 16-CTA cluster's shared memory
 # GELU-LayerNorm blocks at 64, 1.6x faster for 12 softmaxes), so the limit sits above every
 # program measured (12 softmaxes: 862).
 RECOMPUTE_LIMIT = 1024
+ROW_REDUCTIONS = ("sum", "max", "min", "mean")  # the reductions a map-reduce kernel's row takes
 # A column kernel (Planner.column_start) gives each row a thread, neighbouring rows to
 # neighbouring lanes: their elements lie side by side in memory. Fewer rows than this leave
 # too few threads to keep the memory busy (a thread has 32 loads in flight, codegen/columns.py;
@@ -94,10 +96,14 @@ class Step:
     scratch: list[str] = field(default_factory=list)  # per-row values passed from head to tail on chip
     view: bool = False  # family "extern": a strided view, no copy (attention_only_views; a result in eager's layout)
     reads: dict[str, str] = field(default_factory=dict)  # mapreduce: input view -> the tensor it reads it from (views_read_in_place)
-    columns: bool = False  # mapreduce: the row runs along a dim that is not last (a column reduction): alignments may permute dims
     ref: tuple | None = None  # a column kernel's (shape, alignment) of its full tensors: what others broadcast against
     passes: int = 0      # mapreduce: its reductions, each a pass over the row computing its argument
     recomputed: int = 0  # ... and the per-element maps the passes after the first compute again (RECOMPUTE_LIMIT)
+
+    @property
+    def columns(self) -> bool:
+        """A column kernel: the row runs along a dim that is not last, its tensors' alignments may permute dims."""
+        return self.ref is not None
 
     @property
     def floor_s(self) -> float:
@@ -151,7 +157,7 @@ def _ref_align(shape, ref) -> Align | None:
     off = len(full) - len(shape)
     if off < 0 or any(s != 1 and s != full[off + i] for i, s in enumerate(shape)):
         return None
-    return tuple(None if s == 1 else al[off + i] for i, s in enumerate(shape))
+    return _arg_align(shape, full, al)
 
 
 def _arg_align(arg_shape, node_shape, node_align) -> Align:
@@ -189,6 +195,11 @@ class _Planner:
         self.in_torch = in_torch  # maps to run in PyTorch, each a step of its own (see plan())
         self.g = g
         self.whole_rows = whole_rows  # nodes that may only join kernels whose every row they run along
+        # whether any reduction could open a column kernel: column_ahead looks for none otherwise
+        self.any_columns = columns_enabled() and any(
+            isinstance(n, ir.Reduce) and any(g[n.arg].type.shape[x] != 1 for x in n.axes)
+            and max(x for x in n.axes if g[n.arg].type.shape[x] != 1) != len(g[n.arg].type.shape) - 1
+            for n in g.nodes)
         self.users = g.users()
         self.group_of: dict[str, Step] = {}
         self.steps: list[Step] = []
@@ -280,7 +291,7 @@ class _Planner:
             ashape = g[n.arg].type.shape
             row_dim = len(space[0])
             reduced = [aa[x] for x in n.axes if ashape[x] != 1]
-            if reduced != [row_dim] or n.op not in ("sum", "max", "min", "mean"):
+            if reduced != [row_dim] or n.op not in ROW_REDUCTIONS:
                 return None
             if n.keepdim:
                 align = tuple(None if i in n.axes else a for i, a in enumerate(aa))
@@ -321,7 +332,7 @@ class _Planner:
         channels-first norm, `x.mean(1)` over [B, S, D]), the row runs along that dim and the
         rows along the others, in order; None where it is no such reduction, or has too few
         rows for a thread each (column_min_rows()), or column kernels are off."""
-        if (not isinstance(n, ir.Reduce) or not columns_enabled() or n.op not in ("sum", "max", "min", "mean")
+        if (not isinstance(n, ir.Reduce) or not columns_enabled() or n.op not in ROW_REDUCTIONS
                 or n.name in self.lone):
             return None
         s = self.g[n.arg].type.shape
@@ -340,7 +351,7 @@ class _Planner:
         s = self.g[n.arg].type.shape
         axes = [x for x in n.axes if s[x] != 1]
         why = "reduction over a non-last axis runs in PyTorch"
-        if n.op not in ("sum", "max", "min", "mean"):
+        if n.op not in ROW_REDUCTIONS:
             return f"{why}: {n.op}"
         if len(axes) > 1:
             return f"{why}: dims {axes} are not neighbours"
@@ -358,10 +369,13 @@ class _Planner:
         result for the column kernel to read back (a bf16 softmax(x, 1)'s upcast). So does a
         map beside such a one, reading the same tensor (`x.float() * rsqrt(x.float().pow(2)
         .mean(1))`: the first upcast, before the second that leads to the mean)."""
+        if not self.any_columns:
+            return None
         shape = n.type.shape
-        beside = [u for a in dict.fromkeys(n.args) if a in self.users for u in self.users[a]
-                  if u != n.name and isinstance(self.g[u], ir.Map) and self.g[u].type.shape == shape]
-        seen, todo = {n.name, *beside}, [*beside[:limit], n.name]
+        beside = list(itertools.islice((u for a in dict.fromkeys(n.args) if a in self.users for u in self.users[a]
+                                        if u != n.name and isinstance(self.g[u], ir.Map)
+                                        and self.g[u].type.shape == shape), limit))
+        seen, todo = {n.name, *beside}, [*beside, n.name]
         while todo and len(seen) <= limit:
             for u in self.users[todo.pop()]:
                 m = self.g[u]
@@ -475,7 +489,7 @@ class _Planner:
             if s.space != space and not (isinstance(n, ir.Map) and row_align(n.type.shape, s.space) is not None
                                          and right_align(n.type.shape, s.space) is None):
                 continue
-            probe = Step(s.name, s.family, list(s.nodes), s.space, dict(s.align), columns=s.columns, ref=s.ref)
+            probe = Step(s.name, s.family, list(s.nodes), s.space, dict(s.align), ref=s.ref)
             if isinstance(n, ir.Reduce):
                 probe.align.setdefault(n.arg, arg_align or right_align(self.g[n.arg].type.shape, space))
                 if probe.align[n.arg] is None:
@@ -504,10 +518,9 @@ class _Planner:
         reduction's argument is aligned as `arg_align` (else on the space's last dims), and
         so are a map's arguments where `arg_align` is the map's own (column_ahead)."""
         g = self.g
-        step = Step(f"k{len(self.steps)}_{n.name}", "mapreduce", [], space, {}, columns=columns)
+        ref = (g[n.arg].type.shape if isinstance(n, ir.Reduce) else n.type.shape, arg_align) if columns else None
+        step = Step(f"k{len(self.steps)}_{n.name}", "mapreduce", [], space, {}, ref=ref)
         step.inputs_all = set()
-        if columns:
-            step.ref = (g[n.arg].type.shape if isinstance(n, ir.Reduce) else n.type.shape, arg_align)
         if isinstance(n, ir.Reduce):
             step.align[n.arg] = arg_align or right_align(g[n.arg].type.shape, space)
         elif arg_align is not None:
@@ -957,8 +970,7 @@ def grid_reductions(p: Plan) -> Plan:
             continue
         if not _grid_tail_ok(g, tail, set(scratch)):
             continue
-        merged = Step(head.name, "mapreduce", head.nodes + tail.nodes, head.space, dict(head.align), columns=head.columns,
-                      ref=head.ref,
+        merged = Step(head.name, "mapreduce", head.nodes + tail.nodes, head.space, dict(head.align), ref=head.ref,
                       inputs=list(head.inputs), outputs=[o for o in head.outputs if o not in scratch] + tail.outputs,
                       note="grid reduction: " + ", ".join(tail.nodes) + " over all rows, finished by the "
                            "last CTA (per-row " + ", ".join(scratch) + " stay on chip)",
