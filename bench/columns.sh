@@ -4,9 +4,8 @@
 # minutes): `tilefuse run --bench` (tilefuse, eager and torch.compile in one process; bf16 unless
 # named), and each case tagged _off with column kernels off (TILEFUSE_COLUMNS=0: PyTorch's
 # reductions and row kernels of the maps around them, what tilefuse ran before); then reductions
-# over neighbouring dims (graph/rules/merged_reductions.py: before this session PyTorch's); a
-# case whose third field is "1,strided" runs with TILEFUSE_STRIDED_READS=1 (the LayerNorm of NHWC
-# read from NCHW in place, an experiment: graph/fusion.py strided_reads_enabled).
+# over neighbouring dims (graph/rules/merged_reductions.py: before this session PyTorch's); last
+# (session 58) the LayerNorm of NHWC read from NCHW (the permute copied in tiles, then a row kernel).
 # Text under $OUT (or ./columns); a line a run on stdout. ONLY=REGEX runs the cases whose tag matches.
 #
 #     bash bench/columns.sh
@@ -18,8 +17,7 @@ while IFS='|' read -r tag dtype cols expr; do
   [ -z "$tag" ] && continue
   [ -n "${ONLY:-}" ] && ! [[ $tag =~ $ONLY ]] && continue
   expr=${expr//LN/$LN}
-  strided=0; [ "${cols#*,}" = strided ] && strided=1 && cols=${cols%%,*}
-  TILEFUSE_COLUMNS=$cols TILEFUSE_STRIDED_READS=$strided PYTHONPATH=$PWD/src:${PYTHONPATH:-} timeout 150 python3 -m tilefuse.cli run --dtype "$dtype" \
+  TILEFUSE_COLUMNS=$cols PYTHONPATH=$PWD/src:${PYTHONPATH:-} timeout 150 python3 -m tilefuse.cli run --dtype "$dtype" \
     --bench --seed 1 -c "$expr" > "$out/$tag.txt" 2>&1
   echo "$tag: $(grep -E '^│ (tilefuse|eager|torch.compile)' "$out/$tag.txt" | tr -s ' ' | tr '\n' ' ')"
 done <<'CASES'
@@ -39,5 +37,4 @@ relu_global_avg_pool|bf16|1|torch.relu(torch.randn(128,512,14,14)).mean((2,3))
 squeeze_excitation|bf16|1|(lambda x: x * torch.sigmoid(x.mean((2,3), keepdim=True)))(torch.randn(128,512,14,14))
 sum_dims01|bf16|1|torch.randn(8,64,40000).sum((0,1))
 nhwc_layernorm|bf16|1|F.layer_norm(torch.randn(32,96,56,56).permute(0,2,3,1),(96,))
-nhwc_layernorm_strided|bf16|1,strided|F.layer_norm(torch.randn(32,96,56,56).permute(0,2,3,1),(96,))
 CASES

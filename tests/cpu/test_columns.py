@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 import tilefuse
 from tilefuse.codegen import columns, mapreduce
-from tilefuse.graph import fusion
+from tilefuse.graph import fusion, ir
 from tilefuse.runtime.launch import compile_source_only
 
 
@@ -240,18 +240,17 @@ def test_a_full_tensor_beside_a_reduced_one_joins_the_column_kernel(any_rows):
     torch.testing.assert_close(p(*ins), fn(*ins))
 
 
-def test_strided_reads_experiment_reads_a_transposed_view_in_a_reduction_kernel(monkeypatch):
-    """TILEFUSE_STRIDED_READS=1: a LayerNorm over the channels of NHWC read from NCHW is one
-    kernel reading x in place, in a column kernel's layout; off (the default), PyTorch copies
-    the permute first."""
-    fn = lambda x: torch.nn.functional.layer_norm(x.permute(0, 2, 3, 1), (24,))  # noqa: E731
+def test_a_transposed_view_a_reduction_reads_is_copied_in_tiles():
+    """A LayerNorm over the channels of NHWC read from NCHW (ConvNeXt's): the permute is copied
+    by a kernel of its own that reads it in tiles (a map kernel: no PyTorch copy), and the
+    LayerNorm's row kernel reads that copy; the two kernels stay apart (a kernel with a
+    reduction has no tiles)."""
+    fn = lambda x: torch.nn.functional.layer_norm(x.permute(0, 2, 3, 1) * 2, (24,))  # noqa: E731
     x = torch.randn(2, 24, 16, 16)
     p = tilefuse.compile(fn, (x,))
-    assert [s.family for s in _steps(p)] == ["extern", "mapreduce"]
-    monkeypatch.setenv("TILEFUSE_STRIDED_READS", "1")
-    p = tilefuse.compile(fn, (x,))
-    (s,) = _steps(p)
-    assert "read across rows, a row a thread" in str(p.plan)
-    (lw,) = p.kernels.values()
-    assert columns.strided_rows(lw.kernel) and mapreduce.default_schedule(lw.kernel).group == 1
+    copy, norm = _steps(p)
+    assert copy.family == norm.family == "mapreduce"
+    assert not any(isinstance(p.graph[n], ir.Reduce) for n in copy.nodes)
+    assert sum(isinstance(p.graph[n], ir.Reduce) for n in norm.nodes) == 2
+    assert "2-D tiles" in str(p.plan)
     torch.testing.assert_close(p(x), fn(x), atol=1e-5, rtol=1e-5)

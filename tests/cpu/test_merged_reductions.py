@@ -42,14 +42,40 @@ def test_maps_only_the_reduction_reads_move_into_its_kernel():
     torch.testing.assert_close(p(x, w), fn(x, w))
 
 
-def test_a_map_read_elsewhere_too_keeps_its_kernel():
-    """Squeeze and excitation's x * sigmoid(mean): x is read by both; the mean's kernel reads x
-    through the reshape, the gate's kernel x itself."""
+def test_squeeze_and_excitation_is_one_row_kernel():
+    """x * sigmoid(mean): the product, of x's shape, computed from the reduction's result and x,
+    moves below the reshape too and joins the mean's row kernel (it was a map kernel of its own
+    with rows of W); the result is that kernel's output viewed back as [N, C, H, W]."""
     fn = lambda x: x * torch.sigmoid((x * 2).mean((2, 3), keepdim=True))  # noqa: E731
     x = torch.randn(2, 300, 7, 9)
     p = tilefuse.compile(fn, (x,))
-    assert [s.family for s in _steps(p)] == ["mapreduce", "mapreduce"]
+    (s,) = _steps(p)
+    assert s.family == "mapreduce" and s.space == ((2, 300), 63)
+    assert [n.op for n in p.graph.nodes if isinstance(n, ir.Map) and n.op == "mul"] == ["mul", "mul"]
     torch.testing.assert_close(p(x), fn(x))
+
+
+def test_a_map_read_elsewhere_too_keeps_its_kernel():
+    """y = x * 2 returned as well as reduced: y is computed in x's shape (a map kernel), the mean's
+    kernel reads it through the reshape."""
+    fn = lambda x: ((y := x * 2).mean((2, 3)), y)  # noqa: E731
+    x = torch.randn(2, 300, 7, 9)
+    p = tilefuse.compile(fn, (x,))
+    assert [s.family for s in _steps(p)] == ["mapreduce", "mapreduce"]
+    for got, want in zip(p(x), fn(x)):
+        torch.testing.assert_close(got, want)
+
+
+def test_a_map_below_with_an_unmergeable_argument_stays():
+    """x * sigmoid(mean) + b with b of [W]: the sum cannot take the merged shape (b broadcasts over
+    part of the run), so it stays a map of x's shape reading the merged product viewed back."""
+    fn = lambda x, b: x * torch.sigmoid(x.mean((2, 3), keepdim=True)) + b  # noqa: E731
+    x, b = torch.randn(2, 300, 7, 9), torch.randn(9)
+    g = mr.merged_reductions(capture(fn, (x, b)))
+    add = [n for n in g.nodes if isinstance(n, ir.Map) and n.op == "add"]
+    assert [n.type.shape for n in add] == [(2, 300, 7, 9)]
+    p = tilefuse.compile(fn, (x, b))
+    torch.testing.assert_close(p(x, b), fn(x, b))
 
 
 def test_an_argument_broadcast_over_part_of_the_run_stays_unmerged():
@@ -88,18 +114,22 @@ def test_a_run_of_leading_dims_is_a_column_kernel(monkeypatch):
 OPS = {"sum": lambda x, a, k: x.sum(a, keepdim=k), "mean": lambda x, a, k: x.mean(a, keepdim=k),
        "amax": lambda x, a, k: x.amax(a, keepdim=k), "amin": lambda x, a, k: x.amin(a, keepdim=k)}
 PRE = {"none": lambda x, w: x, "relu_scale": lambda x, w: torch.relu(x * w), "exp": lambda x, w: torch.exp(x - w)}
+POST = {"none": lambda x, w, r: r, "gate": lambda x, w, r: x * torch.sigmoid(r),   # (r with keepdim only)
+        "centre_scale": lambda x, w, r: (x - r) * w, "twice": lambda x, w, r: torch.tanh(x + r) * (x - r)}
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(shape=st.lists(st.integers(1, 5), min_size=2, max_size=4), data=st.data(), op=st.sampled_from(sorted(OPS)),
-       pre=st.sampled_from(sorted(PRE)), keepdim=st.booleans())
-def test_merged_reductions_match_pytorch(shape, data, op, pre, keepdim):
-    """Any of OPS over any set of dims, after any of PRE (a weight broadcast over the last dims),
-    at any shape (dims of 1 included): the program through the interpreter equals PyTorch's,
-    with the rewrite and the column kernels taking every size."""
+       pre=st.sampled_from(sorted(PRE)), post=st.sampled_from(sorted(POST)), keepdim=st.booleans())
+def test_merged_reductions_match_pytorch(shape, data, op, pre, post, keepdim):
+    """Any of OPS over any set of dims, after any of PRE (a weight broadcast over the last dims)
+    and before any of POST (maps of x's shape reading the result, kept dims then), at any shape
+    (dims of 1 included): the program through the interpreter equals PyTorch's, with the rewrite
+    and the column kernels taking every size."""
     axes = tuple(sorted(data.draw(st.sets(st.integers(0, len(shape) - 1), min_size=1))))
     wshape = tuple(data.draw(st.sampled_from([shape[k:] for k in range(len(shape) + 1)])))
-    fn = lambda x, w: OPS[op](PRE[pre](x, w), axes, keepdim)  # noqa: E731
+    keepdim = keepdim or post != "none"
+    fn = lambda x, w: POST[post](x, w, OPS[op](PRE[pre](x, w), axes, keepdim))  # noqa: E731
     x, w = torch.randn(shape, dtype=torch.float64), torch.randn(wshape, dtype=torch.float64)
     old = mr.MIN_ROWS, fusion.COLUMN_MIN_ROWS
     mr.MIN_ROWS, fusion.COLUMN_MIN_ROWS = 1, 1

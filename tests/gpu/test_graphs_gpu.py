@@ -140,6 +140,25 @@ def test_the_same_input_storages_are_read_in_place():
     assert info["captures"] == 1 and info["copies"] == 0 and info["replays"] == 4, info
 
 
+def test_forget_graphs_reads_inputs_in_place_again():
+    """Calls on copies of x mark it as moving (later captures copy it in); after forget_graphs,
+    calls on one x capture it in place: no copies (what `tilefuse run --bench` times)."""
+    m = RMSNorm(4096).cuda().to(BF16)
+    x = torch.randn(256, 4096, device="cuda", dtype=BF16)
+    on, off = _pair(m, (x,))
+    for _ in range(4):
+        on(x.clone())
+    for _ in range(3):
+        on(x)
+    (info,) = on.graph_info()
+    assert info["copies"] > 0, info
+    on.forget_graphs()
+    for _ in range(5):
+        assert torch.equal(on(x), off(x))
+    (info,) = on.graph_info()
+    assert info["captures"] == 1 and info["copies"] == 0 and info["replays"] == 4, info
+
+
 def test_misaligned_and_strided_inputs():
     """A contiguous view at a 2-byte offset (the scalar kernel variant) and a transposed view."""
     m = RMSNorm(1024).cuda().to(BF16)

@@ -56,14 +56,6 @@ def columns_enabled() -> bool:
     return os.environ.get("TILEFUSE_COLUMNS", "1") != "0"
 
 
-def strided_reads_enabled() -> bool:
-    """TILEFUSE_STRIDED_READS=1 (an experiment, off until measured): a kernel with reductions
-    reads a permute that moved the last dim in place too (a LayerNorm over the channels of NHWC
-    read from NCHW, ConvNeXt's), in a column kernel's layout where most of its bytes are read
-    across rows (codegen/columns.py), instead of PyTorch's copy before a row kernel."""
-    return os.environ.get("TILEFUSE_STRIDED_READS", "0") == "1"
-
-
 def column_min_rows() -> int:
     """COLUMN_MIN_ROWS, or TILEFUSE_COLUMN_MIN_ROWS where set (1: column kernels at any size, as
     the fuzzer's small programs want them); a lone reduction's floor is twice it."""
@@ -457,6 +449,15 @@ class _Planner:
             return True  # (a kernel's first pass over its rows computes its maps once: nothing again)
         return step.recomputed + self.recompute(n, step) <= RECOMPUTE_LIMIT
 
+    def tiles_apart(self, n, step: Step) -> bool:
+        """A map reading a transposed view is computed in tiles (codegen/tiles.py), which a kernel
+        with a reduction has not: the two stay apart, the map's result written for the
+        reduction's kernel (what `transposed_results_as_copies` copies such a view with)."""
+        if isinstance(n, ir.Map):
+            return step.passes > 0 and _reads_transposed(self.g, n)
+        return isinstance(n, ir.Reduce) and any(isinstance(self.g[x], ir.Map) and _reads_transposed(self.g, self.g[x])
+                                                 for x in step.nodes)
+
     def try_join(self, n) -> Step | None:
         producers = []
         for a in ir.node_args(n):
@@ -464,6 +465,8 @@ class _Planner:
             if s is not None and s.family == "mapreduce" and s not in producers:
                 producers.append(s)
         for s in reversed(producers):
+            if self.tiles_apart(n, s):
+                continue
             al = self.align_in(n, s)
             if al is None or not self.fits(s, al) or self.coarse_in(n.name, al[n.name], s):
                 continue
@@ -484,7 +487,7 @@ class _Planner:
         # since a long chain of kernels makes every earlier kernel a candidate to rule out
         upstream = self.upstream([self.group_of[a] for a in ir.node_args(n) if a in self.group_of])
         for s in reversed(self.steps):
-            if s.family != "mapreduce" or id(s) in upstream or s.columns != columns:
+            if s.family != "mapreduce" or id(s) in upstream or s.columns != columns or self.tiles_apart(n, s):
                 continue
             if s.space != space and not (isinstance(n, ir.Map) and row_align(n.type.shape, s.space) is not None
                                          and right_align(n.type.shape, s.space) is None):
@@ -853,6 +856,16 @@ def _transposes(g: ir.Graph, view: str, root: str) -> bool:
     return False
 
 
+def _reads_transposed(g: ir.Graph, n) -> bool:
+    """Whether map `n` reads an argument through a permute that moved the last dim."""
+    for a in n.args:
+        while isinstance(g[a], ir.View):
+            if _moves_last_dim(g[a]):
+                return True
+            a = g[a].arg
+    return False
+
+
 def views_read_in_place(p: Plan) -> Plan:
     """Drop the copies of views (slices, permutes, rolls; extern steps, and the reshapes after
     them) that only map-reduce kernels read, directly or through other such views: those
@@ -880,7 +893,7 @@ def views_read_in_place(p: Plan) -> Plan:
                 and (_keeps_rows(n) or moved and n.op in _READ_THROUGH)
                 and n.type.numel > 0  # (an empty one keeps its step: compiler._refuse_empty says why)
                 and all(step_of[u].family == "mapreduce" and step_of[u].head is None
-                        and (not moved or maps_only(step_of[u]) or strided_reads_enabled())
+                        and (not moved or maps_only(step_of[u]))
                         if not isinstance(g[u], ir.View) else consumable(u, moved) for u in users[name]))
         return memo[name, transposed]
 

@@ -10,7 +10,7 @@ Values are computed in f32 when stored as bf16/f16, and rounded once at the stor
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 from .. import dtypes
@@ -18,6 +18,7 @@ from ..graph import ir as g_ir
 from ..graph.fusion import Step, is_row_level
 from ..graph.rewrites import fresh_name
 from . import ir as L
+from .flat import flat_rows
 
 
 @dataclass(frozen=True)
@@ -378,7 +379,15 @@ def lower_step(graph: g_ir.Graph, step: Step, name: str | None = None) -> Lowere
         raise ValueError(f"step {step.name} is {step.family}, not a map-reduce kernel")
     if step.tail is not None:
         return _grid_reduction(graph, step, name or step.name)
-    return _Lowerer(graph, step).lower(name or step.name)
+    low = _Lowerer(graph, step).lower(name or step.name)
+    if step.reads or step.columns or any(isinstance(graph[n], g_ir.Reduce) for n in step.nodes):
+        return low
+    flat = flat_rows(low.kernel)  # (maps alone over short or unaligned rows: rows of K of the whole)
+    if flat is None:
+        return low
+    kernel, _ = flat
+    shapes = {b.name: b.shape for b in kernel.params}
+    return Lowered(kernel, tuple(replace(b, shape=shapes[b.buffer]) for b in low.bindings))
 
 
 def _grid_reduction(graph: g_ir.Graph, step: Step, name: str) -> Lowered:

@@ -185,6 +185,15 @@ class Program:
             self._runners[key] = Runner(self, device)
         return self._runners[key]
 
+    def forget_graphs(self) -> None:
+        """Drop the captured CUDA graphs and what the calls so far showed of their inputs'
+        addresses: the next call warms up and captures afresh. `tilefuse run --bench` checks the
+        program on copies of its inputs first, which left every input marked as moving and so
+        copied into the graph on each timed call (a multi-kernel program's time counted an extra
+        read and write of its inputs, a third of it for `x * sigmoid(s)`)."""
+        self._entries.clear()
+        self._graphed.clear()
+
     def graph_info(self) -> list[dict]:
         """Per input signature seen with graphs on: whether they run, why not, and call counts."""
         return [{"device": str(g.runner.device), "graphs": g.off is None, "reason": g.off,

@@ -9,7 +9,10 @@ takes, with only dims of one element between them, merge into one: a reshape tha
 element order, free where x lies in memory. A map of the same shape that only the reduction
 reads moves below the reshape (`relu(x).mean((2, 3))`: the map runs on the merged shape, in
 the reduction's kernel) where each of its arguments has either the merged dims' sizes or ones
-there; the others keep their map, whose result the reshape then views.
+there; the others keep their map, whose result the reshape then views. A map of x's shape computed
+from the reduction's result (and from x, or what else has a merged version) moves below too
+(`x * sigmoid(x.mean((2, 3), keepdim=True))`: one row kernel, the mean then the product, where
+the product over [N, C, H, W] was a map kernel of its own with rows of W), viewed back as itself.
 
 Not taken: a reduction of every dim of more than one element (one row of the whole tensor: a
 row kernel would give it a CTA or a cluster, where PyTorch's reduction uses the whole GPU), and
@@ -58,16 +61,29 @@ class _Merge:
         self.g, self.ed, self.users, self.outputs = g, ed, users, outputs
         self.full, self.rank, self.i, self.j, self.source = full, len(full), i, j, source
         self.nodes: list = []
+        self.merged: dict[str, str] = {}  # a tensor of the full shape -> its merged version
+        self.views: dict[tuple, str] = {}  # one view a tensor and shape: a kernel reads it once
+
+    def rollback(self, mark: int):
+        """Forget the nodes made since `mark` (an argument had no merged version)."""
+        gone = {x.name for x in self.nodes[mark:]}
+        del self.nodes[mark:]
+        self.views = {k: v for k, v in self.views.items() if v not in gone}
+        self.merged = {k: v for k, v in self.merged.items() if v not in gone}
 
     def view(self, a: str, shape: tuple) -> str:
-        t = ir.TensorType(shape, self.g[a].type.dtype)
-        v = ir.View(self.ed.fresh(f"{a}_merged"), t, "reshape", a, shape, self.source)
-        self.nodes.append(v)
-        return v.name
+        if (a, shape) not in self.views:
+            t = ir.TensorType(shape, self.g[a].type.dtype)
+            v = ir.View(self.ed.fresh(f"{a}_merged"), t, "reshape", a, shape, self.source)
+            self.nodes.append(v)
+            self.views[a, shape] = v.name
+        return self.views[a, shape]
 
     def arg(self, a: str) -> str | None:
         """`a`, an argument broadcast against the full shape, in the merged shape; None where its
         dims i..j are neither all the full shape's nor all ones."""
+        if a in self.merged:
+            return self.merged[a]
         n, rank, i, j = self.g[a], self.rank, self.i, self.j
         s = n.type.shape
         if n.type.numel == 1 or len(s) <= rank - 1 - j:
@@ -93,18 +109,44 @@ class _Merge:
         mark = len(self.nodes)
         args = [self.arg(x) for x in n.args]
         if any(x is None for x in args):
-            del self.nodes[mark:]
+            self.rollback(mark)
             return self.view(a, _merged(n.type.shape, self.i, self.j))
         m = ir.Map(self.ed.fresh(f"{a}_merged"), ir.TensorType(_merged(n.type.shape, self.i, self.j), n.type.dtype),
                    n.op, tuple(args), n.source)
         self.nodes.append(m)
+        self.merged[a] = m.name
         return m.name
+
+    def below(self, n: ir.Map) -> list | None:
+        """Map `n` of the full shape after the reduction (`x * sigmoid(x.mean((2, 3), keepdim=True))`,
+        a squeeze-and-excitation) computed in the merged shape, then viewed back as itself: the
+        new nodes, or None where an argument has no merged version."""
+        mark = len(self.nodes)
+        args = [self.arg(x) for x in n.args]
+        if any(x is None for x in args):
+            self.rollback(mark)
+            return None
+        m = ir.Map(self.ed.fresh(f"{n.name}_merged"), ir.TensorType(_merged(self.full, self.i, self.j), n.type.dtype),
+                   n.op, tuple(args), n.source)
+        self.merged[n.name] = m.name
+        new = self.nodes[mark:] + [m, ir.View(n.name, n.type, "reshape", m.name, tuple(n.type.shape), n.source)]
+        del self.nodes[mark:]
+        return new
 
 
 def merged_reductions(g: ir.Graph) -> ir.Graph:
     users, outputs = g.users(), set(g.outputs)
     ed, nodes, changed = Editor(g), [], False
+    after: dict[str, _Merge] = {}  # a tensor computed from a merged reduction's result -> that merge
     for n in g.nodes:
+        if isinstance(n, ir.Map):
+            merges = list({id(after[a]): after[a] for a in n.args if a in after}.values())
+            if len(merges) == 1:
+                mg = after[n.name] = merges[0]
+                new = mg.below(n) if n.type.shape == mg.full else None
+                if new is not None:
+                    nodes += new
+                    continue
         run = _run(g[n.arg].type.shape, n.axes) if isinstance(n, ir.Reduce) else None
         if run is None or not _taken(g[n.arg].type.shape, *run):
             nodes.append(n)
@@ -118,5 +160,7 @@ def merged_reductions(g: ir.Graph) -> ir.Graph:
         rt = ir.TensorType(tuple(1 if k == i else d for k, d in enumerate(ms)) if n.keepdim else kept, n.type.dtype)
         r = ir.Reduce(ed.fresh(f"{n.name}_merged"), rt, n.op, x, (i,), n.keepdim, n.source)
         nodes += mg.nodes + [r, ir.View(n.name, n.type, "reshape", r.name, tuple(n.type.shape), n.source)]
+        mg.nodes = []
+        after[n.name] = mg
         changed = True
     return ed.graph(nodes) if changed else g

@@ -259,6 +259,20 @@ def results_in_eager_layout(g: ir.Graph) -> ir.Graph:
     return ed.graph(nodes, outs) if changed else g
 
 
+def _reaches_reduction(g: ir.Graph, users: dict, name: str) -> bool:
+    """Whether a reduction reads `name`, directly or through maps."""
+    seen, stack = set(), [name]
+    while stack:
+        x = stack.pop()
+        for u in users.get(x, ()):
+            if isinstance(g[u], ir.Reduce):
+                return True
+            if isinstance(g[u], ir.Map) and u not in seen:
+                seen.add(u)
+                stack.append(u)
+    return False
+
+
 def transposed_results_as_copies(g: ir.Graph) -> ir.Graph:
     """A permute moving the last dim of a tensor in memory that a result returns contiguous, or
     that a matmul takes as its left operand (which the GEMM reads row-major), is copied by a
@@ -267,8 +281,14 @@ def transposed_results_as_copies(g: ir.Graph) -> ir.Graph:
     256 bf16 took 422 us in eager's copy (15% of copy bandwidth), 64 us so. A layout view
     (returned strided, no copy) stays as it is, as does a permute of a generated tensor (a
     constant, an iota: made where it is read, no view of it is read in place), of a written
-    input, or of no element."""
+    input, or of no element.
+
+    Likewise one a reduction reads, directly or through maps (a LayerNorm over the channels of
+    NHWC read from NCHW, ConvNeXt's): a kernel with a reduction does not read a transposed
+    tensor in place (its rows would load an element a transaction), so PyTorch copied it, at
+    eager's copy speed; now the tiles kernel copies it for every reader."""
     kept = layout_views(g)
+    users = g.users()
     ed, outs, changed = Editor(g), list(g.outputs), False
 
     def copied(name: str) -> bool:
@@ -291,10 +311,17 @@ def transposed_results_as_copies(g: ir.Graph) -> ir.Graph:
         if g.outputs.count(name) == 1 and copied(name):
             outs[i] = copy_of(name)
             changed = True
+    reduced = {n.name for n in g.nodes if ir.node_args(n) and _reaches_reduction(g, users, n.name) and copied(n.name)}
     nodes = []
     for n in g.nodes:
         if isinstance(n, ir.Contraction) and copied(n.a):
             n = replace(n, a=copy_of(n.a))
+            changed = True
+        elif isinstance(n, ir.Map) and reduced & set(n.args):
+            n = replace(n, args=tuple(copy_of(a) if a in reduced else a for a in n.args))
+            changed = True
+        elif isinstance(n, ir.Reduce) and n.arg in reduced:
+            n = replace(n, arg=copy_of(n.arg))
             changed = True
         nodes.append(n)
     if not changed:
