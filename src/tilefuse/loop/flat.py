@@ -12,11 +12,17 @@ its [R, C] tensors viewed as [R * C / K, K] (read at [r', c']: 16-byte chunks), 
 read once a row (a per-row gate, a per-channel scale) read at the element's own row instead:
 an index computed per element, a load the L1 serves.
 
-H200, bf16 (`bench/flat_rows.sh`, session 58): the gate over 128 x 2048 x 7 x 7 50.5 -> 33.4 us,
-over 128 x 512 x 14 x 14 34.7 -> 31.2 us. Only rows shorter than SHORT (64): over long rows
-whose bytes are no multiple of 16 the per-element index (64-bit divisions) and loads cost more
-than the narrower chunks did (`gelu(x + b)`, rows of 98: 57.7 -> 63.3 us; `x * s`, rows of
-1001: 13.4 -> 18.4 us), so those keep their rows.
+The element's place r' * K + c' is a 32-bit value (N < 2^31), so its divisions by constants
+are 32-bit multiplies: with the 64-bit index expressions the gate's kernel had 1264
+instructions, with it 992 (sm_90a).
+
+H200, bf16 (`bench/flat_rows.sh`, session 58), the program (the gate's sigmoid is a kernel of
+its own): the gate over 128 x 2048 x 7 x 7 50.7 -> 26.1 us, over 128 x 512 x 14 x 14 35.0 ->
+25.2 us; torch.compile's best 17.8 and 15.3 (its one kernel does less index arithmetic an
+element: ours still issues ~30 instructions an element). Only rows shorter than SHORT (64):
+over long rows whose bytes are no multiple of 16, the first (64-bit) form cost more than the
+narrower chunks (`gelu(x + b)`, rows of 98: 57.7 -> 63.3 us; `x * s`, rows of 1001: 13.4 ->
+18.4 us), so those keep their rows.
 """
 from __future__ import annotations
 
@@ -46,6 +52,15 @@ def _simplified(e: L.Index) -> L.Index:
             and isinstance(a.b, L.IConst)):
         return L.IBin("//", a.a, L.IConst(a.b.value * b.value))
     return L.IBin(e.op, a, b)
+
+
+def _fresh(kernel: L.Kernel, stem: str) -> str:
+    taken = {getattr(s, "dst", None) for s in L.walk(kernel.body)}
+    name, i = stem, 0
+    while name in taken:
+        i += 1
+        name = f"{stem}{i}"
+    return name
 
 
 def _whole(s, r: str, c: str, R: int, C: int, kernel: L.Kernel) -> bool:
@@ -100,8 +115,10 @@ def flat_rows(kernel: L.Kernel) -> tuple[L.Kernel, int] | None:
     K = next((k for k in K_CHOICES if N % k == 0 and N // k > 1), None)
     if K is None:
         return None
-    flat = L.IBin("+", L.IBin("*", L.Var(r), L.IConst(K)), L.Var(c))
-    sub = {r: L.IBin("//", flat, L.IConst(C)), c: L.IBin("%", flat, L.IConst(C))}
+    # the element's place in the whole as a 32-bit value (N < 2^31): divisions of it by constants
+    # are 32-bit multiplies, where those of the 64-bit index expression were 64-bit ones
+    pos = L.IndexValue(_fresh(kernel, "pos"), L.IBin("+", L.IBin("*", L.Var(r), L.IConst(K)), L.Var(c)), "i32")
+    sub = {r: L.IBin("//", L.Val(pos.dst), L.IConst(C)), c: L.IBin("%", L.Val(pos.dst), L.IConst(C))}
 
     def moved(s):
         if isinstance(s, (L.Load, L.Store)):
@@ -111,7 +128,7 @@ def flat_rows(kernel: L.Kernel) -> tuple[L.Kernel, int] | None:
             return replace(s, expr=_simplified(_subst(s.expr, sub)))
         return s
 
-    body = tuple(moved(s) for s in (*head, *inner.body))
+    body = (pos,) + tuple(moved(s) for s in (*head, *inner.body))
     params = tuple(replace(b, shape=(N // K, K)) if b.name in whole else b for b in kernel.params)
     new = L.Loop(r, N // K, (L.Loop(c, K, body),), parallel=True)
     return replace(kernel, params=params, body=(new,)), K
