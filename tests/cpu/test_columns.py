@@ -240,6 +240,30 @@ def test_a_full_tensor_beside_a_reduced_one_joins_the_column_kernel(any_rows):
     torch.testing.assert_close(p(*ins), fn(*ins))
 
 
+def test_a_transposed_view_is_copied_once_for_its_reductions_and_views():
+    """t = x.permute(0, 2, 1) summed over its last dim and over (0, 1) (a merged reshape of t):
+    one tiles copy that both read (the reshape a free view of it), no PyTorch copy beside it."""
+    fn = lambda x: ((t := x.permute(0, 2, 1)).sum(-1), t.sum((0, 1)))  # noqa: E731
+    x = torch.randn(32, 64, 256)
+    p = tilefuse.compile(fn, (x,))
+    copies = [s for s in _steps(p) if any(getattr(p.graph[n], "op", None) == "permute" for n in s.nodes)
+              or "permute_copy" in s.nodes]
+    assert len(copies) == 1 and copies[0].family == "mapreduce", str(p.plan)
+    for got, want in zip(p(x), fn(x)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+
+
+def test_a_widening_cast_stays_out_of_the_tiles_copy():
+    """The LayerNorm's f32 cast of bf16 x joins the row kernel, not the copy: the copy is written
+    in bf16 (written in f32 it was half again the bytes, a review's finding)."""
+    fn = lambda x, w: torch.nn.functional.layer_norm(x.permute(0, 2, 3, 1), (64,), w)  # noqa: E731
+    x, w = torch.randn(4, 64, 7, 7).bfloat16(), torch.randn(64).bfloat16()
+    p = tilefuse.compile(fn, (x, w))
+    copy, norm = _steps(p)
+    assert [p.graph[o].type.dtype for o in copy.outputs] == ["bf16"], str(p.plan)
+    torch.testing.assert_close(p(x, w).float(), fn(x, w).float(), rtol=2e-2, atol=2e-2)
+
+
 def test_a_transposed_view_a_reduction_reads_is_copied_in_tiles():
     """A LayerNorm over the channels of NHWC read from NCHW (ConvNeXt's): the permute is copied
     by a kernel of its own that reads it in tiles (a map kernel: no PyTorch copy), and the

@@ -333,6 +333,47 @@ def _(draw, dtype):
     return (lambda x, w, b: F.layer_norm(x, ns, w, b, eps)), [randn(s, dtype) * 2 + 1, randn(ns, dtype), randn(ns, dtype)]
 
 
+def _filled(m, dtype):
+    """m in eval mode, its weights and running statistics drawn (variances positive), in dtype."""
+    with torch.no_grad():
+        for name, t in [*m.named_parameters(), *m.named_buffers()]:
+            if t.is_floating_point():
+                t.copy_(torch.rand_like(t) + 0.5 if "var" in name else torch.randn_like(t))
+    return m.eval().to(dtype)
+
+
+@case("batch_norm_eval", "batch_norm")
+def _(draw, dtype):
+    """Running statistics: a per-channel scale and shift, over [N, C], [N, C, L] or [N, C, H, W]."""
+    s = (draw(DIM), draw(DIM)) + draw(shapes(0, 2))
+    cls = {2: torch.nn.BatchNorm1d, 3: torch.nn.BatchNorm1d, 4: torch.nn.BatchNorm2d}[len(s)]
+    m = cls(s[1], eps=draw(st.sampled_from([1e-5, 1e-3])), affine=draw(st.booleans()))
+    return _filled(m, dtype), [randn(s, dtype) * 2 + 1]
+
+
+@case("instance_norm", "instance_norm")
+def _(draw, dtype):
+    """Each channel's own statistics (or the running ones), with and without the affine."""
+    s = (draw(DIM), draw(DIM), draw(st.integers(2, 9)), draw(DIM))
+    m = torch.nn.InstanceNorm2d(s[1], affine=draw(st.booleans()), track_running_stats=draw(st.booleans()))
+    return _filled(m, dtype), [randn(s, dtype) * 2 + 1]
+
+
+@case("group_norm", "group_norm")
+def _(draw, dtype):
+    """Groups of channels' statistics, over [N, C] to [N, C, H, W]."""
+    g = draw(st.sampled_from([1, 2, 3]))
+    s = (draw(DIM), g * draw(st.integers(2, 3))) + draw(shapes(0, 2))  # (PyTorch refuses one value a group)
+    m = torch.nn.GroupNorm(g, s[1], eps=draw(st.sampled_from([1e-5, 1e-2])), affine=draw(st.booleans()))
+    return _filled(m, dtype), [randn(s, dtype) * 2 + 1]
+
+
+@case("hardswish_hardsigmoid", "hardswish", "hardsigmoid")
+def _(draw, dtype):
+    s = draw(shapes())
+    return (lambda x: (F.hardswish(x), F.hardsigmoid(x))), [randn(s, dtype) * 4]
+
+
 @case("rms_norm", "rms_norm")
 def _(draw, dtype):
     s = draw(shapes(1, 3))

@@ -489,6 +489,94 @@ def _layer_norm(b, args, kwargs, out):
     return b.cast(y, out.dtype)
 
 
+def _per_channel(b, v, x):
+    """A [C] vector (a norm's weight, bias or running statistic) broadcast along dim 1 of x, in
+    the type x is computed in."""
+    rank = len(b.type(x).shape)
+    return b.reshape(b.cast(v, b.type(x).dtype), (b.type(v).shape[0],) + (1,) * (rank - 2))
+
+
+def _affine(b, y, w, bias):
+    if w is not None:
+        y = b.map("mul", y, _per_channel(b, w, y))
+    if bias is not None:
+        y = b.map("add", y, _per_channel(b, bias, y))
+    return y
+
+
+def _normalized(b, xf, mean, var, eps):
+    return b.map("mul", b.map("sub", xf, mean), b.map("rsqrt", b.map("add", var, b.scalar(float(eps), var))))
+
+
+@handles("batch_norm")
+def _batch_norm(b, args, kwargs, out):
+    """Inference (running statistics): a per-channel scale and shift, maps that join the kernels
+    around them (a BatchNorm then ReLU is one map kernel). Training-mode statistics (a reduction
+    over every dim but the channels) stay PyTorch's."""
+    x, w, bias, rm, rv, training = args[:6]
+    eps = args[7] if len(args) > 7 else kwargs.get("eps", 1e-5)
+    if training or rm is None or rv is None:
+        raise Unsupported("batch statistics (training mode, or no running statistics)")
+    xf = b.cast(x, _acc(b, x))
+    y = _normalized(b, xf, _per_channel(b, rm, xf), _per_channel(b, rv, xf), eps)
+    return b.cast(_affine(b, y, w, bias), out.dtype)
+
+
+@handles("instance_norm")
+def _instance_norm(b, args, kwargs, out):
+    """Statistics over each channel's own elements (dims 2 and after: a reduction over
+    neighbouring dims, graph/rules/merged_reductions.py), or the running ones where asked."""
+    x, w, bias, rm, rv, use_input_stats = args[:6]
+    eps = args[7] if len(args) > 7 else kwargs.get("eps", 1e-5)
+    xf = b.cast(x, _acc(b, x))
+    rank = len(b.type(x).shape)
+    if not use_input_stats:
+        y = _normalized(b, xf, _per_channel(b, rm, xf), _per_channel(b, rv, xf), eps)
+        return b.cast(_affine(b, y, w, bias), out.dtype)
+    dims = tuple(range(2, rank))
+    mean = b.reduce("mean", xf, dims, True)
+    d = b.map("sub", xf, mean)
+    var = b.reduce("mean", b.map("mul", d, d), dims, True)
+    y = b.map("mul", d, b.map("rsqrt", b.map("add", var, b.scalar(float(eps), var))))
+    return b.cast(_affine(b, y, w, bias), out.dtype)
+
+
+@handles("group_norm")
+def _group_norm(b, args, kwargs, out):
+    """The statistics of each group (a row kernel over x viewed as [N, G, C / G x H x W]), then the
+    normalisation over x's own shape, each group's mean and rsqrt broadcast to its channels (a
+    view of the [N, G] statistics the map kernel reads in place): the maps after it (a UNet's
+    SiLU) join that kernel."""
+    x, groups = args[0], args[1]
+    w = args[2] if len(args) > 2 else kwargs.get("weight")
+    bias = args[3] if len(args) > 3 else kwargs.get("bias")
+    eps = args[4] if len(args) > 4 else kwargs.get("eps", 1e-5)
+    shape = b.type(x).shape
+    N, C, rest = shape[0], shape[1], shape[2:]
+    G = groups
+    xf = b.cast(x, _acc(b, x))
+    xg = b.reshape(xf, (N, G, C // G * math.prod(rest)))
+    mean = b.reduce("mean", xg, (2,), True)
+    d = b.map("sub", xg, mean)
+    var = b.reduce("mean", b.map("mul", d, d), (2,), True)
+    rstd = b.map("rsqrt", b.map("add", var, b.scalar(float(eps), var)))
+
+    def channels(t):  # [N, G, 1] -> [N, C, 1, ...]
+        return b.reshape(b.view("expand", t, (N, G, C // G), (N, G, C // G)), (N, C) + (1,) * len(rest))
+
+    y = b.map("mul", b.map("sub", xf, channels(mean)), channels(rstd))
+    return b.cast(_affine(b, y, w, bias), out.dtype)
+
+
+@handles("hardswish", "hardsigmoid")
+def _hard(b, args, kwargs, out):
+    """MobileNetV3's x * relu6(x + 3) / 6 and relu6(x + 3) / 6, in f32 for 16-bit x (as PyTorch)."""
+    x = b.cast(args[0], _acc(b, args[0]))
+    r = b.map("min", b.map("max", b.map("add", x, b.scalar(3.0, x)), b.scalar(0.0, x)), b.scalar(6.0, x))
+    y = b.map("mul", x, r) if out.op == "hardswish" else r
+    return b.cast(b.map("div", y, b.scalar(6.0, y)), out.dtype)
+
+
 # -- views ---------------------------------------------------------------------------------------
 
 

@@ -19,6 +19,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Optional
 
+from .. import dtypes
 from . import ir
 from .contraction import GemmSpec, match as match_gemm
 
@@ -193,6 +194,7 @@ class _Planner:
             and max(x for x in n.axes if g[n.arg].type.shape[x] != 1) != len(g[n.arg].type.shape) - 1
             for n in g.nodes)
         self.users = g.users()
+        self._feeds: dict[str, bool] = {}  # feeds_rows, memoised
         self.group_of: dict[str, Step] = {}
         self.steps: list[Step] = []
         self.gemm_specs: dict[str, GemmSpec] = {}   # contraction -> its GEMM
@@ -453,10 +455,23 @@ class _Planner:
         """A map reading a transposed view is computed in tiles (codegen/tiles.py), which a kernel
         with a reduction has not: the two stay apart, the map's result written for the
         reduction's kernel (what `transposed_results_as_copies` copies such a view with)."""
+        g = self.g
+        tiled = any(isinstance(g[x], ir.Map) and _reads_transposed(g, g[x]) for x in step.nodes)
         if isinstance(n, ir.Map):
-            return step.passes > 0 and _reads_transposed(self.g, n)
-        return isinstance(n, ir.Reduce) and any(isinstance(self.g[x], ir.Map) and _reads_transposed(self.g, self.g[x])
-                                                 for x in step.nodes)
+            # nor does a widening cast join the tiles (a LayerNorm's f32 copy of bf16 x): the copy
+            # would be written in the wider type, and read so; nor a map a row reduction reads
+            # (computed in the tiles, it would be written for the reduction's kernel, which could
+            # compute it from the copy it reads anyway)
+            return (step.passes > 0 and _reads_transposed(g, n)) or (tiled and (_widens(g, n) or self.feeds_rows(n.name)))
+        return isinstance(n, ir.Reduce) and tiled
+
+    def feeds_rows(self, name: str) -> bool:
+        """Whether a reduction over the last dim reads `name`, directly or through maps and views."""
+        if name not in self._feeds:
+            from .rules.permute_sink import reaches_row_reduction
+
+            self._feeds[name] = reaches_row_reduction(self.g, self.users, name)
+        return self._feeds[name]
 
     def try_join(self, n) -> Step | None:
         producers = []
@@ -854,6 +869,11 @@ def _transposes(g: ir.Graph, view: str, root: str) -> bool:
             return True
         view = g[view].arg
     return False
+
+
+def _widens(g: ir.Graph, n) -> bool:
+    """Map `n`'s result takes more bytes an element than any of its arguments."""
+    return dtypes.itemsize(n.type.dtype) > max((dtypes.itemsize(g[a].type.dtype) for a in n.args), default=0)
 
 
 def _reads_transposed(g: ir.Graph, n) -> bool:

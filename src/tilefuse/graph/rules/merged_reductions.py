@@ -60,6 +60,7 @@ class _Merge:
     def __init__(self, g: ir.Graph, ed: Editor, users: dict, outputs: set, full: tuple, i: int, j: int, source: str):
         self.g, self.ed, self.users, self.outputs = g, ed, users, outputs
         self.full, self.rank, self.i, self.j, self.source = full, len(full), i, j, source
+        self.key = (tuple(full), i, j)
         self.nodes: list = []
         self.merged: dict[str, str] = {}  # a tensor of the full shape -> its merged version
         self.views: dict[tuple, str] = {}  # one view a tensor and shape: a kernel reads it once
@@ -121,6 +122,11 @@ class _Merge:
         """Map `n` of the full shape after the reduction (`x * sigmoid(x.mean((2, 3), keepdim=True))`,
         a squeeze-and-excitation) computed in the merged shape, then viewed back as itself: the
         new nodes, or None where an argument has no merged version."""
+        for x in n.args:  # (a map of the full shape computed for others too: read back, a pass more)
+            a = self.g[x]
+            if (x not in self.merged and isinstance(a, ir.Map) and a.type.shape == self.full
+                    and (len(set(self.users[x])) != 1 or x in self.outputs)):
+                return None
         mark = len(self.nodes)
         args = [self.arg(x) for x in n.args]
         if any(x is None for x in args):
@@ -135,17 +141,45 @@ class _Merge:
 
 
 def merged_reductions(g: ir.Graph) -> ir.Graph:
+    # a dry run finds the maps that could move below a merged reduction; of those, only the ones
+    # whose every reader moves too (or reads the merged value: a reduction over the same run, an
+    # output's view) move: one left behind would read the moved map's result back, a full tensor
+    # written and read that the kernel of maps after the reduction never wrote
+    _, moved, merged_by = _rewrite(g, None)
+    if not moved:
+        return _rewrite(g, frozenset())[0]
+    users, outputs = g.users(), set(g.outputs)
+    keep = set(moved)
+    while True:
+        drop = {m for m in keep
+                if any(u not in keep and not (merged_by.get(u) is not None and merged_by[u] == moved[m])
+                       for u in users[m])
+                or any(a in moved and a not in keep for a in g[m].args)}
+        if not drop:
+            break
+        keep -= drop
+    return _rewrite(g, frozenset(keep))[0]
+
+
+def _rewrite(g: ir.Graph, allowed: frozenset | None) -> tuple[ir.Graph, dict, dict]:
+    """(the graph rewritten, the maps moved below -> their merge's run, the reductions merged ->
+    their run); `allowed`: the maps that may move below (None: any that can)."""
     users, outputs = g.users(), set(g.outputs)
     ed, nodes, changed = Editor(g), [], False
     after: dict[str, _Merge] = {}  # a tensor computed from a merged reduction's result -> that merge
+    runs: dict[tuple, _Merge] = {}   # (shape, i, j) -> the merge of reductions over that run
+    moved: dict[str, tuple] = {}
+    merged_by: dict[str, tuple] = {}
     for n in g.nodes:
         if isinstance(n, ir.Map):
             merges = list({id(after[a]): after[a] for a in n.args if a in after}.values())
             if len(merges) == 1:
                 mg = after[n.name] = merges[0]
-                new = mg.below(n) if n.type.shape == mg.full else None
+                new = (mg.below(n) if n.type.shape == mg.full and (allowed is None or n.name in allowed)
+                       else None)
                 if new is not None:
                     nodes += new
+                    moved[n.name] = mg.key
                     continue
         run = _run(g[n.arg].type.shape, n.axes) if isinstance(n, ir.Reduce) else None
         if run is None or not _taken(g[n.arg].type.shape, *run):
@@ -153,8 +187,11 @@ def merged_reductions(g: ir.Graph) -> ir.Graph:
             continue
         i, j = run
         xs = g[n.arg].type.shape
-        mg = _Merge(g, ed, users, outputs, xs, i, j, n.source)
-        x = mg.map(n.arg) if isinstance(g[n.arg], ir.Map) else mg.view(n.arg, _merged(xs, i, j))
+        # reductions over the same run of one shape share their merged tensors: an InstanceNorm's
+        # variance reads x - mean as the mean's kernel computed it, merged (one kernel, not three)
+        mg = runs.setdefault((xs, i, j), _Merge(g, ed, users, outputs, xs, i, j, n.source))
+        x = (mg.merged.get(n.arg) or mg.map(n.arg) if isinstance(g[n.arg], ir.Map)
+             else mg.view(n.arg, _merged(xs, i, j)))
         ms = _merged(xs, i, j)
         kept = tuple(d for k, d in enumerate(ms) if k != i or n.keepdim)
         rt = ir.TensorType(tuple(1 if k == i else d for k, d in enumerate(ms)) if n.keepdim else kept, n.type.dtype)
@@ -162,5 +199,6 @@ def merged_reductions(g: ir.Graph) -> ir.Graph:
         nodes += mg.nodes + [r, ir.View(n.name, n.type, "reshape", r.name, tuple(n.type.shape), n.source)]
         mg.nodes = []
         after[n.name] = mg
+        merged_by[n.name] = mg.key
         changed = True
-    return ed.graph(nodes) if changed else g
+    return (ed.graph(nodes) if changed else g), moved, merged_by

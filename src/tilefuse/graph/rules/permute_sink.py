@@ -259,15 +259,21 @@ def results_in_eager_layout(g: ir.Graph) -> ir.Graph:
     return ed.graph(nodes, outs) if changed else g
 
 
-def _reaches_reduction(g: ir.Graph, users: dict, name: str) -> bool:
-    """Whether a reduction reads `name`, directly or through maps."""
+def reaches_row_reduction(g: ir.Graph, users: dict, name: str) -> bool:
+    """Whether a reduction over the last dim (a row kernel's, which reads rows along it) reads
+    `name`, directly or through maps and views. (One over other dims runs in a column kernel or
+    in PyTorch; maps before it are read in tiles as they are.)"""
     seen, stack = set(), [name]
     while stack:
         x = stack.pop()
         for u in users.get(x, ()):
-            if isinstance(g[u], ir.Reduce):
-                return True
-            if isinstance(g[u], ir.Map) and u not in seen:
+            n = g[u]
+            if isinstance(n, ir.Reduce):
+                shape = g[n.arg].type.shape
+                if [a for a in n.axes if shape[a] != 1] == [len(shape) - 1]:
+                    return True
+                continue
+            if isinstance(g[u], (ir.Map, ir.View)) and u not in seen:
                 seen.add(u)
                 stack.append(u)
     return False
@@ -283,7 +289,7 @@ def transposed_results_as_copies(g: ir.Graph) -> ir.Graph:
     constant, an iota: made where it is read, no view of it is read in place), of a written
     input, or of no element.
 
-    Likewise one a reduction reads, directly or through maps (a LayerNorm over the channels of
+    Likewise one a reduction reads, directly or through maps and views (a LayerNorm over the channels of
     NHWC read from NCHW, ConvNeXt's): a kernel with a reduction does not read a transposed
     tensor in place (its rows would load an element a transaction), so PyTorch copied it, at
     eager's copy speed; now the tiles kernel copies it for every reader."""
@@ -311,7 +317,7 @@ def transposed_results_as_copies(g: ir.Graph) -> ir.Graph:
         if g.outputs.count(name) == 1 and copied(name):
             outs[i] = copy_of(name)
             changed = True
-    reduced = {n.name for n in g.nodes if ir.node_args(n) and _reaches_reduction(g, users, n.name) and copied(n.name)}
+    reduced = {n.name for n in g.nodes if ir.node_args(n) and reaches_row_reduction(g, users, n.name) and copied(n.name)}
     nodes = []
     for n in g.nodes:
         if isinstance(n, ir.Contraction) and copied(n.a):
@@ -320,7 +326,7 @@ def transposed_results_as_copies(g: ir.Graph) -> ir.Graph:
         elif isinstance(n, ir.Map) and reduced & set(n.args):
             n = replace(n, args=tuple(copy_of(a) if a in reduced else a for a in n.args))
             changed = True
-        elif isinstance(n, ir.Reduce) and n.arg in reduced:
+        elif isinstance(n, (ir.Reduce, ir.View)) and n.arg in reduced:  # (a view of it: of the copy, which is free)
             n = replace(n, arg=copy_of(n.arg))
             changed = True
         nodes.append(n)
