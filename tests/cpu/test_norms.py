@@ -13,20 +13,12 @@ import tilefuse
 from tilefuse.runtime.launch import compile_source_only
 
 
-def _filled(m):
-    with torch.no_grad():
-        for name, t in [*m.named_parameters(), *m.named_buffers()]:
-            if t.is_floating_point():
-                t.copy_(torch.rand_like(t) + 0.5 if "var" in name else torch.randn_like(t))
-    return m.eval()
-
-
 def _steps(p):
     return [s for s in p.plan.steps if s.family != "alias" and not s.view]
 
 
-def test_batchnorm_then_relu_is_one_map_kernel():
-    bn = _filled(nn.BatchNorm2d(16))
+def test_batchnorm_then_relu_is_one_map_kernel(filled):
+    bn = filled(nn.BatchNorm2d(16))
     fn = lambda x: F.relu(bn(x))  # noqa: E731
     x = torch.randn(4, 16, 9, 9)
     p = tilefuse.compile(fn, (x,))
@@ -46,10 +38,10 @@ def test_batchnorm_with_batch_statistics_stays_pytorchs():
         torch.testing.assert_close(p(x), bn(x))
 
 
-def test_instance_norm_is_one_row_kernel():
+def test_instance_norm_is_one_row_kernel(filled):
     """Mean and variance over each channel's H x W (merged: graph/rules/merged_reductions.py),
     x - mean computed once for both, the normalised value in the same kernel."""
-    m = _filled(nn.InstanceNorm2d(64, affine=True))
+    m = filled(nn.InstanceNorm2d(64, affine=True))
     x = torch.randn(8, 64, 12, 12)
     p = tilefuse.compile(m, (x,))
     (s,) = _steps(p)
@@ -59,11 +51,11 @@ def test_instance_norm_is_one_row_kernel():
 
 
 @pytest.mark.parametrize("shape", [(2, 32, 16, 16), (3, 12, 5), (4, 6)], ids=str)
-def test_group_norm_then_silu_is_two_kernels(shape):
+def test_group_norm_then_silu_is_two_kernels(shape, filled):
     """The groups' statistics (rows of C / G x H x W), then one map kernel over x's shape that
     normalises, scales and takes the SiLU, reading the [N, G] statistics broadcast to channels
     in place (no copy, no PyTorch op)."""
-    gn = _filled(nn.GroupNorm(shape[1] // 2 if shape[1] > 8 else 3, shape[1]))
+    gn = filled(nn.GroupNorm(shape[1] // 2 if shape[1] > 8 else 3, shape[1]))
     fn = lambda x: F.silu(gn(x))  # noqa: E731
     x = torch.randn(shape)
     p = tilefuse.compile(fn, (x,))
@@ -86,9 +78,9 @@ def test_hardswish_joins_the_maps_around_it():
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_80"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
-def test_norm_kernels_build_without_spills(dtype, arch):
-    gn = _filled(nn.GroupNorm(32, 320)).to(dtype)
-    inorm = _filled(nn.InstanceNorm2d(64, affine=True)).to(dtype)
+def test_norm_kernels_build_without_spills(dtype, arch, filled):
+    gn = filled(nn.GroupNorm(32, 320)).to(dtype)
+    inorm = filled(nn.InstanceNorm2d(64, affine=True)).to(dtype)
     for fn, x in [(lambda x: F.silu(gn(x)), torch.randn(2, 320, 32, 32)), (inorm, torch.randn(4, 64, 28, 28))]:
         p = tilefuse.compile(fn, (x.to(dtype),))
         for lw in p.kernels.values():
