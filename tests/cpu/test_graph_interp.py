@@ -368,6 +368,56 @@ def _(draw, dtype):
     return _filled(m, dtype), [randn(s, dtype) * 2 + 1]
 
 
+def _specials(x):
+    """x with a NaN, infinities and zeros among its values (where they fit)."""
+    flat = x.flatten()
+    for i, v in enumerate([float("nan"), float("inf"), -float("inf"), 0.0, -0.0][:flat.numel()]):
+        flat[i] = v
+    return flat.reshape(x.shape)
+
+
+@case("elu_family", "elu", "selu", "celu")
+def _(draw, dtype):
+    s = draw(shapes())
+    a = draw(st.sampled_from([1.0, 0.5, 2.0]))
+    return (lambda x: (F.elu(x, a), F.selu(x), F.celu(x, a))), [_specials(randn(s, dtype) * 4)]
+
+
+@case("softplus_mish_logsigmoid", "softplus", "mish", "log_sigmoid")
+def _(draw, dtype):
+    s = draw(shapes())
+    beta, th = draw(st.sampled_from([(1.0, 20.0), (2.0, 5.0), (0.5, 1.0)]))
+    return (lambda x: (F.softplus(x, beta, th), F.mish(x), F.logsigmoid(x))), [_specials(randn(s, dtype) * 8)]
+
+
+@case("leaky_relu_relu6_threshold", "leaky_relu", "relu6", "threshold")
+def _(draw, dtype):
+    s = draw(shapes())
+    return (lambda x: (F.leaky_relu(x, 0.2), F.relu6(x), F.threshold(x, 0.5, -3.0))), [_specials(randn(s, dtype) * 4)]
+
+
+@case("shrinks", "hardshrink", "softshrink")
+def _(draw, dtype):
+    s = draw(shapes())
+    lam = draw(st.sampled_from([0.5, 1.0, 0.0]))
+    return (lambda x: (F.hardshrink(x, lam), F.softshrink(x, lam))), [_specials(randn(s, dtype) * 2)]
+
+
+@case("prelu", "prelu")
+def _(draw, dtype):
+    s = draw(shapes(2, 4))
+    per_channel = draw(st.booleans())
+    return (lambda x, w: F.prelu(x, w)), [randn(s, dtype) * 2, randn((s[1] if per_channel else 1,), dtype)]
+
+
+@case("glu", "glu")
+def _(draw, dtype):
+    s = list(draw(shapes()))
+    d = draw(st.integers(0, len(s) - 1))
+    s[d] *= 2
+    return (lambda x: F.glu(x, d)), [randn(tuple(s), dtype) * 3]
+
+
 @case("hardswish_hardsigmoid", "hardswish", "hardsigmoid")
 def _(draw, dtype):
     s = draw(shapes())

@@ -160,6 +160,129 @@ def _gelu(b, args, kwargs, out):
     return b.cast(y, out.dtype)
 
 
+def _arg(args, kwargs, i, name, default):
+    return args[i] if len(args) > i else kwargs.get(name, default)
+
+
+def _float_in(b, x, out):
+    """x in the type an activation computes in: f32 for 16-bit floats (rounded once, at the end,
+    as PyTorch's kernels); an integer x is refused (PyTorch's activations take floats)."""
+    if not dtypes.is_float(b.type(x).dtype):
+        raise Unsupported(f"{out.op} of {b.type(x).dtype} (PyTorch takes floats)")
+    return b.cast(x, _acc(b, x))
+
+
+def _elu_of(b, x, alpha, scale, input_scale):
+    """x > 0 ? scale x : alpha scale expm1(input_scale x) (ELU, SELU, CELU)."""
+    neg = b.map("mul", b.scalar(alpha * scale, x), b.map("expm1", b.map("mul", x, b.scalar(input_scale, x))))
+    return b.map("where", b.map("gt", x, b.scalar(0.0, x)), b.map("mul", x, b.scalar(scale, x)), neg)
+
+
+def _softplus_of(b, x, beta=1.0, threshold=20.0):
+    """log1p(exp(beta x)) / beta, and x itself where beta x > threshold (PyTorch's softplus)."""
+    bx = b.map("mul", x, b.scalar(beta, x))
+    soft = b.map("div", b.map("log1p", b.map("exp", bx)), b.scalar(beta, x))
+    return b.map("where", b.map("gt", bx, b.scalar(threshold, x)), x, soft)
+
+
+@handles("elu", "selu", "celu")
+def _elu(b, args, kwargs, out):
+    x = _float_in(b, args[0], out)
+    if out.op == "selu":
+        y = _elu_of(b, x, 1.6732632423543772848170429916717, 1.0507009873554804934193349852946, 1.0)
+    elif out.op == "celu":
+        alpha = _arg(args, kwargs, 1, "alpha", 1.0)
+        y = _elu_of(b, x, alpha, 1.0, 1.0 / alpha)
+    else:
+        y = _elu_of(b, x, _arg(args, kwargs, 1, "alpha", 1.0), _arg(args, kwargs, 2, "scale", 1.0),
+                    _arg(args, kwargs, 3, "input_scale", 1.0))
+    return b.cast(y, out.dtype)
+
+
+@handles("softplus")
+def _softplus(b, args, kwargs, out):
+    x = _float_in(b, args[0], out)
+    return b.cast(_softplus_of(b, x, _arg(args, kwargs, 1, "beta", 1.0), _arg(args, kwargs, 2, "threshold", 20.0)),
+                  out.dtype)
+
+
+@handles("mish")
+def _mish(b, args, kwargs, out):
+    """x tanh(log1p(exp(x))) (PyTorch's: no threshold; an exp that overflows gives tanh(inf) = 1)."""
+    x = _float_in(b, args[0], out)
+    return b.cast(b.map("mul", x, b.map("tanh", b.map("log1p", b.map("exp", x)))), out.dtype)
+
+
+@handles("log_sigmoid")
+def _log_sigmoid(b, args, kwargs, out):
+    """min(x, 0) - log1p(exp(-|x|)): log(sigmoid(x)) without its underflow for large -x."""
+    x = _float_in(b, args[0], out)
+    y = b.map("sub", b.map("min", x, b.scalar(0.0, x)), b.map("log1p", b.map("exp", b.map("neg", b.map("abs", x)))))
+    return b.cast(y, out.dtype)
+
+
+@handles("leaky_relu")
+def _leaky_relu(b, args, kwargs, out):
+    x = _float_in(b, args[0], out)
+    slope = _arg(args, kwargs, 1, "negative_slope", 0.01)
+    y = b.map("where", b.map("gt", x, b.scalar(0.0, x)), x, b.map("mul", x, b.scalar(slope, x)))
+    return b.cast(y, out.dtype)
+
+
+@handles("prelu")
+def _prelu(b, args, kwargs, out):
+    """x > 0 ? x : w x, w one value or one per channel (dim 1; dim 0 of a 1-D x)."""
+    x = _float_in(b, args[0], out)
+    w = b.cast(args[1], b.type(x).dtype)
+    rank, n = len(b.type(x).shape), b.type(w).numel
+    if n > 1 and rank >= 2:
+        w = b.reshape(w, (n,) + (1,) * (rank - 2))
+    y = b.map("where", b.map("gt", x, b.scalar(0.0, x)), x, b.map("mul", w, x))
+    return b.cast(y, out.dtype)
+
+
+@handles("threshold")
+def _threshold(b, args, kwargs, out):
+    """x <= threshold ? value : x, in x's type (as PyTorch compares and fills: a NaN stays)."""
+    x, th, value = args[0], args[1], args[2]
+    return b.map("where", b.map("le", x, b.scalar(th, x, "where")), b.scalar(value, x, "where"), x)
+
+
+@handles("hardshrink", "softshrink")
+def _shrink(b, args, kwargs, out):
+    """hardshrink: 0 where -l <= x <= l, else x; softshrink: x - l above l, x + l below -l, else
+    0 (x * 0: a NaN stays NaN, as PyTorch's)."""
+    x = _float_in(b, args[0], out)
+    lam = _arg(args, kwargs, 1, "lambd", 0.5)
+    hi, lo = b.scalar(lam, x), b.scalar(-lam, x)
+    if out.op == "hardshrink":
+        inside = b.map("and", b.map("ge", x, lo), b.map("le", x, hi))
+        y = b.map("where", inside, b.scalar(0.0, x), x)
+    else:
+        y = b.map("where", b.map("gt", x, hi), b.map("sub", x, hi),
+                  b.map("where", b.map("lt", x, lo), b.map("add", x, hi), b.map("mul", x, b.scalar(0.0, x))))
+    return b.cast(y, out.dtype)
+
+
+@handles("relu6")
+def _relu6(b, args, kwargs, out):
+    x = args[0]
+    return b.map("min", b.map("max", x, b.scalar(0, x, "max")), b.scalar(6, x, "min"))
+
+
+@handles("glu")
+def _glu(b, args, kwargs, out):
+    """a * sigmoid(g), a and g the two halves of x along dim (views of it, read in place)."""
+    x = args[0]
+    shape = b.type(x).shape
+    dim = _arg(args, kwargs, 1, "dim", -1) % len(shape)
+    half = shape[dim] // 2
+    piece = tuple(half if i == dim else d for i, d in enumerate(shape))
+    a = _float_in(b, b.view("slice", x, piece, (dim, 0, half, 1)), out)
+    g = _float_in(b, b.view("slice", x, piece, (dim, half, 2 * half, 1)), out)
+    return b.cast(b.map("mul", a, b.map("sigmoid", g)), out.dtype)
+
+
 def _promoted(b, x, out):
     """x in the clamp's result dtype: a float bound promotes an integer tensor (clamp(u8, -1,
     1e5) is f32, its bounds compared as floats; in u8 the -1 wrapped to 255)."""

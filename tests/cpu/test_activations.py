@@ -1,0 +1,49 @@
+"""Activations lowered to maps (frontend/aten.py): ELU, SELU, CELU, softplus, Mish, log-sigmoid,
+leaky ReLU, PReLU, ReLU6, threshold, hard/soft shrink, GLU. Each was a PyTorch op in the plan
+(`tilefuse does not lower aten.mish`); now each joins the maps around it in one kernel, computes
+what PyTorch computes (NaN, infinities and zeros among the values), and builds for the GPUs."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import tilefuse
+from tilefuse.runtime.launch import compile_source_only
+
+W = torch.randn(64)
+ACTS = {
+    "elu": lambda x: F.elu(x, 0.5), "selu": F.selu, "celu": lambda x: F.celu(x, 2.0),
+    "softplus": lambda x: F.softplus(x, 2.0, 5.0), "mish": F.mish, "logsigmoid": F.logsigmoid,
+    "leaky_relu": lambda x: F.leaky_relu(x, 0.1), "prelu": lambda x: F.prelu(x, W.to(x.dtype)), "relu6": F.relu6,
+    "threshold": lambda x: F.threshold(x, 0.5, -2.0), "hardshrink": F.hardshrink, "softshrink": F.softshrink,
+    "glu": F.glu,
+}
+
+
+def _x(dtype=torch.float32):
+    x = torch.randn(16, 64) * 6
+    x[0, :5] = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, -0.0])
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("name", sorted(ACTS))
+def test_an_activation_is_one_kernel_with_its_neighbours(name):
+    act = ACTS[name]
+    fn = lambda x: act(x * 2 + 1) - 3  # noqa: E731
+    x = _x()
+    p = tilefuse.compile(fn, (x,))
+    steps = [s for s in p.plan.steps if s.family != "alias" and not s.view]
+    assert [s.family for s in steps] == ["mapreduce"] * len(steps) and len(steps) <= (2 if name == "glu" else 1), str(p.plan)
+    torch.testing.assert_close(p(x), fn(x), equal_nan=True, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_80"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_activation_kernels_build_without_spills(dtype, arch):
+    x = _x(dtype)
+    for name, act in ACTS.items():
+        p = tilefuse.compile(act, (x,))
+        for lw in p.kernels.values():
+            src, cubin = compile_source_only(lw.kernel, arch)
+            assert cubin.info.clean, f"{name} {arch} {src.schedule}: {cubin.info}"
