@@ -37,6 +37,7 @@ def test_a_gate_over_rows_of_14_walks_rows_of_1024():
     assert k.body[0].extent == 98 and k.body[0].body[0].extent == 1024
     assert [b.shape for b in k.params] == [(98, 1024), (16, 32), (98, 1024)]
     assert mapreduce.default_schedule(k).vector == 4  # (f32: 16 bytes)
+    assert "walked as 98 rows of 1024 of the whole (rows of 14 are short" in str(p.plan)
     torch.testing.assert_close(p(x, s), _gate(x, s))
 
 

@@ -1044,10 +1044,8 @@ def format_plan(p: Plan) -> str:
         lines.append(f"    writes {', '.join(f'{t}: {g[t].type}' for t in s.outputs)}")
         lines.append(f"    fuses  {', '.join(s.nodes)}")
         if s.reads:
-            reduces = any(isinstance(g[x], ir.Reduce) for x in s.nodes)
             lines.append(f"    in place {', '.join(f'{v} from {t}' for v, t in s.reads.items())} (no copy"
-                         + ((": a transpose of the last dim, read across rows, a row a thread)" if reduces
-                             else "; a transpose of the last dim: the kernel reads it in 2-D tiles)")
+                         + ("; a transpose of the last dim: the kernel reads it in 2-D tiles)"
                             if any(_transposes(g, v, t) for v, t in s.reads.items()) else ")"))
         if s.gemm and (s.gemm.maps or s.gemm.pairwise):
             sp = s.gemm
