@@ -50,6 +50,39 @@ def test_instance_norm_is_one_row_kernel(filled):
         torch.testing.assert_close(p(x), m(x), rtol=1e-5, atol=1e-5)
 
 
+def test_instance_norm_before_a_conv_and_at_few_rows_is_one_kernel(filled):
+    """Before a conv (a PyTorch op reading the result: written anyway), at batch 1 (64 rows), and
+    in bf16 (the f32 cast read through the [N, C, L] view in the kernel, not a kernel of its own):
+    one row kernel each (a review's findings: 4, 5 and 4 steps)."""
+    conv = nn.Conv2d(40, 8, 3).eval()
+    inorm = filled(nn.InstanceNorm2d(64, affine=True))
+    cases = [(lambda x: conv(F.instance_norm(x)), torch.randn(8, 40, 6, 6), ["mapreduce", "extern"]),
+             (inorm, torch.randn(1, 64, 20, 20), ["mapreduce"]),
+             (nn.InstanceNorm2d(64).eval(), torch.randn(8, 64, 12, 12).bfloat16(), ["mapreduce"])]
+    for fn, x, families in cases:
+        p = tilefuse.compile(fn, (x,))
+        assert [s.family for s in _steps(p)] == families, str(p.plan)
+        with torch.no_grad():
+            want = fn(x)
+        torch.testing.assert_close(p(x).float(), want.float(), rtol=1e-2 if x.dtype == torch.bfloat16 else 1e-5,
+                                   atol=5e-2 if x.dtype == torch.bfloat16 else 1e-5)
+
+
+def test_a_bf16_group_norm_is_two_kernels(filled):
+    gn = filled(nn.GroupNorm(8, 64)).bfloat16()
+    x = torch.randn(2, 64, 10, 10).bfloat16()
+    p = tilefuse.compile(lambda x: F.silu(gn(x)), (x,))
+    assert [s.family for s in _steps(p)] == ["mapreduce", "mapreduce"], str(p.plan)
+
+
+def test_hardshrink_compares_in_the_inputs_type():
+    """lambda rounded to bf16 (0.3 -> 0.30078125) and compared there, as PyTorch's kernels do:
+    0.30078125 shrinks to 0 (compared in f32 with 0.3 it stayed)."""
+    x = torch.tensor([0.30078125, -0.30078125, 0.3046875, float("nan")], dtype=torch.bfloat16)
+    p = tilefuse.compile(lambda x: F.hardshrink(x, 0.3), (x,))
+    torch.testing.assert_close(p(x), F.hardshrink(x, 0.3), equal_nan=True)
+
+
 @pytest.mark.parametrize("shape", [(2, 32, 16, 16), (3, 12, 5), (4, 6)], ids=str)
 def test_group_norm_then_silu_is_two_kernels(shape, filled):
     """The groups' statistics (rows of C / G x H x W), then one map kernel over x's shape that

@@ -243,7 +243,8 @@ def _prelu(b, args, kwargs, out):
 
 @handles("threshold")
 def _threshold(b, args, kwargs, out):
-    """x <= threshold ? value : x, in x's type (as PyTorch compares and fills: a NaN stays)."""
+    """x <= threshold ? value : x, in x's type, threshold and value rounded to it (PyTorch's CUDA
+    kernel; its CPU one compares 16-bit x with the unrounded threshold), a NaN kept."""
     x, th, value = args[0], args[1], args[2]
     return b.map("where", b.map("le", x, b.scalar(th, x, "where")), b.scalar(value, x, "where"), x)
 
@@ -252,15 +253,17 @@ def _threshold(b, args, kwargs, out):
 def _shrink(b, args, kwargs, out):
     """hardshrink: 0 where -l <= x <= l, else x; softshrink: x - l above l, x + l below -l, else
     0 (x * 0: a NaN stays NaN, as PyTorch's)."""
-    x = _float_in(b, args[0], out)
     lam = _arg(args, kwargs, 1, "lambd", 0.5)
+    if out.op == "hardshrink":  # (compared in x's own type, lambda rounded to it: PyTorch's kernels)
+        x = args[0]
+        if not dtypes.is_float(b.type(x).dtype):
+            raise Unsupported(f"hardshrink of {b.type(x).dtype} (PyTorch takes floats)")
+        inside = b.map("and", b.map("ge", x, b.scalar(-lam, x, "ge")), b.map("le", x, b.scalar(lam, x, "le")))
+        return b.map("where", inside, b.scalar(0.0, x, "where"), x)
+    x = _float_in(b, args[0], out)
     hi, lo = b.scalar(lam, x), b.scalar(-lam, x)
-    if out.op == "hardshrink":
-        inside = b.map("and", b.map("ge", x, lo), b.map("le", x, hi))
-        y = b.map("where", inside, b.scalar(0.0, x), x)
-    else:
-        y = b.map("where", b.map("gt", x, hi), b.map("sub", x, hi),
-                  b.map("where", b.map("lt", x, lo), b.map("add", x, hi), b.map("mul", x, b.scalar(0.0, x))))
+    y = b.map("where", b.map("gt", x, hi), b.map("sub", x, hi),
+              b.map("where", b.map("lt", x, lo), b.map("add", x, hi), b.map("mul", x, b.scalar(0.0, x))))
     return b.cast(y, out.dtype)
 
 
@@ -647,21 +650,23 @@ def _batch_norm(b, args, kwargs, out):
 
 @handles("instance_norm")
 def _instance_norm(b, args, kwargs, out):
-    """Statistics over each channel's own elements (dims 2 and after: a reduction over
-    neighbouring dims, graph/rules/merged_reductions.py), or the running ones where asked."""
+    """Statistics over each channel's own elements: x viewed as [N, C, L] (L the elements after
+    dim 1) and normalised along L, a row kernel at any N x C (not a merged reduction's, which
+    leaves few rows to PyTorch), affine there too; or the running statistics where asked."""
     x, w, bias, rm, rv, use_input_stats = args[:6]
     eps = args[7] if len(args) > 7 else kwargs.get("eps", 1e-5)
-    xf = b.cast(x, _acc(b, x))
-    rank = len(b.type(x).shape)
+    shape = b.type(x).shape
     if not use_input_stats:
+        xf = b.cast(x, _acc(b, x))
         y = _normalized(b, xf, _per_channel(b, rm, xf), _per_channel(b, rv, xf), eps)
         return b.cast(_affine(b, y, w, bias), out.dtype)
-    dims = tuple(range(2, rank))
-    mean = b.reduce("mean", xf, dims, True)
+    xr = b.reshape(x, (shape[0], shape[1], math.prod(shape[2:])))
+    xf = b.cast(xr, _acc(b, x))  # (cast after the view: a view of a cast is a kernel's output)
+    mean = b.reduce("mean", xf, (2,), True)
     d = b.map("sub", xf, mean)
-    var = b.reduce("mean", b.map("mul", d, d), dims, True)
+    var = b.reduce("mean", b.map("mul", d, d), (2,), True)
     y = b.map("mul", d, b.map("rsqrt", b.map("add", var, b.scalar(float(eps), var))))
-    return b.cast(_affine(b, y, w, bias), out.dtype)
+    return b.reshape(b.cast(_affine(b, y, w, bias), out.dtype), shape)
 
 
 @handles("group_norm")
@@ -678,7 +683,7 @@ def _group_norm(b, args, kwargs, out):
     N, C, rest = shape[0], shape[1], shape[2:]
     G = groups
     xf = b.cast(x, _acc(b, x))
-    xg = b.reshape(xf, (N, G, C // G * math.prod(rest)))
+    xg = b.cast(b.reshape(x, (N, G, C // G * math.prod(rest))), _acc(b, x))  # (cast after the view, as above)
     mean = b.reduce("mean", xg, (2,), True)
     d = b.map("sub", xg, mean)
     var = b.reduce("mean", b.map("mul", d, d), (2,), True)

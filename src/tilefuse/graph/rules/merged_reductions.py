@@ -142,18 +142,28 @@ class _Merge:
 
 def merged_reductions(g: ir.Graph) -> ir.Graph:
     # a dry run finds the maps that could move below a merged reduction; of those, only the ones
-    # whose every reader moves too (or reads the merged value: a reduction over the same run, an
-    # output's view) move: one left behind would read the moved map's result back, a full tensor
-    # written and read that the kernel of maps after the reduction never wrote
+    # no map, view or other reduction reads from outside the move: such a reader, left in x's
+    # shape, would read the moved map's result back, a full tensor written and read that the
+    # kernel of maps after the reduction never wrote. (A reduction over the same run reads it
+    # merged; an output, a matmul or a PyTorch op (a conv after an InstanceNorm) needs the
+    # tensor written anyway.)
     _, moved, merged_by = _rewrite(g, None)
     if not moved:
         return _rewrite(g, frozenset())[0]
-    users, outputs = g.users(), set(g.outputs)
+    users = g.users()
+
+    def blocks(u: str, m: str) -> bool:
+        if u in keep:
+            return False
+        n = g[u]
+        if isinstance(n, ir.Reduce):
+            return merged_by.get(u) != moved[m]
+        return isinstance(n, (ir.Map, ir.View))
+
     keep = set(moved)
     while True:
         drop = {m for m in keep
-                if any(u not in keep and not (merged_by.get(u) is not None and merged_by[u] == moved[m])
-                       for u in users[m])
+                if any(blocks(u, m) for u in users[m])
                 or any(a in moved and a not in keep for a in g[m].args)}
         if not drop:
             break
