@@ -15,7 +15,7 @@ W = torch.randn(64)
 ACTS = {
     "elu": lambda x: F.elu(x, 0.5), "selu": F.selu, "celu": lambda x: F.celu(x, 2.0),
     "softplus": lambda x: F.softplus(x, 2.0, 5.0), "mish": F.mish, "logsigmoid": F.logsigmoid,
-    "leaky_relu": lambda x: F.leaky_relu(x, 0.1), "prelu": lambda x: F.prelu(x, W.to(x.dtype)), "relu6": F.relu6,
+    "leaky_relu": lambda x: F.leaky_relu(x, 0.1), "rrelu": lambda x: F.rrelu(x, 0.1, 0.3, training=False), "prelu": lambda x: F.prelu(x, W.to(x.dtype)), "relu6": F.relu6,
     "threshold": lambda x: F.threshold(x, 0.5, -2.0), "hardshrink": F.hardshrink, "softshrink": F.softshrink,
     "glu": F.glu,
 }

@@ -390,10 +390,11 @@ def _(draw, dtype):
     return (lambda x: (F.softplus(x, beta, th), F.mish(x), F.logsigmoid(x))), [_specials(randn(s, dtype) * 8)]
 
 
-@case("leaky_relu_relu6_threshold", "leaky_relu", "relu6", "threshold")
+@case("leaky_relu_relu6_threshold_rrelu", "leaky_relu", "relu6", "threshold", "rrelu")
 def _(draw, dtype):
     s = draw(shapes())
-    return (lambda x: (F.leaky_relu(x, 0.2), F.relu6(x), F.threshold(x, 0.5, -3.0))), [_specials(randn(s, dtype) * 4)]
+    return (lambda x: (F.leaky_relu(x, 0.2), F.relu6(x), F.threshold(x, 0.5, -3.0), F.rrelu(x, 0.1, 0.3, False))), \
+        [_specials(randn(s, dtype) * 4)]
 
 
 @case("shrinks", "hardshrink", "softshrink")

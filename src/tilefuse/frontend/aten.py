@@ -229,6 +229,17 @@ def _leaky_relu(b, args, kwargs, out):
     return b.cast(y, out.dtype)
 
 
+@handles("rrelu")
+def _rrelu(b, args, kwargs, out):
+    """At inference a leaky ReLU of slope (lower + upper) / 2; training's random slopes stay PyTorch's."""
+    if _arg(args, kwargs, 3, "training", False):
+        raise Unsupported("training mode (a random slope an element)")
+    x = _float_in(b, args[0], out)
+    slope = (_arg(args, kwargs, 1, "lower", 1 / 8) + _arg(args, kwargs, 2, "upper", 1 / 3)) / 2
+    y = b.map("where", b.map("gt", x, b.scalar(0.0, x)), x, b.map("mul", x, b.scalar(slope, x)))
+    return b.cast(y, out.dtype)
+
+
 @handles("prelu")
 def _prelu(b, args, kwargs, out):
     """x > 0 ? x : w x, w one value or one per channel (dim 1; dim 0 of a 1-D x)."""
