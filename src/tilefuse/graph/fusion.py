@@ -195,6 +195,8 @@ class _Planner:
             for n in g.nodes)
         self.users = g.users()
         self._feeds: dict[str, bool] = {}  # feeds_rows, memoised
+        # maps reading a transposed view (computed in tiles: tiles_apart)
+        self.transposed_readers = frozenset(n.name for n in g.nodes if isinstance(n, ir.Map) and _reads_transposed(g, n))
         self.group_of: dict[str, Step] = {}
         self.steps: list[Step] = []
         self.gemm_specs: dict[str, GemmSpec] = {}   # contraction -> its GEMM
@@ -455,14 +457,16 @@ class _Planner:
         """A map reading a transposed view is computed in tiles (codegen/tiles.py), which a kernel
         with a reduction has not: the two stay apart, the map's result written for the
         reduction's kernel (what `transposed_results_as_copies` copies such a view with)."""
-        g = self.g
-        tiled = any(isinstance(g[x], ir.Map) and _reads_transposed(g, g[x]) for x in step.nodes)
+        g, readers = self.g, self.transposed_readers
+        if not readers:
+            return False
+        tiled = any(x in readers for x in step.nodes)
         if isinstance(n, ir.Map):
             # nor does a widening cast join the tiles (a LayerNorm's f32 copy of bf16 x): the copy
             # would be written in the wider type, and read so; nor a map a row reduction reads
             # (computed in the tiles, it would be written for the reduction's kernel, which could
             # compute it from the copy it reads anyway)
-            return (step.passes > 0 and _reads_transposed(g, n)) or (tiled and (_widens(g, n) or self.feeds_rows(n.name)))
+            return (step.passes > 0 and n.name in readers) or (tiled and (_widens(g, n) or self.feeds_rows(n.name)))
         return isinstance(n, ir.Reduce) and tiled
 
     def feeds_rows(self, name: str) -> bool:

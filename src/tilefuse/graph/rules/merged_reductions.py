@@ -147,9 +147,9 @@ def merged_reductions(g: ir.Graph) -> ir.Graph:
     # kernel of maps after the reduction never wrote. (A reduction over the same run reads it
     # merged; an output, a matmul or a PyTorch op (a conv after an InstanceNorm) needs the
     # tensor written anyway.)
-    _, moved, merged_by = _rewrite(g, None)
+    first, moved, merged_by = _rewrite(g, None)
     if not moved:
-        return _rewrite(g, frozenset())[0]
+        return first
     users = g.users()
 
     def blocks(u: str, m: str) -> bool:
@@ -197,8 +197,9 @@ def _rewrite(g: ir.Graph, allowed: frozenset | None) -> tuple[ir.Graph, dict, di
             continue
         i, j = run
         xs = g[n.arg].type.shape
-        # reductions over the same run of one shape share their merged tensors: an InstanceNorm's
-        # variance reads x - mean as the mean's kernel computed it, merged (one kernel, not three)
+        # reductions over the same run of one shape share their merged tensors: a hand-written
+        # InstanceNorm's variance reads x - mean as the mean's kernel computed it, merged (one
+        # kernel, not three)
         mg = runs.setdefault((xs, i, j), _Merge(g, ed, users, outputs, xs, i, j, n.source))
         x = (mg.merged.get(n.arg) or mg.map(n.arg) if isinstance(g[n.arg], ir.Map)
              else mg.view(n.arg, _merged(xs, i, j)))

@@ -273,7 +273,7 @@ def reaches_row_reduction(g: ir.Graph, users: dict, name: str) -> bool:
                 if [a for a in n.axes if shape[a] != 1] == [len(shape) - 1]:
                     return True
                 continue
-            if isinstance(g[u], (ir.Map, ir.View)) and u not in seen:
+            if isinstance(n, (ir.Map, ir.View)) and u not in seen:
                 seen.add(u)
                 stack.append(u)
     return False
@@ -289,8 +289,8 @@ def transposed_results_as_copies(g: ir.Graph) -> ir.Graph:
     constant, an iota: made where it is read, no view of it is read in place), of a written
     input, or of no element.
 
-    Likewise one a reduction reads, directly or through maps and views (a LayerNorm over the channels of
-    NHWC read from NCHW, ConvNeXt's): a kernel with a reduction does not read a transposed
+    Likewise one a row reduction reads, directly or through maps and views (a LayerNorm over the
+    channels of NHWC read from NCHW, ConvNeXt's): a kernel with a reduction does not read a transposed
     tensor in place (its rows would load an element a transaction), so PyTorch copied it, at
     eager's copy speed; now the tiles kernel copies it for every reader."""
     kept = layout_views(g)
@@ -317,7 +317,7 @@ def transposed_results_as_copies(g: ir.Graph) -> ir.Graph:
         if g.outputs.count(name) == 1 and copied(name):
             outs[i] = copy_of(name)
             changed = True
-    reduced = {n.name for n in g.nodes if ir.node_args(n) and reaches_row_reduction(g, users, n.name) and copied(n.name)}
+    reduced = {n.name for n in g.nodes if copied(n.name) and reaches_row_reduction(g, users, n.name)}
     nodes = []
     for n in g.nodes:
         if isinstance(n, ir.Contraction) and copied(n.a):
