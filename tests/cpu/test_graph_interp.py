@@ -419,6 +419,17 @@ def _(draw, dtype):
     return (lambda x: F.glu(x, d)), [randn(tuple(s), dtype) * 3]
 
 
+@case("cosine_similarity", "cosine_similarity")
+def _(draw, dtype):
+    """Along any dim, the second operand broadcast (even along that dim), a row of zeros (eps)."""
+    s = draw(shapes(1, 3))
+    d = draw(st.integers(-len(s), len(s) - 1))
+    s2 = tuple(1 if draw(st.booleans()) else n for n in s)
+    x = randn(s, dtype)
+    x.view(-1)[:s[-1]] = 0
+    return (lambda a, c: F.cosine_similarity(a, c, d)), [x, randn(s2, dtype)]
+
+
 @case("hardswish_hardsigmoid", "hardswish", "hardsigmoid")
 def _(draw, dtype):
     s = draw(shapes())

@@ -505,6 +505,30 @@ def _vector_norm(b, args, kwargs, out):
     return b.cast(r, out.dtype)
 
 
+@handles("cosine_similarity")
+def _cosine_similarity(b, args, kwargs, out):
+    """sum((x1 / max(|x1|, eps)) * (x2 / max(|x2|, eps))) along dim: each normalised first, as
+    PyTorch computes it (its norms clamped one by one, not their product), in f32 for 16-bit."""
+    x1, x2 = args[0], args[1]
+    dim = _arg(args, kwargs, 2, "dim", 1)
+    eps = _arg(args, kwargs, 3, "eps", 1e-8)
+    if not (dtypes.is_float(b.type(x1).dtype) and dtypes.is_float(b.type(x2).dtype)):
+        raise Unsupported("the cosine similarity of tensors that are not float")
+    shape = broadcast_shapes(b.type(x1).shape, b.type(x2).shape)
+    d = dim % len(shape)
+    acc = "f64" if "f64" in (b.type(x1).dtype, b.type(x2).dtype) else "f32"
+
+    def unit(x):  # (expanded first, as PyTorch: an x broadcast along dim has the norm of its copies)
+        s = b.type(x).shape
+        if s != shape:
+            x = b.view("expand", b.reshape(x, (1,) * (len(shape) - len(s)) + tuple(s)), shape, shape)
+        x = b.cast(x, acc)
+        norm = b.map("sqrt", b.reduce("sum", b.map("mul", x, x), (d,), True))
+        return b.map("div", x, b.map("max", norm, b.scalar(float(eps), norm)))
+
+    return b.cast(b.reduce("sum", b.map("mul", unit(x1), unit(x2)), (d,), False), out.dtype)
+
+
 @handles("max", "min")
 def _max_min(b, args, kwargs, out):
     """max/min of two tensors (elementwise), of all elements, or along a dim: (values, indices),
