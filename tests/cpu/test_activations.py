@@ -47,3 +47,14 @@ def test_activation_kernels_build_without_spills(dtype, arch):
         for lw in p.kernels.values():
             src, cubin = compile_source_only(lw.kernel, arch)
             assert cubin.info.clean, f"{name} {arch} {src.schedule}: {cubin.info}"
+
+
+def test_pixel_shuffle_then_a_map_is_one_kernel_reading_x_in_place():
+    """F.pixel_shuffle as views (reshape, permute, reshape): the GELU after it reads x where it
+    lies, in tiles (no copy); unshuffle likewise."""
+    x = torch.randn(2, 16, 6, 5)
+    for fn in (lambda x: F.gelu(F.pixel_shuffle(x, 2)), lambda x: F.pixel_unshuffle(x, 2).sigmoid() * 3):
+        p = tilefuse.compile(fn, (x,))
+        steps = [s for s in p.plan.steps if s.family != "alias" and not s.view]
+        assert [s.family for s in steps] == ["mapreduce"] and steps[0].reads, str(p.plan)
+        torch.testing.assert_close(p(x), fn(x))

@@ -430,6 +430,15 @@ def _(draw, dtype):
     return (lambda a, c: F.cosine_similarity(a, c, d)), [x, randn(s2, dtype)]
 
 
+@case("pixel_shuffle", "pixel_shuffle", "pixel_unshuffle")
+def _(draw, dtype):
+    r = draw(st.sampled_from([1, 2, 3]))
+    lead = draw(shapes(0, 2))
+    c, h, w = draw(st.integers(1, 3)), draw(st.integers(1, 4)), draw(st.integers(1, 4))
+    return (lambda x, y: (F.pixel_shuffle(x, r), F.pixel_unshuffle(y, r) * 2)), \
+        [randn(lead + (c * r * r, h, w), dtype), randn(lead + (c, h * r, w * r), dtype)]
+
+
 @case("hardswish_hardsigmoid", "hardswish", "hardsigmoid")
 def _(draw, dtype):
     s = draw(shapes())

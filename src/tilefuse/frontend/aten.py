@@ -776,6 +776,28 @@ def _permute(b, args, kwargs, out):
     return b.view("permute", x, out.shape, perm)
 
 
+@handles("pixel_shuffle", "pixel_unshuffle")
+def _pixel_shuffle(b, args, kwargs, out):
+    """Views: [*, C r r, H, W] as [*, C, r, r, H, W], permuted to [*, C, H, r, W, r], reshaped to
+    [*, C, H r, W r] (unshuffle the reverse). Maps after it read x in place, in tiles; alone it is
+    the copy PyTorch's op is."""
+    x, r = args[0], args[1]
+    shape = b.type(x).shape
+    lead, (C, H, W) = tuple(shape[:-3]), shape[-3:]
+    k = len(lead)
+    if out.op == "pixel_shuffle":
+        c = C // (r * r)
+        v = b.reshape(x, lead + (c, r, r, H, W))
+        perm = list(range(k)) + [k, k + 3, k + 1, k + 4, k + 2]
+        t = b.view("permute", v, lead + (c, H, r, W, r), perm)
+    else:
+        h, w = H // r, W // r
+        v = b.reshape(x, lead + (C, h, r, w, r))
+        perm = list(range(k)) + [k, k + 2, k + 4, k + 1, k + 3]
+        t = b.view("permute", v, lead + (C, r, r, h, w), perm)
+    return b.reshape(t, tuple(out.shape))
+
+
 @handles("expand", "expand_as", "broadcast_to")
 def _expand(b, args, kwargs, out):
     x = args[0]
