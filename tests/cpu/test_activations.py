@@ -52,8 +52,8 @@ def test_activation_kernels_build_without_spills(dtype, arch):
 def test_pixel_shuffle_then_a_map_is_one_kernel_reading_x_in_place():
     """F.pixel_shuffle as views (reshape, permute, reshape): the GELU after it reads x where it
     lies, in tiles (no copy); unshuffle likewise."""
-    x = torch.randn(2, 16, 6, 5)
-    for fn in (lambda x: F.gelu(F.pixel_shuffle(x, 2)), lambda x: F.pixel_unshuffle(x, 2).sigmoid() * 3):
+    for fn, x in ((lambda x: F.gelu(F.pixel_shuffle(x, 2)), torch.randn(2, 16, 6, 5)),
+                  (lambda x: F.pixel_unshuffle(x, 2).sigmoid() * 3, torch.randn(2, 4, 6, 8))):
         p = tilefuse.compile(fn, (x,))
         steps = [s for s in p.plan.steps if s.family != "alias" and not s.view]
         assert [s.family for s in steps] == ["mapreduce"] and steps[0].reads, str(p.plan)
