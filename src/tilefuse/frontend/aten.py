@@ -221,12 +221,16 @@ def _log_sigmoid(b, args, kwargs, out):
     return b.cast(y, out.dtype)
 
 
+def _leaky_of(b, x, slope):
+    """x > 0 ? x : slope x (a leaky ReLU; PReLU's slope a tensor)."""
+    s = slope if isinstance(slope, str) else b.scalar(slope, x)
+    return b.map("where", b.map("gt", x, b.scalar(0.0, x)), x, b.map("mul", x, s))
+
+
 @handles("leaky_relu")
 def _leaky_relu(b, args, kwargs, out):
     x = _float_in(b, args[0], out)
-    slope = _arg(args, kwargs, 1, "negative_slope", 0.01)
-    y = b.map("where", b.map("gt", x, b.scalar(0.0, x)), x, b.map("mul", x, b.scalar(slope, x)))
-    return b.cast(y, out.dtype)
+    return b.cast(_leaky_of(b, x, _arg(args, kwargs, 1, "negative_slope", 0.01)), out.dtype)
 
 
 @handles("rrelu")
@@ -236,8 +240,7 @@ def _rrelu(b, args, kwargs, out):
         raise Unsupported("training mode (a random slope an element)")
     x = _float_in(b, args[0], out)
     slope = (_arg(args, kwargs, 1, "lower", 1 / 8) + _arg(args, kwargs, 2, "upper", 1 / 3)) / 2
-    y = b.map("where", b.map("gt", x, b.scalar(0.0, x)), x, b.map("mul", x, b.scalar(slope, x)))
-    return b.cast(y, out.dtype)
+    return b.cast(_leaky_of(b, x, slope), out.dtype)
 
 
 @handles("prelu")
@@ -248,8 +251,7 @@ def _prelu(b, args, kwargs, out):
     rank, n = len(b.type(x).shape), b.type(w).numel
     if n > 1 and rank >= 2:
         w = b.reshape(w, (n,) + (1,) * (rank - 2))
-    y = b.map("where", b.map("gt", x, b.scalar(0.0, x)), x, b.map("mul", w, x))
-    return b.cast(y, out.dtype)
+    return b.cast(_leaky_of(b, x, w), out.dtype)
 
 
 @handles("threshold")
@@ -631,18 +633,23 @@ def _rms_norm(b, args, kwargs, out):
     return b.cast(y, out.dtype)
 
 
+def _centred(b, xf, dims, eps):
+    """(mean, x - mean, rsqrt(var + eps)) over dims, the variance that of x - mean (a LayerNorm's,
+    an InstanceNorm's, a GroupNorm's statistics)."""
+    mean = b.reduce("mean", xf, dims, True)
+    d = b.map("sub", xf, mean)
+    var = b.reduce("mean", b.map("mul", d, d), dims, True)
+    return mean, d, b.map("rsqrt", b.map("add", var, b.scalar(float(eps), var)))
+
+
 @handles("layer_norm", "native_layer_norm")
 def _layer_norm(b, args, kwargs, out):
     x, shape = args[0], args[1]
     w = args[2] if len(args) > 2 else kwargs.get("weight")
     bias = args[3] if len(args) > 3 else kwargs.get("bias")
     eps = args[4] if len(args) > 4 else kwargs.get("eps", 1e-5)
-    dims = _norm_dims(b, x, shape)
-    xf = b.cast(x, _acc(b, x))
-    mean = b.reduce("mean", xf, dims, True)
-    d = b.map("sub", xf, mean)
-    var = b.reduce("mean", b.map("mul", d, d), dims, True)
-    y = b.map("mul", d, b.map("rsqrt", b.map("add", var, b.scalar(float(eps), var))))
+    _, d, rstd = _centred(b, b.cast(x, _acc(b, x)), _norm_dims(b, x, shape), eps)
+    y = b.map("mul", d, rstd)
     if w is not None:
         y = b.map("mul", y, w)
     if bias is not None:
@@ -665,8 +672,13 @@ def _affine(b, y, w, bias):
     return y
 
 
-def _normalized(b, xf, mean, var, eps):
-    return b.map("mul", b.map("sub", xf, mean), b.map("rsqrt", b.map("add", var, b.scalar(float(eps), var))))
+def _running(b, x, w, bias, rm, rv, eps, out):
+    """x normalised with running statistics (a per-channel scale and shift), affine, in x's
+    dtype: BatchNorm at inference, InstanceNorm told to use them."""
+    xf = b.cast(x, _acc(b, x))
+    rm, rv = _per_channel(b, rm, xf), _per_channel(b, rv, xf)
+    y = b.map("mul", b.map("sub", xf, rm), b.map("rsqrt", b.map("add", rv, b.scalar(float(eps), rv))))
+    return b.cast(_affine(b, y, w, bias), out.dtype)
 
 
 @handles("batch_norm")
@@ -678,9 +690,7 @@ def _batch_norm(b, args, kwargs, out):
     eps = args[7] if len(args) > 7 else kwargs.get("eps", 1e-5)
     if training or rm is None or rv is None:
         raise Unsupported("batch statistics (training mode, or no running statistics)")
-    xf = b.cast(x, _acc(b, x))
-    y = _normalized(b, xf, _per_channel(b, rm, xf), _per_channel(b, rv, xf), eps)
-    return b.cast(_affine(b, y, w, bias), out.dtype)
+    return _running(b, x, w, bias, rm, rv, eps, out)
 
 
 @handles("instance_norm")
@@ -692,15 +702,11 @@ def _instance_norm(b, args, kwargs, out):
     eps = args[7] if len(args) > 7 else kwargs.get("eps", 1e-5)
     shape = b.type(x).shape
     if not use_input_stats:
-        xf = b.cast(x, _acc(b, x))
-        y = _normalized(b, xf, _per_channel(b, rm, xf), _per_channel(b, rv, xf), eps)
-        return b.cast(_affine(b, y, w, bias), out.dtype)
+        return _running(b, x, w, bias, rm, rv, eps, out)
     xr = b.reshape(x, (shape[0], shape[1], math.prod(shape[2:])))
-    xf = b.cast(xr, _acc(b, x))  # (cast after the view: a view of a cast is a kernel's output)
-    mean = b.reduce("mean", xf, (2,), True)
-    d = b.map("sub", xf, mean)
-    var = b.reduce("mean", b.map("mul", d, d), (2,), True)
-    y = b.map("mul", d, b.map("rsqrt", b.map("add", var, b.scalar(float(eps), var))))
+    # (the cast after the view: a view of a cast would be a kernel's output, written and read back)
+    _, d, rstd = _centred(b, b.cast(xr, _acc(b, x)), (2,), eps)
+    y = b.map("mul", d, rstd)
     return b.reshape(b.cast(_affine(b, y, w, bias), out.dtype), shape)
 
 
@@ -719,10 +725,7 @@ def _group_norm(b, args, kwargs, out):
     G = groups
     xf = b.cast(x, _acc(b, x))
     xg = b.cast(b.reshape(x, (N, G, C // G * math.prod(rest))), _acc(b, x))  # (cast after the view, as above)
-    mean = b.reduce("mean", xg, (2,), True)
-    d = b.map("sub", xg, mean)
-    var = b.reduce("mean", b.map("mul", d, d), (2,), True)
-    rstd = b.map("rsqrt", b.map("add", var, b.scalar(float(eps), var)))
+    mean, _, rstd = _centred(b, xg, (2,), eps)
 
     def channels(t):  # [N, G, 1] -> [N, C, 1, ...]
         return b.reshape(b.view("expand", t, (N, G, C // G), (N, G, C // G)), (N, C) + (1,) * len(rest))

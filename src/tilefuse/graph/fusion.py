@@ -882,12 +882,7 @@ def _widens(g: ir.Graph, n) -> bool:
 
 def _reads_transposed(g: ir.Graph, n) -> bool:
     """Whether map `n` reads an argument through a permute that moved the last dim."""
-    for a in n.args:
-        while isinstance(g[a], ir.View):
-            if _moves_last_dim(g[a]):
-                return True
-            a = g[a].arg
-    return False
+    return any(_transposes(g, a, None) for a in n.args)
 
 
 def views_read_in_place(p: Plan) -> Plan:

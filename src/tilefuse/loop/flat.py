@@ -79,8 +79,8 @@ def enabled() -> bool:
     return os.environ.get("TILEFUSE_FLAT_ROWS", "1") != "0"
 
 
-def flat_rows(kernel: L.Kernel) -> tuple[L.Kernel, int] | None:
-    """(the kernel walked as rows of K, K), or None where it is not a kernel of maps alone whose
+def flat_rows(kernel: L.Kernel) -> L.Kernel | None:
+    """The kernel walked as rows of K (its new row loop's extent), or None where it is not a kernel of maps alone whose
     written tensors and streamed inputs all lie row after row, or no K divides its size. Not for
     a gather (`table[idx[r], c]`: a row's elements stay one gathered run, not a load apiece)."""
     if kernel.family != "mapreduce" or kernel.scratch or len(kernel.body) != 1 or not enabled():
@@ -131,4 +131,4 @@ def flat_rows(kernel: L.Kernel) -> tuple[L.Kernel, int] | None:
     body = (pos,) + tuple(moved(s) for s in (*head, *inner.body))
     params = tuple(replace(b, shape=(N // K, K)) if b.name in whole else b for b in kernel.params)
     new = L.Loop(r, N // K, (L.Loop(c, K, body),), parallel=True)
-    return replace(kernel, params=params, body=(new,)), K
+    return replace(kernel, params=params, body=(new,))

@@ -380,12 +380,10 @@ def lower_step(graph: g_ir.Graph, step: Step, name: str | None = None) -> Lowere
     if step.tail is not None:
         return _grid_reduction(graph, step, name or step.name)
     low = _Lowerer(graph, step).lower(name or step.name)
-    if step.reads or step.columns or any(isinstance(graph[n], g_ir.Reduce) for n in step.nodes):
+    # (maps alone over short rows: rows of K of the whole; flat_rows takes no kernel with a reduction)
+    kernel = None if step.reads or step.columns else flat_rows(low.kernel)
+    if kernel is None:
         return low
-    flat = flat_rows(low.kernel)  # (maps alone over short or unaligned rows: rows of K of the whole)
-    if flat is None:
-        return low
-    kernel, _ = flat
     shapes = {b.name: b.shape for b in kernel.params}
     return Lowered(kernel, tuple(replace(b, shape=shapes[b.buffer]) for b in low.bindings))
 

@@ -102,10 +102,14 @@ class _Merge:
             return None  # (a generated tensor is made where it is read: no view of it)
         return self.view(a, shape)
 
+    def shared(self, a: str) -> bool:
+        """`a` is read by more than one node, or is an output: computed where it is, not moved."""
+        return len(set(self.users[a])) != 1 or a in self.outputs
+
     def map(self, a: str) -> str | None:
         """Map `a` computed in the merged shape, where only the reduction's chain reads it."""
         n = self.g[a]
-        if len(set(self.users[a])) != 1 or a in self.outputs:
+        if self.shared(a):
             return self.view(a, _merged(n.type.shape, self.i, self.j))
         mark = len(self.nodes)
         args = [self.arg(x) for x in n.args]
@@ -124,8 +128,7 @@ class _Merge:
         new nodes, or None where an argument has no merged version."""
         for x in n.args:  # (a map of the full shape computed for others too: read back, a pass more)
             a = self.g[x]
-            if (x not in self.merged and isinstance(a, ir.Map) and a.type.shape == self.full
-                    and (len(set(self.users[x])) != 1 or x in self.outputs)):
+            if x not in self.merged and isinstance(a, ir.Map) and a.type.shape == self.full and self.shared(x):
                 return None
         mark = len(self.nodes)
         args = [self.arg(x) for x in n.args]
