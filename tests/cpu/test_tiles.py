@@ -102,6 +102,16 @@ def test_a_transposed_map_is_one_kernel_in_the_plan():
     assert "a transpose of the last dim: the kernel reads it in 2-D tiles" in str(p.plan)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+def test_a_16_bit_gelu_of_a_transposed_sum_is_one_tiled_kernel(dtype):
+    """gelu(x.permute(0, 2, 3, 1) + b) widens a 16-bit sum to f32 and narrows it again: the
+    widening cast joins the tiled kernel (session 58's rule against a widened tiles copy split
+    it off into a second kernel that wrote and read the sum)."""
+    p, ks = _kernels(lambda x, b: torch.nn.functional.gelu(x.permute(0, 2, 3, 1) + b), (2, 64, 7, 9), (64,),
+                     dtype=dtype)
+    assert len(ks) == 1 and mapreduce.default_schedule(ks[0]).stage == "tiles", str(p.plan)
+
+
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_80"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
 @pytest.mark.parametrize("shape", [(8, 512, 256), (3, 100, 70), (1, 17, 5)], ids=str)

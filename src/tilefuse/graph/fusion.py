@@ -19,7 +19,6 @@ import os
 from dataclasses import dataclass, field
 from typing import Optional
 
-from .. import dtypes
 from . import ir
 from .contraction import GemmSpec, match as match_gemm
 
@@ -457,16 +456,16 @@ class _Planner:
         """A map reading a transposed view is computed in tiles (codegen/tiles.py), which a kernel
         with a reduction has not: the two stay apart, the map's result written for the
         reduction's kernel (what `transposed_results_as_copies` copies such a view with)."""
-        g, readers = self.g, self.transposed_readers
+        readers = self.transposed_readers
         if not readers:
             return False
         tiled = any(x in readers for x in step.nodes)
         if isinstance(n, ir.Map):
-            # nor does a widening cast join the tiles (a LayerNorm's f32 copy of bf16 x): the copy
-            # would be written in the wider type, and read so; nor a map a row reduction reads
-            # (computed in the tiles, it would be written for the reduction's kernel, which could
-            # compute it from the copy it reads anyway)
-            return (step.passes > 0 and n.name in readers) or (tiled and (_widens(g, n) or self.feeds_rows(n.name)))
+            # nor does a map a row reduction reads (computed in the tiles, it would be written for
+            # the reduction's kernel, which could compute it from the copy it reads anyway; a
+            # LayerNorm's f32 cast of bf16 x would make the copy f32). Other widening casts join
+            # (a bf16 GELU widens to f32 and narrows again inside one tiled kernel)
+            return (step.passes > 0 and n.name in readers) or (tiled and self.feeds_rows(n.name))
         return isinstance(n, ir.Reduce) and tiled
 
     def feeds_rows(self, name: str) -> bool:
@@ -873,11 +872,6 @@ def _transposes(g: ir.Graph, view: str, root: str) -> bool:
             return True
         view = g[view].arg
     return False
-
-
-def _widens(g: ir.Graph, n) -> bool:
-    """Map `n`'s result takes more bytes an element than any of its arguments."""
-    return dtypes.itemsize(n.type.dtype) > max((dtypes.itemsize(g[a].type.dtype) for a in n.args), default=0)
 
 
 def _reads_transposed(g: ir.Graph, n) -> bool:
