@@ -49,6 +49,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     ap.add_argument("--calls", type=int, default=20)
     ap.add_argument("--json")
+    ap.add_argument("--impls", default="tilefuse,eager,torch.compile", help="comma-separated: which to time")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("kernel_times: needs a CUDA GPU")
@@ -57,7 +58,8 @@ def main() -> None:
     module, inputs = module.cuda(), [x.cuda() for x in inputs]
     prog = tilefuse.compile(module, tuple(inputs))
     with torch.no_grad():
-        impls = {"tilefuse": prog, "eager": module, "torch.compile": torch.compile(module)}
+        make = {"tilefuse": lambda: prog, "eager": lambda: module, "torch.compile": lambda: torch.compile(module)}
+        impls = {name: make[name]() for name in a.impls.split(",")}
         out = {name: kernel_times(fn, inputs, a.calls) for name, fn in impls.items()}
     print(f"{torch.cuda.get_device_name()}: {a.expr} ({a.dtype})")
     for name, ks in out.items():

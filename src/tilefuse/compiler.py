@@ -1,7 +1,6 @@
 """The pipeline, stage by stage: capture -> Graph IR -> rewrites -> plan -> Loop IR -> program."""
 from __future__ import annotations
 
-import math
 import operator
 import sys
 from dataclasses import dataclass, field
@@ -60,10 +59,8 @@ def lower_plan(graph: ir.Graph, p: Plan) -> tuple[dict[str, Lowered], dict[str, 
             _refuse_empty(graph, step)
         if step.family == "mapreduce":
             kernels[step.name] = lower_step(graph, step, f"tf_{step.name}")
-            rows = kernels[step.name].kernel.body[0]
-            if step.tail is None and rows.extent != math.prod(step.space[0]) and not step.note:
-                step.note = (f"walked as {rows.extent} rows of {rows.body[0].extent} of the whole "
-                             f"(rows of {step.space[1]} are short: loop/flat.py)")
+            if kernels[step.name].walk and not step.note:
+                step.note = kernels[step.name].walk
         elif step.family == "gemm":
             gemms[step.name] = lower_gemm_step(graph, step, f"tf_{step.name}_epilogue")
     return kernels, gemms

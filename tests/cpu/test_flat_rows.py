@@ -28,6 +28,12 @@ def _mul(p):
     return k
 
 
+@pytest.fixture(autouse=True)
+def _no_merged_rows(monkeypatch):
+    """The flat walk alone (most of these kernels' rows would merge: test_merged_rows.py)."""
+    monkeypatch.setenv("TILEFUSE_MERGED_ROWS", "0")
+
+
 def test_a_gate_over_rows_of_14_walks_rows_of_1024():
     """x * sigmoid(s) over [N, C, 14, 14], s of [N, C, 1, 1]: x and the result viewed as rows of
     1024 (16-byte chunks), the gate read at each element's own row of 14."""

@@ -19,11 +19,13 @@ def _cases(filled):
         "groupnorm odd": (gn_small, (3, 12, 7, 9), [gn_small]),
         "instancenorm": (inorm, (8, 64, 56, 56), [inorm]),
         "hardswish": (lambda x: F.hardswish(x) * F.hardsigmoid(x), (64, 96, 28, 28), []),
+        "mish": (lambda x: F.mish(x * 12), (64, 96, 28, 28), []),  # (x * 12: past the switch at 20 too)
     }
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
-@pytest.mark.parametrize("case", ["batchnorm relu", "groupnorm silu", "groupnorm odd", "instancenorm", "hardswish"])
+@pytest.mark.parametrize("case", ["batchnorm relu", "groupnorm silu", "groupnorm odd", "instancenorm", "hardswish",
+                                  "mish"])
 def test_norms_match_the_reference(case, dtype, filled):
     import tilefuse
     from tilefuse.check import compare, float64_reference

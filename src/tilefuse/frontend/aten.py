@@ -208,9 +208,17 @@ def _softplus(b, args, kwargs, out):
 
 @handles("mish")
 def _mish(b, args, kwargs, out):
-    """x tanh(log1p(exp(x))) (PyTorch's: no threshold; an exp that overflows gives tanh(inf) = 1)."""
+    """x tanh(log1p(exp(x))), as x n / (n + 2) with n = e (e + 2), e = exp(x): tanh(log(1 + e))
+    is ((1 + e)^2 - 1) / ((1 + e)^2 + 1). One exp and a division where PyTorch's form takes an
+    exp, a log1p and a tanh (bf16 over 64 x 96 x 112 x 112 on an H200: 139 -> 87 us, session
+    59). x itself from x > 20 on (the ratio is 1 in f32 there; n overflows from 44 on), as
+    PyTorch's tanh(inf) = 1 gives."""
     x = _float_in(b, args[0], out)
-    return b.cast(b.map("mul", x, b.map("tanh", b.map("log1p", b.map("exp", x)))), out.dtype)
+    e = b.map("exp", x)
+    n = b.map("mul", e, b.map("add", e, b.scalar(2.0, x)))
+    ratio = b.map("div", n, b.map("add", n, b.scalar(2.0, x)))
+    y = b.map("where", b.map("gt", x, b.scalar(20.0, x)), x, b.map("mul", x, ratio))
+    return b.cast(y, out.dtype)
 
 
 @handles("log_sigmoid")

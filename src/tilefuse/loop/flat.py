@@ -26,9 +26,11 @@ narrower chunks (`gelu(x + b)`, rows of 98: 57.7 -> 63.3 us; `x * s`, rows of 10
 """
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import replace
 
+from .. import dtypes
 from . import ir as L
 
 K_CHOICES = (1024, 2048, 512, 4096, 256)  # preferred first: rows the row kernel reads at full speed
@@ -75,14 +77,15 @@ def wanted(C: int) -> bool:
 
 
 def enabled() -> bool:
-    """TILEFUSE_FLAT_ROWS=0 keeps every map kernel's rows (for A/B runs)."""
+    """TILEFUSE_FLAT_ROWS=0 keeps every map kernel's rows (for A/B runs; TILEFUSE_MERGED_ROWS=0
+    turns off merged rows alone)."""
     return os.environ.get("TILEFUSE_FLAT_ROWS", "1") != "0"
 
 
-def flat_rows(kernel: L.Kernel) -> L.Kernel | None:
-    """The kernel walked as rows of K (its new row loop's extent), or None where it is not a kernel of maps alone whose
-    written tensors and streamed inputs all lie row after row, or no K divides its size. Not for
-    a gather (`table[idx[r], c]`: a row's elements stay one gathered run, not a load apiece)."""
+def _maps_alone(kernel: L.Kernel):
+    """(row loop, head, inner loop, whole buffers) of a kernel of maps alone whose written
+    tensors and streamed inputs all lie row after row, or None. Not for a gather
+    (`table[idx[r], c]`: a row's elements stay one gathered run, not a load apiece)."""
     if kernel.family != "mapreduce" or kernel.scratch or len(kernel.body) != 1 or not enabled():
         return None
     if any(isinstance(s, L.Load) and any(L.index_values(e) for e in s.index) for s in L.walk(kernel.body)):
@@ -109,6 +112,17 @@ def flat_rows(kernel: L.Kernel) -> L.Kernel | None:
     for s in L.walk(loop.body):  # a whole buffer read elsewhere at another index keeps the rows
         if isinstance(s, (L.Load, L.Store)) and s.buf in whole and not _whole(s, r, c, R, C, kernel):
             return None
+    return loop, head, inner, whole
+
+
+def flat_rows(kernel: L.Kernel) -> L.Kernel | None:
+    """The kernel walked as rows of K (its new row loop's extent), or None where it is not a
+    kernel of maps alone (`_maps_alone`), its rows are not short, or no K divides its size."""
+    found = _maps_alone(kernel)
+    if found is None:
+        return None
+    loop, head, inner, whole = found
+    r, c, R, C = loop.var, inner.var, loop.extent, inner.extent
     N = R * C
     if not wanted(C) or N >= 2**31:
         return None
@@ -131,4 +145,99 @@ def flat_rows(kernel: L.Kernel) -> L.Kernel | None:
     body = (pos,) + tuple(moved(s) for s in (*head, *inner.body))
     params = tuple(replace(b, shape=(N // K, K)) if b.name in whole else b for b in kernel.params)
     new = L.Loop(r, N // K, (L.Loop(c, K, body),), parallel=True)
+    return replace(kernel, params=params, body=(new,))
+
+
+# ---------------------------------------------------------------- merged rows
+
+MERGED_MAX = 16384  # a merged row's elements, at most
+MERGED_MIN_ROWS = 512  # rows left after merging, at least (CTAs for every SM)
+LONG = 1024  # rows this long whose bytes are whole 16-byte chunks are left as they are
+
+
+def _row_divisors(e: L.Index, r: str) -> list[int] | None:
+    """The k of every `r // k` in `e`, or None where `e` reads r otherwise (bare, or `r % n`)."""
+    if isinstance(e, L.Var):
+        return None if e.name == r else []
+    if isinstance(e, L.IBin):
+        if e.op == "//" and e.a == L.Var(r) and isinstance(e.b, L.IConst):
+            return [e.b.value]
+        a, b = _row_divisors(e.a, r), _row_divisors(e.b, r)
+        return None if a is None or b is None else a + b
+    return []
+
+
+def _merged_index(e: L.Index, r: str, m: int) -> L.Index:
+    """`e` with every `r // k` as `r' // (k / m)` (r' the merged row; m divides k)."""
+    if isinstance(e, L.IBin):
+        if e.op == "//" and e.a == L.Var(r) and isinstance(e.b, L.IConst):
+            k = e.b.value // m
+            return L.Var(r) if k == 1 else L.IBin("//", L.Var(r), L.IConst(k))
+        return L.IBin(e.op, _merged_index(e.a, r, m), _merged_index(e.b, r, m))
+    return e
+
+
+def _divisors(n: int) -> list[int]:
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))
+
+
+def merged_rows(kernel: L.Kernel) -> L.Kernel | None:
+    """The kernel with m of its rows merged into one (rows of m * C), or None.
+
+    A map kernel over NCHW's rows of W (a BatchNorm, a per-channel bias and ReLU) reads its
+    per-channel values at `(r // H) % C`: constant over H rows at a time. Merged H rows at a
+    time, a row is a whole H x W plane, the per-channel values read once a plane, the tensors
+    viewed as [N * C, H * W] (long rows of 16-byte chunks). m divides every k of the `r // k`
+    the row-level indices read (r // k = r' // (k / m) exactly: the merged row's place in it
+    is below m); no index may read r otherwise or read the column (a vector along W would
+    be read at c % W per element). A kernel of maps alone with no row-level value (`x * 2`)
+    merges as far as MERGED_MAX and MERGED_MIN_ROWS let it.
+
+    Rows already LONG and 16-byte aligned are left as they are; a merged row whose bytes are
+    whole 16-byte chunks is preferred, then the longest."""
+    found = _maps_alone(kernel) if os.environ.get("TILEFUSE_MERGED_ROWS", "1") != "0" else None
+    if found is None:
+        return None
+    loop, head, inner, whole = found
+    r, c, R, C = loop.var, inner.var, loop.extent, inner.extent
+    sizes = [kernel.buffer(b).dtype for b in sorted(whole)]
+
+    def aligned(n: int) -> bool:
+        return all(n * dtypes.itemsize(d) % 16 == 0 for d in sizes)
+
+    if C >= LONG and aligned(C):
+        return None
+    bound = R
+    for s in L.walk(loop.body):
+        exprs = ()
+        if isinstance(s, (L.Load, L.Store)) and s.buf not in whole:
+            exprs = s.index
+        elif isinstance(s, L.IndexValue):
+            exprs = (s.expr,)
+        for e in exprs:
+            if c in L.index_vars(e):
+                return None
+            ks = _row_divisors(e, r)
+            if ks is None:
+                return None
+            for k in ks:
+                bound = math.gcd(bound, k)
+    choices = [m for m in _divisors(bound) if m > 1 and m * C <= MERGED_MAX and R // m >= MERGED_MIN_ROWS
+               and m * C >= SHORT and (aligned(m * C) or not aligned(C))]
+    if not choices:
+        return None
+    m = max(choices, key=lambda m: (aligned(m * C), m))
+
+    def moved(s):
+        if isinstance(s, (L.Load, L.Store)):
+            index = (L.Var(r), L.Var(c)) if s.buf in whole else tuple(_merged_index(e, r, m) for e in s.index)
+            return replace(s, index=index)
+        if isinstance(s, L.IndexValue):
+            return replace(s, expr=_merged_index(s.expr, r, m))
+        return s
+
+    new_inner = replace(inner, extent=m * C, body=tuple(moved(s) for s in inner.body))
+    new = replace(loop, extent=R // m, body=tuple(moved(s) for s in head) + (new_inner,))
+    params = tuple(replace(b, shape=(R // m, m * C)) if b.name in whole else b for b in kernel.params)
     return replace(kernel, params=params, body=(new,))

@@ -18,7 +18,7 @@ from ..graph import ir as g_ir
 from ..graph.fusion import Step, is_row_level
 from ..graph.rewrites import fresh_name
 from . import ir as L
-from .flat import flat_rows
+from .flat import flat_rows, merged_rows
 
 
 @dataclass(frozen=True)
@@ -34,6 +34,7 @@ class Binding:
 class Lowered:
     kernel: L.Kernel
     bindings: tuple[Binding, ...]
+    walk: str = ""  # how a map kernel's rows were re-walked (loop/flat.py), for the plan's note
 
 
 def _coord(space_dim: int, space, r: L.Index) -> L.Index:
@@ -380,12 +381,27 @@ def lower_step(graph: g_ir.Graph, step: Step, name: str | None = None) -> Lowere
     if step.tail is not None:
         return _grid_reduction(graph, step, name or step.name)
     low = _Lowerer(graph, step).lower(name or step.name)
-    # (maps alone over short rows: rows of K of the whole; flat_rows takes no kernel with a reduction)
-    kernel = None if step.reads or step.columns else flat_rows(low.kernel)
+    # (maps alone: neighbouring rows merged where their row-level values allow, else short rows
+    # as rows of K of the whole; neither takes a kernel with a reduction. A view read in place
+    # along the row (a slice, a transpose read in tiles) reads the column: no merge takes it)
+    kernel = None
+    if not step.columns:
+        kernel = merged_rows(low.kernel)
+        if kernel is not None:
+            C = _inner(low.kernel)
+            walk = f"rows merged {_inner(kernel) // C} at a time: {kernel.body[0].extent} rows of {_inner(kernel)}"
+        elif not step.reads:
+            kernel = flat_rows(low.kernel)
+            walk = kernel and (f"walked as {kernel.body[0].extent} rows of {_inner(kernel)} of the whole "
+                               f"(rows of {_inner(low.kernel)} are short)")
     if kernel is None:
         return low
     shapes = {b.name: b.shape for b in kernel.params}
-    return Lowered(kernel, tuple(replace(b, shape=shapes[b.buffer]) for b in low.bindings))
+    return Lowered(kernel, tuple(replace(b, shape=shapes[b.buffer]) for b in low.bindings), f"{walk} (loop/flat.py)")
+
+
+def _inner(kernel: L.Kernel) -> int:
+    return kernel.body[0].body[-1].extent
 
 
 def _grid_reduction(graph: g_ir.Graph, step: Step, name: str) -> Lowered:
