@@ -1,4 +1,5 @@
-"""A kernel of maps alone over short rows, walked as rows of K elements of the whole tensor.
+"""Kernels of maps alone re-walked: neighbouring rows merged (`merged_rows`), or short rows
+walked as rows of K elements of the whole tensor (`flat_rows`). lower_step tries the merge first.
 
 A map kernel's rows are its result's last dim. Where that dim is short (`x * sigmoid(s)` over
 [N, C, 7, 7] with s of [N, C, 1, 1]: rows of 7, 14 bytes in bf16) its rows take no 16-byte loads
