@@ -119,34 +119,3 @@ def test_norm_kernels_build_without_spills(dtype, arch, filled):
         for lw in p.kernels.values():
             src, cubin = compile_source_only(lw.kernel, arch)
             assert cubin.info.clean, f"{lw.kernel.name} {arch} {src.schedule}: {cubin.info}"
-
-
-def test_few_long_group_rows_are_split_into_chunks(filled):
-    """GroupNorm(2, 8) over [1, 8, 128, 64]: 2 rows of 32768, too few to fill a GPU. Each is split
-    into 8 chunks of 4096 (a row kernel over 16 rows writing each chunk's mean and sum of squared
-    deviations), a kernel over the 2 rows of 8 combines them, then the apply kernel: three
-    kernels, the values PyTorch's (x offset by 1000: the combination has no cancellation)."""
-    gn = filled(nn.GroupNorm(2, 8))
-    fn = lambda x: F.silu(gn(x))  # noqa: E731
-    x = torch.randn(1, 8, 128, 64) * 3 + 1000
-    p = tilefuse.compile(fn, (x,))
-    chunks, combine, apply = _steps(p)
-    assert chunks.space == ((1, 2, 8), 4096) and combine.space == ((1, 2), 8), str(p.plan)
-    with torch.no_grad():
-        ref = F.silu(F.group_norm(x.double(), 2, gn.weight.double(), gn.bias.double()))
-        err, eager_err = (p(x).double() - ref).abs().max(), (fn(x).double() - ref).abs().max()
-    assert err <= 2 * eager_err + 1e-6, (err, eager_err)
-
-
-@pytest.mark.parametrize("rows, L", [(64, 163840), (32, 1048576), (2, 32768), (64, 40960), (1, 3 * 2**15),
-                                     (1023, 65536), (1024, 65536), (8, 32767), (4, 20000)])
-def test_statistics_splits_are_powers_of_two_into_chunks_of_4096_to_16384(rows, L):
-    from tilefuse.frontend.aten import SPLIT_CHUNK, SPLIT_MIN, SPLIT_ROWS, _stat_splits
-
-    S = _stat_splits(rows, L)
-    assert S & (S - 1) == 0 and L % S == 0
-    if L < SPLIT_MIN or rows >= SPLIT_ROWS:
-        assert S == 1
-    else:
-        assert S > 1 and L // S >= SPLIT_CHUNK[0]
-        assert rows * S >= SPLIT_ROWS or L // S < 2 * SPLIT_CHUNK[0] or L % (2 * S)

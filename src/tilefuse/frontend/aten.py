@@ -665,41 +665,6 @@ def _layer_norm(b, args, kwargs, out):
     return b.cast(y, out.dtype)
 
 
-SPLIT_MIN = 32768  # a norm's statistics rows this long, and
-SPLIT_ROWS = 1024  # fewer than this many of them (chunks included), are split into chunks
-SPLIT_CHUNK = (4096, 16384)  # a chunk's length, from - to (stops splitting below, keeps splitting above)
-
-
-def _stat_splits(rows: int, L: int) -> int:
-    """Into how many chunks to split each of `rows` statistics rows of L: a power of two dividing
-    L. Few long rows (Stable Diffusion's GroupNorm: 2 x 32 rows of 163840) leave most SMs idle
-    or need a cluster a row; as chunks, each a row kernel's row of 4096-16384, the GPU fills."""
-    S = 1
-    if L < SPLIT_MIN or rows >= SPLIT_ROWS:
-        return S
-    while L % (2 * S) == 0 and L // (2 * S) >= SPLIT_CHUNK[0] and (rows * S < SPLIT_ROWS or L // S > SPLIT_CHUNK[1]):
-        S *= 2
-    return S
-
-
-def _split_centred(b, xs, eps):
-    """(mean, rsqrt(var + eps)) over the last two dims of xs [N, G, S, K] (each row of G split into S
-    chunks of K), each [N, G, 1]: every chunk's mean m_i and sum of squared deviations M2_i
-    (a row kernel over N x G x S rows of K, two passes over the chunk on chip), then over the S
-    chunks mean = mean(m_i) and M2 = sum(M2_i) + K sum((m_i - mean)^2) (Chan et al.'s combination
-    for equal counts: exact, no difference of large sums), var = M2 / (S K)."""
-    N, G, S, K = b.type(xs).shape
-    m = b.reduce("mean", xs, (3,), True)
-    d = b.map("sub", xs, m)
-    m2 = b.reduce("sum", b.map("mul", d, d), (3,), False)
-    m = b.reshape(m, (N, G, S))
-    mean = b.reduce("mean", m, (2,), True)
-    dev = b.map("sub", m, mean)
-    spread = b.map("mul", b.reduce("sum", b.map("mul", dev, dev), (2,), True), b.scalar(float(K), m))
-    var = b.map("div", b.map("add", b.reduce("sum", m2, (2,), True), spread), b.scalar(float(S * K), m))
-    return mean, b.map("rsqrt", b.map("add", var, b.scalar(float(eps), var)))
-
-
 def _per_channel(b, v, x):
     """A [C] vector (a norm's weight, bias or running statistic) broadcast along dim 1 of x, in
     the type x is computed in."""
@@ -767,13 +732,8 @@ def _group_norm(b, args, kwargs, out):
     N, C, rest = shape[0], shape[1], shape[2:]
     G = groups
     xf = b.cast(x, _acc(b, x))
-    L = C // G * math.prod(rest)
-    S = _stat_splits(N * G, L)
-    if S == 1:
-        xg = b.cast(b.reshape(x, (N, G, L)), _acc(b, x))  # (cast after the view, as above)
-        mean, _, rstd = _centred(b, xg, (2,), eps)
-    else:
-        mean, rstd = _split_centred(b, b.cast(b.reshape(x, (N, G, S, L // S)), _acc(b, x)), eps)
+    xg = b.cast(b.reshape(x, (N, G, C // G * math.prod(rest))), _acc(b, x))  # (cast after the view, as above)
+    mean, _, rstd = _centred(b, xg, (2,), eps)
 
     def channels(t):  # [N, G, 1] -> [N, C, 1, ...]
         return b.reshape(b.view("expand", t, (N, G, C // G), (N, G, C // G)), (N, C) + (1,) * len(rest))
