@@ -13,10 +13,12 @@ pytestmark = pytest.mark.gpu
 def _cases(filled):
     bn, gn, gn_small, inorm = (filled(nn.BatchNorm2d(64)), filled(nn.GroupNorm(32, 320)), filled(nn.GroupNorm(4, 12)),
                                filled(nn.InstanceNorm2d(64, affine=True)))
+    gn_vae = filled(nn.GroupNorm(32, 128))
     return {
         "batchnorm relu": (lambda x: F.relu(bn(x)), (16, 64, 56, 56), [bn]),
         "groupnorm silu": (lambda x: F.silu(gn(x)), (2, 320, 64, 64), [gn]),
         "groupnorm odd": (gn_small, (3, 12, 7, 9), [gn_small]),
+        "groupnorm vae": (lambda x: F.silu(gn_vae(x)), (1, 128, 256, 256), [gn_vae]),  # (32 rows of 262144)
         "instancenorm": (inorm, (8, 64, 56, 56), [inorm]),
         "hardswish": (lambda x: F.hardswish(x) * F.hardsigmoid(x), (64, 96, 28, 28), []),
         "mish": (lambda x: F.mish(x * 12), (64, 96, 28, 28), []),  # (x * 12: past the switch at 20 too)
@@ -24,8 +26,8 @@ def _cases(filled):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
-@pytest.mark.parametrize("case", ["batchnorm relu", "groupnorm silu", "groupnorm odd", "instancenorm", "hardswish",
-                                  "mish"])
+@pytest.mark.parametrize("case", ["batchnorm relu", "groupnorm silu", "groupnorm odd", "groupnorm vae", "instancenorm",
+                                  "hardswish", "mish"])
 def test_norms_match_the_reference(case, dtype, filled):
     import tilefuse
     from tilefuse.check import compare, float64_reference
