@@ -58,3 +58,26 @@ def test_pixel_shuffle_then_a_map_is_one_kernel_reading_x_in_place():
         steps = [s for s in p.plan.steps if s.family != "alias" and not s.view]
         assert [s.family for s in steps] == ["mapreduce"] and steps[0].reads, str(p.plan)
         torch.testing.assert_close(p(x), fn(x))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_mish_joins_a_gemms_epilogue(dtype):
+    """mish(x @ w.T) is one GEMM: Mish's maps (exp of min(x, 20), a product, a division) are all
+    float maps, which the epilogue takes (a `where` on a comparison, in an earlier form, stopped
+    it: the GEMM wrote its f32 result and a map kernel read it back)."""
+    x, w = torch.randn(256, 512, dtype=dtype), torch.randn(384, 512, dtype=dtype) * 0.05
+    fn = lambda x, w: F.mish(x @ w.t())  # noqa: E731
+    p = tilefuse.compile(fn, (x, w))
+    assert [s.family for s in p.plan.steps if s.family != "alias" and not s.view] == ["gemm"], str(p.plan)
+    torch.testing.assert_close(p(x, w).float(), fn(x, w).float(), rtol=2e-2, atol=2e-2)
+
+
+def test_mish_at_its_extremes_matches_pytorch():
+    """Around the clamp at 20 (the ratio n / (n + 2) is 1 there in f32 and f64), where exp(x)
+    underflows, and at infinities and NaN: PyTorch's values (f64 within a few ulp)."""
+    x = torch.cat([torch.linspace(-800, 800, 20001, dtype=torch.float64),
+                   torch.tensor([19.99, 20.0, 20.01, 44.0, 89.0, float("inf"), -float("inf"), float("nan"), -0.0])])
+    for dtype in (torch.float64, torch.float32, torch.bfloat16):
+        xd = x.to(dtype)
+        p = tilefuse.compile(F.mish, (xd,))
+        torch.testing.assert_close(p(xd), F.mish(xd), equal_nan=True, rtol=4 * torch.finfo(dtype).eps, atol=1e-30)

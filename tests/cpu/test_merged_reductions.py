@@ -66,6 +66,38 @@ def test_a_map_read_elsewhere_too_keeps_its_kernel():
         torch.testing.assert_close(got, want)
 
 
+@pytest.mark.parametrize("fn", [
+    lambda x: ((e := (x * 3).exp()) * (e + 2)).mean((2, 3)),          # e read by two maps of the chain
+    lambda x: torch.nn.functional.mish(x).amax((2, 3)),               # mish's exp and its product, each read twice
+    lambda x: x * torch.nn.functional.mish(x).mean((2, 3), keepdim=True),
+    lambda x: ((y := x.sin()).mean((2, 3)), (y * y).sum((2, 3))),     # y read by a reduction and a map of the run
+], ids=["two readers", "mish", "mish gate", "reduction and map"])
+def test_a_map_only_the_chain_reads_moves_even_when_read_twice(fn):
+    """A map of x's shape read by more than one node, each of them a reduction over the run or a
+    map only they read, is computed merged, once, in the reduction's kernel (session 59's Mish,
+    written as e (e + 2) over e = exp(x), was split off and written in full)."""
+    x = torch.randn(2, 300, 7, 9)
+    p = tilefuse.compile(fn, (x,))
+    (s,) = _steps(p)
+    assert s.family == "mapreduce" and s.space == ((2, 300), 63), str(p.plan)
+    got, want = p(x), fn(x)
+    for g_, w_ in zip(got if isinstance(got, tuple) else (got,), want if isinstance(want, tuple) else (want,)):
+        torch.testing.assert_close(g_, w_)
+
+
+def test_a_map_read_twice_and_by_an_output_stays_in_place():
+    """e read by the chain and returned: computed in x's shape (a kernel writes it), the mean reads it."""
+    def fn(x):
+        e = x.exp()
+        return (e * (e + 2)).mean((2, 3)), e
+
+    x = torch.randn(2, 300, 7, 9)
+    p = tilefuse.compile(fn, (x,))
+    assert len(_steps(p)) == 2, str(p.plan)
+    for got, want in zip(p(x), fn(x)):
+        torch.testing.assert_close(got, want)
+
+
 @pytest.mark.parametrize("case", ["unmergeable reader", "reduced again", "read by another", "a map read elsewhere"])
 def test_maps_below_move_only_with_all_their_readers(case):
     """A map after the reduction moves below only where every reader of its result moves too (or

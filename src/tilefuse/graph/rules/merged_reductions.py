@@ -64,6 +64,7 @@ class _Merge:
         self.nodes: list = []
         self.merged: dict[str, str] = {}  # a tensor of the full shape -> its merged version
         self.views: dict[tuple, str] = {}  # one view a tensor and shape: a kernel reads it once
+        self._inner: dict[str, bool] = {}  # inner(), memoised
 
     def rollback(self, mark: int):
         """Forget the nodes made since `mark` (an argument had no merged version)."""
@@ -103,8 +104,26 @@ class _Merge:
         return self.view(a, shape)
 
     def shared(self, a: str) -> bool:
-        """`a` is read by more than one node, or is an output: computed where it is, not moved."""
-        return len(set(self.users[a])) != 1 or a in self.outputs
+        """`a` is read by more than one node, or is an output: computed where it is, not moved;
+        unless each of its readers is a reduction over this run or a map only they read, in x's
+        shape (Mish's exp(x), read by e (e + 2)): then it is computed merged, once, for all."""
+        return (len(set(self.users[a])) != 1 or a in self.outputs) and not self.inner(a)
+
+    def inner(self, a: str) -> bool:
+        """`a` is a map of the full shape, no output, read only by reductions over this run and by
+        maps that are themselves inner."""
+        if a not in self._inner:
+            self._inner[a] = False  # (a DAG: no cycle to meet, but stay finite)
+            n = self.g[a]
+            self._inner[a] = (isinstance(n, ir.Map) and n.type.shape == self.full and a not in self.outputs
+                              and bool(self.users[a]) and all(self._reads_in_run(u) or self.inner(u)
+                                                              for u in set(self.users[a])))
+        return self._inner[a]
+
+    def _reads_in_run(self, u: str) -> bool:
+        r = self.g[u]
+        return (isinstance(r, ir.Reduce) and self.g[r.arg].type.shape == self.full
+                and _run(self.full, r.axes) == (self.i, self.j))
 
     def map(self, a: str) -> str | None:
         """Map `a` computed in the merged shape, where only the reduction's chain reads it."""
