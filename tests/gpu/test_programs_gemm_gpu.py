@@ -27,6 +27,14 @@ class LinearAct(nn.Module):
             y = F.silu(y)
         elif self.act == "relu":
             y = torch.relu(y)
+        elif self.act == "leaky_relu":  # (these read a comparison the epilogue computes)
+            y = F.leaky_relu(y, 0.1)
+        elif self.act == "elu":
+            y = F.elu(y)
+        elif self.act == "softplus":
+            y = F.softplus(y, 2.0, 3.0)
+        elif self.act == "mish":
+            y = F.mish(y)
         return y + r
 
 
@@ -65,7 +73,7 @@ def _run(module, inputs, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("act", ["none", "gelu", "gelu_tanh", "silu", "relu"])
+@pytest.mark.parametrize("act", ["none", "gelu", "gelu_tanh", "silu", "relu", "leaky_relu", "elu", "softplus", "mish"])
 @pytest.mark.parametrize("shape", [(1, 8, 8), (17, 72, 40), (300, 136, 520), (2048, 1024, 768)],
                          ids=lambda s: "x".join(map(str, s)))
 def test_linear_activation_residual_is_one_gemm(shape, act, dtype):

@@ -228,11 +228,17 @@ class _Avoid:
 
 
 def _epilogue_op(n) -> bool:
-    if not isinstance(n, ir.Map) or n.type.dtype not in FLOATS:
+    """A map the epilogue computes: a float result, or a comparison (a bool that a `where` after
+    it reads: leaky ReLU, ELU, softplus's threshold; never written, `match` keeps it inside)."""
+    if not isinstance(n, ir.Map):
+        return False
+    info = ops.OPS.get(n.op)
+    if n.type.dtype == "bool":
+        return info is not None and info.kind == "cmp"
+    if n.type.dtype not in FLOATS:
         return False
     if n.op == "cast":
         return True
-    info = ops.OPS.get(n.op)
     return info is not None and info.kind in ("float", "any")
 
 
@@ -369,8 +375,8 @@ def match(g: ir.Graph, c: ir.Contraction, users=None, taken: frozenset = frozens
     def valid(prefix) -> list[str] | None:
         names = {c.name} | {x for x, _ in prefix}
         esc = escapes(names)
-        if not 1 <= len(esc) <= MAX_OUTPUTS or any(x in slices for x in esc):
-            return None
+        if not 1 <= len(esc) <= MAX_OUTPUTS or any(x in slices or g[x].type.dtype not in FLOATS for x in esc):
+            return None  # (a comparison's bool is read inside, never written)
         split = [x for x, _ in prefix if x in slices]
         if not split:
             return esc if all(level[x] == "full" for x in esc) else None

@@ -124,7 +124,7 @@ def lower_gemm_step(graph: g_ir.Graph, step: Step, name: str | None = None) -> L
             if n.type.dtype in ("bf16", "f16") and n.name not in s.outs:  # an explicit rounding inside the chain
                 v = e.op("cast", e.op("cast", v, dtype=n.type.dtype), dtype="f32")
             return v
-        return e.op(n.op, *args)
+        return e.op(n.op, *args, dtype="bool" if n.type.dtype == "bool" else "f32")  # (a comparison: bool)
 
     # outputs are half-width in a pairwise epilogue (parity None), but for what a stack made
     # full width again: those are stored at columns 2n and 2n + 1

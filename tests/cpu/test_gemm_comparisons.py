@@ -1,0 +1,76 @@
+"""Comparisons in a GEMM's epilogue: leaky ReLU, ELU, softplus (its threshold) and `where(y > 0,
+...)` after a matmul read a bool the epilogue computes and never writes. They were a GEMM that
+wrote its result and a map kernel that read it back (the epilogue took float maps alone). The
+epilogue's Loop IR runs through the interpreter here (the product by torch), and the kernels
+build for sm_90a and sm_80 with no spills."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import tilefuse
+from tilefuse.runtime import nvrtc
+
+ACTS = {
+    "leaky_relu": lambda y: F.leaky_relu(y, 0.1),
+    "elu": F.elu,
+    "softplus": lambda y: F.softplus(y, 2.0, 3.0),
+    "where": lambda y: torch.where(y > 0.5, y * 2, -y),
+    "selu": F.selu,
+}
+
+
+def _families(p):
+    return [s.family for s in p.plan.steps if s.family != "alias" and not s.view]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("name", sorted(ACTS))
+def test_an_activation_with_a_comparison_runs_in_the_epilogue(name, dtype):
+    act = ACTS[name]
+    x, w, b = torch.randn(96, 256, dtype=dtype), torch.randn(160, 256, dtype=dtype) * 0.1, torch.randn(160, dtype=dtype)
+    fn = lambda x, w, b: act(F.linear(x, w, b))  # noqa: E731
+    p = tilefuse.compile(fn, (x, w, b))
+    assert _families(p) == ["gemm"], str(p.plan)
+    # (the epilogue compares the f32 accumulator, eager its 16-bit rounding: the float64
+    # reference decides, as the project's rule does)
+    ref = act(F.linear(x.double(), w.double(), b.double()))
+    err, eager_err = (p(x, w, b).double() - ref).abs().max(), (fn(x, w, b).double() - ref).abs().max()
+    assert err <= 2 * eager_err + 1e-6, (err, eager_err)
+
+
+def test_a_compared_result_that_is_returned_stays_out_of_the_epilogue():
+    """`y > 0` as an output: a bool the epilogue would have to write; the GEMM writes y and a map
+    kernel compares (as before)."""
+    x, w = torch.randn(64, 128, dtype=torch.bfloat16), torch.randn(96, 128, dtype=torch.bfloat16)
+    fn = lambda x, w: (x @ w.t()) > 0  # noqa: E731
+    p = tilefuse.compile(fn, (x, w))
+    assert _families(p) == ["gemm", "mapreduce"], str(p.plan)
+    assert (p(x, w) == fn(x, w)).float().mean() > 0.99
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_80", "gemv"])
+@pytest.mark.parametrize("name", ["leaky_relu", "softplus"])
+def test_epilogues_with_comparisons_build_without_spills(name, arch):
+    """The tiled GEMM for sm_90a and sm_80, and the matrix-vector kernel a decode step's
+    projections run (sm_90a)."""
+    from tilefuse.codegen import gemm_sm80, gemm_sm90, gemv
+
+    act = ACTS[name]
+    x, w = torch.randn(512, 1024, dtype=torch.bfloat16), torch.randn(768, 1024, dtype=torch.bfloat16)
+    p = tilefuse.compile(lambda x, w: act(x @ w.t()), (x, w))
+    (lg,) = p.gemms.values()
+    problem = lg.problem()
+    assert ": bool" in str(problem.epilogue), str(problem.epilogue)  # (the comparison, inside)
+    if arch == "sm_90a":
+        src = gemm_sm90.render(problem, gemm_sm90.default_schedule(problem))
+    elif arch == "sm_80":
+        src = gemm_sm80.render(problem, gemm_sm80.default_schedule(problem))
+    else:
+        x = x[:4]
+        (lg,) = tilefuse.compile(lambda x, w: act(x @ w.t()), (x, w)).gemms.values()
+        problem = lg.problem()
+        src, arch = gemv.render(problem, gemv.default_schedule(problem)), "sm_90a"
+    cubin = nvrtc.compile_cuda(src.source, src.name, arch)
+    assert cubin.info.clean, cubin.info
