@@ -18,6 +18,7 @@ ACTS = {
     "softplus": lambda y: F.softplus(y, 2.0, 3.0),
     "where": lambda y: torch.where(y > 0.5, y * 2, -y),
     "selu": F.selu,
+    "hardshrink": F.hardshrink,  # (a band: two comparisons and an `and`)
 }
 
 
@@ -51,7 +52,7 @@ def test_a_compared_result_that_is_returned_stays_out_of_the_epilogue():
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_80", "gemv"])
-@pytest.mark.parametrize("name", ["leaky_relu", "softplus"])
+@pytest.mark.parametrize("name", ["leaky_relu", "softplus", "hardshrink"])
 def test_epilogues_with_comparisons_build_without_spills(name, arch):
     """The tiled GEMM for sm_90a and sm_80, and the matrix-vector kernel a decode step's
     projections run (sm_90a)."""

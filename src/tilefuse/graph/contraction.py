@@ -228,13 +228,14 @@ class _Avoid:
 
 
 def _epilogue_op(n) -> bool:
-    """A map the epilogue computes: a float result, or a comparison (a bool that a `where` after
-    it reads: leaky ReLU, ELU, softplus's threshold; never written, `match` keeps it inside)."""
+    """A map the epilogue computes: a float result, or a comparison or logic on comparisons (a
+    bool that a `where` after it reads: leaky ReLU, ELU, softplus's threshold, hardshrink's
+    band; never written, `match` keeps it inside)."""
     if not isinstance(n, ir.Map):
         return False
     info = ops.OPS.get(n.op)
     if n.type.dtype == "bool":
-        return info is not None and info.kind == "cmp"
+        return info is not None and info.kind in ("cmp", "logic")
     if n.type.dtype not in FLOATS:
         return False
     if n.op == "cast":
