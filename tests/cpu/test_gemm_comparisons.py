@@ -75,3 +75,23 @@ def test_epilogues_with_comparisons_build_without_spills(name, arch):
         src, arch = gemv.render(problem, gemv.default_schedule(problem)), "sm_90a"
     cubin = nvrtc.compile_cuda(src.source, src.name, arch)
     assert cubin.info.clean, cubin.info
+
+
+@pytest.mark.parametrize("act", ["gelu", "where"])
+def test_the_epilogue_writes_16_bits_where_only_kernels_widen_them(act):
+    """softmax(act(x @ w.T)) in bf16: the softmax's f32 cast is read only by its kernel, so the
+    epilogue stops before it and writes bf16 (it wrote the f32 cast: twice the bytes both ways;
+    with comparisons in epilogues the `where` form newly reached that cast)."""
+    f = {"gelu": F.gelu, "where": lambda y: torch.where(y > 0, y, -y)}[act]
+    x, w = torch.randn(256, 512, dtype=torch.bfloat16), torch.randn(512, 512, dtype=torch.bfloat16) * 0.05
+    fn = lambda x, w: torch.softmax(f(x @ w.t()), -1)  # noqa: E731
+    p = tilefuse.compile(fn, (x, w))
+    (gemm,) = [s for s in p.plan.steps if s.family == "gemm"]
+    assert [p.graph[o].type.dtype for o in gemm.outputs] == ["bf16"], str(p.plan)
+    torch.testing.assert_close(p(x, w).float(), fn(x, w).float(), rtol=2e-2, atol=1e-3)
+
+
+def test_a_widening_cast_that_is_returned_is_still_written_by_the_epilogue():
+    x, w = torch.randn(64, 128, dtype=torch.bfloat16), torch.randn(96, 128, dtype=torch.bfloat16)
+    p = tilefuse.compile(lambda x, w: F.gelu(x @ w.t()).float(), (x, w))
+    assert [s.family for s in p.plan.steps if s.family != "alias" and not s.view] == ["gemm"], str(p.plan)

@@ -28,7 +28,7 @@ import heapq
 import math
 from dataclasses import dataclass
 
-from .. import ops
+from .. import dtypes, ops
 from . import ir
 
 GEMM_DTYPES = ("bf16", "f16")
@@ -373,11 +373,21 @@ def match(g: ir.Graph, c: ir.Contraction, users=None, taken: frozenset = frozens
         return sorted((x for x in names if x in outputs or any(u not in names for u in users[x])),
                       key=order.get)
 
+    def widened_for_maps(x: str) -> bool:
+        """x is a widening cast (bf16 -> f32 before a softmax) that only maps and reductions read:
+        they widen it themselves; written wide, it costs twice the bytes both ways."""
+        n = g[x]
+        return (isinstance(n, ir.Map) and n.op == "cast" and x not in outputs
+                and dtypes.itemsize(n.type.dtype) > dtypes.itemsize(g[n.args[0]].type.dtype)
+                and all(isinstance(g[u], (ir.Map, ir.Reduce)) for u in users[x]))
+
     def valid(prefix) -> list[str] | None:
         names = {c.name} | {x for x, _ in prefix}
         esc = escapes(names)
         if not 1 <= len(esc) <= MAX_OUTPUTS or any(x in slices or g[x].type.dtype not in FLOATS for x in esc):
             return None  # (a comparison's bool is read inside, never written)
+        if any(widened_for_maps(x) for x in esc):
+            return None
         split = [x for x, _ in prefix if x in slices]
         if not split:
             return esc if all(level[x] == "full" for x in esc) else None
