@@ -127,7 +127,9 @@ def test_kernels_equal_but_for_their_names_are_built_once(monkeypatch):
     assert len(steps) == 2 and len({p.kernels[s].kernel.name for s in steps}) == 2, steps
     p.prepare("cpu")
     (kernel,) = built
-    assert kernel.name.startswith("tf_max_") and [b.name for b in kernel.params] == ["b0", "b1"]
+    # (named from what it computes, not from either step: the softmax's cast, then its max; the
+    # GEMM writes bf16 and the kernel widens it, session 59)
+    assert kernel.name.startswith(("tf_cast_", "tf_max_")) and [b.name for b in kernel.params] == ["b0", "b1"]
     assert p.compiled(p.kernels[steps[0]], "cpu") is p.compiled(p.kernels[steps[1]], "cpu")
 
 
