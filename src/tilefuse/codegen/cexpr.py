@@ -85,6 +85,24 @@ __device__ __forceinline__ float tf_ex2_ftz(float x) { float r; asm("ex2.approx.
 __device__ __forceinline__ float tf_exp_fast(float x) { return tf_ex2_ftz(x * 1.44269504f); }
 __device__ __forceinline__ float tf_rcp_fast(float x) { float r; asm("rcp.approx.f32 %0, %1;" : "=f"(r) : "f"(x)); return r; }
 __device__ __forceinline__ float tf_div_fast(float a, float b) { return a * tf_rcp_fast(b); }
+__device__ __forceinline__ float tf_lg2_approx(float x) { float r; asm("lg2.approx.f32 %0, %1;" : "=f"(r) : "f"(x)); return r; }
+// expm1, tanh and log1p for results rounded to 16 bits, without the library's branches (an
+// ELU after a GEMM spent 10% of the GEMM's time in expm1f): below |x| = 1/16 a Taylor
+// polynomial (the first term left out is under 2^-19 of the result), above it ex2 / rcp /
+// lg2, whose error near 1 (2^-22 absolute) is under 2^-17 of a result of at least 0.06.
+// tests/cpu/test_fast_functions.py checks each bound evaluating as the kernel does.
+__device__ __forceinline__ float tf_expm1_fast(float x) {
+  const float p = x * fmaf(x, fmaf(x, fmaf(x, 0.0416666679f, 0.166666672f), 0.5f), 1.0f);
+  return fabsf(x) < 0.0625f ? p : tf_exp_fast(x) - 1.0f;
+}
+__device__ __forceinline__ float tf_tanh_fast(float x) {
+  const float p = x * fmaf(x * x, fmaf(x * x, 0.13333334f, -0.333333343f), 1.0f);
+  return fabsf(x) < 0.0625f ? p : 1.0f - 2.0f * tf_rcp_fast(tf_exp_fast(2.0f * x) + 1.0f);
+}
+__device__ __forceinline__ float tf_log1p_fast(float x) {
+  const float p = x * fmaf(x, fmaf(x, fmaf(x, fmaf(x, 0.2f, -0.25f), 0.333333343f), -0.5f), 1.0f);
+  return fabsf(x) < 0.0625f ? p : tf_lg2_approx(1.0f + x) * 0.693147182f;
+}
 {ncdf_fast}// A partial sum of exp(x - m) rescaled to a larger max M (partial log-sum-exp states merge
 // max first: M = max of the maxima, then the sum of the rescaled sums). Equal maxima (-inf
 // included) need no exp; a NaN max propagates.
@@ -382,7 +400,7 @@ _CMP = {"eq": "==", "ne": "!=", "lt": "<", "le": "<=", "gt": ">", "ge": ">="}
 _ARITH = {"add": "+", "sub": "-", "mul": "*", "div": "/"}
 
 
-FAST_OPS = ("exp", "div", "sigmoid", "ncdf")  # the ops with a special-function spelling (op's fast)
+FAST_OPS = ("exp", "div", "sigmoid", "ncdf", "expm1", "tanh", "log1p")  # the ops with a special-function spelling (op's fast)
 
 
 def op(name: str, args: list[str], arg_dtypes: list[str], dtype: str, fast: bool = False) -> str:
@@ -393,7 +411,9 @@ def op(name: str, args: list[str], arg_dtypes: list[str], dtype: str, fast: bool
     as tf_div_fast (a times rcp.approx of b: a row-constant divisor's reciprocal is then
     computed once per row, the asm being pure), and an f32 sigmoid as the rcp.approx of
     1 + ex2.approx: two special-function instructions, no branch (the IEEE division's slow
-    path is a call site per element, which keeps ptxas from overlapping the elements).
+    path is a call site per element, which keeps ptxas from overlapping the elements);
+    ncdf, expm1, tanh and log1p as the prelude's tf_*_fast (a short polynomial near 0, the
+    special-function unit elsewhere: no library branches).
     """
     info = ops.info(name)
     if len(args) != info.arity:
@@ -421,8 +441,8 @@ def op(name: str, args: list[str], arg_dtypes: list[str], dtype: str, fast: bool
         e = f"tf_div_fast({conv(0)}, {conv(1)})"
     elif fast and name == "sigmoid":  # 1 / (1 + exp(-x)): inf for x < -88 gives rcp 0, as IEEE does
         e = f"tf_rcp_fast(1.0f + tf_exp_fast(-{conv(0)}))"
-    elif fast and name == "ncdf":
-        e = f"tf_ncdf_fast({conv(0)})"
+    elif fast and name in ("ncdf", "expm1", "tanh", "log1p"):
+        e = f"tf_{name}_fast({conv(0)})"
     elif name == "ncdf":  # 0.5 erfc(-x / sqrt 2): no cancellation in the lower tail
         fn, half, r2 = ("erfc", "0.5", "0.7071067811865476") if f64 else ("erfcf", "0.5f", "0.70710678f")
         e = f"({half} * {fn}(-{r2} * {conv(0)}))"

@@ -421,7 +421,12 @@ class _Planner:
                     stack.append(p)
         return seen
 
-    def fits(self, step: Step, extra: dict[str, Align]) -> bool:
+    def fits(self, step: Step, extra: dict[str, Align], n=None) -> bool:
+        """Whether the rows the step's reductions pass over stay on chip with `extra` joining. A
+        map joining a kernel of maps alone streams its rows: nothing is held (expm1(x).half()
+        over 1M elements was two kernels, the row of 4 MB being "too long")."""
+        if isinstance(n, ir.Map) and not step.passes:
+            return True
         L, C = step.space
         inside = set(step.nodes)
         row_tensors = {a for a, al in {**step.align, **extra}.items()
@@ -486,7 +491,7 @@ class _Planner:
             if self.tiles_apart(n, s):
                 continue
             al = self.align_in(n, s)
-            if al is None or not self.fits(s, al) or self.coarse_in(n.name, al[n.name], s):
+            if al is None or not self.fits(s, al, n) or self.coarse_in(n.name, al[n.name], s):
                 continue
             if not self.recompute_fits(n, s):
                 continue
@@ -516,7 +521,7 @@ class _Planner:
                 if probe.align[n.arg] is None:
                     continue
             al = self.align_in(n, probe)
-            if al is None or not self.fits(s, al) or self.coarse_in(n.name, al[n.name], s):
+            if al is None or not self.fits(s, al, n) or self.coarse_in(n.name, al[n.name], s):
                 continue
             if not self.recompute_fits(n, s):
                 continue
