@@ -115,6 +115,15 @@ def test_layernorm_is_one_kernel():
     assert set(p.steps[0].inputs) == set(g.inputs) | set(g.weights)
 
 
+def test_maps_over_a_row_longer_than_the_chip_holds_are_one_kernel():
+    """A chain of maps over one row of 4M f32 (16 MB: more than a cluster's shared memory) is one
+    kernel: maps alone stream their row, nothing is held (each map was its own kernel)."""
+    g, p = planned(lambda x: torch.expm1(x * 2 + 1).half(), [torch.randn(4_000_000)])
+    check_invariants(g, p)
+    assert [s.family for s in p.steps] == ["mapreduce"], str(p)
+    assert p.steps[0].outputs == list(g.outputs)
+
+
 def test_cross_entropy_per_row_is_one_kernel():
     """cross_entropy(reduction='none') -- log-sum-exp, target select and the ignore mask -- is one
     map-reduce kernel over the rows (aliases are free reshapes, not kernels)."""
