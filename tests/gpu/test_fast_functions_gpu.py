@@ -1,7 +1,7 @@
 """The prelude's fast expm1, tanh and log1p on the GPU (their error bounds rest on the PTX ISA's
 for ex2, rcp and lg2; tests/cpu/test_fast_functions.py checks the arithmetic around them): a map
 kernel reading f32 and writing 16 bits takes them, and its results round as the float64 value
-does but in rare ties, never a rounding step away."""
+does but in rare ties, and then one unit in the last place away."""
 from __future__ import annotations
 
 import pytest
@@ -34,8 +34,11 @@ def test_fast_functions_round_as_the_exact_value(name, out):
     got = prog(x).double()
     exact = fn(x.double())
     want = exact.to(out).double()
-    step = (want.abs() * 2.0 ** -(8 if out == torch.bfloat16 else 11)).clamp_min(1e-30)
+    bits, tiny = (7, 2.0 ** -133) if out == torch.bfloat16 else (10, 2.0 ** -24)
+    ulp = torch.exp2(torch.floor(torch.log2(want.abs().clamp_min(tiny))) - bits).clamp_min(tiny)
     assert torch.equal(got.isnan(), want.isnan())
-    ok = ~want.isnan()
-    assert ((got - want).abs()[ok] <= step[ok]).all(), "a result a rounding step or more away"
-    assert (got != want)[ok].float().mean().item() < 1e-3
+    same = (got == want) | want.isnan()
+    near = same | ((got - want).abs() <= ulp)
+    bad = (~near).nonzero().flatten()[:5].tolist()
+    assert not bad, [(x[i].item(), got[i].item(), exact[i].item()) for i in bad]
+    assert (~same).float().mean().item() < 1e-3, (~same).float().mean().item()

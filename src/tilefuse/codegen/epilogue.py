@@ -32,6 +32,8 @@ the row (see gemm_sm90._partials_code).
 """
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, field
 
 from ..loop import ir
@@ -351,10 +353,10 @@ def _activate(e: EpilogueBuilder, x: str, act: str) -> str:
         return e.op("mul", x, e.op("sigmoid", x))
     if act == "gelu":  # x Phi(x) = x * 0.5 * (1 + erf(x / sqrt 2))
         return e.op("mul", x, e.op("ncdf", x))
-    if act == "gelu_tanh":  # 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))
-        x3 = e.op("mul", e.op("mul", x, x), x)
-        inner = e.op("mul", e.op("add", x, e.op("mul", x3, e.const(0.044715))), e.const(0.7978845608028654))
-        return e.op("mul", e.op("mul", x, e.const(0.5)), e.op("add", e.op("tanh", inner), e.const(1.0)))
+    if act == "gelu_tanh":  # 0.5 x (1 + tanh(u)) = x sigmoid(2u), u = sqrt(2/pi) (x + 0.044715 x^3)
+        c = 2 * math.sqrt(2 / math.pi)
+        t = e.op("add", e.op("mul", e.op("mul", x, x), e.const(c * 0.044715)), e.const(c))
+        return e.op("mul", x, e.op("sigmoid", e.op("mul", x, t)))
     raise ValueError(f"unknown activation {act!r}; known: {', '.join(ACTIVATIONS)}")
 
 

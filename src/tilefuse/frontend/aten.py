@@ -149,10 +149,12 @@ def _gelu(b, args, kwargs, out):
     x = b.cast(args[0], _acc(b, args[0]))  # one rounding at the end, as PyTorch's fused op
     approx = kwargs.get("approximate", args[1] if len(args) > 1 else "none")
     if approx == "tanh":
-        half = b.scalar(0.5, x)
-        inner = b.map("mul", b.scalar(math.sqrt(2 / math.pi), x),
-                      b.map("add", x, b.map("mul", b.scalar(0.044715, x), b.map("mul", x, b.map("mul", x, x)))))
-        y = b.map("mul", b.map("mul", half, x), b.map("add", b.scalar(1.0, x), b.map("tanh", inner)))
+        # 0.5 x (1 + tanh(u)) = x sigmoid(2u), u = sqrt(2/pi) (x + 0.044715 x^3): the same function
+        # in fewer ops (a bf16 GELU after an 8192 x 4096 x 4096 GEMM cost 43 us over the GEMM with
+        # tanh, H200, session 60), and no 1 + tanh(u) cancelling for large negative x
+        c = 2 * math.sqrt(2 / math.pi)
+        t = b.map("add", b.scalar(c, x), b.map("mul", b.scalar(c * 0.044715, x), b.map("mul", x, x)))
+        y = b.map("mul", x, b.map("sigmoid", b.map("mul", x, t)))
     elif approx == "none":
         y = b.map("mul", x, b.map("ncdf", x))  # x Phi(x) = x 0.5 (1 + erf(x / sqrt 2))
     else:

@@ -18,7 +18,7 @@ from ..graph import ir as g_ir
 from ..graph.fusion import Step, is_row_level
 from ..graph.rewrites import fresh_name
 from . import ir as L
-from .flat import flat_rows, merged_rows
+from .flat import flat_rows, merged_rows, split_rows
 
 
 @dataclass(frozen=True)
@@ -381,8 +381,9 @@ def lower_step(graph: g_ir.Graph, step: Step, name: str | None = None) -> Lowere
     if step.tail is not None:
         return _grid_reduction(graph, step, name or step.name)
     low = _Lowerer(graph, step).lower(name or step.name)
-    # (maps alone: neighbouring rows merged where their row-level values allow, else short rows
-    # as rows of K of the whole; neither takes a kernel with a reduction. A view read in place
+    # (maps alone: neighbouring rows merged where their row-level values allow, few long rows
+    # split into pieces, else short rows as rows of K of the whole; none takes a kernel with a
+    # reduction. A view read in place
     # along the row (a slice, a transpose read in tiles) reads the column: no merge takes it)
     kernel = None
     if not step.columns:
@@ -390,6 +391,9 @@ def lower_step(graph: g_ir.Graph, step: Step, name: str | None = None) -> Lowere
         if kernel is not None:
             C = _inner(low.kernel)
             walk = f"rows merged {_inner(kernel) // C} at a time: {kernel.body[0].extent} rows of {_inner(kernel)}"
+        elif (kernel := split_rows(low.kernel)) is not None:
+            walk = (f"rows split: {kernel.body[0].extent} rows of {_inner(kernel)} "
+                    f"({low.kernel.body[0].extent} rows of {_inner(low.kernel)} are few)")
         elif not step.reads:
             kernel = flat_rows(low.kernel)
             walk = kernel and (f"walked as {kernel.body[0].extent} rows of {_inner(kernel)} of the whole "
