@@ -484,6 +484,27 @@ def _var_mean(b, args, kwargs, out, std: bool):
     return b.cast(v, out.dtype), b.cast(mean, out.dtype)
 
 
+@handles("mse_loss")
+def _mse_loss(b, args, kwargs, out):
+    """F.mse_loss: (x - t)^2 in the accumulation type, then its mean or sum over every element
+    (reduction 1 or 2; 0 keeps the squares), rounded once to the result's dtype."""
+    x, t = args[0], args[1]
+    reduction = kwargs.get("reduction", args[2] if len(args) > 2 else 1)
+    if not (dtypes.is_float(b.type(x).dtype) and dtypes.is_float(b.type(t).dtype)):
+        raise Unsupported("mse_loss of tensors that are not float")
+    if b.type(x).shape != b.type(t).shape:
+        raise Unsupported("mse_loss of tensors of different shapes (PyTorch broadcasts them with a warning)")
+    x, t = b.cast(x, _acc(b, x)), b.cast(t, _acc(b, t))
+    d = b.map("sub", x, t)
+    sq = b.map("mul", d, d)
+    if reduction == 0:
+        return b.cast(sq, out.dtype)
+    if reduction not in (1, 2):
+        raise Unsupported(f"mse_loss reduction {reduction!r}")
+    dims = tuple(range(len(b.type(sq).shape)))
+    return b.cast(b.reduce("mean" if reduction == 1 else "sum", sq, dims, False), out.dtype)
+
+
 @handles("linalg_vector_norm")
 def _vector_norm(b, args, kwargs, out):
     """torch.norm's and F.normalize's vector norm, a row reduction: |x| summed (or its max, min,

@@ -60,6 +60,94 @@ def flatten_full_reductions(g: ir.Graph) -> ir.Graph:
     return g.replace(nodes=out) if changed else g
 
 
+SPLIT_REDUCE_MIN = 65536   # rows at least this long are split when few
+SPLIT_REDUCE_ROWS = 512    # ... and fewer than this (CTAs for every SM)
+SPLIT_REDUCE_K = (1024, 2048, 4096, 512)  # a piece's length, preferred first (a divisor of the row)
+
+
+def split_long_reductions(g: ir.Graph) -> ir.Graph:
+    """A reduction over few long rows (a full reduction is one row) reduces pieces of K first.
+
+    A kernel's CTAs take whole rows, so `(x * x).sum()` over 16M elements was one row: one CTA
+    (or a cluster) streaming 64 MB. Viewed as [R, P, K] (P = C / K pieces a row, a free reshape),
+    the row kernel reduces R P pieces, writing f32 partials (the accumulator's type: a bf16 sum
+    rounds once, at the end), and a second reduction over P finishes each row. Sum, max and min
+    split exactly so; a mean is the mean of equal pieces' means. Rows with no divisor K in
+    SPLIT_REDUCE_K stay whole."""
+    out, changed = [], False
+    names, users = {n.name for n in g.nodes}, g.users()
+    for n in g.nodes:
+        x = g[n.arg].type if isinstance(n, ir.Reduce) else None
+        if (x is None or n.op not in ("sum", "mean", "max", "min") or not x.shape
+                or n.axes != (len(x.shape) - 1,) or x.shape[-1] < SPLIT_REDUCE_MIN
+                or x.numel // x.shape[-1] >= SPLIT_REDUCE_ROWS or x.dtype not in ("f32", "bf16", "f16")):
+            out.append(n)
+            continue
+        C = x.shape[-1]
+        K = next((k for k in SPLIT_REDUCE_K if C % k == 0), None)
+        if K is None:
+            out.append(n)
+            continue
+        lead = x.shape[:-1]
+        src = g[n.arg]  # (a reshape of a reshape is one: flatten_full_reductions' flat row, read only here)
+        src = src.arg if isinstance(src, ir.View) and src.op == "reshape" and users[n.arg] == [n.name] else n.arg
+        pieces = fresh_name(names, f"{n.arg}_pieces")
+        out.append(ir.View(pieces, ir.TensorType(lead + (C // K, K), x.dtype), "reshape", src,
+                           lead + (C // K, K), n.source))
+        part = fresh_name(names, f"{n.name}_part")
+        wide = "f32" if n.op in ("sum", "mean") else x.dtype
+        out.append(ir.Reduce(part, ir.TensorType(lead + (C // K,), wide), n.op, pieces, (len(lead) + 1,), False,
+                             n.source))
+        out.append(ir.Reduce(n.name, n.type, n.op, part, (len(lead),), n.keepdim, n.source))
+        changed = True
+    if not changed:
+        return g
+    read = {a for n in out for a in ir.node_args(n)} | set(g.outputs)
+    return g.replace(nodes=[n for n in out if not (isinstance(n, ir.View) and n.name not in read)])
+
+
+def reshapes_onto_maps(g: ir.Graph) -> ir.Graph:
+    """A reshape only reductions read, of a map only it reads, moved onto the map's arguments:
+
+        reduce(reshape(op(a, b)))   ->   reduce(op(reshape(a), reshape(b)))
+
+    The planner grows a kernel along one row space and a reshape ends it, so `(x * x).sum()`
+    (flattened, or split into pieces: flatten_full_reductions, split_long_reductions) wrote the
+    squares and read them back. Moved up the chain of maps to the program's tensors (whose
+    reshapes are free views), the maps run in the reduction's row space, in its kernel. Only
+    maps whose arguments have the map's shape (reshaped alike) or hold one element; a map of a
+    generated tensor (a constant or iota of many elements) keeps its place."""
+    users, outputs = g.users(), set(g.outputs)
+    names = {n.name for n in g.nodes}
+    moving = {n.name for n in g.nodes if isinstance(n, ir.View) and n.op == "reshape" and users.get(n.name)
+              and all(isinstance(g[u], ir.Reduce) for u in users[n.name])}
+    changed = False
+    while moving:
+        users, out, drop, fresh = g.users(), [], set(), set()
+        for n in g.nodes:
+            m = g[n.arg] if n.name in moving else None
+            shape = n.type.shape if m is not None else None
+            if not (isinstance(m, ir.Map) and users.get(m.name) == [n.name] and m.name not in outputs
+                    and all((g[a].type.shape == m.type.shape and not isinstance(g[a], (ir.Constant, ir.Iota)))
+                            or (g[a].type.numel == 1 and len(g[a].type.shape) <= len(shape)) for a in m.args)):
+                out.append(n)
+                continue
+            args, seen = [], {}
+            for a in m.args:
+                if g[a].type.shape == m.type.shape and a not in seen:
+                    seen[a] = fresh_name(names, f"{a}_as")
+                    out.append(ir.View(seen[a], ir.TensorType(shape, g[a].type.dtype), "reshape", a, shape, n.source))
+                    fresh.add(seen[a])
+                args.append(seen.get(a, a))
+            out.append(ir.Map(n.name, ir.TensorType(shape, m.type.dtype), m.op, tuple(args), m.source))
+            drop.add(m.name)
+        if not drop:
+            break
+        g = g.replace(nodes=[x for x in out if x.name not in drop])
+        moving, changed = fresh, True
+    return g
+
+
 def drop_one_element_reductions(g: ir.Graph) -> ir.Graph:
     """A reduction over axes that all have size 1 reduces one element: it is a reshape (and a cast
     where the result type differs), so it fuses like a map instead of becoming an extern."""
@@ -197,7 +285,7 @@ def unit_permutes_as_reshapes(g: ir.Graph) -> ir.Graph:
 
 
 RULES = (drop_one_element_reductions, drop_identity_reshapes, drop_identity_casts, flatten_full_reductions,
-         small_powers_as_products, unit_permutes_as_reshapes)
+         split_long_reductions, small_powers_as_products, reshapes_onto_maps, unit_permutes_as_reshapes)
 
 
 def run_rewrites(g: ir.Graph, rules=RULES) -> tuple[ir.Graph, list[Fired]]:
