@@ -193,6 +193,8 @@ REWRITE_CASES = {  # rule -> a graph (and inputs) that makes it fire, after the 
     "drop_identity_reshapes": lambda: _captured(lambda x: x.amax(-1, keepdim=True) * 2, (6, 1)),
     "drop_identity_casts": _identity_cast_graph,
     "flatten_full_reductions": lambda: _captured(lambda x: (x.exp().sum(), x.amax()), (3, 4, 5)),
+    # (a max: split exactly, where a sum's pieces reassociate it)
+    "split_long_reductions": lambda: _captured(lambda x: (x * 2).amax(-1), (2, 1 << 17)),
     "small_powers_as_products": _small_powers_graph,
     # a decode step's head transposes: (1, 1, H, D) -> (1, H, 1, D) and back
     "unit_permutes_as_reshapes": lambda: _captured(lambda q: (q.transpose(1, 2) * 2).transpose(1, 2) + 1,

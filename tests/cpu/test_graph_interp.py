@@ -191,6 +191,13 @@ def _(draw, dtype):
     return (lambda x: (torch.linalg.vector_norm(x, p, dims, keep), F.normalize(x, dim=-1))), [randn(s, dtype)]
 
 
+@case("mse_loss", "mse_loss")
+def _(draw, dtype):
+    s = draw(shapes())
+    reduction = draw(st.sampled_from(["mean", "sum", "none"]))
+    return (lambda x, y: F.mse_loss(x, y, reduction=reduction)), [randn(s, dtype), randn(s, dtype)]
+
+
 @case("clamp_tensor_bounds", "clamp")
 def _(draw, dtype):
     s = draw(shapes())

@@ -76,12 +76,12 @@ def test_what_stays_whole(rows, C):
 
 def test_the_maps_a_split_reduction_reads_move_to_its_pieces():
     """sum(x * x) split: the square is computed on reshaped x, its result is the pieces."""
-    g = split_long_reductions(_reduce_graph("sum", 0, 1 << 17, square=True))
-    h = reshapes_onto_maps(g)
+    g = _reduce_graph("sum", 0, 1 << 17, square=True)
+    h = split_long_reductions(g)
     assert isinstance(h[h["y_part"].arg], ir.Map) and h[h["y_part"].arg].type.shape == (128, 1024), str(h)
     assert "sq" not in {n.name for n in h.nodes}
     x = np.random.default_rng(2).standard_normal(1 << 17).astype(np.float32)
-    assert np.array_equal(_run(g, x), _run(h, x))
+    np.testing.assert_allclose(_run(h, x), (x.astype(np.float64) ** 2).sum(), rtol=1e-5)
 
 
 def test_a_map_with_other_readers_or_a_generated_operand_keeps_its_place():
@@ -90,12 +90,25 @@ def test_a_map_with_other_readers_or_a_generated_operand_keeps_its_place():
             ir.View("flat", T(64, 1024), "reshape", "sq", (64, 1024)),
             ir.Reduce("y", T(64), "sum", "flat", (1,), False)]
     shared = ir.Graph(tuple(base) + (ir.Map("z", sq, "exp", ("sq",)),), ("x",), ("y", "z"))
-    assert reshapes_onto_maps(shared) is shared  # (sq is read by exp too: moving it would compute it twice)
+    assert reshapes_onto_maps(shared, {"flat"}) is shared  # (sq is read by exp too: moving it would compute it twice)
     returned = ir.Graph(tuple(base), ("x",), ("y", "sq"))
-    assert reshapes_onto_maps(returned) is returned
+    assert reshapes_onto_maps(returned, {"flat"}) is returned
     gen = ir.Graph((ir.Input("x", x), ir.Iota("i", T(1 << 16), 0), ir.Map("sq", sq, "mul", ("x", "i")),
                     *base[2:]), ("x",), ("y",))
-    assert reshapes_onto_maps(gen) is gen
+    assert reshapes_onto_maps(gen, {"flat"}) is gen
+    moved = reshapes_onto_maps(ir.Graph(tuple(base), ("x",), ("y",)), {"flat"})
+    assert isinstance(moved["flat"], ir.Map) and moved["flat"].type.shape == (64, 1024)
+    assert reshapes_onto_maps(ir.Graph(tuple(base), ("x",), ("y",)), set()).nodes == tuple(base)  # (only those named)
+
+
+def test_a_row_other_passes_read_stays_whole_where_a_cluster_holds_it():
+    """A cross-entropy over 8 rows of 262144 (1 MB f32 a row: a cluster holds it, one read) keeps
+    its one kernel; over one row of 1M f32 (4 MB: more than a cluster holds) a softmax splits."""
+    x, t = torch.randn(8, 262144), torch.randint(0, 262144, (8,))
+    p = tilefuse.compile(lambda x, t: F.cross_entropy(x, t), (x, t))
+    assert _kernels(p)[0].space == ((8,), 262144), str(p.plan)
+    p = tilefuse.compile(lambda x: torch.softmax(x, 0), (torch.randn(1 << 20),))
+    assert ((1024,), 1024) in [s.space for s in _kernels(p)], str(p.plan)
 
 
 def _kernels(p):

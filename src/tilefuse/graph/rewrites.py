@@ -7,7 +7,9 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+from .. import dtypes
 from . import ir
+from .fusion import ON_CHIP_BYTES
 
 
 @dataclass(frozen=True)
@@ -60,6 +62,29 @@ def flatten_full_reductions(g: ir.Graph) -> ir.Graph:
     return g.replace(nodes=out) if changed else g
 
 
+def _alone(g: ir.Graph, users: dict, n: ir.Reduce) -> bool:
+    """Whether reduction n is the only reader of its row: the maps (and reshapes) of full size
+    its argument is computed from, and the tensors they read, feed nothing else. A row other
+    passes read too (a softmax's max and its exp, a cross-entropy's) is better held on chip by
+    one kernel (a cluster's shared memory) than read again by each split piece."""
+    size, stack, seen = g[n.arg].type.numel, [n.arg], set()
+    chain = {n.name}
+    while stack:
+        a = stack.pop()
+        if a in seen:
+            continue
+        seen.add(a)
+        node = g[a]
+        if node.type.numel != size:
+            continue
+        chain.add(a)
+        if isinstance(node, ir.Map):
+            stack.extend(node.args)
+        elif isinstance(node, ir.View) and node.op == "reshape":
+            stack.append(node.arg)
+    return all(set(users.get(a, ())) <= chain for a in chain if a != n.name)
+
+
 SPLIT_REDUCE_MIN = 65536   # rows at least this long are split when few
 SPLIT_REDUCE_ROWS = 512    # ... and fewer than this (CTAs for every SM)
 SPLIT_REDUCE_K = (1024, 2048, 4096, 512)  # a piece's length, preferred first (a divisor of the row)
@@ -71,10 +96,15 @@ def split_long_reductions(g: ir.Graph) -> ir.Graph:
     A kernel's CTAs take whole rows, so `(x * x).sum()` over 16M elements was one row: one CTA
     (or a cluster) streaming 64 MB. Viewed as [R, P, K] (P = C / K pieces a row, a free reshape),
     the row kernel reduces R P pieces, writing f32 partials (the accumulator's type: a bf16 sum
-    rounds once, at the end), and a second reduction over P finishes each row. Sum, max and min
-    split exactly so; a mean is the mean of equal pieces' means. Rows with no divisor K in
-    SPLIT_REDUCE_K stay whole."""
-    out, changed = [], False
+    rounds once, at the end), and a second reduction over P finishes each row; the maps the
+    reduction reads move into the pieces' row space (reshapes_onto_maps). Sum, max and min split
+    exactly so; a mean is the mean of equal pieces' means. A row a cluster's shared memory holds
+    stays whole where other passes read it too (`_alone`: a softmax's, a cross-entropy's); rows
+    with no divisor K in SPLIT_REDUCE_K stay whole."""
+    from ..loop.flat import split_enabled
+    if not split_enabled():
+        return g
+    out, changed, moved = [], False, set()
     names, users = {n.name for n in g.nodes}, g.users()
     for n in g.nodes:
         x = g[n.arg].type if isinstance(n, ir.Reduce) else None
@@ -85,13 +115,14 @@ def split_long_reductions(g: ir.Graph) -> ir.Graph:
             continue
         C = x.shape[-1]
         K = next((k for k in SPLIT_REDUCE_K if C % k == 0), None)
-        if K is None:
+        if K is None or (C * dtypes.itemsize(x.dtype) <= ON_CHIP_BYTES and not _alone(g, users, n)):
             out.append(n)
             continue
         lead = x.shape[:-1]
         src = g[n.arg]  # (a reshape of a reshape is one: flatten_full_reductions' flat row, read only here)
         src = src.arg if isinstance(src, ir.View) and src.op == "reshape" and users[n.arg] == [n.name] else n.arg
         pieces = fresh_name(names, f"{n.arg}_pieces")
+        moved.add(pieces)
         out.append(ir.View(pieces, ir.TensorType(lead + (C // K, K), x.dtype), "reshape", src,
                            lead + (C // K, K), n.source))
         part = fresh_name(names, f"{n.name}_part")
@@ -103,24 +134,24 @@ def split_long_reductions(g: ir.Graph) -> ir.Graph:
     if not changed:
         return g
     read = {a for n in out for a in ir.node_args(n)} | set(g.outputs)
-    return g.replace(nodes=[n for n in out if not (isinstance(n, ir.View) and n.name not in read)])
+    g = g.replace(nodes=[n for n in out if not (isinstance(n, ir.View) and n.name not in read)])
+    return reshapes_onto_maps(g, moved)
 
 
-def reshapes_onto_maps(g: ir.Graph) -> ir.Graph:
-    """A reshape only reductions read, of a map only it reads, moved onto the map's arguments:
+def reshapes_onto_maps(g: ir.Graph, moving: set) -> ir.Graph:
+    """The reshapes named in `moving`, each of a map only it reads, moved onto the map's
+    arguments, and so on up the chain:
 
         reduce(reshape(op(a, b)))   ->   reduce(op(reshape(a), reshape(b)))
 
     The planner grows a kernel along one row space and a reshape ends it, so `(x * x).sum()`
-    (flattened, or split into pieces: flatten_full_reductions, split_long_reductions) wrote the
-    squares and read them back. Moved up the chain of maps to the program's tensors (whose
-    reshapes are free views), the maps run in the reduction's row space, in its kernel. Only
-    maps whose arguments have the map's shape (reshaped alike) or hold one element; a map of a
-    generated tensor (a constant or iota of many elements) keeps its place."""
-    users, outputs = g.users(), set(g.outputs)
-    names = {n.name for n in g.nodes}
-    moving = {n.name for n in g.nodes if isinstance(n, ir.View) and n.op == "reshape" and users.get(n.name)
-              and all(isinstance(g[u], ir.Reduce) for u in users[n.name])}
+    split into pieces (split_long_reductions) would write the squares and read them back.
+    Moved up the chain of maps to the program's tensors (whose reshapes are free views), the
+    maps run in the pieces' row space, in their kernel. Only maps whose arguments have the
+    map's shape (reshaped alike) or hold one element; a map of a generated tensor (a constant
+    or iota of many elements) keeps its place. (Other reshapes keep theirs: a user's grouped
+    sum of a GEMM's squares is what the RMSNorm partials rule looks for.)"""
+    outputs, names = set(g.outputs), {n.name for n in g.nodes}
     changed = False
     while moving:
         users, out, drop, fresh = g.users(), [], set(), set()
@@ -285,7 +316,7 @@ def unit_permutes_as_reshapes(g: ir.Graph) -> ir.Graph:
 
 
 RULES = (drop_one_element_reductions, drop_identity_reshapes, drop_identity_casts, flatten_full_reductions,
-         split_long_reductions, small_powers_as_products, reshapes_onto_maps, unit_permutes_as_reshapes)
+         split_long_reductions, small_powers_as_products, unit_permutes_as_reshapes)
 
 
 def run_rewrites(g: ir.Graph, rules=RULES) -> tuple[ir.Graph, list[Fired]]:

@@ -253,6 +253,12 @@ SPLIT_MIN = 256       # a piece's elements, at least
 SPLIT_MAX = 4096      # ... and at most
 
 
+def split_enabled() -> bool:
+    """TILEFUSE_SPLIT=0 keeps few long rows whole: map kernels here, reductions in
+    rewrites.split_long_reductions (for A/B runs)."""
+    return os.environ.get("TILEFUSE_SPLIT", "1") != "0"
+
+
 def split_rows(kernel: L.Kernel) -> L.Kernel | None:
     """The kernel with each of its few long rows cut into pieces of K (K divides the row), or None.
 
@@ -262,7 +268,7 @@ def split_rows(kernel: L.Kernel) -> L.Kernel | None:
     (P = C / K pieces a row): the row-level values stay row-level (a piece lies in one row), the
     whole tensors are viewed as [R P, K]. K is a divisor of C in [SPLIT_MIN, SPLIT_MAX] whose
     bytes are whole 16-byte chunks, the preferred K_CHOICES first, then the largest."""
-    found = _maps_alone(kernel)
+    found = _maps_alone(kernel) if split_enabled() else None
     if found is None:
         return None
     loop, head, inner, whole = found
