@@ -9,6 +9,7 @@ take are visible extern steps that name them.
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
@@ -195,6 +196,9 @@ REWRITE_CASES = {  # rule -> a graph (and inputs) that makes it fire, after the 
     "flatten_full_reductions": lambda: _captured(lambda x: (x.exp().sum(), x.amax()), (3, 4, 5)),
     # (a max: split exactly, where a sum's pieces reassociate it)
     "split_long_reductions": lambda: _captured(lambda x: (x * 2).amax(-1), (2, 1 << 17)),
+    # GPT-2's GELU, written out (transformers' NewGELUActivation)
+    "tanh_halves_as_sigmoids": lambda: _captured(
+        lambda x: 0.5 * x * (1.0 + torch.tanh(0.7978845608028654 * (x + 0.044715 * torch.pow(x, 3.0)))), (6, 40)),
     "small_powers_as_products": _small_powers_graph,
     # a decode step's head transposes: (1, 1, H, D) -> (1, H, 1, D) and back
     "unit_permutes_as_reshapes": lambda: _captured(lambda q: (q.transpose(1, 2) * 2).transpose(1, 2) + 1,
@@ -218,9 +222,13 @@ def test_a_permute_moving_only_unit_dims_is_a_free_alias_and_others_stay_copies(
     assert unit_permutes_as_reshapes(gw) is gw
 
 
+REASSOCIATED = {"tanh_halves_as_sigmoids": 1e-6}  # rules computing the same function in other ops
+
+
 def test_each_rewrite_fires_and_preserves_the_graphs_meaning():
     """Every rule in RULES fires on a graph made for it, and the graph computes the same before and
-    after it (graph interpreter, f32, exactly), with the same output types."""
+    after it (graph interpreter, f32, exactly; within f32 rounding where it computes it in other
+    ops), with the same output types."""
     from tilefuse.graph.interp import run_graph
     from tilefuse.graph.rewrites import RULES
 
@@ -233,7 +241,11 @@ def test_each_rewrite_fires_and_preserves_the_graphs_meaning():
         assert [g[o].type for o in g.outputs] == [g2[o].type for o in g2.outputs]
         feed = dict(zip(g.inputs, inputs))
         for a, b in zip(run_graph(g, feed), run_graph(g2, feed)):
-            assert a.shape == b.shape and (a == b).all(), rule.__name__
+            assert a.shape == b.shape, rule.__name__
+            if rule.__name__ in REASSOCIATED:  # (the same function in other ops: f32 roundings differ)
+                np.testing.assert_allclose(a, b, rtol=REASSOCIATED[rule.__name__], atol=1e-7, err_msg=rule.__name__)
+            else:
+                assert (a == b).all(), rule.__name__
 
 
 # -- externs are visible ------------------------------------------------------------------------------

@@ -74,6 +74,17 @@ def _whole(s, r: str, c: str, R: int, C: int, kernel: L.Kernel) -> bool:
     return (tuple(b.shape) == (R, C) and len(s.index) == 2 and s.index[0] == L.Var(r) and s.index[1] == L.Var(c))
 
 
+def _moved(s, whole: set, r: str, c: str, sub: dict):
+    """Statement s of a re-walked kernel: a whole tensor read or written at the new [r, c], any
+    other index (and index value) with the old r and c substituted by `sub`."""
+    if isinstance(s, (L.Load, L.Store)):
+        index = (L.Var(r), L.Var(c)) if s.buf in whole else tuple(_simplified(_subst(e, sub)) for e in s.index)
+        return replace(s, index=index)
+    if isinstance(s, L.IndexValue):
+        return replace(s, expr=_simplified(_subst(s.expr, sub)))
+    return s
+
+
 def wanted(C: int) -> bool:
     """Rows worth walking flat: shorter than SHORT."""
     return C < SHORT
@@ -137,15 +148,7 @@ def flat_rows(kernel: L.Kernel) -> L.Kernel | None:
     pos = L.IndexValue(_fresh(kernel, "pos"), L.IBin("+", L.IBin("*", L.Var(r), L.IConst(K)), L.Var(c)), "i32")
     sub = {r: L.IBin("//", L.Val(pos.dst), L.IConst(C)), c: L.IBin("%", L.Val(pos.dst), L.IConst(C))}
 
-    def moved(s):
-        if isinstance(s, (L.Load, L.Store)):
-            index = (L.Var(r), L.Var(c)) if s.buf in whole else tuple(_simplified(_subst(e, sub)) for e in s.index)
-            return replace(s, index=index)
-        if isinstance(s, L.IndexValue):
-            return replace(s, expr=_simplified(_subst(s.expr, sub)))
-        return s
-
-    body = (pos,) + tuple(moved(s) for s in (*head, *inner.body))
+    body = (pos,) + tuple(_moved(s, whole, r, c, sub) for s in (*head, *inner.body))
     params = tuple(replace(b, shape=(N // K, K)) if b.name in whole else b for b in kernel.params)
     new = L.Loop(r, N // K, (L.Loop(c, K, body),), parallel=True)
     return replace(kernel, params=params, body=(new,))
@@ -285,16 +288,8 @@ def split_rows(kernel: L.Kernel) -> L.Kernel | None:
     sub = {r: L.IBin("//", L.Var(r), L.IConst(P)),
            c: L.IBin("+", L.IBin("*", L.IBin("%", L.Var(r), L.IConst(P)), L.IConst(K)), L.Var(c))}
 
-    def moved(s, sub):
-        if isinstance(s, (L.Load, L.Store)):
-            index = (L.Var(r), L.Var(c)) if s.buf in whole else tuple(_simplified(_subst(e, sub)) for e in s.index)
-            return replace(s, index=index)
-        if isinstance(s, L.IndexValue):
-            return replace(s, expr=_simplified(_subst(s.expr, sub)))
-        return s
-
     head_sub = {r: sub[r]}  # (the head reads no column)
-    new_inner = replace(inner, extent=K, body=tuple(moved(s, sub) for s in inner.body))
-    new = replace(loop, extent=R * P, body=tuple(moved(s, head_sub) for s in head) + (new_inner,))
+    new_inner = replace(inner, extent=K, body=tuple(_moved(s, whole, r, c, sub) for s in inner.body))
+    new = replace(loop, extent=R * P, body=tuple(_moved(s, whole, r, c, head_sub) for s in head) + (new_inner,))
     params = tuple(replace(b, shape=(R * P, K)) if b.name in whole else b for b in kernel.params)
     return replace(kernel, params=params, body=(new,))
