@@ -159,3 +159,13 @@ def test_mse_loss_is_lowered_and_within_the_2x_rule(reduction, dtype):
     assert not [s for s in p.plan.steps if s.family == "extern"], str(p.plan)
     c = compare("mse", p(x, y), float64_reference(fn, (x, y)), fn(x, y))
     assert c.ok, c
+
+
+def test_a_per_row_operand_moves_with_the_maps():
+    """(x * s).sum(-1), s of [R, 1]: s is read as [R, 1, 1] in the pieces' space, so the product
+    is computed in the pieces' kernel (not written by a kernel of its own)."""
+    x, s = torch.randn(4, 1 << 18), torch.randn(4, 1)
+    p = tilefuse.compile(lambda x, s: (x * s).sum(-1), (x, s))
+    ks = _kernels(p)
+    assert [k.space for k in ks] == [((4, 256), 1024), ((4,), 256)], str(p.plan)
+    torch.testing.assert_close(p(x, s), (x.double() * s.double()).sum(-1).float(), rtol=1e-5, atol=1e-3)

@@ -138,6 +138,22 @@ def split_long_reductions(g: ir.Graph) -> ir.Graph:
     return reshapes_onto_maps(g, moved)
 
 
+def _reshaped_as(a, old: tuple, new: tuple) -> tuple | None:
+    """The shape map argument `a` takes when its map of shape `old` is reshaped to `new`: `new`
+    for an argument of the map's shape (not a generated one: the planner reads none through a
+    view), its own for one element, and for a per-row value ([..., 1]) where only the last dim
+    is cut into pieces ([..., C] -> [..., P, K]) the same with a 1 more; else None."""
+    t = a.type
+    if t.shape == old:
+        return None if isinstance(a, (ir.Constant, ir.Iota)) else new
+    if t.numel == 1 and len(t.shape) <= len(new):
+        return t.shape
+    if (len(t.shape) == len(old) and t.shape[-1] == 1 and len(new) == len(old) + 1 and new[:-2] == old[:-1]
+            and new[-2] * new[-1] == old[-1] and not isinstance(a, (ir.Constant, ir.Iota))):
+        return t.shape + (1,)
+    return None
+
+
 def reshapes_onto_maps(g: ir.Graph, moving: set) -> ir.Graph:
     """The reshapes named in `moving`, each of a map only it reads, moved onto the map's
     arguments, and so on up the chain:
@@ -159,16 +175,17 @@ def reshapes_onto_maps(g: ir.Graph, moving: set) -> ir.Graph:
             m = g[n.arg] if n.name in moving else None
             shape = n.type.shape if m is not None else None
             if not (isinstance(m, ir.Map) and users.get(m.name) == [n.name] and m.name not in outputs
-                    and all((g[a].type.shape == m.type.shape and not isinstance(g[a], (ir.Constant, ir.Iota)))
-                            or (g[a].type.numel == 1 and len(g[a].type.shape) <= len(shape)) for a in m.args)):
+                    and all(_reshaped_as(g[a], m.type.shape, shape) is not None for a in m.args)):
                 out.append(n)
                 continue
             args, seen = [], {}
             for a in m.args:
-                if g[a].type.shape == m.type.shape and a not in seen:
+                to = _reshaped_as(g[a], m.type.shape, shape)
+                if to != g[a].type.shape and a not in seen:
                     seen[a] = fresh_name(names, f"{a}_as")
-                    out.append(ir.View(seen[a], ir.TensorType(shape, g[a].type.dtype), "reshape", a, shape, n.source))
-                    fresh.add(seen[a])
+                    out.append(ir.View(seen[a], ir.TensorType(to, g[a].type.dtype), "reshape", a, to, n.source))
+                    if to == shape:
+                        fresh.add(seen[a])
                 args.append(seen.get(a, a))
             out.append(ir.Map(n.name, ir.TensorType(shape, m.type.dtype), m.op, tuple(args), m.source))
             drop.add(m.name)
