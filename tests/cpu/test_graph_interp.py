@@ -198,6 +198,65 @@ def _(draw, dtype):
     return (lambda x, y: F.mse_loss(x, y, reduction=reduction)), [randn(s, dtype), randn(s, dtype)]
 
 
+@case("pointwise_losses", "l1_loss", "smooth_l1_loss", "huber_loss")
+def _(draw, dtype):
+    s = draw(shapes())
+    reduction = draw(st.sampled_from(["mean", "sum", "none"]))
+    k = draw(st.sampled_from([0.5, 1.0, 2.0]))  # (beta 0 is F.l1_loss in PyTorch itself)
+    return (lambda x, y: (F.l1_loss(x, y, reduction=reduction), F.smooth_l1_loss(x, y, reduction=reduction, beta=k),
+                          F.huber_loss(x, y, reduction=reduction, delta=k))), [randn(s, dtype), randn(s, dtype)]
+
+
+@case("binary_cross_entropies", "binary_cross_entropy_with_logits", "binary_cross_entropy")
+def _(draw, dtype):
+    s = draw(shapes())
+    reduction = draw(st.sampled_from(["mean", "sum", "none"]))
+    return (lambda x, t: (F.binary_cross_entropy_with_logits(x * 8, t, reduction=reduction),
+                          F.binary_cross_entropy(torch.sigmoid(x), t, reduction=reduction))), \
+        [randn(s, dtype), torch.rand(s).to(dtype)]
+
+
+@case("kl_div_and_xlogy", "kl_div", "xlogy")
+def _(draw, dtype):
+    s = draw(shapes())
+    log_target = draw(st.booleans())
+    return (lambda x, t: (F.kl_div(F.log_softmax(x, -1), F.log_softmax(t, -1) if log_target else F.softmax(t, -1),
+                                   reduction="sum", log_target=log_target),
+                          torch.xlogy(t.abs() * (t > 0.5), x.abs()))), [randn(s, dtype), randn(s, dtype)]
+
+
+@case("masked_fill", "masked_fill")
+def _(draw, dtype):
+    s = draw(shapes())
+    k = draw(st.integers(0, len(s)))
+    ms = tuple(1 if draw(st.booleans()) else d for d in s[len(s) - k:])
+    value = draw(st.sampled_from([0.0, -1e4, float("-inf"), 2.5]))
+    return (lambda x, m: (x.masked_fill(m > 0, value), x.masked_fill(m < 0, torch.tensor(1.5)))), \
+        [randn(s, dtype), randn(ms, dtype)]
+
+
+@case("addcmul_addcdiv_lerp", "addcmul", "addcdiv", "lerp")
+def _(draw, dtype):
+    s = draw(shapes())
+    value, w = draw(st.sampled_from([1, 0.5, -2.0])), draw(st.sampled_from([0.0, 0.3, 0.5, 0.9, 1.0]))
+    return (lambda x, y: (torch.addcmul(x, x, y, value=value), torch.addcdiv(x, x, y.abs() + 1, value=value),
+                          torch.lerp(x, y, w), torch.lerp(x, y, torch.sigmoid(y)))), [randn(s, dtype), randn(s, dtype)]
+
+
+@case("sign_trunc_frac_sinc", "sign", "trunc", "fix", "frac", "sinc")
+def _(draw, dtype):
+    s = draw(shapes())
+    return (lambda x: (torch.sign(x), torch.trunc(x * 3), torch.fix(x * 2), torch.frac(x * 3), torch.sinc(x),
+                       torch.sinc(x * 0))), [randn(s, dtype)]
+
+
+@case("nan_to_num_logaddexp", "nan_to_num", "logaddexp")
+def _(draw, dtype):
+    s = draw(shapes())
+    return (lambda x, y: (torch.nan_to_num(torch.log(x) / (x + 0.5).clamp_min(0)), torch.nan_to_num(x.log(), 1.0, 7.0, -7.0),
+                          torch.logaddexp(x, y), torch.logaddexp(x.log(), y.log()))), [randn(s, dtype), randn(s, dtype)]
+
+
 @case("clamp_tensor_bounds", "clamp")
 def _(draw, dtype):
     s = draw(shapes())

@@ -204,3 +204,23 @@ def test_an_empty_view_is_refused_as_before_not_read_in_place():
     tensors names it (read in place, its index divided by a zero extent)."""
     with pytest.raises(ValueError, match="no elements"):
         _prog(lambda x: x[:, 3:3].sum(-1) * 2, torch.randn(4, 8))
+
+
+def test_a_view_whose_reader_keeps_its_copy_keeps_its_own():
+    """slice -> permute (moving the last dim) -> strided slice -> softmax over a non-last dim: the
+    strided slice read under the permute would be read in place, but alone it is a copy (an
+    extern reading the permute), so the permute and the slice before it stay copies too: the
+    copy's input exists (fuzz crash 9502758: the runner met a tensor no step had made)."""
+    import tilefuse
+
+    def f(x):
+        v = torch.atan2(x, x + 1)[..., :1].swapaxes(0, -1)[..., ::2]
+        return torch.softmax(v, -2)
+
+    x = torch.randn(3, 2, 1, 8)
+    p = tilefuse.compile(f, (x,))
+    made = {o for s in p.plan.steps for o in s.nodes} | set(p.graph.inputs)
+    for s in p.plan.steps:
+        for t in s.inputs:
+            assert t in made or not isinstance(p.graph[t], ir.View), (s.name, t, str(p.plan))
+    torch.testing.assert_close(p(x), f(x))

@@ -11,6 +11,8 @@ from __future__ import annotations
 import itertools
 import math
 
+import numpy as np
+
 from .. import dtypes
 from ..graph import ir
 from .builder import Builder, broadcast_shapes, check_fits, wrap_dim
@@ -484,25 +486,243 @@ def _var_mean(b, args, kwargs, out, std: bool):
     return b.cast(v, out.dtype), b.cast(mean, out.dtype)
 
 
+def _loss_reduced(b, v, reduction, out, name):
+    """A loss's elementwise values `v` (in the accumulation type) as PyTorch's `reduction`
+    returns them (0 none, 1 mean, 2 sum), rounded once to the result's dtype."""
+    if reduction == 0:
+        return b.cast(v, out.dtype)
+    if reduction not in (1, 2):
+        raise Unsupported(f"{name} reduction {reduction!r}")
+    dims = tuple(range(len(b.type(v).shape)))
+    return b.cast(b.reduce("mean" if reduction == 1 else "sum", v, dims, False), out.dtype)
+
+
+def _loss_operands(b, args, name):
+    """A pointwise loss's two tensors in the accumulation type (float, same shape: torch.export
+    broadcasts them first where PyTorch would)."""
+    x, t = args[0], args[1]
+    if not (dtypes.is_float(b.type(x).dtype) and dtypes.is_float(b.type(t).dtype)):
+        raise Unsupported(f"{name} of tensors that are not float")
+    if b.type(x).shape != b.type(t).shape:
+        raise Unsupported(f"{name} of tensors of different shapes (PyTorch broadcasts them with a warning)")
+    return b.cast(x, _acc(b, x)), b.cast(t, _acc(b, t))
+
+
+def _arg(args, kwargs, i, name, default):
+    return kwargs.get(name, args[i] if len(args) > i else default)
+
+
+@handles("l1_loss")
+def _l1_loss(b, args, kwargs, out):
+    x, t = _loss_operands(b, args, "l1_loss")
+    return _loss_reduced(b, b.map("abs", b.map("sub", x, t)), _arg(args, kwargs, 2, "reduction", 1), out, "l1_loss")
+
+
+@handles("smooth_l1_loss")
+def _smooth_l1_loss(b, args, kwargs, out):
+    """smooth L1 (beta): d < beta ? d^2 / (2 beta) : d - beta / 2; Huber (delta): d < delta ?
+    d^2 / 2 : delta (d - delta / 2); d = |x - t|. A beta of 0 is the L1 loss."""
+    huber = kwargs.get("_op") == "huber"
+    x, t = _loss_operands(b, args, "smooth_l1_loss")
+    reduction = _arg(args, kwargs, 2, "reduction", 1)
+    k = float(_arg(args, kwargs, 3, "delta" if huber else "beta", 1.0))
+    d = b.map("abs", b.map("sub", x, t))
+    if k < 0:
+        raise Unsupported("a negative beta / delta")
+    if k == 0:
+        return _loss_reduced(b, d, reduction, out, "smooth_l1_loss")
+    sq = b.map("mul", b.map("mul", d, d), b.scalar(0.5 if huber else 0.5 / k, d))
+    lin = b.map("mul", b.map("sub", d, b.scalar(0.5 * k, d)), b.scalar(k, d)) if huber else \
+        b.map("sub", d, b.scalar(0.5 * k, d))
+    v = b.map("where", b.map("lt", d, b.scalar(k, d)), sq, lin)
+    return _loss_reduced(b, v, reduction, out, "huber_loss" if huber else "smooth_l1_loss")
+
+
+def _huber_loss(b, args, kwargs, out):
+    return _smooth_l1_loss(b, args, {**kwargs, "_op": "huber"}, out)
+
+
+HANDLERS["huber_loss"] = _huber_loss
+
+
+@handles("binary_cross_entropy_with_logits")
+def _bce_with_logits(b, args, kwargs, out):
+    """(1 - t) x + log(1 + exp(-x)), as max(x, 0) - x t + log1p(exp(-|x|)): no overflow for
+    large |x|. The per-element `weight` and `pos_weight` are refused (an extern runs them)."""
+    if _arg(args, kwargs, 2, "weight", None) is not None or _arg(args, kwargs, 3, "pos_weight", None) is not None:
+        raise Unsupported("binary_cross_entropy_with_logits with weight or pos_weight")
+    x, t = _loss_operands(b, args, "binary_cross_entropy_with_logits")
+    soft = b.map("log1p", b.map("exp", b.map("neg", b.map("abs", x))))
+    v = b.map("add", b.map("sub", b.map("relu", x), b.map("mul", x, t)), soft)
+    return _loss_reduced(b, v, _arg(args, kwargs, 4, "reduction", 1), out, "binary_cross_entropy_with_logits")
+
+
+@handles("binary_cross_entropy")
+def _bce(b, args, kwargs, out):
+    """-(t log p + (1 - t) log(1 - p)), each log at least -100, as PyTorch clamps them."""
+    if _arg(args, kwargs, 2, "weight", None) is not None:
+        raise Unsupported("binary_cross_entropy with weight")
+    p, t = _loss_operands(b, args, "binary_cross_entropy")
+    lo = b.scalar(-100.0, p)
+    lp = b.map("max", b.map("log", p), lo)
+    lq = b.map("max", b.map("log", b.map("sub", b.scalar(1.0, p), p)), lo)
+    v = b.map("neg", b.map("add", b.map("mul", t, lp), b.map("mul", b.map("sub", b.scalar(1.0, t), t), lq)))
+    return _loss_reduced(b, v, _arg(args, kwargs, 3, "reduction", 1), out, "binary_cross_entropy")
+
+
+def _xlogy(b, x, y):
+    """x log y, 0 where x is 0 (and y is not NaN), as torch.xlogy."""
+    zero = b.scalar(0.0, x)
+    keep = b.map("or", b.map("ne", x, zero), b.map("ne", y, y))
+    return b.map("where", keep, b.map("mul", x, b.map("log", y)), zero)
+
+
+@handles("kl_div")
+def _kl_div(b, args, kwargs, out):
+    """target (log target - input), xlogy(t, t) - t x where the target is not log-space, as
+    aten.kl_div ('batchmean' divides the sum after it, in PyTorch's own code)."""
+    x, t = _loss_operands(b, args, "kl_div")
+    if _arg(args, kwargs, 3, "log_target", False):
+        v = b.map("mul", b.map("exp", t), b.map("sub", t, x))
+    else:
+        v = b.map("sub", _xlogy(b, t, t), b.map("mul", t, x))
+    return _loss_reduced(b, v, _arg(args, kwargs, 2, "reduction", 1), out, "kl_div")
+
+
+@handles("xlogy")
+def _xlogy_op(b, args, kwargs, out):
+    x, y = args[0], args[1]
+    like = x if _is_tensor(b, x) else y
+    x, y = _operand(b, x, like), _operand(b, y, like)
+    if not dtypes.is_float(out.dtype):
+        raise Unsupported("xlogy of a non-float result")
+    return b.cast(_xlogy(b, b.cast(x, _acc_of(out.dtype)), b.cast(y, _acc_of(out.dtype))), out.dtype)
+
+
+def _acc_of(dtype: str) -> str:
+    return "f32" if dtype in ("bf16", "f16") else dtype
+
+
+@handles("masked_fill")
+def _masked_fill(b, args, kwargs, out):
+    """where(mask, value, x): value a number (refused where x's dtype cannot hold it, as
+    PyTorch refuses it) or a 0-dim tensor, taken in x's dtype."""
+    x, mask, value = args[0], args[1], _arg(args, kwargs, 2, "value", None)
+    if b.type(mask).dtype != "bool":
+        raise Unsupported("masked_fill with a mask that is not bool")
+    if broadcast_shapes(b.type(x).shape, b.type(mask).shape) != b.type(x).shape:
+        raise Unsupported("masked_fill with a mask larger than the tensor")
+    v = b.cast(value, b.type(x).dtype) if _is_tensor(b, value) else _operand(b, value, x, "where")
+    return b.map("where", mask, v, x, dtype=b.type(x).dtype)
+
+
+def _addc(op):
+    def handler(b, args, kwargs, out):
+        """x + value (a op b), in the result's dtype (PyTorch's addcmul / addcdiv)."""
+        x, t1, t2 = args[0], args[1], args[2]
+        value = kwargs.get("value", args[3] if len(args) > 3 else 1)
+        if not dtypes.is_float(out.dtype):
+            raise Unsupported(f"add{'cmul' if op == 'mul' else 'cdiv'} of a non-float result")
+        acc = _acc_of(out.dtype)
+        x, t1, t2 = (b.cast(a, acc) for a in (x, t1, t2))
+        y = b.map(op, t1, t2)
+        if value != 1:
+            y = b.map("mul", y, b.const(float(value), acc))
+        return b.cast(b.map("add", x, y), out.dtype)
+    return handler
+
+
+HANDLERS["addcmul"], HANDLERS["addcdiv"] = _addc("mul"), _addc("div")
+
+
+@handles("lerp")
+def _lerp(b, args, kwargs, out):
+    """x + w (y - x) for w < 0.5, y - (y - x)(1 - w) otherwise: PyTorch's form, exact at both ends."""
+    x, y, w = args[0], args[1], args[2]
+    if not dtypes.is_float(out.dtype):
+        raise Unsupported("lerp of a non-float result")
+    acc = _acc_of(out.dtype)
+    x, y = b.cast(x, acc), b.cast(y, acc)
+    w = b.cast(w, acc) if _is_tensor(b, w) else b.const(float(w), acc)
+    d = b.map("sub", y, x)
+    lo = b.map("add", x, b.map("mul", w, d))
+    hi = b.map("sub", y, b.map("mul", d, b.map("sub", b.const(1.0, acc), w)))
+    return b.cast(b.map("where", b.map("lt", b.map("abs", w), b.const(0.5, acc)), lo, hi), out.dtype)
+
+
+@handles("sign")
+def _sign(b, args, kwargs, out):
+    """(x > 0) - (x < 0) in x's dtype: 0 for zeros of either sign and for NaN, as torch.sign."""
+    x = args[0]
+    if b.type(x).dtype == "bool":
+        return x
+    zero = b.scalar(0, x)
+    return b.map("sub", b.cast(b.map("gt", x, zero), b.type(x).dtype), b.cast(b.map("lt", x, zero), b.type(x).dtype))
+
+
+@handles("trunc", "fix")
+def _trunc(b, args, kwargs, out):
+    x = args[0]
+    if not dtypes.is_float(b.type(x).dtype):
+        return x
+    return b.map("where", b.map("lt", x, b.scalar(0.0, x)), b.map("neg", b.map("floor", b.map("neg", x))),
+                 b.map("floor", x))
+
+
+@handles("frac")
+def _frac(b, args, kwargs, out):
+    x = args[0]
+    return b.map("sub", x, _trunc(b, [x], {}, out))
+
+
+@handles("nan_to_num")
+def _nan_to_num(b, args, kwargs, out):
+    """NaN, +inf and -inf replaced (by 0 and the dtype's largest and smallest finite values
+    unless given)."""
+    x = args[0]
+    if not dtypes.is_float(b.type(x).dtype):
+        return x
+    info = np.finfo(dtypes.to_numpy(b.type(x).dtype)) if b.type(x).dtype != "bf16" else None
+    big = float(info.max) if info is not None else 3.3895313892515355e38
+    nan = _arg(args, kwargs, 1, "nan", None)
+    posinf, neginf = _arg(args, kwargs, 2, "posinf", None), _arg(args, kwargs, 3, "neginf", None)
+    inf = b.scalar(float("inf"), x, "where")
+    y = b.map("where", b.map("ne", x, x), b.scalar(0.0 if nan is None else nan, x, "where"), x)
+    y = b.map("where", b.map("eq", x, inf), b.scalar(big if posinf is None else posinf, x, "where"), y)
+    return b.map("where", b.map("eq", x, b.map("neg", inf)), b.scalar(-big if neginf is None else neginf, x, "where"), y)
+
+
+@handles("logaddexp")
+def _logaddexp(b, args, kwargs, out):
+    """max(x, y) + log1p(exp(-|x - y|)); where x = y = +-inf, that infinity (not NaN)."""
+    x, y = args[0], args[1]
+    if not dtypes.is_float(out.dtype):
+        raise Unsupported("logaddexp of a non-float result")
+    acc = _acc_of(out.dtype)
+    x, y = b.cast(x, acc), b.cast(y, acc)
+    m = b.map("max", x, y)
+    v = b.map("add", m, b.map("log1p", b.map("exp", b.map("neg", b.map("abs", b.map("sub", x, y))))))
+    same_inf = b.map("and", b.map("eq", x, y), b.map("eq", b.map("abs", x), b.const(float("inf"), acc)))
+    return b.cast(b.map("where", same_inf, x, v), out.dtype)
+
+
+@handles("sinc")
+def _sinc(b, args, kwargs, out):
+    """sin(pi x) / (pi x), 1 at 0."""
+    x = args[0]
+    acc = _acc_of(out.dtype)
+    x = b.cast(x, acc)
+    px = b.map("mul", x, b.const(math.pi, acc))
+    v = b.map("div", b.map("sin", px), px)
+    return b.cast(b.map("where", b.map("eq", x, b.const(0.0, acc)), b.const(1.0, acc), v), out.dtype)
+
+
 @handles("mse_loss")
 def _mse_loss(b, args, kwargs, out):
-    """F.mse_loss: (x - t)^2 in the accumulation type, then its mean or sum over every element
-    (reduction 1 or 2; 0 keeps the squares), rounded once to the result's dtype."""
-    x, t = args[0], args[1]
-    reduction = kwargs.get("reduction", args[2] if len(args) > 2 else 1)
-    if not (dtypes.is_float(b.type(x).dtype) and dtypes.is_float(b.type(t).dtype)):
-        raise Unsupported("mse_loss of tensors that are not float")
-    if b.type(x).shape != b.type(t).shape:
-        raise Unsupported("mse_loss of tensors of different shapes (PyTorch broadcasts them with a warning)")
-    x, t = b.cast(x, _acc(b, x)), b.cast(t, _acc(b, t))
+    """F.mse_loss: (x - t)^2 in the accumulation type, then its mean or sum."""
+    x, t = _loss_operands(b, args, "mse_loss")
     d = b.map("sub", x, t)
-    sq = b.map("mul", d, d)
-    if reduction == 0:
-        return b.cast(sq, out.dtype)
-    if reduction not in (1, 2):
-        raise Unsupported(f"mse_loss reduction {reduction!r}")
-    dims = tuple(range(len(b.type(sq).shape)))
-    return b.cast(b.reduce("mean" if reduction == 1 else "sum", sq, dims, False), out.dtype)
+    return _loss_reduced(b, b.map("mul", d, d), _arg(args, kwargs, 2, "reduction", 1), out, "mse_loss")
 
 
 @handles("linalg_vector_norm")

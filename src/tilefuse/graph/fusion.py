@@ -933,6 +933,11 @@ def views_read_in_place(p: Plan) -> Plan:
         if _generated(r) or (isinstance(under, ir.Input) and under.name in g.writes) \
                 or step_of.get(r.name) is not None and step_of[r.name].view:
             region.discard(n.name)  # an iota's or constant's value is made where it is read; a strided view is not in memory as itself
+    # a view read by a view that keeps its copy keeps its own (each was judged in its own
+    # context: under a transposing permute a strided slice reads through, on its own it is a
+    # copy, and the copy reads the permute: fuzz crash 9502758)
+    while dropped := {x for x in region if any(isinstance(g[u], ir.View) and u not in region for u in users[x])}:
+        region -= dropped
     if not region:
         return p
     steps = []
