@@ -1839,8 +1839,9 @@ def fast_math(kernel: ir.Kernel) -> bool:
     softmax's two exps and its division one instruction each instead of about 25 (at 4096
     columns the accurate form was issue-bound: 255 us for 179 us of memory traffic, H100).
     GELU's Phi (the ncdf op) becomes one polynomial and one ex2, within 2e-5 relatively
-    (cexpr's tf_ncdf_fast). An f32 (or integer, or bool) output keeps the accurate library
-    calls."""
+    (cexpr's tf_ncdf_fast); expm1, tanh and log1p a short polynomial near 0 and ex2 / rcp / lg2
+    elsewhere, within 2^-17 (tests/cpu/test_fast_functions.py). An f32 (or integer, or bool)
+    output keeps the accurate library calls."""
     outs = [b for b in kernel.params if b.role == "out"]
     return bool(outs) and all(b.dtype in ("bf16", "f16") for b in outs)
 
