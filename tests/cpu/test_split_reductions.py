@@ -169,3 +169,12 @@ def test_a_per_row_operand_moves_with_the_maps():
     ks = _kernels(p)
     assert [k.space for k in ks] == [((4, 256), 1024), ((4,), 256)], str(p.plan)
     torch.testing.assert_close(p(x, s), (x.double() * s.double()).sum(-1).float(), rtol=1e-5, atol=1e-3)
+
+
+def test_a_row_no_power_of_two_divides_splits_into_its_largest_divisor():
+    """999999 = 3^3 7 11 13 37: pieces of 3861, its largest divisor up to 4096."""
+    h = split_long_reductions(_reduce_graph("max", 0, 999_999))
+    (part,) = [n for n in h.nodes if isinstance(n, ir.Reduce) and n.name != "y"]
+    assert h[part.arg].type.shape == (259, 3861), str(h)
+    x = np.random.default_rng(3).standard_normal(999_999).astype(np.float32)
+    assert _run(h, x) == x.max()

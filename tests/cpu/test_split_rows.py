@@ -50,10 +50,10 @@ def test_a_vector_along_the_row_is_read_at_its_piece_and_column():
 
 
 def test_what_cannot_split_keeps_its_rows():
-    """Many rows (512 or more: CTAs enough), short rows, a row with no aligned divisor in
-    [256, 4096] (2 x 499999), and a reduction."""
+    """Many rows (512 or more: CTAs enough), short rows, a row with no divisor in [256, 4096]
+    (a prime length), and a reduction."""
     for shape, fn in (((512, 16384), lambda x: x * 2), ((4, 8192), lambda x: x * 2),
-                      ((999_998,), lambda x: x * 2), ((2, 65536), lambda x: torch.softmax(x, -1))):
+                      ((1_000_003,), lambda x: x * 2), ((2, 65536), lambda x: torch.softmax(x, -1))):
         x = torch.randn(*shape)
         p = tilefuse.compile(fn, (x,))
         assert "rows split" not in str(p.plan), (shape, str(p.plan))
@@ -83,3 +83,12 @@ def test_split_kernels_build_without_spills(dtype, arch):
     assert _rows(k) == (2048, 1024)
     src, cubin = compile_source_only(k, arch)
     assert not (cubin.info.spill_stores or cubin.info.spill_loads), cubin.info
+
+
+def test_a_row_with_no_aligned_piece_splits_into_its_largest_divisor():
+    """2 x 499999 (31 x 127 x 127): no divisor in [256, 4096] is whole 16-byte chunks, so the
+    pieces are the largest divisor, 3937, read in narrower chunks (many CTAs beat two)."""
+    x = torch.randn(2, 499_999)
+    p = tilefuse.compile(lambda x: x * 2, (x,))
+    assert _rows(_only_kernel(p)) == (254, 3937), str(p.plan)
+    torch.testing.assert_close(p(x), x * 2)

@@ -99,8 +99,9 @@ def split_long_reductions(g: ir.Graph) -> ir.Graph:
     rounds once, at the end), and a second reduction over P finishes each row; the maps the
     reduction reads move into the pieces' row space (reshapes_onto_maps). Sum, max and min split
     exactly so; a mean is the mean of equal pieces' means. A row a cluster's shared memory holds
-    stays whole where other passes read it too (`_alone`: a softmax's, a cross-entropy's); rows
-    with no divisor K in SPLIT_REDUCE_K stay whole."""
+    stays whole where other passes read it too (`_alone`: a softmax's, a cross-entropy's); K is
+    the first of SPLIT_REDUCE_K dividing the row, else its largest divisor in [256, 4096]; rows
+    with none (a prime length) stay whole."""
     from ..loop.flat import split_enabled
     if not split_enabled():
         return g
@@ -114,7 +115,8 @@ def split_long_reductions(g: ir.Graph) -> ir.Graph:
             out.append(n)
             continue
         C = x.shape[-1]
-        K = next((k for k in SPLIT_REDUCE_K if C % k == 0), None)
+        K = next((k for k in SPLIT_REDUCE_K if C % k == 0), None) or \
+            next((k for k in range(4096, 255, -1) if C % k == 0), None)  # (any divisor: 999999 as 3861s)
         if K is None or (C * dtypes.itemsize(x.dtype) <= ON_CHIP_BYTES and not _alone(g, users, n)):
             out.append(n)
             continue

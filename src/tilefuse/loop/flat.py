@@ -270,7 +270,8 @@ def split_rows(kernel: L.Kernel) -> L.Kernel | None:
     Cut into rows of K, row r, column c of the old walk is row r' // P, column (r' % P) K + c'
     (P = C / K pieces a row): the row-level values stay row-level (a piece lies in one row), the
     whole tensors are viewed as [R P, K]. K is a divisor of C in [SPLIT_MIN, SPLIT_MAX] whose
-    bytes are whole 16-byte chunks, the preferred K_CHOICES first, then the largest."""
+    bytes are whole 16-byte chunks, the preferred K_CHOICES first, then the largest; where none
+    is, the largest divisor (a row of 999999 as rows of 3861)."""
     found = _maps_alone(kernel) if split_enabled() else None
     if found is None:
         return None
@@ -279,11 +280,12 @@ def split_rows(kernel: L.Kernel) -> L.Kernel | None:
     if R >= SPLIT_MAX_ROWS or C < 4 * SPLIT_MAX:  # (a row of 16k elements is work enough for a CTA)
         return None
     sizes = [kernel.buffer(b).dtype for b in sorted(whole)]
-    ok = [k for k in range(SPLIT_MIN, min(SPLIT_MAX, C // 2) + 1)
-          if C % k == 0 and all(k * dtypes.itemsize(d) % 16 == 0 for d in sizes)]
-    if not ok:
+    divisors = [k for k in range(SPLIT_MIN, min(SPLIT_MAX, C // 2) + 1) if C % k == 0]
+    ok = [k for k in divisors if all(k * dtypes.itemsize(d) % 16 == 0 for d in sizes)]
+    if not divisors:
         return None
-    K = next((k for k in K_CHOICES if k in ok), max(ok))
+    # (pieces whose bytes are no whole 16-byte chunks read narrower, but many CTAs beat one)
+    K = next((k for k in K_CHOICES if k in ok), max(ok or divisors))
     P = C // K
     sub = {r: L.IBin("//", L.Var(r), L.IConst(P)),
            c: L.IBin("+", L.IBin("*", L.IBin("%", L.Var(r), L.IConst(P)), L.IConst(K)), L.Var(c))}
