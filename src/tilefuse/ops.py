@@ -28,6 +28,24 @@ def _ncdf(x):
         np.result_type(x, np.float32))
 
 
+def _erfc(x):
+    from math import erfc
+
+    return np.vectorize(erfc, otypes=[np.float64])(x).astype(np.result_type(x, np.float32))
+
+
+def _lgamma(x):
+    """log |Gamma(x)|: inf at the poles (0, -1, -2, ...), as C's lgamma and PyTorch's."""
+    from math import inf, lgamma
+
+    def one(v):
+        try:
+            return lgamma(v)
+        except ValueError:  # (a pole)
+            return inf
+    return np.vectorize(one, otypes=[np.float64])(x).astype(np.result_type(x, np.float32))
+
+
 def _sigmoid(x):
     return 1.0 / (1.0 + np.exp(-x))
 
@@ -79,6 +97,20 @@ OPS: dict[str, OpInfo] = _table(
     OpInfo("sigmoid", 1, _wide(_sigmoid), "float"),
     OpInfo("relu", 1, lambda x: np.maximum(x, 0), "any"),
     OpInfo("floor", 1, np.floor, "float"),
+    OpInfo("ceil", 1, np.ceil, "float"),
+    OpInfo("round", 1, np.rint, "float"),  # half to even, as torch.round
+    OpInfo("log10", 1, _wide(np.log10), "float"),
+    OpInfo("tan", 1, _wide(np.tan), "float"),
+    OpInfo("atan", 1, _wide(np.arctan), "float"),
+    OpInfo("asin", 1, _wide(np.arcsin), "float"),
+    OpInfo("acos", 1, _wide(np.arccos), "float"),
+    OpInfo("sinh", 1, _wide(np.sinh), "float"),
+    OpInfo("cosh", 1, _wide(np.cosh), "float"),
+    OpInfo("asinh", 1, _wide(np.arcsinh), "float"),
+    OpInfo("acosh", 1, _wide(np.arccosh), "float"),
+    OpInfo("atanh", 1, _wide(np.arctanh), "float"),
+    OpInfo("erfc", 1, _erfc, "float"),
+    OpInfo("lgamma", 1, _lgamma, "float"),
     OpInfo("not", 1, np.logical_not, "logic"),
     OpInfo("add", 2, np.add, "any"),
     OpInfo("sub", 2, np.subtract, "any"),
@@ -87,6 +119,10 @@ OPS: dict[str, OpInfo] = _table(
     OpInfo("max", 2, np.maximum, "any"),
     OpInfo("min", 2, np.minimum, "any"),
     OpInfo("pow", 2, _wide(np.power), "float"),
+    OpInfo("atan2", 2, _wide(np.arctan2), "float"),
+    OpInfo("hypot", 2, _wide(np.hypot), "float"),
+    OpInfo("fmod", 2, np.fmod, "float"),  # the sign of the dividend, as C's fmod
+    OpInfo("copysign", 2, np.copysign, "float"),
     OpInfo("eq", 2, np.equal, "cmp"),
     OpInfo("ne", 2, np.not_equal, "cmp"),
     OpInfo("lt", 2, np.less, "cmp"),

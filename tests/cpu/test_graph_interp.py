@@ -116,6 +116,15 @@ UNARY = {
     "rsqrt": (torch.rsqrt, positive), "reciprocal": (torch.reciprocal, positive), "tanh": (torch.tanh, randn),
     "sin": (torch.sin, randn), "cos": (torch.cos, randn), "erf": (torch.erf, randn),
     "sigmoid": (torch.sigmoid, randn), "relu": (torch.relu, randn), "floor": (torch.floor, lambda s, d: randn(s, d) * 4),
+    "ceil": (torch.ceil, lambda s, d: randn(s, d) * 4), "round": (torch.round, lambda s, d: randn(s, d) * 4),
+    "log10": (torch.log10, positive), "tan": (torch.tan, randn), "atan": (torch.atan, randn),
+    "asin": (torch.asin, lambda s, d: torch.rand(s).to(d) * 1.8 - 0.9),
+    "acos": (torch.acos, lambda s, d: torch.rand(s).to(d) * 1.8 - 0.9), "sinh": (torch.sinh, randn),
+    "cosh": (torch.cosh, randn), "asinh": (torch.asinh, randn), "acosh": (torch.acosh, lambda s, d: positive(s, d) + 1),
+    "atanh": (torch.atanh, lambda s, d: torch.rand(s).to(d) * 1.8 - 0.9), "erfc": (torch.erfc, randn),
+    "lgamma": (torch.lgamma, positive), "square": (torch.square, randn), "sgn": (torch.sgn, randn),
+    "deg2rad": (torch.deg2rad, randn), "rad2deg": (torch.rad2deg, randn),
+    "logit": (torch.logit, lambda s, d: torch.rand(s).to(d) * 0.9 + 0.05),
 }
 
 for _name, (_f, _make) in UNARY.items():
@@ -255,6 +264,23 @@ def _(draw, dtype):
     s = draw(shapes())
     return (lambda x, y: (torch.nan_to_num(torch.log(x) / (x + 0.5).clamp_min(0)), torch.nan_to_num(x.log(), 1.0, 7.0, -7.0),
                           torch.logaddexp(x, y), torch.logaddexp(x.log(), y.log()))), [randn(s, dtype), randn(s, dtype)]
+
+
+@case("float_binaries", "atan2", "hypot", "fmod", "remainder", "copysign", "fmin", "fmax", "heaviside",
+      "logical_xor", "float_power")
+def _(draw, dtype):
+    s = draw(shapes())
+    return (lambda x, y: (torch.atan2(x, y), torch.hypot(x, y), torch.fmod(x * 5, y), torch.remainder(x * 5, y),
+                          torch.remainder(x * 5, 0.75), torch.copysign(x, y), torch.fmin(x.log(), y), torch.fmax(x, y.log()),
+                          torch.heaviside(torch.round(x), y), torch.logical_xor(x > 0, y), torch.float_power(x.abs(), 1.5))), \
+        [randn(s, dtype), randn(s, dtype)]
+
+
+@case("float_tests", "isnan", "isinf", "isfinite", "signbit")
+def _(draw, dtype):
+    s = draw(shapes())
+    return (lambda x: (torch.isnan(x.log()), torch.isinf(x.log()), torch.isfinite(x.log() / (x + 0.3)),
+                       torch.signbit(x), torch.signbit(x * 0))), [randn(s, dtype)]
 
 
 @case("clamp_tensor_bounds", "clamp")
@@ -806,6 +832,8 @@ NOT_EMITTED = {
     "_softmax", "_log_softmax", "_safe_softmax", "_to_copy", "_unsafe_view", "alias", "lift_fresh_copy",
     "native_layer_norm", "nll_loss", "_assert_tensor_metadata", "contiguous", "_to_copy",
     "_adaptive_avg_pool2d",
+    # (torch.arctan and the like export as aten.atan and the like)
+    "arctan", "arcsin", "arccos", "arcsinh", "arccosh", "arctanh", "arctan2",
 }
 
 

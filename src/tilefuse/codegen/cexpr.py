@@ -395,6 +395,12 @@ _FLOAT_FN = {
     "sqrt": ("sqrtf", "sqrt"), "rsqrt": ("rsqrtf", "rsqrt"), "tanh": ("tanhf", "tanh"),
     "sin": ("sinf", "sin"), "cos": ("cosf", "cos"), "erf": ("erff", "erf"),
     "floor": ("floorf", "floor"), "pow": ("powf", "pow"),
+    "ceil": ("ceilf", "ceil"), "round": ("rintf", "rint"), "log10": ("log10f", "log10"),
+    "tan": ("tanf", "tan"), "atan": ("atanf", "atan"), "asin": ("asinf", "asin"), "acos": ("acosf", "acos"),
+    "sinh": ("sinhf", "sinh"), "cosh": ("coshf", "cosh"), "asinh": ("asinhf", "asinh"),
+    "acosh": ("acoshf", "acosh"), "atanh": ("atanhf", "atanh"), "erfc": ("erfcf", "erfc"),
+    "lgamma": ("lgammaf", "lgamma"), "atan2": ("atan2f", "atan2"), "hypot": ("hypotf", "hypot"),
+    "fmod": ("fmodf", "fmod"), "copysign": ("copysignf", "copysign"),
 }
 _CMP = {"eq": "==", "ne": "!=", "lt": "<", "le": "<=", "gt": ">", "ge": ">="}
 _ARITH = {"add": "+", "sub": "-", "mul": "*", "div": "/"}

@@ -122,8 +122,151 @@ for _aten, _op in [("neg", "neg"), ("abs", "abs"), ("exp", "exp"), ("exp2", "exp
                    ("log2", "log2"), ("log1p", "log1p"), ("expm1", "expm1"), ("sqrt", "sqrt"),
                    ("rsqrt", "rsqrt"), ("reciprocal", "recip"), ("tanh", "tanh"), ("sin", "sin"),
                    ("cos", "cos"), ("erf", "erf"), ("sigmoid", "sigmoid"), ("relu", "relu"),
-                   ("logical_not", "not")]:
+                   ("logical_not", "not"), ("tan", "tan"), ("atan", "atan"), ("arctan", "atan"),
+                   ("asin", "asin"), ("arcsin", "asin"), ("acos", "acos"), ("arccos", "acos"),
+                   ("sinh", "sinh"), ("cosh", "cosh"), ("asinh", "asinh"), ("arcsinh", "asinh"),
+                   ("acosh", "acosh"), ("arccosh", "acosh"), ("atanh", "atanh"), ("arctanh", "atanh"),
+                   ("log10", "log10"), ("erfc", "erfc"), ("lgamma", "lgamma")]:
     HANDLERS[_aten] = _unary(_op)
+
+
+def _rounding(op):
+    def handler(b, args, kwargs, out):
+        """ceil / round (half to even) of an integer tensor is the tensor, as in PyTorch."""
+        x = args[0]
+        if kwargs.get("decimals", args[1] if len(args) > 1 else 0):
+            raise Unsupported(f"{op} with decimals")
+        return x if not dtypes.is_float(b.type(x).dtype) else b.map(op, x)
+    return handler
+
+
+HANDLERS["ceil"], HANDLERS["round"] = _rounding("ceil"), _rounding("round")
+
+
+def _float_binary(op):
+    def handler(b, args, kwargs, out):
+        """atan2, hypot, fmod, copysign of float results (an integer fmod is an extern)."""
+        x, y = args[0], args[1]
+        if not dtypes.is_float(out.dtype):
+            raise Unsupported(f"{op} of a non-float result")
+        like = x if _is_tensor(b, x) else y
+        return b.map(op, _operand(b, x, like, op), _operand(b, y, like, op), dtype=out.dtype)
+    return handler
+
+
+for _aten, _op in [("atan2", "atan2"), ("arctan2", "atan2"), ("hypot", "hypot"), ("fmod", "fmod"),
+                   ("copysign", "copysign")]:
+    HANDLERS[_aten] = _float_binary(_op)
+
+
+@handles("remainder")
+def _remainder(b, args, kwargs, out):
+    """Python's modulo (the sign of the divisor): fmod, plus the divisor where the two signs
+    differ and the remainder is not 0."""
+    r = _float_binary("fmod")(b, args, kwargs, out)
+    y = args[1]
+    y = y if _is_tensor(b, y) else b.scalar(y, r, "fmod")
+    zero = b.scalar(0.0, r)
+    fix = b.map("and", b.map("ne", r, zero), b.map("ne", b.map("lt", r, zero), b.map("lt", y, zero)))
+    return b.map("where", fix, b.map("add", r, y, dtype=out.dtype), r, dtype=out.dtype)
+
+
+@handles("square")
+def _square(b, args, kwargs, out):
+    return b.cast(b.map("mul", args[0], args[0]), out.dtype)
+
+
+def _float_test(test):
+    def handler(b, args, kwargs, out):
+        """isnan: x != x; isinf: |x| = inf; isfinite: x - x = 0 (NaN for either); signbit:
+        copysign(1, x) < 0 (-0.0 and NaNs with the sign bit count)."""
+        x = args[0]
+        if not dtypes.is_float(b.type(x).dtype):
+            raise Unsupported(f"{test} of an integer tensor")
+        if test == "isnan":
+            return b.map("ne", x, x)
+        if test == "isinf":
+            return b.map("eq", b.map("abs", x), b.scalar(float("inf"), x, "where"))
+        if test == "isfinite":
+            return b.map("eq", b.map("sub", x, x), b.scalar(0.0, x))
+        one = b.const(1.0, _acc(b, x))
+        return b.map("lt", b.map("copysign", one, b.cast(x, _acc(b, x))), b.const(0.0, _acc(b, x)))
+    return handler
+
+
+for _t in ("isnan", "isinf", "isfinite", "signbit"):
+    HANDLERS[_t] = _float_test(_t)
+
+
+@handles("sgn")
+def _sgn(b, args, kwargs, out):
+    return _sign(b, args, kwargs, out)
+
+
+def _angle_scale(k):
+    def handler(b, args, kwargs, out):
+        x = args[0]
+        return b.map("mul", b.cast(x, out.dtype), b.scalar(k, b.cast(x, out.dtype)))
+    return handler
+
+
+HANDLERS["deg2rad"], HANDLERS["rad2deg"] = _angle_scale(math.pi / 180), _angle_scale(180 / math.pi)
+
+
+@handles("logit")
+def _logit(b, args, kwargs, out):
+    """log(x / (1 - x)), x clamped to [eps, 1 - eps] first where eps is given."""
+    x = args[0]
+    eps = kwargs.get("eps", args[1] if len(args) > 1 else None)
+    if not dtypes.is_float(out.dtype):
+        raise Unsupported("logit of a non-float result")
+    acc = _acc_of(out.dtype)
+    x = b.cast(x, acc)
+    if eps is not None:
+        x = b.map("min", b.map("max", x, b.const(float(eps), acc)), b.const(1.0 - float(eps), acc))
+    return b.cast(b.map("log", b.map("div", x, b.map("sub", b.const(1.0, acc), x))), out.dtype)
+
+
+def _nan_ignoring(op):
+    def handler(b, args, kwargs, out):
+        """fmin / fmax: the other operand where one is NaN (NaN only where both are)."""
+        x, y = args[0], args[1]
+        m = b.map(op, x, y, dtype=out.dtype)
+        if not dtypes.is_float(out.dtype):
+            return m
+        return b.map("where", b.map("ne", x, x), b.cast(y, out.dtype),
+                     b.map("where", b.map("ne", y, y), b.cast(x, out.dtype), m, dtype=out.dtype), dtype=out.dtype)
+    return handler
+
+
+HANDLERS["fmin"], HANDLERS["fmax"] = _nan_ignoring("min"), _nan_ignoring("max")
+
+
+@handles("logical_xor")
+def _logical_xor(b, args, kwargs, out):
+    x, y = args[0], args[1]
+    return b.map("ne", b.cast(x, "bool"), b.cast(y, "bool"))
+
+
+@handles("heaviside")
+def _heaviside(b, args, kwargs, out):
+    """0 below 0, 1 above, `values` at 0 (NaN stays NaN: x > 0 is false, x == 0 too)."""
+    x, v = args[0], args[1]
+    if not dtypes.is_float(out.dtype):
+        raise Unsupported("heaviside of a non-float result")
+    x, v = b.cast(x, out.dtype), b.cast(v, out.dtype)
+    step = b.cast(b.map("gt", x, b.scalar(0.0, x)), out.dtype)
+    step = b.map("where", b.map("ne", x, x), x, step)
+    return b.map("where", b.map("eq", x, b.scalar(0.0, x)), v, step, dtype=out.dtype)
+
+
+@handles("float_power")
+def _float_power(b, args, kwargs, out):
+    """pow in float64, as torch.float_power."""
+    x, y = args[0], args[1]
+    x = b.cast(x, "f64") if _is_tensor(b, x) else b.const(float(x), "f64")
+    y = b.cast(y, "f64") if _is_tensor(b, y) else b.const(float(y), "f64")
+    return b.map("pow", x, y, dtype="f64")
 
 
 @handles("floor")
