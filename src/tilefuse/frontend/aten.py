@@ -134,7 +134,7 @@ def _rounding(op):
     def handler(b, args, kwargs, out):
         """ceil / round (half to even) of an integer tensor is the tensor, as in PyTorch."""
         x = args[0]
-        if kwargs.get("decimals", args[1] if len(args) > 1 else 0):
+        if _arg(args, kwargs, 1, "decimals", 0):
             raise Unsupported(f"{op} with decimals")
         return x if not dtypes.is_float(b.type(x).dtype) else b.map(op, x)
     return handler
@@ -189,18 +189,13 @@ def _float_test(test):
             return b.map("eq", b.map("abs", x), b.scalar(float("inf"), x, "where"))
         if test == "isfinite":
             return b.map("eq", b.map("sub", x, x), b.scalar(0.0, x))
-        one = b.const(1.0, _acc(b, x))
-        return b.map("lt", b.map("copysign", one, b.cast(x, _acc(b, x))), b.const(0.0, _acc(b, x)))
+        acc = _acc(b, x)
+        return b.map("lt", b.map("copysign", b.const(1.0, acc), b.cast(x, acc)), b.const(0.0, acc))
     return handler
 
 
 for _t in ("isnan", "isinf", "isfinite", "signbit"):
     HANDLERS[_t] = _float_test(_t)
-
-
-@handles("sgn")
-def _sgn(b, args, kwargs, out):
-    return _sign(b, args, kwargs, out)
 
 
 def _angle_scale(k):
@@ -217,7 +212,7 @@ HANDLERS["deg2rad"], HANDLERS["rad2deg"] = _angle_scale(math.pi / 180), _angle_s
 def _logit(b, args, kwargs, out):
     """log(x / (1 - x)), x clamped to [eps, 1 - eps] first where eps is given."""
     x = args[0]
-    eps = kwargs.get("eps", args[1] if len(args) > 1 else None)
+    eps = _arg(args, kwargs, 1, "eps", None)
     if not dtypes.is_float(out.dtype):
         raise Unsupported("logit of a non-float result")
     acc = _acc_of(out.dtype)
@@ -651,41 +646,36 @@ def _loss_operands(b, args, name):
     return b.cast(x, _acc(b, x)), b.cast(t, _acc(b, t))
 
 
-def _arg(args, kwargs, i, name, default):
-    return kwargs.get(name, args[i] if len(args) > i else default)
-
-
 @handles("l1_loss")
 def _l1_loss(b, args, kwargs, out):
     x, t = _loss_operands(b, args, "l1_loss")
     return _loss_reduced(b, b.map("abs", b.map("sub", x, t)), _arg(args, kwargs, 2, "reduction", 1), out, "l1_loss")
 
 
-@handles("smooth_l1_loss")
-def _smooth_l1_loss(b, args, kwargs, out):
-    """smooth L1 (beta): d < beta ? d^2 / (2 beta) : d - beta / 2; Huber (delta): d < delta ?
-    d^2 / 2 : delta (d - delta / 2); d = |x - t|. A beta of 0 is the L1 loss."""
-    huber = kwargs.get("_op") == "huber"
-    x, t = _loss_operands(b, args, "smooth_l1_loss")
-    reduction = _arg(args, kwargs, 2, "reduction", 1)
-    k = float(_arg(args, kwargs, 3, "delta" if huber else "beta", 1.0))
-    d = b.map("abs", b.map("sub", x, t))
-    if k < 0:
-        raise Unsupported("a negative beta / delta")
-    if k == 0:
-        return _loss_reduced(b, d, reduction, out, "smooth_l1_loss")
-    sq = b.map("mul", b.map("mul", d, d), b.scalar(0.5 if huber else 0.5 / k, d))
-    lin = b.map("mul", b.map("sub", d, b.scalar(0.5 * k, d)), b.scalar(k, d)) if huber else \
-        b.map("sub", d, b.scalar(0.5 * k, d))
-    v = b.map("where", b.map("lt", d, b.scalar(k, d)), sq, lin)
-    return _loss_reduced(b, v, reduction, out, "huber_loss" if huber else "smooth_l1_loss")
+def _smooth_l1(huber: bool):
+    name = "huber_loss" if huber else "smooth_l1_loss"
+
+    def handler(b, args, kwargs, out):
+        """smooth L1 (beta): d < beta ? d^2 / (2 beta) : d - beta / 2; Huber (delta): d < delta ?
+        d^2 / 2 : delta (d - delta / 2); d = |x - t|. A beta of 0 is the L1 loss."""
+        x, t = _loss_operands(b, args, name)
+        reduction = _arg(args, kwargs, 2, "reduction", 1)
+        k = float(_arg(args, kwargs, 3, "delta" if huber else "beta", 1.0))
+        d = b.map("abs", b.map("sub", x, t))
+        if k < 0:
+            raise Unsupported("a negative beta / delta")
+        if k == 0:
+            return _loss_reduced(b, d, reduction, out, name)
+        sq = b.map("mul", b.map("mul", d, d), b.scalar(0.5 if huber else 0.5 / k, d))
+        lin = b.map("sub", d, b.scalar(0.5 * k, d))
+        if huber:
+            lin = b.map("mul", lin, b.scalar(k, d))
+        v = b.map("where", b.map("lt", d, b.scalar(k, d)), sq, lin)
+        return _loss_reduced(b, v, reduction, out, name)
+    return handler
 
 
-def _huber_loss(b, args, kwargs, out):
-    return _smooth_l1_loss(b, args, {**kwargs, "_op": "huber"}, out)
-
-
-HANDLERS["huber_loss"] = _huber_loss
+HANDLERS["smooth_l1_loss"], HANDLERS["huber_loss"] = _smooth_l1(False), _smooth_l1(True)
 
 
 @handles("binary_cross_entropy_with_logits")
@@ -742,10 +732,6 @@ def _xlogy_op(b, args, kwargs, out):
     return b.cast(_xlogy(b, b.cast(x, _acc_of(out.dtype)), b.cast(y, _acc_of(out.dtype))), out.dtype)
 
 
-def _acc_of(dtype: str) -> str:
-    return "f32" if dtype in ("bf16", "f16") else dtype
-
-
 @handles("masked_fill")
 def _masked_fill(b, args, kwargs, out):
     """where(mask, value, x): value a number (refused where x's dtype cannot hold it, as
@@ -763,7 +749,7 @@ def _addc(op):
     def handler(b, args, kwargs, out):
         """x + value (a op b), in the result's dtype (PyTorch's addcmul / addcdiv)."""
         x, t1, t2 = args[0], args[1], args[2]
-        value = kwargs.get("value", args[3] if len(args) > 3 else 1)
+        value = _arg(args, kwargs, 3, "value", 1)
         if not dtypes.is_float(out.dtype):
             raise Unsupported(f"add{'cmul' if op == 'mul' else 'cdiv'} of a non-float result")
         acc = _acc_of(out.dtype)
@@ -793,7 +779,7 @@ def _lerp(b, args, kwargs, out):
     return b.cast(b.map("where", b.map("lt", b.map("abs", w), b.const(0.5, acc)), lo, hi), out.dtype)
 
 
-@handles("sign")
+@handles("sign", "sgn")
 def _sign(b, args, kwargs, out):
     """(x > 0) - (x < 0) in x's dtype: 0 for zeros of either sign and for NaN, as torch.sign."""
     x = args[0]
@@ -945,8 +931,13 @@ def _max_min(b, args, kwargs, out):
     return values, indices
 
 
+def _acc_of(dtype: str) -> str:
+    """The type a 16-bit float is computed in (f32); others compute in their own."""
+    return "f32" if dtype in ("bf16", "f16") else dtype
+
+
 def _acc(b, x):
-    return "f32" if b.type(x).dtype in ("bf16", "f16") else b.type(x).dtype
+    return _acc_of(b.type(x).dtype)
 
 
 def _softmax_input(b, x, out):

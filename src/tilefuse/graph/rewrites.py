@@ -105,7 +105,7 @@ def split_long_reductions(g: ir.Graph) -> ir.Graph:
     from ..loop.flat import split_enabled
     if not split_enabled():
         return g
-    out, changed, moved = [], False, set()
+    out, moved = [], set()
     names, users = {n.name for n in g.nodes}, g.users()
     for n in g.nodes:
         x = g[n.arg].type if isinstance(n, ir.Reduce) else None
@@ -132,8 +132,7 @@ def split_long_reductions(g: ir.Graph) -> ir.Graph:
         out.append(ir.Reduce(part, ir.TensorType(lead + (C // K,), wide), n.op, pieces, (len(lead) + 1,), False,
                              n.source))
         out.append(ir.Reduce(n.name, n.type, n.op, part, (len(lead),), n.keepdim, n.source))
-        changed = True
-    if not changed:
+    if not moved:
         return g
     read = {a for n in out for a in ir.node_args(n)} | set(g.outputs)
     g = g.replace(nodes=[n for n in out if not (isinstance(n, ir.View) and n.name not in read)])
@@ -170,7 +169,6 @@ def reshapes_onto_maps(g: ir.Graph, moving: set) -> ir.Graph:
     or iota of many elements) keeps its place. (Other reshapes keep theirs: a user's grouped
     sum of a GEMM's squares is what the RMSNorm partials rule looks for.)"""
     outputs, names = set(g.outputs), {n.name for n in g.nodes}
-    changed = False
     while moving:
         users, out, drop, fresh = g.users(), [], set(), set()
         for n in g.nodes:
@@ -194,7 +192,7 @@ def reshapes_onto_maps(g: ir.Graph, moving: set) -> ir.Graph:
         if not drop:
             break
         g = g.replace(nodes=[x for x in out if x.name not in drop])
-        moving, changed = fresh, True
+        moving = fresh
     return g
 
 
