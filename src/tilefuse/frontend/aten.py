@@ -1138,13 +1138,21 @@ def _reshape(b, args, kwargs, out):
     return b.reshape(args[0], out.shape)
 
 
-@handles("permute", "transpose", "t", "swapaxes", "movedim")
+@handles("permute", "transpose", "t", "swapaxes", "movedim", "numpy_T", "mT", "mH", "adjoint")
 def _permute(b, args, kwargs, out):
+    """Every spelling of a transpose is one permute view; `.T`, `.mT`, `.mH` reach export as their own ops
+    (`mH` / `adjoint` conjugate too, which is nothing on the real dtypes tilefuse takes)."""
     x = args[0]
     rank = len(b.type(x).shape)
     name = out.op
     if name == "permute":
         perm = [p % rank for p in args[1]]
+    elif name == "numpy_T":
+        perm = list(reversed(range(rank)))
+    elif name in ("mT", "mH", "adjoint"):
+        if rank < 2:
+            raise Unsupported(f"{name} of a {rank}-d tensor (it needs at least 2 dims)")
+        perm = list(range(rank - 2)) + [rank - 1, rank - 2]
     elif name in ("transpose", "swapaxes", "t"):
         d0, d1 = (args[1] % rank, args[2] % rank) if name != "t" else (0, 1 if rank > 1 else 0)
         perm = list(range(rank))
