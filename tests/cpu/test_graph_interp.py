@@ -632,6 +632,44 @@ def _(draw, dtype):
     return (lambda x: x.movedim(src, dst) + 1), [randn(s, dtype)]
 
 
+@case("transpose_spellings", "numpy_T", "mT", "mH", "adjoint")
+def _(draw, dtype):
+    s = draw(shapes(2, 3))
+    return (lambda x: (x.T + 1, x.mT * 2, x.mH - 1, x.adjoint() * 3)), [randn(s, dtype)]
+
+
+@case("roll", "roll")
+def _(draw, dtype):
+    s = draw(shapes(1, 3))
+    dim = draw(st.integers(-len(s), len(s) - 1))
+    shift, flat = draw(st.integers(-40, 40)), draw(st.integers(-40, 40))
+    return (lambda x: (torch.roll(x, shift, dim) * 2, torch.roll(x, flat) + 1)), [randn(s, dtype)]
+
+
+@case("logical_reductions", "all", "any", "count_nonzero")
+def _(draw, dtype):
+    s = draw(shapes(1, 3))
+    dim = draw(st.integers(-len(s), len(s) - 1))
+    return (lambda x: ((x > -1).all(dim), x.any(), torch.count_nonzero(x, dim), (x != 0).all())), \
+        [small_ints(s, dtype)]
+
+
+@case("nan_reductions", "nansum", "nanmean", dtypes=(torch.float32,))
+def _(draw, dtype):
+    s = draw(shapes(1, 3))
+    dim = draw(st.integers(-len(s), len(s) - 1))
+    x = randn(s, dtype)
+    x[torch.rand(s) < 0.3] = float("nan")
+    return (lambda x: (x.nansum(dim), x.nansum(), x.nanmean(dim, keepdim=True))), [x]
+
+
+@case("dot_mv", "dot", "vdot", "mv")
+def _(draw, dtype):
+    m, k = draw(DIM), draw(DIM)
+    return (lambda a, v, w: (torch.dot(v, w), torch.vdot(v, w), torch.mv(a, v))), \
+        [randn((m, k), dtype), randn((k,), dtype), randn((k,), dtype)]
+
+
 @case("expand", "expand", "expand_as")
 def _(draw, dtype):
     s = draw(shapes(1, 2))

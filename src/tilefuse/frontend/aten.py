@@ -588,6 +588,73 @@ HANDLERS["amax"] = _reduction("max")
 HANDLERS["amin"] = _reduction("min")
 
 
+def _dim_keep(b, args, kwargs, x):
+    """(dims, keepdim) of a reduction's (x, dim, keepdim) arguments."""
+    rank = len(b.type(x).shape)
+    dims = _dims(kwargs.get("dim", args[1] if len(args) > 1 else None), rank)
+    return dims, kwargs.get("keepdim", args[2] if len(args) > 2 else False)
+
+
+def _nonzero(b, x, dtype):
+    """1 where x is nonzero (NaN is), else 0, in `dtype`."""
+    if b.type(x).dtype != "bool":
+        x = b.map("ne", x, b.const(0, b.type(x).dtype))
+    return b.cast(x, dtype)
+
+
+@handles("all", "any")
+def _all_any(b, args, kwargs, out):
+    """all: the least of x != 0 over the dims; any: the greatest (a uint8 tensor's gives uint8)."""
+    x = args[0]
+    dims, keep = _dim_keep(b, args, kwargs, x)
+    r = b.reduce("min" if out.op == "all" else "max", _nonzero(b, x, "f32"), dims, keep)
+    return b.cast(b.map("ne", r, b.const(0.0, "f32")), out.dtype)
+
+
+@handles("count_nonzero")
+def _count_nonzero(b, args, kwargs, out):
+    x = args[0]
+    dims, _ = _dim_keep(b, args[:2], kwargs, x)
+    return b.reduce("sum", _nonzero(b, x, "i64"), dims, False, dtype="i64")
+
+
+def _without_nans(b, x):
+    return b.map("where", b.map("ne", x, x), b.scalar(0, x), x) if dtypes.is_float(b.type(x).dtype) else x
+
+
+@handles("nansum")
+def _nansum(b, args, kwargs, out):
+    """sum with NaNs counted as 0."""
+    return HANDLERS["sum"](b, (_without_nans(b, args[0]),) + tuple(args[1:]), kwargs, out)
+
+
+@handles("nanmean")
+def _nanmean(b, args, kwargs, out):
+    """The mean of the elements that are not NaN (NaN where all are)."""
+    x = args[0]
+    if not dtypes.is_float(b.type(x).dtype):
+        raise Unsupported("nanmean of an integer tensor")
+    dims, keep = _dim_keep(b, args, kwargs, x)
+    x = b.cast(x, out.dtype) if kwargs.get("dtype") is not None else x
+    acc = _acc(b, x)
+    total = b.reduce("sum", b.cast(_without_nans(b, x), acc), dims, keep)
+    count = b.reduce("sum", b.cast(b.map("eq", x, x), acc), dims, keep)
+    return b.cast(b.map("div", total, count), out.dtype)
+
+
+@handles("dot", "vdot")
+def _dot(b, args, kwargs, out):
+    """The sum of the products, accumulated in f32 for 16-bit vectors (as cuBLAS's dot)."""
+    x, y = args[0], args[1]
+    acc = _acc_of(out.dtype)
+    return b.cast(b.reduce("sum", b.map("mul", b.cast(x, acc), b.cast(y, acc)), (0,), False), out.dtype)
+
+
+@handles("mv")
+def _mv(b, args, kwargs, out):
+    return _matmul(b, args[0], args[1], out.shape, out.dtype)
+
+
 @handles("var", "std")
 def _var(b, args, kwargs, out):
     return _var_mean(b, args, kwargs, out, out.op == "std")[0]
@@ -1217,6 +1284,33 @@ def _slice(b, args, kwargs, out):
     if (start, end, step) == (0, shape[dim], 1):
         return x
     return b.view("slice", x, out.shape, (dim, start, end, step))
+
+
+@handles("roll")
+def _roll(b, args, kwargs, out):
+    """torch.roll as roll views (element i along a dim reads x's (i - shift) % size), one per
+    dim; with no dims, of x flattened and shaped back."""
+    x = args[0]
+    shifts = args[1] if len(args) > 1 else kwargs["shifts"]
+    dims = args[2] if len(args) > 2 else kwargs.get("dims", ())
+    shifts = [shifts] if isinstance(shifts, int) else list(shifts)
+    dims = [dims] if isinstance(dims, int) else list(dims)
+    if not all(isinstance(v, int) for v in shifts + dims):
+        raise Unsupported("a roll by a tensor's value")
+    shape = b.type(x).shape
+    flat = not dims
+    if flat:
+        if len(shifts) != 1:
+            raise Unsupported("several shifts with no dims")
+        x, dims = b.reshape(x, (math.prod(shape),)), [0]
+    if len(shifts) != len(dims):
+        raise Unsupported(f"{len(shifts)} shifts for {len(dims)} dims")
+    for shift, dim in zip(shifts, dims):
+        t = b.type(x).shape
+        dim %= len(t)
+        if t[dim] and -shift % t[dim]:
+            x = b.view("roll", x, t, (dim, -shift % t[dim]))
+    return b.reshape(x, shape) if flat else x
 
 
 @handles("narrow")

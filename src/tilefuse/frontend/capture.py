@@ -10,6 +10,7 @@ import sys
 from dataclasses import dataclass
 
 import torch
+import torch.utils._pytree as pytree
 
 from .. import dtypes
 from ..graph import ir
@@ -198,6 +199,17 @@ def to_graph(ep, expr: str | None = None) -> ir.Graph:
             tuple_outputs[node] = inline(*region)
             env[node] = tuple_outputs[node][0]
             return
+        composite = _decomposition(node)
+        if composite is not None:
+            outs = inline(*composite, source=b.source)
+            vals = node.meta["val"] if isinstance(node.meta["val"], (tuple, list)) else (node.meta["val"],)
+            if [b.type(o).shape for o in outs] != [_static_shape(v, _op_name(node.target), b.source) for v in vals]:
+                raise CaptureError(f"internal: aten.{_op_name(node.target)}'s decomposition gives shapes "
+                                   f"{[b.type(o).shape for o in outs]} ({b.source})")
+            if isinstance(node.meta["val"], (tuple, list)):
+                tuple_outputs[node] = outs
+            env[node] = outs[0]
+            return
         try:
             if _mutates(node.target) and _op_name(node.target) != "detach_":
                 _translate_in_place(b, node, resolve, env, expr, owned, updated, state_of)
@@ -206,12 +218,13 @@ def to_graph(ep, expr: str | None = None) -> ir.Graph:
         except ValueError as e:  # an unsupported dtype, shapes that do not broadcast...
             raise CaptureError(f"aten.{_op_name(node.target)}: {e} ({b.source})") from e
 
-    def inline(sub, operands) -> tuple:
-        """Translate a region's subgraph in place, its placeholders bound to the call's operands."""
+    def inline(sub, operands, source=None) -> tuple:
+        """Translate a region's subgraph in place, its placeholders bound to the call's operands;
+        `source`: the line its every op is from (a decomposition's ops carry no trace of their own)."""
         values = iter(operands)
         result = ()
         for n in sub.graph.nodes:
-            b.source = source_of(n, expr) if n.op == "call_function" else ""
+            b.source = source if source is not None else source_of(n, expr) if n.op == "call_function" else ""
             if n.op == "placeholder":
                 env[n] = resolve(next(values))
             elif n.op == "get_attr":
@@ -301,6 +314,53 @@ def eager_layout(val) -> tuple[int, ...] | None:
         expect *= shape[d]
     slots = iter(order)  # size-1 dims keep their places; the others fill theirs in memory order
     return tuple(d if shape[d] == 1 else next(slots) for d in range(len(shape)))
+
+
+def _decomposition(node):
+    """(graph, operands) of the aten ops a CompositeImplicitAutograd op stands for, where tilefuse
+    has no translator of its own for it: torch.export keeps such ops whole (`.T` is aten.numpy_T,
+    `reshape_as`, `F.pad`, `torch.inner`...), and each is a few ops tilefuse lowers. Traced on meta
+    tensors of the operands' shapes. None where the op has a translator or no such decomposition,
+    or where the decomposition writes in place or reaches an op tilefuse does not lower (the op
+    then stays one visible extern, named as the user wrote it)."""
+    target = node.target
+    if not isinstance(target, torch._ops.OpOverload) or _op_name(target) in aten.HANDLERS or _mutates(target):
+        return None
+    if not torch._C._dispatch_has_kernel_for_dispatch_key(target.name(), "CompositeImplicitAutograd"):
+        return None
+    leaves, spec = pytree.tree_flatten((node.args, node.kwargs))
+    at = [i for i, a in enumerate(leaves) if isinstance(a, torch.fx.Node)]
+    metas = []
+    for i in at:
+        v = leaves[i].meta.get("val")
+        if not isinstance(v, torch.Tensor):
+            return None  # a symbolic size, an opaque object
+        try:
+            metas.append(torch.empty_strided([int(d) for d in v.shape], [int(d) for d in v.stride()],
+                                             dtype=v.dtype, device="meta"))
+        except Exception:  # a data-dependent size
+            return None
+
+    def run(*tensors):
+        filled = list(leaves)
+        for i, t in zip(at, tensors):
+            filled[i] = t
+        args, kwargs = pytree.tree_unflatten(filled, spec)
+        out = target(*args, **kwargs)
+        return tuple(out) if isinstance(out, (tuple, list)) else (out,)
+
+    try:
+        from torch.fx.experimental.proxy_tensor import make_fx
+        gm = make_fx(run)(*metas)
+    except Exception:  # a decomposition that reads values (one_hot's class count) or refuses meta
+        return None
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and n.target is not operator.getitem and (
+                _op_name(n.target) not in aten.HANDLERS or _mutates(n.target)):
+            return None
+        if n.op == "output" and not all(isinstance(o, torch.fx.Node) for o in n.args[0]):
+            return None
+    return gm, [leaves[i] for i in at]
 
 
 def _live(nodes, outputs) -> set[str]:
