@@ -397,14 +397,26 @@ def test_bitwise_and_of_integers_is_a_visible_extern_and_of_bools_a_map():
 
 
 def test_an_embedding_counts_the_rows_it_reads_not_its_whole_table():
-    """An embedding extern's bytes (and so its floor in the plan) are the rows its indices
-    select, at most the output's size, plus the indices and the output: not the whole table
-    (a 4000-row table read for 6 tokens)."""
+    """An embedding's bytes (and so its floor in the plan) are the rows its indices select, at
+    most the output's size, plus the indices and the output: not the whole table (a 4000-row
+    table read for 6 tokens). Computed in a map-reduce kernel (a gather) or, with gathers off,
+    by torch.gather."""
     table = torch.nn.Embedding(4000, 64).bfloat16()
     ids = torch.randint(0, 4000, (2, 3))
     g, p = planned(lambda i: table(i) * 2, [ids])
     check_invariants(g, p)
-    (emb,) = [s for s in p.steps if s.family == "extern" and "embedding" in g[s.nodes[0]].describe()]
-    out = sum(g[t].type.nbytes for t in emb.outputs)
+    (k,) = [s for s in p.steps if s.family == "mapreduce"]
+    rows = 6 * 64 * 2
+    assert k.bytes == rows + ids.numel() * 8 + rows  # the rows read, the ids, the output written
+
+
+def test_a_gather_left_to_torch_counts_the_rows_it_reads(monkeypatch):
+    monkeypatch.setenv("TILEFUSE_GATHERS", "0")
+    table = torch.nn.Embedding(4000, 64).bfloat16()
+    ids = torch.randint(0, 4000, (2, 3))
+    g, p = planned(lambda i: table(i) * 2, [ids])
+    check_invariants(g, p)
+    (ext,) = [s for s in p.steps if s.family == "extern" and "gather" in g[s.nodes[0]].describe()]
+    out = sum(g[t].type.nbytes for t in ext.outputs)
     assert out == 6 * 64 * 2
-    assert emb.bytes == 2 * out + ids.numel() * 8
+    assert ext.bytes == 2 * out + ids.numel() * 8

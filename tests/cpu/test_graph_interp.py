@@ -746,6 +746,18 @@ def _(draw, dtype):
     return (lambda x, i: torch.gather(x, d, i) * 2), [randn(s, dtype), index]
 
 
+@case("embedding_index", "embedding", "index_select", "index")
+def _(draw, dtype):
+    s = draw(shapes(1, 3))
+    d = draw(st.integers(0, len(s) - 1))
+    ishape = draw(shapes(1, 2))
+    i = torch.randint(0, s[d], ishape)
+    neg = torch.randint(-s[d], s[d], ishape)  # x[idx] counts a negative index from the end
+    table = randn((s[d] + draw(st.integers(0, 5)), draw(DIM)), dtype)  # (rows enough for i's ids)
+    return (lambda x, i, neg, w: (x.index_select(d, i.flatten()) * 2, x[(slice(None),) * d + (neg,)] + 1,
+                                  F.embedding(i, w) * 3)), [randn(s, dtype), i, neg, table]
+
+
 # -- contractions and attention ---------------------------------------------------------------------
 
 

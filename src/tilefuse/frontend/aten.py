@@ -1371,6 +1371,47 @@ def _gather(b, args, kwargs, out):
     return b.add(ir.Gather(b.fresh("gather"), ir.TensorType(out.shape, b.type(x).dtype), x, index, dim, b.source))
 
 
+def _rows_of(b, x, dim: int, index, wrap: bool, out_shape):
+    """x's slices along `dim` at the integers of `index` (any shape), in their place: one
+    gather of x with size-1 dims for the index's leading dims, by the index with size-1 dims
+    for x's others (ir.Gather expands both), so a kernel reads each slice's index once.
+    `wrap`: negative indices count from the end (x[idx])."""
+    t = b.type(index)
+    if dtypes.is_float(t.dtype) or t.dtype == "bool":
+        raise Unsupported(f"an index of dtype {t.dtype}")
+    shape, ishape = b.type(x).shape, t.shape or (1,)
+    k = len(ishape)
+    table = b.reshape(x, shape[:dim] + (1,) * (k - 1) + shape[dim:])
+    idx = b.reshape(index, (1,) * dim + ishape + (1,) * (len(shape) - dim - 1))
+    got = b.add(ir.Gather(b.fresh("gather"), ir.TensorType(shape[:dim] + ishape + shape[dim + 1:], b.type(x).dtype),
+                          table, idx, dim + k - 1, b.source, wrap))
+    return b.reshape(got, out_shape)
+
+
+@handles("embedding")
+def _embedding(b, args, kwargs, out):
+    """weight[indices]: its rows at the token ids (padding_idx matters only to gradients)."""
+    return _rows_of(b, args[0], 0, args[1], False, out.shape)
+
+
+@handles("index_select")
+def _index_select(b, args, kwargs, out):
+    x = args[0]
+    dim = (args[1] if len(args) > 1 else kwargs["dim"]) % max(len(b.type(x).shape), 1)
+    return _rows_of(b, x, dim, args[2] if len(args) > 2 else kwargs["index"], False, out.shape)
+
+
+@handles("index")
+def _index(b, args, kwargs, out):
+    """x[..., idx] with one integer tensor: the slices at idx (negative ones from the end);
+    several index tensors and boolean masks are left to PyTorch."""
+    x, indices = args[0], list(args[1] if len(args) > 1 else kwargs["indices"])
+    given = [i for i, v in enumerate(indices) if v is not None]
+    if len(given) != 1:
+        raise Unsupported(f"{len(given)} index tensors")
+    return _rows_of(b, x, given[0], indices[given[0]], True, out.shape)
+
+
 # -- contractions and attention ---------------------------------------------------------------------
 
 

@@ -19,6 +19,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Optional
 
+from .. import dtypes
 from . import ir
 from .contraction import GemmSpec, match as match_gemm
 
@@ -252,9 +253,12 @@ class _Planner:
         """Alignments of n and of its arguments if n joins `step`, or None if it cannot."""
         g, space = self.g, step.space
         shape = n.type.shape
-        if isinstance(n, ir.Map):
+        if isinstance(n, ir.Gather) and not self.gathers_in(n, step):
+            return None
+        if isinstance(n, (ir.Map, ir.Gather)):
+            args = _elementwise_args(n)
             align = [None] * len(shape)
-            for a in n.args:
+            for a in args:
                 if a in step.align:
                     aa, ashape = step.align[a], g[a].type.shape
                     off = len(shape) - len(ashape)
@@ -274,7 +278,7 @@ class _Planner:
             if not _valid(shape, align, space, step.columns):
                 return None
             out = {n.name: align}
-            for a in n.args:
+            for a in args:
                 out.setdefault(a, step.align.get(a) or _arg_align(g[a].type.shape, shape, align))
                 if not _valid(g[a].type.shape, out[a], space, step.columns):
                     return None
@@ -310,9 +314,21 @@ class _Planner:
                 return {n.name: align} if _valid(shape, align, space, step.columns) else None
         return None
 
+    def gathers_in(self, n: ir.Gather, step: Step) -> bool:
+        """Whether gather `n` may be computed in `step`: elementwise in its index, it loads its
+        table at the index it reads (loop/lower.py), so the table must lie in memory as itself
+        (written by another step, or an input or weight; no view) and be a float (an index out
+        of range gives NaN, where PyTorch stops with a device-side assert); not in a column
+        kernel, whose tensors may be laid out permuted."""
+        table = self.g[gather_table(self.g, n)]
+        return (gathers_enabled() and not step.columns and dtypes.is_float(table.type.dtype)
+                and not isinstance(table, (ir.View, ir.Constant, ir.Iota))
+                and not any(self.group_of.get(x) is step for x in (n.arg, table.name))
+                and len(n.type.shape) > 0)
+
     def start_space(self, n):
         """The row space a node opens a new kernel with."""
-        if isinstance(n, ir.Map):
+        if isinstance(n, (ir.Map, ir.Gather)):
             s = n.type.shape
             return (tuple(s[:-1]), s[-1]) if s else ((), 1)
         if isinstance(n, ir.Reduce):
@@ -512,8 +528,11 @@ class _Planner:
         for s in reversed(self.steps):
             if s.family != "mapreduce" or id(s) in upstream or s.columns != columns or self.tiles_apart(n, s):
                 continue
-            if s.space != space and not (isinstance(n, ir.Map) and row_align(n.type.shape, s.space) is not None
-                                         and right_align(n.type.shape, s.space) is None):
+            if s.space != space and not (isinstance(n, (ir.Map, ir.Gather)) and row_align(n.type.shape, s.space) is not None
+                                         and right_align(n.type.shape, s.space) is None) \
+                    and not (isinstance(n, ir.Gather) and right_align(n.type.shape, s.space) is not None):
+                # (a gather broadcast along the kernel's rows reads its table again for each: a
+                # GPT-2's position embedding beside the token embedding, in its kernel)
                 continue
             probe = Step(s.name, s.family, list(s.nodes), s.space, dict(s.align), ref=s.ref)
             if isinstance(n, ir.Reduce):
@@ -582,7 +601,7 @@ class _Planner:
                 # term of row and column vectors): the step opens at whichever comes first
                 self.add_to(self.gemm_step(self.gemm_member.get(n.name, n.name)), n, {})
                 continue
-            joined = self.try_join(n) if isinstance(n, (ir.Map, ir.Reduce, ir.View)) else None
+            joined = self.try_join(n) if isinstance(n, (ir.Map, ir.Reduce, ir.View, ir.Gather)) else None
             if joined:
                 self.add_to(joined[0], n, joined[1])
                 continue
@@ -626,7 +645,7 @@ class _Planner:
                 s.bytes = sum(g[t].type.nbytes for t in s.inputs + s.outputs)
                 s.flops = spec.flops
             elif s.family == "mapreduce":
-                s.bytes = sum(g[t].type.nbytes for t in s.inputs + s.outputs)
+                s.bytes = step_bytes(g, s)
             elif s.family == "extern":
                 s.bytes, s.flops = extern_cost(g, s)
         return self._ordered()
@@ -657,6 +676,39 @@ class _Planner:
                     done.add(id(s))
                     order.append(s)
         return order
+
+
+def gathers_enabled() -> bool:
+    """TILEFUSE_GATHERS=0 leaves every gather to torch.gather (an extern step), as before they
+    were computed in map-reduce kernels."""
+    return os.environ.get("TILEFUSE_GATHERS", "1") != "0"
+
+
+def _elementwise_args(n) -> tuple[str, ...]:
+    """The arguments a map or gather reads at its own element's position (a gather's index; its
+    table is read where the index points)."""
+    return (n.index,) if isinstance(n, ir.Gather) else n.args
+
+
+def gather_table(g: ir.Graph, n: ir.Gather) -> str:
+    """The tensor a gather reads its table from: its argument, under the reshapes that give it
+    the result's rank (the same memory)."""
+    name = n.arg
+    while isinstance(g[name], ir.View) and g[name].op == "reshape":
+        name = g[name].arg
+    return name
+
+
+def step_bytes(g: ir.Graph, s: Step) -> int:
+    """A map-reduce step's bytes read and written: a table it gathers from counts at most the
+    bytes of what it gathers (an embedding reads its tokens' rows, not its vocabulary)."""
+    gathered: dict[str, int] = {}
+    for m in s.nodes:
+        if isinstance(g[m], ir.Gather):
+            for t in {g[m].arg, gather_table(g, g[m])}:
+                gathered[t] = gathered.get(t, 0) + g[m].type.nbytes
+    return sum(min(g[t].type.nbytes, gathered[t]) if t in gathered and t not in s.align else g[t].type.nbytes
+               for t in s.inputs) + sum(g[t].type.nbytes for t in s.outputs)
 
 
 def _generated(n) -> bool:
@@ -947,7 +999,7 @@ def views_read_in_place(p: Plan) -> Plan:
         if s.family == "mapreduce" and region & set(s.inputs):
             s.reads = {x: root(x) for x in s.inputs if x in region}
             s.inputs = list(dict.fromkeys(s.reads.get(x, x) for x in s.inputs))
-            s.bytes = sum(g[t].type.nbytes for t in s.inputs + s.outputs)
+            s.bytes = step_bytes(g, s)
         steps.append(s)
     return Plan(g, steps)
 

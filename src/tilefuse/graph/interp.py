@@ -122,8 +122,12 @@ def eval_contraction(n: ir.Contraction, a, b, precision="native"):
 
 
 def _gather(n: ir.Gather, x, index):
-    """torch.gather: the index may be smaller than x in every dim (not only `axis`); no broadcasting."""
-    index = index.astype(np.int64)
+    """torch.gather: the index may be smaller than x in every dim (not only `axis`); it is
+    expanded to the result's shape first, and x outside the axis (ir.Gather)."""
+    index = np.broadcast_to(index.astype(np.int64), n.type.shape)
+    if n.wrap:
+        index = np.where(index < 0, index + x.shape[n.axis], index)
+    x = np.broadcast_to(x, tuple(s if d == n.axis or s != 1 else o for d, (s, o) in enumerate(zip(x.shape, n.type.shape))))
     if index.ndim != x.ndim or any(i > s for d, (i, s) in enumerate(zip(index.shape, x.shape)) if d != n.axis):
         raise ValueError(f"gather {n.name}: index shape {index.shape} does not fit input shape {x.shape}")
     if ((index < 0) | (index >= x.shape[n.axis])).any():

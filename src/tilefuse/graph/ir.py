@@ -146,7 +146,12 @@ class Iota:
 
 @dataclass(frozen=True)
 class Gather:
-    """torch.gather(arg, axis, index)."""
+    """torch.gather(arg, axis, index), each expanded to the result's shape first (outside
+    `axis`, for arg): either may have size 1 where the result does not. An embedding is its
+    weight [1, V, D] gathered along V by the token ids [B, S, 1]: one id per row of D columns,
+    which a kernel reads once a row. `wrap`: a negative index counts from the end, as x[idx]'s
+    does (the size comes from the table, never a constant of the graph: a decode step's mask
+    indexed by positions keeps one program for every length, runtime/resize.py)."""
 
     name: str
     type: TensorType
@@ -154,9 +159,10 @@ class Gather:
     index: str
     axis: int
     source: str = field(default="", compare=False)
+    wrap: bool = False
 
     def describe(self):
-        return f"gather({self.arg}, axis={self.axis}, index={self.index})"
+        return f"gather({self.arg}, axis={self.axis}, index={self.index}{', wrap' if self.wrap else ''})"
 
 
 @dataclass(frozen=True)

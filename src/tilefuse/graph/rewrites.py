@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import functools
+import dataclasses
 from dataclasses import dataclass
 
 from .. import dtypes
@@ -241,7 +242,7 @@ def substitute(g: ir.Graph, alias: dict[str, str]) -> ir.Graph:
         elif isinstance(n, (ir.Reduce, ir.View)):
             n = type(n)(**{**n.__dict__, "arg": r(n.arg)})
         elif isinstance(n, ir.Gather):
-            n = ir.Gather(n.name, n.type, r(n.arg), r(n.index), n.axis, n.source)
+            n = dataclasses.replace(n, arg=r(n.arg), index=r(n.index))
         elif isinstance(n, ir.Contraction):
             n = ir.Contraction(n.name, n.type, r(n.a), r(n.b), n.source)
         elif isinstance(n, ir.Attention):

@@ -122,11 +122,24 @@ class Load:
         return f"%{self.dst} = load {self.buf}[{', '.join(map(str, self.index))}]"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Const:
+    """A constant; equal to another of the same value, NaN included (a gather's NaN for an
+    index out of range: two lowerings of one kernel must compare equal, runtime/resize.py)."""
+
     dst: str
     value: float | int | bool
     dtype: str
+
+    def _key(self):
+        v = self.value
+        return self.dst, self.dtype, type(v), ("nan" if v != v else v)
+
+    def __eq__(self, other):
+        return isinstance(other, Const) and self._key() == other._key()
+
+    def __hash__(self):
+        return hash(self._key())
 
     def __str__(self):
         return f"%{self.dst} = const {self.value!r} : {self.dtype}"

@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 
 from .. import dtypes
 from ..graph import ir as g_ir
-from ..graph.fusion import Step, is_row_level
+from ..graph.fusion import Step, gather_table, is_row_level
 from ..graph.rewrites import fresh_name
 from . import ir as L
 from .flat import flat_rows, merged_rows, split_rows
@@ -177,6 +177,8 @@ class _Lowerer:
                 v = self.convert(v, n.type.dtype, block)
         elif isinstance(n, g_ir.View):
             v = self.emit(n.arg, block, memo, col)
+        elif isinstance(n, g_ir.Gather):
+            v = self.emit_gather(n, block, memo, col)
         elif isinstance(n, g_ir.Reduce):
             v = self.emit_reduce(n)
         else:
@@ -225,7 +227,8 @@ class _Lowerer:
             n = self.g[x]
             if x in memo or x not in self.step.nodes or (col is not None and self.is_row(x)):
                 return ()
-            args = n.args if isinstance(n, g_ir.Map) else (n.arg,) if isinstance(n, g_ir.View) else ()
+            args = (n.args if isinstance(n, g_ir.Map) else (n.arg,) if isinstance(n, g_ir.View)
+                    else (n.index,) if isinstance(n, g_ir.Gather) else ())
             return tuple(a for a in args if a not in memo)
 
         return g_ir.post_order(name, inner)[:-1]
@@ -275,6 +278,60 @@ class _Lowerer:
         self.dtype[v] = want
         return v
 
+    def gather_index(self, n: g_ir.Gather, block, memo, col) -> tuple[str, str]:
+        """(in range, clamped) values of a gather's index. An index constant along the row (an
+        embedding's token id) is computed once a row, in the row body, where the code
+        generator sees the table's row as one contiguous run of 16-byte loads."""
+        row = self.is_row(n.index)
+        if row and n.name in self.row_gathers:
+            return self.row_gathers[n.name]
+        if row:
+            block, memo, col = self.row_block, self.row_memo, None
+        idx = self.convert(self.emit(n.index, block, memo, col), "i64", block)
+        size = self.g[n.arg].type.shape[n.axis]
+        if n.wrap:  # x[idx]: a negative index counts from the end
+            zero, n_, neg, moved, w = (self.fresh(b) for b in ("k", "k", "v", "v", "v"))
+            block += [L.Const(zero, 0, "i64"), L.Const(n_, size, "i64"), L.Op(neg, "lt", (idx, zero), "bool"),
+                      L.Op(moved, "add", (idx, n_), "i64"), L.Op(w, "where", (neg, moved, idx), "i64")]
+            self.dtype.update({zero: "i64", n_: "i64", neg: "bool", moved: "i64", w: "i64"})
+            idx = w
+        lo, hi, v, low, high, ok, clamped = (self.fresh(b) for b in ("k", "k", "v", "v", "v", "v", "v"))
+        block += [L.Const(lo, 0, "i64"), L.Const(hi, size - 1, "i64"),
+                  L.Op(low, "ge", (idx, lo), "bool"), L.Op(high, "le", (idx, hi), "bool"),
+                  L.Op(ok, "and", (low, high), "bool"), L.Op(v, "max", (idx, lo), "i64"),
+                  L.Op(clamped, "min", (v, hi), "i64")]
+        self.dtype.update({lo: "i64", hi: "i64", low: "bool", high: "bool", ok: "bool", v: "i64", clamped: "i64"})
+        if row:
+            self.row_gathers[n.name] = ok, clamped
+        return ok, clamped
+
+    def emit_gather(self, n: g_ir.Gather, block, memo, col):
+        """table[..., index, ...] (torch.gather): the table loaded at this element's position
+        with `axis` replaced by the index value, clamped into range; an index out of range
+        gives NaN (fusion.gathers_in: the table is a float), where PyTorch stops with a
+        device-side assert, so no load ever leaves the table."""
+        ok, clamped = self.gather_index(n, block, memo, col)
+        index = []
+        table_shape = self.g[n.arg].type.shape
+        for d, a in enumerate(self.step.align[n.name]):
+            if d == n.axis:
+                index.append(L.Val(clamped))
+            elif a is None or table_shape[d] == 1:  # (a table dim of 1 is read at 0 for every index: ir.Gather)
+                index.append(L.IConst(0))
+            elif a == self.row_dim:
+                index.append(L.Var(col))
+            else:
+                index.append(_coord(a, self.space, L.Var("r")))
+        raw = self.fresh("x")
+        block.append(L.Load(raw, self.tables[n.name], tuple(index)))
+        t = self.g[n.arg].type.dtype
+        self.dtype[raw] = t
+        ct = dtypes.compute_type(t)
+        got, nan, out = self.convert(raw, ct, block), self.fresh("k"), self.fresh()
+        block += [L.Const(nan, float("nan"), ct), L.Op(out, "where", (ok, got, nan), ct)]
+        self.dtype.update({nan: ct, out: ct})
+        return out
+
     def emit_reduce(self, n: g_ir.Reduce):
         col = f"c{self.counter + 1}"
         self.counter += 1
@@ -310,8 +367,16 @@ class _Lowerer:
         for t in step.inputs:
             if t in step.align:
                 self.buffer(t, "in")
-            for v in (v for v, r in step.reads.items() if r == t):
+            for v in (v for v, r in step.reads.items() if r == t and v in step.align):  # (else a gather's table)
                 self.buffer_through(v)
+        self.row_gathers: dict[str, tuple[str, str]] = {}  # gather -> its row-level index values (gather_index)
+        self.tables = {}  # gather -> the buffer of its table: its tensor, in the gather's argument's shape
+        for m in step.nodes:
+            if isinstance(self.g[m], g_ir.Gather):
+                t = self.g[self.g[m].arg].type
+                self.tables[m] = f"{m}_table"
+                self.params.append(L.Buffer(self.tables[m], t.shape, t.dtype, "in"))
+                self.bindings.append(Binding(self.tables[m], gather_table(self.g, self.g[m]), t.shape))
         for t in step.outputs:
             self.buffer(t, "out")
         self.row_block, self.row_memo = self.block(), {}

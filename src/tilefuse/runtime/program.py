@@ -518,7 +518,12 @@ def run_extern(n, get) -> torch.Tensor:
             return x.reshape(n.type.shape)
         return strided_view(n, x).contiguous()
     if isinstance(n, ir.Gather):
-        return torch.gather(get(n.arg), n.axis, get(n.index))
+        x = get(n.arg)
+        x = x.expand([s if d == n.axis or s != 1 else o for d, (s, o) in enumerate(zip(x.shape, n.type.shape))])
+        index = get(n.index)
+        if n.wrap:
+            index = torch.where(index < 0, index + x.shape[n.axis], index)
+        return torch.gather(x, n.axis, index.expand([o if i == 1 else i for i, o in zip(index.shape, n.type.shape)]))
     if isinstance(n, ir.Reduce):
         x = get(n.arg)
         fn = {"sum": torch.sum, "mean": torch.mean, "max": torch.amax, "min": torch.amin}[n.op]
