@@ -746,6 +746,17 @@ def _(draw, dtype):
     return (lambda x, i: torch.gather(x, d, i) * 2), [randn(s, dtype), index]
 
 
+@case("flip_pad", "flip", "pad", "constant_pad_nd")
+def _(draw, dtype):
+    s = draw(shapes(1, 3))
+    dims = draw(st.lists(st.integers(-len(s), len(s) - 1), min_size=1, max_size=len(s), unique_by=lambda d: d % len(s)))
+    pads = [draw(st.integers(-min(2, s[-1] // 2), 3)) for _ in range(2)]  # (crops at most half the dim)
+    mode = draw(st.sampled_from(["constant", "replicate"])) if len(s) >= 2 else "constant"
+    value = draw(st.sampled_from([0.0, -1.5]))
+    return (lambda x: (x.flip(dims) * 2, F.pad(x, pads, mode=mode) if mode == "replicate" else F.pad(x, pads, value=value),
+                       torch.constant_pad_nd(x, (1, 0), 2.0))), [randn(s, dtype)]
+
+
 @case("embedding_index", "embedding", "index_select", "index")
 def _(draw, dtype):
     s = draw(shapes(1, 3))

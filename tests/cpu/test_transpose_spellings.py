@@ -75,12 +75,12 @@ def test_inner_and_tensordot_decompose_into_one_gemm_each():
 
 
 def test_a_composite_reaching_an_op_tilefuse_does_not_lower_stays_one_extern_named_as_written():
-    """fliplr decomposes to flip, which has no translator: the user sees aten.fliplr, not a
-    piece of its decomposition."""
-    x = torch.randn(6, 8)
-    prog = tilefuse.compile(lambda x: torch.fliplr(x) * 2.0, (x,))
-    assert _lowered(prog) == ["tilefuse does not lower aten.fliplr"], str(prog.plan)
-    torch.testing.assert_close(prog(x), torch.fliplr(x) * 2.0)
+    """cdist decomposes into ops of which one has no translator: the user sees aten.cdist, not
+    a piece of its decomposition."""
+    x, y = torch.randn(6, 8), torch.randn(5, 8)
+    prog = tilefuse.compile(lambda x, y: torch.cdist(x, y) * 2.0, (x, y))
+    assert _lowered(prog) == ["tilefuse does not lower aten.cdist"], str(prog.plan)
+    torch.testing.assert_close(prog(x, y), torch.cdist(x, y) * 2.0)
 
 
 def test_a_decomposed_op_keeps_the_users_line():

@@ -1388,6 +1388,75 @@ def _rows_of(b, x, dim: int, index, wrap: bool, out_shape):
     return b.reshape(got, out_shape)
 
 
+def _positions(b, rank: int, d: int, n: int):
+    """0 .. n-1 along dim d of a rank-`rank` tensor, of size 1 elsewhere: an index to gather by."""
+    return b.add(ir.Iota(b.fresh("iota"), ir.TensorType((1,) * d + (n,) + (1,) * (rank - d - 1), "i64"), d, b.source))
+
+
+def _gathered(b, x, d: int, index, n: int):
+    """x's slices along d at `index` (n of them, every one in range)."""
+    shape = b.type(x).shape
+    return b.add(ir.Gather(b.fresh("gather"), ir.TensorType(shape[:d] + (n,) + shape[d + 1:], b.type(x).dtype),
+                           x, index, d, b.source))
+
+
+@handles("flip")
+def _flip(b, args, kwargs, out):
+    """x read backwards along each dim: a gather at n - 1 - i."""
+    x = args[0]
+    if not dtypes.is_float(b.type(x).dtype):  # (a kernel gathers floats only: torch's own flip, not a torch.gather)
+        raise Unsupported(f"a {b.type(x).dtype} tensor")
+    dims = args[1] if len(args) > 1 else kwargs["dims"]
+    rank = len(b.type(x).shape)
+    for d in sorted({wrap_dim(d, rank) for d in ([dims] if isinstance(dims, int) else dims)}):
+        n = b.type(x).shape[d]
+        if n > 1:
+            x = _gathered(b, x, d, b.map("sub", b.const(n - 1, "i64"), _positions(b, rank, d, n)), n)
+    return x
+
+
+@handles("pad", "constant_pad_nd")
+def _pad(b, args, kwargs, out):
+    """F.pad, constant or replicate: along each padded dim a gather at the clamped position i -
+    before (replicate: that is all), then the value outside the tensor (constant). A negative
+    pad crops: the gather starts further in (a slice where nothing is padded)."""
+    x, pads = args[0], list(args[1] if len(args) > 1 else kwargs["pad"])
+    mode = (args[2] if len(args) > 2 else kwargs.get("mode", "constant")) if out.op == "pad" else "constant"
+    value = (args[3] if len(args) > 3 else kwargs.get("value")) if out.op == "pad" else (
+        args[2] if len(args) > 2 else kwargs.get("value", 0))
+    if mode not in ("constant", "replicate"):
+        raise Unsupported(f"mode {mode!r}")
+    if not dtypes.is_float(b.type(x).dtype):  # (a kernel gathers floats only: torch's own pad of a mask)
+        raise Unsupported(f"a {b.type(x).dtype} tensor")
+    if not all(isinstance(p, int) for p in pads) or len(pads) % 2:
+        raise Unsupported("pads that are not pairs of ints")
+    rank = len(b.type(x).shape)
+    for k in range(len(pads) // 2):
+        d, lo, hi = rank - 1 - k, pads[2 * k], pads[2 * k + 1]
+        t = b.type(x).shape
+        n = t[d]
+        first, last = max(-lo, 0), n - max(-hi, 0)  # a negative pad crops: what is kept of x
+        if last < first:
+            raise Unsupported("a crop larger than the dim")
+        lo, hi, n = max(lo, 0), max(hi, 0), last - first
+        if not lo and not hi:
+            if n != t[d]:
+                x = b.view("slice", x, t[:d] + (n,) + t[d + 1:], (d, first, last, 1))
+            continue
+        if n == 0:
+            raise Unsupported("padding an empty dim")
+        m = n + lo + hi
+        pos = _positions(b, rank, d, m)
+        at = b.map("min", b.map("max", b.map("sub", pos, b.const(lo, "i64")), b.const(0, "i64")),
+                   b.const(n - 1, "i64"))
+        g = _gathered(b, x, d, b.map("add", at, b.const(first, "i64")) if first else at, m)
+        if mode == "constant":
+            inside = b.map("and", b.map("ge", pos, b.const(lo, "i64")), b.map("lt", pos, b.const(lo + n, "i64")))
+            g = b.map("where", inside, g, b.scalar(0 if value is None else value, g))
+        x = g
+    return b.cast(x, out.dtype)
+
+
 @handles("embedding")
 def _embedding(b, args, kwargs, out):
     """weight[indices]: its rows at the token ids (padding_idx matters only to gradients)."""

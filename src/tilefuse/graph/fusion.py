@@ -206,6 +206,40 @@ class _Planner:
         self.gemm_steps: dict[str, Step] = {}       # contraction -> its step, once made
         if gemm:
             self.plan_gemms()
+        self.deferred = self.generated_maps()       # maps computed in each kernel that reads them
+
+    def generated_maps(self) -> frozenset:
+        """Maps of constants and indices alone (`n - 1 - iota`, a flip's index) read only by maps
+        and gathers of map-reduce kernels: each kernel that reads one computes it (pull_deferred),
+        in registers, as it does the constants and indices themselves; planned on their own, a
+        map like that was a kernel writing a few integers for the next to read."""
+        g = self.g
+        out, outputs = set(), set(g.outputs) | set(g.results)
+        for n in g.nodes:
+            if (isinstance(n, ir.Map) and n.name not in outputs and n.name not in self.in_torch
+                    and n.name not in self.gemm_member and self.users.get(n.name)
+                    and all(isinstance(g[a], (ir.Constant, ir.Iota)) or a in out for a in n.args)
+                    and all(isinstance(g[u], (ir.Map, ir.Gather)) and u not in self.gemm_member
+                            and u not in self.in_torch for u in self.users[n.name])):
+                out.add(n.name)
+        return frozenset(out)
+
+    def pull_deferred(self, step: Step, n, al: dict):
+        """Put the deferred maps n reads (and those they read) into `step`, aligned as `al`
+        (align_in) aligns them, before n."""
+        g = self.g
+        for a in ir.node_args(n):
+            if a not in self.deferred or a in step.nodes:
+                continue
+            m, at = g[a], al.get(a)
+            at = step.align.get(a) if at is None else at
+            if at is None:
+                continue  # (the kernel reads it written: plan() gives it a kernel of its own then)
+            inner = {b: step.align.get(b) or _arg_align(g[b].type.shape, m.type.shape, at) for b in m.args}
+            self.pull_deferred(step, m, inner)
+            step.nodes.append(a)
+            step.align.update({a: at, **{b: x for b, x in inner.items() if b not in step.align}})
+            step.inputs_all.update(m.args)
 
     def gemm_step(self, contraction: str) -> Step:
         """The step of a planned GEMM, made at its first node in graph order."""
@@ -550,6 +584,8 @@ class _Planner:
         return None
 
     def add_to(self, step: Step, n, al):
+        if step.family == "mapreduce" and self.deferred:
+            self.pull_deferred(step, n, al)
         if isinstance(n, ir.Reduce) and step.family == "mapreduce":
             step.recomputed += self.recompute(n, step) if step.passes else 0
             step.passes += 1
@@ -593,6 +629,8 @@ class _Planner:
                 continue  # inputs are buffers; constants and iotas are generated where used
             if n.name in self.gemm_skip:
                 continue  # added to the first GEMM that reads through it
+            if n.name in self.deferred:
+                continue  # computed in the kernels that read it (pull_deferred)
             if n.name in self.in_torch and isinstance(n, ir.Map) and n.op in TORCH_MAPS:
                 self.new_step("extern", n, note="runs in PyTorch: its shape changes with the sizes")
                 continue
@@ -628,6 +666,13 @@ class _Planner:
                 self.new_step("extern", n, note=f"torch.matmul (cuBLAS): {self.gemm_notes[n.name]}")
             else:
                 self.new_step("extern", n, note=_extern_note(n, g))
+        # a deferred map a kernel could not take (no alignment for it there) is written by a
+        # kernel of its own, as any map (and so may the deferred maps it reads, in turn)
+        while needed := [n for n in g.nodes if n.name in self.deferred and n.name not in self.group_of
+                         and any(n.name in s.inputs_all and n.name not in s.nodes for s in self.steps)]:
+            n = needed[-1]
+            if not self.open_step(n, self.start_space(n), False, None):
+                self.new_step("extern", n, note=_extern_note(n, g))
         return Plan(g, self._finish())
 
     def _finish(self) -> list[Step]:
@@ -637,7 +682,9 @@ class _Planner:
             members = set(s.nodes)
             s.inputs = sorted({a for a in s.inputs_all if a not in members and not _generated(g[a])},
                               key=g.order().__getitem__)
-            s.outputs = [m for m in s.nodes if m in outputs or any(u not in members for u in self.users[m])]
+            s.outputs = [m for m in s.nodes if m in outputs or any(
+                u not in members and not (m in self.deferred and m in getattr(self.group_of.get(u), "nodes", ()))
+                for u in self.users[m])]
             if s.family == "gemm":
                 spec = s.gemm
                 s.inputs = list(dict.fromkeys([spec.a, spec.b] + [t for t, _ in spec.operands]))
