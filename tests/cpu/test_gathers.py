@@ -126,3 +126,80 @@ def test_gpt2_token_and_position_embeddings_and_their_layernorm_are_one_kernel()
     p = tilefuse.compile(fn, (ids, wte, wpe))
     _one_kernel(p)
     torch.testing.assert_close(p(ids, wte, wpe), fn(ids, wte, wpe), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name, fn", [
+    ("embedding of a computed table", lambda w, i: F.embedding(i, w * 2) + 1),
+    ("embedding of a cast table", lambda w, i: F.embedding(i, w.bfloat16()).float() + 1),
+    ("index of a softmax", lambda w, i: w.softmax(-1)[i]),
+])
+def test_a_computed_table_reshaped_for_a_two_dim_index_is_read_where_it_is_written(name, fn):
+    """The table's reshape to the result's rank is computed in its producer's kernel and
+    written under its own name: the gather binds that, not the tensor under it (nothing
+    writes that one; a review found the kernel reading an unwritten buffer)."""
+    torch.manual_seed(6)
+    w, i = torch.randn(10, 4), torch.randint(0, 10, (3, 5))
+    p = tilefuse.compile(fn, (w, i))
+    torch.testing.assert_close(p(w, i), fn(w, i))
+
+
+def test_a_table_computed_where_it_is_read_is_written_first():
+    """A map of indices alone is computed in the kernels that read it; used as a gather's table
+    too, it must be written (a gather loads its table from memory)."""
+    x = torch.randn(3, 8)
+
+    def fn(x):
+        t = torch.arange(8, dtype=torch.float32) * 2
+        return x + t + t.flip(0)
+
+    p = tilefuse.compile(fn, (x,))
+    torch.testing.assert_close(p(x), fn(x))
+
+
+@pytest.mark.parametrize("gathers", ["1", "0"])
+def test_int32_ids_gather_right_in_a_kernel_and_in_torch_gather(gathers, monkeypatch):
+    """torch.gather with an int32 index of a stride-0 dim returns wrong rows (torch 2.13 CPU):
+    the extern path gives it int64."""
+    monkeypatch.setenv("TILEFUSE_GATHERS", gathers)
+    torch.manual_seed(7)
+    x, i = torch.randn(6, 3), torch.randint(0, 3, (3,), dtype=torch.int32)
+    for fn in (lambda x, i: F.embedding(i, x.t()), lambda x, i: x.t()[i] * 2, lambda x, i: x.t().index_select(0, i) * 2,
+               lambda x, i: x[i] * 2):
+        p = tilefuse.compile(fn, (x, i))
+        torch.testing.assert_close(p(x, i), fn(x, i))
+
+
+def test_a_mask_indexed_by_positions_makes_new_sizes_of_the_right_shape():
+    """resize.family makes a new size's program from a compiled one, running each extern on
+    meta tensors of the new shapes: the gather's broadcast follows the tensors given, not the
+    compiled size."""
+    from tilefuse.runtime import resize
+
+    fn = lambda m, pos: m[pos]  # noqa: E731
+    progs = [tilefuse.compile(fn, (torch.randint(0, 2, (n, n)), torch.tensor([n - 1]))) for n in (6, 8)]
+    fam = resize.family(*progs)
+    assert isinstance(fam, resize.Family), fam
+    m, pos = torch.randint(0, 2, (12, 12)), torch.tensor([11])
+    made = fam.at([tuple(m.shape), tuple(pos.shape)])
+    assert made is not None
+    got = made(m, pos)
+    assert got.shape == fn(m, pos).shape and torch.equal(got, fn(m, pos))
+
+
+def test_a_gather_of_a_0d_tensor_stays_with_pytorch():
+    fn, ins = (lambda s, i: s.index_select(0, i) * 2), (torch.tensor(2.0), torch.tensor([0]))
+    p = tilefuse.compile(fn, ins)
+    got, want = p(*ins), fn(*ins)
+    assert got.shape == want.shape and torch.equal(got, want)
+
+
+def test_an_empty_dim_list_is_not_lowered_as_every_dim():
+    """torch.all(x, dim=()) reduces nothing; the handlers refuse it rather than reduce all."""
+    from tilefuse.frontend.aten import Unsupported, _dim_keep
+
+    class B:
+        def type(self, x):
+            return type("T", (), {"shape": (4, 6)})()
+
+    with pytest.raises(Unsupported):
+        _dim_keep(B(), ("x", ()), {}, "x")

@@ -591,8 +591,10 @@ HANDLERS["amin"] = _reduction("min")
 def _dim_keep(b, args, kwargs, x):
     """(dims, keepdim) of a reduction's (x, dim, keepdim) arguments."""
     rank = len(b.type(x).shape)
-    dims = _dims(kwargs.get("dim", args[1] if len(args) > 1 else None), rank)
-    return dims, kwargs.get("keepdim", args[2] if len(args) > 2 else False)
+    dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
+    if isinstance(dim, (list, tuple)) and not dim:
+        raise Unsupported("an empty list of dims")  # (reduces nothing here, unlike sum's)
+    return _dims(dim, rank), kwargs.get("keepdim", args[2] if len(args) > 2 else False)
 
 
 def _nonzero(b, x, dtype):
@@ -625,6 +627,7 @@ def _without_nans(b, x):
 @handles("nansum")
 def _nansum(b, args, kwargs, out):
     """sum with NaNs counted as 0."""
+    _dim_keep(b, args, kwargs, args[0])  # (refuses an empty list of dims)
     return HANDLERS["sum"](b, (_without_nans(b, args[0]),) + tuple(args[1:]), kwargs, out)
 
 
@@ -1380,6 +1383,8 @@ def _rows_of(b, x, dim: int, index, wrap: bool, out_shape):
     if dtypes.is_float(t.dtype) or t.dtype == "bool":
         raise Unsupported(f"an index of dtype {t.dtype}")
     shape, ishape = b.type(x).shape, t.shape or (1,)
+    if not shape:
+        raise Unsupported("a 0-d tensor")
     k = len(ishape)
     table = b.reshape(x, shape[:dim] + (1,) * (k - 1) + shape[dim:])
     idx = b.reshape(index, (1,) * dim + ishape + (1,) * (len(shape) - dim - 1))

@@ -89,6 +89,7 @@ class Step:
     scratch: list[str] = field(default_factory=list)  # per-row values passed from head to tail on chip
     view: bool = False  # family "extern": a strided view, no copy (attention_only_views; a result in eager's layout)
     reads: dict[str, str] = field(default_factory=dict)  # mapreduce: input view -> the tensor it reads it from (views_read_in_place)
+    tables: dict[str, str] = field(default_factory=dict)  # mapreduce: gather -> the tensor in memory its table is (_Planner.table_of)
     ref: tuple | None = None  # a column kernel's (shape, alignment) of its full tensors: what others broadcast against
     passes: int = 0      # mapreduce: its reductions, each a pass over the row computing its argument
     recomputed: int = 0  # ... and the per-element maps the passes after the first compute again (RECOMPUTE_LIMIT)
@@ -348,16 +349,29 @@ class _Planner:
                 return {n.name: align} if _valid(shape, align, space, step.columns) else None
         return None
 
+    def table_of(self, n: ir.Gather) -> str:
+        """The tensor in memory a gather's table is: its argument, under the reshapes that are
+        free aliases (a reshape a kernel computes is written under its own name)."""
+        name = n.arg
+        while (isinstance(self.g[name], ir.View) and self.g[name].op == "reshape"
+               and getattr(self.group_of.get(name), "family", None) == "alias"):
+            name = self.g[name].arg
+        return name
+
     def gathers_in(self, n: ir.Gather, step: Step) -> bool:
         """Whether gather `n` may be computed in `step`: elementwise in its index, it loads its
         table at the index it reads (loop/lower.py), so the table must lie in memory as itself
-        (written by another step, or an input or weight; no view) and be a float (an index out
-        of range gives NaN, where PyTorch stops with a device-side assert); not in a column
-        kernel, whose tensors may be laid out permuted."""
-        table = self.g[gather_table(self.g, n)]
-        return (gathers_enabled() and not step.columns and dtypes.is_float(table.type.dtype)
-                and not isinstance(table, (ir.View, ir.Constant, ir.Iota))
-                and not any(self.group_of.get(x) is step for x in (n.arg, table.name))
+        (an input, a weight, or what another step writes under that name: no view a copy would
+        make, no map computed where it is read) and be a float (an index out of range gives
+        NaN, where PyTorch stops with a device-side assert); not in a column kernel, whose
+        tensors may be laid out permuted."""
+        t = self.table_of(n)
+        table, made = self.g[t], self.group_of.get(t)
+        in_memory = (isinstance(table, (ir.Input, ir.Weight)) if made is None
+                     else made.family in ("mapreduce", "gemm") or not isinstance(table, ir.View) and made.family == "extern")
+        return (gathers_enabled() and not step.columns and dtypes.is_float(table.type.dtype) and in_memory
+                and t not in self.deferred and n.arg not in self.deferred
+                and not any(self.group_of.get(x) is step for x in (n.arg, t))
                 and len(n.type.shape) > 0)
 
     def start_space(self, n):
@@ -586,6 +600,8 @@ class _Planner:
     def add_to(self, step: Step, n, al):
         if step.family == "mapreduce" and self.deferred:
             self.pull_deferred(step, n, al)
+        if step.family == "mapreduce" and isinstance(n, ir.Gather):
+            step.tables[n.name] = self.table_of(n)
         if isinstance(n, ir.Reduce) and step.family == "mapreduce":
             step.recomputed += self.recompute(n, step) if step.passes else 0
             step.passes += 1
@@ -682,9 +698,10 @@ class _Planner:
             members = set(s.nodes)
             s.inputs = sorted({a for a in s.inputs_all if a not in members and not _generated(g[a])},
                               key=g.order().__getitem__)
-            s.outputs = [m for m in s.nodes if m in outputs or any(
-                u not in members and not (m in self.deferred and m in getattr(self.group_of.get(u), "nodes", ()))
-                for u in self.users[m])]
+            # a deferred map is written only by a kernel of its own (plan()'s fallback), where
+            # some reader does not compute it; the kernels that pulled it compute it for themselves
+            s.outputs = [m for m in s.nodes if (self.group_of.get(m) is s if m in self.deferred else
+                                                m in outputs or any(u not in members for u in self.users[m]))]
             if s.family == "gemm":
                 spec = s.gemm
                 s.inputs = list(dict.fromkeys([spec.a, spec.b] + [t for t, _ in spec.operands]))
@@ -737,23 +754,13 @@ def _elementwise_args(n) -> tuple[str, ...]:
     return (n.index,) if isinstance(n, ir.Gather) else n.args
 
 
-def gather_table(g: ir.Graph, n: ir.Gather) -> str:
-    """The tensor a gather reads its table from: its argument, under the reshapes that give it
-    the result's rank (the same memory)."""
-    name = n.arg
-    while isinstance(g[name], ir.View) and g[name].op == "reshape":
-        name = g[name].arg
-    return name
-
-
 def step_bytes(g: ir.Graph, s: Step) -> int:
     """A map-reduce step's bytes read and written: a table it gathers from counts at most the
     bytes of what it gathers (an embedding reads its tokens' rows, not its vocabulary)."""
     gathered: dict[str, int] = {}
-    for m in s.nodes:
-        if isinstance(g[m], ir.Gather):
-            for t in {g[m].arg, gather_table(g, g[m])}:
-                gathered[t] = gathered.get(t, 0) + g[m].type.nbytes
+    for m, table in s.tables.items():
+        for t in {g[m].arg, table}:
+            gathered[t] = gathered.get(t, 0) + g[m].type.nbytes
     return sum(min(g[t].type.nbytes, gathered[t]) if t in gathered and t not in s.align else g[t].type.nbytes
                for t in s.inputs) + sum(g[t].type.nbytes for t in s.outputs)
 
@@ -1111,6 +1118,7 @@ def grid_reductions(p: Plan) -> Plan:
                            "last CTA (per-row " + ", ".join(scratch) + " stay on chip)",
                       head=head, tail=tail, scratch=scratch)
         merged.inputs_all = set(getattr(head, "inputs_all", ()))
+        merged.tables = {**head.tables, **tail.tables}
         merged.bytes = sum(g[t].type.nbytes for t in merged.inputs + merged.outputs)
         steps[steps.index(head)] = merged
         steps.remove(tail)

@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 
 from .. import dtypes
 from ..graph import ir as g_ir
-from ..graph.fusion import Step, gather_table, is_row_level
+from ..graph.fusion import Step, is_row_level
 from ..graph.rewrites import fresh_name
 from . import ir as L
 from .flat import flat_rows, merged_rows, split_rows
@@ -376,7 +376,7 @@ class _Lowerer:
                 t = self.g[self.g[m].arg].type
                 self.tables[m] = f"{m}_table"
                 self.params.append(L.Buffer(self.tables[m], t.shape, t.dtype, "in"))
-                self.bindings.append(Binding(self.tables[m], gather_table(self.g, self.g[m]), t.shape))
+                self.bindings.append(Binding(self.tables[m], step.tables[m], t.shape))
         for t in step.outputs:
             self.buffer(t, "out")
         self.row_block, self.row_memo = self.block(), {}

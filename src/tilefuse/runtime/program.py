@@ -518,12 +518,16 @@ def run_extern(n, get) -> torch.Tensor:
             return x.reshape(n.type.shape)
         return strided_view(n, x).contiguous()
     if isinstance(n, ir.Gather):
-        x = get(n.arg)
-        x = x.expand([s if d == n.axis or s != 1 else o for d, (s, o) in enumerate(zip(x.shape, n.type.shape))])
-        index = get(n.index)
+        # a dim where the node's type broadcasts one of them (size 1 beside a larger result)
+        # takes the other's size as given now, not the compiled size: runtime/resize runs this
+        # on a new size's meta tensors to find the result's shape there
+        x, index = get(n.arg), get(n.index).long()
+        wide = [d != n.axis and o > 1 for d, o in enumerate(n.type.shape)]
+        x = x.expand([index.shape[d] if w and s == 1 else s for d, (s, w) in enumerate(zip(x.shape, wide))])
+        index = index.expand([x.shape[d] if w and i == 1 else i for d, (i, w) in enumerate(zip(index.shape, wide))])
         if n.wrap:
             index = torch.where(index < 0, index + x.shape[n.axis], index)
-        return torch.gather(x, n.axis, index.expand([o if i == 1 else i for i, o in zip(index.shape, n.type.shape)]))
+        return torch.gather(x, n.axis, index)
     if isinstance(n, ir.Reduce):
         x = get(n.arg)
         fn = {"sum": torch.sum, "mean": torch.mean, "max": torch.amax, "min": torch.amin}[n.op]
