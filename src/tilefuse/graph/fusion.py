@@ -576,11 +576,7 @@ class _Planner:
         for s in reversed(self.steps):
             if s.family != "mapreduce" or id(s) in upstream or s.columns != columns or self.tiles_apart(n, s):
                 continue
-            if s.space != space and not (isinstance(n, (ir.Map, ir.Gather)) and row_align(n.type.shape, s.space) is not None
-                                         and right_align(n.type.shape, s.space) is None) \
-                    and not (isinstance(n, ir.Gather) and right_align(n.type.shape, s.space) is not None):
-                # (a gather broadcast along the kernel's rows reads its table again for each: a
-                # GPT-2's position embedding beside the token embedding, in its kernel)
+            if s.space != space and not self.runs_along(n, s.space):
                 continue
             probe = Step(s.name, s.family, list(s.nodes), s.space, dict(s.align), ref=s.ref)
             if isinstance(n, ir.Reduce):
@@ -596,6 +592,15 @@ class _Planner:
                 al = {n.arg: probe.align[n.arg], **al}
             return s, al
         return None
+
+    def runs_along(self, n, space) -> bool:
+        """Whether n, of another shape than `space`'s, may join a kernel of that row space: a map
+        or gather whose rows are its rows (a per-row value), or a gather broadcast along its rows
+        (it reads its table again for each: GPT-2's position embedding beside the token one)."""
+        if not isinstance(n, (ir.Map, ir.Gather)):
+            return False
+        right = right_align(n.type.shape, space) is not None
+        return (isinstance(n, ir.Gather) and right) or (not right and row_align(n.type.shape, space) is not None)
 
     def add_to(self, step: Step, n, al):
         if step.family == "mapreduce" and self.deferred:
@@ -1119,7 +1124,7 @@ def grid_reductions(p: Plan) -> Plan:
                       head=head, tail=tail, scratch=scratch)
         merged.inputs_all = set(getattr(head, "inputs_all", ()))
         merged.tables = {**head.tables, **tail.tables}
-        merged.bytes = sum(g[t].type.nbytes for t in merged.inputs + merged.outputs)
+        merged.bytes = step_bytes(g, merged)
         steps[steps.index(head)] = merged
         steps.remove(tail)
     return Plan(g, steps) if len(steps) != len(p.steps) else p

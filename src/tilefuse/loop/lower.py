@@ -289,18 +289,13 @@ class _Lowerer:
             block, memo, col = self.row_block, self.row_memo, None
         idx = self.convert(self.emit(n.index, block, memo, col), "i64", block)
         size = self.g[n.arg].type.shape[n.axis]
+        zero, last = self.const(block, 0, "i64"), self.const(block, size - 1, "i64")
         if n.wrap:  # x[idx]: a negative index counts from the end
-            zero, n_, neg, moved, w = (self.fresh(b) for b in ("k", "k", "v", "v", "v"))
-            block += [L.Const(zero, 0, "i64"), L.Const(n_, size, "i64"), L.Op(neg, "lt", (idx, zero), "bool"),
-                      L.Op(moved, "add", (idx, n_), "i64"), L.Op(w, "where", (neg, moved, idx), "i64")]
-            self.dtype.update({zero: "i64", n_: "i64", neg: "bool", moved: "i64", w: "i64"})
-            idx = w
-        lo, hi, v, low, high, ok, clamped = (self.fresh(b) for b in ("k", "k", "v", "v", "v", "v", "v"))
-        block += [L.Const(lo, 0, "i64"), L.Const(hi, size - 1, "i64"),
-                  L.Op(low, "ge", (idx, lo), "bool"), L.Op(high, "le", (idx, hi), "bool"),
-                  L.Op(ok, "and", (low, high), "bool"), L.Op(v, "max", (idx, lo), "i64"),
-                  L.Op(clamped, "min", (v, hi), "i64")]
-        self.dtype.update({lo: "i64", hi: "i64", low: "bool", high: "bool", ok: "bool", v: "i64", clamped: "i64"})
+            moved = self.op(block, "add", (idx, self.const(block, size, "i64")), "i64")
+            idx = self.op(block, "where", (self.op(block, "lt", (idx, zero), "bool"), moved, idx), "i64")
+        ok = self.op(block, "and", (self.op(block, "ge", (idx, zero), "bool"),
+                                    self.op(block, "le", (idx, last), "bool")), "bool")
+        clamped = self.op(block, "min", (self.op(block, "max", (idx, zero), "i64"), last), "i64")
         if row:
             self.row_gathers[n.name] = ok, clamped
         return ok, clamped
@@ -327,10 +322,20 @@ class _Lowerer:
         t = self.g[n.arg].type.dtype
         self.dtype[raw] = t
         ct = dtypes.compute_type(t)
-        got, nan, out = self.convert(raw, ct, block), self.fresh("k"), self.fresh()
-        block += [L.Const(nan, float("nan"), ct), L.Op(out, "where", (ok, got, nan), ct)]
-        self.dtype.update({nan: ct, out: ct})
-        return out
+        return self.op(block, "where", (ok, self.convert(raw, ct, block), self.const(block, float("nan"), ct)), ct)
+
+    def op(self, block: list, op: str, args: tuple, dtype: str) -> str:
+        """A new value: `op` of `args`, of `dtype`, appended to `block`."""
+        v = self.fresh()
+        block.append(L.Op(v, op, args, dtype))
+        self.dtype[v] = dtype
+        return v
+
+    def const(self, block: list, value, dtype: str) -> str:
+        v = self.fresh("k")
+        block.append(L.Const(v, value, dtype))
+        self.dtype[v] = dtype
+        return v
 
     def emit_reduce(self, n: g_ir.Reduce):
         col = f"c{self.counter + 1}"
