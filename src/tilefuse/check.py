@@ -171,6 +171,27 @@ _CASTS = {torch.Tensor.to, torch.Tensor.type, torch.Tensor.type_as, torch.Tensor
           torch.Tensor.float, torch.Tensor.double}
 
 
+def _grouped_mm64(a, b, offs=None, bias=None, out_dtype=None):
+    """torch._grouped_mm in float64, which PyTorch's own takes only in 16- and 32-bit floats (a
+    mixture of experts' layers in transformers call it): rows offs[i-1]:offs[i] of a 2-D `a`
+    times expert b[i], or a batch of products of 3-D operands."""
+    if a.dim() == 2 and b.dim() == 3 and offs is not None:
+        out = a.new_zeros(a.shape[0], b.shape[-1])
+        start = 0
+        for i, end in enumerate(offs.tolist()):
+            out[start:end] = a[start:end] @ b[i]
+            start = end
+    elif a.dim() == 3 and b.dim() == 3 and offs is None:
+        out = a @ b
+    else:
+        raise NotImplementedError(f"grouped_mm of {a.dim()}-D by {b.dim()}-D operands in float64")
+    return out if bias is None else out + bias
+
+
+_GROUPED = {torch._grouped_mm} | ({torch.nn.functional.grouped_mm} if hasattr(torch.nn.functional, "grouped_mm")
+                                  else set())
+
+
 class _KeepFloat64(torch.overrides.TorchFunctionMode):
     """Float casts of float64 tensors return them unchanged; float `dtype=` arguments become
     float64; where a float64 tensor meets a lower-precision float one (an integer tensor cast
@@ -187,6 +208,8 @@ class _KeepFloat64(torch.overrides.TorchFunctionMode):
                 def up(x):
                     return x.double() if isinstance(x, torch.Tensor) and x.is_floating_point() else x
                 args, kwargs = torch.utils._pytree.tree_map(up, (args, kwargs))
+            if func in _GROUPED:
+                return _grouped_mm64(*args, **kwargs)
             if func in _CASTS and args and isinstance(args[0], torch.Tensor) and args[0].dtype == torch.float64:
                 out = func(*args, **kwargs)
                 if isinstance(out, torch.Tensor) and out.is_floating_point():

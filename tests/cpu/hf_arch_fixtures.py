@@ -79,6 +79,7 @@ class Arch:
     attn: str = "sdpa"
     note: str = ""
     layers: int = 1  # the fewest layers that show every layer kind (Gemma2 alternates sliding and full)
+    experts_in_pytorch: bool = False  # a mixture of experts: the experts' grouped matmul stays an extern
 
 
 def _ids(s: Sizes, kind: str) -> dict:
@@ -135,6 +136,35 @@ ARCHS: dict[str, Arch] = {
     "stablelm": Arch("causal", "StableLmForCausalLM", "StableLmConfig",
                      lambda s: _llama_like(s, kv_div=1, use_qkv_bias=True),
                      note="LayerNorm, partial rotary (0.25), qkv bias"),
+    "mixtral": Arch("causal", "MixtralForCausalLM", "MixtralConfig",
+                    lambda s: _llama_like(s, num_local_experts=4, num_experts_per_tok=2),
+                    experts_in_pytorch=True, note="mixture of experts: softmax router, top-2 (topk), grouped matmul"),
+    "qwen2moe": Arch("causal", "Qwen2MoeForCausalLM", "Qwen2MoeConfig",
+                     lambda s: _llama_like(s, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=s.hidden,
+                                           shared_expert_intermediate_size=s.hidden),
+                     experts_in_pytorch=True, note="mixture of experts beside a shared expert with a sigmoid gate"),
+    "falcon": Arch("causal", "FalconForCausalLM", "FalconConfig",
+                   lambda s: dict(hidden_size=s.hidden, num_hidden_layers=s.layers, num_attention_heads=s.heads,
+                                  new_decoder_architecture=True, num_kv_heads=2),
+                   note="parallel attention and MLP off one LayerNorm pair, multi-group KV, GELU"),
+    "gptj": Arch("causal", "GPTJForCausalLM", "GPTJConfig",
+                 lambda s: dict(n_embd=s.hidden, n_layer=s.layers, n_head=s.heads, n_positions=s.positions,
+                                rotary_dim=s.head_dim // 2),
+                 attn="eager",  # (transformers before 5.2x has no SDPA path for GPT-J)
+                 note="interleaved (even/odd) rotary on part of each head, parallel residual, eager attention"),
+    "bloom": Arch("causal", "BloomForCausalLM", "BloomConfig",
+                  lambda s: dict(hidden_size=s.hidden, n_layer=s.layers, n_head=s.heads),
+                  attn="eager", note="ALiBi position biases (baddbmm), embedding LayerNorm, eager attention"),
+    "gemma3": Arch("causal", "Gemma3ForCausalLM", "Gemma3TextConfig",
+                   lambda s: _llama_like(s, head_dim=2 * s.head_dim, sliding_window=s.window,
+                                         query_pre_attn_scalar=2 * s.head_dim),
+                   note="q/k norms, sandwich norms, sliding and global rotary bases"),
+    "cohere": Arch("causal", "CohereForCausalLM", "CohereConfig", lambda s: _llama_like(s),
+                   note="bias-free LayerNorm, parallel block, interleaved rotary, logit scale"),
+    "granite": Arch("causal", "GraniteForCausalLM", "GraniteConfig",
+                    lambda s: _llama_like(s, residual_multiplier=0.5, embedding_multiplier=2.0, logits_scaling=3.0,
+                                          attention_multiplier=0.1),
+                    note="embedding, residual, attention and logit multipliers"),
 }
 
 
@@ -270,11 +300,13 @@ def assert_ran_in_tilefuse(run: Run) -> None:
     """Every dynamo graph compiled by tilefuse and ran there on every call; at least four
     generated GEMMs per layer (q/k/v projections, fused or not; the attention output projection;
     the MLP's up, with its gate; its down) plus the LM head (the pooler for an encoder); no
-    contraction that reads a weight left to PyTorch as an extern."""
+    contraction that reads a weight left to PyTorch as an extern; a mixture of experts' grouped
+    matmuls (torch._grouped_mm) in PyTorch where the table says so (`Arch.experts_in_pytorch`),
+    and nowhere else."""
     summary = tb.summary()
     assert run.reports, "no graph reached the tilefuse backend"
     assert run.breaks == 0, f"{run.breaks} dynamo graph break(s):\n{summary}"
-    gemms = 0
+    gemms = experts = 0
     for r, stages in zip(run.reports, run.stages):
         assert r.status == "tilefuse" and stages is not None, f"graph {r.index} in eager: {r.reason}\n{summary}"
         assert r.calls_eager == 0 and r.calls_tilefuse == run.draws, (r.calls_tilefuse, r.calls_eager, r.events)
@@ -285,5 +317,11 @@ def assert_ran_in_tilefuse(run: Run) -> None:
                                                                                            ir.Contraction)]
         weighted = [n for n in left if any(_weight_read(plan.graph, a) for a in ir.node_args(plan.graph[n]))]
         assert not weighted, f"matmul(s) of weights left to PyTorch: {weighted}\n{summary}"
+        grouped = [st.nodes[0] for st in plan.steps if st.family == "extern"
+                   and getattr(plan.graph[st.nodes[0]], "target", "").startswith("aten._grouped_mm")]
+        experts += len(grouped)
+        assert not grouped or ARCHS[run.name].experts_in_pytorch, f"grouped matmul(s) in PyTorch: {grouped}"
+    if ARCHS[run.name].experts_in_pytorch:  # (said in ARCHS: the guard holds the claim to what runs)
+        assert experts, f"no experts' grouped matmul found in the plan of {run.name}\n{summary}"
     floor = 4 * run.sizes.layers + 1
     assert gemms >= floor, f"{gemms} generated GEMM(s), expected at least {floor}\n{summary}"

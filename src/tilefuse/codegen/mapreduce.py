@@ -194,8 +194,11 @@ class _Stream:
 
     @property
     def per_row(self) -> bool:
-        """True for a row of a matrix (read once); False for a column vector shared by all rows."""
-        return any(ir.index_vars(e) for e in self.base_index)
+        """True for a row of a matrix (read once, staged with the row's other streams before the
+        row's statements run); False for a column vector shared by all rows, and for a gathered
+        row (an embedding's, or a slice picked by an index per row of a larger table): its base
+        comes from row-level values, so it is read where it is used, after they are computed."""
+        return any(ir.index_vars(e) for e in self.base_index) and not self.values
 
 
 def _c_wrap(e: ir.Index, cvar: str):

@@ -3,8 +3,8 @@
 Composite ops (softmax, layer_norm, rms_norm, gelu, silu, var…) are decomposed here into
 Maps and Reduces; that is the "decompose" rewrite, done once at translation. matmul-like
 ops become Contraction nodes, SDPA an Attention node. An op not in `HANDLERS` becomes an
-explicit Extern (shown in `--ir graph`) when its result is one tensor, otherwise an error
-naming the op and the user's line.
+explicit Extern (shown in `--ir graph`), one per result used where it returns several
+(ir.Extern.item).
 """
 from __future__ import annotations
 
@@ -999,6 +999,28 @@ def _max_min(b, args, kwargs, out):
     indices = b.add(ir.Extern(b.fresh(f"arg{op}"), ir.TensorType(b.type(values).shape, "i64"), f"aten.arg{op}.default",
                               (ir.Ref(of), dim, keep), (), f"the index of each {op} (arg{op}) runs in PyTorch", b.source))
     return values, indices
+
+
+@handles("topk", "sort")
+def _ordered(b, args, kwargs, out):
+    """topk / sort: the indices from PyTorch's own op (the same overload and arguments, so ties
+    fall as eager's do), an extern; the values x gathered at them, exactly eager's values, in
+    whichever kernel reads them (a mixture of experts' router weights)."""
+    x = args[0]
+    shape = b.type(x).shape
+    if not shape or not out.target:
+        raise Unsupported("a 0-d tensor" if not shape else "an in-place sort")
+    dim = kwargs.get("dim", args[2] if out.op == "topk" and len(args) > 2 else
+                     args[1] if out.op == "sort" and len(args) > 1 else -1)
+    dim = wrap_dim(dim, len(shape))
+
+    def refs(a):
+        return ir.Ref(a) if isinstance(a, str) and a in b.types else a
+
+    indices = b.add(ir.Extern(b.fresh(f"{out.op}_indices"), ir.TensorType(out.shape, "i64"), out.target,
+                              tuple(refs(a) for a in args), tuple(kwargs.items()),
+                              f"the order of {out.op} runs in PyTorch", b.source, item=1))
+    return _gathered(b, x, dim, indices, out.shape[dim]), indices
 
 
 def _acc_of(dtype: str) -> str:

@@ -29,6 +29,7 @@ class Out:
     shape: tuple[int, ...]
     dtype: str
     op: str
+    target: str = ""  # the overload, "aten.sort.stable": for a translator that runs part of it in PyTorch
 
 
 _FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)(?:\n(?!\s*File ")\s*(.*))?')
@@ -186,10 +187,11 @@ def to_graph(ep, expr: str | None = None) -> ir.Graph:
         if node.target is operator.getitem:
             src, idx = node.args
             outs = tuple_outputs.get(src)
-            if isinstance(outs, tuple):  # every output was translated (split, chunk, unbind, a region)
+            if isinstance(outs, tuple) and outs[idx] is not None:
+                # every output was translated (split, chunk, unbind, a region, an extern's results)
                 env[node] = outs[idx]
                 return
-            if outs is not None and idx == 0:
+            if outs is not None and not isinstance(outs, tuple) and idx == 0:
                 env[node] = outs
                 return
             raise CaptureError(f"output {idx} of {_op_name(src.target)} is not supported "
@@ -551,7 +553,8 @@ def _translate(b: Builder, node, resolve, env, tuple_outputs, expr, functional: 
                                f"as dynamic, an argument that changes between calls or a module's float attribute "
                                f"under dynamic=True: pass that number as a tensor, or compile without dynamic=True)")
         raise CaptureError(f"{name} returns {type(first).__name__}, not a tensor ({b.source})")
-    out = Out(_static_shape(first, name, b.source), dtypes.from_torch(first.dtype), name)
+    out = Out(_static_shape(first, name, b.source), dtypes.from_torch(first.dtype), name,
+              _target_text(node.target) if functional is None else "")
     args = resolve(node.args)
     kwargs = {k: resolve(v) for k, v in node.kwargs.items()}
     handler = aten.HANDLERS.get(name)
@@ -575,10 +578,15 @@ def _translate(b: Builder, node, resolve, env, tuple_outputs, expr, functional: 
         if target is None or multi:
             return  # the caller refuses
         result = _extern(b, node, args, kwargs, out, reason, target)
+    if result is None and multi:
+        # one extern per tensor result, each picking its own (ir.Extern.item); an unused one is
+        # dropped with the program's dead nodes, a non-tensor result cannot be read (getitem)
+        tuple_outputs[node] = tuple(
+            _extern(b, node, args, kwargs, Out(_static_shape(v, name, b.source), dtypes.from_torch(v.dtype), name),
+                    reason, item=k) if isinstance(v, torch.Tensor) else None
+            for k, v in enumerate(val))
+        return
     if result is None:
-        if multi:
-            raise CaptureError(f"aten.{name} returns {len(val)} tensors and is not supported by tilefuse "
-                               f"({b.source})")
         result = _extern(b, node, args, kwargs, out, reason)
     t = b.type(result)
     if t.shape != out.shape and name == "linalg_vector_norm":
@@ -608,7 +616,7 @@ def _static_shape(t, name: str, source) -> tuple[int, ...]:
                            f"tilefuse compiles programs of fixed shapes") from None
 
 
-def _extern(b, node, args, kwargs, out, reason, target=None):
+def _extern(b, node, args, kwargs, out, reason, target=None, item=None):
     def refs(a):
         if isinstance(a, str) and a in b.types:
             return ir.Ref(a)
@@ -618,4 +626,4 @@ def _extern(b, node, args, kwargs, out, reason, target=None):
 
     kw = tuple((k, refs(v)) for k, v in kwargs.items() if k not in ("device", "pin_memory", "layout"))
     return b.add(ir.Extern(b.fresh(out.op), ir.TensorType(out.shape, out.dtype), _target_text(target or node.target),
-                           refs(tuple(args)), kw, reason, b.source))
+                           refs(tuple(args)), kw, reason, b.source, item))

@@ -207,7 +207,9 @@ class Attention:
 class Extern:
     """An aten op tilefuse does not lower, run by PyTorch: visible in the plan, never silent.
 
-    `args` are node names (str wrapped in Ref) or Python literals.
+    `args` are node names (str wrapped in Ref) or Python literals. `item`: for an op that
+    returns several tensors (topk, sort, ...), the one this node is; each used result is a
+    node of its own, and each runs the op.
     """
 
     name: str
@@ -217,19 +219,25 @@ class Extern:
     kwargs: tuple = ()  # tuple of (key, value)
     reason: str = ""
     source: str = field(default="", compare=False)
+    item: int | None = None
 
     def torch_op(self):
-        """The torch.ops overload this extern runs."""
+        """The callable this extern runs: the torch.ops overload, or for `item` a call of it
+        that returns that result."""
         import torch
 
         op = torch.ops
         for part in self.target.split("."):
             op = getattr(op, part)
-        return op
+        if self.item is None:
+            return op
+        k = self.item
+        return lambda *args, **kwargs: op(*args, **kwargs)[k]
 
     def describe(self):
         shown = ", ".join(str(a) for a in self.args)
-        return f"extern {self.target}({shown})" + (f"  # {self.reason}" if self.reason else "")
+        pick = "" if self.item is None else f"[{self.item}]"
+        return f"extern {self.target}({shown}){pick}" + (f"  # {self.reason}" if self.reason else "")
 
 
 @dataclass(frozen=True)

@@ -249,8 +249,8 @@ def substitute(g: ir.Graph, alias: dict[str, str]) -> ir.Graph:
             n = ir.Attention(n.name, n.type, r(n.q), r(n.k), r(n.v), n.causal, n.scale,
                              r(n.mask) if n.mask else None, n.source)
         elif isinstance(n, ir.Extern):
-            n = ir.Extern(n.name, n.type, n.target, _subst_refs(n.args, r), tuple((k, _subst_refs(v, r)) for k, v in n.kwargs),
-                          n.reason, n.source)
+            n = dataclasses.replace(n, args=_subst_refs(n.args, r),
+                                    kwargs=tuple((k, _subst_refs(v, r)) for k, v in n.kwargs))
         nodes.append(n)
     return g.replace(nodes=nodes, outputs=[r(o) for o in g.outputs])
 
