@@ -17,6 +17,9 @@ randomised so folding them is exercised):
            vocab 32000, batch 2 x seq 4096, ids -> logits; --cases hf_llama; needs transformers)
   hf_qwen2 the same shape as a transformers Qwen2ForCausalLM (q/k/v biases, 8 KV heads for 16 query
            heads; --cases hf_qwen2; needs transformers)
+  hf_mixtral a 2-layer transformers MixtralForCausalLM, d=2048, 16 heads (4 KV), 8 experts of ffn 5632,
+           top-2, vocab 32000, batch 2 x seq 4096 (--cases hf_mixtral; needs transformers; the experts'
+           grouped matmul is torch._grouped_mm in every column)
 
 Each tilefuse result is checked against a float64 reference under the 2x rule before it is
 timed. All three are timed in the same run, in --rounds rounds (default 3) with the order rotated
@@ -120,9 +123,12 @@ def build(case: str):
     elif case == "hf_qwen2":
         b = models.build("qwen2", 4, hidden=2048, seq=4096, batch=2, vocab=32000, heads=16, kv_heads=8, ffn=5632)
         m, inputs, tokens = b.model, list(b.inputs), 8192
+    elif case == "hf_mixtral":  # 8 experts of 5632, top-2: the experts' grouped matmul runs in PyTorch
+        b = models.build("mixtral", 2, hidden=2048, seq=4096, batch=2, vocab=32000, heads=16, ffn=5632)
+        m, inputs, tokens = b.model, list(b.inputs), 8192
     else:
         raise SystemExit(f"unknown case {case!r}; known: mlp, layer7b, llama4, decode8, decode8b4, lmhead_ce, gpt2, "
-                         "hf_llama, hf_qwen2")
+                         "hf_llama, hf_qwen2, hf_mixtral")
     m = _randomise_norms(m).to("cuda", torch.bfloat16).eval()
     inputs = [t.cuda().to(torch.bfloat16) if t.is_floating_point() else t.cuda() for t in inputs]
     return m, inputs, tokens

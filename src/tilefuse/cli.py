@@ -46,9 +46,10 @@ def _parser() -> argparse.ArgumentParser:
         what.add_argument("-c", "--expr", required=not model, metavar="EXPR",
                           help=f"a PyTorch expression; torch.randn(...) calls in it are the inputs (e.g. {EXAMPLE!r})")
         if model:
-            what.add_argument("--model", choices=["llama", "qwen2", "gpt2"],
+            what.add_argument("--model", choices=["llama", "qwen2", "gpt2", "mixtral"],
                               help="a transformers causal LM with random weights, run through "
-                                   "torch.compile(backend='tilefuse') (needs transformers)")
+                                   "torch.compile(backend='tilefuse') (needs transformers; mixtral: 8 experts, "
+                                   "top-2, their grouped matmul in PyTorch)")
         sp.add_argument("--dtype", type=_dtype_name, choices=sorted(DTYPES),
                         help="cast inputs and weights to this dtype first (fp16, float16 and half name f16, "
                              "and likewise for the others)")

@@ -57,14 +57,19 @@ class RanInEager(AssertionError):
 # (frontend/scalar_ints.py). Mistral's decode steps (every layer a full window) are then one
 # program; Gemma2's global layers still grow their cache and build their mask from its length
 LENGTH_AS_TENSOR = {"mistral", "gemma2"}
-ONE_DECODE_PROGRAM = {"mistral"}
+ONE_DECODE_PROGRAM = {"mistral", "gemma3"}
 
 # decode graphs that compile every size, and say why: Gemma2's global layers repeat the cache's heads
 # for eager attention (a reshape of the growing cache that stays in the program, its shape differing
 # between sizes) and run attention's softmax in kernels whose shapes follow the length. OPT's decode
 # step builds a mask from the length that nothing reads (dropped, frontend.sizes._live), so its
 # sizes are made too
-NOT_RESIZED = {"gemma2": "each size compiles on its own"}
+NOT_RESIZED = {"gemma2": "each size compiles on its own",
+               # GPT-J and BLOOM run eager attention too (its softmax's kernels follow the length;
+               # BLOOM's ALiBi biases are a reshape of the length); Qwen2-MoE's router counts tokens
+               # per expert with an op that takes the token count as an argument
+               "gptj": "each size compiles on its own", "bloom": "each size compiles on its own",
+               "qwen2moe": "each size compiles on its own"}
 
 CAUSAL = ["llama", "qwen2", "gpt2"] + [n for n, a in ARCHS.items() if a.kind == "causal"]
 

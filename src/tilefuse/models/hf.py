@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-MODELS = ("llama", "qwen2", "gpt2")
+MODELS = ("llama", "qwen2", "gpt2", "mixtral")
 OUTPUTS = ("logits", "hidden", "loss")
 
 
@@ -80,12 +80,18 @@ def config(name: str, layers: int, hidden: int, *, seq: int = 2048, vocab: int =
         if kv_heads not in (None, heads):
             raise ValueError("gpt2 has no grouped-query attention")
         return t.GPT2Config(n_embd=hidden, n_layer=layers, n_head=heads, n_inner=ffn, n_positions=seq, **common)
+    if name == "mixtral":  # a mixture of experts: 8 experts of Llama's MLP, top-2 routing; GQA 4:1
+        kv = kv_heads or (heads // 4 if heads % 4 == 0 else heads)
+        return t.MixtralConfig(hidden_size=hidden, intermediate_size=ffn or llama_ffn(hidden), num_hidden_layers=layers,
+                               num_attention_heads=heads, num_key_value_heads=kv, max_position_embeddings=seq,
+                               num_local_experts=8, num_experts_per_tok=2, sliding_window=None, **common)
     raise ValueError(f"unknown model {name!r}; tilefuse builds {', '.join(MODELS)}")
 
 
 def causal_lm(cfg) -> nn.Module:
     t = _transformers()
-    cls = {"llama": t.LlamaForCausalLM, "qwen2": t.Qwen2ForCausalLM, "gpt2": t.GPT2LMHeadModel}[cfg.model_type]
+    cls = {"llama": t.LlamaForCausalLM, "qwen2": t.Qwen2ForCausalLM, "gpt2": t.GPT2LMHeadModel,
+           "mixtral": t.MixtralForCausalLM}[cfg.model_type]
     model = cls(cfg)
     # GPT2LMHeadModel's name does not tell transformers its loss; saying it avoids a warning that
     # would also break dynamo's graph
@@ -133,7 +139,7 @@ class Built:
 def build(name: str, layers: int = 2, hidden: int = 64, seq: int = 16, batch: int = 1,
           dtype: torch.dtype = torch.float32, *, output: str = "logits", device="cpu", vocab: int = 256,
           heads: int | None = None, kv_heads: int | None = None, ffn: int | None = None, seed: int = 0) -> Built:
-    """A random `name` model ("llama" | "qwen2" | "gpt2") and inputs of (batch, seq) token ids."""
+    """A random `name` model (one of MODELS) and inputs of (batch, seq) token ids."""
     check_sizes(name, layers, hidden, seq, batch, vocab, heads, kv_heads)
     cfg = config(name, layers, hidden, seq=max(seq, 1), vocab=vocab, heads=heads, kv_heads=kv_heads, ffn=ffn)
     torch.manual_seed(seed)
