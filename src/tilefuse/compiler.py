@@ -157,14 +157,17 @@ def _stages(fn, example_inputs, expr: str | None, arch: str | None, exported=Non
     from .graph.rules.cat_signs import negated_pieces_as_signs
     from .graph.rules.merged_reductions import merged_reductions
     from .graph.rules.permute_sink import permutes_into_maps, results_in_eager_layout, transposed_results_as_copies
+    from .graph.rules.slice_sink import slices_into_maps
     from .graph.rules.small_reductions import short_reductions_as_maps
 
     # then a permute of a map's result moves onto its arguments, where the kernel reads them in
     # place: those of results PyTorch lays out permuted too, computed in that order; a result
     # still transposed is copied by a kernel reading it in tiles. A reduction over neighbouring
     # dims first becomes one over a dim of a reshape (`x.mean((2, 3))`), which the planner takes;
-    # one over a short dim that is not the last (a mixture of experts' sum over its top k), maps
-    graph, more = run_rewrites(graph, (merged_reductions, short_reductions_as_maps, negated_pieces_as_signs, rotated_cat_as_roll, results_in_eager_layout,
+    # one over a short dim that is not the last (a mixture of experts' sum over its top k), maps;
+    # slices of a map (the halves of a masked gate/up product) are maps of slices
+    graph, more = run_rewrites(graph, (merged_reductions, short_reductions_as_maps, slices_into_maps,
+                                       negated_pieces_as_signs, rotated_cat_as_roll, results_in_eager_layout,
                                        permutes_into_maps, transposed_results_as_copies))
     fired = fired + more
     if gemm and _partials_target(arch):  # GEMM-epilogue partials: the sm_90a template (or the interpreter)

@@ -83,3 +83,28 @@ def test_both_results_of_an_untranslated_op_run_as_two_externs_equal_to_eager():
     got, want = p(x), fn(x)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     assert sorted(n.item for n in _externs(p)) == [0, 1]
+
+
+def test_a_random_op_with_two_results_used_is_refused_not_drawn_twice():
+    """native_dropout's output and mask come from one draw; two externs would draw twice and
+    disagree (o - x * m * 2 was 7.9 where eager's is 0). Refused, naming the op; one result
+    used is one extern, one draw."""
+    from tilefuse.frontend.capture import CaptureError
+
+    def both(x):
+        o, m = torch.ops.aten.native_dropout(x, 0.5, True)
+        return o - x * m * 2.0
+
+    with pytest.raises(CaptureError, match="native_dropout draws random numbers"):
+        tilefuse.compile(both, (torch.randn(8, 8),))
+    p = tilefuse.compile(lambda x: torch.ops.aten.native_dropout(x, 0.5, True)[1], (torch.randn(8, 8),))
+    assert len(_externs(p)) == 1
+
+
+def test_an_unread_result_that_is_not_a_tensor_or_not_translated_is_no_error():
+    """torch.export names every result; one nothing reads (native_layer_norm's mean and rstd,
+    which its translator does not make) is skipped, not refused."""
+    x, w, b = torch.randn(4, 8), torch.randn(8), torch.randn(8)
+    fn = lambda x, w, b: torch.ops.aten.native_layer_norm(x, [8], w, b, 1e-5)[0] * 2  # noqa: E731
+    p = tilefuse.compile(fn, (x, w, b))
+    torch.testing.assert_close(p(x, w, b), fn(x, w, b), rtol=1e-5, atol=1e-5)

@@ -194,6 +194,8 @@ def to_graph(ep, expr: str | None = None) -> ir.Graph:
             if outs is not None and not isinstance(outs, tuple) and idx == 0:
                 env[node] = outs
                 return
+            if not node.users:  # (torch.export names every result, read or not)
+                return
             raise CaptureError(f"output {idx} of {_op_name(src.target)} is not supported "
                                f"({source_of(src, expr)})")
         region = _region(node)
@@ -579,8 +581,14 @@ def _translate(b: Builder, node, resolve, env, tuple_outputs, expr, functional: 
             return  # the caller refuses
         result = _extern(b, node, args, kwargs, out, reason, target)
     if result is None and multi:
-        # one extern per tensor result, each picking its own (ir.Extern.item); an unused one is
-        # dropped with the program's dead nodes, a non-tensor result cannot be read (getitem)
+        # one extern per tensor result, each picking its own (ir.Extern.item) and running the op;
+        # an unused one is dropped with the program's dead nodes, a non-tensor result cannot be
+        # read (getitem). Two runs of a random op draw twice: its results would not agree
+        used = {u.args[1] for u in node.users if u.target is operator.getitem and u.users}
+        if len(used) > 1 and any(word in name for word in _RANDOM_WORDS):
+            raise CaptureError(f"aten.{name} draws random numbers and returns {len(val)} tensors, {len(used)} of "
+                               f"them used; tilefuse would run it once for each, each with its own draw "
+                               f"({b.source})")
         tuple_outputs[node] = tuple(
             _extern(b, node, args, kwargs, Out(_static_shape(v, name, b.source), dtypes.from_torch(v.dtype), name),
                     reason, item=k) if isinstance(v, torch.Tensor) else None
@@ -601,6 +609,9 @@ def _translate(b: Builder, node, resolve, env, tuple_outputs, expr, functional: 
     if multi:
         tuple_outputs[node] = result
     env[node] = result
+
+
+_RANDOM_WORDS = ("rand", "bernoulli", "dropout", "normal", "uniform", "multinomial", "poisson", "exponential")
 
 
 def _static_shape(t, name: str, source) -> tuple[int, ...]:

@@ -884,6 +884,11 @@ def _lone_few(g: ir.Graph, s: Step) -> str | None:
 _STRIDED_READERS = frozenset({"aten.cat.default"})
 
 
+def _swaps_last_two(perm: tuple) -> bool:
+    r = len(perm)
+    return r >= 2 and tuple(perm) == tuple(range(r - 2)) + (r - 1, r - 2)
+
+
 def attention_only_views(g: ir.Graph, steps) -> frozenset:
     """Permute and slice externs whose values only attention externs (or a cat) read, directly
     or through aliases and other such views: SDPA takes strided q/k/v, so the head transposes and
@@ -918,6 +923,7 @@ def attention_only_views(g: ir.Graph, steps) -> frozenset:
     # moved every expert's weights each call (2.3 ms of a 2-layer Mixtral's 9.8 on an H200)
     grouped = {name for name in extern
                if isinstance(g[name], ir.View) and g[name].op == "permute" and name not in g.outputs
+               and _swaps_last_two(g[name].params)
                and users.get(name) and all(isinstance(g[u], ir.Extern) and g[u].target.startswith("aten._grouped_mm.")
                                            and u in extern for u in users[name])}
     return frozenset(name for name in extern if viewable(name) and for_attention_only(name)) | grouped
@@ -957,7 +963,7 @@ def _mark_attention_views(p: "Plan") -> "Plan":
             s.view, s.bytes = True, 0
             readers = {type(n).__name__ for n in _readers(p.graph, users, s.nodes[0])}
             s.note = ("strided view for attention: SDPA reads it in place, no copy" if readers <= {"Attention"}
-                      else "strided view: its readers (SDPA, cat) take it in place, no copy")
+                      else "strided view: its readers (SDPA, cat, a grouped matmul) take it in place, no copy")
     return p
 
 
