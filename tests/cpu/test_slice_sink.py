@@ -52,14 +52,15 @@ def test_the_rewritten_graph_computes_what_pytorch_does(data):
 
 
 def test_a_masked_gate_up_product_and_its_swiglu_are_one_kernel():
-    """where(valid, gate_up, 0) then silu(gate) * up, gate_up a matmul's result: the mask runs
-    in the SwiGLU kernel, which reads each half where the matmul wrote it."""
+    """where(valid, gate_up, 0) then silu(gate) * up, gate_up an extern's result (the experts'
+    grouped matmul; here a cumsum): the mask runs in the SwiGLU kernel, which reads each half
+    where the extern wrote it."""
     def fn(x, w, valid):
-        gu = torch.where(valid, x @ w, 0.0)
+        gu = torch.where(valid, torch.cumsum(x, -1) * w, 0.0)
         g, u = gu.chunk(2, dim=-1)
         return F.silu(g) * u
 
-    x, w, valid = torch.randn(64, 32), torch.randn(32, 96), torch.rand(64, 1) > 0.3
+    x, w, valid = torch.randn(64, 96), torch.randn(96), torch.rand(64, 1) > 0.3
     p = tilefuse.compile(fn, (x, w, valid))
     maps = [s for s in _steps(p) if s.family == "mapreduce"]
     assert len(maps) <= 1 and not any("where" in s.nodes[0] for s in maps), str(p.plan)
@@ -71,6 +72,10 @@ def test_a_masked_gate_up_product_and_its_swiglu_are_one_kernel():
     ("a result", lambda x: (lambda m: (m, m[:, :3] + 1))(x * 2)),
     ("not the last dim", lambda x: (x * 2)[1:3] + 1),
     ("a generated argument", lambda x: (x * torch.arange(8.0))[:, 2:5] + 1),
+    ("a step of 2", lambda x: (x * 2)[:, ::2] + 1),
+    # a matmul's epilogue (its row scale, pairwise SwiGLU, partial sums) is matched on the maps
+    # after it: moved slices would split it
+    ("after a matmul", lambda x: (lambda m: (m[:, :3] + 1, m[:, 3:] * 2))(torch.relu(x @ x.T) * 2)),
 ])
 def test_not_taken_leaves_the_graph_as_it_is(name, fn):
     g = _graph(fn, (torch.randn(4, 8),))

@@ -9,12 +9,15 @@ because a kernel reads another's result through a view only from memory. Moved o
 arguments, each half is the map of a slice the SwiGLU kernel reads in place, and the map runs
 in that kernel.
 
-Taken where every reader of the map is such a slice (the map's result then is not needed
-whole; overlapping slices compute the overlap twice, with no memory traffic added), the map
-is not a result, and each argument the slice would cut is a tensor in memory, not a generated
-one (a constant or an iota of more than one element, which the planner reads through no view:
-permute_sink.py says the same). Slices along the last dim only: rows stay rows. Each pass
-moves the slices one map up; passes repeat until none moves.
+Taken where every reader of the map is such a slice, of step 1 (the map's result then is not
+needed whole; overlapping slices compute the overlap twice, with no memory traffic added), the
+map is not a result, nothing it is computed from by maps and views is a matmul's result (a
+GEMM's epilogue is matched on the maps after it: its row scale, its SwiGLU or RoPE on
+interleaved columns read as even and odd slices, its partial row sums; moved slices split it),
+and each argument the slice would cut is a tensor in memory, not a generated one (a constant or
+an iota of more than one element, which the planner reads through no view: permute_sink.py
+says the same). Slices along the last dim only: rows stay rows. Each pass moves the slices one
+map up; passes repeat until none moves.
 """
 from __future__ import annotations
 
@@ -41,19 +44,33 @@ def _generated(g: ir.Graph, a: str) -> bool:
         _generated(g, x) for x in n.args))
 
 
-def _sinkable(g: ir.Graph, m: str, users: dict) -> bool:
+def _from_contraction(g: ir.Graph, a: str, memo: dict) -> bool:
+    """Whether `a` is computed by maps and views from a matmul's result: a GEMM's epilogue (its
+    row scale, its pairwise SwiGLU or RoPE on interleaved columns, its partial row sums) is
+    matched on the maps after it, which a slice moved above them would split."""
+    if a not in memo:
+        n = g[a]
+        memo[a] = False  # (cut cycles; the graph has none)
+        memo[a] = isinstance(n, ir.Contraction) or (
+            isinstance(n, (ir.Map, ir.View)) and any(_from_contraction(g, x, memo) for x in ir.node_args(n)))
+    return memo[a]
+
+
+def _sinkable(g: ir.Graph, m: str, users: dict, memo: dict) -> bool:
     n = g[m]
     if not isinstance(n, ir.Map) or m in g.outputs or not users.get(m):
         return False
-    if not all(_last_dim_slice(g, u) for u in users[m]):
+    if not all(_last_dim_slice(g, u) and g[u].params[3] == 1 for u in users[m]):
+        return False
+    if _from_contraction(g, m, memo):
         return False
     return all(not _cut(g, a) or not _generated(g, a) for a in n.args)
 
 
 def slices_into_maps(g: ir.Graph) -> ir.Graph:
     while True:
-        users = g.users()
-        moving = {m for m in (n.name for n in g.nodes) if _sinkable(g, m, users)}
+        users, memo = g.users(), {}
+        moving = {m for m in (n.name for n in g.nodes) if _sinkable(g, m, users, memo)}
         if not moving:
             return g
         ed = Editor(g)
