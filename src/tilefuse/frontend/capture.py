@@ -14,6 +14,7 @@ import torch.utils._pytree as pytree
 
 from .. import dtypes
 from ..graph import ir
+from ..graph.fold import RANDOM_WORDS
 from . import aten
 from .builder import Builder
 
@@ -585,7 +586,7 @@ def _translate(b: Builder, node, resolve, env, tuple_outputs, expr, functional: 
         # an unused one is dropped with the program's dead nodes, a non-tensor result cannot be
         # read (getitem). Two runs of a random op draw twice: its results would not agree
         used = {u.args[1] for u in node.users if u.target is operator.getitem and u.users}
-        if len(used) > 1 and any(word in name for word in _RANDOM_WORDS):
+        if len(used) > 1 and any(word in name for word in RANDOM_WORDS):
             raise CaptureError(f"aten.{name} draws random numbers and returns {len(val)} tensors, {len(used)} of "
                                f"them used; tilefuse would run it once for each, each with its own draw "
                                f"({b.source})")
@@ -609,9 +610,6 @@ def _translate(b: Builder, node, resolve, env, tuple_outputs, expr, functional: 
     if multi:
         tuple_outputs[node] = result
     env[node] = result
-
-
-_RANDOM_WORDS = ("rand", "bernoulli", "dropout", "normal", "uniform", "multinomial", "poisson", "exponential")
 
 
 def _static_shape(t, name: str, source) -> tuple[int, ...]:

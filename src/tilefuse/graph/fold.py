@@ -32,8 +32,10 @@ from .rules.match import prune
 
 FOLD_MAX_BYTES = 256 << 20  # no folded value larger than this
 GROW_MAX_BYTES = 1 << 20    # a value larger than its arguments (an expand) folds only up to this
-_RANDOM = ("rand", "bernoulli", "dropout", "normal", "uniform", "multinomial", "poisson", "exponential",
-           "geometric", "cauchy", "empty")
+# words in an aten op's name whose runs give other values each time (random draws; `empty`'s
+# memory): never folded, and never run twice for two of one call's results (frontend.capture)
+RANDOM_WORDS = ("rand", "bernoulli", "dropout", "normal", "uniform", "multinomial", "poisson", "exponential",
+                "geometric", "cauchy", "empty")
 
 
 def _read_through(g: ir.Graph, users, n) -> bool:
@@ -65,7 +67,7 @@ def leaf_value(g: ir.Graph, n) -> np.ndarray | None:
 
 
 def _deterministic(n: ir.Extern) -> bool:
-    return not any(word in _op(n) for word in _RANDOM)
+    return not any(word in _op(n) for word in RANDOM_WORDS)
 
 
 class _Values:
