@@ -230,10 +230,21 @@ def test_one_launch_programs_run_without_a_graph_unless_forced():
     assert graphs.launches(two) == 2 and graphs.blockers(two, cuda, auto=True) == []
 
 
-def _extern_program(target, steps=1):
+def test_a_histc_over_a_given_range_runs_in_a_graph_and_one_over_the_datas_range_does_not():
+    """histc(x, bins, min, max) with min < max launches without a host sync (Mixtral's router);
+    min == max (the default) reads the data's range back to the host first."""
+    cuda = torch.device("cuda", 0)
+    assert graphs.blockers(_extern_program("aten.histc.default", args=(8, 0, 7)), cuda) == []
+    assert graphs.blockers(_extern_program("aten.histc.default", args=(8,), kwargs=(("min", -1.5), ("max", 2))), cuda) == []
+    for args in ((8,), (8, 0, 0), (8, 3, 3)):
+        (why,) = graphs.blockers(_extern_program("aten.histc.default", args=args), cuda)
+        assert "aten.histc.default" in why
+
+
+def _extern_program(target, steps=1, args=(), kwargs=()):
     t = ir.TensorType((4,), "f32")
     x = ir.Input("x", t)
-    e = ir.Extern("e", t, target, (ir.Ref("x"),))
+    e = ir.Extern("e", t, target, (ir.Ref("x"),) + tuple(args), tuple(kwargs))
     g = ir.Graph((x, e), ("x",), ("e",))
 
     class P:
