@@ -1,0 +1,36 @@
+"""A mixture of experts' combine on a GPU (rules/gather_sink.py): expert rows scaled by their
+routing weights, put back in token order and each token's top-k summed, in one kernel that
+reads the experts' 16-bit rows at their gathered positions; against a float64 reference (the
+2x rule), outputs poisoned, fresh permutations each call, in the thin call and replays."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+
+def _combine(k):
+    def fn(y, w, inv):
+        return (y.float() * w)[inv].view(-1, k, y.shape[-1]).sum(1).to(y.dtype)
+    return fn
+
+
+@pytest.mark.parametrize("tokens, k, d", [(4096, 2, 2048), (333, 4, 72), (1, 2, 8)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_the_combine_matches_the_reference(tokens, k, d, dtype):
+    import tilefuse
+    from tilefuse.check import compare, float64_reference
+
+    torch.manual_seed(5)
+    fn = _combine(k)
+    y = torch.randn(tokens * k, d, device="cuda", dtype=dtype)
+    w = torch.rand(tokens * k, 1, device="cuda")
+    prog = tilefuse.compile(fn, (y, w, torch.randperm(tokens * k, device="cuda")), graphs=True)
+    prog.poison = True
+    kernels = [s for s in prog.plan.steps if s.family != "alias" and not s.view]
+    assert [s.family for s in kernels] == ["mapreduce"], str(prog.plan)
+    for call in range(3):
+        inv = torch.randperm(tokens * k, device="cuda")
+        c = compare(f"combine call {call}", prog(y, w, inv), float64_reference(fn, (y, w, inv)), fn(y, w, inv))
+        assert c.ok, c
