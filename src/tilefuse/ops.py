@@ -46,6 +46,19 @@ def _lgamma(x):
     return np.vectorize(one, otypes=[np.float64])(x).astype(np.result_type(x, np.float32))
 
 
+def _floordiv(a, b):
+    """Python's and PyTorch's integer a // b, rounded towards minus infinity. By zero: 0 here and
+    unspecified in a kernel (PyTorch's CPU raises; its GPU gives -1)."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.floor_divide(a, b)
+
+
+def _mod(a, b):
+    """Python's and PyTorch's integer a % b, with the sign of b (C's % takes a's)."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.remainder(a, b)
+
+
 def _sigmoid(x):
     return 1.0 / (1.0 + np.exp(-x))
 
@@ -123,6 +136,8 @@ OPS: dict[str, OpInfo] = _table(
     OpInfo("hypot", 2, _wide(np.hypot), "float"),
     OpInfo("fmod", 2, np.fmod, "float"),  # the sign of the dividend, as C's fmod
     OpInfo("copysign", 2, np.copysign, "float"),
+    OpInfo("floordiv", 2, _floordiv, "int"),  # integers only: a float floor division is maps of fmod and floor
+    OpInfo("mod", 2, _mod, "int"),
     OpInfo("eq", 2, np.equal, "cmp"),
     OpInfo("ne", 2, np.not_equal, "cmp"),
     OpInfo("lt", 2, np.less, "cmp"),

@@ -4,8 +4,10 @@ sinc, the new math ops (ceil, round, log10, the trigonometric and hyperbolic fun
 their inverses, erfc, lgamma, atan2, hypot, fmod, remainder, copysign, fmin / fmax, logit) and
 the float tests (isnan, isinf, isfinite, signbit), and session 61's: roll, `.T` / `.mT`, and
 composite ops lowered through their decompositions (reshape_as, swapdims, linalg.norm, diff,
-true_divide), all / any / count_nonzero / nansum / nanmean / dot, flip and F.pad, against a float64 reference (the 2x rule), outputs poisoned, no extern in the
-plan, in the thin call and replays. GPT-2's written-out GELU after a matmul (a sigmoid in the epilogue)."""
+true_divide), all / any / count_nonzero / nansum / nanmean / dot, flip and F.pad, and session
+63's integer floor / truncating division and remainder, against a float64 reference (the 2x
+rule; integer results exactly), outputs poisoned, no extern in the plan, in the thin call and
+replays. GPT-2's written-out GELU after a matmul (a sigmoid in the epilogue)."""
 from __future__ import annotations
 
 import math
@@ -42,6 +44,10 @@ CASES = {
     "flips and pads": lambda x, y: (x.flip(-1) * y, torch.flipud(x) + 1, F.pad(x, (3, 5)) * 2,
                                     F.pad(x, (1, 1, 2, 0), value=-1.0), torch.softmax(F.pad(x, (0, 56), value=float("-inf")), -1),
                                     F.pad(x[None], (2, -3), mode="replicate"), x * (7 - torch.arange(200, device=x.device))),
+    # session 63: integer floor / truncating division and remainder (int64 results: compared exactly)
+    "integer division": lambda x, y: (lambda a, b: (a // b, a % b, torch.div(a, b, rounding_mode="trunc"),
+                                                    torch.div(a, 7, rounding_mode="floor"), -a % 5))(
+        (x.float() * 50).long(), (y.float() * 5).long().masked_fill((y.float() * 5).long() == 0, 3)),
     "reductions": lambda x, y: ((x > -2).all(-1), (x > 2).any(-1), torch.count_nonzero(torch.relu(x), -1),
                                 x.log().nansum(-1), x.log().nanmean(-1), torch.dot(x[0], y[0])),
 }

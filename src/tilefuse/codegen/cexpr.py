@@ -77,6 +77,10 @@ __device__ __forceinline__ double tf_max(double a, double b) { return (a != a ||
 __device__ __forceinline__ double tf_min(double a, double b) { return (a != a || a < b) ? a : b; }
 template <class T> __device__ __forceinline__ T tf_max(T a, T b) { return a > b ? a : b; }
 template <class T> __device__ __forceinline__ T tf_min(T a, T b) { return a < b ? a : b; }
+// Integer a // b and a % b as Python's and PyTorch's: the quotient rounded down, the
+// remainder with b's sign (C's / truncates, its % takes a's sign)
+template <class T> __device__ __forceinline__ T tf_floordiv(T a, T b) { T q = a / b; return (q * b != a && ((a < 0) != (b < 0))) ? T(q - 1) : q; }
+template <class T> __device__ __forceinline__ T tf_mod(T a, T b) { T r = a % b; return (r != 0 && ((r < 0) != (b < 0))) ? T(r + b) : r; }
 // Special-function-unit math, one instruction each (PTX ISA: ex2.approx within 2 ulp, rcp.approx
 // within 1 ulp). tf_ex2_ftz flushes results under 2^-126 to 0. Used where the argument
 // bounds the error (sums of exp(y - max), y <= max) or the result is rounded to 16 bits
@@ -473,6 +477,8 @@ def op(name: str, args: list[str], arg_dtypes: list[str], dtype: str, fast: bool
         # an integer literal is an int (or unsigned) in C++: name the type, or tf_max(T, T)
         # cannot deduce T beside an 8- or 16-bit value
         e = f"tf_{name}({conv(0)}, {conv(1)})" if is_float else f"tf_{name}(({ct})({args[0]}), ({ct})({args[1]}))"
+    elif name in ("floordiv", "mod"):
+        e = f"tf_{name}(({ct})({args[0]}), ({ct})({args[1]}))"
     elif name == "where":
         e = f"({args[0]} ? {conv(1)} : {conv(2)})"
     else:  # pragma: no cover - every op of ops.OPS is spelled above

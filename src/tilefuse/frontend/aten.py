@@ -84,9 +84,66 @@ def _rsub(b, args, kwargs, out):
 
 @handles("div")
 def _div(b, args, kwargs, out):
-    if kwargs.get("rounding_mode") is not None:
-        raise Unsupported("div with a rounding_mode")
+    mode = kwargs.get("rounding_mode")
+    if mode == "floor":
+        return _floor_divide(b, args[:2], {}, out)
+    if mode == "trunc":
+        return _trunc_divide(b, args[:2], out)
+    if mode is not None:
+        raise Unsupported(f"div with rounding_mode={mode!r}")
     return _binary("div")(b, args, {}, out)
+
+
+def _int_operands(b, args, op):
+    x, y = args[0], args[1]
+    like = x if _is_tensor(b, x) else y
+    return _operand(b, x, like, op), _operand(b, y, like, op)
+
+
+@handles("floor_divide")
+def _floor_divide(b, args, kwargs, out):
+    """a // b: of integers one op (rounded down; by zero unspecified, where PyTorch's CPU
+    raises); of floats PyTorch's steps in maps: (a - fmod(a, b)) / b, one less where the
+    remainder's sign is not b's, floored and rounded up past .5 (the division's error), a
+    signed 0 for 0, and a / b for b = 0 (inf or NaN), computed in f32 for 16-bit floats."""
+    if not dtypes.is_float(out.dtype):
+        if out.dtype == "bool":
+            raise Unsupported("floor division of bools")
+        x, y = _int_operands(b, args, "floordiv")
+        return b.map("floordiv", b.cast(x, out.dtype), b.cast(y, out.dtype), dtype=out.dtype)
+    x, y = args[0], args[1]
+    like = x if _is_tensor(b, x) else y
+    acc = _acc_of(out.dtype)
+    x, y = (b.cast(b.cast(_operand(b, v, like, "div"), out.dtype), acc) for v in (x, y))
+    zero = b.const(0.0, acc)
+    mod = b.map("fmod", x, y)
+    div = b.map("div", b.map("sub", x, mod), y)
+    off = b.map("and", b.map("ne", mod, zero), b.map("ne", b.map("lt", y, zero), b.map("lt", mod, zero)))
+    div = b.map("where", off, b.map("sub", div, b.const(1.0, acc)), div)
+    fl = b.map("floor", div)
+    fl = b.map("where", b.map("gt", b.map("sub", div, fl), b.const(0.5, acc)), b.map("add", fl, b.const(1.0, acc)), fl)
+    quotient = b.map("div", x, y)
+    fl = b.map("where", b.map("ne", div, zero), fl, b.map("copysign", zero, quotient))
+    return b.cast(b.map("where", b.map("eq", y, zero), quotient, fl), out.dtype)
+
+
+def _trunc_divide(b, args, out):
+    """a / b rounded towards 0: of floats trunc(a / b) (in f32 for 16-bit ones), of integers
+    the floor division plus one where it rounded a negative quotient down."""
+    if dtypes.is_float(out.dtype):
+        x, y = args[0], args[1]
+        like = x if _is_tensor(b, x) else y
+        acc = _acc_of(out.dtype)
+        x, y = (b.cast(b.cast(_operand(b, v, like, "div"), out.dtype), acc) for v in (x, y))
+        return b.cast(_trunc(b, [b.map("div", x, y)], {}, out), out.dtype)
+    if out.dtype == "bool":
+        raise Unsupported("division of bools")
+    x, y = (b.cast(v, out.dtype) for v in _int_operands(b, args, "floordiv"))
+    q = b.map("floordiv", x, y, dtype=out.dtype)
+    r = b.map("mod", x, y, dtype=out.dtype)
+    zero = b.scalar(0, r)
+    up = b.map("and", b.map("ne", r, zero), b.map("ne", b.map("lt", x, zero), b.map("lt", y, zero)))
+    return b.map("where", up, b.map("add", q, b.scalar(1, q), dtype=out.dtype), q, dtype=out.dtype)
 
 
 @handles("pow")
@@ -161,8 +218,11 @@ for _aten, _op in [("atan2", "atan2"), ("arctan2", "atan2"), ("hypot", "hypot"),
 
 @handles("remainder")
 def _remainder(b, args, kwargs, out):
-    """Python's modulo (the sign of the divisor): fmod, plus the divisor where the two signs
-    differ and the remainder is not 0."""
+    """Python's modulo (the sign of the divisor): of integers one op; of floats fmod, plus the
+    divisor where the two signs differ and the remainder is not 0."""
+    if not dtypes.is_float(out.dtype) and out.dtype != "bool":
+        x, y = _int_operands(b, args, "mod")
+        return b.map("mod", b.cast(x, out.dtype), b.cast(y, out.dtype), dtype=out.dtype)
     r = _float_binary("fmod")(b, args, kwargs, out)
     y = args[1]
     y = y if _is_tensor(b, y) else b.scalar(y, r, "fmod")

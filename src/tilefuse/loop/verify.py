@@ -137,6 +137,8 @@ def _check_op(k: Kernel, s: Op, scope: _Scope):
             _fail(k, s, f"op {s.op} yields {want}, but the statement says {s.dtype}")
     if info.kind == "float" and not dtypes.is_float(s.dtype):
         _fail(k, s, f"op {s.op} computes in a float dtype, not {s.dtype}")
+    if info.kind == "int" and (dtypes.is_float(s.dtype) or s.dtype == "bool"):
+        _fail(k, s, f"op {s.op} computes in an integer dtype, not {s.dtype}")
     if s.op == "where" and arg_dtypes[0] != "bool":
         _fail(k, s, f"where's condition %{s.args[0]} is {arg_dtypes[0]}, not bool")
 
