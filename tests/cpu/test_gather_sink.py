@@ -27,21 +27,24 @@ def _run(g, inputs):
 
 
 def _gathers_of_maps(g):
-    return [n.name for n in g.nodes if isinstance(n, ir.Gather) and isinstance(g[n.arg], ir.Map)]
+    """Gathers left reading a map (but a bool's f32 table, which the rule makes to gather it)."""
+    return [n.name for n in g.nodes if isinstance(n, ir.Gather) and isinstance(g[n.arg], ir.Map)
+            and not (g[n.arg].op == "cast" and g[g[n.arg].args[0]].type.dtype == "bool")]
 
 
 def _combine(k):
     def fn(y, w, perm):
-        """An MoE's combine: expert rows y (an extern's result) scaled by their routing weights,
-        put back in token order by the inverse of the sort, and each token's k rows summed."""
-        rows = torch.cumsum(y, -1)
+        """An MoE's combine: expert rows y (an extern's result) masked where their expert is not
+        local (transformers 5.17's `where(valid, ...)`, a bool per row), scaled by their routing
+        weights, put back in token order by the inverse of the sort, each token's k rows summed."""
+        rows = torch.where(w > 0.1, torch.cumsum(y, -1), 0.0)
         inv = torch.argsort(perm)
         scaled = rows.float() * w
         return scaled[inv].view(-1, k, y.shape[-1]).sum(1).to(y.dtype)
     return fn
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=15, deadline=None)
 @given(st.data())
 def test_the_rewritten_graph_computes_what_pytorch_does(data):
     tokens, k, d = data.draw(st.integers(1, 6)), data.draw(st.integers(2, 4)), data.draw(st.integers(1, 9))
@@ -55,7 +58,7 @@ def test_the_rewritten_graph_computes_what_pytorch_does(data):
     torch.testing.assert_close(got, fn(y, w, perm), rtol=1e-6, atol=1e-6)
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=15, deadline=None)
 @given(st.data())
 def test_an_elementwise_gather_of_a_map_is_the_map_of_gathers(data):
     """torch.gather with an index of the map's full size beside the axis, along either dim; an
@@ -99,8 +102,8 @@ def test_an_moe_combine_is_one_kernel_reading_the_experts_rows_in_place():
 @pytest.mark.parametrize("name, fn, args", [
     ("the map read whole too", lambda x, i: (lambda m: (m[i], m.sum(-1)))(torch.cumsum(x, 0) * 2), None),
     ("the map a result", lambda x, i: (lambda m: (m, m[i] + 1))(torch.cumsum(x, 0) * 2), None),
-    # a bool or integer table cannot read NaN out of range; a generated one is not in memory
-    ("a bool argument cut", lambda x, i: torch.where(x > 0, torch.cumsum(x, 0), 0.0)[i], None),
+    # an integer table cannot read NaN out of range; a generated one is not in memory
+    ("an integer argument cut", lambda x, i: (torch.cumsum(x, 0) * (x > 0).long())[i], None),
     ("an iota argument cut", lambda x, i: (torch.cumsum(x, 0) * torch.arange(6.0).view(6, 1))[i], None),
     # the map gathered more often than it has elements: it would be computed twice over
     ("gathered twice over", lambda x, i: (lambda m: (m[i], m[i.flip(0)]))(torch.cumsum(x, 0) * 2), None),
@@ -112,6 +115,23 @@ def test_not_taken_leaves_the_graph_as_it_is(name, fn, args):
     x, i = args or (torch.randn(6, 5), torch.randint(0, 6, (4,)))
     g = _graph(fn, (x, i))
     assert gathers_through_maps(g) is g, name
+
+
+def test_a_bool_argument_is_gathered_as_f32_and_reads_true_out_of_range():
+    """A mask gathered with the rows it masks: its f32 0.0 / 1.0 table is read at the index and
+    compared with 0 (the kernel's out-of-range NaN reads True; the interpreter refuses an index
+    out of range outright)."""
+    def fn(x, m, i):
+        return torch.where(m, torch.cumsum(x, 0), -1.0)[i]
+
+    x, m, i = torch.randn(9, 4), torch.rand(9, 1) > 0.5, torch.randint(-9, 9, (7,))
+    g = _graph(fn, (x, m, i))
+    r = gathers_through_maps(g)
+    assert not _gathers_of_maps(r), str(r)
+    tables = [n for n in r.nodes if isinstance(n, ir.Gather)]
+    assert {r[t.arg].type.dtype for t in tables} == {"f32"}, str(r)
+    (got,) = _run(r, (x, m, i))
+    torch.testing.assert_close(got, fn(x, m, i), rtol=0, atol=0)
 
 
 def test_split_gathers_leaves_a_gathered_table_in_memory_alone():

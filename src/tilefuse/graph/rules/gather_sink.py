@@ -92,14 +92,15 @@ def split_gathers(g: ir.Graph) -> ir.Graph:
     return ed.graph(out)
 
 
-def _in_memory_float(g: ir.Graph, a: str) -> bool:
-    """A float tensor a kernel may gather from: not a map computed where it is read (an iota's or
-    a constant's), and NaN is what it reads out of range."""
+def _in_memory(g: ir.Graph, a: str) -> bool:
+    """A float or bool tensor a kernel may gather from (a bool one through its f32 cast): not a
+    map computed where it is read (an iota's or a constant's)."""
     n = g[a]
     while isinstance(n, ir.View) and n.op == "reshape":
         n = g[n.arg]
-    return dtypes.is_float(g[a].type.dtype) and not isinstance(n, (ir.Iota, ir.Constant)) and not (
-        isinstance(n, ir.Map) and all(isinstance(g[x], (ir.Iota, ir.Constant)) for x in n.args))
+    return ((dtypes.is_float(g[a].type.dtype) or g[a].type.dtype == "bool")
+            and not isinstance(n, (ir.Iota, ir.Constant))
+            and not (isinstance(n, ir.Map) and all(isinstance(g[x], (ir.Iota, ir.Constant)) for x in n.args)))
 
 
 def _cut_dim(g: ir.Graph, m: ir.Map, a: str, axis: int) -> int | None:
@@ -114,6 +115,8 @@ def _movable(g: ir.Graph, name: str, users: dict) -> bool:
     m = g[name]
     if not isinstance(m, ir.Map) or name in g.outputs or not users.get(name):
         return False
+    if m.op == "cast" and g[m.args[0]].type.dtype == "bool":
+        return False  # (a bool's f32 table, made below: through it the gather would come back to it)
     readers = [g[u] for u in users[name]]
     if not all(isinstance(r, ir.Gather) and r.arg == name and r.index != name for r in readers):
         return False
@@ -124,7 +127,24 @@ def _movable(g: ir.Graph, name: str, users: dict) -> bool:
     if not all(r.type.shape[d] == s for r in readers for d, s in enumerate(m.type.shape) if d != axis):
         return False
     cut = [a for a in m.args if _cut_dim(g, m, a, axis) is not None]
-    return bool(cut) and all(_in_memory_float(g, a) for a in cut)
+    return bool(cut) and all(_in_memory(g, a) for a in cut)
+
+
+def _table(g: ir.Graph, ed: Editor, out: list, a: str, rank: int, source: str) -> str:
+    """What a kernel gathers argument a from: a at the map's rank (a gather's table has its
+    result's rank), and a bool as f32 0.0 / 1.0 (read back as != 0: out of range, NaN, True)."""
+    t = g[a].type
+    if len(t.shape) < rank:
+        full = (1,) * (rank - len(t.shape)) + t.shape
+        t = ir.TensorType(full, t.dtype)
+        v = ir.View(ed.fresh(f"{a}_ranked"), t, "reshape", a, full, source)
+        out.append(v)
+        a = v.name
+    if t.dtype == "bool":
+        c = ir.Map(ed.fresh(f"{a}_f32"), ir.TensorType(t.shape, "f32"), "cast", (a,), source)
+        out.append(c)
+        a = c.name
+    return a
 
 
 def gathers_through_maps(g: ir.Graph) -> ir.Graph:
@@ -133,30 +153,39 @@ def gathers_through_maps(g: ir.Graph) -> ir.Graph:
         moving = {n.name for n in g.nodes if _movable(g, n.name, users)}
         if not moving:
             return g
-        ed, out = Editor(g), []
+        ed, out, tables = Editor(g), [], {}
         for n in g.nodes:
             if not (isinstance(n, ir.Gather) and n.arg in moving):
                 out.append(n)
                 continue
             m = g[n.arg]
-            args = []
+            args, parts = [], []
             for a in m.args:
                 if _cut_dim(g, m, a, n.axis) is None:
                     args.append(a)
                     continue
-                t = g[a].type
-                if len(t.shape) < len(m.type.shape):  # (a gather's table has its result's rank)
-                    full = (1,) * (len(m.type.shape) - len(t.shape)) + t.shape
-                    t = ir.TensorType(full, t.dtype)
-                    v = ir.View(ed.fresh(f"{a}_ranked"), t, "reshape", a, full, n.source)
-                    out.append(v)
-                    a = v.name
+                key = (a, len(m.type.shape))
+                if key not in tables:  # (made once a pass, before the first gather that reads it)
+                    tables[key] = _table(g, ed, out, a, len(m.type.shape), n.source)
+                t = g[a].type if tables[key] == a else _made_type(out, tables[key])
                 # the argument's own size where the index broadcasts, the index's where it does not
                 shape = tuple(i if d == n.axis or s == 1 else s
                               for d, (s, i) in enumerate(zip(t.shape, g[n.index].type.shape)))
-                part = ir.Gather(ed.fresh(f"{n.name}_{a}"), ir.TensorType(shape, t.dtype), a, n.index, n.axis,
-                                 n.source, n.wrap)
-                out.append(part)
-                args.append(part.name)
+                part = ir.Gather(ed.fresh(f"{n.name}_{a}"), ir.TensorType(shape, t.dtype), tables[key], n.index,
+                                 n.axis, n.source, n.wrap)
+                nodes = [part]
+                if g[a].type.dtype == "bool":
+                    zero = ir.Constant(ed.fresh("c"), ir.TensorType((), "f32"), 0.0, n.source)
+                    nodes += [zero, ir.Map(ed.fresh(f"{part.name}_set"), ir.TensorType(shape, "bool"), "ne",
+                                           (part.name, zero.name), n.source)]
+                parts.append((math.prod(shape), nodes))
+                args.append(nodes[-1].name)
+            # the largest gathers first: the kernel the planner opens at the first takes the rest
+            for _, nodes in sorted(parts, key=lambda p: -p[0]):
+                out += nodes
             out.append(ir.Map(n.name, n.type, m.op, tuple(args), m.source))
         g = ed.graph(out)
+
+
+def _made_type(out: list, name: str) -> ir.TensorType:
+    return next(x.type for x in reversed(out) if x.name == name)
