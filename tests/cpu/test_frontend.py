@@ -225,10 +225,10 @@ def test_unsupported_single_output_op_is_a_visible_extern():
 
 
 def test_unsupported_argument_becomes_an_extern_naming_it():
-    """A handled op with an argument tilefuse cannot take (div rounding_mode) is an Extern saying so."""
-    g = graph_of(lambda x: torch.div(x, 2, rounding_mode="floor"), torch.randn(4))
+    """A handled op with an argument tilefuse cannot take (an adaptive pool to 2 x 2) is an Extern saying so."""
+    g = graph_of(lambda x: torch.nn.functional.adaptive_avg_pool2d(x, 2), torch.randn(1, 3, 8, 8))
     (ext,) = [n for n in g.nodes if isinstance(n, ir.Extern)]
-    assert "rounding_mode" in ext.reason
+    assert "output size (2, 2)" in ext.reason, ext.reason
 
 
 @pytest.mark.parametrize("fn, op", [
