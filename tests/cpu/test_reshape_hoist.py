@@ -1,0 +1,86 @@
+"""graph/rules/reshape_hoist.py: a reshape that regroups the leading dims of a map's result
+([T, D] -> [B, S, D]) moves onto the map's arguments, through reshapes and row gathers, up to
+tensors in memory, so the maps run in the kernel that reads the reshape; the rewritten graph
+computes what PyTorch does (the interpreter, random shapes), and a mixture of experts' combine,
+its residual add and the next RMSNorm's statistics are one kernel."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import tilefuse
+from tilefuse.frontend.capture import export, to_graph
+from tilefuse.graph import ir
+from tilefuse.graph.interp import run_graph, to_torch
+from tilefuse.graph.rules.reshape_hoist import leading_reshapes_into_maps
+
+
+def _graph(fn, inputs):
+    return to_graph(export(fn, inputs))
+
+
+def _run(g, inputs):
+    return [to_torch(a).reshape(a.shape) for a in run_graph(g, dict(zip(g.inputs, inputs)))]
+
+
+def _reshapes_of_maps(g):
+    """Reshapes left reading a map or a gather (but a gather's table, read where it lies)."""
+    tables = {n.arg for n in g.nodes if isinstance(n, ir.Gather)}
+    return [n.name for n in g.nodes if isinstance(n, ir.View) and n.op == "reshape"
+            and isinstance(g[n.arg], (ir.Map, ir.Gather)) and n.name not in tables]
+
+
+@settings(max_examples=20, deadline=None)
+@given(st.data())
+def test_the_rewritten_graph_computes_what_pytorch_does(data):
+    b, s, d = data.draw(st.integers(1, 4)), data.draw(st.integers(1, 5)), data.draw(st.integers(1, 9))
+    x, rowv, colv = torch.randn(b * s, d), torch.randn(b * s, 1), torch.randn(d)
+    idx = torch.randint(0, b * s, (b * s,))
+    gathered = data.draw(st.booleans())
+
+    def fn(x, rowv, colv, idx, r):
+        t = torch.cumsum(x, -1)  # (an extern: a tensor in memory)
+        y = torch.tanh(t * rowv + colv) * 2
+        y = y[idx] if gathered else y
+        return r + y.view(b, s, d)
+
+    r = torch.randn(b, s, d)
+    g = _graph(fn, (x, rowv, colv, idx, r))
+    out = leading_reshapes_into_maps(g)
+    assert not _reshapes_of_maps(out), str(out)
+    (got,) = _run(out, (x, rowv, colv, idx, r))
+    torch.testing.assert_close(got, fn(x, rowv, colv, idx, r), rtol=1e-6, atol=1e-6)
+
+
+def test_an_moe_combine_its_residual_and_the_next_norm_are_one_kernel():
+    """The combine over the flattened tokens ([T, D]) and the residual add and RMSNorm over
+    [B, S, D]: one kernel, reading the expert rows where they lie; no [T, D] combine written."""
+    def fn(y, w, inv, r):
+        c = (torch.where(w > 0.1, y.float(), 0.0) * w)[inv].view(-1, 2, y.shape[-1]).sum(1).to(y.dtype)
+        h = r + c.view(r.shape)
+        return h, F.rms_norm(h.float(), (y.shape[-1],))
+
+    y, w = torch.randn(64, 8, dtype=torch.bfloat16), torch.rand(64, 1)
+    inv, r = torch.randperm(64), torch.randn(2, 16, 8, dtype=torch.bfloat16)
+    p = tilefuse.compile(fn, (y, w, inv, r))
+    (rows,) = [s for s in p.plan.steps if s.family == "mapreduce" and "args_0" in " ".join(s.inputs)]
+    assert set(p.graph.outputs) <= set(rows.outputs), str(p.plan)
+    for got, want in zip(p(y, w, inv, r), fn(y, w, inv, r)):
+        torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("name, fn", [
+    # a norm computed over the flattened rows: its statistics are a reduction's, not in memory
+    ("a reduction above", lambda x, r: r + F.rms_norm(torch.cumsum(x, -1), (8,)).view(2, 3, 8)),
+    ("the map read whole too", lambda x, r: (lambda m: (r + m.view(2, 3, 8), m.sum()))(torch.cumsum(x, -1) * 2)),
+    ("the map a result", lambda x, r: (lambda m: (m, r + m.view(2, 3, 8)))(torch.cumsum(x, -1) * 2)),
+    ("after a matmul", lambda x, r: r + torch.relu(x @ x.T @ x).view(2, 3, 8)),
+    ("the last dim changes", lambda x, r: r.view(2, 3, 2, 4) + (torch.cumsum(x, -1) * 2).view(2, 3, 2, 4)),
+])
+def test_not_taken_leaves_the_graph_as_it_is(name, fn):
+    x, r = torch.randn(6, 8), torch.randn(2, 3, 8)
+    g = _graph(fn, (x, r))
+    assert leading_reshapes_into_maps(g) is g, name
