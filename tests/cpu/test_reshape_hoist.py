@@ -72,6 +72,36 @@ def test_an_moe_combine_its_residual_and_the_next_norm_are_one_kernel():
         torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=1e-2)
 
 
+@pytest.mark.parametrize("fn", [
+    lambda x, w: (x * w).reshape(6, 8).sum(0),
+    lambda x, w: (x * w).reshape(6, 8).t() * 2,
+    lambda x, w: torch.softmax((x * w + 1).reshape(6, 8), -1),
+])
+def test_a_merge_keeps_an_argument_of_more_dims_within_the_maps_rank(fn):
+    """Merging [2, 3, 8] into [6, 8]: a weight of [1, 1, 8] beside it is viewed as [1, 8], so
+    the map's arguments still broadcast to its shape (review, session 63: it was left [1, 1, 8],
+    the sum reduced the wrong dim, the transpose failed to compile)."""
+    x, w = torch.randn(2, 3, 8), torch.randn(1, 1, 8)
+    g = leading_reshapes_into_maps(_graph(fn, (x, w)))
+    for n in g.nodes:
+        if isinstance(n, ir.Map):
+            assert all(len(g[a].type.shape) <= len(n.type.shape) for a in n.args), str(g)
+    torch.testing.assert_close(_run(g, (x, w))[0], fn(x, w), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(tilefuse.compile(fn, (x, w))(x, w), fn(x, w), rtol=1e-5, atol=1e-5)
+
+
+def test_a_map_whose_reshape_is_also_a_gathers_table_stays_whole():
+    """m read as [2, 3, 8] by a map and, through another reshape, as a gather's table: moving
+    the first would compute m twice (review, session 63)."""
+    def fn(x, i):
+        m = torch.cumsum(x, -1).exp() * 2
+        return m.view(2, 3, 8)[i], m.view(2, 3, 8) + 1
+
+    x, i = torch.randn(6, 8), torch.randint(0, 2, (4,))
+    g = _graph(fn, (x, i))
+    assert leading_reshapes_into_maps(g) is g
+
+
 @pytest.mark.parametrize("name, fn", [
     # a norm computed over the flattened rows: its statistics are a reduction's, not in memory
     ("a reduction above", lambda x, r: r + F.rms_norm(torch.cumsum(x, -1), (8,)).view(2, 3, 8)),

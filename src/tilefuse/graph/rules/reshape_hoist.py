@@ -93,8 +93,8 @@ def _hoistable(g: ir.Graph, r: ir.View, users: dict, memo: dict) -> str | None:
     readers = users.get(r.arg, [])
     if isinstance(x, ir.Gather):
         return "gather" if readers == [r.name] and _row_gather(g, x) else None
-    if any(isinstance(g[u], ir.Gather) and g[u].arg == r.name for u in users.get(r.name, [])):
-        return None  # (a gather's table: read in memory where it lies)
+    if any(isinstance(g[v], ir.Gather) and g[v].arg == u for u in readers for v in users.get(u, [])):
+        return None  # (a reshape of it is a gather's table: the map stays whole, in memory, for that)
     if not isinstance(x, ir.Map) or not readers or _from_contraction(g, r.arg, memo):
         return None
     if not all(isinstance(g[u], ir.View) and g[u].op == "reshape" and g[u].type.shape == r.type.shape for u in readers):
@@ -136,7 +136,13 @@ def _map_of_reshapes(g: ir.Graph, ed: Editor, r: ir.View) -> list:
         t = g[a].type
         s = (1,) * (len(m.type.shape) - len(t.shape)) + t.shape
         if all(d == 1 for d in s[:-1]):
-            args.append(a)  # (broadcasts over the leading dims in either shape)
+            if len(t.shape) <= len(r.type.shape):
+                args.append(a)  # (broadcasts over the leading dims in either shape)
+                continue
+            to = (1,) * (len(r.type.shape) - 1) + (s[-1],)  # (fewer leading dims: no more than the map's)
+            v = ir.View(ed.fresh(_as(a)), ir.TensorType(to, t.dtype), "reshape", a, to, r.source)
+            out.append(v)
+            args.append(v.name)
             continue
         to = lead + (s[-1],)
         v = ir.View(ed.fresh(_as(a)), ir.TensorType(to, t.dtype), "reshape", a, to, r.source)
