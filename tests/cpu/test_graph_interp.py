@@ -278,6 +278,15 @@ def _(draw, dtype):
         [randn(s, dtype), randn(s, dtype)]
 
 
+@case("floor_division", "floor_divide", "div", "remainder", dtypes=(torch.float32,))
+def _(draw, dtype):
+    """Integer // and % (exact), and a float floor or truncating division (PyTorch's steps in f32)."""
+    s = draw(shapes())
+    return (lambda x, y: (lambda a, b: (a // b, a % b, torch.div(a, b, rounding_mode="trunc"), -a // 3,
+                                        x * 5 // y, torch.div(x * 5, y, rounding_mode="trunc")))(
+        (x * 20).long(), (y * 3).long().masked_fill((y * 3).long() == 0, 2))), [randn(s, dtype), randn(s, dtype)]
+
+
 @case("float_tests", "isnan", "isinf", "isfinite", "signbit")
 def _(draw, dtype):
     s = draw(shapes())
