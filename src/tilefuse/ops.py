@@ -46,17 +46,23 @@ def _lgamma(x):
     return np.vectorize(one, otypes=[np.float64])(x).astype(np.result_type(x, np.float32))
 
 
+def _by_zero(b):
+    """An integer divided by zero raises here, as PyTorch's CPU kernels raise (a kernel's result
+    is unspecified there: PyTorch's GPU kernels give -1 for a // 0)."""
+    if np.any(np.asarray(b) == 0):
+        raise RuntimeError("ZeroDivisionError: an integer divided by zero")
+
+
 def _floordiv(a, b):
-    """Python's and PyTorch's integer a // b, rounded towards minus infinity. By zero: 0 here and
-    unspecified in a kernel (PyTorch's CPU raises; its GPU gives -1)."""
-    with np.errstate(divide="ignore", invalid="ignore"):
-        return np.floor_divide(a, b)
+    """Python's and PyTorch's integer a // b, rounded towards minus infinity."""
+    _by_zero(b)
+    return np.floor_divide(a, b)
 
 
 def _mod(a, b):
     """Python's and PyTorch's integer a % b, with the sign of b (C's % takes a's)."""
-    with np.errstate(divide="ignore", invalid="ignore"):
-        return np.remainder(a, b)
+    _by_zero(b)
+    return np.remainder(a, b)
 
 
 def _sigmoid(x):
