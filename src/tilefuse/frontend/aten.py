@@ -100,6 +100,14 @@ def _int_operands(b, args, op):
     return _operand(b, x, like, op), _operand(b, y, like, op)
 
 
+def _float_operands(b, args, out):
+    """A float division's operands in the result's dtype, then in the type it computes in (f32
+    for 16-bit floats)."""
+    like = args[0] if _is_tensor(b, args[0]) else args[1]
+    acc = _acc_of(out.dtype)
+    return tuple(b.cast(b.cast(_operand(b, v, like, "div"), out.dtype), acc) for v in args[:2])
+
+
 @handles("floor_divide")
 def _floor_divide(b, args, kwargs, out):
     """a // b: of integers one op (rounded down; by zero unspecified, where PyTorch's CPU
@@ -111,10 +119,8 @@ def _floor_divide(b, args, kwargs, out):
             raise Unsupported("floor division of bools")
         x, y = _int_operands(b, args, "floordiv")
         return b.map("floordiv", b.cast(x, out.dtype), b.cast(y, out.dtype), dtype=out.dtype)
-    x, y = args[0], args[1]
-    like = x if _is_tensor(b, x) else y
     acc = _acc_of(out.dtype)
-    x, y = (b.cast(b.cast(_operand(b, v, like, "div"), out.dtype), acc) for v in (x, y))
+    x, y = _float_operands(b, args, out)
     zero = b.const(0.0, acc)
     mod = b.map("fmod", x, y)
     div = b.map("div", b.map("sub", x, mod), y)
@@ -131,10 +137,7 @@ def _trunc_divide(b, args, out):
     """a / b rounded towards 0: of floats trunc(a / b) (in f32 for 16-bit ones), of integers
     the floor division plus one where it rounded a negative quotient down."""
     if dtypes.is_float(out.dtype):
-        x, y = args[0], args[1]
-        like = x if _is_tensor(b, x) else y
-        acc = _acc_of(out.dtype)
-        x, y = (b.cast(b.cast(_operand(b, v, like, "div"), out.dtype), acc) for v in (x, y))
+        x, y = _float_operands(b, args, out)
         return b.cast(_trunc(b, [b.map("div", x, y)], {}, out), out.dtype)
     if out.dtype == "bool":
         raise Unsupported("division of bools")
