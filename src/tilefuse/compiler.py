@@ -159,6 +159,7 @@ def _stages(fn, example_inputs, expr: str | None, arch: str | None, exported=Non
     from .graph.rules.reshape_hoist import leading_reshapes_into_maps
     from .graph.rules.merged_reductions import merged_reductions
     from .graph.rules.permute_sink import permutes_into_maps, results_in_eager_layout, transposed_results_as_copies
+    from .graph.rules.result_copies import result_views_as_copies
     from .graph.rules.slice_sink import slices_into_maps
     from .graph.rules.small_reductions import short_reductions_as_maps
 
@@ -173,7 +174,7 @@ def _stages(fn, example_inputs, expr: str | None, arch: str | None, exported=Non
     graph, more = run_rewrites(graph, (merged_reductions, short_reductions_as_maps, slices_into_maps,
                                        split_gathers, gathers_through_maps, leading_reshapes_into_maps,
                                        negated_pieces_as_signs, rotated_cat_as_roll, results_in_eager_layout,
-                                       permutes_into_maps, transposed_results_as_copies))
+                                       permutes_into_maps, transposed_results_as_copies, result_views_as_copies))
     fired = fired + more
     if gemm and _partials_target(arch):  # GEMM-epilogue partials: the sm_90a template (or the interpreter)
         from .graph.rules.lmhead_ce import lmhead_ce_partials

@@ -386,11 +386,21 @@ def _(draw, dtype):
 
 @case("max_min_values", "max", "min")
 def _(draw, dtype):
-    """(The indices are PyTorch's argmax, an extern: test_multi_output_ops.py checks them.)"""
+    """(The indices: the arg_reductions case, and test_multi_output_ops.py.)"""
     s = draw(shapes())
     d, keep = draw(st.integers(-len(s), len(s) - 1)), draw(st.booleans())
     return (lambda x: (x.max(d, keepdim=keep).values, x.min(d).values, x.max(), x.min(),
                        torch.max(x, x * 0.5), torch.min(x, x * -1.0))), [randn(s, dtype)]
+
+
+@case("arg_reductions", "argmax", "argmin")
+def _(draw, dtype):
+    """Along the last dim (two row reductions); over another dim the index stays PyTorch's
+    (test_arg_reductions.py). Values from few levels: ties, which fall to the first index."""
+    s = draw(shapes())
+    keep = draw(st.booleans())
+    return (lambda x: (x.argmax(-1, keepdim=keep), x.argmin(-1), x.max(-1).indices, x.argmax())), \
+        [(randn(s, torch.float32) * 2).round().to(dtype)]
 
 
 @case("softmax", "softmax")

@@ -38,8 +38,18 @@ def test_multi_result_op_matches_eager(name, dtype):
         torch.testing.assert_close(g, w, equal_nan=True)
 
 
-def test_the_indices_of_a_max_are_an_explicit_argmax_extern():
-    prog = tilefuse.compile(lambda x: x.max(-1), (torch.randn(3, 4),))
+def test_the_indices_of_a_max_along_the_last_dim_are_a_second_reduction_in_its_kernel():
+    x = torch.randn(3, 4)
+    prog = tilefuse.compile(lambda x: x.max(-1), (x,))
+    assert not any(isinstance(n, ir.Extern) for n in prog.stages.graph.nodes), str(prog.stages.graph)
+    assert sorted(n.op for n in prog.stages.graph.nodes if isinstance(n, ir.Reduce)) == ["max", "min"]
+    assert [s.family for s in prog.plan.steps if s.family != "alias"] == ["mapreduce"], str(prog.plan)
+    got, want = prog(x), x.max(-1)
+    assert torch.equal(got[0], want.values) and torch.equal(got[1], want.indices)
+
+
+def test_the_indices_of_a_max_over_another_dim_are_an_explicit_argmax_extern():
+    prog = tilefuse.compile(lambda x: x.max(0), (torch.randn(3, 4),))
     externs = [n for n in prog.stages.graph.nodes if isinstance(n, ir.Extern)]
     assert [n.target for n in externs] == ["aten.argmax.default"]
     assert any(isinstance(n, ir.Reduce) and n.op == "max" for n in prog.stages.graph.nodes)

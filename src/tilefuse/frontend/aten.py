@@ -1047,7 +1047,7 @@ def _cosine_similarity(b, args, kwargs, out):
 @handles("max", "min")
 def _max_min(b, args, kwargs, out):
     """max/min of two tensors (elementwise), of all elements, or along a dim: (values, indices),
-    the values a row reduction and the indices PyTorch's argmax/argmin, an explicit extern."""
+    the values a row reduction and the indices `_arg_index`'s."""
     op = out.op
     if len(args) > 1 and _is_tensor(b, args[1]) or _is_tensor(b, kwargs.get("other")):
         return _binary(op)(b, [args[0], args[1] if len(args) > 1 else kwargs["other"]], {}, out)
@@ -1057,11 +1057,79 @@ def _max_min(b, args, kwargs, out):
     if dim is None:
         return b.reduce(op, x, _dims(None, rank), False)
     keep = args[2] if len(args) > 2 else kwargs.get("keepdim", False)
-    values = b.reduce(op, x, _dims(dim, rank), keep)
+    if not rank:  # (a 0-d tensor's one element)
+        return b.reduce(op, x, (), keep), b.reshape(_arg_index(b, b.reshape(x, (1,)), op, 0, False), ())
+    dim = wrap_dim(dim, rank)
+    if not _arg_in_kernels(b, x, dim):
+        return b.reduce(op, x, (dim,), keep), _arg_extern(b, x, op, dim, keep)
+    best = b.reduce(op, x, (dim,), True)  # (one reduction for the values and the indices)
+    values = best if keep else b.reshape(best, out.shape)
+    return values, _arg_index(b, x, op, dim, keep, best)
+
+
+@handles("argmax", "argmin")
+def _argmax(b, args, kwargs, out):
+    x = args[0]
+    dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
+    keep = kwargs.get("keepdim", args[2] if len(args) > 2 else False)
+    shape, op = b.type(x).shape, out.op[3:]
+    if b.type(x).dtype == "bool":
+        raise Unsupported("a bool tensor")  # (PyTorch refuses it too: its extern raises as eager does)
+    if dim is None or not shape:  # over every element: of the flattened tensor, shaped as PyTorch gives it
+        if math.prod(shape) > ARG_ALL_MAX:
+            raise Unsupported(f"arg{op} over more than {ARG_ALL_MAX} elements at once")
+        return b.reshape(_arg_index(b, b.reshape(x, (math.prod(shape),)), op, 0, False), out.shape)
+    dim = wrap_dim(dim, len(shape))
+    if not _arg_in_kernels(b, x, dim):
+        raise Unsupported(f"arg{op} over a dim that is not last")
+    return _arg_index(b, x, op, dim, keep)
+
+
+# arg{max,min} of a whole tensor is lowered up to this many elements: a row one kernel keeps
+# whole. Past it the planner splits the row (rules/split_reductions.py), and the split's index
+# pass would write an i64 tensor as large as x between its kernels (65M elements: 4 kernels,
+# 1.2 GB moved); PyTorch's argmax reads x once.
+ARG_ALL_MAX = 1 << 16
+
+
+def _arg_in_kernels(b, x, dim: int) -> bool:
+    """Whether arg{max,min} along `dim` is lowered: along the last dim, where both reductions are
+    one row kernel's. Over another dim the planner does not put the second reduction (of a where
+    over an iota along the column) in the first's column kernel, and between kernels an i64
+    index tensor would be written and read: PyTorch's own arg op is better there."""
+    return dim == len(b.type(x).shape) - 1
+
+
+def _arg_extern(b, x, op: str, dim: int, keep: bool):
     of = b.cast(x, "u8") if b.type(x).dtype == "bool" else x  # PyTorch's argmax/argmin refuse bool
-    indices = b.add(ir.Extern(b.fresh(f"arg{op}"), ir.TensorType(b.type(values).shape, "i64"), f"aten.arg{op}.default",
-                              (ir.Ref(of), dim, keep), (), f"the index of each {op} (arg{op}) runs in PyTorch", b.source))
-    return values, indices
+    shape = tuple(1 if i == dim else s for i, s in enumerate(b.type(x).shape) if keep or i != dim)
+    return b.add(ir.Extern(b.fresh(f"arg{op}"), ir.TensorType(shape, "i64"), f"aten.arg{op}.default",
+                           (ir.Ref(of), dim, keep), (), f"the index of each {op} (arg{op}) runs in PyTorch: "
+                           f"over a dim that is not last", b.source))
+
+
+def _arg_index(b, x, op: str, dim: int, keep: bool, best: str | None = None):
+    """argmax / argmin along `dim` as two row reductions in one kernel: the max (min; `best`, if
+    made already, keepdim), then the least index where x equals it or is NaN. PyTorch's max
+    propagates NaN and its arg points at the first NaN; of equal values it takes the first, as
+    the least index does."""
+    t = b.type(x)
+    if t.dtype == "bool":
+        x = b.cast(x, "u8")
+    n = t.shape[dim]
+    if n == 0:
+        raise Unsupported(f"arg{op} over an empty dim")  # (PyTorch raises)
+    best = best or b.reduce(op, x, (dim,), True)
+    hit = b.map("eq", x, best)
+    if dtypes.is_float(t.dtype):
+        hit = b.map("or", hit, b.map("ne", x, x))
+    # the least index in i32 where it fits (half the integer work of i64 per element: the kernel
+    # had been bound by it), widened to PyTorch's i64 once reduced
+    it = "i32" if n < 2**31 - 1 else "i64"
+    rank = len(t.shape)
+    pos = b.add(ir.Iota(b.fresh("iota"), ir.TensorType((1,) * dim + (n,) + (1,) * (rank - dim - 1), it), dim, b.source))
+    at = b.map("where", hit, pos, b.const(n, it))
+    return b.cast(b.reduce("min", at, (dim,), keep), "i64")
 
 
 @handles("topk", "sort")
