@@ -403,6 +403,18 @@ def _(draw, dtype):
         [(randn(s, torch.float32) * 2).round().to(dtype)]
 
 
+@case("upsample_nearest", "upsample_nearest1d", "upsample_nearest2d", "upsample_nearest3d",
+      "_upsample_nearest_exact1d", "_upsample_nearest_exact2d", "_upsample_nearest_exact3d")
+def _(draw, dtype):
+    """By whole factors: views (expand and reshape) of x."""
+    s = (draw(DIM), draw(DIM)) + tuple(draw(st.integers(1, 5)) for _ in range(3))
+    f = tuple(draw(st.integers(1, 3)) for _ in range(3))
+    return (lambda x: tuple(y for mode in ("nearest", "nearest-exact") for y in (
+        F.interpolate(x[:, :, 0, 0], scale_factor=f[0], mode=mode),
+        F.interpolate(x[:, :, 0], scale_factor=f[:2], mode=mode),
+        F.interpolate(x, scale_factor=f, mode=mode) * 2))), [randn(s, dtype)]
+
+
 @case("softmax", "softmax")
 def _(draw, dtype):
     s = draw(shapes())

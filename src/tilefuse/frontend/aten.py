@@ -1132,6 +1132,37 @@ def _arg_index(b, x, op: str, dim: int, keep: bool, best: str | None = None):
     return b.cast(b.reduce("min", at, (dim,), keep), "i64")
 
 
+@handles("upsample_nearest1d", "upsample_nearest2d", "upsample_nearest3d", "_upsample_nearest_exact1d",
+         "_upsample_nearest_exact2d", "_upsample_nearest_exact3d")
+def _upsample_nearest(b, args, kwargs, out):
+    """Nearest (and nearest-exact) upsampling by whole factors as views: each spatial dim d of
+    size n becomes (n, 1) expanded to (n, s) and merged, `x[..., i, None].expand(..., s)`, so a
+    kernel reading the result reads x in place (rules/result_copies.py copies it where it is the
+    result). For a factor s, PyTorch's source index floor(j / s) (nearest) and floor((j + 0.5)
+    / s) (exact) are both j // s. Other factors stay PyTorch's op."""
+    x = args[0]
+    shape = b.type(x).shape
+    k = len(out.shape) - 2
+    if len(shape) != k + 2:
+        raise Unsupported("an input without its batch and channel dims")
+    if (out.target or "").endswith(".vec"):  # (x, output_size, scale_factors)
+        given = args[2] if len(args) > 2 else kwargs.get("scale_factors")
+    else:  # (x, output_size, scales_d...)
+        given = list(args[2:]) + [v for key, v in kwargs.items() if key.startswith("scales")]
+    given = [g for g in (given or ()) if g is not None]
+    factors = []
+    for d in range(k):
+        n, m = shape[2 + d], out.shape[2 + d]
+        if n == 0 or m % n:
+            raise Unsupported(f"a factor of {m}/{n}, not a whole number")
+        factors.append(m // n)
+    if given and [float(g) for g in given] != [float(f) for f in factors]:
+        raise Unsupported(f"scale factors {list(given)} other than the sizes' ratios {factors}")
+    split = tuple(shape[:2]) + tuple(v for n in shape[2:] for v in (n, 1))
+    wide = tuple(shape[:2]) + tuple(v for n, f in zip(shape[2:], factors) for v in (n, f))
+    return b.reshape(b.view("expand", b.reshape(x, split), wide, wide), out.shape)
+
+
 @handles("topk", "sort")
 def _ordered(b, args, kwargs, out):
     """topk / sort: the indices from PyTorch's own op (the same overload and arguments, so ties
