@@ -128,3 +128,16 @@ def test_arg_reduction_kernels_build_without_spills(shape, dim, arch):
     for lw in p.kernels.values():
         src, cubin = compile_source_only(lw.kernel, arch)
         assert cubin.info.clean, f"{arch} {src.schedule}: {cubin.info}"
+
+
+@pytest.mark.parametrize("shape", [(1, 1 << 17), (2, 70000)], ids=str)
+def test_few_long_rows_keep_pytorchs_argmax(shape):
+    """Few rows of 65536 or more are split into pieces (rewrites.split_long_reductions): the
+    index pass would write an index per element between kernels, where PyTorch's argmax reads x
+    once. So is a whole tensor that long."""
+    x = torch.randn(shape)
+    for fn in (lambda x: x.argmax(-1), lambda x: x.max(-1), lambda x: x.argmax()):
+        p = tilefuse.compile(fn, (x,))
+        assert any(isinstance(n, ir.Extern) and n.target.startswith("aten.argmax") for n in p.graph.nodes), \
+            str(p.graph)
+        _same(p(x), fn(x))

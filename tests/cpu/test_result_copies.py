@@ -134,3 +134,50 @@ def test_an_upsample_a_convolution_reads_is_copied_by_a_kernel():
     p = tilefuse.compile(fn, (x,))
     assert [s.family for s in p.plan.steps if s.family != "alias"] == ["mapreduce", "extern"], str(p.plan)
     torch.testing.assert_close(p(x), fn(x))
+
+
+# -- found by review (session 64) ------------------------------------------------------------------
+
+
+def test_a_factor_where_pytorchs_float32_index_is_not_j_div_f_stays_pytorchs():
+    """At f = 41 PyTorch's source index floor(j * float32(1/41)) is 0 at j = 41 (1/41 rounds
+    below): j // f would read another element, so the op stays PyTorch's."""
+    x = torch.arange(7.0).view(1, 1, 7)
+    fn = lambda x: F.interpolate(x, scale_factor=41.0)  # noqa: E731
+    p = tilefuse.compile(fn, (x,))
+    assert [n.target for n in p.graph.nodes if isinstance(n, ir.Extern)] == ["aten.upsample_nearest1d.vec"]
+    assert torch.equal(p(x), fn(x))
+
+
+@pytest.mark.parametrize("fn", [lambda x: torch.topk(x.transpose(1, 2), 2).values,
+                                lambda x: torch.sort(x[:, 1:], -1).values,
+                                lambda x: x.transpose(1, 2).max(1)], ids=["topk", "sort", "max_dim_1"])
+def test_a_view_another_reader_has_pytorch_copy_is_not_copied_twice(fn):
+    """topk's values are a gather of the view (its table, copied by PyTorch), a max over a dim
+    that is not last may be PyTorch's: a kernel copying the view too would copy it twice."""
+    x = torch.randn(2, 3, 5, 8)
+    p = tilefuse.compile(fn, (x,))
+    assert not any(n.name.endswith("_copy") for n in p.graph.nodes), str(p.plan)
+    got, want = p(x), fn(x)
+    for g, w in zip(got if isinstance(got, tuple) else (got,), want if isinstance(want, tuple) else (want,)):
+        torch.testing.assert_close(g, w)
+
+
+def test_attentions_output_transposed_back_is_not_copied():
+    """Free where SDPA lays its output out [B, S, H, D] (fusion._extern_note)."""
+    B, S, H, D = 2, 16, 4, 8
+    q, k, v = (torch.randn(B, S, H, D) for _ in range(3))
+    fn = lambda q, k, v: F.scaled_dot_product_attention(  # noqa: E731
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2).reshape(B, S, H * D)
+    p = tilefuse.compile(fn, (q, k, v))
+    assert not any(n.name.endswith("_copy") for n in p.graph.nodes), str(p.plan)
+    torch.testing.assert_close(p(q, k, v), fn(q, k, v))
+
+
+def test_an_upsample_a_cat_reads_is_copied_by_a_kernel():
+    """A cat reads permutes and slices as they lie, but an expand it took as PyTorch's copy."""
+    x, skip = torch.randn(2, 3, 4, 5), torch.randn(2, 3, 8, 10)
+    fn = lambda x, s: torch.cat([F.interpolate(x, scale_factor=2), s], 1)  # noqa: E731
+    p = tilefuse.compile(fn, (x, skip))
+    assert [s.family for s in p.plan.steps if s.family != "alias"] == ["mapreduce", "extern"], str(p.plan)
+    assert torch.equal(p(x, skip), fn(x, skip))

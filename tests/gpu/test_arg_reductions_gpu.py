@@ -26,9 +26,10 @@ def test_arg_reductions_equal_eagers_indices(name, shape, dtype):
         x[2, 0] = x[2, -1] = float("nan")
     prog = tilefuse.compile(fn, (x,), graphs=True)
     prog.poison = True
-    from tilefuse.frontend.aten import ARG_ALL_MAX
-    # (an argmax of more than ARG_ALL_MAX elements at once is PyTorch's)
-    want_steps = ["extern"] if x.numel() > ARG_ALL_MAX and name == "argmax_all" else ["mapreduce"]
+    from tilefuse.frontend.aten import arg_lowered
+    # (an argmax of a whole tensor is one row: past a split row's length it is PyTorch's)
+    lowered = arg_lowered((x.numel(),), 0) if name == "argmax_all" else arg_lowered(tuple(x.shape), x.dim() - 1)
+    want_steps = ["mapreduce"] if lowered else ["extern"]
     assert [s.family for s in prog.plan.steps if s.family != "alias"] == want_steps, str(prog.plan)
     for call in range(2):
         got, want = prog(x), fn(x)

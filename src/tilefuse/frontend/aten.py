@@ -1076,28 +1076,31 @@ def _argmax(b, args, kwargs, out):
     if b.type(x).dtype == "bool":
         raise Unsupported("a bool tensor")  # (PyTorch refuses it too: its extern raises as eager does)
     if dim is None or not shape:  # over every element: of the flattened tensor, shaped as PyTorch gives it
-        if math.prod(shape) > ARG_ALL_MAX:
-            raise Unsupported(f"arg{op} over more than {ARG_ALL_MAX} elements at once")
+        if not arg_lowered((math.prod(shape),), 0):
+            raise Unsupported(f"arg{op} over {math.prod(shape)} elements at once (a row split into pieces)")
         return b.reshape(_arg_index(b, b.reshape(x, (math.prod(shape),)), op, 0, False), out.shape)
     dim = wrap_dim(dim, len(shape))
     if not _arg_in_kernels(b, x, dim):
-        raise Unsupported(f"arg{op} over a dim that is not last")
+        raise Unsupported(f"arg{op} over a dim that is not last, or over few long rows")
     return _arg_index(b, x, op, dim, keep)
 
 
-# arg{max,min} of a whole tensor is lowered up to this many elements: a row one kernel keeps
-# whole. Past it the planner splits the row (rules/split_reductions.py), and the split's index
-# pass would write an i64 tensor as large as x between its kernels (65M elements: 4 kernels,
-# 1.2 GB moved); PyTorch's argmax reads x once.
-ARG_ALL_MAX = 1 << 16
+def arg_lowered(shape: tuple, dim: int) -> bool:
+    """Whether arg{max,min} along `dim` of a tensor of `shape` is two reductions of one row
+    kernel (else PyTorch's arg op): along the last dim, for rows the planner keeps whole. Over
+    another dim it does not put the second reduction (of a where over an iota along the column)
+    in the first's column kernel; few long rows it splits (rewrites.split_long_reductions), and
+    the split's index pass would write a tensor as large as x between kernels (1 x 2^20: five
+    kernels and 16.8 MB, where PyTorch's argmax reads 4.2 MB once)."""
+    from ..graph.rewrites import SPLIT_REDUCE_MIN, SPLIT_REDUCE_ROWS
+
+    if dim != len(shape) - 1:
+        return False
+    return shape[-1] < SPLIT_REDUCE_MIN or math.prod(shape[:-1]) >= SPLIT_REDUCE_ROWS
 
 
 def _arg_in_kernels(b, x, dim: int) -> bool:
-    """Whether arg{max,min} along `dim` is lowered: along the last dim, where both reductions are
-    one row kernel's. Over another dim the planner does not put the second reduction (of a where
-    over an iota along the column) in the first's column kernel, and between kernels an i64
-    index tensor would be written and read: PyTorch's own arg op is better there."""
-    return dim == len(b.type(x).shape) - 1
+    return arg_lowered(b.type(x).shape, dim)
 
 
 def _arg_extern(b, x, op: str, dim: int, keep: bool):
@@ -1105,7 +1108,7 @@ def _arg_extern(b, x, op: str, dim: int, keep: bool):
     shape = tuple(1 if i == dim else s for i, s in enumerate(b.type(x).shape) if keep or i != dim)
     return b.add(ir.Extern(b.fresh(f"arg{op}"), ir.TensorType(shape, "i64"), f"aten.arg{op}.default",
                            (ir.Ref(of), dim, keep), (), f"the index of each {op} (arg{op}) runs in PyTorch: "
-                           f"over a dim that is not last", b.source))
+                           f"over a dim that is not last, or over few long rows", b.source))
 
 
 def _arg_index(b, x, op: str, dim: int, keep: bool, best: str | None = None):
@@ -1155,12 +1158,28 @@ def _upsample_nearest(b, args, kwargs, out):
         n, m = shape[2 + d], out.shape[2 + d]
         if n == 0 or m % n:
             raise Unsupported(f"a factor of {m}/{n}, not a whole number")
+        if not _nearest_is_floor_div(m, m // n, exact="exact" in out.op):
+            raise Unsupported(f"a factor of {m // n}, where PyTorch's float32 source index is not j // {m // n}")
         factors.append(m // n)
     if given and [float(g) for g in given] != [float(f) for f in factors]:
         raise Unsupported(f"scale factors {list(given)} other than the sizes' ratios {factors}")
     split = tuple(shape[:2]) + tuple(v for n in shape[2:] for v in (n, 1))
     wide = tuple(shape[:2]) + tuple(v for n, f in zip(shape[2:], factors) for v in (n, f))
     return b.reshape(b.view("expand", b.reshape(x, split), wide, wide), out.shape)
+
+
+def _nearest_is_floor_div(m: int, f: int, exact: bool) -> bool:
+    """Whether PyTorch's nearest source index of every output position j < m, computed with the
+    scale 1/f in float32 (its CUDA kernels) and in float64, is j // f: floor(j * s), or
+    floor((j + 0.5) * s) for nearest-exact. For whole factors up to 40 it is; past that float32's
+    1/f rounds below, and floor(41 * s) is 0 at f = 41."""
+    j = np.arange(m, dtype=np.float64) + (0.5 if exact else 0.0)
+    want = np.arange(m) // f
+    for t in (np.float32, np.float64):
+        got = np.floor((j.astype(t) * (t(1) / t(f))).astype(t)).astype(np.int64)
+        if not np.array_equal(got, want):
+            return False
+    return True
 
 
 @handles("topk", "sort")

@@ -16,9 +16,11 @@ Only views a kernel reads row by row (`fusion._keeps_rows`: permutes that keep t
 slices of step 1 along it, expands, reshapes, rolls); a permute that moves the last dim is
 `permute_sink.transposed_results_as_copies`'s (read in 2-D tiles). Not a reshape alone (an
 alias of its argument, free), nor a result PyTorch returns strided (`permute_sink.layout_views`),
-nor views of a generated tensor (made where it is read) or of an input the program writes; not
-for the externs that read strided views as they lie (cat, a grouped matmul; attention is no
-extern node).
+nor views of a generated tensor (made where it is read), of attention's output, or of an input
+the program writes; not for the externs that read strided views as they lie (a grouped matmul;
+a cat, permutes and slices); not where another reader (a gather's table, a matmul) would have
+PyTorch copy the view anyway; not a result PyTorch returns in another layout (its copy keeps
+eager's strides).
 """
 from __future__ import annotations
 
@@ -31,30 +33,69 @@ from .match import Editor
 from .permute_sink import layout_views
 
 
-def _copyable(g: ir.Graph, name: str, kept: frozenset) -> bool:
-    """A chain of views kernels read row by row, not a reshape alone, under a tensor in memory."""
-    if name in kept or not isinstance(g[name], ir.View) or g[name].type.numel == 0:
-        return False
+def _chain(g: ir.Graph, name: str) -> tuple[list, object]:
     chain, x = [], name
     while isinstance(g[x], ir.View):
         chain.append(g[x])
         x = g[x].arg
-    base = g[x]
+    return chain, g[x]
+
+
+def _copyable(g: ir.Graph, name: str, kept: frozenset) -> bool:
+    """A chain of views kernels read row by row, not a reshape alone, under a tensor in memory
+    (not attention's output, whose head transpose is free where SDPA lays it out [B, S, H, D]:
+    fusion._extern_note)."""
+    if name in kept or not isinstance(g[name], ir.View) or g[name].type.numel == 0:
+        return False
+    chain, base = _chain(g, name)
     return (any(v.op != "reshape" for v in chain) and all(_keeps_rows(v) for v in chain)
-            and not isinstance(base, (ir.Constant, ir.Iota)) and not (isinstance(base, ir.Input) and x in g.writes))
+            and not isinstance(base, (ir.Constant, ir.Iota, ir.Attention))
+            and not (isinstance(base, ir.Input) and base.name in g.writes))
 
 
-def _copies_for(n) -> bool:
-    """An extern that takes its tensors contiguous (PyTorch copied a view for it); not the ones
-    that read strided views as they lie (fusion.attention_only_views)."""
-    return (isinstance(n, ir.Extern) and n.target not in _STRIDED_READERS
-            and not n.target.startswith("aten._grouped_mm."))
+def _copies_for(g: ir.Graph, n, view: str) -> bool:
+    """Whether extern `n` takes `view` contiguous, so that PyTorch copied it: not the externs
+    that read strided views as they lie (fusion.attention_only_views): a grouped matmul, and a
+    cat for permutes and slices (an expand, a roll it takes copied)."""
+    if not isinstance(n, ir.Extern) or n.target.startswith("aten._grouped_mm."):
+        return False
+    if n.target in _STRIDED_READERS:
+        return any(v.op not in ("permute", "slice", "reshape") for v in _chain(g, view)[0])
+    return True
+
+
+def _other_readers_in_place(g: ir.Graph, users: dict, name: str, n_extern) -> bool:
+    """Every reader of `name` other than the externs that take the copy reads it in place: a
+    map, or a reduction along the last dim. Another reader (a gather's table, a reduction over
+    another dim PyTorch may run, a matmul, a further view) may have PyTorch copy the view
+    anyway, and the kernel would then copy that copy."""
+    for u in users.get(name, []):
+        r = g[u]
+        if n_extern(r):
+            continue
+        if isinstance(r, ir.Map):
+            continue
+        if isinstance(r, ir.Reduce) and r.axes == (len(g[name].type.shape) - 1,):
+            continue
+        return False
+    return True
 
 
 def result_views_as_copies(g: ir.Graph) -> ir.Graph:
-    kept = layout_views(g)
-    results = [name for name in dict.fromkeys(g.results) if g.outputs.count(name) == 1 and _copyable(g, name, kept)]
-    read = list(dict.fromkeys(a for n in g.nodes if _copies_for(n) for a in ir.node_args(n) if _copyable(g, a, kept)))
+    kept, users = layout_views(g), g.users()
+    layouts = dict(zip(g.results, g.layouts or (None,) * len(g.results)))
+
+    def takes(view):
+        return lambda n: _copies_for(g, n, view)
+
+    # (a result PyTorch lays out permuted, a channels-last upsample's, keeps its PyTorch copy,
+    # which gives eager's strides)
+    results = [name for name in dict.fromkeys(g.results)
+               if g.outputs.count(name) == 1 and layouts.get(name) is None and _copyable(g, name, kept)
+               and _other_readers_in_place(g, users, name, takes(name))]
+    read = list(dict.fromkeys(a for n in g.nodes if isinstance(n, ir.Extern) for a in ir.node_args(n)
+                              if _copies_for(g, n, a) and _copyable(g, a, kept) and layouts.get(a) is None
+                              and _other_readers_in_place(g, users, a, takes(a))))
     if not results and not read:
         return g
     ed, outs, nodes = Editor(g), list(g.outputs), list(g.nodes)
@@ -65,8 +106,12 @@ def result_views_as_copies(g: ir.Graph) -> ir.Graph:
         nodes.insert(nodes.index(n) + 1, copies[name])
     for name in results:
         outs[outs.index(name)] = copies[name].name
-    swap = {v: c.name for v, c in copies.items() if v in read}
-    nodes = [replace(n, args=_subst_refs(n.args, lambda a: swap.get(a, a)),
-                     kwargs=tuple((k, _subst_refs(v, lambda a: swap.get(a, a))) for k, v in n.kwargs))
-             if _copies_for(n) else n for n in nodes]
-    return ed.graph(nodes, outs)
+    read = set(read)
+
+    def swapped(n):
+        if not isinstance(n, ir.Extern):
+            return n
+        r = lambda a: copies[a].name if a in read and _copies_for(g, n, a) else a  # noqa: E731
+        return replace(n, args=_subst_refs(n.args, r), kwargs=tuple((k, _subst_refs(v, r)) for k, v in n.kwargs))
+
+    return ed.graph([swapped(n) for n in nodes], outs)
