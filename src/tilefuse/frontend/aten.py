@@ -1060,8 +1060,9 @@ def _max_min(b, args, kwargs, out):
     if not rank:  # (a 0-d tensor's one element)
         return b.reduce(op, x, (), keep), b.reshape(_arg_index(b, b.reshape(x, (1,)), op, 0, False), ())
     dim = wrap_dim(dim, rank)
-    if not _arg_in_kernels(b, x, dim):
-        return b.reduce(op, x, (dim,), keep), _arg_extern(b, x, op, dim, keep)
+    if not arg_lowered(b.type(x).shape, dim):
+        values = b.reduce(op, x, (dim,), keep)
+        return values, _arg_extern(b, x, op, dim, keep, b.type(values).shape)
     best = b.reduce(op, x, (dim,), True)  # (one reduction for the values and the indices)
     values = best if keep else b.reshape(best, out.shape)
     return values, _arg_index(b, x, op, dim, keep, best)
@@ -1076,11 +1077,12 @@ def _argmax(b, args, kwargs, out):
     if b.type(x).dtype == "bool":
         raise Unsupported("a bool tensor")  # (PyTorch refuses it too: its extern raises as eager does)
     if dim is None or not shape:  # over every element: of the flattened tensor, shaped as PyTorch gives it
-        if not arg_lowered((math.prod(shape),), 0):
-            raise Unsupported(f"arg{op} over {math.prod(shape)} elements at once (a row split into pieces)")
-        return b.reshape(_arg_index(b, b.reshape(x, (math.prod(shape),)), op, 0, False), out.shape)
+        numel = math.prod(shape)
+        if not arg_lowered((numel,), 0):
+            raise Unsupported(f"arg{op} over {numel} elements at once (a row split into pieces)")
+        return b.reshape(_arg_index(b, b.reshape(x, (numel,)), op, 0, False), out.shape)
     dim = wrap_dim(dim, len(shape))
-    if not _arg_in_kernels(b, x, dim):
+    if not arg_lowered(shape, dim):
         raise Unsupported(f"arg{op} over a dim that is not last, or over few long rows")
     return _arg_index(b, x, op, dim, keep)
 
@@ -1099,13 +1101,8 @@ def arg_lowered(shape: tuple, dim: int) -> bool:
     return shape[-1] < SPLIT_REDUCE_MIN or math.prod(shape[:-1]) >= SPLIT_REDUCE_ROWS
 
 
-def _arg_in_kernels(b, x, dim: int) -> bool:
-    return arg_lowered(b.type(x).shape, dim)
-
-
-def _arg_extern(b, x, op: str, dim: int, keep: bool):
+def _arg_extern(b, x, op: str, dim: int, keep: bool, shape: tuple):
     of = b.cast(x, "u8") if b.type(x).dtype == "bool" else x  # PyTorch's argmax/argmin refuse bool
-    shape = tuple(1 if i == dim else s for i, s in enumerate(b.type(x).shape) if keep or i != dim)
     return b.add(ir.Extern(b.fresh(f"arg{op}"), ir.TensorType(shape, "i64"), f"aten.arg{op}.default",
                            (ir.Ref(of), dim, keep), (), f"the index of each {op} (arg{op}) runs in PyTorch: "
                            f"over a dim that is not last, or over few long rows", b.source))
@@ -1129,9 +1126,7 @@ def _arg_index(b, x, op: str, dim: int, keep: bool, best: str | None = None):
     # the least index in i32 where it fits (half the integer work of i64 per element: the kernel
     # had been bound by it), widened to PyTorch's i64 once reduced
     it = "i32" if n < 2**31 - 1 else "i64"
-    rank = len(t.shape)
-    pos = b.add(ir.Iota(b.fresh("iota"), ir.TensorType((1,) * dim + (n,) + (1,) * (rank - dim - 1), it), dim, b.source))
-    at = b.map("where", hit, pos, b.const(n, it))
+    at = b.map("where", hit, _positions(b, len(t.shape), dim, n, it), b.const(n, it))
     return b.cast(b.reduce("min", at, (dim,), keep), "i64")
 
 
@@ -1596,9 +1591,9 @@ def _rows_of(b, x, dim: int, index, wrap: bool, out_shape):
     return b.reshape(got, out_shape)
 
 
-def _positions(b, rank: int, d: int, n: int):
+def _positions(b, rank: int, d: int, n: int, dtype: str = "i64"):
     """0 .. n-1 along dim d of a rank-`rank` tensor, of size 1 elsewhere: an index to gather by."""
-    return b.add(ir.Iota(b.fresh("iota"), ir.TensorType((1,) * d + (n,) + (1,) * (rank - d - 1), "i64"), d, b.source))
+    return b.add(ir.Iota(b.fresh("iota"), ir.TensorType((1,) * d + (n,) + (1,) * (rank - d - 1), dtype), d, b.source))
 
 
 def _gathered(b, x, d: int, index, n: int):

@@ -30,15 +30,13 @@ from .. import ir
 from ..fusion import _STRIDED_READERS, _keeps_rows
 from ..rewrites import _subst_refs
 from .match import Editor
-from .permute_sink import layout_views
+from .permute_sink import _through_views, layout_views
 
 
 def _chain(g: ir.Graph, name: str) -> tuple[list, object]:
-    chain, x = [], name
-    while isinstance(g[x], ir.View):
-        chain.append(g[x])
-        x = g[x].arg
-    return chain, g[x]
+    """(the views from `name` down, the node under them)."""
+    *views, base = _through_views(g, name)
+    return [g[v] for v in views], g[base]
 
 
 def _copyable(g: ir.Graph, name: str, kept: frozenset) -> bool:
@@ -64,16 +62,14 @@ def _copies_for(g: ir.Graph, n, view: str) -> bool:
     return True
 
 
-def _other_readers_in_place(g: ir.Graph, users: dict, name: str, n_extern) -> bool:
+def _other_readers_in_place(g: ir.Graph, users: dict, name: str) -> bool:
     """Every reader of `name` other than the externs that take the copy reads it in place: a
     map, or a reduction along the last dim. Another reader (a gather's table, a reduction over
     another dim PyTorch may run, a matmul, a further view) may have PyTorch copy the view
     anyway, and the kernel would then copy that copy."""
     for u in users.get(name, []):
         r = g[u]
-        if n_extern(r):
-            continue
-        if isinstance(r, ir.Map):
+        if _copies_for(g, r, name) or isinstance(r, ir.Map):
             continue
         if isinstance(r, ir.Reduce) and r.axes == (len(g[name].type.shape) - 1,):
             continue
@@ -84,18 +80,14 @@ def _other_readers_in_place(g: ir.Graph, users: dict, name: str, n_extern) -> bo
 def result_views_as_copies(g: ir.Graph) -> ir.Graph:
     kept, users = layout_views(g), g.users()
     layouts = dict(zip(g.results, g.layouts or (None,) * len(g.results)))
-
-    def takes(view):
-        return lambda n: _copies_for(g, n, view)
-
     # (a result PyTorch lays out permuted, a channels-last upsample's, keeps its PyTorch copy,
     # which gives eager's strides)
     results = [name for name in dict.fromkeys(g.results)
                if g.outputs.count(name) == 1 and layouts.get(name) is None and _copyable(g, name, kept)
-               and _other_readers_in_place(g, users, name, takes(name))]
+               and _other_readers_in_place(g, users, name)]
     read = list(dict.fromkeys(a for n in g.nodes if isinstance(n, ir.Extern) for a in ir.node_args(n)
                               if _copies_for(g, n, a) and _copyable(g, a, kept) and layouts.get(a) is None
-                              and _other_readers_in_place(g, users, a, takes(a))))
+                              and _other_readers_in_place(g, users, a)))
     if not results and not read:
         return g
     ed, outs, nodes = Editor(g), list(g.outputs), list(g.nodes)
