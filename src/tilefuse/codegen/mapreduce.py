@@ -179,6 +179,7 @@ class _Stream:
     base_index: tuple  # the index with the column replaced by its constant offset
     name: str          # C identifier stem
     wrap: tuple | None = None  # (k, n): a roll's stream, chunk c0 read at column (c0 + k) % n
+    clamp: tuple | None = None  # (k, lo, hi): a pad's stream, column c read at min(max(c + k, lo), hi)
 
     @property
     def itemsize(self):
@@ -214,6 +215,60 @@ def _stream_wrap(index: tuple, cvar: str):
     """The (k, n) of a stream whose column index is (c + k) % n, else None."""
     found = [_c_wrap(e, cvar) for e in index if cvar in ir.index_vars(e)]
     return found[0] if len(found) == 1 else None
+
+
+def _int_consts(parts: ir.RowKernel) -> dict:
+    """The integer constants of the row body and its blocks, by SSA name."""
+    out = {}
+    for s in parts.body:
+        for t in (s.body if isinstance(s, (ir.Loop, ir.Reduce)) else (s,)):
+            if isinstance(t, ir.Const) and isinstance(t.value, int) and not isinstance(t.value, bool):
+                out[t.dst] = t.value
+    return out
+
+
+def _clamped_column(v: str, cvar: str, defs: dict, consts: dict):
+    """The integer value `v` as min(max(c + k, lo), hi) (returns (k, lo, hi), lo or hi None where
+    unbounded), or None. F.pad's gather reads its table at such a column (frontend/aten.py _pad):
+    a chunk of columns inside [lo, hi] is then one vector load at c0 + k, where the gather's
+    element loads took 2x the time of a copy (bench/op_sweep.py, pad)."""
+    s = defs.get(v)
+    if isinstance(s, ir.IndexValue):
+        k = _c_offset(s.expr, cvar)
+        return None if k is None or s.dtype not in ("i32", "i64") else (k, None, None)
+    if not isinstance(s, ir.Op) or s.dtype not in ("i32", "i64") or len(s.args) != 2:
+        return None
+    a, b = s.args
+    if s.op in ("add", "max", "min") and a in consts and b not in consts:
+        a, b = b, a  # (commutative: the constant second)
+    if b not in consts:
+        return None
+    inner = _clamped_column(a, cvar, defs, consts)
+    if inner is None:
+        return None
+    k, lo, hi, d = *inner, consts[b]
+    if s.op in ("add", "sub"):
+        d = d if s.op == "add" else -d
+        return k + d, None if lo is None else lo + d, None if hi is None else hi + d
+    if s.op == "max":  # max(min(max(x, lo), hi), d) = min(max(x, max(lo, d)), max(hi, d))
+        return k, d if lo is None else max(lo, d), None if hi is None else max(hi, d)
+    if s.op == "min":  # min(min(max(x, lo), hi), d) = min(max(x, min(lo, d)), min(hi, d))
+        return k, None if lo is None else min(lo, d), d if hi is None else min(hi, d)
+    return None
+
+
+def _clamped_load(buf: ir.Buffer, index: tuple, cvar: str, vector: int, row_values, defs: dict, consts: dict):
+    """(base_index, (k, lo, hi)) where buf[index] reads the row at a clamped column c + k (a pad),
+    chunk-aligned for `vector` where the chunk lies inside [lo, hi]; else None."""
+    at = [i for i, e in enumerate(index) if isinstance(e, ir.Val) and e.name in defs]
+    if len(at) != 1 or any(ir.index_values(e) for i, e in enumerate(index) if i != at[0]):
+        return None
+    clamp = _clamped_column(index[at[0]].name, cvar, defs, consts)
+    if clamp is None or clamp[1] is None or clamp[2] is None or not 0 <= clamp[1] <= clamp[2] < buf.shape[at[0]]:
+        return None
+    col = ir.Var(cvar) if clamp[0] == 0 else ir.IBin("+", ir.Var(cvar), ir.IConst(clamp[0]))
+    base = _contiguous(buf, tuple(col if i == at[0] else e for i, e in enumerate(index)), cvar, vector, row_values)
+    return None if base is None else (base, clamp)
 
 
 def _contiguous(buf: ir.Buffer, index: tuple, cvar: str, vector: int, row_values=frozenset()):
@@ -264,12 +319,15 @@ def _inner_blocks(parts: ir.RowKernel):
 def _choose_vector(kernel: ir.Kernel, parts: ir.RowKernel) -> int:
     """Widest chunk (16 bytes of the narrowest streamed dtype) that divides the row length."""
     sizes = []
+    consts = _int_consts(parts)
     for blk in _inner_blocks(parts):
+        defs = _defs(blk)
         for s in blk.body:
             if isinstance(s, (ir.Load, ir.Store)):
                 buf = kernel.buffer(s.buf)
                 rv = _row_values(parts) if isinstance(s, ir.Load) else frozenset()
-                if _contiguous(buf, s.index, blk.var, 1, rv) is not None:
+                if (_contiguous(buf, s.index, blk.var, 1, rv) is not None
+                        or isinstance(s, ir.Load) and _clamped_load(buf, s.index, blk.var, 1, rv, defs, consts)):
                     sizes.append(dtypes.itemsize(buf.dtype))
     if not sizes:
         return 1
@@ -287,6 +345,11 @@ class _Analysis:
     store_stream: dict  # id(Store) -> key
 
 
+def _defs(blk) -> dict:
+    """The integer statements of a row block, by SSA name (what a clamped column is made of)."""
+    return {t.dst: t for t in blk.body if isinstance(t, (ir.Op, ir.IndexValue))}
+
+
 def _row_values(parts: ir.RowKernel) -> frozenset:
     return frozenset(s.dst for s in parts.body if isinstance(s, (ir.Load, ir.Op, ir.IndexValue, ir.Const)))
 
@@ -294,18 +357,23 @@ def _row_values(parts: ir.RowKernel) -> frozenset:
 def _analyse(kernel: ir.Kernel, parts: ir.RowKernel, vector: int) -> _Analysis:
     ins, outs, lmap, smap = {}, {}, {}, {}
     row_values = _row_values(parts)
+    consts = _int_consts(parts)
     for blk in _inner_blocks(parts):
         stores_seen = set()
+        defs = _defs(blk)
         for s in blk.body:
             if not isinstance(s, (ir.Load, ir.Store)):
                 continue
             buf = kernel.buffer(s.buf)
             base = _contiguous(buf, s.index, blk.var, vector,
                                row_values if isinstance(s, ir.Load) else frozenset())
+            clamp = None
+            if base is None and isinstance(s, ir.Load):
+                base, clamp = _clamped_load(buf, s.index, blk.var, vector, row_values, defs, consts) or (None, None)
             if base is None:
                 continue
             wrap = _stream_wrap(s.index, blk.var)
-            key = (buf.name, tuple(str(e) for e in base), wrap)
+            key = (buf.name, tuple(str(e) for e in base), wrap, clamp)
             table = ins if isinstance(s, ir.Load) else outs
             if isinstance(s, ir.Store):
                 if key in stores_seen:  # two stores to one chunk in a loop: keep them scalar
@@ -313,7 +381,7 @@ def _analyse(kernel: ir.Kernel, parts: ir.RowKernel, vector: int) -> _Analysis:
                 stores_seen.add(key)
             if key not in table:
                 stem = _ident(buf.name) + ("" if not any(k[0] == buf.name for k in table) else f"_{len(table)}")
-                table[key] = _Stream(key, buf, base, stem, wrap)
+                table[key] = _Stream(key, buf, base, stem, wrap, clamp)
             (lmap if isinstance(s, ir.Load) else smap)[id(s)] = key
     return _Analysis(ins, outs, lmap, smap)
 
@@ -374,8 +442,14 @@ def staged_words(kernel: ir.Kernel, vector: int) -> int:
 def _smem_eligible(kernel: ir.Kernel, vector: int) -> bool:
     """Every staged stream comes in whole 16-byte pieces (what cp.async copies)."""
     parts = ir.row_kernel_parts(kernel)
-    staged = [s for s in _analyse(kernel, parts, vector).in_streams.values() if s.per_row]
+    staged = [s for s in _analyse(kernel, parts, vector).in_streams.values() if _smem_staged(s)]
     return bool(staged) and all((vector * s.itemsize) % 16 == 0 for s in staged)
+
+
+def _smem_staged(st: _Stream) -> bool:
+    """Whether stage="smem" copies the stream to shared memory: a row's, except a pad's (its
+    chunks at the edge are loaded an element at a time, which cp.async cannot: each pass loads it)."""
+    return st.per_row and st.clamp is None
 
 
 def default_schedule(kernel: ir.Kernel, arch: str = "sm_90a", stage: str | None = None) -> MapReduceSchedule:
@@ -897,10 +971,44 @@ def _emit_chunk_load(ctx: _Ctx, em: _Emitter, st: _Stream, dst: str, guard: str,
         f"{fn}({dst} + {off}, {ptr}{'' if off == 0 else f' + {off * 4 // st.itemsize}'}{pol});"
         for fn, off in calls)
     zero = " ".join(f"{dst}[{i}] = 0u;" for i in range(w))
-    if guard:
+    if st.clamp is not None:
+        _emit_clamped_chunk_load(ctx, em, st, dst, guard, body, zero)
+    elif guard:
         em(f"if ({guard}) {{ {body} }} else {{ {zero} }}")
     else:
         em(body)
+
+
+_BITS = {1: "unsigned char", 2: "unsigned short", 4: "unsigned", 8: "unsigned long long"}
+
+
+def _emit_clamped_chunk_load(ctx: _Ctx, em: _Emitter, st: _Stream, dst: str, guard: str, body: str, zero: str):
+    """A pad's chunk (_clamped_column): one vector load where columns c0 + k .. c0 + k + V - 1 all
+    lie inside [lo, hi]; else (a chunk at the pad's edge, or outside) each element loaded at its
+    own clamped column, its bits packed into the chunk's words as the vector load packs them."""
+    k, lo, hi = st.clamp
+    size, V = st.itemsize, ctx.V
+    em.open("")
+    plus = f" + {k}" if k > 0 else f" - {-k}" if k else ""
+    em(f"const long long q = (long long)c0{plus};  // the chunk's first column in {st.buf.name}'s row")
+    em(f"if ({guard or 'true'} && q >= {lo} && q <= {hi - V + 1}) {{ {body} }}")
+    em.open(f"else if ({guard or 'true'})")
+    minus = f" - {k}" if k > 0 else f" + {-k}" if k else ""
+    row = f"reinterpret_cast<const {_BITS[size]}*>({_param(st.buf.name)} + b_{st.name}{minus})"
+    em(f"const {_BITS[size]}* src = {row};  // column 0 of this row")
+    em(zero)
+    for i in range(V):
+        at = f"src[tf_min(tf_max(q + {i}, {lo}LL), {hi}LL)]"
+        if size == 8:
+            em(f"{{ const unsigned long long e = {at}; {dst}[{2 * i}] = (unsigned)e; "
+               f"{dst}[{2 * i + 1}] = (unsigned)(e >> 32); }}")
+        else:
+            per = 4 // size
+            shift = 8 * size * (i % per)
+            em(f"{dst}[{i // per}] |= (unsigned){at}{f' << {shift}' if shift else ''};")
+    em.close()
+    em(f"else {{ {zero} }}")
+    em.close()
 
 
 def _smem_chunk(ctx: _Ctx, st: _Stream, i: int) -> str:
@@ -2150,7 +2258,7 @@ def _render(kernel: ir.Kernel, schedule: MapReduceSchedule | None, arch: str, ke
     ctx.fast = fast_math(whole)  # a grid reduction's scratch values are not outputs
     smem_bytes = 0
     if sch.stage == "smem":
-        staged = [st for st in ana.in_streams.values() if st.per_row]
+        staged = [st for st in ana.in_streams.values() if _smem_staged(st)]
         for st in staged:
             if (V * st.itemsize) % 16:
                 raise ValueError(f"kernel {kernel.name}: stage='smem' needs 16-byte chunks; {st.buf.name} "
