@@ -113,3 +113,45 @@ def test_a_smem_staged_kernel_loads_the_pad_in_its_pass():
     src, cubin = compile_source_only(lw.kernel, "sm_90a", replace(sch, stage="smem"))
     assert cubin.info.clean, str(cubin.info)
     assert "tf_cp_async16" in src.source and "the chunk's first column in" in src.source
+
+
+# ---------------------------------------------------------------- index ranges (loop/lower.py)
+
+
+@settings(max_examples=200, deadline=None)
+@given(n=st.integers(1, 40), steps=st.lists(st.tuples(st.sampled_from(OPS), st.integers(-50, 50), st.booleans()),
+                                            max_size=6))
+def test_index_range_holds_every_value_of_the_index(n, steps):
+    """index_range bounds every element an index computes (iota, constants, add / sub / min /
+    max), so a gather at an index it puts inside the table can skip the range check."""
+    import numpy as np
+
+    from tilefuse.graph import ir as g
+    from tilefuse.loop.lower import index_range
+
+    t = lambda shape: g.TensorType(shape, "i64")  # noqa: E731
+    nodes = {"i": g.Iota("i", t((n,)), 0)}
+    x, v = "i", np.arange(n)
+    for k, (op, c, const_first) in enumerate(steps):
+        nodes[f"k{k}"] = g.Constant(f"k{k}", t(()), c)
+        args = (f"k{k}", x) if const_first else (x, f"k{k}")
+        nodes[f"m{k}"] = g.Map(f"m{k}", t((n,)), op, args)
+        a, b = (c, v) if const_first else (v, c)
+        v = {"add": a + b, "sub": a - b, "max": np.maximum(a, b), "min": np.minimum(a, b)}[op] * np.ones(n, int)
+        x = f"m{k}"
+    lo, hi = index_range(nodes, x)
+    assert lo <= v.min() and v.max() <= hi, (steps, (lo, hi), v)
+
+
+def test_a_pads_gather_has_no_range_check_and_a_token_gather_keeps_it():
+    """F.pad's and flip's indices are in the table by construction: no NaN select (and no
+    second clamp) per element. Token ids come from the caller: out of range gives NaN."""
+    x = torch.randn(16, 64)
+    for fn in (lambda x: F.pad(x, (0, 8)), lambda x: x.flip(-1)):
+        p = tilefuse.compile(fn, (x,))
+        (lw,) = p.kernels.values()
+        assert "nan" not in str(lw.kernel), str(lw.kernel)
+        assert torch.equal(p(x), fn(x))
+    ids = torch.randint(0, 16, (8,))
+    p = tilefuse.compile(lambda w, i: F.embedding(i, w) * 2, (x, ids))
+    assert any("nan" in str(lw.kernel) for lw in p.kernels.values())

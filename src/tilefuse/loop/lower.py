@@ -289,6 +289,13 @@ class _Lowerer:
             block, memo, col = self.row_block, self.row_memo, None
         idx = self.convert(self.emit(n.index, block, memo, col), "i64", block)
         size = self.g[n.arg].type.shape[n.axis]
+        span = index_range(self.g, n.index)
+        if span is not None and 0 <= span[0] and span[1] <= size - 1:
+            # in range by construction (F.pad's clamped column, a flip's n - 1 - i): no check,
+            # no clamp; a pad's kernel spent as long on the index math as on its bytes
+            if row:
+                self.row_gathers[n.name] = None, idx
+            return None, idx
         zero, last = self.const(block, 0, "i64"), self.const(block, size - 1, "i64")
         if n.wrap:  # x[idx]: a negative index counts from the end
             moved = self.op(block, "add", (idx, self.const(block, size, "i64")), "i64")
@@ -322,6 +329,8 @@ class _Lowerer:
         t = self.g[n.arg].type.dtype
         self.dtype[raw] = t
         ct = dtypes.compute_type(t)
+        if ok is None:
+            return self.convert(raw, ct, block)
         return self.op(block, "where", (ok, self.convert(raw, ct, block), self.const(block, float("nan"), ct)), ct)
 
     def op(self, block: list, op: str, args: tuple, dtype: str) -> str:
@@ -405,6 +414,36 @@ class _Lowerer:
                           (L.Loop("r", rows, tuple(self.row_block), parallel=True),), "mapreduce",
                           notes=tuple(f"{n}: {self.g[n].describe()}" for n in step.nodes))
         return Lowered(kernel, tuple(self.bindings))
+
+
+def index_range(g: g_ir.Graph, name: str) -> tuple[int, int] | None:
+    """(least, greatest) an integer tensor's elements can be, from how it is made (iotas,
+    integer constants, views, and add / sub / min / max / widening casts of these), or None."""
+    n = g[name]
+    if n.type.dtype not in dtypes.INTS:
+        return None
+    span = _index_range(g, n)
+    bits = {"u8": (0, 255), "i8": (-128, 127), "i32": (-2**31, 2**31 - 1), "i64": (-2**63, 2**63 - 1)}[n.type.dtype]
+    return span if span is not None and bits[0] <= span[0] and span[1] <= bits[1] else None  # (else it may wrap)
+
+
+def _index_range(g: g_ir.Graph, n) -> tuple[int, int] | None:
+    if isinstance(n, g_ir.Iota):
+        return 0, n.type.shape[n.axis] - 1
+    if isinstance(n, g_ir.Constant):
+        return (n.value, n.value) if isinstance(n.value, int) and not isinstance(n.value, bool) else None
+    if isinstance(n, g_ir.View):
+        return index_range(g, n.arg)
+    if not isinstance(n, g_ir.Map) or n.op not in ("add", "sub", "min", "max", "cast"):
+        return None
+    spans = [index_range(g, a) for a in n.args]
+    if None in spans:
+        return None
+    if n.op == "cast":  # (an integer's value, where the new dtype holds the range: index_range checks)
+        return spans[0]
+    (alo, ahi), (blo, bhi) = spans
+    return {"add": (alo + blo, ahi + bhi), "sub": (alo - bhi, ahi - blo),
+            "min": (min(alo, blo), min(ahi, bhi)), "max": (max(alo, blo), max(ahi, bhi))}[n.op]
 
 
 def _reduced_16bit_maps(graph: g_ir.Graph, step) -> frozenset[str]:
