@@ -370,3 +370,28 @@ def test_a_pick_within_min_gain_of_the_default_keeps_the_default(cache):
     CALLS.clear()
     r = tuner(TuneCache(cache.path.parent / "other.sqlite"), budget=6, min_gain=0.0).tune({"k": k})[0]
     assert r.knobs == min(CALLS[:6], key=fake_time)
+
+
+def test_the_results_table_reads_in_an_80_column_pipe():
+    """The last table names only the knobs the tuner changed: with all 11 of a map-reduce
+    schedule's in a column, an 80-column pipe (tune under a CI log) wrapped them a word a line
+    and cut every name."""
+    import io
+
+    from rich.console import Console
+
+    from tilefuse.tune.tuner import KernelResult
+
+    default = {"stage": "regs", "vector": 8, "threads": 256, "group": 4, "cluster": 1, "min_blocks": 3, "unroll": 4,
+               "batch": 1, "pipeline": False, "l2_hints": False, "two_pass": False}
+    tuned = dict(default, stage="smem", threads=128, group=8, min_blocks=16)
+    results = [KernelResult("tf_k0_view", None, "tuned", tuned, default, 33.2, 36.8, 48, 0, wall_s=20.0),
+               KernelResult("tf_k1_add", None, "tuned", dict(default), default, 47.0, 47.0, 40, 0, wall_s=9.0)]
+    out = io.StringIO()
+    Console(file=out, width=80).print(command.results_table(results, "tilefuse tune on a GPU"))
+    text = out.getvalue()
+    flat = " ".join(text.split())  # (a line longer than the console wraps, whole words kept)
+    assert "tf_k0_view: stage=smem threads=128 group=8 min_blocks=16 (48 tried, 0 failed, 20.0 s)" in flat, text
+    assert "tf_k1_add: (the default)" in flat and "vector=" not in text, text
+    row = next(line for line in text.splitlines() if "tf_k0_view" in line and "│" in line)
+    assert "36.8" in row and "33.2" in row and "1.11x" in row, text

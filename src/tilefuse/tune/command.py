@@ -123,7 +123,6 @@ def run(args, build) -> int:
     """The subcommand; `build(args)` compiles the program and returns its stages, a list of
     `compiler.Compiled` (cli._tune_stages: one for -c, one per dynamo graph for --model)."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-    from rich.table import Table
 
     from ..cli import make_console
     from .cache import TuneCache
@@ -148,17 +147,36 @@ def run(args, build) -> int:
         with POOL(list(range(args.gpus)), timeout=args.timeout) as pool:
             with Tuner(pool, devices[0], cache, options, on_event=view, measure_fn=MEASURE) as tuner:
                 results = tuner.tune(kernels)
-    table = Table(title=f"tilefuse tune on {devices[0]}: cache {cache.path}")
-    for col in ("kernel", "result", "default us", "tuned us", "speedup", "tried", "failed", "seconds", "knobs"):
-        table.add_column(col)
-    for r in results:
-        fmt = lambda x: f"{x:.1f}" if x else "-"  # noqa: E731
-        table.add_row(r.name, r.status if r.status != "failed" else f"failed: {r.note}", fmt(r.default_us),
-                      fmt(r.best_us), f"{r.speedup:.2f}x" if r.speedup else "-", str(r.evaluated), str(r.failed),
-                      f"{r.wall_s:.1f}", _knobs_text(r.knobs))
-    console.print(table)
+    console.print(results_table(results, f"tilefuse tune on {devices[0]}: cache {cache.path}"))
     return 0 if all(r.status != "failed" for r in results) else 2
 
 
-def _knobs_text(knobs: dict | None) -> str:
-    return " ".join(f"{k}={v}" for k, v in (knobs or {}).items())
+def results_table(results: list, title: str):
+    """One row per kernel (its result, default and tuned times), then a line per kernel with
+    the knobs the tuner changed and what the search cost: lines wrap where a table column
+    would cut them (an 80-column pipe cut a knobs column a word a line)."""
+    from rich.console import Group
+    from rich.table import Table
+
+    table = Table(title=title)
+    for col in ("kernel", "result", "default us", "tuned us", "speedup"):
+        table.add_column(col, overflow="fold")
+    lines = []
+    for r in results:
+        fmt = lambda x: f"{x:.1f}" if x else "-"  # noqa: E731
+        table.add_row(r.name, r.status if r.status != "failed" else f"failed: {r.note}", fmt(r.default_us),
+                      fmt(r.best_us), f"{r.speedup:.2f}x" if r.speedup else "-")
+        lines.append(f"{r.name}: {_knobs_text(r.knobs, r.default_knobs)}  "
+                     f"({r.evaluated} tried, {r.failed} failed, {r.wall_s:.1f} s)")
+    return Group(table, "knobs changed from the default:", *lines)
+
+
+def _knobs_text(knobs: dict | None, default: dict | None = None) -> str:
+    """The picked knobs that differ from the default schedule's (a map-reduce schedule has 11,
+    which wrapped a word a line in an 80-column pipe), or all of them where no default is known."""
+    if not knobs:
+        return "-"
+    if default is None:
+        return " ".join(f"{k}={v}" for k, v in knobs.items())
+    changed = " ".join(f"{k}={v}" for k, v in knobs.items() if default.get(k) != v)
+    return changed or "(the default)"
