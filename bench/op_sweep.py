@@ -41,6 +41,7 @@ CASES = {
     "slice_cols": "torch.randn(8192, 8192)[:, 2048:6144].contiguous()",
     "flip": "torch.randn(8192, 4096).flip(-1) * 2",
     "pad": "F.pad(torch.randn(8192, 4000), (0, 96))",
+    "pad_slice": "(lambda x: F.pad(x[:, 8:], (0, 8)))(torch.randn(8192, 4096))",
     "rope_rotate_half": "(lambda q, c, s: q * c + torch.cat([-q[..., 64:], q[..., :64]], -1) * s)"
                         "(torch.randn(8, 32, 1024, 128), torch.randn(1, 1, 1024, 128), torch.randn(1, 1, 1024, 128))",
     "upsample_nearest": "F.interpolate(torch.randn(16, 64, 128, 128), scale_factor=2, mode='nearest')",

@@ -257,14 +257,29 @@ def _clamped_column(v: str, cvar: str, defs: dict, consts: dict):
     return None
 
 
+def _val_plus(e: ir.Index, defs: dict):
+    """(v, d) where index `e` is the block's integer value v plus a constant d, else None."""
+    if isinstance(e, ir.Val) and e.name in defs:
+        return e.name, 0
+    if isinstance(e, ir.IBin) and e.op == "+":
+        for a, b in ((e.a, e.b), (e.b, e.a)):
+            if isinstance(a, ir.Val) and a.name in defs and isinstance(b, ir.IConst):
+                return a.name, b.value
+    return None
+
+
 def _clamped_load(buf: ir.Buffer, index: tuple, cvar: str, vector: int, row_values, defs: dict, consts: dict):
     """(base_index, (k, lo, hi)) where buf[index] reads the row at a clamped column c + k (a pad),
     chunk-aligned for `vector` where the chunk lies inside [lo, hi]; else None."""
-    at = [i for i, e in enumerate(index) if isinstance(e, ir.Val) and e.name in defs]
+    at = [i for i, e in enumerate(index) if _val_plus(e, defs) is not None]
     if len(at) != 1 or any(ir.index_values(e) for i, e in enumerate(index) if i != at[0]):
         return None
-    clamp = _clamped_column(index[at[0]].name, cvar, defs, consts)
-    if clamp is None or clamp[1] is None or clamp[2] is None or not 0 <= clamp[1] <= clamp[2] < buf.shape[at[0]]:
+    v, d = _val_plus(index[at[0]], defs)
+    clamp = _clamped_column(v, cvar, defs, consts)
+    if clamp is None or clamp[1] is None or clamp[2] is None:
+        return None
+    clamp = (clamp[0] + d, clamp[1] + d, clamp[2] + d)  # (a table read through a slice: loop/views.py)
+    if not 0 <= clamp[1] <= clamp[2] < buf.shape[at[0]]:
         return None
     col = ir.Var(cvar) if clamp[0] == 0 else ir.IBin("+", ir.Var(cvar), ir.IConst(clamp[0]))
     base = _contiguous(buf, tuple(col if i == at[0] else e for i, e in enumerate(index)), cvar, vector, row_values)

@@ -367,8 +367,14 @@ class _Planner:
         tensors may be laid out permuted."""
         t = self.table_of(n)
         table, made = self.g[t], self.group_of.get(t)
+        # a view PyTorch copies (a slice, a permute: an extern step) is in memory as itself too;
+        # views_read_in_place then drops the copy where the kernel can read through it. Not a
+        # result's view: one returned strided (_mark_layout_views) is not the copy it looks like
+        copied = (isinstance(table, ir.View) and made is not None and made.family == "extern"
+                  and t not in self.g.outputs and t not in self.g.results)
         in_memory = (isinstance(table, (ir.Input, ir.Weight)) if made is None
-                     else made.family in ("mapreduce", "gemm") or not isinstance(table, ir.View) and made.family == "extern")
+                     else made.family in ("mapreduce", "gemm") or copied
+                     or not isinstance(table, ir.View) and made.family == "extern")
         return (gathers_enabled() and not step.columns and dtypes.is_float(table.type.dtype) and in_memory
                 and t not in self.deferred and n.arg not in self.deferred
                 and not any(self.group_of.get(x) is step for x in (n.arg, t))

@@ -324,6 +324,14 @@ class _Lowerer:
                 index.append(L.Var(col))
             else:
                 index.append(_coord(a, self.space, L.Var("r")))
+        root = self.step.reads.get(self.step.tables[n.name])
+        if root is not None:  # the table is a view of `root`: its element's index there (loop/views.py)
+            from .views import read_index
+
+            extents = {"r": math.prod(self.space[0]), clamped: table_shape[n.axis]} | (
+                {col: self.space[1]} if col else {})
+            index = read_index(self.g, n.arg, table_shape, tuple(index), extents, until=root) \
+                if self.g[root].type.shape else (L.IConst(0),)
         raw = self.fresh("x")
         block.append(L.Load(raw, self.tables[n.name], tuple(index)))
         t = self.g[n.arg].type.dtype
@@ -387,10 +395,11 @@ class _Lowerer:
         self.tables = {}  # gather -> the buffer of its table: its tensor, in the gather's argument's shape
         for m in step.nodes:
             if isinstance(self.g[m], g_ir.Gather):
-                t = self.g[self.g[m].arg].type
+                root = step.reads.get(step.tables[m])  # a view read where its tensor lies (emit_gather)
+                t = self.g[root or self.g[m].arg].type
                 self.tables[m] = f"{m}_table"
-                self.params.append(L.Buffer(self.tables[m], t.shape, t.dtype, "in"))
-                self.bindings.append(Binding(self.tables[m], step.tables[m], t.shape))
+                self.params.append(L.Buffer(self.tables[m], t.shape or (1,), t.dtype, "in"))
+                self.bindings.append(Binding(self.tables[m], root or step.tables[m], t.shape or (1,)))
         for t in step.outputs:
             self.buffer(t, "out")
         self.row_block, self.row_memo = self.block(), {}

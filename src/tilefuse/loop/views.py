@@ -6,8 +6,9 @@ batch, or a bias broadcast through an expand. Reading the small tensor at the co
 instead of a materialised copy of the view keeps it small enough to stay in L2 (the 7B layer's
 tables at S = 8192: 1 MB each in bf16, against 32 MB for a copy repeated over 32 heads).
 
-While composing, an index is a sum of terms (coefficient * atom, an atom being a loop variable
-or a `//` or `%` of a sum by a constant) with the loop variables' ranges known, so that the
+While composing, an index is a sum of terms (coefficient * atom, an atom being a loop variable,
+a gather's index value (its range known: a gather's table read through views, loop/lower.py), or
+a `//` or `%` of a sum by a constant) with the loop variables' ranges known, so that the
 divisions and remainders each reshape spells out cancel where they can: the RoPE table at
 output element (m, n) is read at (m % S, n % (D/2)), and at (m, n % (D/2)) when m < S, not
 through the nested expression the three views spell out. Every index is non-negative (views
@@ -60,6 +61,8 @@ def _bounds(x: _Sum, ext: dict) -> tuple[int, int]:
     for a, c in x.terms:
         if isinstance(a, str):
             alo, ahi = 0, ext[a] - 1
+        elif isinstance(a, L.Val):  # a gather's index, in [0, its extent)
+            alo, ahi = 0, ext[a.name] - 1
         else:
             op, y, k = a
             ylo, yhi = _bounds(y, ext)
@@ -103,6 +106,8 @@ def _of_index(e: L.Index, ext: dict | None = None) -> _Sum:
     kernel's coordinates of its merged row variable)."""
     if isinstance(e, L.Var):
         return _sum({e.name: 1})
+    if isinstance(e, L.Val) and ext is not None and e.name in ext:
+        return _sum({e: 1})
     if isinstance(e, L.IConst):
         return _const(e.value)
     if isinstance(e, L.IBin) and e.op == "+":
@@ -119,7 +124,8 @@ def _of_index(e: L.Index, ext: dict | None = None) -> _Sum:
 def _to_index(x: _Sum) -> L.Index:
     parts = []
     for a, c in x.terms:
-        atom = L.Var(a) if isinstance(a, str) else L.IBin(a[0], _to_index(a[1]), L.IConst(a[2]))
+        atom = (L.Var(a) if isinstance(a, str) else a if isinstance(a, L.Val)
+                else L.IBin(a[0], _to_index(a[1]), L.IConst(a[2])))
         parts.append(atom if c == 1 else L.IBin("*", L.IConst(c), atom))
     if x.const or not parts:
         parts.append(L.IConst(x.const))
