@@ -17,7 +17,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "cpu"))
-from test_gather_views import CASES  # noqa: E402
+from test_gather_views import CASES, TRANSPOSED  # noqa: E402
 
 BIG = {
     "rows of a slice": lambda: (torch.randn(32768, 4096), torch.randint(0, 64, (8192,))),
@@ -27,12 +27,13 @@ BIG = {
 }
 
 
-def _run(fn, ins):
+def _run(fn, ins, transposed=False):
     import tilefuse
 
     prog = tilefuse.compile(fn, ins, graphs=True)
     prog.poison = True
-    assert [s.family for s in prog.plan.steps if s.family != "alias" and not s.view] == ["mapreduce"], str(prog.plan)
+    want_steps = (["extern"] if transposed else []) + ["mapreduce"]  # (a transposed table: PyTorch's copy)
+    assert [s.family for s in prog.plan.steps if s.family != "alias" and not s.view] == want_steps, str(prog.plan)
     want = fn(*ins)
     for call in range(3):  # the thin call, then CUDA-graph replays
         got = prog(*ins)
@@ -46,7 +47,7 @@ def test_a_gather_of_a_view_equals_eager_bit_for_bit(name, dtype):
     fn, make = CASES[name]
     torch.manual_seed(0)
     ins = tuple((x.to(dtype) if x.is_floating_point() else x).cuda() for x in make())
-    _run(fn, ins)
+    _run(fn, ins, name in TRANSPOSED)
 
 
 @pytest.mark.parametrize("name", BIG)
@@ -54,4 +55,4 @@ def test_a_gather_of_a_view_at_model_sizes(name):
     fn = CASES[name][0]
     torch.manual_seed(1)
     ins = tuple((x.to(torch.bfloat16) if x.is_floating_point() else x).cuda() for x in BIG[name]())
-    _run(fn, ins)
+    _run(fn, ins, name in TRANSPOSED)

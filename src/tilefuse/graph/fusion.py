@@ -1014,6 +1014,12 @@ def _reads_transposed(g: ir.Graph, n) -> bool:
     return any(_transposes(g, a, None) for a in n.args)
 
 
+def _gathers_from(n, table: str) -> bool:
+    """Whether n gathers from `table`: under a transposing view a gather would read its table an
+    element at a time across rows (no 2-D tiles for a gathered index), so the view keeps its copy."""
+    return isinstance(n, ir.Gather) and n.arg == table
+
+
 def views_read_in_place(p: Plan) -> Plan:
     """Drop the copies of views (slices, permutes, rolls; extern steps, and the reshapes after
     them) that only map-reduce kernels read, directly or through other such views: those
@@ -1041,7 +1047,7 @@ def views_read_in_place(p: Plan) -> Plan:
                 and (_keeps_rows(n) or moved and n.op in _READ_THROUGH)
                 and n.type.numel > 0  # (an empty one keeps its step: compiler._refuse_empty says why)
                 and all(step_of[u].family == "mapreduce" and step_of[u].head is None
-                        and (not moved or maps_only(step_of[u]))
+                        and (not moved or maps_only(step_of[u]) and not _gathers_from(g[u], name))
                         if not isinstance(g[u], ir.View) else consumable(u, moved) for u in users[name]))
         return memo[name, transposed]
 
