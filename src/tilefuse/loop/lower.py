@@ -324,7 +324,7 @@ class _Lowerer:
                 index.append(L.Var(col))
             else:
                 index.append(_coord(a, self.space, L.Var("r")))
-        root = self.step.reads.get(self.step.tables[n.name])
+        root = self.table_root(n)
         if root is not None:  # the table is a view of `root`: its element's index there (loop/views.py)
             from .views import read_index
 
@@ -340,6 +340,17 @@ class _Lowerer:
         if ok is None:
             return self.convert(raw, ct, block)
         return self.op(block, "where", (ok, self.convert(raw, ct, block), self.const(block, float("nan"), ct)), ct)
+
+    def table_root(self, n: g_ir.Gather) -> str | None:
+        """The tensor this kernel reads gather n's table from, where that table is a view read in
+        place (Step.reads, keyed by the view the kernel reads: it may be a reshape above the view
+        `Step.tables` names), else None."""
+        name = n.arg
+        while name not in self.step.reads:
+            if name == self.step.tables[n.name] or not isinstance(self.g[name], g_ir.View):
+                return None
+            name = self.g[name].arg
+        return self.step.reads[name]
 
     def op(self, block: list, op: str, args: tuple, dtype: str) -> str:
         """A new value: `op` of `args`, of `dtype`, appended to `block`."""
@@ -395,7 +406,7 @@ class _Lowerer:
         self.tables = {}  # gather -> the buffer of its table: its tensor, in the gather's argument's shape
         for m in step.nodes:
             if isinstance(self.g[m], g_ir.Gather):
-                root = step.reads.get(step.tables[m])  # a view read where its tensor lies (emit_gather)
+                root = self.table_root(self.g[m])  # a view read where its tensor lies (emit_gather)
                 t = self.g[root or self.g[m].arg].type
                 self.tables[m] = f"{m}_table"
                 self.params.append(L.Buffer(self.tables[m], t.shape or (1,), t.dtype, "in"))
@@ -427,25 +438,33 @@ class _Lowerer:
 
 def index_range(g: g_ir.Graph, name: str) -> tuple[int, int] | None:
     """(least, greatest) an integer tensor's elements can be, from how it is made (iotas,
-    integer constants, views, and add / sub / min / max / widening casts of these), or None."""
-    n = g[name]
-    if n.type.dtype not in dtypes.INTS:
-        return None
-    span = _index_range(g, n)
-    bits = {"u8": (0, 255), "i8": (-128, 127), "i32": (-2**31, 2**31 - 1), "i64": (-2**63, 2**63 - 1)}[n.type.dtype]
-    return span if span is not None and bits[0] <= span[0] and span[1] <= bits[1] else None  # (else it may wrap)
+    integer constants, views, and add / sub / min / max / casts of these), or None."""
+    return _index_range(g, name, {})
 
 
-def _index_range(g: g_ir.Graph, n) -> tuple[int, int] | None:
+_BITS = {"u8": (0, 255), "i8": (-128, 127), "i32": (-2**31, 2**31 - 1), "i64": (-2**63, 2**63 - 1)}
+
+
+def _index_range(g: g_ir.Graph, name: str, memo: dict) -> tuple[int, int] | None:
+    """index_range, each node's range computed once (a shared operand is not walked per path)."""
+    if name not in memo:
+        n = g[name]
+        span = _node_range(g, n, memo) if n.type.dtype in dtypes.INTS else None
+        bits = _BITS.get(n.type.dtype)
+        memo[name] = span if span is not None and bits[0] <= span[0] and span[1] <= bits[1] else None  # (else it may wrap)
+    return memo[name]
+
+
+def _node_range(g: g_ir.Graph, n, memo: dict) -> tuple[int, int] | None:
     if isinstance(n, g_ir.Iota):
         return 0, n.type.shape[n.axis] - 1
     if isinstance(n, g_ir.Constant):
         return (n.value, n.value) if isinstance(n.value, int) and not isinstance(n.value, bool) else None
     if isinstance(n, g_ir.View):
-        return index_range(g, n.arg)
+        return _index_range(g, n.arg, memo)
     if not isinstance(n, g_ir.Map) or n.op not in ("add", "sub", "min", "max", "cast"):
         return None
-    spans = [index_range(g, a) for a in n.args]
+    spans = [_index_range(g, a, memo) for a in n.args]
     if None in spans:
         return None
     if n.op == "cast":  # (an integer's value, where the new dtype holds the range: index_range checks)
