@@ -8,6 +8,8 @@ interpreter runs the Loop IR); each kernel builds without spills."""
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch
 import torch.nn.functional as F
 
@@ -125,3 +127,51 @@ def test_index_range_walks_a_shared_operand_once():
     p = tilefuse.compile(fn, (x,))
     assert time.perf_counter() - t0 < 30
     assert torch.equal(p(x), fn(x))
+
+
+# ---------------------------------------------------------------- random view chains
+
+VIEW_OPS = ("slice_last", "slice_first", "transpose", "roll", "expand", "reshape")
+
+
+def _view(x, op, k):
+    if op == "slice_last" and x.shape[-1] > 2:
+        return x[..., k % 2: x.shape[-1] - 1]
+    if op == "slice_first" and x.shape[0] > 2:
+        return x[1 + k % 2:]
+    if op == "transpose" and x.dim() >= 2:
+        return x.transpose(0, -1)
+    if op == "roll":
+        return x.roll(k % 5 - 2, -1)
+    if op == "expand" and x.dim() == 2:
+        return x[None].expand(2, *x.shape)
+    if op == "reshape" and x.dim() == 3:
+        return x.reshape(x.shape[0] * x.shape[1], x.shape[2])
+    return x
+
+
+def _reader(x, kind, i):
+    if kind == "pad":
+        return F.pad(x, (i % 3, 8 - i % 3)) * 2
+    if kind == "replicate":
+        return F.pad(x if x.dim() >= 2 else x[None], (1 + i % 2, 2), mode="replicate") + 1
+    if kind == "flip":
+        return x.flip(-1) - 1
+    return x.index_select(-1, torch.arange(x.shape[-1] - 1, -1, -2)) * 3  # (an index the kernel reads)
+
+
+@settings(max_examples=40, deadline=None)
+@given(rows=st.integers(3, 9), cols=st.integers(3, 20),
+       chain=st.lists(st.tuples(st.sampled_from(VIEW_OPS), st.integers(0, 9)), min_size=1, max_size=3),
+       kind=st.sampled_from(["pad", "replicate", "flip", "index_select"]), i=st.integers(0, 9))
+def test_random_view_chains_read_by_a_gather_equal_eager(rows, cols, chain, kind, i):
+    """Any chain of slices, transposes, rolls, expands and reshapes under a pad, flip or
+    index_select: the plan (the copy dropped or kept) computes eager's values."""
+    def fn(x):
+        for op, k in chain:
+            x = _view(x, op, k)
+        return _reader(x, kind, i)
+
+    x = torch.randn(rows, cols)
+    p = tilefuse.compile(fn, (x,))
+    assert torch.equal(p(x), fn(x)), str(p.plan)
