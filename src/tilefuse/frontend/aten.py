@@ -1603,6 +1603,39 @@ def _gathered(b, x, d: int, index, n: int):
                            x, index, d, b.source))
 
 
+@handles("repeat", "tile")
+def _repeat(b, args, kwargs, out):
+    """x.repeat(r0, r1, ...) and torch.tile as views: each dim of size n becomes (1, n) expanded
+    to (r, n) and merged, element i reading x at i % n, so a kernel reading the result reads x
+    in place (rules/result_copies.py copies it where it is the result)."""
+    x = args[0]
+    reps = [int(r) for r in (args[1] if len(args) > 1 else kwargs.get("repeats", kwargs.get("dims")))]
+    shape = b.type(x).shape
+    if out.op == "tile" and len(reps) < len(shape):  # (tile pads its reps with ones in front)
+        reps = [1] * (len(shape) - len(reps)) + reps
+    if len(reps) < len(shape):
+        raise Unsupported("fewer repeats than dims")
+    shape = (1,) * (len(reps) - len(shape)) + tuple(shape)
+    split = tuple(v for n in shape for v in (1, n))
+    wide = tuple(v for n, r in zip(shape, reps) for v in (r, n))
+    return b.reshape(b.view("expand", b.reshape(x, split), wide, wide), out.shape)
+
+
+@handles("tril", "triu")
+def _tril(b, args, kwargs, out):
+    """x's lower (tril) or upper (triu) triangle over its last two dims, from `diagonal` on, and
+    zeros elsewhere: where(col - row <= k (tril) / >= k (triu), x, 0), the positions iotas."""
+    x = args[0]
+    k = int(args[1] if len(args) > 1 else kwargs.get("diagonal", 0))
+    shape = b.type(x).shape
+    if len(shape) < 2:
+        raise Unsupported("a tensor of fewer than 2 dims")
+    rank = len(shape)
+    diag = b.map("sub", _positions(b, rank, rank - 1, shape[-1]), _positions(b, rank, rank - 2, shape[-2]))
+    keep = b.map("le" if out.op == "tril" else "ge", diag, b.const(k, "i64"))
+    return b.map("where", keep, x, b.scalar(0, x))
+
+
 @handles("flip")
 def _flip(b, args, kwargs, out):
     """x read backwards along each dim: a gather at n - 1 - i."""
