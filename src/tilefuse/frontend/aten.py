@@ -1068,6 +1068,43 @@ def _max_min(b, args, kwargs, out):
     return values, _arg_index(b, x, op, dim, keep, best)
 
 
+@handles("aminmax")
+def _aminmax(b, args, kwargs, out):
+    """(min, max), over `dim` or all elements: two reductions of one input (merged into one
+    pass where they share a kernel)."""
+    x = args[0]
+    rank = len(b.type(x).shape)
+    dims, keep = _dims(kwargs.get("dim"), rank), kwargs.get("keepdim", False)
+    return b.reduce("min", x, dims, keep), b.reduce("max", x, dims, keep)
+
+
+@handles("avg_pool1d", "max_pool1d")
+def _pool1d(b, args, kwargs, out):
+    """F.avg_pool1d / F.max_pool1d over windows that tile the length (stride = kernel, no padding,
+    no dilation): [.., L] viewed as [.., L // k, k] (what is left over dropped, as PyTorch's
+    floor mode does) and reduced over its last dim. Other windows stay PyTorch's op."""
+    names = (("kernel_size", "stride", "padding", "ceil_mode", "count_include_pad") if out.op == "avg_pool1d"
+             else ("kernel_size", "stride", "padding", "dilation", "ceil_mode"))
+    got = {key: args[1 + i] if len(args) > 1 + i else kwargs.get(key) for i, key in enumerate(names)}
+    one = lambda v, default: default if v in (None, [], ()) else v[0] if isinstance(v, (list, tuple)) else v  # noqa: E731
+    k = one(got["kernel_size"], None)
+    stride, padding, dilation = one(got["stride"], k), one(got["padding"], 0), one(got.get("dilation"), 1)
+    # (without padding, count_include_pad changes nothing)
+    if not (isinstance(k, int) and stride == k and padding == 0 and dilation == 1 and not got["ceil_mode"]):
+        raise Unsupported("windows other than stride = kernel without padding")
+    x = args[0]
+    if not dtypes.is_float(b.type(x).dtype):
+        raise Unsupported(f"a {b.type(x).dtype} tensor")
+    shape = b.type(x).shape
+    n = shape[-1] // k
+    if n * k != shape[-1]:
+        x = b.view("slice", x, shape[:-1] + (n * k,), (len(shape) - 1, 0, n * k, 1))
+    windows = b.reshape(x, shape[:-1] + (n, k))
+    if out.op == "max_pool1d":
+        return b.reduce("max", windows, (-1,), False)
+    return b.cast(b.reduce("mean", windows, (-1,), False, dtype=_acc(b, windows)), out.dtype)
+
+
 @handles("argmax", "argmin")
 def _argmax(b, args, kwargs, out):
     x = args[0]
