@@ -52,6 +52,32 @@ def test_tril_and_triu_equal_eager_with_no_pytorch_op(shape, k, upper, dtype, se
     assert got.dtype == want.dtype and torch.equal(got, want)
 
 
+def test_a_triangle_or_repeat_of_weights_and_constants_folds_when_compiling():
+    """`torch.tril(torch.ones(T, T))` and `w.repeat(4, 1)` keep PyTorch's op, which folds into a
+    weight once (graph/fold.py): lowered, the mask was rebuilt from a stored `ones` each call
+    past T = 362 (its i64 positions too large to fold), and the repeat copied each call (review)."""
+    T = 1024
+    fn = lambda x: x.masked_fill(torch.tril(torch.ones(T, T)) == 0, float("-inf")).softmax(-1)  # noqa: E731
+    x = torch.randn(2, T, T)
+    p = tilefuse.compile(fn, (x,))
+    assert [s.family for s in p.plan.steps] == ["mapreduce"], str(p.plan)
+    torch.testing.assert_close(p(x), fn(x))
+
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(64, 32))
+
+        def forward(self, x):
+            return x * self.w.repeat(1, 2)[:, :48].sum(0) + torch.triu(self.w[:32]).sum(0).repeat(1)[:1]
+
+    m, x = M(), torch.randn(8, 48)
+    p = tilefuse.compile(m, (x,))
+    assert [s.family for s in p.plan.steps if s.family != "alias"] == ["mapreduce"], str(p.plan)
+    with torch.no_grad():
+        torch.testing.assert_close(p(x), m(x))
+
+
 def test_a_repeat_read_by_a_map_is_read_in_place():
     """`x.repeat(1, 4, 1, 1) * 2`, GQA's heads repeated: one kernel reading x, not a copy."""
     x = torch.randn(2, 3, 5, 8)

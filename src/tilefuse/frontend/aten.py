@@ -1640,12 +1640,29 @@ def _gathered(b, x, d: int, index, n: int):
                            x, index, d, b.source))
 
 
+def _static(b, x: str) -> bool:
+    """Whether x is made of weights and constants alone (graph/fold.py folds PyTorch's op of it
+    into a weight once, when compiling: `torch.tril(torch.ones(T, T))`, `w.repeat(4, 1)`)."""
+    nodes = {n.name: n for n in b.nodes}
+    todo, seen = [x], set()
+    while todo:
+        n = nodes[todo.pop()]
+        if isinstance(n, ir.Input):
+            return False
+        seen.add(n.name)
+        todo += [a for a in ir.node_args(n) if a not in seen]
+    return True
+
+
 @handles("repeat", "tile")
 def _repeat(b, args, kwargs, out):
     """x.repeat(r0, r1, ...) and torch.tile as views: each dim of size n becomes (1, n) expanded
     to (r, n) and merged, element i reading x at i % n, so a kernel reading the result reads x
-    in place (rules/result_copies.py copies it where it is the result)."""
+    in place (rules/result_copies.py copies it where it is the result). Of a weight or constant,
+    PyTorch's op, which folds into a weight (a view's copy would run every call)."""
     x = args[0]
+    if _static(b, x):
+        raise Unsupported("a tensor made of weights and constants (folded when compiling)")
     reps = [int(r) for r in (args[1] if len(args) > 1 else kwargs.get("repeats", kwargs.get("dims")))]
     shape = b.type(x).shape
     if out.op == "tile" and len(reps) < len(shape):  # (tile pads its reps with ones in front)
@@ -1661,8 +1678,11 @@ def _repeat(b, args, kwargs, out):
 @handles("tril", "triu")
 def _tril(b, args, kwargs, out):
     """x's lower (tril) or upper (triu) triangle over its last two dims, from `diagonal` on, and
-    zeros elsewhere: where(col - row <= k (tril) / >= k (triu), x, 0), the positions iotas."""
+    zeros elsewhere: where(col - row <= k (tril) / >= k (triu), x, 0), the positions iotas. Of a
+    weight or constant (a causal mask from `ones`), PyTorch's op, which folds into a weight."""
     x = args[0]
+    if _static(b, x):
+        raise Unsupported("a tensor made of weights and constants (folded when compiling)")
     k = int(args[1] if len(args) > 1 else kwargs.get("diagonal", 0))
     shape = b.type(x).shape
     if len(shape) < 2:

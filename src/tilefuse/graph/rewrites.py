@@ -199,11 +199,24 @@ def reshapes_onto_maps(g: ir.Graph, moving: set) -> ir.Graph:
 
 def drop_one_element_reductions(g: ir.Graph) -> ir.Graph:
     """A reduction over axes that all have size 1 reduces one element: it is a reshape (and a cast
-    where the result type differs), so it fuses like a map instead of becoming an extern."""
+    where the result type differs), so it fuses like a map instead of becoming an extern. Not a
+    result whose argument's memory the caller holds (an input, a weight, another result): the
+    reshape would hand it back (`x.amax(-1)` of a [3, 1] x, written through, changed x), where
+    PyTorch returns a new tensor."""
     out, changed = [], False
     names = {n.name for n in g.nodes}
+    results = set(g.outputs) | set(g.results)
+
+    def held(name: str) -> bool:  # the caller holds this tensor's memory (through views)
+        while not (name in results or isinstance(g[name], (ir.Input, ir.Weight))):
+            if not isinstance(g[name], ir.View):
+                return False
+            name = g[name].arg
+        return True
+
     for n in g.nodes:
-        if isinstance(n, ir.Reduce) and all(g[n.arg].type.shape[a] == 1 for a in n.axes):
+        if (isinstance(n, ir.Reduce) and all(g[n.arg].type.shape[a] == 1 for a in n.axes)
+                and not (n.name in results and n.type.dtype == g[n.arg].type.dtype and held(n.arg))):
             arg = g[n.arg].type
             if arg.dtype == n.type.dtype:
                 out.append(ir.View(n.name, n.type, "reshape", n.arg, n.type.shape, n.source))
