@@ -415,6 +415,23 @@ def _(draw, dtype):
         F.interpolate(x, scale_factor=f, mode=mode) * 2))), [randn(s, dtype)]
 
 
+@case("repeat_tril", "repeat", "tile", "tril", "triu")
+def _(draw, dtype):
+    """repeat / tile as views of x; tril / triu a select by column - row."""
+    s = (draw(DIM), draw(DIM))
+    r, k = tuple(draw(st.integers(1, 3)) for _ in range(3)), draw(st.integers(-4, 4))
+    return (lambda x: (x.repeat(*r), torch.tile(x, r[:1]), torch.tril(x, k), torch.triu(x * 2, -k))), \
+        [randn(s, dtype)]
+
+
+@case("pools_aminmax", "avg_pool1d", "max_pool1d", "aminmax")
+def _(draw, dtype):
+    """Windows that tile the length: a reduction of [.., L // k, k]; aminmax two reductions."""
+    s = (draw(DIM), draw(DIM), draw(st.integers(4, 20)))
+    k = draw(st.integers(1, 4))
+    return (lambda x: (F.avg_pool1d(x, k), F.max_pool1d(x, k, k), *torch.aminmax(x, dim=-1))), [randn(s, dtype)]
+
+
 @case("softmax", "softmax")
 def _(draw, dtype):
     s = draw(shapes())
