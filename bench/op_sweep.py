@@ -69,8 +69,14 @@ CASES = {
     "embedding": "F.embedding(torch.randint(0, 32000, (8192,)), torch.randn(32000, 4096))",
     "embedding_scaled": "F.embedding(torch.randint(0, 32000, (8192,)), torch.randn(32000, 4096)) * torch.randn(4096)",
     "index_select_rows": "torch.randn(8192, 4096).index_select(0, torch.randint(0, 8192, (8192,)))",
-    # scans (externs or not)
+    # scans
     "cumsum_row": "torch.randn(8192, 4096).cumsum(-1)",
+    "cumsum_short": "torch.randn(262144, 128).cumsum(-1)",
+    "cumsum_long": "torch.randn(64, 524288).cumsum(-1)",
+    "cumsum_exp_norm": "(lambda x: x.exp().cumsum(-1) * 0.01)(torch.randn(8192, 4096))",
+    "position_ids": "(torch.rand(64, 8192) > 0.1).long().cumsum(-1) - 1",
+    "cummax_row": "torch.cummax(torch.randn(8192, 4096), -1)[0]",
+    "cumprod_row": "(1 + 0.01 * torch.randn(8192, 4096)).cumprod(-1)",
 }
 
 

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field, replace
 
 from .. import dtypes
 from ..loop import ir
-from . import cexpr, keep, patterns
+from . import cexpr, keep, patterns, scan
 from .patterns import CentredSquares, OnlineLse, TargetSelect
 from .rowlayout import RowLayouts, row_layouts
 
@@ -484,6 +484,8 @@ def _default_schedule(kernel: ir.Kernel, arch: str = "sm_90a", stage: str | None
     whole-space searches found better, their picks.
     """
     parts = ir.row_kernel_parts(kernel)
+    if scan.has_scan(kernel):
+        return scan.default_schedule(kernel, parts, arch, stage)
     if stage in (None, "tiles"):
         from . import tiles
 
@@ -844,7 +846,7 @@ def _cast_store_only(kernel: ir.Kernel, body) -> set:
                 use(a, s)
         elif isinstance(s, (ir.Store,)):
             use(s.value, s)
-        elif isinstance(s, ir.Reduce):
+        elif isinstance(s, (ir.Reduce, ir.Scan)):
             use(s.value, s)
         if isinstance(s, (ir.Load, ir.Store)):
             for e in s.index:
@@ -1206,6 +1208,12 @@ def _emit_pass(ctx: _Ctx, em: _Emitter, blocks: list, accs: list):
                 _emit_two_pass_chunk(ctx, em, blk, acc)
             else:
                 _emit_var_chunk(ctx, em, blk, acc)
+    _emit_out_chunks(ctx, em, outs)
+    _chunk_footer(ctx, em)
+
+
+def _emit_out_chunks(ctx: _Ctx, em: _Emitter, outs: list):
+    """Stores this thread's packed chunk at c0 of each output stream in `outs`."""
     for st in outs:
         nbytes = ctx.V * st.itemsize
         ptr = f"{_param(st.buf.name)} + b_{st.name} + c0"
@@ -1213,7 +1221,6 @@ def _emit_pass(ctx: _Ctx, em: _Emitter, blocks: list, accs: list):
             f"{fn}({ptr}{'' if off == 0 else f' + {off * 4 // st.itemsize}'}, {st.name}_o + {off});"
             for fn, off in _st_fn(nbytes))
         em(f"if (row_ok) {{ {calls} }}")
-    _chunk_footer(ctx, em)
 
 
 LOG2E_F32 = "1.44269504f"
@@ -1818,9 +1825,9 @@ def _reads(s) -> set:
                 reads.add(x.value)
         elif isinstance(x, ir.IndexValue):
             reads |= ir.index_values(x.expr)
-        elif isinstance(x, ir.Reduce):
+        elif isinstance(x, (ir.Reduce, ir.Scan)):
             reads.add(x.value)
-        if isinstance(x, (ir.Load, ir.Op, ir.IndexValue, ir.Const)) and x is not s:
+        if isinstance(x, (ir.Load, ir.Op, ir.IndexValue, ir.Const, ir.Scan)) and x is not s:
             inner.add(x.dst)
     return reads - inner
 
@@ -2001,6 +2008,8 @@ def render(kernel: ir.Kernel, schedule: MapReduceSchedule | None = None, arch: s
     of the same schedule, so a new prompt length of a model builds no map-reduce kernel whose
     schedule it shares with a length seen before; and a source rendered for one row count is
     the source for the others (the render alone is tens of ms of Python per kernel)."""
+    if schedule is not None and scan.has_scan(kernel):
+        scan.check(kernel, schedule)
     if schedule is not None and schedule.stage == "tiles":
         from . import tiles
 
@@ -2186,7 +2195,7 @@ def _render_kept(kernel: ir.Kernel, schedule: MapReduceSchedule | None, arch: st
                  rows_arg: bool) -> KernelSource:
     """render's body: the source with values kept between passes where that pays."""
     draw = lambda *a: _render(*a, rows_arg=rows_arg)  # noqa: E731
-    if not keep_values or not keep.ENABLED:
+    if not keep_values or not keep.ENABLED or scan.has_scan(kernel):  # (a scan's kernel makes one pass)
         return draw(kernel, schedule, arch, keep.KeepPlan(), None)
     passes = []
     online = not keep.SPLIT_LSE
@@ -2517,6 +2526,8 @@ def _emit_row_body(ctx: _Ctx, em: _Emitter, early: list, steps: list, selects: d
             _emit_reduce_group(ctx, em, x)
         elif kind == "squares":
             _emit_var_finish(ctx, em, x)
+        elif kind == "loop" and scan.scan_of(x) is not None:
+            scan.emit_pass(ctx, em, x)
         elif kind == "loop":
             em(f"// ---- map over the row: {x.header()}")
             _emit_pass(ctx, em, [x], [None])

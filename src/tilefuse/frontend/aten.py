@@ -1078,6 +1078,50 @@ def _aminmax(b, args, kwargs, out):
     return b.reduce("min", x, dims, keep), b.reduce("max", x, dims, keep)
 
 
+def _scan(b, x: str, dim, op: str, dtype: str) -> str:
+    """A running `op` of x along `dim` in `dtype` (ir.Scan): along the last dim, or one whose
+    later dims are all 1 (scanned as the last dim of a reshape). Along another dim a kernel
+    would read the rows across memory: PyTorch's op. So too of weights and constants alone,
+    which fold into a weight (a causal mask's `ones(T, T).cumsum(-1)`)."""
+    shape = b.type(x).shape
+    if not shape:  # (one element: itself)
+        return b.cast(x, dtype)
+    d = wrap_dim(dim, len(shape))
+    if any(s != 1 for s in shape[d + 1:]):
+        raise Unsupported("a scan along a dim that is not last (PyTorch's op reads it in place)")
+    if _static(b, x):
+        raise Unsupported("a tensor made of weights and constants (folded when compiling)")
+    x = b.cast(x, dtype)
+    if shape[d] == 1:
+        return x
+    row = b.reshape(x, shape[:d + 1])
+    scan = b.add(ir.Scan(b.fresh(f"cum{op}"), ir.TensorType(shape[:d + 1], dtype), op, row, d, b.source))
+    return b.reshape(scan, shape)
+
+
+@handles("cumsum", "cumprod")
+def _cumulative(b, args, kwargs, out):
+    """torch.cumsum / cumprod: a running sum (product) in the result's dtype (i64 for integers
+    and bools, `dtype` where given), accumulated in f32 for bf16 / f16 as PyTorch's CUDA kernels do."""
+    dim = args[1] if len(args) > 1 else kwargs["dim"]
+    return _scan(b, args[0], dim, "sum" if out.op == "cumsum" else "prod", out.dtype)
+
+
+@handles("cummax", "cummin")
+def _cummax(b, args, kwargs, out):
+    """torch.cummax / cummin: the running max (min), NaN carried on once seen, as PyTorch does;
+    the indices, where used, are PyTorch's op (ir.Extern.item 1)."""
+    x = args[0]
+    dim = args[1] if len(args) > 1 else kwargs["dim"]
+    if b.type(x).dtype == "bool":
+        raise Unsupported("a bool tensor")
+    values = _scan(b, x, dim, "max" if out.op == "cummax" else "min", b.type(x).dtype)
+    shape = b.type(x).shape
+    indices = b.add(ir.Extern(b.fresh(f"{out.op}_indices"), ir.TensorType(shape, "i64"), f"aten.{out.op}.default",
+                              (ir.Ref(x), dim), (), f"the indices of {out.op} run in PyTorch", b.source, item=1))
+    return values, indices
+
+
 @handles("avg_pool1d", "max_pool1d")
 def _pool1d(b, args, kwargs, out):
     """F.avg_pool1d / F.max_pool1d over windows that tile the length (stride = kernel, no padding,

@@ -27,7 +27,8 @@ from .. import dtypes
 from ..tensors import to_numpy, to_torch
 from . import ir
 from .contraction import why_not
-from .interp import _extern, _gather, constant_value, eval_contraction, eval_map, eval_reduce, eval_view, iota_value
+from .interp import (_extern, _gather, constant_value, eval_contraction, eval_map, eval_reduce, eval_scan, eval_view,
+                     iota_value)
 from .rules.match import prune
 
 FOLD_MAX_BYTES = 256 << 20  # no folded value larger than this
@@ -147,7 +148,7 @@ def _fold(g: ir.Graph, users, n, values: _Values, weighty: set) -> np.ndarray | 
     if isinstance(n, ir.Contraction):  # known operands (transformers' rotary angles, inv_freq @ positions)
         known = n.a in values and n.b in values and (n.a in weighty or n.b in weighty)
         return evaluate(n, [values[n.a], values[n.b]]) if known else None
-    if not isinstance(n, (ir.Map, ir.View, ir.Reduce, ir.Gather)) or _read_through(g, users, n):
+    if not isinstance(n, (ir.Map, ir.View, ir.Reduce, ir.Scan, ir.Gather)) or _read_through(g, users, n):
         return None
     args = ir.node_args(n)
     if not args or not all(a in values for a in args) or not any(a in weighty for a in args):
@@ -170,7 +171,7 @@ def _known(g: ir.Graph, n, values: _Values, weighty: set) -> np.ndarray | None:
 
 
 def evaluate(n, vals: list) -> np.ndarray:
-    """A map, view, reduction, gather or contraction on its arguments' values, by the graph
+    """A map, view, reduction, scan, gather or contraction on its arguments' values, by the graph
     interpreter."""
     if isinstance(n, ir.Contraction):
         return np.asarray(eval_contraction(n, vals[0], vals[1]))
@@ -180,6 +181,8 @@ def evaluate(n, vals: list) -> np.ndarray:
         return np.asarray(eval_view(n, vals[0]))
     if isinstance(n, ir.Reduce):
         return np.asarray(eval_reduce(n, vals[0]))
+    if isinstance(n, ir.Scan):
+        return np.asarray(eval_scan(n, vals[0]))
     return np.asarray(_gather(n, vals[0], vals[1]))
 
 

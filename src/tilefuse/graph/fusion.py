@@ -52,6 +52,12 @@ ROW_REDUCTIONS = ("sum", "max", "min", "mean")  # the reductions a map-reduce ke
 COLUMN_MIN_ROWS = 16384
 
 
+def scans_enabled() -> bool:
+    """TILEFUSE_SCANS=0 leaves every scan (cumsum, cumprod, cummax, cummin) to PyTorch, as before
+    map-reduce kernels took them (for A/B runs)."""
+    return os.environ.get("TILEFUSE_SCANS", "1") != "0"
+
+
 def columns_enabled() -> bool:
     """TILEFUSE_COLUMNS=0 leaves reductions over a dim that is not last to PyTorch (for A/B runs)."""
     return os.environ.get("TILEFUSE_COLUMNS", "1") != "0"
@@ -92,6 +98,7 @@ class Step:
     tables: dict[str, str] = field(default_factory=dict)  # mapreduce: gather -> the tensor in memory its table is (_Planner.table_of)
     ref: tuple | None = None  # a column kernel's (shape, alignment) of its full tensors: what others broadcast against
     passes: int = 0      # mapreduce: its reductions, each a pass over the row computing its argument
+    scan: str = ""       # mapreduce: its scan (at most one, and then no reduction: codegen/scan.py)
     recomputed: int = 0  # ... and the per-element maps the passes after the first compute again (RECOMPUTE_LIMIT)
 
     @property
@@ -318,8 +325,15 @@ class _Planner:
                 if not _valid(g[a].type.shape, out[a], space, step.columns):
                     return None
             return out
+        if isinstance(n, ir.Scan):
+            # one scan a kernel, its row along the scan, no reduction beside it: the kernel walks
+            # each row once, carrying the running value from chunk to chunk (codegen/scan.py)
+            if n.arg not in step.align or step.columns or step.passes or step.scan or not scans_enabled():
+                return None
+            aa = step.align[n.arg]
+            return {n.name: aa} if aa[n.axis] == len(space[0]) else None
         if isinstance(n, ir.Reduce):
-            if n.arg not in step.align:
+            if n.arg not in step.align or step.scan:
                 return None
             aa = step.align[n.arg]
             ashape = g[n.arg].type.shape
@@ -389,6 +403,8 @@ class _Planner:
             s = self.g[n.arg].type.shape
             if len(n.axes) == 1 and n.axes[0] == len(s) - 1:
                 return (tuple(s[:-1]), s[-1])
+        if isinstance(n, ir.Scan) and n.axis == len(n.type.shape) - 1:
+            return (tuple(n.type.shape[:-1]), n.type.shape[-1])
         return None
 
     def column_start(self, n):
@@ -495,7 +511,7 @@ class _Planner:
         """Whether the rows the step's reductions pass over stay on chip with `extra` joining. A
         map joining a kernel of maps alone streams its rows: nothing is held (expm1(x).half()
         over 1M elements was two kernels, the row of 4 MB being "too long")."""
-        if isinstance(n, ir.Map) and not step.passes:
+        if isinstance(n, (ir.Map, ir.Scan)) and not step.passes:
             return True
         L, C = step.space
         inside = set(step.nodes)
@@ -540,8 +556,8 @@ class _Planner:
             # the reduction's kernel, which could compute it from the copy it reads anyway; a
             # LayerNorm's f32 cast of bf16 x would make the copy f32). Other widening casts join
             # (a bf16 GELU widens to f32 and narrows again inside one tiled kernel)
-            return (step.passes > 0 and n.name in readers) or (tiled and self.feeds_rows(n.name))
-        return isinstance(n, ir.Reduce) and tiled
+            return ((step.passes > 0 or bool(step.scan)) and n.name in readers) or (tiled and self.feeds_rows(n.name))
+        return isinstance(n, (ir.Reduce, ir.Scan)) and tiled
 
     def feeds_rows(self, name: str) -> bool:
         """Whether a reduction over the last dim reads `name`, directly or through maps and views."""
@@ -585,7 +601,7 @@ class _Planner:
             if s.space != space and not self.runs_along(n, s.space):
                 continue
             probe = Step(s.name, s.family, list(s.nodes), s.space, dict(s.align), ref=s.ref)
-            if isinstance(n, ir.Reduce):
+            if isinstance(n, (ir.Reduce, ir.Scan)):
                 probe.align.setdefault(n.arg, arg_align or right_align(self.g[n.arg].type.shape, space))
                 if probe.align[n.arg] is None:
                     continue
@@ -594,7 +610,7 @@ class _Planner:
                 continue
             if not self.recompute_fits(n, s):
                 continue
-            if isinstance(n, ir.Reduce):
+            if isinstance(n, (ir.Reduce, ir.Scan)):
                 al = {n.arg: probe.align[n.arg], **al}
             return s, al
         return None
@@ -616,6 +632,8 @@ class _Planner:
         if isinstance(n, ir.Reduce) and step.family == "mapreduce":
             step.recomputed += self.recompute(n, step) if step.passes else 0
             step.passes += 1
+        if isinstance(n, ir.Scan) and step.family == "mapreduce":
+            step.scan = n.name
         step.nodes.append(n.name)
         step.align.update(al)
         step.inputs_all.update(a for a in ir.node_args(n) if a not in step.nodes)
@@ -629,7 +647,7 @@ class _Planner:
         ref = (g[n.arg].type.shape if isinstance(n, ir.Reduce) else n.type.shape, arg_align) if columns else None
         step = Step(f"k{len(self.steps)}_{n.name}", "mapreduce", [], space, {}, ref=ref)
         step.inputs_all = set()
-        if isinstance(n, ir.Reduce):
+        if isinstance(n, (ir.Reduce, ir.Scan)):
             step.align[n.arg] = arg_align or right_align(g[n.arg].type.shape, space)
         elif arg_align is not None:
             for a in n.args:
@@ -666,7 +684,7 @@ class _Planner:
                 # term of row and column vectors): the step opens at whichever comes first
                 self.add_to(self.gemm_step(self.gemm_member.get(n.name, n.name)), n, {})
                 continue
-            joined = self.try_join(n) if isinstance(n, (ir.Map, ir.Reduce, ir.View, ir.Gather)) else None
+            joined = self.try_join(n) if isinstance(n, (ir.Map, ir.Reduce, ir.Scan, ir.View, ir.Gather)) else None
             if joined:
                 self.add_to(joined[0], n, joined[1])
                 continue
@@ -689,6 +707,9 @@ class _Planner:
                 self.new_step("alias", n, note="free: same memory, new shape")
             elif isinstance(n, ir.Reduce):
                 self.new_step("extern", n, note=self.reduce_note(n))
+            elif isinstance(n, ir.Scan):
+                self.new_step("extern", n, note="scan runs in PyTorch" + (
+                    "" if scans_enabled() else ": scans are off (TILEFUSE_SCANS=0)"))
             elif n.name in self.gemm_notes:
                 self.new_step("extern", n, note=f"torch.matmul (cuBLAS): {self.gemm_notes[n.name]}")
             else:

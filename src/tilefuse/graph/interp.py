@@ -79,6 +79,19 @@ def eval_reduce(n: ir.Reduce, x, precision="native"):
     return np.asarray(r).astype(_store_type(out, precision))
 
 
+_ACCUMULATE = {"sum": np.add, "prod": np.multiply, "max": np.maximum, "min": np.minimum}
+
+
+def eval_scan(n: ir.Scan, x, precision="native"):
+    """Running `op` along the axis in the result's compute type, each element rounded once
+    (np.maximum / minimum carry a NaN on, as torch.cummax does)."""
+    out = n.type.dtype
+    t = _float_type(out, precision) if dtypes.is_float(out) else dtypes.to_numpy(out)
+    with np.errstate(all="ignore"):
+        r = _ACCUMULATE[n.op].accumulate(np.asarray(x).astype(t), axis=n.axis, dtype=t)
+    return np.asarray(r).astype(_store_type(out, precision))
+
+
 def eval_view(n: ir.View, x):
     if n.op == "reshape":
         return x.reshape(n.type.shape)
@@ -186,6 +199,8 @@ def run_graph(g: ir.Graph, inputs: dict, precision: str = "native") -> list[np.n
             env[n.name] = eval_map(n, [env[a] for a in n.args], precision)
         elif isinstance(n, ir.Reduce):
             env[n.name] = eval_reduce(n, env[n.arg], precision)
+        elif isinstance(n, ir.Scan):
+            env[n.name] = eval_scan(n, env[n.arg], precision)
         elif isinstance(n, ir.View):
             env[n.name] = eval_view(n, env[n.arg])
         elif isinstance(n, ir.Iota):

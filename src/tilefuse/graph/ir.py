@@ -116,6 +116,30 @@ class Reduce:
 
 
 @dataclass(frozen=True)
+class Scan:
+    """An inclusive scan along `axis` (torch.cumsum / cumprod, cummax / cummin's values): element
+    i is `op` (sum, prod, max, min) of the argument's elements 0..i there, accumulated in the
+    compute type of the result's dtype (f32 for bf16/f16) and rounded once per element."""
+
+    name: str
+    type: TensorType
+    op: str  # sum | prod | max | min
+    arg: str
+    axis: int  # non-negative
+    source: str = field(default="", compare=False)
+
+    def __post_init__(self):
+        if self.op not in SCANS:
+            raise ValueError(f"unknown scan {self.op!r}; known: {', '.join(SCANS)}")
+
+    def describe(self):
+        return f"scan {self.op}({self.arg}, axis={self.axis})"
+
+
+SCANS = ("sum", "prod", "max", "min")
+
+
+@dataclass(frozen=True)
 class View:
     """An index map: reshape (same element order) or permute, expand, slice, roll (params (dim,
     shift): element i along dim is the argument's (i + shift) % size)."""
@@ -250,7 +274,7 @@ class Ref:
         return self.name
 
 
-Node = Union[Input, Weight, Constant, Map, Reduce, View, Iota, Gather, Contraction, Attention, Extern]
+Node = Union[Input, Weight, Constant, Map, Reduce, Scan, View, Iota, Gather, Contraction, Attention, Extern]
 
 
 def fresh_name(base: str, taken: set[str], next_suffix: dict[str, int]) -> str:
@@ -288,7 +312,7 @@ def node_args(n) -> tuple[str, ...]:
     """Names of the tensors a node reads."""
     if isinstance(n, Map):
         return n.args
-    if isinstance(n, (Reduce, View)):
+    if isinstance(n, (Reduce, Scan, View)):
         return (n.arg,)
     if isinstance(n, Gather):
         return (n.arg, n.index)

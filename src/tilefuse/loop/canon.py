@@ -26,7 +26,7 @@ from dataclasses import dataclass, replace
 
 from .. import dtypes
 from .ir import (
-    IBin, IConst, Index, IndexValue, Kernel, Const, Load, Loop, Op, Reduce, Store, Val, Var,
+    IBin, IConst, Index, IndexValue, Kernel, Const, Load, Loop, Op, Reduce, Scan, Store, Val, Var,
 )
 
 COMMUTATIVE = frozenset({"add", "mul", "max", "min", "eq", "ne", "and", "or"})
@@ -160,6 +160,8 @@ def _stmt(ctx: _Ctx, s) -> tuple[object, str]:
         return s, _digest("op", s.op, s.dtype, tuple(arg_digests))
     if isinstance(s, Store):
         return s, _digest("store", _buffer(ctx, s.buf), _indices(ctx, s.index), _value(ctx, s.value))
+    if isinstance(s, Scan):
+        return s, _digest("scan", s.op, s.dtype, ctx.depths[s.var], _value(ctx, s.value))
     if isinstance(s, Loop):
         body, d = _block(ctx.enter(s.var), s.body)
         return replace(s, body=body), _digest("loop", s.extent, bool(s.parallel), d)
@@ -213,7 +215,7 @@ def _index(ctx: _Ctx, e: Index) -> tuple:
 
 
 def _defines(s) -> str | None:
-    return s.dst if isinstance(s, (Load, Const, IndexValue, Op, Reduce)) else None
+    return s.dst if isinstance(s, (Load, Const, IndexValue, Op, Reduce, Scan)) else None
 
 
 def _index_uses(e: Index) -> set:
@@ -233,6 +235,8 @@ def free_uses(s) -> frozenset[str]:
         return frozenset(_index_uses(s.expr))
     if isinstance(s, Op):
         return frozenset(s.args)
+    if isinstance(s, Scan):
+        return frozenset((s.value,))
     if isinstance(s, (Loop, Reduce)):
         inner, defined = set(), set()
         for t in s.body:
@@ -290,6 +294,10 @@ def _rename(s, values: dict, loops: dict, buffers: dict, namer: _Namer):
         args = tuple(values[a] for a in s.args)
         values[s.dst] = namer.value()
         return replace(s, dst=values[s.dst], args=args)
+    if isinstance(s, Scan):
+        value = values[s.value]
+        values[s.dst] = namer.value()
+        return replace(s, dst=values[s.dst], var=loops[s.var], value=value)
     if isinstance(s, Loop):
         var = namer.loop()
         body = _rename_block(s.body, dict(values), {**loops, s.var: var}, buffers, namer)

@@ -6,7 +6,8 @@ transformer-sized tensors: instead of a Python loop per element, each loop body 
 with its loop variable bound to an `arange` laid along an axis of its own (axis d for the
 loop at nesting depth d). Every SSA value is then an ndarray with one axis per loop level
 of the kernel, of size 1 along the loops it does not depend on, and NumPy broadcasting
-does the rest. A `Reduce` reduces its value along its variable's axis.
+does the rest. A `Reduce` reduces its value along its variable's axis, a `Scan` accumulates
+it along its loop's.
 
 Semantics (what a CUDA kernel must match):
 - an `Op` computes in its stated dtype; bf16/f16 ops compute in f32 and round once
@@ -28,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .. import dtypes, ops
-from .ir import IConst, Index, IndexValue, Kernel, Const, Load, Loop, Op, Reduce, Store, Val, Var
+from .ir import IConst, Index, IndexValue, Kernel, Const, Load, Loop, Op, Reduce, Scan, Store, Val, Var
 from .verify import verify
 
 _LOW_PRECISION = ("bf16", "f16")
@@ -152,6 +153,8 @@ def _exec(run: _Run, s, frame: _Frame):
         _exec_block(run, s.body, frame.bind(s.var, s.extent))
     elif isinstance(s, Reduce):
         env[s.dst] = _reduce(run, s, frame)
+    elif isinstance(s, Scan):
+        env[s.dst] = _scan(s, frame)
     else:
         raise ValueError(f"kernel {run.kernel.name}: unknown statement {s!r}")
 
@@ -165,6 +168,19 @@ def _reduce(run: _Run, s: Reduce, frame: _Frame) -> np.ndarray:
     value = np.broadcast_to(value, value.shape[:axis] + (s.extent,) + value.shape[axis + 1:])
     _, reducer = ops.REDUCTIONS[s.op]
     return _convert(np.asarray(reducer(value, axis=axis, keepdims=True)), s.dtype)
+
+
+_ACCUMULATE = {"sum": np.add, "prod": np.multiply, "max": np.maximum, "min": np.minimum}
+
+
+def _scan(s: Scan, frame: _Frame) -> np.ndarray:
+    """The running op along the scan's loop axis (NumPy's maximum / minimum carry NaN on, as
+    the kernels' max.NaN does)."""
+    acc = dtypes.compute_type(s.dtype)
+    value = _convert(frame.values[s.value], acc)
+    axis = frame.axes[s.var]
+    value = np.broadcast_to(value, value.shape[:axis] + (frame.shape[axis],) + value.shape[axis + 1:])
+    return _convert(_ACCUMULATE[s.op].accumulate(value, axis=axis, dtype=value.dtype), s.dtype)
 
 
 # ---------------------------------------------------------------- scalar ops

@@ -9,6 +9,9 @@ Index expressions are small integer trees over loop variables, integer constants
 integer SSA values (`Val`, for gathers). A `Load`/`Store` carries one index expression
 per dimension of its buffer.
 
+A `Scan` inside a column loop is that loop's running value (codegen/scan.py renders kernels
+with one; they have no `Reduce`).
+
 The map-reduce family's kernels have one shape, which the lowering produces and the CUDA
 printer expects (see `row_kernel_parts`):
 
@@ -208,7 +211,26 @@ class Reduce:
         return f"%{self.dst} = reduce {self.op} {self.var} in 0..{self.extent} : {self.dtype}"
 
 
-Stmt = Union[Load, Const, Op, IndexValue, Store, Loop, Reduce]
+@dataclass(frozen=True)
+class Scan:
+    """dst = `op` (one of SCANS) of `value` over the iterations 0..var, this one included, of
+    the enclosing loop over `var` (an inclusive scan along the row: cumsum, cumprod, cummax);
+    accumulated in dtypes.compute_type(dtype), each element rounded once. Only directly in
+    that loop's body (loop/verify.py)."""
+
+    dst: str
+    op: str
+    var: str
+    value: str
+    dtype: str
+
+    def __str__(self):
+        return f"%{self.dst} = scan {self.op} %{self.value} over {self.var} : {self.dtype}"
+
+
+SCANS = ("sum", "prod", "max", "min")
+
+Stmt = Union[Load, Const, Op, IndexValue, Store, Loop, Reduce, Scan]
 
 
 @dataclass(frozen=True)

@@ -181,6 +181,8 @@ class _Lowerer:
             v = self.emit_gather(n, block, memo, col)
         elif isinstance(n, g_ir.Reduce):
             v = self.emit_reduce(n)
+        elif isinstance(n, g_ir.Scan) and col is not None:
+            v = self.emit_scan(n, block, memo, col)
         else:
             raise TypeError(f"cannot lower {n.describe()} into a map-reduce kernel")
         memo[name] = v
@@ -390,6 +392,20 @@ class _Lowerer:
             v = m
         return v
 
+    def emit_scan(self, n: g_ir.Scan, block, memo, col):
+        """The running value in the column loop (the kernel's one scan: fusion.align_in), its
+        argument a value of its graph dtype, as a cast of it sees it (emit_reduce)."""
+        x = self.emit(n.arg, block, memo, col)
+        if self.g[n.arg].type.dtype in ("bf16", "f16"):
+            x = self.convert(x, self.g[n.arg].type.dtype, block)
+        acc_t = dtypes.compute_type(n.type.dtype)
+        acc_t = "i32" if acc_t in ("i8", "u8") else acc_t  # (exact for a running max or min; shuffles move 32 bits)
+        x = self.convert(x, acc_t, block)
+        v = self.fresh("scan")
+        block.append(L.Scan(v, n.op, col, x, acc_t))
+        self.dtype[v] = acc_t
+        return v
+
     def store(self, name, block, memo, col):
         v = self.emit(name, block, memo, col)
         v = self.convert(v, self.g[name].type.dtype, block)
@@ -523,7 +539,7 @@ def lower_step(graph: g_ir.Graph, step: Step, name: str | None = None) -> Lowere
     # reduction. A view read in place
     # along the row (a slice, a transpose read in tiles) reads the column: no merge takes it)
     kernel = None
-    if not step.columns:
+    if not step.columns and not step.scan:  # (a scan runs along the row as it is)
         kernel = merged_rows(low.kernel)
         if kernel is not None:
             C = _inner(low.kernel)

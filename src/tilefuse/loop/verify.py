@@ -9,7 +9,8 @@ Scoping rules checked (see loop/ir.py): a value is defined once in the whole ker
 defined in a loop body is visible after the loop except a `Reduce`'s `dst`. A loop
 variable is visible only inside its loop; a nested loop may not rebind a variable that is
 already bound (shadowing), but sibling loops may reuse a name (the map-reduce shape
-uses `c` for each column loop of a row).
+uses `c` for each column loop of a row). A `Scan` stands directly in the body of the
+(non-parallel) loop it runs along.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 
 from .. import dtypes, ops
 from .ir import (
-    IBin, IConst, Index, IndexValue, Kernel, Const, Load, Loop, Op, Reduce, Stmt, Store,
+    SCANS, IBin, IConst, Index, IndexValue, Kernel, Const, Load, Loop, Op, Reduce, Scan, Stmt, Store,
     Val, Var,
 )
 
@@ -29,6 +30,7 @@ class _Scope:
 
     values: dict
     loop_vars: frozenset
+    inner: str | None = None  # the variable of the loop whose body this is (a Scan runs along it)
 
 
 def _stmt_text(s: Stmt) -> str:
@@ -57,7 +59,7 @@ def _check_block(k: Kernel, body, scope: _Scope, defined: set) -> dict:
     """Check a block; return the visible values after it (its own definitions included)."""
     values = dict(scope.values)
     for s in body:
-        inner = _Scope(values, scope.loop_vars)
+        inner = _Scope(values, scope.loop_vars, scope.inner)
         new = _check_stmt(k, s, inner, defined)
         for name, dt in new.items():
             if name in defined:
@@ -100,8 +102,20 @@ def _check_stmt(k: Kernel, s: Stmt, scope: _Scope, defined: set) -> dict:
         return {s.dst: s.dtype}
     if isinstance(s, Loop):
         body_scope = _enter_loop(k, s, scope)
+        if not s.parallel:
+            body_scope = _Scope(body_scope.values, body_scope.loop_vars, s.var)
         _check_block(k, s.body, body_scope, defined)
         return {}
+    if isinstance(s, Scan):
+        if s.op not in SCANS:
+            _fail(k, s, f"unknown scan {s.op!r}; known: {', '.join(SCANS)}")
+        _dtype(k, s, s.dtype)
+        if s.var != scope.inner:
+            _fail(k, s, f"a scan runs along the loop whose body holds it, not {s.var!r}")
+        dt = _use(k, s, s.value, scope)
+        if dt != s.dtype:
+            _fail(k, s, f"scans %{s.value} of dtype {dt} in {s.dtype}; cast it first")
+        return {s.dst: s.dtype}
     if isinstance(s, Reduce):
         if s.op not in ops.REDUCTIONS:
             _fail(k, s, f"unknown reduction {s.op!r}; known: {', '.join(ops.REDUCTIONS)}")

@@ -533,6 +533,12 @@ def run_extern(n, get) -> torch.Tensor:
         fn = {"sum": torch.sum, "mean": torch.mean, "max": torch.amax, "min": torch.amin}[n.op]
         kw = {"dtype": dtypes.to_torch(n.type.dtype)} if n.op in ("sum", "mean") and x.is_floating_point() else {}
         return fn(x, dim=n.axes, keepdim=n.keepdim, **kw)
+    if isinstance(n, ir.Scan):
+        x = get(n.arg)
+        if n.op in ("max", "min"):
+            return (torch.cummax if n.op == "max" else torch.cummin)(x, n.axis).values
+        fn = torch.cumsum if n.op == "sum" else torch.cumprod
+        return fn(x, n.axis, dtype=dtypes.to_torch(n.type.dtype))
     if isinstance(n, ir.Map):
         if n.op == "cast":  # (graph.fusion.TORCH_MAPS)
             return get(n.args[0]).to(dtypes.to_torch(n.type.dtype))
