@@ -432,6 +432,16 @@ def _(draw, dtype):
     return (lambda x: (F.avg_pool1d(x, k), F.max_pool1d(x, k, k), *torch.aminmax(x, dim=-1))), [randn(s, dtype)]
 
 
+@case("scans", "cumsum", "cumprod", "cummax", "cummin")
+def _(draw, dtype):
+    """Running sum, product, max and min along the last dim (or one with only 1s after it): Scans;
+    integers and bools summed in i64."""
+    s = draw(shapes())
+    d = draw(st.sampled_from([-1] + [i for i in range(len(s)) if all(x == 1 for x in s[i + 1:])]))
+    return (lambda x: (x.cumsum(d), (1 + 0.1 * x).cumprod(-1), torch.cummax(x, d)[0], torch.cummin(x * 2, -1).values,
+                       (x > 0).cumsum(-1))), [randn(s, dtype)]
+
+
 @case("softmax", "softmax")
 def _(draw, dtype):
     s = draw(shapes())
@@ -986,14 +996,14 @@ def test_run_graph_rejects_missing_and_misshapen_inputs():
 
 
 def test_extern_runs_in_pytorch_and_matches():
-    """An op tilefuse does not lower (cumsum) is an Extern node in the graph, naming the op, and the
-    interpreter runs it through PyTorch (0-d arguments included) with the same result."""
+    """An op tilefuse does not lower (logcumsumexp) is an Extern node in the graph, naming the op,
+    and the interpreter runs it through PyTorch (0-d arguments included) with the same result."""
     x = torch.randn(4, 7)
-    fn = lambda x: (torch.cumsum(x * 2, -1) + 1, torch.cumsum(x.sum(), 0))  # noqa: E731
+    fn = lambda x: (torch.logcumsumexp(x * 2, -1) + 1, torch.logcumsumexp(x.sum(), 0))  # noqa: E731
     _, g, _ = captured(fn, [x])
     externs = [n for n in g.nodes if isinstance(n, ir.Extern)]
-    assert [n.target for n in externs] == ["aten.cumsum.default"] * 2
-    assert all("aten.cumsum" in n.describe() for n in externs)
+    assert [n.target for n in externs] == ["aten.logcumsumexp.default"] * 2
+    assert all("aten.logcumsumexp" in n.describe() for n in externs)
     got = [as_torch(a) for a in run_graph(g, {g.inputs[0]: x})]
     want = fn(x)
     for o, w in zip(got, want):

@@ -51,7 +51,10 @@ def combine(op: str, a: str, b: str) -> str:
 
 
 def check(kernel: ir.Kernel, sch) -> None:
-    """Raise ValueError for a schedule the scan pass does not take."""
+    """Raise ValueError for a kernel or schedule the scan pass does not take."""
+    scans = [s for s in ir.walk(kernel.body) if isinstance(s, ir.Scan)]
+    if len(scans) > 1 or any(isinstance(s, ir.Reduce) for s in ir.walk(kernel.body)):
+        raise ValueError(f"kernel {kernel.name}: a scan's kernel has one scan and no reduction")
     if sch.stage not in ("regs", "stream") or sch.cluster != 1 or sch.batch != 1:
         raise ValueError(f"kernel {kernel.name}: a scan's row is walked by one CTA, its chunks in registers "
                          f"or streamed (stage 'regs' or 'stream', no cluster, batch 1), not {sch}")
@@ -64,6 +67,7 @@ def default_schedule(kernel: ir.Kernel, parts: ir.RowKernel, arch: str, stage: s
     a tile's 32 running values, the staged chunks and the pass's own."""
     from . import mapreduce as mr
 
+    check(kernel, mr.MapReduceSchedule())
     v = mr._choose_vector(kernel, parts)
     chunks = -(-parts.col_extent // v)
     per = max(1, min(4, TILE_VALUES // v))

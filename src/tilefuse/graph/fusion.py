@@ -600,7 +600,8 @@ class _Planner:
                 continue
             if s.space != space and not self.runs_along(n, s.space):
                 continue
-            probe = Step(s.name, s.family, list(s.nodes), s.space, dict(s.align), ref=s.ref)
+            probe = Step(s.name, s.family, list(s.nodes), s.space, dict(s.align), ref=s.ref, passes=s.passes,
+                         scan=s.scan)
             if isinstance(n, (ir.Reduce, ir.Scan)):
                 probe.align.setdefault(n.arg, arg_align or right_align(self.g[n.arg].type.shape, space))
                 if probe.align[n.arg] is None:

@@ -1,0 +1,229 @@
+"""Scans (cumsum, cumprod, cummax / cummin values): a Graph IR `Scan`, a Loop IR `Scan` in the
+column loop, one pass of codegen/scan.py. Checked here on the CPU: values through the Loop IR
+interpreter against eager, the plan (maps before and after in the scan's kernel, PyTorch's op
+where a kernel would not pay or cannot), the Loop IR rules, and the CUDA for each schedule
+shape building without spills."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import tilefuse
+from tilefuse.check import compare, float64_reference
+from tilefuse.codegen import mapreduce as mr
+from tilefuse.loop import ir as L
+from tilefuse.loop.canon import structural_hash
+from tilefuse.loop.interp import run_kernel
+from tilefuse.loop.verify import verify
+from tilefuse.runtime.launch import compile_source_only
+
+
+def _externs(p):
+    return [s for s in p.plan.steps if s.family == "extern" and not s.view]
+
+
+def _kernels(p):
+    return [s for s in p.plan.steps if s.family == "mapreduce"]
+
+
+FNS = {
+    "cumsum": (lambda x: x.cumsum(-1), True),
+    "cumprod": (lambda x: (1 + 0.1 * x).cumprod(-1), True),
+    "cummax": (lambda x: torch.cummax(x, -1)[0], False),
+    "cummin of a map": (lambda x: torch.cummin(x * 2 - 1, -1).values, False),
+    "mask positions": (lambda x: (x > 0).cumsum(-1) - 1, False),
+    "maps around": (lambda x: (x.exp() * 0.5).cumsum(-1).sqrt() + x, True),
+}
+
+
+@settings(max_examples=30, deadline=None)
+@given(name=st.sampled_from(sorted(FNS)), rows=st.integers(1, 9), cols=st.integers(1, 1100),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]))
+def test_scans_equal_eager_through_the_interpreter(name, rows, cols, dtype):
+    """Any row length (1, odd, past a CTA's registers): one kernel, no PyTorch op, and the values
+    eager gives: bit for bit where nothing rounds (max, min, an integer sum), else within the 2x
+    rule of a float64 reference."""
+    fn, rounds = FNS[name]
+    x = torch.randn(rows, cols).to(dtype)
+    p = tilefuse.compile(fn, (x,))
+    assert not _externs(p) and len(_kernels(p)) <= 1, str(p.plan)
+    got, want = p(x), fn(x)
+    if rounds:
+        chk = compare(name, got, float64_reference(fn, (x,)), want)
+        assert chk.ok, chk
+    else:
+        assert torch.equal(got, want)
+
+
+def test_a_nan_carries_on_through_a_running_max():
+    """cummax: once a NaN is seen every later element is NaN, as PyTorch's."""
+    x = torch.randn(3, 50)
+    x[1, 7] = float("nan")
+    fn = lambda x: torch.cummax(x, -1)[0]  # noqa: E731
+    got, want = tilefuse.compile(fn, (x,))(x), fn(x)
+    assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got[~got.isnan()], want[~want.isnan()])
+
+
+def test_maps_before_and_after_the_scan_share_its_kernel():
+    """cast, scale, scan, exp, add: one kernel reading x once and writing the result once."""
+    x = torch.randn(64, 256, dtype=torch.bfloat16)
+    p = tilefuse.compile(lambda x: (x.float() * 2).cumsum(-1).exp().to(torch.bfloat16) + x, (x,))
+    (k,) = _kernels(p)
+    assert not _externs(p)
+    assert k.bytes == 2 * x.numel() * 2
+
+
+def test_a_scan_beside_a_reduction_takes_a_kernel_of_its_own():
+    """A scan's kernel walks each row once, carrying its running value: a reduction (here the
+    row's sum the cumsum is divided by) is made by another kernel, and the values stay eager's."""
+    x = torch.rand(8, 300)
+    fn = lambda x: x.cumsum(-1) / x.sum(-1, keepdim=True)  # noqa: E731
+    p = tilefuse.compile(fn, (x,))
+    assert not _externs(p) and len(_kernels(p)) == 2, str(p.plan)
+    assert torch.allclose(p(x), fn(x), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("fn,why", [
+    (lambda x: x.cumsum(0), "not last"),
+    (lambda x: torch.cummax(x, 1)[1], "indices"),
+], ids=["dim 0", "cummax indices"])
+def test_what_stays_pytorchs_op(fn, why):
+    """Along a dim with others after it a kernel would read each row across memory, and cummax's
+    indices are PyTorch's: each runs as the PyTorch op, named in the plan, with eager's values."""
+    x = torch.randn(6, 10)
+    p = tilefuse.compile(fn, (x,))
+    assert _externs(p), str(p.plan)
+    assert torch.equal(p(x), fn(x))
+
+
+def test_a_scan_of_weights_and_constants_folds():
+    """A causal mask's `ones(T, T).cumsum(-1)` (and a scan of a weight) is PyTorch's op, folded into
+    a weight when compiling: no kernel recomputes it per call."""
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(16))
+
+        def forward(self, x):
+            return x + torch.ones(16, 16).cumsum(-1) + self.w.cumsum(0)
+
+    from tilefuse.graph import ir
+
+    x, m = torch.randn(16, 16), M()
+    p = tilefuse.compile(m, (x,))
+    assert not _externs(p) and len(_kernels(p)) == 1, str(p.plan)
+    assert not any(isinstance(n, ir.Scan) for n in p.plan.graph.nodes), str(p.plan.graph)
+    with torch.no_grad():
+        assert torch.allclose(p(x), m(x), rtol=1e-6, atol=1e-6)
+
+
+def test_scans_can_be_left_to_pytorch(monkeypatch):
+    """TILEFUSE_SCANS=0 runs every scan as PyTorch's op (an A/B switch), saying so in the plan."""
+    monkeypatch.setenv("TILEFUSE_SCANS", "0")
+    x = torch.randn(4, 100)
+    p = tilefuse.compile(lambda x: x.cumsum(-1) * 2, (x,))
+    (e,) = _externs(p)
+    assert "scans are off" in e.note
+    assert torch.allclose(p(x), x.cumsum(-1) * 2, rtol=1e-6, atol=1e-6)
+
+
+# -- Loop IR ---------------------------------------------------------------------------------------
+
+
+def _kernel(op="sum", dtype="f32", where="loop", var="c"):
+    scan = L.Scan("s", op, var, "x", dtype)
+    inner = (L.Load("x", "a", (L.Var("r"), L.Var("c"))), scan, L.Store("b", (L.Var("r"), L.Var("c")), "s"))
+    if where == "reduce":
+        inner = (L.Load("x", "a", (L.Var("r"), L.Var("c"))), scan)
+        body = (L.Reduce("t", "sum", "c", 5, inner, "s", dtype), L.Store("b", (L.Var("r"), L.IConst(0)), "t"))
+    else:
+        body = (L.Loop("c", 5, inner),)
+    return L.Kernel("k", (L.Buffer("a", (3, 5), "f32", "in"), L.Buffer("b", (3, 5), "f32", "out")),
+                    (L.Loop("r", 3, body, parallel=True),))
+
+
+@pytest.mark.parametrize("op,numpy", [("sum", np.cumsum), ("prod", np.cumprod),
+                                      ("max", np.maximum.accumulate), ("min", np.minimum.accumulate)])
+def test_the_interpreter_runs_a_scan_along_its_loop(op, numpy):
+    """A Scan is its value's running op over the loop's iterations so far, this one included."""
+    a = np.random.default_rng(0).standard_normal((3, 5)).astype(np.float32)
+    got = run_kernel(_kernel(op), {"a": a})["b"]
+    np.testing.assert_allclose(got, numpy(a, axis=1), rtol=1e-6)
+
+
+@pytest.mark.parametrize("kw,msg", [
+    ({"where": "reduce"}, "runs along the loop whose body holds it"),
+    ({"var": "r"}, "runs along the loop whose body holds it"),
+    ({"op": "mean"}, "unknown scan"),
+    ({"dtype": "f64"}, "cast it first"),
+])
+def test_verify_rejects_a_misplaced_or_mistyped_scan(kw, msg):
+    with pytest.raises(ValueError, match=msg):
+        verify(_kernel(**kw))
+
+
+def test_the_structural_hash_tells_scans_apart():
+    """A running sum and a running max of the same value hash differently; renamed, equal."""
+    assert structural_hash(_kernel("sum")) != structural_hash(_kernel("max"))
+    k = _kernel("sum")
+    renamed = L.Kernel("other", k.params, tuple(_rename(s) for s in k.body))
+    assert structural_hash(renamed) == structural_hash(k)
+
+
+def _rename(s):
+    from dataclasses import replace
+
+    if isinstance(s, L.Loop):
+        return replace(s, body=tuple(_rename(t) for t in s.body))
+    if isinstance(s, L.Scan):
+        return replace(s, dst="q", value="y")
+    if isinstance(s, L.Load):
+        return replace(s, dst="y")
+    if isinstance(s, L.Store):
+        return replace(s, value="q")
+    return s
+
+
+# -- CUDA ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_80"])
+@pytest.mark.parametrize("fn,shape,dtype,stage", [
+    (lambda x: x.cumsum(-1), (64, 4096), torch.bfloat16, "regs"),           # a row a CTA of 4 warps
+    (lambda x: x.cumsum(-1) * 2, (512, 128), torch.bfloat16, "regs"),       # a row a sub-warp
+    (lambda x: torch.cummax(x, -1)[0] - x, (16, 1000), torch.float32, "regs"),  # 2 rows a CTA of 2 warps each
+    (lambda x: x.cumprod(-1), (5, 3), torch.float16, "regs"),               # a row a thread
+    (lambda x: x.cumsum(-1), (4, 65536), torch.bfloat16, "stream"),         # tiles of 4 chunks
+    (lambda x: (x > 0).cumsum(-1), (3, 70001), torch.float32, "stream"),    # i64, chunks of one element
+], ids=["cta", "subwarp", "warps", "thread", "stream", "stream-i64"])
+def test_scan_kernels_build_without_spills(fn, shape, dtype, stage, arch):
+    p = tilefuse.compile(fn, (torch.randn(shape, dtype=dtype),))
+    (lw,) = p.kernels.values()
+    src, cubin = compile_source_only(lw.kernel, arch)
+    assert src.schedule.stage == stage, src.schedule
+    assert cubin.info.clean, f"{arch} {src.schedule}: {cubin.info}"
+
+
+def test_a_scan_refuses_schedules_its_pass_does_not_take():
+    """Shared-memory staging, clusters and batches are other passes' layouts: a clear error (what
+    the tuner skips), not a wrong kernel."""
+    p = tilefuse.compile(lambda x: x.cumsum(-1), (torch.randn(8, 4096, dtype=torch.bfloat16),))
+    (lw,) = p.kernels.values()
+    for bad in (mr.MapReduceSchedule(threads=256, group=256, stage="smem"),
+                mr.MapReduceSchedule(threads=256, group=256, cluster=2),
+                mr.MapReduceSchedule(threads=256, group=16, batch=2)):
+        with pytest.raises(ValueError, match="a scan's row is walked by one CTA"):
+            mr.render(lw.kernel, bad)
+
+
+def test_the_tuner_space_of_a_scan_holds_only_schedules_it_renders():
+    from tilefuse.tune import mapreduce as tmr
+
+    p = tilefuse.compile(lambda x: x.cumsum(-1), (torch.randn(8, 2048, dtype=torch.bfloat16),))
+    (lw,) = p.kernels.values()
+    space = tmr.space(lw.kernel)
+    configs = list(space.configs())
+    assert configs and all(space.as_dict(c)["stage"] in ("regs", "stream") for c in configs)
