@@ -87,16 +87,43 @@ def test_a_scan_beside_a_reduction_takes_a_kernel_of_its_own():
 
 
 @pytest.mark.parametrize("fn,why", [
-    (lambda x: x.cumsum(0), "not last"),
-    (lambda x: torch.cummax(x, 1)[1], "indices"),
-], ids=["dim 0", "cummax indices"])
+    (lambda x: x.cumsum(0), "fewer than a column kernel takes"),
+    (lambda x: torch.cummax(x, 1)[1], "cummax"),
+], ids=["dim 0 of few rows", "cummax indices"])
 def test_what_stays_pytorchs_op(fn, why):
-    """Along a dim with others after it a kernel would read each row across memory, and cummax's
-    indices are PyTorch's: each runs as the PyTorch op, named in the plan, with eager's values."""
+    """A scan along a dim with others after it over too few of those rows for a column kernel, and
+    cummax's indices: PyTorch's op, named in the plan with the reason, with eager's values."""
     x = torch.randn(6, 10)
     p = tilefuse.compile(fn, (x,))
-    assert _externs(p), str(p.plan)
+    assert any(why in s.note for s in _externs(p)), str(p.plan)
     assert torch.equal(p(x), fn(x))
+
+
+@settings(max_examples=20, deadline=None)
+@given(shape=st.lists(st.integers(1, 9), min_size=2, max_size=4), data=st.data(),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]))
+def test_a_scan_along_another_dim_is_a_column_kernel(shape, data, dtype):
+    """Along a dim with others after it (`x.cumsum(1)` over [B, S, D]) a thread walks each row, its
+    neighbours the rows beside it in memory (codegen/columns.py's layout): one kernel with the
+    maps around it, eager's values."""
+    import os
+
+    d = data.draw(st.integers(0, len(shape) - 2))
+    shape[-1] = max(shape[-1], 2)
+    fn = lambda x: (x * 2).cumsum(d).exp() * 0.1  # noqa: E731
+    x = torch.randn(shape).to(dtype)
+    old = os.environ.get("TILEFUSE_COLUMN_MIN_ROWS")
+    os.environ["TILEFUSE_COLUMN_MIN_ROWS"] = "1"
+    try:
+        p = tilefuse.compile(fn, (x,))
+    finally:
+        if old is None:
+            del os.environ["TILEFUSE_COLUMN_MIN_ROWS"]
+        else:
+            os.environ["TILEFUSE_COLUMN_MIN_ROWS"] = old
+    assert not _externs(p) and len(_kernels(p)) == 1, str(p.plan)
+    chk = compare("column scan", p(x), float64_reference(fn, (x,)), fn(x))
+    assert chk.ok, chk
 
 
 def test_a_scan_of_weights_and_constants_folds():
@@ -198,7 +225,8 @@ def _rename(s):
     (lambda x: x.cumprod(-1), (5, 3), torch.float16, "regs"),               # a row a thread
     (lambda x: x.cumsum(-1), (4, 65536), torch.bfloat16, "stream"),         # tiles of 4 chunks
     (lambda x: (x > 0).cumsum(-1), (3, 70001), torch.float32, "stream"),    # i64, chunks of one element
-], ids=["cta", "subwarp", "warps", "thread", "stream", "stream-i64"])
+    (lambda x: x.cumsum(1) * 2, (4, 512, 4096), torch.bfloat16, "stream"),  # a column kernel, a row a thread
+], ids=["cta", "subwarp", "warps", "thread", "stream", "stream-i64", "columns"])
 def test_scan_kernels_build_without_spills(fn, shape, dtype, stage, arch):
     p = tilefuse.compile(fn, (torch.randn(shape, dtype=dtype),))
     (lw,) = p.kernels.values()

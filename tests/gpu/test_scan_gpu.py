@@ -51,6 +51,28 @@ def test_scans_match_eager_on_the_gpu(name, shape, dtype):
             assert torch.equal(got, want), f"call {call}: {(got != want).sum().item()} elements differ"
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("shape,dim", [((8, 1024, 4096), 1), ((4096, 64), 0), ((3, 77, 5), 1), ((2, 3, 40, 9), 2)],
+                         ids=["seq", "dim0", "odd", "4d"])
+def test_scans_along_another_dim_are_column_kernels(shape, dim, dtype, monkeypatch):
+    """x.cumsum(dim) with dims after it: a column kernel, a row a thread (TILEFUSE_COLUMN_MIN_ROWS=1
+    lets the small shapes take one too), maps around it in the kernel; eager's values (2x rule)."""
+    import tilefuse
+    from tilefuse.check import compare, float64_reference
+
+    monkeypatch.setenv("TILEFUSE_COLUMN_MIN_ROWS", "1")
+    fn = lambda x: (x * 2).cumsum(dim) * 0.5 + x  # noqa: E731
+    torch.manual_seed(0)
+    x = torch.randn(shape, device="cuda", dtype=dtype)
+    prog = tilefuse.compile(fn, (x,), graphs=True)
+    prog.poison = True
+    assert not [s for s in prog.plan.steps if s.family == "extern" and not s.view], str(prog.plan)
+    ref, want = float64_reference(fn, (x,)), fn(x)
+    for call in range(3):
+        check = compare(f"call {call}", prog(x), ref, want)
+        assert check.ok, check
+
+
 def test_a_tuned_scan_schedule_is_checked_against_eager():
     """Every schedule the scan renders for (the stream stage at several unrolls, rows per
     sub-warp, warp and CTA) gives the same cummax as eager."""

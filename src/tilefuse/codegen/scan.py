@@ -22,9 +22,8 @@ PyTorch's own CUDA scan does (a parallel one).
 """
 from __future__ import annotations
 
-from .. import dtypes
 from ..loop import ir
-from . import cexpr
+from . import cexpr, columns
 
 # registers of running values per thread a tile may take (sc[J][V]): beyond it the stream stage
 TILE_VALUES = 32
@@ -68,6 +67,10 @@ def default_schedule(kernel: ir.Kernel, parts: ir.RowKernel, arch: str, stage: s
     from . import mapreduce as mr
 
     check(kernel, mr.MapReduceSchedule())
+    if stage is None and columns.strided_rows(kernel):
+        # a column kernel (a scan along a dim that is not last): a row a thread, neighbouring rows
+        # in neighbouring lanes, each thread's 32 loads of a tile in flight
+        return mr.MapReduceSchedule(threads=128, group=1, vector=1, stage="stream", unroll=32, min_blocks=2)
     v = mr._choose_vector(kernel, parts)
     chunks = -(-parts.col_extent // v)
     per = max(1, min(4, TILE_VALUES // v))

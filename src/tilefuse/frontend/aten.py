@@ -1079,23 +1079,22 @@ def _aminmax(b, args, kwargs, out):
 
 
 def _scan(b, x: str, dim, op: str, dtype: str) -> str:
-    """A running `op` of x along `dim` in `dtype` (ir.Scan): along the last dim, or one whose
-    later dims are all 1 (scanned as the last dim of a reshape). Along another dim a kernel
-    would read the rows across memory: PyTorch's op. So too of weights and constants alone,
-    which fold into a weight (a causal mask's `ones(T, T).cumsum(-1)`)."""
+    """A running `op` of x along `dim` in `dtype` (ir.Scan), the dims of 1 after it dropped (by a
+    reshape). Of weights and constants alone, PyTorch's op, which folds into a weight (a causal
+    mask's `ones(T, T).cumsum(-1)`)."""
     shape = b.type(x).shape
     if not shape:  # (one element: itself)
         return b.cast(x, dtype)
     d = wrap_dim(dim, len(shape))
-    if any(s != 1 for s in shape[d + 1:]):
-        raise Unsupported("a scan along a dim that is not last (PyTorch's op reads it in place)")
     if _static(b, x):
         raise Unsupported("a tensor made of weights and constants (folded when compiling)")
     x = b.cast(x, dtype)
     if shape[d] == 1:
         return x
-    row = b.reshape(x, shape[:d + 1])
-    scan = b.add(ir.Scan(b.fresh(f"cum{op}"), ir.TensorType(shape[:d + 1], dtype), op, row, d, b.source))
+    last = max([d] + [i for i in range(d + 1, len(shape)) if shape[i] != 1])
+    kept = shape[:last + 1]
+    row = b.reshape(x, kept)
+    scan = b.add(ir.Scan(b.fresh(f"cum{op}"), ir.TensorType(kept, dtype), op, row, d, b.source))
     return b.reshape(scan, shape)
 
 

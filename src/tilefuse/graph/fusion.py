@@ -198,8 +198,9 @@ class _Planner:
         self.whole_rows = whole_rows  # nodes that may only join kernels whose every row they run along
         # whether any reduction could open a column kernel: column_ahead looks for none otherwise
         self.any_columns = columns_enabled() and any(
-            isinstance(n, ir.Reduce) and any(g[n.arg].type.shape[x] != 1 for x in n.axes)
-            and max(x for x in n.axes if g[n.arg].type.shape[x] != 1) != len(g[n.arg].type.shape) - 1
+            (isinstance(n, ir.Reduce) and any(g[n.arg].type.shape[x] != 1 for x in n.axes)
+             and max(x for x in n.axes if g[n.arg].type.shape[x] != 1) != len(g[n.arg].type.shape) - 1)
+            or (isinstance(n, ir.Scan) and n.axis != len(n.type.shape) - 1)
             for n in g.nodes)
         self.users = g.users()
         self._feeds: dict[str, bool] = {}  # feeds_rows, memoised
@@ -327,8 +328,9 @@ class _Planner:
             return out
         if isinstance(n, ir.Scan):
             # one scan a kernel, its row along the scan, no reduction beside it: the kernel walks
-            # each row once, carrying the running value from chunk to chunk (codegen/scan.py)
-            if n.arg not in step.align or step.columns or step.passes or step.scan or not scans_enabled():
+            # each row once, carrying the running value from chunk to chunk (codegen/scan.py; in
+            # a column kernel a thread walks its row alone)
+            if n.arg not in step.align or step.passes or step.scan or not scans_enabled():
                 return None
             aa = step.align[n.arg]
             return {n.name: aa} if aa[n.axis] == len(space[0]) else None
@@ -413,11 +415,16 @@ class _Planner:
         channels-first norm, `x.mean(1)` over [B, S, D]), the row runs along that dim and the
         rows along the others, in order; None where it is no such reduction, or has too few
         rows for a thread each (column_min_rows()), or column kernels are off."""
-        if (not isinstance(n, ir.Reduce) or not columns_enabled() or n.op not in ROW_REDUCTIONS
+        if isinstance(n, ir.Scan):
+            if not columns_enabled() or not scans_enabled():
+                return None
+            s, axes = n.type.shape, [n.axis]
+        elif (not isinstance(n, ir.Reduce) or not columns_enabled() or n.op not in ROW_REDUCTIONS
                 or n.name in self.lone):
             return None
-        s = self.g[n.arg].type.shape
-        axes = [x for x in n.axes if s[x] != 1]
+        else:
+            s = self.g[n.arg].type.shape
+            axes = [x for x in n.axes if s[x] != 1]
         if len(axes) != 1 or axes[0] == len(s) - 1:
             return None
         k = axes[0]
@@ -443,6 +450,16 @@ class _Planner:
             return f"{why}: {rows} rows beside it, fewer than a column kernel takes alone ({2 * column_min_rows()})"
         return f"{why}: {rows} rows beside it, fewer than a column kernel takes ({column_min_rows()})"
 
+    def scan_note(self, n) -> str:
+        """Why scan `n` runs in PyTorch, for the plan."""
+        why = "scan runs in PyTorch"
+        if not scans_enabled():
+            return f"{why}: scans are off (TILEFUSE_SCANS=0)"
+        if not columns_enabled():
+            return f"{why}: along a dim that is not last, and column kernels are off (TILEFUSE_COLUMNS=0)"
+        rows = n.type.numel // n.type.shape[n.axis]
+        return f"{why}: {rows} rows beside it, fewer than a column kernel takes ({column_min_rows()})"
+
     def column_ahead(self, n, limit: int = 16):
         """A map whose result (through maps of its shape, `limit` of them at most) is the
         argument of a column kernel's reduction starts that column kernel: (space, the map's
@@ -463,7 +480,7 @@ class _Planner:
                 if u in seen:
                     continue
                 seen.add(u)
-                if isinstance(m, ir.Reduce) and self.g[m.arg].type.shape == shape:
+                if isinstance(m, (ir.Reduce, ir.Scan)) and self.g[m.arg].type.shape == shape:
                     start = self.column_start(m)
                     if start is not None:
                         return start
@@ -690,7 +707,7 @@ class _Planner:
                 self.add_to(joined[0], n, joined[1])
                 continue
             space, columns, arg_align = self.start_space(n), False, None
-            start = (self.column_start(n) if space is None and isinstance(n, ir.Reduce)
+            start = (self.column_start(n) if space is None and isinstance(n, (ir.Reduce, ir.Scan))
                      else self.column_ahead(n) if isinstance(n, ir.Map) else None)
             if start is not None:
                 space, arg_align = start
@@ -709,8 +726,7 @@ class _Planner:
             elif isinstance(n, ir.Reduce):
                 self.new_step("extern", n, note=self.reduce_note(n))
             elif isinstance(n, ir.Scan):
-                self.new_step("extern", n, note="scan runs in PyTorch" + (
-                    "" if scans_enabled() else ": scans are off (TILEFUSE_SCANS=0)"))
+                self.new_step("extern", n, note=self.scan_note(n))
             elif n.name in self.gemm_notes:
                 self.new_step("extern", n, note=f"torch.matmul (cuBLAS): {self.gemm_notes[n.name]}")
             else:
