@@ -74,6 +74,8 @@ CASES = {
     "cumsum_short": "torch.randn(262144, 128).cumsum(-1)",
     "cumsum_long": "torch.randn(64, 524288).cumsum(-1)",
     "cumsum_seq": "torch.randn(8, 1024, 4096).cumsum(1)",
+    "cumsum_vocab_1": "torch.randn(1, 128256).softmax(-1).cumsum(-1)",
+    "cumsum_vocab_32": "torch.randn(32, 128256).softmax(-1).cumsum(-1)",
     "cumsum_exp_norm": "(lambda x: x.exp().cumsum(-1) * 0.01)(torch.randn(8192, 4096))",
     "position_ids": "(torch.rand(64, 8192) > 0.1).long().cumsum(-1) - 1",
     "cummax_row": "torch.cummax(torch.randn(8192, 4096), -1)[0]",
