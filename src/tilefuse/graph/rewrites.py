@@ -8,6 +8,8 @@ import functools
 import dataclasses
 from dataclasses import dataclass
 
+import numpy as np
+
 from .. import dtypes
 from . import ir
 from .fusion import ON_CHIP_BYTES
@@ -138,6 +140,93 @@ def split_long_reductions(g: ir.Graph) -> ir.Graph:
     read = {a for n in out for a in ir.node_args(n)} | set(g.outputs)
     g = g.replace(nodes=[n for n in out if not (isinstance(n, ir.View) and n.name not in read)])
     return reshapes_onto_maps(g, moved)
+
+
+SPLIT_SCAN_MIN = 16384   # scans along rows at least this long are split when few
+SPLIT_SCAN_ROWS = 264    # ... and fewer than this (two CTAs for each of an H100's / H200's SMs)
+
+
+def _scan_piece(C: int, rows: int) -> int | None:
+    """A scan's piece length: the longest divisor of the row in [256, 4096] that still gives
+    SPLIT_SCAN_ROWS pieces in all, else the shortest there; None where none divides it."""
+    ks = [k for k in range(4096, 255, -1) if C % k == 0]
+    return next((k for k in ks if rows * (C // k) >= SPLIT_SCAN_ROWS), ks[-1] if ks else None)
+
+
+def split_long_scans(g: ir.Graph) -> ir.Graph:
+    """A sum, max or min scan over few long rows scans pieces of K, each offset by the running
+    value of the pieces before it.
+
+    A scan's CTAs take whole rows (codegen/scan.py), so 64 rows of 512k ran in 64 CTAs, and one
+    row (a cumsum over a vocabulary's probabilities) in one. Viewed as [R, P, K] (a free
+    reshape), each piece's total is reduced (R P rows), the totals scanned (R rows of P) and
+    shifted by one piece (a roll, the first piece's offset the identity), and each piece scanned
+    from that offset (R P rows): the row is read twice and written once, by R P CTAs. The offsets
+    and running values are the accumulator's type (f32 for bf16 / f16), rounded once at the end."""
+    from ..loop.flat import split_enabled
+    if not split_enabled():
+        return g
+    out, moved = [], set()
+    names = {n.name for n in g.nodes}
+    for n in g.nodes:
+        C = n.type.shape[-1] if isinstance(n, ir.Scan) and n.type.shape else 0
+        rows = n.type.numel // C if C else 0
+        K = _scan_piece(C, rows) if (C >= SPLIT_SCAN_MIN and rows < SPLIT_SCAN_ROWS and n.op in ("sum", "max", "min")
+                                     and n.axis == len(n.type.shape) - 1) else None
+        if K is None:
+            out.append(n)
+            continue
+        lead, P, d = n.type.shape[:-1], C // K, len(n.type.shape) - 1
+        wide = dtypes.compute_type(n.type.dtype)
+
+        def add(node):
+            out.append(node)
+            return node.name
+
+        def T(shape, dtype=wide):
+            return ir.TensorType(tuple(shape), dtype)
+
+        src = n.source
+        pieces = add(ir.View(fresh_name(names, f"{n.name}_pieces"), T(lead + (P, K), g[n.arg].type.dtype), "reshape",
+                             n.arg, lead + (P, K), src))
+        moved.add(pieces)
+        total = add(ir.Reduce(fresh_name(names, f"{n.name}_piece_totals"), T(lead + (P,)), n.op, pieces, (d + 1,),
+                              False, src))
+        running = add(ir.Scan(fresh_name(names, f"{n.name}_piece_running"), T(lead + (P,)), n.op, total, d, src))
+        if n.op == "sum":  # (the running sum less the piece's own: in the scan's kernel, no shift to read)
+            offset = add(ir.Map(fresh_name(names, f"{n.name}_piece_offset"), T(lead + (P,)), "sub", (running, total),
+                                src))
+        else:
+            offset = _shifted(add, names, n, running, lead, P, d, wide)
+        offset = add(ir.View(fresh_name(names, f"{n.name}_piece_offset_col"), T(lead + (P, 1)), "reshape", offset,
+                             lead + (P, 1), src))
+        local = add(ir.Scan(fresh_name(names, f"{n.name}_in_piece"), T(lead + (P, K)), n.op, pieces, d + 1, src))
+        y = add(ir.Map(fresh_name(names, f"{n.name}_from_offset"), T(lead + (P, K)),
+                       {"sum": "add", "max": "max", "min": "min"}[n.op], (offset, local), src))
+        if wide != n.type.dtype:
+            y = add(ir.Map(fresh_name(names, f"{n.name}_rounded"), T(lead + (P, K), n.type.dtype), "cast", (y,), src))
+        out.append(ir.View(n.name, n.type, "reshape", y, n.type.shape, src))
+    # (the maps the scan reads move into the pieces' row space, into the kernels reading them)
+    return reshapes_onto_maps(g.replace(nodes=out), moved) if moved else g
+
+
+def _shifted(add, names: set, n: ir.Scan, running: str, lead: tuple, P: int, d: int, wide: str) -> str:
+    """Each piece's running max (min) of the pieces before it: the running value one piece back
+    (a roll), the identity for the first piece."""
+    src, T = n.source, ir.TensorType
+    before = add(ir.View(fresh_name(names, f"{n.name}_piece_before"), T(lead + (P,), wide), "roll", running,
+                         (d, P - 1), src))
+    index = add(ir.Iota(fresh_name(names, f"{n.name}_piece_index"), T((P,), "i64"), 0, src))
+    zero = add(ir.Constant(fresh_name(names, f"{n.name}_zero"), T((), "i64"), 0, src))
+    first = add(ir.Map(fresh_name(names, f"{n.name}_first_piece"), T((P,), "bool"), "eq", (index, zero), src))
+    if dtypes.is_float(wide):
+        ident = float("-inf") if n.op == "max" else float("inf")
+    else:
+        info = np.iinfo(dtypes.to_numpy(wide))
+        ident = int(info.min) if n.op == "max" else int(info.max)
+    ident = add(ir.Constant(fresh_name(names, f"{n.name}_identity"), T((), wide), ident, src))
+    return add(ir.Map(fresh_name(names, f"{n.name}_piece_offset"), T(lead + (P,), wide), "where",
+                      (first, ident, before), src))
 
 
 def _reshaped_as(a, old: tuple, new: tuple) -> tuple | None:
@@ -406,7 +495,8 @@ def unit_permutes_as_reshapes(g: ir.Graph) -> ir.Graph:
 
 
 RULES = (drop_one_element_reductions, drop_identity_reshapes, drop_identity_casts, flatten_full_reductions,
-         split_long_reductions, small_powers_as_products, tanh_halves_as_sigmoids, unit_permutes_as_reshapes)
+         split_long_reductions, split_long_scans, small_powers_as_products, tanh_halves_as_sigmoids,
+         unit_permutes_as_reshapes)
 
 
 def run_rewrites(g: ir.Graph, rules=RULES) -> tuple[ir.Graph, list[Fired]]:
