@@ -255,3 +255,48 @@ def test_the_tuner_space_of_a_scan_holds_only_schedules_it_renders():
     space = tmr.space(lw.kernel)
     configs = list(space.configs())
     assert configs and all(space.as_dict(c)["stage"] in ("regs", "stream") for c in configs)
+
+
+# -- few long rows ---------------------------------------------------------------------------------
+
+
+@settings(max_examples=12, deadline=None)
+@given(op=st.sampled_from(["cumsum", "cummax", "cummin", "mask"]), rows=st.integers(1, 3),
+       cols=st.sampled_from([16384, 20000, 40000, 65536, 70001]), dtype=st.sampled_from([torch.float32, torch.bfloat16]))
+def test_few_long_rows_are_scanned_in_pieces_with_eagers_values(op, rows, cols, dtype):
+    """rewrites.split_long_scans: a scan over fewer than SPLIT_SCAN_ROWS rows of 16384 or more is
+    each piece's total, the totals' running value, and each piece scanned from it; the program
+    computes what eager does (bit for bit for max, min and integer sums)."""
+    fn = {"cumsum": lambda x: x.cumsum(-1), "cummax": lambda x: torch.cummax(x, -1)[0],
+          "cummin": lambda x: torch.cummin(x * 2, -1).values, "mask": lambda x: (x > 0).cumsum(-1) - 1}[op]
+    x = torch.randn(rows, cols).to(dtype)
+    p = tilefuse.compile(fn, (x,))
+    split = any(n.name.endswith("_pieces") for n in p.plan.graph.nodes)
+    assert split == any(cols % k == 0 for k in range(256, 4097)), str(p.plan.graph)
+    assert not _externs(p)
+    got, want = p(x), fn(x)
+    if op == "cumsum":
+        chk = compare(op, got, float64_reference(fn, (x,)), want)
+        assert chk.ok, chk
+    else:
+        assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("shape,env", [((300, 16384), None), ((2, 8192), None), ((2, 65536), "0")],
+                         ids=["many rows", "short rows", "TILEFUSE_SPLIT=0"])
+def test_scans_stay_whole(shape, env, monkeypatch):
+    """Rows enough for every SM, rows shorter than SPLIT_SCAN_MIN, or splitting turned off: one
+    kernel, a CTA (or fewer threads) a row."""
+    if env is not None:
+        monkeypatch.setenv("TILEFUSE_SPLIT", env)
+    p = tilefuse.compile(lambda x: x.cumsum(-1), (torch.randn(shape),))
+    assert not any(n.name.endswith("_pieces") for n in p.plan.graph.nodes)
+    assert len(_kernels(p)) == 1
+
+
+def test_a_prime_row_stays_whole():
+    """No divisor in [256, 4096]: the row is scanned whole (streamed by one CTA)."""
+    x = torch.randn(1, 65537)
+    p = tilefuse.compile(lambda x: x.cumsum(-1), (x,))
+    assert len(_kernels(p)) == 1
+    assert torch.allclose(p(x), x.cumsum(-1), rtol=1e-4, atol=1e-3)
