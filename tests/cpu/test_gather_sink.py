@@ -37,7 +37,7 @@ def _combine(k):
         """An MoE's combine: expert rows y (an extern's result) masked where their expert is not
         local (transformers 5.17's `where(valid, ...)`, a bool per row), scaled by their routing
         weights, put back in token order by the inverse of the sort, each token's k rows summed."""
-        rows = torch.where(w > 0.1, torch.cumsum(y, -1), 0.0)
+        rows = torch.where(w > 0.1, torch.logcumsumexp(y, -1), 0.0)
         inv = torch.argsort(perm)
         scaled = rows.float() * w
         return scaled[inv].view(-1, k, y.shape[-1]).sum(1).to(y.dtype)
@@ -71,7 +71,7 @@ def test_an_elementwise_gather_of_a_map_is_the_map_of_gathers(data):
     idx = torch.randint(0, size, (picked, m) if axis == 0 else (n, picked))
 
     def fn(x, v, idx):
-        return torch.gather(torch.cumsum(x, 0) * v + 1, axis, idx)
+        return torch.gather(torch.logcumsumexp(x, 0) * v + 1, axis, idx)
 
     g = _graph(fn, (x, v, idx))
     r = gathers_through_maps(g)
@@ -100,15 +100,15 @@ def test_an_moe_combine_is_one_kernel_reading_the_experts_rows_in_place():
 
 
 @pytest.mark.parametrize("name, fn, args", [
-    ("the map read whole too", lambda x, i: (lambda m: (m[i], m.sum(-1)))(torch.cumsum(x, 0) * 2), None),
-    ("the map a result", lambda x, i: (lambda m: (m, m[i] + 1))(torch.cumsum(x, 0) * 2), None),
+    ("the map read whole too", lambda x, i: (lambda m: (m[i], m.sum(-1)))(torch.logcumsumexp(x, 0) * 2), None),
+    ("the map a result", lambda x, i: (lambda m: (m, m[i] + 1))(torch.logcumsumexp(x, 0) * 2), None),
     # an integer table cannot read NaN out of range; a generated one is not in memory
-    ("an integer argument cut", lambda x, i: (torch.cumsum(x, 0) * (x > 0).long())[i], None),
-    ("an iota argument cut", lambda x, i: (torch.cumsum(x, 0) * torch.arange(6.0).view(6, 1))[i], None),
+    ("an integer argument cut", lambda x, i: (torch.logcumsumexp(x, 0) * (x > 0).long())[i], None),
+    ("an iota argument cut", lambda x, i: (torch.logcumsumexp(x, 0) * torch.arange(6.0).view(6, 1))[i], None),
     # the map gathered more often than it has elements: it would be computed twice over
-    ("gathered twice over", lambda x, i: (lambda m: (m[i], m[i.flip(0)]))(torch.cumsum(x, 0) * 2), None),
+    ("gathered twice over", lambda x, i: (lambda m: (m[i], m[i.flip(0)]))(torch.logcumsumexp(x, 0) * 2), None),
     # a gather that takes a prefix of the other dim would leave the other arguments too long
-    ("a prefix of the other dim", lambda x, i: torch.gather(torch.cumsum(x, 0) * 2, 0, i),
+    ("a prefix of the other dim", lambda x, i: torch.gather(torch.logcumsumexp(x, 0) * 2, 0, i),
      (torch.randn(6, 5), torch.randint(0, 6, (4, 3)))),
 ])
 def test_not_taken_leaves_the_graph_as_it_is(name, fn, args):
@@ -122,7 +122,7 @@ def test_a_bool_argument_is_gathered_as_f32_and_reads_true_out_of_range():
     compared with 0 (the kernel's out-of-range NaN reads True; the interpreter refuses an index
     out of range outright)."""
     def fn(x, m, i):
-        return torch.where(m, torch.cumsum(x, 0), -1.0)[i]
+        return torch.where(m, torch.logcumsumexp(x, 0), -1.0)[i]
 
     x, m, i = torch.randn(9, 4), torch.rand(9, 1) > 0.5, torch.randint(-9, 9, (7,))
     g = _graph(fn, (x, m, i))

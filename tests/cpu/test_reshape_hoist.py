@@ -42,7 +42,7 @@ def test_the_rewritten_graph_computes_what_pytorch_does(data):
     gathered = data.draw(st.booleans())
 
     def fn(x, rowv, colv, idx, r):
-        t = torch.cumsum(x, -1)  # (an extern: a tensor in memory)
+        t = torch.logcumsumexp(x, -1)  # (an extern: a tensor in memory)
         y = torch.tanh(t * rowv + colv) * 2
         y = y[idx] if gathered else y
         return r + y.view(b, s, d)
@@ -94,7 +94,7 @@ def test_a_map_whose_reshape_is_also_a_gathers_table_stays_whole():
     """m read as [2, 3, 8] by a map and, through another reshape, as a gather's table: moving
     the first would compute m twice (review, session 63)."""
     def fn(x, i):
-        m = torch.cumsum(x, -1).exp() * 2
+        m = torch.logcumsumexp(x, -1).exp() * 2
         return m.view(2, 3, 8)[i], m.view(2, 3, 8) + 1
 
     x, i = torch.randn(6, 8), torch.randint(0, 2, (4,))
@@ -104,11 +104,11 @@ def test_a_map_whose_reshape_is_also_a_gathers_table_stays_whole():
 
 @pytest.mark.parametrize("name, fn", [
     # a norm computed over the flattened rows: its statistics are a reduction's, not in memory
-    ("a reduction above", lambda x, r: r + F.rms_norm(torch.cumsum(x, -1), (8,)).view(2, 3, 8)),
-    ("the map read whole too", lambda x, r: (lambda m: (r + m.view(2, 3, 8), m.sum()))(torch.cumsum(x, -1) * 2)),
-    ("the map a result", lambda x, r: (lambda m: (m, r + m.view(2, 3, 8)))(torch.cumsum(x, -1) * 2)),
+    ("a reduction above", lambda x, r: r + F.rms_norm(torch.logcumsumexp(x, -1), (8,)).view(2, 3, 8)),
+    ("the map read whole too", lambda x, r: (lambda m: (r + m.view(2, 3, 8), m.sum()))(torch.logcumsumexp(x, -1) * 2)),
+    ("the map a result", lambda x, r: (lambda m: (m, r + m.view(2, 3, 8)))(torch.logcumsumexp(x, -1) * 2)),
     ("after a matmul", lambda x, r: r + torch.relu(x @ x.T @ x).view(2, 3, 8)),
-    ("the last dim changes", lambda x, r: r.view(2, 3, 2, 4) + (torch.cumsum(x, -1) * 2).view(2, 3, 2, 4)),
+    ("the last dim changes", lambda x, r: r.view(2, 3, 2, 4) + (torch.logcumsumexp(x, -1) * 2).view(2, 3, 2, 4)),
 ])
 def test_not_taken_leaves_the_graph_as_it_is(name, fn):
     x, r = torch.randn(6, 8), torch.randn(2, 3, 8)

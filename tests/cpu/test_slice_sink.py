@@ -53,10 +53,10 @@ def test_the_rewritten_graph_computes_what_pytorch_does(data):
 
 def test_a_masked_gate_up_product_and_its_swiglu_are_one_kernel():
     """where(valid, gate_up, 0) then silu(gate) * up, gate_up an extern's result (the experts'
-    grouped matmul; here a cumsum): the mask runs in the SwiGLU kernel, which reads each half
+    grouped matmul; here a logcumsumexp): the mask runs in the SwiGLU kernel, which reads each half
     where the extern wrote it."""
     def fn(x, w, valid):
-        gu = torch.where(valid, torch.cumsum(x, -1) * w, 0.0)
+        gu = torch.where(valid, torch.logcumsumexp(x, -1) * w, 0.0)
         g, u = gu.chunk(2, dim=-1)
         return F.silu(g) * u
 
