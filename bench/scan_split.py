@@ -50,8 +50,14 @@ def main():
             assert c.ok, c
         kernels = lambda p: sum(s.family == "mapreduce" for s in p.plan.steps)  # noqa: E731
         nbytes = 2 * x.numel() * 2
-        times = {r.name: r.ms * 1e3 for r in compare(split, fn, [x], nbytes, copy_bps, rounds=a.rounds,
-                                                     extra={"whole": lambda: whole(x)})}
+        try:
+            rows_ = compare(split, fn, [x], nbytes, copy_bps, rounds=a.rounds, extra={"whole": lambda: whole(x)})
+        except Exception as ex:  # noqa: BLE001 - torch.compile fails on some (Inductor's split scan, 32 x 128256)
+            print(f"{name}: torch.compile failed ({type(ex).__name__}); timed without it", flush=True)
+            rows_ = compare(split, fn, [x], nbytes, copy_bps, rounds=a.rounds, with_compile=False,
+                            extra={"whole": lambda: whole(x)})
+        times = {r.name: r.ms * 1e3 for r in rows_}
+        times.setdefault("torch.compile", float("nan"))
         row = {"case": name, "shape": shape, "kernels": [kernels(split), kernels(whole)], "us": times}
         rows.append(row)
         print(f"{name:10s} {str(shape):16s} split {times['tilefuse']:7.1f} ({kernels(split)} k)  whole "

@@ -223,8 +223,8 @@ def _rename(s):
     (lambda x: x.cumsum(-1) * 2, (512, 128), torch.bfloat16, "regs"),       # a row a sub-warp
     (lambda x: torch.cummax(x, -1)[0] - x, (16, 1000), torch.float32, "regs"),  # 2 rows a CTA of 2 warps each
     (lambda x: x.cumprod(-1), (5, 3), torch.float16, "regs"),               # a row a thread
-    (lambda x: x.cumsum(-1), (4, 65536), torch.bfloat16, "stream"),         # tiles of 4 chunks
-    (lambda x: (x > 0).cumsum(-1), (3, 70001), torch.float32, "stream"),    # i64, chunks of one element
+    (lambda x: x.cumsum(-1), (300, 65536), torch.bfloat16, "stream"),       # tiles of 4 chunks
+    (lambda x: (x > 0).cumsum(-1), (3, 65537), torch.float32, "stream"),    # i64, chunks of one element (prime: whole)
     (lambda x: x.cumsum(1) * 2, (4, 512, 4096), torch.bfloat16, "stream"),  # a column kernel, a row a thread
 ], ids=["cta", "subwarp", "warps", "thread", "stream", "stream-i64", "columns"])
 def test_scan_kernels_build_without_spills(fn, shape, dtype, stage, arch):
@@ -300,3 +300,69 @@ def test_a_prime_row_stays_whole():
     p = tilefuse.compile(lambda x: x.cumsum(-1), (x,))
     assert len(_kernels(p)) == 1
     assert torch.allclose(p(x), x.cumsum(-1), rtol=1e-4, atol=1e-3)
+
+
+# -- found in review -------------------------------------------------------------------------------
+
+
+def test_an_inf_in_a_piece_spoils_nothing_else():
+    """A split row's offsets are the running value one piece back, not the running sum less the
+    piece's own (inf - inf would make the whole piece NaN): eager's infs and NaNs, no others."""
+    x = torch.randn(2, 20000)
+    x[0, 5], x[1, 100] = float("inf"), float("nan")
+    fn = lambda x: x.cumsum(-1)  # noqa: E731
+    got, want = tilefuse.compile(fn, (x,))(x), fn(x)
+    assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.isinf(), want.isinf())
+    fin = want.isfinite()
+    assert torch.allclose(got[fin], want[fin], rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.parametrize("fn,shape", [(lambda x: x.t().t().cumsum(-1), (3, 300)),
+                                      (lambda x: x.mean(-2, keepdim=True).cumsum(-1), (6, 1, 300))],
+                         ids=["permutes that cancel", "a reduction's reshape"])
+def test_a_scan_whose_argument_a_rewrite_renames_compiles(fn, shape):
+    """rewrites.substitute renames a scan's argument like any node's (it kept a dropped name)."""
+    x = torch.randn(shape)
+    assert torch.allclose(tilefuse.compile(fn, (x,))(x), fn(x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("fn", [lambda x: x.to(torch.int8).cumsum(-1, dtype=torch.int8).float(),
+                                lambda x: x.to(torch.int8).cumprod(-1, dtype=torch.int8) > 0,
+                                lambda x: x.to(torch.uint8).cumsum(-1, dtype=torch.uint8) * 3],
+                         ids=["i8 sum", "i8 prod", "u8 sum"])
+def test_an_8_bit_running_sum_wraps_before_the_maps_after_it(fn):
+    """Summed in 32 bits (shuffles move 32), an 8-bit scan is wrapped to its dtype where it is
+    made, not only where it is stored: 100 + 100 is -56 in int8 for the maps after it too."""
+    x = torch.full((2, 8), 100.0)
+    assert torch.equal(tilefuse.compile(fn, (x,))(x), fn(x))
+
+
+def test_scans_off_leaves_long_rows_whole_to_pytorch(monkeypatch):
+    monkeypatch.setenv("TILEFUSE_SCANS", "0")
+    p = tilefuse.compile(lambda x: x.cumsum(-1), (torch.randn(2, 65536),))
+    assert [s.family for s in p.plan.steps] == ["extern"]
+
+
+def test_a_grid_reduction_never_takes_a_scans_kernel(monkeypatch):
+    """TILEFUSE_GRID_REDUCE=1 merges a row kernel with the reduction after it; not one with a
+    scan (whose pass takes no reduction): each kernel renders and the values are eager's."""
+    monkeypatch.setenv("TILEFUSE_GRID_REDUCE", "1")
+    x, w = torch.randn(64, 300), torch.randn(64)
+    fn = lambda x, w: (x.cumsum(-1) * w[:, None], (w * 3).sum())  # noqa: E731
+    p = tilefuse.compile(fn, (x, w))
+    for lw in p.kernels.values():
+        mr.render(lw.kernel)
+    for got, want in zip(p(x, w), fn(x, w)):
+        assert torch.allclose(got, want, rtol=1e-5, atol=1e-4)
+
+
+def test_the_tuners_float64_reference_takes_a_scan():
+    """tune/reference.promote_f64 widens a scan like a reduction (the tuner checks each
+    candidate against it)."""
+    from tilefuse.tune.reference import loop_problem, promote_f64
+
+    p = tilefuse.compile(lambda x: (x * 2).cumsum(-1), (torch.randn(8, 512, dtype=torch.bfloat16),))
+    (lw,) = p.kernels.values()
+    verify(promote_f64(lw.kernel))
+    assert all(s.dtype == "f64" for s in L.walk(promote_f64(lw.kernel).body) if isinstance(s, L.Scan))
+    assert loop_problem(lw.kernel) is not None

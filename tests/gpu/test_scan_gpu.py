@@ -17,11 +17,11 @@ if not torch.cuda.is_available():
 
 CASES = {  # name: (fn, shapes, rounds)
     "cumsum": (lambda x: x.cumsum(-1), [(8192, 4096), (5, 33), (7, 3), (3, 1000), (512, 128), (2, 70001),
-                                        (4, 65536)], True),
+                                        (4, 65536), (2, 65537)], True),  # (65537: prime, streamed whole)
     "cumsum maps": (lambda x: (x * 2 + 1).cumsum(-1).sigmoid() - x, [(1024, 4096), (3, 77)], True),
     "cumsum 3-d dim 1": (lambda x: x.cumsum(1) * 0.5, [(8, 512, 1), (3, 9, 1)], True),
     "cumprod": (lambda x: (1 + 0.01 * x).cumprod(-1), [(256, 4096), (5, 33)], True),
-    "cummax": (lambda x: torch.cummax(x, -1)[0], [(512, 4096), (5, 33), (2, 70001)], False),
+    "cummax": (lambda x: torch.cummax(x, -1)[0], [(512, 4096), (5, 33), (2, 70001), (300, 70001)], False),
     "cummin minus": (lambda x: x - torch.cummin(x, -1).values, [(512, 2048), (9, 15)], False),
     "position ids": (lambda x: (x > 0).long().cumsum(-1) - 1, [(64, 8192), (3, 17)], False),
     "vocab cumsum (split)": (lambda x: x.softmax(-1).cumsum(-1), [(1, 128256), (3, 20000)], True),

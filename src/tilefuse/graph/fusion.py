@@ -1171,7 +1171,7 @@ def grid_reductions(p: Plan) -> Plan:
         heads = {id(producer.get(t)) for t in tail.inputs}
         head = producer.get(tail.inputs[0])
         if (head is None or len(heads) != 1 or head.tail is not None or head.space[0] != (R,)
-                or head not in steps):
+                or head not in steps or head.scan):
             continue
         scratch = list(tail.inputs)
         if not all(g[t].type.shape == (R,) and g[t].type.dtype == "f32" and t not in outputs

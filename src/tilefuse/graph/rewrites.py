@@ -164,7 +164,8 @@ def split_long_scans(g: ir.Graph) -> ir.Graph:
     from that offset (R P rows): the row is read twice and written once, by R P CTAs. The offsets
     and running values are the accumulator's type (f32 for bf16 / f16), rounded once at the end."""
     from ..loop.flat import split_enabled
-    if not split_enabled():
+    from .fusion import scans_enabled
+    if not split_enabled() or not scans_enabled():
         return g
     out, moved = [], set()
     names = {n.name for n in g.nodes}
@@ -193,11 +194,9 @@ def split_long_scans(g: ir.Graph) -> ir.Graph:
         total = add(ir.Reduce(fresh_name(names, f"{n.name}_piece_totals"), T(lead + (P,)), n.op, pieces, (d + 1,),
                               False, src))
         running = add(ir.Scan(fresh_name(names, f"{n.name}_piece_running"), T(lead + (P,)), n.op, total, d, src))
-        if n.op == "sum":  # (the running sum less the piece's own: in the scan's kernel, no shift to read)
-            offset = add(ir.Map(fresh_name(names, f"{n.name}_piece_offset"), T(lead + (P,)), "sub", (running, total),
-                                src))
-        else:
-            offset = _shifted(add, names, n, running, lead, P, d, wide)
+        # the running value one piece back (a running sum less the piece's own total would be
+        # inf - inf = NaN for a piece holding an inf, and every element of it NaN)
+        offset = _shifted(add, names, n, running, lead, P, d, wide)
         offset = add(ir.View(fresh_name(names, f"{n.name}_piece_offset_col"), T(lead + (P, 1)), "reshape", offset,
                              lead + (P, 1), src))
         local = add(ir.Scan(fresh_name(names, f"{n.name}_in_piece"), T(lead + (P, K)), n.op, pieces, d + 1, src))
@@ -211,15 +210,17 @@ def split_long_scans(g: ir.Graph) -> ir.Graph:
 
 
 def _shifted(add, names: set, n: ir.Scan, running: str, lead: tuple, P: int, d: int, wide: str) -> str:
-    """Each piece's running max (min) of the pieces before it: the running value one piece back
-    (a roll), the identity for the first piece."""
+    """Each piece's running value of the pieces before it: the running value one piece back (a
+    roll), the identity for the first piece."""
     src, T = n.source, ir.TensorType
     before = add(ir.View(fresh_name(names, f"{n.name}_piece_before"), T(lead + (P,), wide), "roll", running,
                          (d, P - 1), src))
     index = add(ir.Iota(fresh_name(names, f"{n.name}_piece_index"), T((P,), "i64"), 0, src))
     zero = add(ir.Constant(fresh_name(names, f"{n.name}_zero"), T((), "i64"), 0, src))
     first = add(ir.Map(fresh_name(names, f"{n.name}_first_piece"), T((P,), "bool"), "eq", (index, zero), src))
-    if dtypes.is_float(wide):
+    if n.op == "sum":
+        ident = 0.0 if dtypes.is_float(wide) else 0
+    elif dtypes.is_float(wide):
         ident = float("-inf") if n.op == "max" else float("inf")
     else:
         info = np.iinfo(dtypes.to_numpy(wide))
@@ -341,7 +342,7 @@ def substitute(g: ir.Graph, alias: dict[str, str]) -> ir.Graph:
             continue
         if isinstance(n, ir.Map):
             n = ir.Map(n.name, n.type, n.op, tuple(r(a) for a in n.args), n.source)
-        elif isinstance(n, (ir.Reduce, ir.View)):
+        elif isinstance(n, (ir.Reduce, ir.Scan, ir.View)):
             n = type(n)(**{**n.__dict__, "arg": r(n.arg)})
         elif isinstance(n, ir.Gather):
             n = dataclasses.replace(n, arg=r(n.arg), index=r(n.index))

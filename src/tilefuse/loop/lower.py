@@ -404,6 +404,8 @@ class _Lowerer:
         v = self.fresh("scan")
         block.append(L.Scan(v, n.op, col, x, acc_t))
         self.dtype[v] = acc_t
+        if acc_t != dtypes.compute_type(n.type.dtype):  # (an 8-bit sum or product wraps as its dtype)
+            v = self.convert(v, n.type.dtype, block)
         return v
 
     def store(self, name, block, memo, col):

@@ -96,7 +96,7 @@ def promote_f64(kernel: ir.Kernel) -> ir.Kernel:
         for s in body:
             if isinstance(s, (ir.Loop, ir.Reduce)):
                 s = replace(s, body=block(s.body))
-            if isinstance(s, (ir.Const, ir.Op, ir.Reduce)):
+            if isinstance(s, (ir.Const, ir.Op, ir.Reduce, ir.Scan)):
                 s = replace(s, dtype=f(s.dtype))
             if isinstance(s, ir.Store) and s.buf in floats_out:  # a loaded value may be stored as is
                 n += 1
