@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -76,14 +77,20 @@ def test_maps_before_and_after_the_scan_share_its_kernel():
     assert k.bytes == 2 * x.numel() * 2
 
 
-def test_a_scan_beside_a_reduction_takes_a_kernel_of_its_own():
-    """A scan's kernel walks each row once, carrying its running value: a reduction (here the
-    row's sum the cumsum is divided by) is made by another kernel, and the values stay eager's."""
+@pytest.mark.parametrize("fn,kernels", [
+    (lambda x: x.cumsum(-1) / x.sum(-1, keepdim=True), 1),
+    (lambda x: x.softmax(-1).cumsum(-1), 1),
+    (lambda x: torch.cummax(F.rms_norm(x, (x.shape[-1],)), -1)[0], 1),
+    (lambda x: x.cumsum(-1).amax(-1), 2),
+], ids=["sum then scan", "softmax then scan", "norm then cummax", "scan then max"])
+def test_reductions_before_a_scan_share_its_kernel(fn, kernels):
+    """A scan's pass is the row's last: the reductions it reads (a softmax's, a norm's) are passes
+    before it in one kernel; a reduction of the scan takes a kernel of its own. Eager's values."""
     x = torch.rand(8, 300)
-    fn = lambda x: x.cumsum(-1) / x.sum(-1, keepdim=True)  # noqa: E731
     p = tilefuse.compile(fn, (x,))
-    assert not _externs(p) and len(_kernels(p)) == 2, str(p.plan)
-    assert torch.allclose(p(x), fn(x), rtol=1e-5, atol=1e-6)
+    assert not _externs(p) and len(_kernels(p)) == kernels, str(p.plan)
+    chk = compare("x", p(x), float64_reference(fn, (x,)), fn(x))
+    assert chk.ok, chk
 
 
 @pytest.mark.parametrize("fn,why", [
@@ -345,7 +352,7 @@ def test_scans_off_leaves_long_rows_whole_to_pytorch(monkeypatch):
 
 def test_a_grid_reduction_never_takes_a_scans_kernel(monkeypatch):
     """TILEFUSE_GRID_REDUCE=1 merges a row kernel with the reduction after it; not one with a
-    scan (whose pass takes no reduction): each kernel renders and the values are eager's."""
+    scan (whose pass is the row's last): each kernel renders and the values are eager's."""
     monkeypatch.setenv("TILEFUSE_GRID_REDUCE", "1")
     x, w = torch.randn(64, 300), torch.randn(64)
     fn = lambda x, w: (x.cumsum(-1) * w[:, None], (w * 3).sum())  # noqa: E731

@@ -1,8 +1,9 @@
 """Scans along the row (cumsum, cumprod, cummax's values): the pass that carries a running
 value across a row's chunks.
 
-A kernel with a scan (loop/ir.py `Scan`, at most one, and no reduction: graph/fusion.py) is a
-map-reduce kernel whose column loop holds it. Its rows are walked once, a tile of J chunks per
+A kernel with a scan (loop/ir.py `Scan`, at most one: graph/fusion.py) is a map-reduce kernel
+whose last column loop holds it, after the passes of its reductions (none of which reads the
+scan: a softmax and then its cumsum). That loop walks the row once, a tile of J chunks per
 thread at a time (all of a thread's chunks where the row is held in registers, `unroll` of
 them in the stream stage); chunk j of thread p covers columns V (p + j P) (codegen/rowlayout.py):
 
@@ -52,8 +53,11 @@ def combine(op: str, a: str, b: str) -> str:
 def check(kernel: ir.Kernel, sch) -> None:
     """Raise ValueError for a kernel or schedule the scan pass does not take."""
     scans = [s for s in ir.walk(kernel.body) if isinstance(s, ir.Scan)]
-    if len(scans) > 1 or any(isinstance(s, ir.Reduce) for s in ir.walk(kernel.body)):
-        raise ValueError(f"kernel {kernel.name}: a scan's kernel has one scan and no reduction")
+    row = kernel.body[0].body if kernel.body and isinstance(kernel.body[0], ir.Loop) else ()
+    last = [s for s in row if isinstance(s, (ir.Loop, ir.Reduce))][-1:]
+    if len(scans) > 1 or kernel.scratch or not last or scan_of(last[0]) is not scans[0]:
+        raise ValueError(f"kernel {kernel.name}: a scan's kernel has one scan, in the row's last pass, "
+                         f"and no grid reduction")
     if sch.stage not in ("regs", "stream") or sch.cluster != 1 or sch.batch != 1:
         raise ValueError(f"kernel {kernel.name}: a scan's row is walked by one CTA, its chunks in registers "
                          f"or streamed (stage 'regs' or 'stream', no cluster, batch 1), not {sch}")

@@ -327,15 +327,15 @@ class _Planner:
                     return None
             return out
         if isinstance(n, ir.Scan):
-            # one scan a kernel, its row along the scan, no reduction beside it: the kernel walks
-            # each row once, carrying the running value from chunk to chunk (codegen/scan.py; in
-            # a column kernel a thread walks its row alone)
-            if n.arg not in step.align or step.passes or step.scan or not scans_enabled():
+            # one scan a kernel, its row along the scan: its pass, the row's last, walks the row
+            # once carrying the running value from chunk to chunk (codegen/scan.py; in a column
+            # kernel a thread walks its row alone), after the passes of the kernel's reductions
+            if n.arg not in step.align or step.scan or not scans_enabled():
                 return None
             aa = step.align[n.arg]
             return {n.name: aa} if aa[n.axis] == len(space[0]) else None
         if isinstance(n, ir.Reduce):
-            if n.arg not in step.align or step.scan:
+            if n.arg not in step.align or (step.scan and self.after_scan(n.arg, step)):
                 return None
             aa = step.align[n.arg]
             ashape = g[n.arg].type.shape
@@ -364,6 +364,20 @@ class _Planner:
                               for i, (s0, s, a) in enumerate(zip(ashape, shape, aa)))
                 return {n.name: align} if _valid(shape, align, space, step.columns) else None
         return None
+
+    def after_scan(self, name: str, step: Step) -> bool:
+        """Whether `name` is computed in `step` from its scan: a reduction of it would need a
+        pass after the scan's, which is the row's last."""
+        stack, seen = [name], set()
+        while stack:
+            a = stack.pop()
+            if a == step.scan:
+                return True
+            if a in seen or self.group_of.get(a) is not step:
+                continue
+            seen.add(a)
+            stack.extend(ir.node_args(self.g[a]))
+        return False
 
     def table_of(self, n: ir.Gather) -> str:
         """The tensor in memory a gather's table is: its argument, under the reshapes that are
