@@ -373,3 +373,18 @@ def test_the_tuners_float64_reference_takes_a_scan():
     verify(promote_f64(lw.kernel))
     assert all(s.dtype == "f64" for s in L.walk(promote_f64(lw.kernel).body) if isinstance(s, L.Scan))
     assert loop_problem(lw.kernel) is not None
+
+
+def test_a_16_bit_value_scanned_is_one_value_wherever_the_kernel_uses_it():
+    """`cummax(x) - x` of a bf16 map x: the scan reads x rounded to bf16 (as PyTorch holds it), and
+    so does the subtraction, so it is 0 exactly where x is the running max (fuzzing: the
+    subtraction read x unrounded, a 2x-rule failure on values that should be 0)."""
+    x = torch.randn(6, 40).to(torch.bfloat16)
+    def fn(x):
+        y = x * 1.37 + 0.1
+        return torch.cummax(y, -1)[0] - y
+
+    got, want = tilefuse.compile(fn, (x,))(x), fn(x)
+    assert torch.equal(got == 0, want == 0)
+    chk = compare("x", got, float64_reference(fn, (x,)), want)
+    assert chk.ok, chk

@@ -498,8 +498,8 @@ def _reduced_16bit_maps(graph: g_ir.Graph, step) -> frozenset[str]:
     one value wherever the kernel uses it: `v + (-v).amin()` reads -v, and v itself must be
     rounded for the sum of equal values to be 0."""
     out, seen = set(), set()
-    todo = [graph[n].arg for n in step.nodes
-            if isinstance(graph[n], g_ir.Reduce) and graph[graph[n].arg].type.dtype in ("bf16", "f16")]
+    todo = [graph[n].arg for n in step.nodes  # (a scan's too: `cummax(x) - x` is 0 where x is the max)
+            if isinstance(graph[n], (g_ir.Reduce, g_ir.Scan)) and graph[graph[n].arg].type.dtype in ("bf16", "f16")]
     while todo:
         a = todo.pop()
         if a in seen or a not in step.nodes:
