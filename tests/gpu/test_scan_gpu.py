@@ -24,6 +24,10 @@ CASES = {  # name: (fn, shapes, rounds)
     "cummax": (lambda x: torch.cummax(x, -1)[0], [(512, 4096), (5, 33), (2, 70001), (300, 70001)], False),
     "cummin minus": (lambda x: x - torch.cummin(x, -1).values, [(512, 2048), (9, 15)], False),
     "position ids": (lambda x: (x > 0).long().cumsum(-1) - 1, [(64, 8192), (3, 17)], False),
+    "softmax then cumsum": (lambda x: x.softmax(-1).cumsum(-1), [(1024, 4096), (5, 33), (300, 20000)], True),
+    "cumsum over the sum": (lambda x: x.cumsum(-1) / x.abs().sum(-1, keepdim=True), [(512, 2048), (3, 100)], True),
+    "cummax minus itself": (lambda x: (lambda y: torch.cummax(y, -1)[0] - y)(x * 1.37 + 0.1), [(256, 1024), (5, 40)],
+                            True),
     "vocab cumsum (split)": (lambda x: x.softmax(-1).cumsum(-1), [(1, 128256), (3, 20000)], True),
     "cummax (split)": (lambda x: torch.cummax(x, -1)[0] * 2, [(2, 65536), (40000,)], False),
 }
