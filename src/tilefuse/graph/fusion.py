@@ -98,7 +98,7 @@ class Step:
     tables: dict[str, str] = field(default_factory=dict)  # mapreduce: gather -> the tensor in memory its table is (_Planner.table_of)
     ref: tuple | None = None  # a column kernel's (shape, alignment) of its full tensors: what others broadcast against
     passes: int = 0      # mapreduce: its reductions, each a pass over the row computing its argument
-    scan: str = ""       # mapreduce: its scan (at most one, and then no reduction: codegen/scan.py)
+    scan: str = ""       # mapreduce: its scan (at most one; no reduction reads it: codegen/scan.py)
     recomputed: int = 0  # ... and the per-element maps the passes after the first compute again (RECOMPUTE_LIMIT)
 
     @property

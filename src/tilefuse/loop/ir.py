@@ -10,7 +10,7 @@ integer SSA values (`Val`, for gathers). A `Load`/`Store` carries one index expr
 per dimension of its buffer.
 
 A `Scan` inside a column loop is that loop's running value (codegen/scan.py renders kernels
-with one; they have no `Reduce`).
+with one; no `Reduce` reads it).
 
 The map-reduce family's kernels have one shape, which the lowering produces and the CUDA
 printer expects (see `row_kernel_parts`):
