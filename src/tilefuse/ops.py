@@ -156,6 +156,10 @@ OPS: dict[str, OpInfo] = _table(
     OpInfo("cast", 1, lambda x: x, "any"),  # the target dtype is the statement's dtype
 )
 
+# Scans (running ops along an axis): name -> the NumPy ufunc whose `accumulate` is it (maximum and
+# minimum carry a NaN on, as torch.cummax does and the kernels' max.NaN).
+SCANS = {"sum": np.add, "prod": np.multiply, "max": np.maximum, "min": np.minimum}
+
 # Reductions: name -> (identity, NumPy reducer).
 REDUCTIONS = {
     "sum": (0.0, np.sum),

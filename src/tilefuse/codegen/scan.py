@@ -50,14 +50,19 @@ def combine(op: str, a: str, b: str) -> str:
     return f"{a} * {b}" if op == "prod" else cexpr.combine(op, a, b)
 
 
-def check(kernel: ir.Kernel, sch) -> None:
-    """Raise ValueError for a kernel or schedule the scan pass does not take."""
+def check_kernel(kernel: ir.Kernel) -> None:
+    """Raise ValueError for a kernel the scan pass does not take."""
     scans = [s for s in ir.walk(kernel.body) if isinstance(s, ir.Scan)]
     row = kernel.body[0].body if kernel.body and isinstance(kernel.body[0], ir.Loop) else ()
     last = [s for s in row if isinstance(s, (ir.Loop, ir.Reduce))][-1:]
     if len(scans) > 1 or kernel.scratch or not last or scan_of(last[0]) is not scans[0]:
         raise ValueError(f"kernel {kernel.name}: a scan's kernel has one scan, in the row's last pass, "
                          f"and no grid reduction")
+
+
+def check(kernel: ir.Kernel, sch) -> None:
+    """Raise ValueError for a kernel or schedule the scan pass does not take."""
+    check_kernel(kernel)
     if sch.stage not in ("regs", "stream") or sch.cluster != 1 or sch.batch != 1:
         raise ValueError(f"kernel {kernel.name}: a scan's row is walked by one CTA, its chunks in registers "
                          f"or streamed (stage 'regs' or 'stream', no cluster, batch 1), not {sch}")
@@ -70,7 +75,7 @@ def default_schedule(kernel: ir.Kernel, parts: ir.RowKernel, arch: str, stage: s
     a tile's 32 running values, the staged chunks and the pass's own."""
     from . import mapreduce as mr
 
-    check(kernel, mr.MapReduceSchedule())
+    check_kernel(kernel)
     if stage is None and columns.strided_rows(kernel):
         # a column kernel (a scan along a dim that is not last): a row a thread, neighbouring rows
         # in neighbouring lanes, each thread's 32 loads of a tile in flight
@@ -159,7 +164,7 @@ def emit_pass(ctx, em, loop: ir.Loop):
     em("const int j = jt + jj; (void)j;")
     em(f"const int c0 = {ctx.lay.c_column(0)};  // first column of chunk j")
     for st in loaded:
-        _load(ctx, em, st, f"{st.name}_c[jj]", "row_ok" + (f" && c0 < {C}" if guarded else ""))
+        mr._emit_chunk_load(ctx, em, st, f"{st.name}_c[jj]", "row_ok" + (f" && c0 < {C}" if guarded else ""))
     em(f"{ct} run = {ident};")
     if guarded:
         em.open(f"if (c0 < {C})")
@@ -229,12 +234,6 @@ def emit_pass(ctx, em, loop: ir.Loop):
         em.close()
     em.close()
     em.close()
-
-
-def _load(ctx, em, st, dst: str, guard: str):
-    from .mapreduce import _emit_chunk_load
-
-    _emit_chunk_load(ctx, em, st, dst, guard)
 
 
 def _warp_scan(em, op: str, ct: str, ident: str, width: int, lane: str):

@@ -79,16 +79,13 @@ def eval_reduce(n: ir.Reduce, x, precision="native"):
     return np.asarray(r).astype(_store_type(out, precision))
 
 
-_ACCUMULATE = {"sum": np.add, "prod": np.multiply, "max": np.maximum, "min": np.minimum}
-
-
 def eval_scan(n: ir.Scan, x, precision="native"):
     """Running `op` along the axis in the result's compute type, each element rounded once
     (np.maximum / minimum carry a NaN on, as torch.cummax does)."""
     out = n.type.dtype
     t = _float_type(out, precision) if dtypes.is_float(out) else dtypes.to_numpy(out)
     with np.errstate(all="ignore"):
-        r = _ACCUMULATE[n.op].accumulate(np.asarray(x).astype(t), axis=n.axis, dtype=t)
+        r = ops.SCANS[n.op].accumulate(np.asarray(x).astype(t), axis=n.axis, dtype=t)
     return np.asarray(r).astype(_store_type(out, precision))
 
 

@@ -129,14 +129,12 @@ class Scan:
     source: str = field(default="", compare=False)
 
     def __post_init__(self):
-        if self.op not in SCANS:
-            raise ValueError(f"unknown scan {self.op!r}; known: {', '.join(SCANS)}")
+        if self.op not in ops.SCANS:
+            raise ValueError(f"unknown scan {self.op!r}; known: {', '.join(ops.SCANS)}")
 
     def describe(self):
         return f"scan {self.op}({self.arg}, axis={self.axis})"
 
-
-SCANS = ("sum", "prod", "max", "min")
 
 
 @dataclass(frozen=True)

@@ -170,9 +170,6 @@ def _reduce(run: _Run, s: Reduce, frame: _Frame) -> np.ndarray:
     return _convert(np.asarray(reducer(value, axis=axis, keepdims=True)), s.dtype)
 
 
-_ACCUMULATE = {"sum": np.add, "prod": np.multiply, "max": np.maximum, "min": np.minimum}
-
-
 def _scan(s: Scan, frame: _Frame) -> np.ndarray:
     """The running op along the scan's loop axis (NumPy's maximum / minimum carry NaN on, as
     the kernels' max.NaN does)."""
@@ -180,7 +177,7 @@ def _scan(s: Scan, frame: _Frame) -> np.ndarray:
     value = _convert(frame.values[s.value], acc)
     axis = frame.axes[s.var]
     value = np.broadcast_to(value, value.shape[:axis] + (frame.shape[axis],) + value.shape[axis + 1:])
-    return _convert(_ACCUMULATE[s.op].accumulate(value, axis=axis, dtype=value.dtype), s.dtype)
+    return _convert(ops.SCANS[s.op].accumulate(value, axis=axis, dtype=value.dtype), s.dtype)
 
 
 # ---------------------------------------------------------------- scalar ops

@@ -213,7 +213,7 @@ class Reduce:
 
 @dataclass(frozen=True)
 class Scan:
-    """dst = `op` (one of SCANS) of `value` over the iterations 0..var, this one included, of
+    """dst = `op` (a key of tilefuse.ops.SCANS) of `value` over the iterations 0..var, this one included, of
     the enclosing loop over `var` (an inclusive scan along the row: cumsum, cumprod, cummax);
     accumulated in dtypes.compute_type(dtype), each element rounded once. Only directly in
     that loop's body (loop/verify.py)."""
@@ -227,8 +227,6 @@ class Scan:
     def __str__(self):
         return f"%{self.dst} = scan {self.op} %{self.value} over {self.var} : {self.dtype}"
 
-
-SCANS = ("sum", "prod", "max", "min")
 
 Stmt = Union[Load, Const, Op, IndexValue, Store, Loop, Reduce, Scan]
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from .. import dtypes, ops
 from .ir import (
-    SCANS, IBin, IConst, Index, IndexValue, Kernel, Const, Load, Loop, Op, Reduce, Scan, Stmt, Store,
+    IBin, IConst, Index, IndexValue, Kernel, Const, Load, Loop, Op, Reduce, Scan, Stmt, Store,
     Val, Var,
 )
 
@@ -107,8 +107,8 @@ def _check_stmt(k: Kernel, s: Stmt, scope: _Scope, defined: set) -> dict:
         _check_block(k, s.body, body_scope, defined)
         return {}
     if isinstance(s, Scan):
-        if s.op not in SCANS:
-            _fail(k, s, f"unknown scan {s.op!r}; known: {', '.join(SCANS)}")
+        if s.op not in ops.SCANS:
+            _fail(k, s, f"unknown scan {s.op!r}; known: {', '.join(ops.SCANS)}")
         _dtype(k, s, s.dtype)
         if s.var != scope.inner:
             _fail(k, s, f"a scan runs along the loop whose body holds it, not {s.var!r}")
