@@ -80,6 +80,8 @@ CASES = {
     "position_ids": "(torch.rand(64, 8192) > 0.1).long().cumsum(-1) - 1",
     "cummax_row": "torch.cummax(torch.randn(8192, 4096), -1)[0]",
     "cumprod_row": "(1 + 0.01 * torch.randn(8192, 4096)).cumprod(-1)",
+    "cumprod_long": "(1 + 1e-4 * torch.randn(64, 524288)).cumprod(-1)",
+    "prod_row": "(1 + 0.01 * torch.randn(8192, 4096)).prod(-1)",
 }
 
 

@@ -165,6 +165,7 @@ REDUCTIONS = {
     "sum": (0.0, np.sum),
     "max": (-np.inf, np.max),
     "min": (np.inf, np.min),
+    "prod": (1.0, np.prod),
 }
 
 

@@ -432,6 +432,15 @@ def _(draw, dtype):
     return (lambda x: (F.avg_pool1d(x, k), F.max_pool1d(x, k, k), *torch.aminmax(x, dim=-1))), [randn(s, dtype)]
 
 
+@case("prod", "prod")
+def _(draw, dtype):
+    """Products over the last dim and over all: Reduce prod (f32 for 16-bit, as a sum); bools in
+    i64. At least 16 rows: eager's CPU bf16 product rounds at each step, so one value is a coin
+    toss against the 2x rule (check.VALUES)."""
+    s = (draw(st.integers(16, 40)), draw(st.integers(1, 30)))
+    return (lambda x: ((1 + 0.1 * x).prod(-1), (1 + 0.01 * x.float()).prod(), (x > 0).prod(-1))), [randn(s, dtype)]
+
+
 @case("scans", "cumsum", "cumprod", "cummax", "cummin")
 def _(draw, dtype):
     """Running sum, product, max and min along the last dim (or one with only 1s after it): Scans;

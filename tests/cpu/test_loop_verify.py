@@ -75,7 +75,7 @@ def _bad_cases():
     bad_cast = Op("b", "cast", ("k",), "f8")
     zero_loop = Loop("c", 0, ())
     neg_reduce = Reduce("m", "sum", "c", -1, (), "k", "f32")
-    bad_reduction = Reduce("m", "prod", "c", 8, (load_a,), "a", "f32")
+    bad_reduction = Reduce("m", "median", "c", 8, (load_a,), "a", "f32")
     exp_int = Op("b", "exp", ("i",), "i64")
     where_cond = Op("b", "where", ("k", "k", "k"), "f32")
     store_dtype = Store("s", (r,), "i")
@@ -104,7 +104,7 @@ def _bad_cases():
         ("cast to unknown dtype", row(k_const, bad_cast), bad_cast, "unknown dtype 'f8'"),
         ("zero extent", row(zero_loop), zero_loop, "positive"),
         ("negative reduce extent", row(k_const, neg_reduce), neg_reduce, "positive"),
-        ("unknown reduction", row(bad_reduction), bad_reduction, "unknown reduction 'prod'"),
+        ("unknown reduction", row(bad_reduction), bad_reduction, "unknown reduction 'median'"),
         ("float op on integers", row(i_load, exp_int), exp_int, "float dtype"),
         ("where condition not bool", row(k_const, where_cond), where_cond, "not bool"),
         ("store dtype mismatch", row(i_load, store_dtype), store_dtype, "cast it first"),

@@ -322,8 +322,8 @@ def identity(op: str, dtype: str) -> str:
     """Identity of reduction `op` in `dtype` (the value masked-off elements contribute)."""
     if op not in ops.REDUCTIONS:
         raise ValueError(f"unknown reduction {op!r}")
-    if op == "sum":
-        return const(0, dtype)
+    if op in ("sum", "prod"):
+        return const(0 if op == "sum" else 1, dtype)
     if dtypes.is_float(dtype):
         return const(-math.inf if op == "max" else math.inf, dtype)
     if dtype == "bool":
@@ -336,6 +336,8 @@ def combine(op: str, a: str, b: str) -> str:
     """The binary step of reduction `op`."""
     if op == "sum":
         return f"{a} + {b}"
+    if op == "prod":
+        return f"{a} * {b}"
     if op in ("max", "min"):
         return f"tf_{op}({a}, {b})"
     raise ValueError(f"unknown reduction {op!r}")

@@ -41,13 +41,13 @@ def has_scan(kernel: ir.Kernel) -> bool:
 
 
 def identity(op: str, dtype: str) -> str:
-    return cexpr.const(1, dtype) if op == "prod" else cexpr.identity(op, dtype)
+    return cexpr.identity(op, dtype)
 
 
 def combine(op: str, a: str, b: str) -> str:
     """a then b: a is the earlier part of the row (every op here commutes; floats' rounding
     follows the order written)."""
-    return f"{a} * {b}" if op == "prod" else cexpr.combine(op, a, b)
+    return cexpr.combine(op, a, b)
 
 
 def check_kernel(kernel: ir.Kernel) -> None:

@@ -639,7 +639,7 @@ def _reduction(op):
         keep = kwargs.get("keepdim", args[2] if len(args) > 2 else False)
         if kwargs.get("dtype") is not None:
             x = b.cast(x, out.dtype)
-        if op == "sum" and b.type(x).dtype in ("bool", "i32", "i8", "u8"):
+        if op in ("sum", "prod") and b.type(x).dtype in ("bool", "i32", "i8", "u8"):
             x = b.cast(x, "i64")
         return b.reduce(op, x, dims, keep, dtype=out.dtype)
     return handler
@@ -649,6 +649,7 @@ HANDLERS["sum"] = _reduction("sum")
 HANDLERS["mean"] = _reduction("mean")
 HANDLERS["amax"] = _reduction("max")
 HANDLERS["amin"] = _reduction("min")
+HANDLERS["prod"] = _reduction("prod")
 
 
 def _dim_keep(b, args, kwargs, x):

@@ -39,7 +39,7 @@ ON_CHIP_BYTES = 16 * 200 * 1024  # a 16-CTA cluster's shared memory
 # GELU-LayerNorm blocks at 64, 1.6x faster for 12 softmaxes), so the limit sits above every
 # program measured (12 softmaxes: 862).
 RECOMPUTE_LIMIT = 1024
-ROW_REDUCTIONS = ("sum", "max", "min", "mean")  # the reductions a map-reduce kernel's row takes
+ROW_REDUCTIONS = ("sum", "max", "min", "mean", "prod")  # the reductions a map-reduce kernel's row takes
 # A column kernel (Planner.column_start) gives each row a thread, neighbouring rows to
 # neighbouring lanes: their elements lie side by side in memory. Fewer rows than this leave
 # too few threads to keep the memory busy (a thread has 32 loads in flight, codegen/columns.py;

@@ -112,7 +112,7 @@ def split_long_reductions(g: ir.Graph) -> ir.Graph:
     names, users = {n.name for n in g.nodes}, g.users()
     for n in g.nodes:
         x = g[n.arg].type if isinstance(n, ir.Reduce) else None
-        if (x is None or n.op not in ("sum", "mean", "max", "min") or not x.shape
+        if (x is None or n.op not in ("sum", "mean", "max", "min", "prod") or not x.shape
                 or n.axes != (len(x.shape) - 1,) or x.shape[-1] < SPLIT_REDUCE_MIN
                 or x.numel // x.shape[-1] >= SPLIT_REDUCE_ROWS or x.dtype not in ("f32", "bf16", "f16")):
             out.append(n)
@@ -131,7 +131,7 @@ def split_long_reductions(g: ir.Graph) -> ir.Graph:
         out.append(ir.View(pieces, ir.TensorType(lead + (C // K, K), x.dtype), "reshape", src,
                            lead + (C // K, K), n.source))
         part = fresh_name(names, f"{n.name}_part")
-        wide = "f32" if n.op in ("sum", "mean") else x.dtype
+        wide = "f32" if n.op in ("sum", "mean", "prod") else x.dtype
         out.append(ir.Reduce(part, ir.TensorType(lead + (C // K,), wide), n.op, pieces, (len(lead) + 1,), False,
                              n.source))
         out.append(ir.Reduce(n.name, n.type, n.op, part, (len(lead),), n.keepdim, n.source))
@@ -154,7 +154,7 @@ def _scan_piece(C: int, rows: int) -> int | None:
 
 
 def split_long_scans(g: ir.Graph) -> ir.Graph:
-    """A sum, max or min scan over few long rows scans pieces of K, each offset by the running
+    """A scan (sum, product, max or min) over few long rows scans pieces of K, each offset by the running
     value of the pieces before it.
 
     A scan's CTAs take whole rows (codegen/scan.py), so 64 rows of 512k ran in 64 CTAs, and one
@@ -172,7 +172,7 @@ def split_long_scans(g: ir.Graph) -> ir.Graph:
     for n in g.nodes:
         C = n.type.shape[-1] if isinstance(n, ir.Scan) and n.type.shape else 0
         rows = n.type.numel // C if C else 0
-        K = _scan_piece(C, rows) if (C >= SPLIT_SCAN_MIN and rows < SPLIT_SCAN_ROWS and n.op in ("sum", "max", "min")
+        K = _scan_piece(C, rows) if (C >= SPLIT_SCAN_MIN and rows < SPLIT_SCAN_ROWS
                                      and n.axis == len(n.type.shape) - 1) else None
         if K is None:
             out.append(n)
@@ -201,7 +201,7 @@ def split_long_scans(g: ir.Graph) -> ir.Graph:
                              lead + (P, 1), src))
         local = add(ir.Scan(fresh_name(names, f"{n.name}_in_piece"), T(lead + (P, K)), n.op, pieces, d + 1, src))
         y = add(ir.Map(fresh_name(names, f"{n.name}_from_offset"), T(lead + (P, K)),
-                       {"sum": "add", "max": "max", "min": "min"}[n.op], (offset, local), src))
+                       {"sum": "add", "prod": "mul", "max": "max", "min": "min"}[n.op], (offset, local), src))
         if wide != n.type.dtype:
             y = add(ir.Map(fresh_name(names, f"{n.name}_rounded"), T(lead + (P, K), n.type.dtype), "cast", (y,), src))
         out.append(ir.View(n.name, n.type, "reshape", y, n.type.shape, src))
@@ -218,8 +218,8 @@ def _shifted(add, names: set, n: ir.Scan, running: str, lead: tuple, P: int, d: 
     index = add(ir.Iota(fresh_name(names, f"{n.name}_piece_index"), T((P,), "i64"), 0, src))
     zero = add(ir.Constant(fresh_name(names, f"{n.name}_zero"), T((), "i64"), 0, src))
     first = add(ir.Map(fresh_name(names, f"{n.name}_first_piece"), T((P,), "bool"), "eq", (index, zero), src))
-    if n.op == "sum":
-        ident = 0.0 if dtypes.is_float(wide) else 0
+    if n.op in ("sum", "prod"):
+        ident = (0 if n.op == "sum" else 1) * (1.0 if dtypes.is_float(wide) else 1)
     elif dtypes.is_float(wide):
         ident = float("-inf") if n.op == "max" else float("inf")
     else:

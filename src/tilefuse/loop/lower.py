@@ -378,7 +378,7 @@ class _Lowerer:
             # a row of equal values gets a variance (std of ten equal f16 values: 0.0012)
             x = self.convert(x, self.g[n.arg].type.dtype, body)
         want = dtypes.compute_type(n.type.dtype)
-        x = self.convert(x, want if dtypes.is_float(want) else "i64" if n.op == "sum" else want, body)
+        x = self.convert(x, want if dtypes.is_float(want) else "i64" if n.op in ("sum", "prod") else want, body)
         acc_t = self.dtype[x]
         v = self.fresh("red")
         op = "sum" if n.op == "mean" else n.op

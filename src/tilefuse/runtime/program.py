@@ -530,8 +530,12 @@ def run_extern(n, get) -> torch.Tensor:
         return torch.gather(x, n.axis, index)
     if isinstance(n, ir.Reduce):
         x = get(n.arg)
+        kw = {"dtype": dtypes.to_torch(n.type.dtype)} if n.op in ("sum", "mean", "prod") and x.is_floating_point() else {}
+        if n.op == "prod":  # (torch.prod takes one dim: the highest first, so the others keep their places)
+            for a in sorted(n.axes, reverse=True):
+                x = torch.prod(x, a, keepdim=n.keepdim, **kw)
+            return x.to(dtypes.to_torch(n.type.dtype))
         fn = {"sum": torch.sum, "mean": torch.mean, "max": torch.amax, "min": torch.amin}[n.op]
-        kw = {"dtype": dtypes.to_torch(n.type.dtype)} if n.op in ("sum", "mean") and x.is_floating_point() else {}
         return fn(x, dim=n.axes, keepdim=n.keepdim, **kw)
     if isinstance(n, ir.Scan):
         x = get(n.arg)

@@ -29,7 +29,7 @@ from .. import ir
 from .match import Editor
 
 MAX_EXTENT = 8
-_COMBINE = {"sum": "add", "mean": "add", "max": "max", "min": "min"}
+_COMBINE = {"sum": "add", "mean": "add", "prod": "mul", "max": "max", "min": "min"}
 
 
 def _short_axis(n: ir.Node, g: ir.Graph, users: dict) -> int | None:
