@@ -280,3 +280,17 @@ def test_a_transposed_view_a_reduction_reads_is_copied_in_tiles():
     assert sum(isinstance(p.graph[n], ir.Reduce) for n in norm.nodes) == 2
     assert "2-D tiles" in str(p.plan)
     torch.testing.assert_close(p(x), fn(x), atol=1e-5, rtol=1e-5)
+
+@pytest.mark.parametrize("fn", [lambda e: e.t().to(torch.int32).sum(0), lambda e: e.t().to(torch.int32).prod(0)],
+                         ids=["sum", "prod"])
+def test_a_column_kernel_whose_row_would_not_fit_registers_streams_it(fn):
+    """40 i64 columns a thread are 80 registers of row, more than render holds (it refused the
+    default, a crash when called): such rows are streamed; every kernel builds without spills
+    and the program computes eager's integers."""
+    e = torch.randint(-3, 4, (40000, 40))
+    p = tilefuse.compile(fn, (e,))
+    for lw in p.kernels.values():
+        for arch in ("sm_90a", "sm_80"):
+            src, cubin = compile_source_only(lw.kernel, arch)
+            assert cubin.info.clean, f"{arch} {src.schedule}: {cubin.info}"
+    assert torch.equal(p(e), fn(e))

@@ -317,7 +317,7 @@ UNARY = [torch.exp, torch.tanh, torch.sigmoid, torch.relu, F.silu, lambda x: x *
 @st.composite
 def programs(draw):
     """A random chain over x[L..., C] (1 to 3 leading dims) of maps, explicit casts, broadcasts of inputs
-    shaped like any suffix of x's with some dims 1, row reductions (with per-row outputs) and scans."""
+    shaped like any suffix of x's with some dims 1, row reductions (with per-row outputs), products and scans."""
     lead = tuple(draw(st.lists(st.integers(1, 4), min_size=1, max_size=3)))
     C = draw(st.sampled_from([1, 2, 7, 33]))
     full = lead + (C,)
@@ -327,7 +327,7 @@ def programs(draw):
         k = draw(st.integers(1, len(full)))
         others.append(tuple(1 if draw(st.booleans()) else d for d in full[len(full) - k:]))
     kinds = draw(st.lists(st.sampled_from(["unary", "bias", "rowscale", "softmax", "norm", "center", "rowout",
-                                           "mask", "cast", "cumsum", "cummax"]), min_size=1, max_size=6))
+                                           "mask", "cast", "cumsum", "cummax", "prod"]), min_size=1, max_size=6))
     fns = draw(st.lists(st.sampled_from(UNARY), min_size=len(kinds), max_size=len(kinds)))
     dtype = draw(st.sampled_from([torch.float32, torch.bfloat16]))
     gen = torch.Generator().manual_seed(draw(st.integers(0, 2**31)))  # inputs reproducible from the example
@@ -355,6 +355,8 @@ def programs(draw):
                 x = x.cumsum(-1) * 0.25
             elif kind == "cummax":
                 x = torch.cummax(x, -1)[0] - x
+            elif kind == "prod":  # (of f32 factors: eager's CPU bf16 product rounds at every step)
+                x = x * (1 + 0.1 * torch.tanh(x.float())).prod(-1, keepdim=True).to(x.dtype)
             else:
                 outs.append(x.amax(-1))
         return (x, *outs)

@@ -63,9 +63,11 @@ def default_schedule(kernel: ir.Kernel, arch: str = "sm_90a"):
     32 x 128 x 56 x 56 20.5 us in registers (20.4 streamed 32 a time, 24.7 at 8), a channels-first
     LayerNorm over 96 channels 20.4 (21.6), softmax over 64: 8.9 (10.0); a mean over 512: 24.3
     streamed (25.2 in registers, 40.3 at 8 a time), a max over 256: 13.9 (14.3)."""
-    from .mapreduce import MapReduceSchedule
+    from .mapreduce import MAX_STAGED_WORDS, MapReduceSchedule, staged_words
 
     C = ir.row_kernel_parts(kernel).col_extent
-    if C <= REGS_MAX_COLUMNS:
+    # (a row a thread stages C chunks of its row streams: `e.t().to(torch.int32)` over 40 i64
+    # columns held 80 registers, which render refuses)
+    if C <= REGS_MAX_COLUMNS and C * staged_words(kernel, 1) <= MAX_STAGED_WORDS:
         return MapReduceSchedule(threads=128, group=1, vector=1, stage="regs", min_blocks=1)
     return MapReduceSchedule(threads=128, group=1, vector=1, stage="stream", unroll=32, min_blocks=2)
