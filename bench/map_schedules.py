@@ -5,9 +5,9 @@ program's own tensors, one process, interleaved rounds.
 
 Session 65's tuner runs found the defaults of maps in registers 5-20% off the best schedule
 (8-byte chunks, more threads a row, a higher occupancy). This probe times, for each one-kernel
-map program below, its kernel as rendered by default, under `rule` (the candidate default this
-script was written to check: `codegen.mapreduce.map_regs_schedule` where present) and under a
-grid of (chunk bytes, chunks a thread, threads a CTA), each checked against the program's output
+map program below, its kernel as rendered by default, under "regs layout" (`_regs_schedule`:
+the registers layout of other kernels, a short map's default until session 67) and under a grid
+of (chunk bytes, chunks a thread, threads a CTA), each checked against the program's output
 first. A row's score is the median over rounds of `timings_ms`' median (L2 flushed by a read).
 """
 from __future__ import annotations
@@ -83,7 +83,6 @@ def main() -> None:
     from program_schedules import program_launch
 
     gpu = torch.cuda.get_device_name()
-    rule = getattr(mapreduce, "map_regs_schedule", None)
     names = a.only.split(",") if a.only else list(CASES)
     rows = []
     for name in names:
@@ -103,8 +102,10 @@ def main() -> None:
         cols = mapreduce.ir.row_kernel_parts(lowered.kernel).col_extent
         v16 = 16 // max(1, outs[-1].element_size())
         labelled = {"default": dflt}
-        if rule is not None:
-            labelled["rule"] = rule(lowered.kernel)
+        parts = mapreduce.ir.row_kernel_parts(lowered.kernel)
+        if dflt.stage == "regs":
+            labelled["regs layout"] = mapreduce._regs_schedule(lowered.kernel, parts,
+                                                                mapreduce._choose_vector(lowered.kernel, parts), "sm_90a")
         for s in grid(v16, cols):
             labelled.setdefault(str(s), s)
         kernels = {}
@@ -133,15 +134,15 @@ def main() -> None:
                "best_schedule": str(kernels[best][1]), "registers": {k: kernels[k][2] for k in kernels},
                "rounds": per}
         rows.append(row)
-        r = f"  rule {med['rule']:6.1f}" if "rule" in med else ""
+        r = f"  regs layout {med['regs layout']:6.1f}" if "regs layout" in med else ""
         print(f"{name:18s} default {med['default']:6.1f}{r}  best {med[best]:6.1f} {kernels[best][1]}", flush=True)
         if a.json:
             with open(a.json, "w") as f:
                 json.dump({"gpu": gpu, "rows": rows}, f, indent=1)
-    print(f"\n{gpu}: default / best, rule / best")
+    print(f"\n{gpu}: default / best, regs layout / best")
     for r in rows:
         m = r["us"]
-        extra = f"  rule {m['rule'] / m[r['best']]:.3f}" if "rule" in m else ""
+        extra = f"  regs layout {m['regs layout'] / m[r['best']]:.3f}" if "regs layout" in m else ""
         print(f"  {r['case']:18s} {m['default'] / m[r['best']]:.3f}{extra}")
 
 

@@ -804,7 +804,7 @@ def test_a_batch_loads_every_row_before_the_first_exchange(name):
     R, C = 1001, 256
     k = fx.BUILDERS[name](R, C, "bf16")
     d = default_schedule(k, "sm_90a")
-    s = replace(d, stage="regs", pipeline=False, threads=128, group=min(d.group, 16), min_blocks=4, batch=2)
+    s = replace(d, stage="regs", pipeline=False, threads=128, group=16, vector=8, min_blocks=4, batch=2)
     src, cubin = compile_source_only(k, "sm_90a", s)
     body = _body(src)
     first_body = body.index("// ---- row 0 of the batch")
