@@ -302,11 +302,16 @@ def test_scans_stay_whole(shape, env, monkeypatch):
 
 
 def test_a_prime_row_stays_whole():
-    """No divisor in [256, 4096]: the row is scanned whole (streamed by one CTA)."""
+    """No divisor in [256, 4096]: the row is scanned whole (streamed by one CTA), its values
+    within the 2x rule (an allclose against eager's here failed now and then: the interpreter's
+    float32 chain of 65537 sums is 1e-3 off near 100, and a value near 0 then fails atol)."""
+    torch.manual_seed(0)
     x = torch.randn(1, 65537)
-    p = tilefuse.compile(lambda x: x.cumsum(-1), (x,))
+    fn = lambda x: x.cumsum(-1)  # noqa: E731
+    p = tilefuse.compile(fn, (x,))
     assert len(_kernels(p)) == 1
-    assert torch.allclose(p(x), x.cumsum(-1), rtol=1e-4, atol=1e-3)
+    chk = compare("cumsum", p(x), float64_reference(fn, (x,)), fn(x))
+    assert chk.ok, chk
 
 
 # -- found in review -------------------------------------------------------------------------------
@@ -388,3 +393,16 @@ def test_a_16_bit_value_scanned_is_one_value_wherever_the_kernel_uses_it():
     assert torch.equal(got == 0, want == 0)
     chk = compare("x", got, float64_reference(fn, (x,)), want)
     assert chk.ok, chk
+
+
+@pytest.mark.parametrize("fn", [lambda x: x.cumsum(-1), lambda x: x.cumprod(-1), lambda x: torch.cummax(x, -1)[0]],
+                         ids=["cumsum", "cumprod", "cummax"])
+def test_a_split_scan_reads_the_row_twice_and_writes_it_once(fn):
+    """The pieces' scan reads the offsets (their first elements combined with them), so it runs
+    in the kernel storing the result: no f32 running values of the pieces stored and read back
+    (a scan of a piece alone joined the totals' kernel, and 64 x 524288 bf16 moved 402 MB)."""
+    x = torch.randn(2, 65536, dtype=torch.bfloat16)
+    p = tilefuse.compile(fn, (x,))
+    assert any(n.name.endswith("_pieces") for n in p.plan.graph.nodes)
+    moved = sum(k.bytes for k in _kernels(p))
+    assert moved <= 3 * x.numel() * x.element_size() * 1.02, str(p.plan)

@@ -161,7 +161,8 @@ def split_long_scans(g: ir.Graph) -> ir.Graph:
     row (a cumsum over a vocabulary's probabilities) in one. Viewed as [R, P, K] (a free
     reshape), each piece's total is reduced (R P rows), the totals scanned (R rows of P) and
     shifted by one piece (a roll, the first piece's offset the identity), and each piece scanned
-    from that offset (R P rows): the row is read twice and written once, by R P CTAs. The offsets
+    from that offset (its first element combined with it: R P rows): the row is read twice and
+    written once, by R P CTAs. The offsets
     and running values are the accumulator's type (f32 for bf16 / f16), rounded once at the end."""
     from ..loop.flat import split_enabled
     from .fusion import scans_enabled
@@ -199,14 +200,31 @@ def split_long_scans(g: ir.Graph) -> ir.Graph:
         offset = _shifted(add, names, n, running, lead, P, d, wide)
         offset = add(ir.View(fresh_name(names, f"{n.name}_piece_offset_col"), T(lead + (P, 1)), "reshape", offset,
                              lead + (P, 1), src))
-        local = add(ir.Scan(fresh_name(names, f"{n.name}_in_piece"), T(lead + (P, K)), n.op, pieces, d + 1, src))
-        y = add(ir.Map(fresh_name(names, f"{n.name}_from_offset"), T(lead + (P, K)),
-                       {"sum": "add", "prod": "mul", "max": "max", "min": "min"}[n.op], (offset, local), src))
+        # each piece's first element combined with its offset, then the piece scanned: the scan
+        # reads the offset, so it runs in the kernel that stores the result (a scan of the piece
+        # alone joined the totals' kernel, its f32 running values stored and read back, and
+        # 64 x 524288 bf16 moved 402 MB where 201 do). A 16-bit piece enters the maps as it is
+        # (a map of a wider type promotes it): a cast of its own would join the totals' kernel
+        # as a sibling and be stored.
+        x = pieces
+        seeded = add(ir.Map(fresh_name(names, f"{n.name}_seeded"), T(lead + (P, K)),
+                            {"sum": "add", "prod": "mul", "max": "max", "min": "min"}[n.op], (offset, x), src))
+        seeded = add(ir.Map(fresh_name(names, f"{n.name}_first_seeded"), T(lead + (P, K)), "where",
+                            (_first(add, names, n, K), seeded, x), src))
+        y = add(ir.Scan(fresh_name(names, f"{n.name}_from_offset"), T(lead + (P, K)), n.op, seeded, d + 1, src))
         if wide != n.type.dtype:
             y = add(ir.Map(fresh_name(names, f"{n.name}_rounded"), T(lead + (P, K), n.type.dtype), "cast", (y,), src))
         out.append(ir.View(n.name, n.type, "reshape", y, n.type.shape, src))
     # (the maps the scan reads move into the pieces' row space, into the kernels reading them)
     return reshapes_onto_maps(g.replace(nodes=out), moved) if moved else g
+
+
+def _first(add, names: set, n: ir.Scan, length: int) -> str:
+    """[length] bools, true at index 0 (broadcast along the last dim)."""
+    src, T = n.source, ir.TensorType
+    index = add(ir.Iota(fresh_name(names, f"{n.name}_index"), T((length,), "i64"), 0, src))
+    zero = add(ir.Constant(fresh_name(names, f"{n.name}_zero"), T((), "i64"), 0, src))
+    return add(ir.Map(fresh_name(names, f"{n.name}_first"), T((length,), "bool"), "eq", (index, zero), src))
 
 
 def _shifted(add, names: set, n: ir.Scan, running: str, lead: tuple, P: int, d: int, wide: str) -> str:
@@ -215,9 +233,7 @@ def _shifted(add, names: set, n: ir.Scan, running: str, lead: tuple, P: int, d: 
     src, T = n.source, ir.TensorType
     before = add(ir.View(fresh_name(names, f"{n.name}_piece_before"), T(lead + (P,), wide), "roll", running,
                          (d, P - 1), src))
-    index = add(ir.Iota(fresh_name(names, f"{n.name}_piece_index"), T((P,), "i64"), 0, src))
-    zero = add(ir.Constant(fresh_name(names, f"{n.name}_zero"), T((), "i64"), 0, src))
-    first = add(ir.Map(fresh_name(names, f"{n.name}_first_piece"), T((P,), "bool"), "eq", (index, zero), src))
+    first = _first(add, names, n, P)
     if n.op in ("sum", "prod"):
         ident = (0 if n.op == "sum" else 1) * (1.0 if dtypes.is_float(wide) else 1)
     elif dtypes.is_float(wide):
