@@ -406,3 +406,26 @@ def test_a_split_scan_reads_the_row_twice_and_writes_it_once(fn):
     assert any(n.name.endswith("_pieces") for n in p.plan.graph.nodes)
     moved = sum(k.bytes for k in _kernels(p))
     assert moved <= 3 * x.numel() * x.element_size() * 1.02, str(p.plan)
+
+
+@pytest.mark.parametrize("fn", [
+    lambda x, r, c: x.cumsum(-1) * 2,                                  # a scalar
+    lambda x, r, c: torch.cummax(x, -1)[0] - x,                        # the rows themselves
+    lambda x, r, c: (x.cumsum(-1) - r) * c,                            # a value a row, a value a column
+    lambda x, r, c: torch.where(x.softmax(-1).cumsum(-1) < r.sigmoid(), x, 0.0),  # top-p's mask of a row
+], ids=["scalar", "rows", "row and column", "mask"])
+def test_maps_after_a_split_scan_run_in_its_kernel(fn):
+    """rewrites.maps_below_reshapes: maps reading the split scan's result run in the pieces'
+    shape, in the kernel storing it (the reshape back to rows moved below them): no kernel of
+    their own reading the scan's result back; values as eager's."""
+    torch.manual_seed(0)
+    x, r, c = torch.randn(2, 65536), torch.randn(2, 1), torch.randn(65536)
+    p = tilefuse.compile(fn, (x, r, c))
+    assert any(n.name.endswith("_pieces") for n in p.plan.graph.nodes)
+    last = _kernels(p)[-1]
+    assert last.scan and any(n.endswith("_pieces") and n not in ("cumsum_pieces", "cummax_pieces")
+                             for n in last.nodes), str(p.plan)
+    assert not _externs(p)
+    got, want = p(x, r, c), fn(x, r, c)
+    chk = compare("out", got, float64_reference(fn, (x, r, c)), want)
+    assert chk.ok, chk

@@ -30,6 +30,8 @@ CASES = {  # name: (fn, shapes, rounds)
                             True),
     "vocab cumsum (split)": (lambda x: x.softmax(-1).cumsum(-1), [(1, 128256), (3, 20000)], True),
     "cummax (split)": (lambda x: torch.cummax(x, -1)[0] * 2, [(2, 65536), (40000,)], False),
+    "maps after a split cumsum": (lambda x: x.cumsum(-1) * 0.5 - x, [(2, 65536), (1, 128256)], True),
+    "cumprod (split)": (lambda x: (1 + 1e-4 * x).cumprod(-1), [(2, 65536), (1, 128256)], True),
 }
 
 

@@ -168,7 +168,7 @@ def split_long_scans(g: ir.Graph) -> ir.Graph:
     from .fusion import scans_enabled
     if not split_enabled() or not scans_enabled():
         return g
-    out, moved = [], set()
+    out, moved, back = [], set(), set()
     names = {n.name for n in g.nodes}
     for n in g.nodes:
         C = n.type.shape[-1] if isinstance(n, ir.Scan) and n.type.shape else 0
@@ -215,8 +215,60 @@ def split_long_scans(g: ir.Graph) -> ir.Graph:
         if wide != n.type.dtype:
             y = add(ir.Map(fresh_name(names, f"{n.name}_rounded"), T(lead + (P, K), n.type.dtype), "cast", (y,), src))
         out.append(ir.View(n.name, n.type, "reshape", y, n.type.shape, src))
-    # (the maps the scan reads move into the pieces' row space, into the kernels reading them)
-    return reshapes_onto_maps(g.replace(nodes=out), moved) if moved else g
+        back.add(n.name)
+    # (the maps the scan reads move into the pieces' row space, into the kernels reading them,
+    # and so do the maps after it)
+    return maps_below_reshapes(reshapes_onto_maps(g.replace(nodes=out), moved), back) if moved else g
+
+
+def maps_below_reshapes(g: ir.Graph, views: set) -> ir.Graph:
+    """Maps reading the reshapes named in `views` (pieces [.., P, K] back to rows [.., C]) run in
+    the pieces' shape, the reshape moved below them:
+
+        op(reshape(y), b)   ->   reshape(op(y, reshape(b)))
+
+    A reshape ends a kernel's row space, so `x.cumsum(-1) > p` over few long rows ran the
+    comparison in a kernel of its own, reading the scan's result back. Each other argument
+    broadcasts along the rows or not at all: its last dim is 1 (-> 1, 1) or C (-> P, K)."""
+    names, moved = {n.name for n in g.nodes}, set(views)
+    while views:
+        users, out, fresh = g.users(), [], set()
+        for n in g.nodes:
+            v = next((g[a] for a in (n.args if isinstance(n, ir.Map) else ()) if a in views), None)
+            shapes = None if v is None else [_in_pieces(g[a].type.shape, v.type.shape, g[v.arg].type.shape)
+                                               for a in n.args]
+            if v is None or any(s is None for s in shapes):
+                out.append(n)
+                continue
+            args = []
+            for a, s in zip(n.args, shapes):
+                if a in views and g[a].type.shape == v.type.shape:
+                    args.append(g[a].arg)
+                elif s == g[a].type.shape:
+                    args.append(a)
+                else:
+                    args.append(fresh_name(names, f"{a}_as"))
+                    out.append(ir.View(args[-1], ir.TensorType(s, g[a].type.dtype), "reshape", a, s, n.source))
+            m = ir.Map(fresh_name(names, f"{n.name}_pieces"), ir.TensorType(g[v.arg].type.shape, n.type.dtype),
+                       n.op, tuple(args), n.source)
+            out += [m, ir.View(n.name, n.type, "reshape", m.name, n.type.shape, n.source)]
+            fresh.add(n.name)
+        g, views = g.replace(nodes=out), fresh
+        moved |= fresh
+    # (a reshape no map reads any more is dropped: a kernel would store what it views)
+    users, outputs = g.users(), set(g.outputs)
+    return g.replace(nodes=[n for n in g.nodes if n.name not in moved or users.get(n.name) or n.name in outputs])
+
+
+def _in_pieces(shape: tuple, rows: tuple, pieces: tuple) -> tuple | None:
+    """The shape an argument of a map over `rows` ([.., C]) takes over `pieces` ([.., P, K]):
+    its last dim C -> P, K, 1 -> 1, 1 (right-aligned; no dims: as it is); None where the map's
+    result is not `rows` shaped."""
+    if not shape:
+        return shape
+    if len(shape) > len(rows) or shape[-1] not in (1, rows[-1]):
+        return None
+    return shape[:-1] + ((1, 1) if shape[-1] == 1 and rows[-1] != 1 else pieces[-2:])
 
 
 def _first(add, names: set, n: ir.Scan, length: int) -> str:
