@@ -591,11 +591,14 @@ def _short_map_schedule(kernel: ir.Kernel, parts: ir.RowKernel, v: int) -> MapRe
     default (256 threads, 4 chunks of 16 bytes a thread, 768 threads an SM; bench/map_schedules.py,
     bench/results/s67/): a head permute's rows of 128 34.0 against 37.5 us, RoPE's rotate-half
     over rows of 128 35.3 against 40.7, x * 2 over rows of 1024 33.5 against 35.2; each the best
-    of 30 neighbours (16-byte chunks at two a thread: 1.03-1.47x the best)."""
+    of 30 neighbours (16-byte chunks at two a thread: 1.03-1.47x the best). More than 16
+    registers of staged chunks (RoPE's three streams: 16) leave too few of the 32 a thread
+    gets at 2048 threads an SM (six f32 inputs: a stack frame): 1024 threads an SM then."""
     v //= 2
     group = _pow2ceil(-(-(-(-parts.col_extent // v)) // 2))
     threads = max(256, group)
-    return MapReduceSchedule(threads=threads, group=group, vector=v, min_blocks=max(1, 2048 // threads))
+    per_sm = 2048 if 2 * staged_words(kernel, v) <= 16 else 1024
+    return MapReduceSchedule(threads=threads, group=group, vector=v, min_blocks=max(1, per_sm // threads))
 
 
 def _centred(kernel: ir.Kernel) -> bool:

@@ -1,0 +1,61 @@
+"""Maps over short rows held in registers (mapreduce._short_map_schedule): half-width chunks,
+two a thread, 256 threads, 2048 threads an SM (1024 where more than 16 registers of chunks
+are staged). Checked here: the layout the default picks, and that every such kernel builds for
+sm_90a and sm_80 with no spill and no stack frame at the default it names."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import tilefuse
+from tilefuse.codegen import mapreduce as mr
+from tilefuse.runtime.launch import compile_source_only
+
+
+def _kernel(fn, *xs):
+    p = tilefuse.compile(fn, xs)
+    (lw,) = p.kernels.values()
+    return lw.kernel
+
+
+@pytest.mark.parametrize("shape,dtype,vector,group", [
+    ((8, 1024, 32, 128), torch.bfloat16, 4, 16),   # a head permute's rows of 128: 32 chunks of 8 bytes
+    ((8, 1024, 32, 64), torch.float32, 2, 16),     # rows of 64 f32: 32 chunks of 8 bytes
+])
+def test_a_short_map_takes_half_width_chunks_two_a_thread(shape, dtype, vector, group):
+    k = _kernel(lambda x: x.transpose(1, 2).contiguous() * 2, torch.randn(shape, dtype=dtype))
+    s = mr.default_schedule(k, "sm_90a")
+    assert (s.stage, s.vector, s.group, s.threads, s.min_blocks) == ("regs", vector, group, 256, 8), s
+
+
+def test_many_staged_streams_take_half_the_threads_an_sm():
+    """Six f32 streams: 24 registers of chunks a thread, more than 32 registers leave room for."""
+    xs = [torch.randn(4096, 64) for _ in range(6)]
+    k = _kernel(lambda a, b, c, d, e, f: (a * b + c * d).sigmoid() * e - f, *xs)
+    s = mr.default_schedule(k, "sm_90a")
+    assert s.stage == "regs" and s.threads * s.min_blocks == 1024, s
+
+
+CASES = {
+    "one stream": (lambda a: a * 2, 1),
+    "three streams": (lambda a, b, c: a * b + c, 3),
+    "six streams": (lambda a, b, c, d, e, f: (a * b + c * d).sigmoid() * e - f, 6),
+    "six streams, transcendental": (lambda a, b, c, d, e, f: F.gelu(a) * torch.sigmoid(b) + torch.tanh(c) * d.exp()
+                                    - e.log1p().abs() * f, 6),
+}
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_80"])
+@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("C,dtype", [(128, torch.bfloat16), (1024, torch.bfloat16), (64, torch.float32),
+                                     (256, torch.float16)], ids=str)
+def test_short_map_kernels_build_clean_at_their_default(name, C, dtype, arch):
+    """No spill and no stack frame at the default itself (the build halves min_blocks where a
+    default spills; here it must not need to)."""
+    fn, n = CASES[name]
+    p = tilefuse.compile(fn, tuple(torch.randn(4096, C, dtype=dtype) for _ in range(n)))
+    for lw in p.kernels.values():
+        src, cubin = compile_source_only(lw.kernel, arch)
+        assert src.schedule == mr.default_schedule(lw.kernel, arch), src.schedule
+        assert cubin.info.clean, f"{src.schedule}: {cubin.info}"
