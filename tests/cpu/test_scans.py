@@ -429,3 +429,41 @@ def test_maps_after_a_split_scan_run_in_its_kernel(fn):
     got, want = p(x, r, c), fn(x, r, c)
     chk = compare("out", got, float64_reference(fn, (x, r, c)), want)
     assert chk.ok, chk
+
+
+@pytest.mark.parametrize("fn,xs", [
+    (lambda x, o: x.cumsum(-1) + o, ((1, 16384), (3, 16384))),
+    (lambda x, o: x.cumsum(-1) * o[:, :1], ((1, 16384), (3, 16384))),
+    (lambda x, o: torch.where(x.cumsum(-1) > 0, o, 0.0), ((1, 16384), (3, 16384))),
+    (lambda x, o: x.cumsum(-1) + o, ((2, 1, 16384), (2, 3, 16384))),
+    (lambda x, o: x.cumsum(-1) + o.cumsum(-1), ((1, 16384), (3, 16384))),
+], ids=["[1,C] + [3,C]", "[1,C] * [3,1]", "where into [3,C]", "[2,1,C] + [2,3,C]", "two scans"])
+def test_a_map_broadcasting_a_split_scan_beyond_its_rows_stays_where_it_is(fn, xs):
+    """(Found in review.) A map whose result is larger than the scan's rows was rebuilt in the
+    pieces' shape, smaller than its own: a map the planner left to PyTorch, which crashed when
+    called. Such maps keep their place; the program computes eager's values."""
+    torch.manual_seed(0)
+    xs = tuple(torch.randn(s) for s in xs)
+    p = tilefuse.compile(fn, xs)
+    assert not _externs(p), str(p.plan)
+    chk = compare("out", p(*xs), float64_reference(fn, xs), fn(*xs))
+    assert chk.ok, chk
+
+
+@pytest.mark.parametrize("fn", [lambda y: y.exp() * y, lambda y: y * 2 + y, lambda y: (y > 0) & (y < 5)],
+                         ids=["exp(y) * y", "y * 2 + y", "two compares"])
+def test_maps_of_maps_after_a_split_scan_share_its_kernel(fn):
+    """(Found in review.) A map of a map moved below the reshape read it through a reshape of its
+    reshape, so both were stored and read back by a kernel of their own (7 row trips where 3
+    do): each now reads the moved one's pieces."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 65536)
+    p = tilefuse.compile(lambda x: fn(x.cumsum(-1)), (x,))
+    assert len(_kernels(p)) == 4, str(p.plan)
+    assert sum(k.bytes for k in _kernels(p)) <= 3.05 * x.numel() * x.element_size(), str(p.plan)
+    got, want = p(x), fn(x.cumsum(-1))
+    if got.dtype == torch.bool:
+        assert torch.equal(got, want)
+    else:
+        chk = compare("out", got, float64_reference(lambda x: fn(x.cumsum(-1)), (x,)), want)
+        assert chk.ok, chk

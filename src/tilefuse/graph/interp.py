@@ -68,16 +68,18 @@ def eval_map(n: ir.Map, args, precision="native"):
     return np.asarray(r).astype(dtypes.to_numpy(out))
 
 
-def _product_type(op: str, t: np.dtype) -> np.dtype:
-    """A float product's running value in float64: NumPy multiplies in order, and in float32
-    that drifts (5e-4 over 131072 factors near 1, where PyTorch's CPU op holds 6e-8; a kernel's
-    tree of partial products drifts far less than a chain)."""
-    return np.dtype(np.float64) if op == "prod" and t.kind == "f" else t
+def _chain_type(op: str, t: np.dtype, ops_in_order=("prod",)) -> np.dtype:
+    """A float product's (and a scan's running sum's) value in float64: NumPy multiplies and
+    accumulates in order, and in float32 that drifts (5e-4 over 131072 factors near 1, where
+    PyTorch's CPU op holds 6e-8; a split scan's pieces start from their offsets, so each step
+    rounds at the row's running size). A kernel's tree of partial values drifts far less than a
+    chain. (np.sum adds pairwise: a float32 sum keeps its type.)"""
+    return np.dtype(np.float64) if op in ops_in_order and t.kind == "f" else t
 
 
 def eval_reduce(n: ir.Reduce, x, precision="native"):
     out = n.type.dtype
-    t = _product_type(n.op, _float_type(out, precision) if dtypes.is_float(out) else dtypes.to_numpy(out))
+    t = _chain_type(n.op, _float_type(out, precision) if dtypes.is_float(out) else dtypes.to_numpy(out))
     x = x.astype(t)
     if n.op == "mean":
         r = np.sum(x, axis=n.axes, keepdims=n.keepdim) / max(1, int(np.prod([x.shape[a] for a in n.axes])))
@@ -88,10 +90,12 @@ def eval_reduce(n: ir.Reduce, x, precision="native"):
 
 
 def eval_scan(n: ir.Scan, x, precision="native"):
-    """Running `op` along the axis in the result's compute type, each element rounded once
-    (np.maximum / minimum carry a NaN on, as torch.cummax does)."""
+    """Running `op` along the axis in the result's compute type (a float sum or product in
+    float64: _chain_type), each element rounded once (np.maximum / minimum carry a NaN on, as
+    torch.cummax does)."""
     out = n.type.dtype
-    t = _product_type(n.op, _float_type(out, precision) if dtypes.is_float(out) else dtypes.to_numpy(out))
+    t = _chain_type(n.op, _float_type(out, precision) if dtypes.is_float(out) else dtypes.to_numpy(out),
+                    ("sum", "prod"))
     with np.errstate(all="ignore"):
         r = ops.SCANS[n.op].accumulate(np.asarray(x).astype(t), axis=n.axis, dtype=t)
     return np.asarray(r).astype(_store_type(out, precision))

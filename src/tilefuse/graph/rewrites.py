@@ -228,42 +228,46 @@ def maps_below_reshapes(g: ir.Graph, views: set) -> ir.Graph:
         op(reshape(y), b)   ->   reshape(op(y, reshape(b)))
 
     A reshape ends a kernel's row space, so `x.cumsum(-1) > p` over few long rows ran the
-    comparison in a kernel of its own, reading the scan's result back. Each other argument
-    broadcasts along the rows or not at all: its last dim is 1 (-> 1, 1) or C (-> P, K)."""
-    names, moved = {n.name for n in g.nodes}, set(views)
-    while views:
-        users, out, fresh = g.users(), [], set()
-        for n in g.nodes:
-            v = next((g[a] for a in (n.args if isinstance(n, ir.Map) else ()) if a in views), None)
-            shapes = None if v is None else [_in_pieces(g[a].type.shape, v.type.shape, g[v.arg].type.shape)
-                                               for a in n.args]
-            if v is None or any(s is None for s in shapes):
-                out.append(n)
-                continue
-            args = []
-            for a, s in zip(n.args, shapes):
-                if a in views and g[a].type.shape == v.type.shape:
-                    args.append(g[a].arg)
-                elif s == g[a].type.shape:
-                    args.append(a)
-                else:
-                    args.append(fresh_name(names, f"{a}_as"))
-                    out.append(ir.View(args[-1], ir.TensorType(s, g[a].type.dtype), "reshape", a, s, n.source))
-            m = ir.Map(fresh_name(names, f"{n.name}_pieces"), ir.TensorType(g[v.arg].type.shape, n.type.dtype),
-                       n.op, tuple(args), n.source)
-            out += [m, ir.View(n.name, n.type, "reshape", m.name, n.type.shape, n.source)]
-            fresh.add(n.name)
-        g, views = g.replace(nodes=out), fresh
-        moved |= fresh
+    comparison in a kernel of its own, reading the scan's result back. Only maps whose result
+    has the rows' shape (not broadcast beyond it), each other argument broadcasting along the
+    rows or not at all: its last dim 1 (-> 1, 1) or C (-> P, K). One pass in order: a map of a
+    map moved reads the moved one's pieces, not a reshape of its reshape."""
+    # name -> (its pieces' node, its rows' shape, the pieces' shape)
+    names = {n.name for n in g.nodes}
+    pieces_of = {v: (g[v].arg, g[v].type.shape, g[g[v].arg].type.shape) for v in views}
+    out = []
+    for n in g.nodes:
+        rows = n.type.shape
+        inner = {p for a in (n.args if isinstance(n, ir.Map) else ()) if a in pieces_of
+                 for _, r, p in [pieces_of[a]] if r == rows}
+        shapes = None if len(inner) != 1 else \
+            [None if a in pieces_of and pieces_of[a][1] != rows else _in_pieces(g[a].type.shape, rows, next(iter(inner)))
+             for a in n.args]
+        if shapes is None or any(s is None for s in shapes):
+            out.append(n)
+            continue
+        args = []
+        for a, s in zip(n.args, shapes):
+            if a in pieces_of:
+                args.append(pieces_of[a][0])
+            elif s == g[a].type.shape:
+                args.append(a)
+            else:
+                args.append(fresh_name(names, f"{a}_as"))
+                out.append(ir.View(args[-1], ir.TensorType(s, g[a].type.dtype), "reshape", a, s, n.source))
+        m = ir.Map(fresh_name(names, f"{n.name}_pieces"), ir.TensorType(next(iter(inner)), n.type.dtype), n.op,
+                   tuple(args), n.source)
+        out += [m, ir.View(n.name, n.type, "reshape", m.name, rows, n.source)]
+        pieces_of[n.name] = (m.name, rows, m.type.shape)
     # (a reshape no map reads any more is dropped: a kernel would store what it views)
+    g = g.replace(nodes=out)
     users, outputs = g.users(), set(g.outputs)
-    return g.replace(nodes=[n for n in g.nodes if n.name not in moved or users.get(n.name) or n.name in outputs])
+    return g.replace(nodes=[n for n in g.nodes if n.name not in pieces_of or users.get(n.name) or n.name in outputs])
 
 
 def _in_pieces(shape: tuple, rows: tuple, pieces: tuple) -> tuple | None:
     """The shape an argument of a map over `rows` ([.., C]) takes over `pieces` ([.., P, K]):
-    its last dim C -> P, K, 1 -> 1, 1 (right-aligned; no dims: as it is); None where the map's
-    result is not `rows` shaped."""
+    its last dim C -> P, K, 1 -> 1, 1 (right-aligned; no dims: as it is); None for any other."""
     if not shape:
         return shape
     if len(shape) > len(rows) or shape[-1] not in (1, rows[-1]):

@@ -159,15 +159,16 @@ def _exec(run: _Run, s, frame: _Frame):
         raise ValueError(f"kernel {run.kernel.name}: unknown statement {s!r}")
 
 
-def _product_type(op: str, acc: str) -> str:
-    """A float product's running value in f64 (graph/interp.py's _product_type says why)."""
-    return "f64" if op == "prod" and dtypes.is_float(acc) else acc
+def _chain_type(op: str, acc: str, ops_in_order=("prod",)) -> str:
+    """A float product's (a scan's running sum's) value in f64 (graph/interp.py's _chain_type
+    says why)."""
+    return "f64" if op in ops_in_order and dtypes.is_float(acc) else acc
 
 
 def _reduce(run: _Run, s: Reduce, frame: _Frame) -> np.ndarray:
     inner = frame.bind(s.var, s.extent)
     _exec_block(run, s.body, inner)
-    acc = _product_type(s.op, dtypes.compute_type(s.dtype))
+    acc = _chain_type(s.op, dtypes.compute_type(s.dtype))
     value = _convert(inner.values[s.value], acc)
     axis = inner.axes[s.var]
     value = np.broadcast_to(value, value.shape[:axis] + (s.extent,) + value.shape[axis + 1:])
@@ -179,7 +180,7 @@ def _reduce(run: _Run, s: Reduce, frame: _Frame) -> np.ndarray:
 def _scan(s: Scan, frame: _Frame) -> np.ndarray:
     """The running op along the scan's loop axis (NumPy's maximum / minimum carry NaN on, as
     the kernels' max.NaN does)."""
-    acc = _product_type(s.op, dtypes.compute_type(s.dtype))
+    acc = _chain_type(s.op, dtypes.compute_type(s.dtype), ("sum", "prod"))
     value = _convert(frame.values[s.value], acc)
     axis = frame.axes[s.var]
     value = np.broadcast_to(value, value.shape[:axis] + (frame.shape[axis],) + value.shape[axis + 1:])
