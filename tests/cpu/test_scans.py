@@ -467,3 +467,49 @@ def test_maps_of_maps_after_a_split_scan_share_its_kernel(fn):
     else:
         chk = compare("out", got, float64_reference(lambda x: fn(x.cumsum(-1)), (x,)), want)
         assert chk.ok, chk
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_80"])
+@pytest.mark.parametrize("fn,shapes", [
+    (lambda a, b, c, d, e, f: (a * b + c * d + e * f).cumsum(-1), [(64, 4096)] * 6),
+    (lambda a, b, c, d, e, f: (a * b + c * d + e * f).cumsum(-1), [(64, 100)] * 6),
+    (lambda x, z: (x.cumsum(-1) > torch.cummax(z, -1)[0], torch.cummax(x, -1)[0]), [(2, 16384)] * 2),
+], ids=["six f32 streams, long rows", "six f32 streams, short rows", "two split scans and a compare"])
+def test_a_scan_of_many_streams_builds(fn, shapes, arch):
+    """(Found in review.) A scan kernel staging wide streams (six f32 inputs, or f32 beside a
+    bool at 16 elements a chunk) took four chunks a thread, 96 registers of row, which render
+    refuses: a crash when called. It takes fewer chunks a thread now; every kernel builds clean
+    and the values are eager's."""
+    torch.manual_seed(0)
+    xs = tuple(torch.randn(s) for s in shapes)
+    p = tilefuse.compile(fn, xs)
+    for lw in p.kernels.values():
+        src, cubin = compile_source_only(lw.kernel, arch)
+        assert cubin.info.clean, f"{arch} {src.schedule}: {cubin.info}"
+    outs = [o if isinstance(o, tuple) else (o,) for o in (p(*xs), fn(*xs), float64_reference(fn, xs))]
+    for got, want, ref in zip(*outs):
+        if got.dtype != torch.bool:  # (a compare at the 2x rule's edge may fall either way)
+            chk = compare("out", got, ref, want)
+            assert chk.ok, chk
+
+
+@pytest.mark.parametrize("fn,trips", [
+    (lambda x: (x.cumsum(-1) * 0.01).softmax(-1), 5),
+    (lambda x: (lambda y: y - y.amax(-1, keepdim=True))(x.cumsum(-1)), 5),
+    (lambda x: (x.cumsum(-1) > 0).sum(-1), 4),
+], ids=["softmax of it", "less its max", "a count of it"])
+def test_maps_feeding_a_reduction_of_a_split_scan_stay(fn, trips):
+    """(Found in review.) A map after a split scan that a reduction of the rows reads, or that
+    reads one, cannot join the scan's kernel: moved, it was stored in place of the scan (an int64
+    row for a count) or split a softmax into kernels of its own. Such maps keep their place:
+    row-sized trips (reads and writes over the kernels) no more than before they could move."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 16384)
+    p = tilefuse.compile(fn, (x,))
+    assert sum(k.bytes for k in _kernels(p)) <= (trips + 0.05) * x.numel() * x.element_size(), str(p.plan)
+    got, want = p(x), fn(x)
+    if got.is_floating_point():
+        chk = compare("out", got, float64_reference(fn, (x,)), want)
+        assert chk.ok, chk
+    else:
+        assert torch.equal(got, want)

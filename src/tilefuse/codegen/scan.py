@@ -72,7 +72,9 @@ def default_schedule(kernel: ir.Kernel, parts: ir.RowKernel, arch: str, stage: s
     """Four chunks a thread in registers: a row of at most 128 chunks to a sub-warp or warp
     (shuffles alone), up to 4096 chunks to one CTA of up to 1024 threads (a barrier a row);
     longer rows streamed by 512 threads, 4 chunks a tile. A register cap of about 80 a thread:
-    a tile's 32 running values, the staged chunks and the pass's own."""
+    a tile's 32 running values, the staged chunks and the pass's own. Fewer chunks a thread
+    where the staged streams are wide (at most MAX_STAGED_WORDS registers of them); streamed
+    where one chunk of them is wider still."""
     from . import mapreduce as mr
 
     check_kernel(kernel)
@@ -82,9 +84,12 @@ def default_schedule(kernel: ir.Kernel, parts: ir.RowKernel, arch: str, stage: s
         return mr.MapReduceSchedule(threads=128, group=1, vector=1, stage="stream", unroll=32, min_blocks=2)
     v = mr._choose_vector(kernel, parts)
     chunks = -(-parts.col_extent // v)
-    per = max(1, min(4, TILE_VALUES // v))
+    # (fewer chunks a thread where the row's streams would stage more registers than render
+    # holds: six f32 inputs of a map before the scan, at four 16-byte chunks, were 96)
+    words = mr.staged_words(kernel, v)
+    per = max(1, min(4, TILE_VALUES // v, mr.MAX_STAGED_WORDS // max(1, words)))
     want = -(-chunks // per)
-    if stage == "stream" or (stage is None and want > 1024):
+    if stage == "stream" or (stage is None and (want > 1024 or per * words > mr.MAX_STAGED_WORDS)):
         return mr.MapReduceSchedule(threads=512, group=512, vector=v, stage="stream", unroll=per, min_blocks=1)
     if stage not in (None, "regs"):
         raise ValueError(f"kernel {kernel.name}: a scan's row is staged in registers or streamed, not {stage!r}")

@@ -228,40 +228,56 @@ def maps_below_reshapes(g: ir.Graph, views: set) -> ir.Graph:
         op(reshape(y), b)   ->   reshape(op(y, reshape(b)))
 
     A reshape ends a kernel's row space, so `x.cumsum(-1) > p` over few long rows ran the
-    comparison in a kernel of its own, reading the scan's result back. Only maps whose result
-    has the rows' shape (not broadcast beyond it), each other argument broadcasting along the
-    rows or not at all: its last dim 1 (-> 1, 1) or C (-> P, K). One pass in order: a map of a
-    map moved reads the moved one's pieces, not a reshape of its reshape."""
-    # name -> (its pieces' node, its rows' shape, the pieces' shape)
-    names = {n.name for n in g.nodes}
-    pieces_of = {v: (g[v].arg, g[v].type.shape, g[g[v].arg].type.shape) for v in views}
-    out = []
+    comparison in a kernel of its own, reading the scan's result back. A map moves where its
+    result has the rows' shape (not broadcast beyond it), each other argument broadcasts along
+    the rows or not at all (its last dim 1 -> 1, 1, or C -> P, K) and is not computed from the
+    scan (a softmax's max of it: that map could not join the scan's kernel), and each of its
+    readers is a map that moves too, or it is a result: a map feeding a reduction of the rows
+    stays, or the scan's kernel would store it in place of the scan (`(y > 0).sum(-1)` stored
+    an int64 row). In order, so a map of a moved map reads the moved one's pieces."""
+    names, outputs, users = {n.name for n in g.nodes}, set(g.outputs), g.users()
+    pieces_shape = {v: (g[v].type.shape, g[g[v].arg].type.shape) for v in views}  # name -> (rows, pieces)
+    after = set(views)  # what is computed from the scan
     for n in g.nodes:
         rows = n.type.shape
-        inner = {p for a in (n.args if isinstance(n, ir.Map) else ()) if a in pieces_of
-                 for _, r, p in [pieces_of[a]] if r == rows}
-        shapes = None if len(inner) != 1 else \
-            [None if a in pieces_of and pieces_of[a][1] != rows else _in_pieces(g[a].type.shape, rows, next(iter(inner)))
-             for a in n.args]
-        if shapes is None or any(s is None for s in shapes):
+        if isinstance(n, ir.Map) and any(a in pieces_shape for a in n.args):
+            inner = {pieces_shape[a][1] for a in n.args if a in pieces_shape and pieces_shape[a][0] == rows}
+            if len(inner) == 1 and all(a in pieces_shape and pieces_shape[a][0] == rows
+                                       or a not in after and _in_pieces(g[a].type.shape, rows, next(iter(inner)))
+                                       is not None for a in n.args):
+                pieces_shape[n.name] = (rows, next(iter(inner)))
+        if any(a in after for a in ir.node_args(n)):
+            after.add(n.name)
+    moving = set(pieces_shape) - set(views)
+    while True:  # (a map whose readers do not all move, and is no result, stays)
+        stay = {m for m in moving if m not in outputs and any(u not in moving for u in users.get(m, []))}
+        if not stay:
+            break
+        moving -= stay
+    pieces_of = {v: g[v].arg for v in views}  # name -> its pieces' node
+    out = []
+    for n in g.nodes:
+        if n.name not in moving:
             out.append(n)
             continue
+        rows, inner = pieces_shape[n.name]
         args = []
-        for a, s in zip(n.args, shapes):
+        for a in n.args:
+            s = _in_pieces(g[a].type.shape, rows, inner)
             if a in pieces_of:
-                args.append(pieces_of[a][0])
+                args.append(pieces_of[a])
             elif s == g[a].type.shape:
                 args.append(a)
             else:
                 args.append(fresh_name(names, f"{a}_as"))
                 out.append(ir.View(args[-1], ir.TensorType(s, g[a].type.dtype), "reshape", a, s, n.source))
-        m = ir.Map(fresh_name(names, f"{n.name}_pieces"), ir.TensorType(next(iter(inner)), n.type.dtype), n.op,
-                   tuple(args), n.source)
+        m = ir.Map(fresh_name(names, f"{n.name}_pieces"), ir.TensorType(inner, n.type.dtype), n.op, tuple(args),
+                   n.source)
         out += [m, ir.View(n.name, n.type, "reshape", m.name, rows, n.source)]
-        pieces_of[n.name] = (m.name, rows, m.type.shape)
+        pieces_of[n.name] = m.name
     # (a reshape no map reads any more is dropped: a kernel would store what it views)
     g = g.replace(nodes=out)
-    users, outputs = g.users(), set(g.outputs)
+    users = g.users()
     return g.replace(nodes=[n for n in g.nodes if n.name not in pieces_of or users.get(n.name) or n.name in outputs])
 
 
