@@ -513,3 +513,32 @@ def test_maps_feeding_a_reduction_of_a_split_scan_stay(fn, trips):
         assert chk.ok, chk
     else:
         assert torch.equal(got, want)
+
+
+def test_a_map_reading_a_map_that_stays_stays_too():
+    """(Found in review.) m = y * 2 stays (a reduction reads it); m + 1 read it, moved, back from
+    memory: m stored by one kernel and read by another. A map reading a map that stays stays."""
+    fn = lambda x: (lambda m: (m.sum(-1), m + 1))(x.cumsum(-1) * 2)  # noqa: E731
+    torch.manual_seed(0)
+    x = torch.randn(2, 16384)
+    p = tilefuse.compile(fn, (x,))
+    assert sum(k.bytes for k in _kernels(p)) <= 5.05 * x.numel() * x.element_size(), str(p.plan)
+    for got, want, ref in zip(p(x), fn(x), float64_reference(fn, (x,))):
+        chk = compare("out", got, ref, want)
+        assert chk.ok, chk
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_80"])
+@pytest.mark.parametrize("C", [100, 4096])
+def test_a_scan_beside_a_bool_stream_takes_narrower_chunks(C, arch):
+    """(Found in review.) A bool stream gives 16-element chunks, 32 registers of an int64 stream
+    beside it: streamed one chunk a tile, it spilled. The chunk narrows until the streams take at
+    most half the staged registers; the kernel builds clean and sums as eager."""
+    torch.manual_seed(0)
+    a, b, m = torch.randint(-5, 6, (64, C)), torch.randint(-5, 6, (64, C)), torch.randn(64, C) > 0
+    fn = lambda a, b, m: torch.where(m, a, b).cumsum(-1)  # noqa: E731
+    p = tilefuse.compile(fn, (a, b, m))
+    for lw in p.kernels.values():
+        src, cubin = compile_source_only(lw.kernel, arch)
+        assert cubin.info.clean, f"{arch} {src.schedule}: {cubin.info}"
+    assert torch.equal(p(a, b, m), fn(a, b, m))

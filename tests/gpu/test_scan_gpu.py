@@ -32,6 +32,8 @@ CASES = {  # name: (fn, shapes, rounds)
     "cummax (split)": (lambda x: torch.cummax(x, -1)[0] * 2, [(2, 65536), (40000,)], False),
     "maps after a split cumsum": (lambda x: x.cumsum(-1) * 0.5 - x, [(2, 65536), (1, 128256)], True),
     "cumprod (split)": (lambda x: (1 + 1e-4 * x).cumprod(-1), [(2, 65536), (1, 128256)], True),
+    "maps of maps after a split cumsum": (lambda x: (lambda y: y.exp() * 1e-3 * y)(x.cumsum(-1) * 0.01),
+                                          [(2, 65536)], True),
 }
 
 
@@ -106,3 +108,20 @@ def test_a_tuned_scan_schedule_is_checked_against_eager():
         ck(x, out)
         torch.cuda.synchronize()
         assert torch.equal(out, want), f"{sch}: {(out != want).sum().item()} elements differ"
+
+
+@pytest.mark.parametrize("shape", [(64, 4096), (64, 100), (2, 70001)], ids=str)
+def test_a_scan_of_six_f32_streams_matches_eager(shape):
+    """Six f32 inputs combined before the scan: wide staged streams, fewer chunks a thread
+    (codegen/scan.py default_schedule; four a thread held 96 registers and did not build)."""
+    import tilefuse
+    from tilefuse.check import compare, float64_reference
+
+    fn = lambda a, b, c, d, e, f: (a * b + c * d + e * f).cumsum(-1)  # noqa: E731
+    torch.manual_seed(0)
+    xs = tuple(torch.randn(shape, device="cuda") for _ in range(6))
+    prog = tilefuse.compile(fn, xs)
+    prog.poison = True
+    assert not [s for s in prog.plan.steps if s.family == "extern" and not s.view], str(prog.plan)
+    check = compare("out", prog(*xs), float64_reference(fn, xs), fn(*xs))
+    assert check.ok, check

@@ -83,6 +83,10 @@ def default_schedule(kernel: ir.Kernel, parts: ir.RowKernel, arch: str, stage: s
         # in neighbouring lanes, each thread's 32 loads of a tile in flight
         return mr.MapReduceSchedule(threads=128, group=1, vector=1, stage="stream", unroll=32, min_blocks=2)
     v = mr._choose_vector(kernel, parts)
+    # (16 elements a chunk for a bool stream are 32 registers of an int64 one beside it: the
+    # chunk narrowed until its streams take at most half the staged registers)
+    while v > 1 and mr.staged_words(kernel, v) > mr.MAX_STAGED_WORDS // 2:
+        v //= 2
     chunks = -(-parts.col_extent // v)
     # (fewer chunks a thread where the row's streams would stage more registers than render
     # holds: six f32 inputs of a map before the scan, at four 16-byte chunks, were 96)

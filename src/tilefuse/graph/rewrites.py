@@ -250,7 +250,9 @@ def maps_below_reshapes(g: ir.Graph, views: set) -> ir.Graph:
             after.add(n.name)
     moving = set(pieces_shape) - set(views)
     while True:  # (a map whose readers do not all move, and is no result, stays)
-        stay = {m for m in moving if m not in outputs and any(u not in moving for u in users.get(m, []))}
+        # (and a map reading a candidate that stays: it would read that one back from memory)
+        stay = {m for m in moving if m not in outputs and any(u not in moving for u in users.get(m, []))
+                or any(a in pieces_shape and a not in moving and a not in views for a in g[m].args)}
         if not stay:
             break
         moving -= stay
