@@ -6,6 +6,8 @@ maps, what tilefuse did before), eager and torch.compile.
 
     python3 bench/columns_probe.py [--only REGEX]
 
+(TILEFUSE_COLUMN_MIN_ROWS=1 for the cases of fewer rows than a column kernel takes by default.)
+
 Writes $OUT/columns_probe.json (or /tmp/columns_probe.json); a line a case on stdout.
 """
 import argparse
@@ -42,6 +44,8 @@ CASES = {
     "softmax dim 1 8x64x8192": (lambda x: torch.softmax(x, 1), [(8, 64, 8192)]),
     "layernorm channels-first f32 32x96x56x56": (ln_channels_first, [(32, 96, 56, 56), (96,), (96,)], torch.float32),
     "log_softmax dim 0 1000x65536": (lambda x: torch.log_softmax(x, 0), [(1000, 65536)]),
+    "log_softmax dim 0 1000x16384": (lambda x: torch.log_softmax(x, 0), [(1000, 16384)]),
+    "sum dim 0 8192x4096": (lambda x: x.sum(0), [(8192, 4096)]),
     "rmsnorm channels-first 16x64x128x128": (
         lambda x, w: x * torch.rsqrt(x.float().pow(2).mean(1, keepdim=True) + 1e-6).to(x.dtype) * w[:, None, None],
         [(16, 64, 128, 128), (64,)]),
@@ -53,7 +57,20 @@ def variants_of(d):
     return (("stream unroll 8", replace(stream, unroll=8)), ("stream unroll 16", replace(stream, unroll=16)),
             ("stream unroll 32", replace(stream, unroll=32)), ("stream 16, 128 threads", replace(stream, unroll=16, threads=128)),
             ("regs", replace(d, stage="regs", min_blocks=1)), ("regs, 2 CTAs/SM", replace(d, stage="regs", min_blocks=2)),
-            ("regs, 128 threads", replace(d, stage="regs", threads=128, min_blocks=1)))
+            ("regs, 128 threads", replace(d, stage="regs", threads=128, min_blocks=1))) + across_of(d)
+
+
+def across_of(d):
+    """Each row split between G warps (MapReduceSchedule.across), 32 or 64 rows a CTA."""
+    out = []
+    for g in (2, 4, 8, 16, 32):
+        for rows in (32, 64):
+            if g * rows > 1024:
+                continue
+            base = replace(d, threads=g * rows, group=g, across=True, two_pass=False, min_blocks=1)
+            out.append((f"across {g} x {rows} rows, stream 16", replace(base, stage="stream", unroll=16)))
+            out.append((f"across {g} x {rows} rows, regs", replace(base, stage="regs")))
+    return tuple(out)
 
 
 def main():
@@ -86,7 +103,8 @@ def main():
                 assert err < 0.05 * max(1.0, ref.abs().max().item()), (name, err)
             # (bit for bit where the stage is the default's; another stage may compute exp or
             # the division another way: to within a bf16 rounding then)
-            same = variants[label].source.schedule.stage == d.stage
+            got_s = variants[label].source.schedule
+            same = got_s.stage == d.stage and got_s.across == d.across and got_s.group == d.group
             assert torch.equal(got, want) if same else torch.allclose(got.float(), want.float(), rtol=1e-2, atol=1e-3), \
                 (name, label)
         os.environ["TILEFUSE_COLUMNS"] = "0"

@@ -81,6 +81,7 @@ CASES = {
     "cummax_row": "torch.cummax(torch.randn(8192, 4096), -1)[0]",
     "cumprod_row": "(1 + 0.01 * torch.randn(8192, 4096)).cumprod(-1)",
     "cumprod_long": "(1 + 1e-4 * torch.randn(64, 524288)).cumprod(-1)",
+    "cumsum_long_scaled": "torch.randn(64, 524288).cumsum(-1) * 0.5",
     "prod_row": "(1 + 0.01 * torch.randn(8192, 4096)).prod(-1)",
 }
 

@@ -72,6 +72,10 @@ class MapReduceSchedule:
                 in registers, no cluster): every row's chunks are loaded before the first
                 is reduced, so a thread keeps batch times the bytes in flight and the batch's
                 reductions overlap; the CTA covers threads / group * batch rows.
+    across:     the row group's threads lie threads / group apart, neighbouring threads on
+                neighbouring rows (a column kernel, codegen/columns.py, whose rows are each
+                split between warps: a warp's loads of one column stay one run of neighbouring
+                rows); the group's partials combine through shared memory.
     """
 
     threads: int = 256
@@ -85,6 +89,7 @@ class MapReduceSchedule:
     l2_hints: bool = False
     two_pass: bool = False
     batch: int = 1
+    across: bool = False
 
     def __post_init__(self):
         if not 1 <= self.threads <= 1024 or self.threads % 32:
@@ -111,6 +116,12 @@ class MapReduceSchedule:
             raise ValueError(f"a batch of {self.batch} rows per row group needs a group of at most 32 "
                              f"threads, no cluster and stage='regs' (not group={self.group}, "
                              f"cluster={self.cluster}, stage={self.stage!r})")
+        if self.across and (g < 2 or g > 32 or (self.threads // g) % 32 or self.cluster > 1 or self.batch > 1
+                            or self.two_pass or self.stage not in ("regs", "stream")):
+            raise ValueError(f"a row group across warps needs 2-32 threads a row, a multiple of 32 rows a CTA, "
+                             f"no cluster or batch, one-pass moments and stage 'regs' or 'stream' (not "
+                             f"group={g}, threads={self.threads}, cluster={self.cluster}, batch={self.batch}, "
+                             f"two_pass={self.two_pass}, stage={self.stage!r})")
 
     @property
     def slots(self) -> int:
@@ -130,7 +141,8 @@ class MapReduceSchedule:
                 f"unroll={self.unroll}, min_blocks={self.min_blocks}"
                 + (", pipeline" if self.pipeline else "") + (", l2 hints" if self.l2_hints else "")
                 + (", two-pass moments" if self.two_pass else "")
-                + (f", batch {self.batch}" if self.batch > 1 else "") + ")")
+                + (f", batch {self.batch}" if self.batch > 1 else "")
+                + (", rows across lanes" if self.across else "") + ")")
 
 
 @dataclass(frozen=True)
@@ -1711,9 +1723,16 @@ def _emit_reduce_group(ctx: _Ctx, em: _Emitter, group: list):
     for r, acc in items:
         if isinstance(r, CentredSquares) and id(r) not in two_ids:
             _emit_var_thread(ctx, em, r, acc)
-            if g > 1:
+            if g > 1 and not sch.across:
                 _emit_var_warp(ctx, em, r, acc, per_thread)
-    if g > 1 and any(not isinstance(r, CentredSquares) or id(r) in two_ids for r, _ in items):
+    if sch.across:
+        em(f"// across the row's {g} threads, one a warp, through shared memory (in order: all agree)")
+        _emit_parts_to_shared(em, items, per_thread, f"red{gi}_", "true", f"[{g}][{sch.slots}]",
+                              "[lane][slot]")
+        em("__syncthreads();")
+        _emit_gather_combine(em, items, g, lambda nm, i: f"red{gi}_{nm}[{i}][slot]", " of the row's threads",
+                             per_thread)
+    elif g > 1 and any(not isinstance(r, CentredSquares) or id(r) in two_ids for r, _ in items):
         em(f"// across the {min(g, 32)} threads of the {'warp' if g >= 32 else 'row group'} (butterfly: all lanes agree)")
         for r, acc in online:
             em(f"const {cexpr.ctype(r.dtype)} {acc[0]}_t = {acc[0]};  // this thread's max")
@@ -2262,9 +2281,9 @@ def _render(kernel: ir.Kernel, schedule: MapReduceSchedule | None, arch: str, ke
         kernel = gp.head
     parts = ir.row_kernel_parts(kernel)
     sch = schedule or default_schedule(whole, arch)  # the whole kernel's: a grid reduction's takes batch 1
-    if gp is not None and sch.batch > 1:
+    if gp is not None and (sch.batch > 1 or sch.across):
         raise ValueError(f"kernel {kernel.name}: a grid reduction's rows take one row per row group "
-                         f"(batch 1), not {sch}")
+                         f"(batch 1), its threads neighbours, not {sch}")
     has_reduce = any(isinstance(x, ir.Reduce) for x in parts.body)
     hw_cluster = sch.cluster > 1 and has_reduce  # a map needs no exchange: plain CTAs split the row
     if hw_cluster and not supports_clusters(arch):
@@ -2318,7 +2337,8 @@ def _render(kernel: ir.Kernel, schedule: MapReduceSchedule | None, arch: str, ke
     pieces = max([_words(st.buf.dtype, V) // 4 for st in ana.in_streams.values() if st.key in ctx.smem_offset],
                  default=1)
     ctx.lay = row_layouts(threads=sch.threads, group=sch.group, cluster=sch.cluster, vector=V, nchunk=nchunk,
-                          pieces=pieces, rows=ROWS_LAYOUT if rows_arg else R, batch=sch.batch)
+                          pieces=pieces, rows=ROWS_LAYOUT if rows_arg else R, batch=sch.batch,
+                          across=sch.across)
     lay = ctx.lay
     name = f"{_ident(_digestless(kernel.name))}_@ROWS@" if rows_arg else _ident(kernel.name)
     em = _Emitter()

@@ -6,6 +6,7 @@ warp of a row a thread is in) is `cgen.c_index` of a layout built here; render()
 writes such a formula by hand. `row_layouts(schedule, C, ...)` is the entry point:
 
     thread -> (lane, slot)       (group, slots):(1, group)               threadIdx.x's digits
+                                 (slots, group):(1, slots) rows across lanes (a split column row)
     (slot, row block) -> row     (slots, blocks):(1, slots)
     (slot, b, row block) -> row  (slots, batch, blocks):(1, slots, slots*batch)   batch > 1
     block -> (rank, row block)   (cluster, blocks):(1, cluster)          blockIdx.x's digits
@@ -96,22 +97,30 @@ class RowLayouts:
 
 
 def row_layouts(*, threads: int, group: int, cluster: int, vector: int, nchunk: int,
-                pieces: int = 1, rows: int = 1, batch: int = 1) -> RowLayouts:
+                pieces: int = 1, rows: int = 1, batch: int = 1, across: bool = False) -> RowLayouts:
     """The layouts of a schedule: `threads` per CTA in row groups of `group`, `cluster` CTAs
     per row, chunks of `vector` elements, `nchunk` chunks per thread, chunks of `pieces`
     16-byte pieces (staged streams), `rows` rows in all, `batch` rows per row group (a
-    group's rows `slots` apart, so each of a warp's loads covers neighbouring rows)."""
+    group's rows `slots` apart, so each of a warp's loads covers neighbouring rows).
+    `across`: a row group's threads lie `slots` apart and neighbouring threads take
+    neighbouring rows (a column kernel's row split between warps: a warp's loads of one column
+    stay one run of neighbouring rows)."""
     rpc = threads // group
     P = group * cluster
     blocks = max(1, -(-rows // (rpc * batch)))
     row = (Layout((rpc, blocks), (1, rpc)) if batch == 1
            else Layout((rpc, batch, blocks), (1, rpc, rpc * batch)))
-    thread = Layout((group, rpc), (1, group))
+    if across:
+        thread = Layout((group, rpc), (rpc, 1))
+        lane, slot = Layout((rpc, group), (0, 1)), Layout((rpc, group), (1, 0))
+    else:
+        thread = Layout((group, rpc), (1, group))
+        lane, slot = Layout((group, rpc), (1, 0)), Layout((group, rpc), (0, 1))
     block = Layout((cluster, blocks), (1, cluster))
     chunk = Layout((P, nchunk), (1, P))
     return RowLayouts(
-        lane=Layout((group, rpc), (1, 0)),
-        slot=Layout((group, rpc), (0, 1)),
+        lane=lane,
+        slot=slot,
         thread=thread,
         row=row,
         rank=Layout((cluster, blocks), (1, 0)),

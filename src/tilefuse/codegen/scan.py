@@ -63,9 +63,10 @@ def check_kernel(kernel: ir.Kernel) -> None:
 def check(kernel: ir.Kernel, sch) -> None:
     """Raise ValueError for a kernel or schedule the scan pass does not take."""
     check_kernel(kernel)
-    if sch.stage not in ("regs", "stream") or sch.cluster != 1 or sch.batch != 1:
+    if sch.stage not in ("regs", "stream") or sch.cluster != 1 or sch.batch != 1 or sch.across:
         raise ValueError(f"kernel {kernel.name}: a scan's row is walked by one CTA, its chunks in registers "
-                         f"or streamed (stage 'regs' or 'stream', no cluster, batch 1), not {sch}")
+                         f"or streamed (stage 'regs' or 'stream', no cluster, batch 1, the row's threads "
+                         f"neighbours), not {sch}")
 
 
 def default_schedule(kernel: ir.Kernel, parts: ir.RowKernel, arch: str, stage: str | None = None):
