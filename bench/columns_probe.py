@@ -115,6 +115,12 @@ def main():
         per = beside_baselines(fn, inputs, variants, ptrs, {"columns off": lambda: before(*inputs)})
         out["cases"][name] = case_summary(name, d, inputs, outs, per, copy)
     Path(os.environ.get("OUT", "/tmp"), "columns_probe.json").write_text(json.dumps(out, indent=1))
+    print("\ncase | default us | best (label) | torch.compile us | eager us")
+    for name, c in out["cases"].items():
+        us = c["us"]
+        ours = {k: v for k, v in us.items() if k not in ("torch.compile", "eager", "columns off")}
+        best = min(ours, key=ours.get)
+        print(f"{name} | {us['default']:.1f} | {ours[best]:.1f} ({best}) | {us['torch.compile']:.1f} | {us['eager']:.1f}")
 
 
 if __name__ == "__main__":
