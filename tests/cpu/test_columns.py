@@ -155,11 +155,14 @@ def _kernel(fn, *shapes, dtype=torch.float32):
     return lw.kernel
 
 
-def test_column_kernels_take_a_row_a_thread_and_row_kernels_do_not(any_rows):
+def test_column_kernels_split_rows_across_warps_and_row_kernels_do_not(any_rows):
+    """A column kernel's rows go to neighbouring lanes, single elements, each row split between
+    threads a warp apart (whole warps of rows a CTA); a row kernel reads chunks along its rows."""
     k = _kernel(lambda x: torch.softmax(x, 1), (2, 16, 64, 64))
     assert columns.strided_rows(k)
     s = mapreduce.default_schedule(k)
-    assert (s.group, s.vector) == (1, 1)
+    assert s.vector == 1 and s.across and s.group > 1 and s.slots % 32 == 0
+    assert mapreduce.default_schedule(_kernel(lambda x: torch.softmax(x, 1), (2, 3, 64, 64))).group == 1
     row = _kernel(lambda x: torch.softmax(x, -1), (2, 64, 64, 16))
     assert not columns.strided_rows(row)
     assert mapreduce.default_schedule(row).vector > 1  # (the row kernel reads chunks along its rows)
@@ -174,7 +177,7 @@ def test_column_kernels_build_without_spills(name, dtype, C, arch, any_rows):
           "mean": lambda x, w, b: x.mean(1) * x.amax(1)}[name]  # (x read twice: no maps, small_reductions)
     k = _kernel(fn, (4, C, 32, 64), (C,), (C,), dtype=dtype)
     src, cubin = compile_source_only(k, arch)
-    assert src.schedule.group == 1
+    assert src.schedule.across == (C >= columns.SPLIT_MIN_COLUMNS) and src.schedule.across == (src.schedule.group > 1)
     assert cubin.info.clean, f"{name} {C} {dtype} {arch} {src.schedule}: {cubin.info}"
 
 
@@ -191,18 +194,22 @@ def test_an_upcast_beside_the_one_leading_to_the_reduction_joins_too(any_rows):
 
 
 @pytest.mark.parametrize("C", [64, 1000])
-def test_the_tuner_searches_a_row_a_thread_for_column_kernels(C, any_rows):
-    """Every config of a column kernel's knob space keeps a row a thread and single elements
-    (a row's neighbours lie a whole row apart); rows of up to twice REGS_MAX_COLUMNS may be held
-    in registers, longer ones are streamed; the default is among them."""
+def test_the_tuner_searches_rows_split_across_warps_for_column_kernels(C, any_rows):
+    """Every config of a column kernel's knob space keeps single elements (a row's neighbours
+    lie a whole row apart) and splits a row (across warps) exactly where its group is more than
+    one thread; a thread's share of up to twice REGS_MAX_COLUMNS may be held in registers,
+    longer ones are streamed; the default is among them."""
     from tilefuse.tune import mapreduce as tm
 
     k = _kernel(lambda x: torch.softmax(x, 1), (4, C, 32, 64))
     sp = tm.space(k)
     configs = [dict(zip(sp.names, c)) for c in sp.configs() if sp.is_valid(c)]
-    assert configs and all(c["group"] == 1 and c["vector"] == 1 for c in configs)
-    stages = {c["stage"] for c in configs}
-    assert stages == ({"regs", "stream"} if C <= 2 * columns.REGS_MAX_COLUMNS else {"stream"})
+    assert configs and all(c["vector"] == 1 and c["across"] == (c["group"] > 1) for c in configs)
+    assert {c["group"] for c in configs} >= {1, 2, 4, 8}
+    for c in configs:
+        assert c["stage"] == "stream" or -(-C // c["group"]) <= 2 * columns.REGS_MAX_COLUMNS
+    assert {c["stage"] for c in configs if c["group"] == 1} == (
+        {"regs", "stream"} if C <= 2 * columns.REGS_MAX_COLUMNS else {"stream"})
     assert dict(zip(sp.names, sp.default)) in configs
 
 

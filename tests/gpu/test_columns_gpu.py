@@ -1,5 +1,5 @@
-"""Reductions over a dim that is not last, on the GPU: one column kernel a program (a row a
-thread, codegen/columns.py), rows of a few channels held in registers and long ones streamed,
+"""Reductions over a dim that is not last, on the GPU: one column kernel a program (rows on
+neighbouring lanes, a long row split between threads a warp apart: codegen/columns.py), rows of a few channels held in registers and long ones streamed,
 16-bit and f32, per-channel weights, reductions kept and dropped dims, rows that do not fill
 the last CTA. Outputs poisoned, the 2x rule against float64, in the thin call and in the
 CUDA-graph replay."""
@@ -15,18 +15,25 @@ if not torch.cuda.is_available():
 
 
 def _check(fn, ins, kernels=(("mapreduce", True),)):
-    """`fn` as the kernels named ((family, column kernel?), in order; a column kernel takes a
-    row a thread), right in the thin call and the graph replays."""
+    """`fn` as the kernels named ((family, column kernel?), in order; a column kernel's default
+    splits its rows between threads exactly when it is not a grid reduction and its rows have at
+    least SPLIT_MIN_COLUMNS columns), right in the thin call and the graph replays."""
     import tilefuse
     from tilefuse.check import compare, float64_reference
-    from tilefuse.codegen import mapreduce
+    from tilefuse import ir
+    from tilefuse.codegen import columns, mapreduce
 
     prog = tilefuse.compile(fn, ins, graphs=True)
     prog.poison = True
     steps = [s for s in prog.plan.steps if s.family != "alias" and not s.view]
     assert [(s.family, s.columns) for s in steps] == list(kernels), str(prog.plan)
-    groups = [mapreduce.default_schedule(prog.kernels[s.name].kernel).group for s in steps if s.columns]
-    assert groups == [1] * len(groups), groups
+    for s in steps:
+        if s.columns:
+            k = prog.kernels[s.name].kernel
+            sch = mapreduce.default_schedule(k)
+            C = ir.row_kernel_parts(k).col_extent
+            split = ir.grid_parts(k) is None and C >= columns.SPLIT_MIN_COLUMNS
+            assert sch.across == split and (sch.group > 1) == split, (C, sch)
     ref = float64_reference(fn, ins)
     eager = fn(*ins)
     outs = lambda o: o if isinstance(o, tuple) else (o,)  # noqa: E731

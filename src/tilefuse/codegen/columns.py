@@ -5,8 +5,10 @@ norm, `x.mean(1)` over [B, S, D]) is planned as a row kernel whose row runs alon
 (graph/fusion.py, `Planner.column_start`): element c of row r lies at base(r) + c * stride,
 and row r + 1 next to row r. The row kernel's usual layouts, a group of threads along each
 row, would then make every load its own memory transaction. Here each thread takes a row of
-its own and neighbouring lanes neighbouring rows, so a warp's loads of one column are one
-coalesced run; a thread's reductions need no exchange with other threads.
+its own part of a row and neighbouring lanes neighbouring rows, so a warp's loads of one
+column are one coalesced run. A row's threads lie a warp apart (MapReduceSchedule.across) and
+combine their partials through shared memory once per reduction; short rows (and a grid
+reduction's) take a thread each, with no exchange at all.
 """
 from __future__ import annotations
 
@@ -51,21 +53,61 @@ def strided_rows(kernel: ir.Kernel) -> bool:
     return across > 0 and across >= along
 
 
-REGS_MAX_COLUMNS = 96  # rows this short are held in registers (the passes unrolled whole)
+REGS_MAX_COLUMNS = 96  # columns a thread takes in registers (the passes unrolled whole)
+SPLIT_MIN_COLUMNS = 8  # rows shorter than this stay a row a thread
+FILL_THREADS = 132 * 512  # threads a grid wants at least: a quarter of an H100's / H200's
+MAX_SPLIT = 16
+
+
+def split_of(C: int, R: int, row_bytes: int) -> int:
+    """Threads a row is split between (MapReduceSchedule.across): more where a thread's share
+    of the row is long (fewer loads a thread, more in flight across the SM), more again where
+    the rows alone would not fill the GPU; a thread keeps at least 8 columns."""
+    if C < SPLIT_MIN_COLUMNS:
+        return 1
+    g = 2 if row_bytes <= 128 else 4 if row_bytes < 384 else 8
+    while g < MAX_SPLIT and R * g < FILL_THREADS:
+        g *= 2
+    while g > 1 and C < 8 * g:
+        g //= 2
+    return g
+
+
+def row_bytes(kernel: ir.Kernel) -> int:
+    """Bytes of a row's inputs read along it (outputs where there are none: a map)."""
+    parts = ir.row_kernel_parts(kernel)
+    seen: dict = {}
+    for col, s in _accesses(parts):
+        if isinstance(s, ir.Load) or not any(isinstance(t, ir.Load) for _, t in _accesses(parts)):
+            seen.setdefault(s.buf, dtypes.itemsize(kernel.buffer(s.buf).dtype))
+    return parts.col_extent * sum(seen.values())
 
 
 def default_schedule(kernel: ir.Kernel, arch: str = "sm_90a"):
-    """A row a thread, 128 threads a CTA. Rows of up to REGS_MAX_COLUMNS elements are held in
-    registers, every load of a pass issued at once; longer ones are streamed in each pass, 32
-    columns an iteration (32 loads in flight a thread).
+    """Each row split between G threads a warp apart (G = split_of), neighbouring lanes on
+    neighbouring rows, 32 rows a CTA (64 at G = 2, 128 threads). A thread's share of up to
+    REGS_MAX_COLUMNS columns is taken in registers (its passes unrolled whole, every load of a
+    pass in flight); up to 128 at 64 rows a CTA (512 threads: __launch_bounds__ caps a thread at
+    128 registers, 4 warps a scheduler stay resident); longer shares streamed 16 an iteration.
 
-    H200, bf16, same tensors (bench/columns_probe.py, bench/results/s57/): softmax over dim 1 of
-    32 x 128 x 56 x 56 20.5 us in registers (20.4 streamed 32 a time, 24.7 at 8), a channels-first
-    LayerNorm over 96 channels 20.4 (21.6), softmax over 64: 8.9 (10.0); a mean over 512: 24.3
-    streamed (25.2 in registers, 40.3 at 8 a time), a max over 256: 13.9 (14.3)."""
+    H200, bf16, same tensors (bench/columns_probe.py, bench/results/s68/), a row a thread before
+    against this: softmax over dim 1 of 32 x 128 x 56 x 56 20.0 -> 16.3 us (G 4), a
+    channels-first LayerNorm over 96 channels 20.4 -> 19.5 (G 4; f32 58.1 -> 24.0 at G 8), a
+    mean over 512: 23.6 -> 21.8 (G 8), a max over 256: 14.3 -> 13.5 (G 8), softmax over 64
+    8.8 -> 8.6 (G 2), log_softmax over dim 0 of 1000 x 65536 165.3 -> 104.6 (G 8, 64 rows a CTA).
+    G 16 and 32 were slower at every one of these (65536 rows or more). A kernel a split
+    cannot take (a grid reduction's) keeps a row a thread."""
     from .mapreduce import MAX_STAGED_WORDS, MapReduceSchedule, staged_words
 
-    C = ir.row_kernel_parts(kernel).col_extent
+    parts = ir.row_kernel_parts(kernel)
+    C, R = parts.col_extent, parts.rows
+    g = 1 if ir.grid_parts(kernel) is not None else split_of(C, R, row_bytes(kernel))
+    if g > 1:
+        per = -(-C // g)
+        rows = 64 if g == 2 or REGS_MAX_COLUMNS < per else 32
+        stage = "regs" if per <= 128 and per * staged_words(kernel, 1) <= MAX_STAGED_WORDS else "stream"
+        return MapReduceSchedule(threads=g * rows, group=g, vector=1, stage=stage, unroll=16, min_blocks=1,
+                                 across=True)
     # (a row a thread stages C chunks of its row streams: `e.t().to(torch.int32)` over 40 i64
     # columns held 80 registers, which render refuses)
     if C <= REGS_MAX_COLUMNS and C * staged_words(kernel, 1) <= MAX_STAGED_WORDS:

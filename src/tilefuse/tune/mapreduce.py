@@ -73,7 +73,7 @@ def space(kernel: ir.Kernel, arch: str = "sm_90a") -> Space:
 
     from ..codegen import columns
 
-    strided = d.stage != "tiles" and columns.strided_rows(kernel)  # a column kernel: a row a thread
+    strided = d.stage != "tiles" and columns.strided_rows(kernel)  # a column kernel: rows across lanes
 
     def occupancies(t: int) -> set:
         return {1, max(1, 1024 // t), SM_THREADS // t} | ({d.min_blocks} if t == d.threads else set())
@@ -86,6 +86,8 @@ def space(kernel: ir.Kernel, arch: str = "sm_90a") -> Space:
             return True  # the heuristic's pick and everything on the way to it
         if strided:
             return _admits_columns(k, d, C, R)
+        if k.get("across"):
+            return False  # rows split across warps only where rows lie side by side (a column kernel)
         if "vector" in k and k["vector"] != d.vector and k["stage"] not in ("regs", "tiles"):
             return False  # narrower chunks only to ease register pressure; smem needs 16 bytes
         if "group" in k:
@@ -152,18 +154,26 @@ COLUMN_UNROLLS = (8, 16, 32)
 
 
 def _admits_columns(k: Mapping, d: mr.MapReduceSchedule, C: int, R: int) -> bool:
-    """A column kernel's space (codegen/columns.py): a row a thread (group 1, single elements:
-    a row's neighbours lie a whole row apart), its row in registers (rows of up to twice
-    REGS_MAX_COLUMNS) or streamed 8-32 columns an iteration, 64-512 threads a CTA."""
+    """A column kernel's space (codegen/columns.py): single elements (a row's neighbours lie a
+    whole row apart); a row a thread, or split between 2-32 threads a warp apart (`across`, and
+    only then), at least 8 columns a thread; a thread's columns in registers (up to twice
+    REGS_MAX_COLUMNS) or streamed 8-32 an iteration; 64-1024 threads a CTA, no more row slots
+    than rows beyond a warp's."""
     from ..codegen import columns
 
-    if k.get("stage", "stream") not in ("regs", "stream") or k.get("vector", 1) != 1 or k.get("group", 1) != 1:
+    g = k.get("group", 1)
+    if k.get("stage", "stream") not in ("regs", "stream") or k.get("vector", 1) != 1 or g > 32:
         return False
-    if k.get("stage") == "regs" and C > 2 * columns.REGS_MAX_COLUMNS:
+    if g > 1 and C < columns.SPLIT_MIN_COLUMNS * g:
         return False
-    if k.get("threads", 128) > 512 or k.get("threads", 128) > _pow2ceil(R) or k.get("cluster", 1) != 1:
+    if "across" in k and k["across"] != (g > 1):
         return False
-    if "min_blocks" in k and (k["min_blocks"] * k["threads"] > SM_THREADS or k["min_blocks"] not in (1, 2, 4)):
+    if k.get("stage") == "regs" and -(-C // g) > 2 * columns.REGS_MAX_COLUMNS:
+        return False
+    t = k.get("threads", 128)
+    if (t > 512 and g == 1) or t // g > max(32, _pow2ceil(R)) or k.get("cluster", 1) != 1:
+        return False
+    if "min_blocks" in k and (k["min_blocks"] * t > SM_THREADS or k["min_blocks"] not in (1, 2, 4)):
         return False
     if "unroll" in k and k["unroll"] != d.unroll and (k["stage"] != "stream" or k["unroll"] not in COLUMN_UNROLLS):
         return False
