@@ -4,7 +4,9 @@ rotated rounds), each checked equal to the default's output; beside them the sam
 with column kernels off (TILEFUSE_COLUMNS=0: PyTorch's reductions and row kernels of the
 maps, what tilefuse did before), eager and torch.compile.
 
-    python3 bench/columns_probe.py [--only REGEX]
+    python3 bench/columns_probe.py [--only REGEX] [--quick]
+
+(--quick: the default beside a row a thread, registers and streamed, only.)
 
 (TILEFUSE_COLUMN_MIN_ROWS=1 for the cases of fewer rows than a column kernel takes by default.)
 
@@ -60,6 +62,13 @@ def variants_of(d):
             ("regs, 128 threads", replace(d, stage="regs", threads=128, min_blocks=1))) + across_of(d)
 
 
+def row_a_thread(d):
+    """A row a thread, as column kernels were before rows were split (session 67)."""
+    base = replace(d, threads=128, group=1, vector=1, across=False, two_pass=False)
+    return (("a row a thread, stream 32", replace(base, stage="stream", unroll=32, min_blocks=2)),
+            ("a row a thread, regs", replace(base, stage="regs", min_blocks=1)))
+
+
 def across_of(d):
     """Each row split between G warps (MapReduceSchedule.across), 32 or 64 rows a CTA."""
     out = []
@@ -75,7 +84,8 @@ def across_of(d):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--only", default="")
+    ap.add_argument("--only", default="", help="cases whose name matches this regex")
+    ap.add_argument("--quick", action="store_true", help="time the default beside a row a thread only")
     args = ap.parse_args()
     copy = copy_bandwidth()
     out = {"gpu": torch.cuda.get_device_name(), "copy_bytes_per_s": copy, "cases": {}}
@@ -89,7 +99,7 @@ def main():
         k = lowered.kernel
         d = mapreduce.default_schedule(k)
         variants = {"default": op.ck}
-        for label, s in variants_of(d):
+        for label, s in (row_a_thread(d) if args.quick else variants_of(d)):
             try:
                 variants[label] = compile_kernel(k, None, s)
             except Exception as e:  # noqa: BLE001 (a variant that does not build is reported, not fatal)
