@@ -8,7 +8,9 @@ maps, what tilefuse did before), eager and torch.compile.
 
 (--quick: the default beside a row a thread, registers and streamed, only.)
 
-(TILEFUSE_COLUMN_MIN_ROWS=1 for the cases of fewer rows than a column kernel takes by default.)
+Every case is compiled with TILEFUSE_COLUMN_MIN_ROWS=1, so that cases of fewer rows than a
+column kernel takes by default (graph/fusion.py, COLUMN_MIN_ROWS) measure one against what the
+planner does there ("columns off").
 
 Writes $OUT/columns_probe.json (or /tmp/columns_probe.json); a line a case on stdout.
 """
@@ -48,6 +50,9 @@ CASES = {
     "log_softmax dim 0 1000x65536": (lambda x: torch.log_softmax(x, 0), [(1000, 65536)]),
     "log_softmax dim 0 1000x16384": (lambda x: torch.log_softmax(x, 0), [(1000, 16384)]),
     "sum dim 0 8192x4096": (lambda x: x.sum(0), [(8192, 4096)]),
+    "mean dim 1 4x1024x1024": (lambda x: x.mean(1), [(4, 1024, 1024)]),
+    "softmax dim 1 8x64x32x32": (lambda x: torch.softmax(x, 1), [(8, 64, 32, 32)]),
+    "layernorm channels-first 8x96x28x28": (ln_channels_first, [(8, 96, 28, 28), (96,), (96,)]),
     "rmsnorm channels-first 16x64x128x128": (
         lambda x, w: x * torch.rsqrt(x.float().pow(2).mean(1, keepdim=True) + 1e-6).to(x.dtype) * w[:, None, None],
         [(16, 64, 128, 128), (64,)]),
@@ -94,7 +99,11 @@ def main():
             continue
         torch.manual_seed(0)
         inputs = tuple(torch.randn(*s, device="cuda", dtype=(dtype or [torch.bfloat16])[0]) for s in shapes)
-        prog = tilefuse.compile(fn, inputs)
+        os.environ["TILEFUSE_COLUMN_MIN_ROWS"] = "1"
+        try:
+            prog = tilefuse.compile(fn, inputs)
+        finally:
+            del os.environ["TILEFUSE_COLUMN_MIN_ROWS"]
         lowered, op, ptrs, outs = program_launch(prog, inputs)
         k = lowered.kernel
         d = mapreduce.default_schedule(k)

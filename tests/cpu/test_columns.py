@@ -177,7 +177,7 @@ def test_column_kernels_build_without_spills(name, dtype, C, arch, any_rows):
           "mean": lambda x, w, b: x.mean(1) * x.amax(1)}[name]  # (x read twice: no maps, small_reductions)
     k = _kernel(fn, (4, C, 32, 64), (C,), (C,), dtype=dtype)
     src, cubin = compile_source_only(k, arch)
-    assert src.schedule.across == (C >= columns.SPLIT_MIN_COLUMNS) and src.schedule.across == (src.schedule.group > 1)
+    assert src.schedule.across == (C >= 2 * columns.MIN_SHARE) and src.schedule.across == (src.schedule.group > 1)
     assert cubin.info.clean, f"{name} {C} {dtype} {arch} {src.schedule}: {cubin.info}"
 
 

@@ -17,10 +17,10 @@ if not torch.cuda.is_available():
 def _check(fn, ins, kernels=(("mapreduce", True),)):
     """`fn` as the kernels named ((family, column kernel?), in order; a column kernel's default
     splits its rows between threads exactly when it is not a grid reduction and its rows have at
-    least SPLIT_MIN_COLUMNS columns), right in the thin call and the graph replays."""
+    least twice columns.MIN_SHARE columns), right in the thin call and the graph replays."""
     import tilefuse
     from tilefuse.check import compare, float64_reference
-    from tilefuse import ir
+    from tilefuse.loop import ir
     from tilefuse.codegen import columns, mapreduce
 
     prog = tilefuse.compile(fn, ins, graphs=True)
@@ -32,7 +32,7 @@ def _check(fn, ins, kernels=(("mapreduce", True),)):
             k = prog.kernels[s.name].kernel
             sch = mapreduce.default_schedule(k)
             C = ir.row_kernel_parts(k).col_extent
-            split = ir.grid_parts(k) is None and C >= columns.SPLIT_MIN_COLUMNS
+            split = ir.grid_parts(k) is None and C >= 2 * columns.MIN_SHARE
             assert sch.across == split and (sch.group > 1) == split, (C, sch)
     ref = float64_reference(fn, ins)
     eager = fn(*ins)

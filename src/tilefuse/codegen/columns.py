@@ -54,7 +54,7 @@ def strided_rows(kernel: ir.Kernel) -> bool:
 
 
 REGS_MAX_COLUMNS = 96  # columns a thread takes in registers (the passes unrolled whole)
-SPLIT_MIN_COLUMNS = 8  # rows shorter than this stay a row a thread
+MIN_SHARE = 8  # columns a thread of a split row keeps at least: rows under twice this stay a row a thread
 FILL_THREADS = 132 * 512  # threads a grid wants at least: a quarter of an H100's / H200's
 MAX_SPLIT = 16
 
@@ -62,13 +62,13 @@ MAX_SPLIT = 16
 def split_of(C: int, R: int, row_bytes: int) -> int:
     """Threads a row is split between (MapReduceSchedule.across): more where a thread's share
     of the row is long (fewer loads a thread, more in flight across the SM), more again where
-    the rows alone would not fill the GPU; a thread keeps at least 8 columns."""
-    if C < SPLIT_MIN_COLUMNS:
+    the rows alone would not fill the GPU; a thread keeps at least MIN_SHARE columns."""
+    if C < 2 * MIN_SHARE:
         return 1
     g = 2 if row_bytes <= 128 else 4 if row_bytes < 384 else 8
     while g < MAX_SPLIT and R * g < FILL_THREADS:
         g *= 2
-    while g > 1 and C < 8 * g:
+    while g > 1 and C < MIN_SHARE * g:
         g //= 2
     return g
 

@@ -164,7 +164,7 @@ def _admits_columns(k: Mapping, d: mr.MapReduceSchedule, C: int, R: int) -> bool
     g = k.get("group", 1)
     if k.get("stage", "stream") not in ("regs", "stream") or k.get("vector", 1) != 1 or g > 32:
         return False
-    if g > 1 and C < columns.SPLIT_MIN_COLUMNS * g:
+    if g > 1 and C < columns.MIN_SHARE * g:
         return False
     if "across" in k and k["across"] != (g > 1):
         return False
