@@ -66,17 +66,19 @@ def test_channels_first_layernorm_is_one_kernel_with_its_weights_per_channel(any
 
 def test_too_few_rows_stay_in_pytorch():
     """Fewer rows than column_min_rows() (threads to keep the memory busy): PyTorch's reduction;
-    from there on, a column kernel; a lone reduction (one pass, per-row results: a single
-    PyTorch reduction otherwise) only from twice that."""
-    floor = fusion.COLUMN_MIN_ROWS
+    from there on, a column kernel, alone or with maps; a row longer than COLUMN_LONG_ROW wants
+    proportionally more rows (a thread's share of the row is what a split kernel waits on)."""
+    floor, long = fusion.COLUMN_MIN_ROWS, fusion.COLUMN_LONG_ROW
     softmax = lambda x: torch.softmax(x, 0)  # noqa: E731
-    for rows, fn, columns in ((floor - 1, softmax, False), (floor, softmax, True),
-                              (2 * floor - 1, lambda x: x.sum(0) * 2, False), (2 * floor, lambda x: x.sum(0), True)):
-        p = tilefuse.compile(fn, (torch.randn(9, rows),))  # (9 > small_reductions.MAX_EXTENT: no maps)
-        assert any(s.columns for s in _steps(p)) == columns, (rows, str(p.plan))
+    lone = lambda x: x.sum(0)  # noqa: E731
+    for C, rows, fn, columns in ((9, floor - 1, softmax, False), (9, floor, softmax, True),
+                                 (9, floor - 1, lone, False), (9, floor, lone, True),
+                                 (3 * long, 3 * floor - 1, lone, False), (3 * long, 3 * floor, lone, True)):
+        p = tilefuse.compile(fn, (torch.randn(C, rows),))  # (9 > small_reductions.MAX_EXTENT: no maps)
+        assert any(s.columns for s in _steps(p)) == columns, (C, rows, str(p.plan))
         if not columns:
             assert "reduction over a non-last axis runs in PyTorch" in str(p.plan)
-            assert f"{rows} rows beside it, fewer than a column kernel takes" in str(p.plan)
+            assert f"{rows} rows beside it, fewer than a column kernel over rows of {C} takes" in str(p.plan)
 
 
 def test_the_row_floor_can_be_set_from_the_environment(monkeypatch):

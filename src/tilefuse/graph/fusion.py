@@ -40,16 +40,18 @@ ON_CHIP_BYTES = 16 * 200 * 1024  # a 16-CTA cluster's shared memory
 # program measured (12 softmaxes: 862).
 RECOMPUTE_LIMIT = 1024
 ROW_REDUCTIONS = ("sum", "max", "min", "mean", "prod")  # the reductions a map-reduce kernel's row takes
-# A column kernel (Planner.column_start) gives each row a thread, neighbouring rows to
-# neighbouring lanes: their elements lie side by side in memory. Fewer rows than this leave
-# too few threads to keep the memory busy (a thread has 32 loads in flight, codegen/columns.py;
-# an H200 wants ~4 MB in flight, 64k rows of 16-bit values): such a reduction runs in PyTorch.
-# A lone reduction (one pass, per-row results only) must have twice as many: it replaces one
-# PyTorch reduction, where a softmax or a norm replaces two and the map kernels between them.
-# H200, bf16 (bench/columns.sh, session 57): 65536-262144 rows ran at 57-70% of copy bandwidth;
-# log_softmax over dim 0 of 1000 x 16384 (16384 rows of 1000) at 13%, 114.6 us, where the plan
-# without column kernels took 251.3 (PyTorch's reductions, row kernels of the maps; eager 866)
-COLUMN_MIN_ROWS = 16384
+# A column kernel (Planner.column_start, codegen/columns.py) splits each row between up to 16
+# threads, neighbouring rows on neighbouring lanes: their elements lie side by side in memory.
+# Below COLUMN_MIN_ROWS rows, and below proportionally more where a row is longer than
+# COLUMN_LONG_ROW (a thread's share of the row is what a split kernel waits on), the reduction
+# runs in PyTorch. H200, bf16 (bench/columns_probe.py, session 69, bench/results/s69): softmax
+# over dim 1 of 1 x 64 x 32 x 32 (1024 rows) 5.5 us against 22.1 without column kernels,
+# x.mean(1) alone over 1 x 1024 x 1024 6.8 against 12.9 (PyTorch's mean), x.sum(0) over 8192 x
+# 4096 (4096 rows of 8192) 32.5 against 33.5, over 8192 x 2048 30.0 against 27.2: the floor there
+# is 8192 rows. Scans keep a row a thread (codegen/scan.py) and their floor of session 66.
+COLUMN_MIN_ROWS = 1024
+COLUMN_LONG_ROW = 1024
+SCAN_MIN_ROWS = 16384
 
 
 def scans_enabled() -> bool:
@@ -63,16 +65,19 @@ def columns_enabled() -> bool:
     return os.environ.get("TILEFUSE_COLUMNS", "1") != "0"
 
 
-def column_min_rows() -> int:
-    """COLUMN_MIN_ROWS, or TILEFUSE_COLUMN_MIN_ROWS where set (1: column kernels at any size, as
-    the fuzzer's small programs want them); a lone reduction's floor is twice it."""
+def column_min_rows(row_len: int = 1, scan: bool = False) -> int:
+    """The rows a column kernel over rows of `row_len` needs: COLUMN_MIN_ROWS (SCAN_MIN_ROWS for
+    a scan), or TILEFUSE_COLUMN_MIN_ROWS where set (1: column kernels at any size, as the
+    fuzzer's small programs want them), times the row's length in COLUMN_LONG_ROWs."""
     v = os.environ.get("TILEFUSE_COLUMN_MIN_ROWS")
     if v is None:
-        return COLUMN_MIN_ROWS
-    try:
-        return max(1, int(v))
-    except ValueError:
-        raise ValueError(f"TILEFUSE_COLUMN_MIN_ROWS must be a whole number of rows, not {v!r}") from None
+        base = SCAN_MIN_ROWS if scan else COLUMN_MIN_ROWS
+    else:
+        try:
+            base = max(1, int(v))
+        except ValueError:
+            raise ValueError(f"TILEFUSE_COLUMN_MIN_ROWS must be a whole number of rows, not {v!r}") from None
+    return base if scan else base * max(1, row_len // COLUMN_LONG_ROW)
 
 
 @dataclass
@@ -190,9 +195,8 @@ def partial_rows(align: Align, space) -> bool:
 
 class _Planner:
     def __init__(self, g: ir.Graph, gemm: bool = True, whole_rows: frozenset = frozenset(), partials: bool = True,
-                 in_torch: frozenset = frozenset(), lone: frozenset = frozenset()):
+                 in_torch: frozenset = frozenset()):
         self.partials = partials
-        self.lone = lone  # reductions a column kernel would take alone, with too few rows for that: PyTorch's
         self.in_torch = in_torch  # maps to run in PyTorch, each a step of its own (see plan())
         self.g = g
         self.whole_rows = whole_rows  # nodes that may only join kernels whose every row they run along
@@ -428,13 +432,12 @@ class _Planner:
         reduces one dim of more than one element that is not last (`softmax(x, 1)`, a
         channels-first norm, `x.mean(1)` over [B, S, D]), the row runs along that dim and the
         rows along the others, in order; None where it is no such reduction, or has too few
-        rows for a thread each (column_min_rows()), or column kernels are off."""
+        rows to keep the memory busy (column_min_rows()), or column kernels are off."""
         if isinstance(n, ir.Scan):
             if not columns_enabled() or not scans_enabled():
                 return None
             s, axes = n.type.shape, [n.axis]
-        elif (not isinstance(n, ir.Reduce) or not columns_enabled() or n.op not in ROW_REDUCTIONS
-                or n.name in self.lone):
+        elif not isinstance(n, ir.Reduce) or not columns_enabled() or n.op not in ROW_REDUCTIONS:
             return None
         else:
             s = self.g[n.arg].type.shape
@@ -443,7 +446,7 @@ class _Planner:
             return None
         k = axes[0]
         rows = [d for i, d in enumerate(s) if i != k]
-        if math.prod(rows) < column_min_rows() and any(d != 1 for d in s[k + 1:]):
+        if math.prod(rows) < column_min_rows(s[k], isinstance(n, ir.Scan)) and any(d != 1 for d in s[k + 1:]):
             return None
         align = tuple(len(rows) if i == k else None if d == 1 else i - (i > k) for i, d in enumerate(s))
         return (tuple(rows), s[k]), align
@@ -460,9 +463,9 @@ class _Planner:
         if not columns_enabled():
             return f"{why}: column kernels are off (TILEFUSE_COLUMNS=0)"
         rows = math.prod(d for i, d in enumerate(s) if i not in n.axes)
-        if n.name in self.lone:
-            return f"{why}: {rows} rows beside it, fewer than a column kernel takes alone ({2 * column_min_rows()})"
-        return f"{why}: {rows} rows beside it, fewer than a column kernel takes ({column_min_rows()})"
+        row_len = math.prod(s[a] for a in axes)
+        return f"{why}: {rows} rows beside it, fewer than a column kernel over rows of {row_len} takes " \
+               f"({column_min_rows(row_len)})"
 
     def scan_note(self, n) -> str:
         """Why scan `n` runs in PyTorch, for the plan."""
@@ -472,7 +475,7 @@ class _Planner:
         if not columns_enabled():
             return f"{why}: along a dim that is not last, and column kernels are off (TILEFUSE_COLUMNS=0)"
         rows = n.type.numel // n.type.shape[n.axis]
-        return f"{why}: {rows} rows beside it, fewer than a column kernel takes ({column_min_rows()})"
+        return f"{why}: {rows} rows beside it, fewer than a column kernel takes ({column_min_rows(scan=True)})"
 
     def column_ahead(self, n, limit: int = 16):
         """A map whose result (through maps of its shape, `limit` of them at most) is the
@@ -900,10 +903,8 @@ def plan(g: ir.Graph, gemm: bool = True, partials: bool = True, in_torch: frozen
     kernels of their own rows, until none is left.
     """
     whole_rows: set[str] = set()
-    lone: set[str] = set()
     for _ in range(8):
-        p = _Planner(g, gemm, frozenset(whole_rows), partials, frozenset(in_torch), frozenset(lone)).plan()
-        few = {r for s in p.steps if (r := _lone_few(g, s)) is not None}
+        p = _Planner(g, gemm, frozenset(whole_rows), partials, frozenset(in_torch)).plan()
         coarse = set()
         for s in p.steps:
             if s.family != "mapreduce":
@@ -916,26 +917,14 @@ def plan(g: ir.Graph, gemm: bool = True, partials: bool = True, in_torch: frozen
                     continue
                 coarse.add(x)
                 stack.extend(a for a in ir.node_args(g[x]) if a in members and partial_rows(s.align[a], s.space))
-        if not coarse - whole_rows and not few - lone:
+        if not coarse - whole_rows:
             # grid reductions are opt-in (TILEFUSE_GRID_REDUCE=1) until their CUDA path has been
             # checked and measured on a GPU (tests/gpu/test_mapreduce_gpu.py -k grid); otherwise
             # the finishing reduction stays a kernel of its own, as before
             p = grid_reductions(p) if grid_reduce_enabled() else p
             return views_read_in_place(_mark_attention_views(_mark_layout_views(p)))
         whole_rows |= coarse
-        lone |= few
     raise RuntimeError("internal: the fusion plan did not settle")
-
-
-def _lone_few(g: ir.Graph, s: Step) -> str | None:
-    """The reduction of a column kernel that has only it (one pass, per-row results) and fewer
-    rows than twice column_min_rows(): PyTorch's reduction does as well with one launch."""
-    if s.family != "mapreduce" or not s.columns or math.prod(s.space[0]) >= 2 * column_min_rows():
-        return None
-    reduces = [x for x in s.nodes if isinstance(g[x], ir.Reduce)]
-    if len(reduces) != 1 or not all(is_row_level(s.align[o], s.space) for o in s.outputs):
-        return None
-    return reduces[0]
 
 
 # extern aten ops that read strided inputs as they are and write nothing
