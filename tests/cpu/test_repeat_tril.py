@@ -99,7 +99,8 @@ def test_tril_of_an_expanded_matrix_and_a_repeat_of_a_slice_equal_eager():
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_80"])
 @pytest.mark.parametrize("fn,shape", [(lambda x: x.repeat(1, 4, 1, 1), (8, 8, 128, 128)),
                                       (lambda x: torch.tril(x) * 2, (8, 512, 512)),
-                                      (lambda x: torch.triu(x, 1).softmax(-1), (4, 256, 256))], ids=str)
+                                      (lambda x: torch.triu(x, 1).softmax(-1), (4, 256, 256))],
+                         ids=["repeat", "tril", "triu softmax"])
 def test_repeat_and_tril_kernels_build_without_spills(fn, shape, arch):
     p = tilefuse.compile(fn, (torch.randn(shape, dtype=torch.bfloat16),))
     for lw in p.kernels.values():
