@@ -10,7 +10,8 @@ maps, what tilefuse did before), eager and torch.compile.
 
 Every case is compiled with TILEFUSE_COLUMN_MIN_ROWS=1, so that cases of fewer rows than a
 column kernel takes by default (graph/fusion.py, COLUMN_MIN_ROWS) measure one against what the
-planner does there ("columns off").
+planner does there ("columns off"; for a lone reduction split into pieces there,
+rewrites.split_long_columns, also "as planned (pieces)").
 
 Writes $OUT/columns_probe.json (or /tmp/columns_probe.json); a line a case on stdout.
 """
@@ -137,7 +138,15 @@ def main():
             before = tilefuse.compile(fn, inputs)
         finally:
             del os.environ["TILEFUSE_COLUMNS"]
-        per = beside_baselines(fn, inputs, variants, ptrs, {"columns off": lambda: before(*inputs)})
+        extra = {"columns off": lambda: before(*inputs)}
+        planned = tilefuse.compile(fn, inputs, graphs=True)
+        if any(n.name.endswith("_pieces") for n in planned.graph.nodes):
+            # (below the floor, a lone reduction as the planner takes it: pieces, then a finish,
+            # rewrites.split_long_columns; its CUDA graph replayed, checked first)
+            c = compare(f"{name} as planned", planned(*inputs), ref, eager)
+            assert c.ok, c
+            extra["as planned (pieces)"] = lambda: planned(*inputs)
+        per = beside_baselines(fn, inputs, variants, ptrs, extra)
         out["cases"][name] = case_summary(name, d, inputs, outs, per, copy)
     Path(os.environ.get("OUT", "/tmp"), "columns_probe.json").write_text(json.dumps(out, indent=1))
     print("\ncase | default us | best (label) | torch.compile us | eager us")

@@ -132,3 +132,27 @@ def test_layernorm_of_nhwc_read_from_nchw(dtype):
     x = torch.randn(8, 96, 56, 56, device="cuda", dtype=dtype)
     _check(lambda x: torch.nn.functional.layer_norm(x.permute(0, 2, 3, 1), (96,)), (x,),
            kernels=[("mapreduce", False), ("mapreduce", False)])
+
+
+@pytest.mark.parametrize("name,fn,shape,dtype", [
+    ("sum dim 0 bf16", lambda x: x.sum(0), (8192, 2048), torch.bfloat16),
+    ("mean of squares dim 0 f32", lambda x: (x * x).mean(0, keepdim=True), (4096, 1024), torch.float32),
+    ("amax dim 1 f16", lambda x: x.amax(1), (3, 8192, 5), torch.float16),
+    ("prod dim 1 f32", lambda x: (1 + 0.001 * x).prod(1), (2, 8192, 7), torch.float32),
+])
+def test_few_long_columns_reduce_in_pieces(name, fn, shape, dtype):
+    """A lone reduction with too few rows for a column kernel (rewrites.split_long_columns):
+    pieces reduced by a column kernel, then finished; right in the thin call and graph replays."""
+    import tilefuse
+    from tilefuse.check import compare, float64_reference
+
+    torch.manual_seed(7)
+    x = torch.randn(*shape, device="cuda", dtype=dtype)
+    prog = tilefuse.compile(fn, (x,), graphs=True)
+    prog.poison = True
+    assert any(n.name.endswith("_pieces") for n in prog.graph.nodes), str(prog.plan)
+    assert any(s.columns for s in prog.plan.steps), str(prog.plan)
+    ref, eager = float64_reference(fn, (x,)), fn(x)
+    for call in range(3):
+        c = compare(f"{name} call {call}", prog(x), ref, eager)
+        assert c.ok, c

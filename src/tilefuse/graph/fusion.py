@@ -44,7 +44,7 @@ ROW_REDUCTIONS = ("sum", "max", "min", "mean", "prod")  # the reductions a map-r
 # threads, neighbouring rows on neighbouring lanes: their elements lie side by side in memory.
 # Below COLUMN_MIN_ROWS rows, and below proportionally more where a row is longer than
 # COLUMN_LONG_ROW (a thread's share of the row is what a split kernel waits on), the reduction
-# runs in PyTorch. H200, bf16 (bench/columns_probe.py, session 69, bench/results/s69): softmax
+# runs in PyTorch, or, alone, reduces pieces of its row first (rewrites.split_long_columns). H200, bf16 (bench/columns_probe.py, session 69, bench/results/s69): softmax
 # over dim 1 of 1 x 64 x 32 x 32 (1024 rows) 5.5 us against 22.1 without column kernels,
 # x.mean(1) alone over 1 x 1024 x 1024 6.8 against 12.9 (PyTorch's mean), x.sum(0) over 8192 x
 # 4096 (4096 rows of 8192) 32.5 against 33.5, over 8192 x 2048 30.0 against 27.2: the floor there

@@ -142,6 +142,64 @@ def split_long_reductions(g: ir.Graph) -> ir.Graph:
     return reshapes_onto_maps(g, moved)
 
 
+SPLIT_COLUMN_FILL = 32768          # rows a column reduction's pieces give, where they can
+SPLIT_COLUMN_K = range(1024, 63, -1)  # a piece's length: a divisor of the column, longest first
+
+
+def _column_piece(C: int, rows: int) -> int | None:
+    """A column's piece length: the longest divisor of C in SPLIT_COLUMN_K that gives
+    SPLIT_COLUMN_FILL rows of pieces, else the shortest whose rows a column kernel takes
+    (fusion.column_min_rows); None where none does."""
+    from .fusion import column_min_rows
+
+    ks = [k for k in SPLIT_COLUMN_K if C % k == 0 and k < C]
+    ok = [k for k in ks if rows * (C // k) >= column_min_rows(k)]
+    return next((k for k in ok if rows * (C // k) >= SPLIT_COLUMN_FILL), ok[-1] if ok else None)
+
+
+def split_long_columns(g: ir.Graph) -> ir.Graph:
+    """A reduction over a dim that is not last, with too few rows beside it for a column kernel
+    (`x.sum(0)` over 8192 x 2048: 2048 rows of 8192), reduces pieces of K first.
+
+    A column kernel splits each row between at most 16 threads, so few long rows leave each
+    thread a long walk (fusion.COLUMN_LONG_ROW), and such reductions were PyTorch's. Viewed as
+    [.., P, K, ..] (a free reshape of the reduced dim), a column kernel reduces rows P times as
+    many, of K, writing f32 partials for sums and means, and a second reduction over P finishes
+    (as split_long_reductions does along the last dim). Only a reduction that alone reads its
+    argument (`_alone`: a softmax over dim 0 keeps its max and its exp together, and PyTorch's)."""
+    from ..loop.flat import split_enabled
+    from .fusion import column_min_rows, columns_enabled
+    if not split_enabled() or not columns_enabled():
+        return g
+    out, moved = [], set()
+    names, users = {n.name for n in g.nodes}, g.users()
+    for n in g.nodes:
+        x = g[n.arg].type if isinstance(n, ir.Reduce) else None
+        k = n.axes[0] if x is not None and len(n.axes) == 1 else None
+        if (k is None or n.op not in ("sum", "mean", "max", "min", "prod") or x.dtype not in ("f32", "bf16", "f16")
+                or all(d == 1 for d in x.shape[k + 1:])):
+            out.append(n)
+            continue
+        C = x.shape[k]
+        rows = x.numel // C
+        K = _column_piece(C, rows) if rows < column_min_rows(C) and _alone(g, users, n) else None
+        if K is None:
+            out.append(n)
+            continue
+        shape = x.shape[:k] + (C // K, K) + x.shape[k + 1:]
+        pieces = fresh_name(names, f"{n.arg}_pieces")
+        moved.add(pieces)
+        out.append(ir.View(pieces, ir.TensorType(shape, x.dtype), "reshape", n.arg, shape, n.source))
+        part = fresh_name(names, f"{n.name}_part")
+        wide = "f32" if n.op in ("sum", "mean", "prod") else x.dtype
+        out.append(ir.Reduce(part, ir.TensorType(shape[:k + 1] + shape[k + 2:], wide), n.op, pieces, (k + 1,), False,
+                             n.source))
+        out.append(ir.Reduce(n.name, n.type, n.op, part, (k,), n.keepdim, n.source))
+    if not moved:
+        return g
+    return reshapes_onto_maps(g.replace(nodes=out), moved)
+
+
 SPLIT_SCAN_MIN = 16384   # scans along rows at least this long are split when few
 SPLIT_SCAN_ROWS = 264    # ... and fewer than this (two CTAs for each of an H100's / H200's SMs)
 
@@ -586,7 +644,7 @@ def unit_permutes_as_reshapes(g: ir.Graph) -> ir.Graph:
 
 
 RULES = (drop_one_element_reductions, drop_identity_reshapes, drop_identity_casts, flatten_full_reductions,
-         split_long_reductions, split_long_scans, small_powers_as_products, tanh_halves_as_sigmoids,
+         split_long_reductions, split_long_columns, split_long_scans, small_powers_as_products, tanh_halves_as_sigmoids,
          unit_permutes_as_reshapes)
 
 
