@@ -303,3 +303,58 @@ def test_a_column_kernel_whose_row_would_not_fit_registers_streams_it(fn):
             src, cubin = compile_source_only(lw.kernel, arch)
             assert cubin.info.clean, f"{arch} {src.schedule}: {cubin.info}"
     assert torch.equal(p(e), fn(e))
+
+
+def test_a_scan_keeps_its_own_floor_inside_a_reductions_column_kernel():
+    """(x / x.sum(1)).cumsum(1) over 2000 rows: the sum and division are a column kernel (1024
+    rows suffice), the scan, a row a thread, is not in it below SCAN_MIN_ROWS (review, session 69:
+    it joined, and took the reduction's split away)."""
+    x = torch.rand(4, 300, 500) + 0.5  # (positive: no sum near 0 to divide by)
+    fn = lambda x: (x / x.sum(1, keepdim=True)).cumsum(1)  # noqa: E731
+    p = tilefuse.compile(fn, (x,))
+    cols = [s for s in _steps(p) if s.columns]
+    assert cols and not any(s.scan for s in cols), str(p.plan)
+    assert "scan runs in PyTorch" in str(p.plan)
+    from tilefuse.check import compare, float64_reference
+
+    c = compare("cumsum", p(x), float64_reference(fn, (x,)), fn(x))
+    assert c.ok, c
+
+
+def test_the_floor_from_the_environment_is_taken_as_it_is(monkeypatch):
+    """TILEFUSE_COLUMN_MIN_ROWS=1: column kernels at any size, long rows too (not scaled by the
+    row's length as the default floor is)."""
+    monkeypatch.setenv("TILEFUSE_COLUMN_MIN_ROWS", "1")
+    assert fusion.column_min_rows(8192) == 1
+    p = tilefuse.compile(lambda x: torch.softmax(x, 0), (torch.randn(4096, 3),))
+    assert [s.columns for s in _steps(p)] == [True], str(p.plan)
+    monkeypatch.delenv("TILEFUSE_COLUMN_MIN_ROWS")
+    assert fusion.column_min_rows(8192) == 8 * fusion.COLUMN_MIN_ROWS
+    assert fusion.column_min_rows(2047) == fusion.COLUMN_MIN_ROWS
+
+
+@pytest.mark.parametrize("shape,axes,why", [
+    ((2000, 1, 300), (1, 2), "its dim is last but for dims of one element"),
+    ((3000, 7), (0,), "fewer than a column kernel over rows of 3000 takes (2048)"),
+])
+def test_a_reduction_left_to_pytorch_says_why(shape, axes, why, monkeypatch):
+    from tilefuse.graph.fusion import _Planner
+
+    monkeypatch.delenv("TILEFUSE_COLUMN_MIN_ROWS", raising=False)
+    out = tuple(d for i, d in enumerate(shape) if i not in axes)
+    g = ir.Graph((ir.Input("x", ir.TensorType(shape, "f32")), ir.Reduce("y", ir.TensorType(out, "f32"), "sum", "x", axes,
+                                                                         False)), ("x",), ("y",))
+    assert why in _Planner(g).reduce_note(g["y"])
+
+
+def test_the_interpreter_sums_a_column_as_accurately_as_pytorch():
+    """x.sum(0) of f32 2048 x 2048 (a column kernel now) through the Loop IR interpreter: within
+    the 2x rule of float64 (NumPy added row after row over axis 0: 12x eager's error)."""
+    from tilefuse.check import compare, float64_reference
+
+    x = torch.randn(2048, 2048)
+    fn = lambda x: x.sum(0)  # noqa: E731
+    p = tilefuse.compile(fn, (x,))
+    assert [s.columns for s in _steps(p)] == [True], str(p.plan)
+    c = compare("sum(0)", p(x), float64_reference(fn, (x,)), fn(x))
+    assert c.ok, c

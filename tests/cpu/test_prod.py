@@ -44,6 +44,7 @@ def test_products_equal_eager_within_the_2x_rule(name, rows, cols, dtype):
     rounds at every step, ours once, so a single value is a coin toss against the rule
     (check.VALUES); the full product is taken in f32 for that reason."""
     fn = FNS[name]
+    torch.manual_seed(rows * 1103 + cols)  # (an example's draw is the same when hypothesis replays it)
     x = torch.randn(rows, cols).to(dtype)
     p = tilefuse.compile(fn, (x,))
     assert not _externs(p), str(p.plan)
@@ -134,7 +135,7 @@ def test_a_product_over_other_dims_with_few_rows_stays_pytorchs_op():
     """A column product needs rows enough beside it, as a column sum does (the plan says why)."""
     p = tilefuse.compile(lambda x: x.prod(0), (torch.randn(300, 40),))
     (e,) = _externs(p)
-    assert "fewer than a column kernel takes" in e.note
+    assert "40 rows beside it, fewer than a column kernel over rows of 300 takes" in e.note
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_80"])

@@ -42,8 +42,8 @@ RECOMPUTE_LIMIT = 1024
 ROW_REDUCTIONS = ("sum", "max", "min", "mean", "prod")  # the reductions a map-reduce kernel's row takes
 # A column kernel (Planner.column_start, codegen/columns.py) splits each row between up to 16
 # threads, neighbouring rows on neighbouring lanes: their elements lie side by side in memory.
-# Below COLUMN_MIN_ROWS rows, and below proportionally more where a row is longer than
-# COLUMN_LONG_ROW (a thread's share of the row is what a split kernel waits on), the reduction
+# Below COLUMN_MIN_ROWS rows, times the row's length in whole COLUMN_LONG_ROWs (rows of 2048
+# want 2048 rows: a thread's share of the row is what a split kernel waits on), the reduction
 # runs in PyTorch, or, alone, reduces pieces of its row first (rewrites.split_long_columns). H200, bf16 (bench/columns_probe.py, session 69, bench/results/s69): softmax
 # over dim 1 of 1 x 64 x 32 x 32 (1024 rows) 5.5 us against 22.1 without column kernels,
 # x.mean(1) alone over 1 x 1024 x 1024 6.8 against 12.9 (PyTorch's mean), x.sum(0) over 8192 x
@@ -66,18 +66,17 @@ def columns_enabled() -> bool:
 
 
 def column_min_rows(row_len: int = 1, scan: bool = False) -> int:
-    """The rows a column kernel over rows of `row_len` needs: COLUMN_MIN_ROWS (SCAN_MIN_ROWS for
-    a scan), or TILEFUSE_COLUMN_MIN_ROWS where set (1: column kernels at any size, as the
-    fuzzer's small programs want them), times the row's length in COLUMN_LONG_ROWs."""
+    """The rows a column kernel over rows of `row_len` needs: COLUMN_MIN_ROWS times the row's
+    length in whole COLUMN_LONG_ROWs (SCAN_MIN_ROWS for a scan), or TILEFUSE_COLUMN_MIN_ROWS
+    where set, as it is (1: column kernels at any size, as the fuzzer's small programs and the
+    probes want them)."""
     v = os.environ.get("TILEFUSE_COLUMN_MIN_ROWS")
-    if v is None:
-        base = SCAN_MIN_ROWS if scan else COLUMN_MIN_ROWS
-    else:
+    if v is not None:
         try:
-            base = max(1, int(v))
+            return max(1, int(v))
         except ValueError:
             raise ValueError(f"TILEFUSE_COLUMN_MIN_ROWS must be a whole number of rows, not {v!r}") from None
-    return base if scan else base * max(1, row_len // COLUMN_LONG_ROW)
+    return SCAN_MIN_ROWS if scan else COLUMN_MIN_ROWS * max(1, row_len // COLUMN_LONG_ROW)
 
 
 @dataclass
@@ -336,6 +335,8 @@ class _Planner:
             # kernel a thread walks its row alone), after the passes of the kernel's reductions
             if n.arg not in step.align or step.scan or not scans_enabled():
                 return None
+            if step.columns and math.prod(step.space[0]) < column_min_rows(scan=True):
+                return None  # (a scan keeps a row a thread: its own floor, not a reduction's)
             aa = step.align[n.arg]
             return {n.name: aa} if aa[n.axis] == len(space[0]) else None
         if isinstance(n, ir.Reduce):
@@ -464,6 +465,12 @@ class _Planner:
             return f"{why}: column kernels are off (TILEFUSE_COLUMNS=0)"
         rows = math.prod(d for i, d in enumerate(s) if i not in n.axes)
         row_len = math.prod(s[a] for a in axes)
+        if not axes:
+            return f"{why}: every dim it reduces has one element"
+        if all(d == 1 for d in s[axes[0] + 1:]):
+            return f"{why}: its dim is last but for dims of one element"
+        if rows >= column_min_rows(row_len):
+            return why
         return f"{why}: {rows} rows beside it, fewer than a column kernel over rows of {row_len} takes " \
                f"({column_min_rows(row_len)})"
 
