@@ -336,6 +336,8 @@ def test_the_floor_from_the_environment_is_taken_as_it_is(monkeypatch):
 @pytest.mark.parametrize("shape,axes,why", [
     ((2000, 1, 300), (1, 2), "its dim is last but for dims of one element"),
     ((3000, 7), (0,), "fewer than a column kernel over rows of 3000 takes (2048)"),
+    ((64, 3000, 40), (1, 2), "neighbouring dims [1, 2] not merged into one"),
+    ((64, 3000, 40), (0, 2), "dims [0, 2] are not neighbours"),
 ])
 def test_a_reduction_left_to_pytorch_says_why(shape, axes, why, monkeypatch):
     from tilefuse.graph.fusion import _Planner

@@ -459,6 +459,9 @@ class _Planner:
         why = "reduction over a non-last axis runs in PyTorch"
         if n.op not in ROW_REDUCTIONS:
             return f"{why}: {n.op}"
+        if len(axes) > 1 and axes == list(range(axes[0], axes[-1] + 1)):
+            return f"{why}: neighbouring dims {axes} not merged into one (few rows beside them: " \
+                   f"graph/rules/merged_reductions.py)"
         if len(axes) > 1:
             return f"{why}: dims {axes} are not neighbours"
         if not columns_enabled():

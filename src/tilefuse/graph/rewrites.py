@@ -65,6 +65,44 @@ def flatten_full_reductions(g: ir.Graph) -> ir.Graph:
     return g.replace(nodes=out) if changed else g
 
 
+def drop_unit_reduce_axes(g: ir.Graph) -> ir.Graph:
+    """A reduction over some dims of one element and some longer reduces the argument viewed
+    without its dims of one element (a free reshape), its result reshaped back.
+
+    `x.sum((1, 2))` of [2000, 1, 300] is a row reduction and `x.mean((1, 3))` of [64, 300, 1, 40]
+    one over neighbouring dims, but neither is the shape the planner looks for, and both ran in
+    PyTorch. Dims of one element after the last longer dim the planner takes as they are (a
+    squeeze-and-excitation over [N, C, H, 1] is one kernel); run before merged_reductions.
+    Only where the reduction alone reads its argument (`_alone`: the reshape moves up
+    the maps it reads, reshapes_onto_maps) or that is the program's own tensor (a free view):
+    a map's result other kernels read would be cut from them."""
+    out, moved = [], set()
+    names, users = {n.name for n in g.nodes}, g.users()
+    for n in g.nodes:
+        shape = g[n.arg].type.shape if isinstance(n, ir.Reduce) else ()
+        keep = [i for i, d in enumerate(shape) if d != 1]
+        long = [a for a in (n.axes if shape else ()) if shape[a] != 1]
+        # (a dim of one element among the reduced ones or between them, before the last longer
+        # dim: the planner takes trailing ones as they are)
+        inner = [i for i in range(max(keep, default=0)) if shape[i] == 1]
+        if (not long or not any(i in n.axes or min(long) < i < max(long) for i in inner)
+                or not (_alone(g, users, n) or isinstance(g[n.arg], (ir.Input, ir.Weight)))):
+            out.append(n)
+            continue
+        squeezed = tuple(shape[i] for i in keep)
+        view = fresh_name(names, f"{n.arg}_squeezed")
+        moved.add(view)
+        out.append(ir.View(view, ir.TensorType(squeezed, g[n.arg].type.dtype), "reshape", n.arg, squeezed, n.source))
+        axes = tuple(keep.index(a) for a in n.axes if shape[a] != 1)
+        rest = tuple(d for i, d in enumerate(squeezed) if i not in axes)
+        red = fresh_name(names, f"{n.name}_squeezed")
+        out.append(ir.Reduce(red, ir.TensorType(rest, n.type.dtype), n.op, view, axes, False, n.source))
+        out.append(ir.View(n.name, n.type, "reshape", red, n.type.shape, n.source))
+    if not moved:
+        return g
+    return reshapes_onto_maps(g.replace(nodes=out), moved)
+
+
 def _alone(g: ir.Graph, users: dict, n: ir.Reduce) -> bool:
     """Whether reduction n is the only reader of its row: the maps (and reshapes) of full size
     its argument is computed from, and the tensors they read, feed nothing else. A row other
