@@ -64,10 +64,13 @@ def test_channels_first_layernorm_is_one_kernel_with_its_weights_per_channel(any
     torch.testing.assert_close(p(x, w, b), ln_channels_first(x, w, b), atol=1e-5, rtol=1e-4)
 
 
-def test_too_few_rows_stay_in_pytorch():
+def test_too_few_rows_stay_in_pytorch(monkeypatch):
     """Fewer rows than column_min_rows() (threads to keep the memory busy): PyTorch's reduction;
     from there on, a column kernel, alone or with maps; a row longer than COLUMN_LONG_ROW wants
-    proportionally more rows (a thread's share of the row is what a split kernel waits on)."""
+    proportionally more rows (a thread's share of the row is what a split kernel waits on).
+    (TILEFUSE_SPLIT=0: a lone reduction below the floor would reduce pieces of its column,
+    tests/cpu/test_split_columns.py.)"""
+    monkeypatch.setenv("TILEFUSE_SPLIT", "0")
     floor, long = fusion.COLUMN_MIN_ROWS, fusion.COLUMN_LONG_ROW
     softmax = lambda x: torch.softmax(x, 0)  # noqa: E731
     lone = lambda x: x.sum(0)  # noqa: E731

@@ -196,6 +196,8 @@ REWRITE_CASES = {  # rule -> a graph (and inputs) that makes it fire, after the 
     "flatten_full_reductions": lambda: _captured(lambda x: (x.exp().sum(), x.amax()), (3, 4, 5)),
     # (a max: split exactly, where a sum's pieces reassociate it)
     "split_long_reductions": lambda: _captured(lambda x: (x * 2).amax(-1), (2, 1 << 17)),
+    # (a max over few long columns: 2048 rows of 8192)
+    "split_long_columns": lambda: _captured(lambda x: (x * 2).amax(0), (8192, 2048)),
     "split_long_scans": lambda: _captured(lambda x: torch.cummax(x * 2, -1)[0], (2, 1 << 15)),
     # GPT-2's GELU, written out (transformers' NewGELUActivation)
     "tanh_halves_as_sigmoids": lambda: _captured(

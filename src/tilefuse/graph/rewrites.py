@@ -215,7 +215,7 @@ def split_long_columns(g: ir.Graph) -> ir.Graph:
         x = g[n.arg].type if isinstance(n, ir.Reduce) else None
         k = n.axes[0] if x is not None and len(n.axes) == 1 else None
         if (k is None or n.op not in ("sum", "mean", "max", "min", "prod") or x.dtype not in ("f32", "bf16", "f16")
-                or all(d == 1 for d in x.shape[k + 1:])):
+                or all(d == 1 for d in x.shape[k + 1:]) or x.numel == 0):
             out.append(n)
             continue
         C = x.shape[k]
