@@ -14,7 +14,7 @@ from .graph.fold import fold_weights
 from .graph.rules.causal_mask import causal_masks
 from .graph.rules.gqa_attention import repeated_kv_into_attention
 from .graph.fusion import Plan, plan
-from .graph.rewrites import Fired, drop_unit_reduce_axes, run_rewrites
+from .graph.rewrites import Fired, run_rewrites
 from .loop.lower import Lowered, lower_step
 from .loop.lower_gemm import LoweredGemm, lower_gemm_step
 from .runtime.program import Program, skeleton
@@ -166,13 +166,12 @@ def _stages(fn, example_inputs, expr: str | None, arch: str | None, exported=Non
     # then a permute of a map's result moves onto its arguments, where the kernel reads them in
     # place: those of results PyTorch lays out permuted too, computed in that order; a result
     # still transposed is copied by a kernel reading it in tiles. A reduction over neighbouring
-    # dims first becomes one over a dim of a reshape (`x.mean((2, 3))`), which the planner takes,
-    # and one over dims of one element too, one over the argument without them;
+    # dims first becomes one over a dim of a reshape (`x.mean((2, 3))`), which the planner takes;
     # one over a short dim that is not the last (a mixture of experts' sum over its top k), maps;
     # slices of a map (the halves of a masked gate/up product) are maps of slices; a gather of
     # a map (experts' rows back in token order), the map of gathered arguments; a reshape of
     # the tokens' rows ([T, D] -> [B, S, D]), a reshape of the tensors those maps read
-    graph, more = run_rewrites(graph, (drop_unit_reduce_axes, merged_reductions, short_reductions_as_maps, slices_into_maps,
+    graph, more = run_rewrites(graph, (merged_reductions, short_reductions_as_maps, slices_into_maps,
                                        split_gathers, gathers_through_maps, leading_reshapes_into_maps,
                                        negated_pieces_as_signs, rotated_cat_as_roll, results_in_eager_layout,
                                        permutes_into_maps, transposed_results_as_copies, result_views_as_copies))

@@ -191,6 +191,7 @@ def _small_powers_graph():
 REWRITE_CASES = {  # rule -> a graph (and inputs) that makes it fire, after the rules before it in RULES
     "drop_one_element_reductions": lambda: _captured(lambda x: (torch.softmax(x, -1), x.sum(-1), (x > 0).sum(-1)),
                                                      (6, 1)),
+    "drop_unit_reduce_axes": lambda: _captured(lambda x: (x * 2).sum((1, 2)), (20, 1, 30)),
     "drop_identity_reshapes": lambda: _captured(lambda x: x.amax(-1, keepdim=True) * 2, (6, 1)),
     "drop_identity_casts": _identity_cast_graph,
     "flatten_full_reductions": lambda: _captured(lambda x: (x.exp().sum(), x.amax()), (3, 4, 5)),

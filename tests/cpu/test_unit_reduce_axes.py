@@ -66,3 +66,21 @@ def test_trailing_ones_and_shared_arguments_keep_their_plans():
     assert [s.family for s in se.plan.steps] == ["mapreduce"], str(se.plan)
     g = tilefuse.compile(lambda x: torch.softmax(x, 1).sum((1, 2)), (torch.randn(4, 64, 1, 300),)).graph
     assert not any(n.name.endswith("_squeezed") for n in g.nodes), str(g)
+
+
+def test_an_empty_tensor_keeps_pytorchs_reduction():
+    """Zero elements: no kernel takes them, so nothing is rewritten (review: a crash)."""
+    for fn, shape in ((lambda x: x.sum((1, 2)), (0, 1, 300)), (lambda x: x.mean((1, 2), keepdim=True), (5, 1, 0))):
+        x = torch.randn(*shape)
+        p = tilefuse.compile(fn, (x,))
+        torch.testing.assert_close(p(x), fn(x), equal_nan=True)  # (the mean of nothing is NaN)
+
+
+def test_what_it_leaves_is_split_like_any_reduction():
+    """First among the rules: x.sum((0, 1)) of [8192, 1, 2048] is x.sum(0) of [8192, 2048], its
+    column reduced in pieces (split_long_columns); a full reduction over ones is flattened."""
+    x = torch.randn(8192, 1, 2048)
+    g = tilefuse.compile(lambda x: x.sum((0, 1)), (x,)).graph
+    assert any(n.name.endswith("_pieces") for n in g.nodes), str(g)
+    g = tilefuse.compile(lambda x: x.sum((0, 2)), (torch.randn(64, 1, 300),)).graph
+    assert any(n.name.endswith("_flat") for n in g.nodes), str(g)

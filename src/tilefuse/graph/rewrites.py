@@ -72,7 +72,8 @@ def drop_unit_reduce_axes(g: ir.Graph) -> ir.Graph:
     `x.sum((1, 2))` of [2000, 1, 300] is a row reduction and `x.mean((1, 3))` of [64, 300, 1, 40]
     one over neighbouring dims, but neither is the shape the planner looks for, and both ran in
     PyTorch. Dims of one element after the last longer dim the planner takes as they are (a
-    squeeze-and-excitation over [N, C, H, 1] is one kernel); run before merged_reductions.
+    squeeze-and-excitation over [N, C, H, 1] is one kernel). First among the rules, so that
+    what it leaves is flattened, split or merged like any other reduction.
     Only where the reduction alone reads its argument (`_alone`: the reshape moves up
     the maps it reads, reshapes_onto_maps) or that is the program's own tensor (a free view):
     a map's result other kernels read would be cut from them."""
@@ -85,7 +86,7 @@ def drop_unit_reduce_axes(g: ir.Graph) -> ir.Graph:
         # (a dim of one element among the reduced ones or between them, before the last longer
         # dim: the planner takes trailing ones as they are)
         inner = [i for i in range(max(keep, default=0)) if shape[i] == 1]
-        if (not long or not any(i in n.axes or min(long) < i < max(long) for i in inner)
+        if (not long or g[n.arg].type.numel == 0 or not any(i in n.axes or min(long) < i < max(long) for i in inner)
                 or not (_alone(g, users, n) or isinstance(g[n.arg], (ir.Input, ir.Weight)))):
             out.append(n)
             continue
@@ -187,12 +188,26 @@ SPLIT_COLUMN_K = range(1024, 63, -1)  # a piece's length: a divisor of the colum
 def _column_piece(C: int, rows: int) -> int | None:
     """A column's piece length: the longest divisor of C in SPLIT_COLUMN_K that gives
     SPLIT_COLUMN_FILL rows of pieces, else the shortest whose rows a column kernel takes
-    (fusion.column_min_rows); None where none does."""
+    (fusion.column_min_rows), and whose finish (rows of C / K) a column kernel takes too; None
+    where none does."""
     from .fusion import column_min_rows
 
-    ks = [k for k in SPLIT_COLUMN_K if C % k == 0 and k < C]
+    # (a finish left to PyTorch would be a launch more for nothing)
+    ks = [k for k in SPLIT_COLUMN_K if C % k == 0 and k < C and rows >= column_min_rows(C // k)]
     ok = [k for k in ks if rows * (C // k) >= column_min_rows(k)]
     return next((k for k in ok if rows * (C // k) >= SPLIT_COLUMN_FILL), ok[-1] if ok else None)
+
+
+def _maps_of_tensors(g: ir.Graph, name: str, size: int) -> bool:
+    """Whether `name` is computed by maps and views alone from the program's tensors (smaller
+    operands, broadcast, from anything): a reshape moves up to them (reshapes_onto_maps), where
+    a gather's or a scan's result of that size would be written whole first (a flip's)."""
+    node = g[name]
+    if node.type.numel < size or isinstance(node, (ir.Input, ir.Weight, ir.Constant, ir.Iota)):
+        return True
+    if isinstance(node, ir.View):
+        return _maps_of_tensors(g, node.arg, size)
+    return isinstance(node, ir.Map) and all(_maps_of_tensors(g, a, size) for a in node.args)
 
 
 def split_long_columns(g: ir.Graph) -> ir.Graph:
@@ -220,7 +235,8 @@ def split_long_columns(g: ir.Graph) -> ir.Graph:
             continue
         C = x.shape[k]
         rows = x.numel // C
-        K = _column_piece(C, rows) if rows < column_min_rows(C) and _alone(g, users, n) else None
+        K = _column_piece(C, rows) if (rows < column_min_rows(C) and _alone(g, users, n)
+                                       and _maps_of_tensors(g, n.arg, x.numel)) else None
         if K is None:
             out.append(n)
             continue
@@ -681,8 +697,8 @@ def unit_permutes_as_reshapes(g: ir.Graph) -> ir.Graph:
     return g.replace(nodes=out) if changed else g
 
 
-RULES = (drop_one_element_reductions, drop_identity_reshapes, drop_identity_casts, flatten_full_reductions,
-         split_long_reductions, split_long_columns, split_long_scans, small_powers_as_products, tanh_halves_as_sigmoids,
+RULES = (drop_one_element_reductions, drop_unit_reduce_axes, drop_identity_reshapes, drop_identity_casts,
+         flatten_full_reductions, split_long_reductions, split_long_columns, split_long_scans, small_powers_as_products, tanh_halves_as_sigmoids,
          unit_permutes_as_reshapes)
 
 
