@@ -44,8 +44,9 @@ ROW_REDUCTIONS = ("sum", "max", "min", "mean", "prod")  # the reductions a map-r
 # threads, neighbouring rows on neighbouring lanes: their elements lie side by side in memory.
 # Below COLUMN_MIN_ROWS rows, times the row's length in whole COLUMN_LONG_ROWs (rows of 2048
 # want 2048 rows: a thread's share of the row is what a split kernel waits on), the reduction
-# runs in PyTorch, or, alone, reduces pieces of its row first (rewrites.split_long_columns). H200, bf16 (bench/columns_probe.py, session 69, bench/results/s69): softmax
-# over dim 1 of 1 x 64 x 32 x 32 (1024 rows) 5.5 us against 22.1 without column kernels,
+# runs in PyTorch, or, alone, reduces pieces of its row first (rewrites.split_long_columns).
+# H200, bf16 (bench/columns_probe.py, session 69, bench/results/s69): softmax over dim 1 of
+# 1 x 64 x 32 x 32 (1024 rows) 5.5 us against 22.1 without column kernels,
 # x.mean(1) alone over 1 x 1024 x 1024 6.8 against 12.9 (PyTorch's mean), x.sum(0) over 8192 x
 # 4096 (4096 rows of 8192) 32.5 against 33.5, over 8192 x 2048 30.0 against 27.2: the floor there
 # is 8192 rows. Scans keep a row a thread (codegen/scan.py) and their floor of session 66.
@@ -466,12 +467,12 @@ class _Planner:
             return f"{why}: dims {axes} are not neighbours"
         if not columns_enabled():
             return f"{why}: column kernels are off (TILEFUSE_COLUMNS=0)"
-        rows = math.prod(d for i, d in enumerate(s) if i not in n.axes)
-        row_len = math.prod(s[a] for a in axes)
         if not axes:
             return f"{why}: every dim it reduces has one element"
         if all(d == 1 for d in s[axes[0] + 1:]):
             return f"{why}: its dim is last but for dims of one element"
+        rows = math.prod(d for i, d in enumerate(s) if i not in n.axes)
+        row_len = s[axes[0]]
         if rows >= column_min_rows(row_len):
             return why
         return f"{why}: {rows} rows beside it, fewer than a column kernel over rows of {row_len} takes " \

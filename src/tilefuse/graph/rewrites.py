@@ -73,10 +73,10 @@ def drop_unit_reduce_axes(g: ir.Graph) -> ir.Graph:
     one over neighbouring dims, but neither is the shape the planner looks for, and both ran in
     PyTorch. Dims of one element after the last longer dim the planner takes as they are (a
     squeeze-and-excitation over [N, C, H, 1] is one kernel). First among the rules, so that
-    what it leaves is flattened, split or merged like any other reduction.
-    Only where the reduction alone reads its argument (`_alone`: the reshape moves up
-    the maps it reads, reshapes_onto_maps) or that is the program's own tensor (a free view):
-    a map's result other kernels read would be cut from them."""
+    what it leaves is flattened, split or merged like any other reduction. Only where the
+    reduction alone reads its argument (`_alone`: the reshape moves up the maps it reads,
+    reshapes_onto_maps) or that is the program's own tensor (a free view): a map's result other
+    kernels read would be cut from them."""
     out, moved = [], set()
     names, users = {n.name for n in g.nodes}, g.users()
     for n in g.nodes:
@@ -132,6 +132,20 @@ SPLIT_REDUCE_ROWS = 512    # ... and fewer than this (CTAs for every SM)
 SPLIT_REDUCE_K = (1024, 2048, 4096, 512)  # a piece's length, preferred first (a divisor of the row)
 
 
+def _reduced_in_pieces(names: set, n: ir.Reduce, src: str, x: ir.TensorType, k: int, K: int) -> list:
+    """Reduction `n` over dim k of `x` (read from `src`) as [.., C / K, K, ..] pieces (a free
+    reshape, its name first in the list): their partials (f32 for sums, means and products: the
+    accumulator's type, rounded once at the end), then a reduction over the pieces."""
+    C = x.shape[k]
+    shape = x.shape[:k] + (C // K, K) + x.shape[k + 1:]
+    pieces, part = fresh_name(names, f"{n.arg}_pieces"), fresh_name(names, f"{n.name}_part")
+    wide = "f32" if n.op in ("sum", "mean", "prod") else x.dtype
+    return [ir.View(pieces, ir.TensorType(shape, x.dtype), "reshape", src, shape, n.source),
+            ir.Reduce(part, ir.TensorType(shape[:k + 1] + shape[k + 2:], wide), n.op, pieces, (k + 1,), False,
+                      n.source),
+            ir.Reduce(n.name, n.type, n.op, part, (k,), n.keepdim, n.source)]
+
+
 def split_long_reductions(g: ir.Graph) -> ir.Graph:
     """A reduction over few long rows (a full reduction is one row) reduces pieces of K first.
 
@@ -162,18 +176,11 @@ def split_long_reductions(g: ir.Graph) -> ir.Graph:
         if K is None or (C * dtypes.itemsize(x.dtype) <= ON_CHIP_BYTES and not _alone(g, users, n)):
             out.append(n)
             continue
-        lead = x.shape[:-1]
         src = g[n.arg]  # (a reshape of a reshape is one: flatten_full_reductions' flat row, read only here)
         src = src.arg if isinstance(src, ir.View) and src.op == "reshape" and users[n.arg] == [n.name] else n.arg
-        pieces = fresh_name(names, f"{n.arg}_pieces")
-        moved.add(pieces)
-        out.append(ir.View(pieces, ir.TensorType(lead + (C // K, K), x.dtype), "reshape", src,
-                           lead + (C // K, K), n.source))
-        part = fresh_name(names, f"{n.name}_part")
-        wide = "f32" if n.op in ("sum", "mean", "prod") else x.dtype
-        out.append(ir.Reduce(part, ir.TensorType(lead + (C // K,), wide), n.op, pieces, (len(lead) + 1,), False,
-                             n.source))
-        out.append(ir.Reduce(n.name, n.type, n.op, part, (len(lead),), n.keepdim, n.source))
+        nodes = _reduced_in_pieces(names, n, src, x, len(x.shape) - 1, K)
+        moved.add(nodes[0].name)
+        out.extend(nodes)
     if not moved:
         return g
     read = {a for n in out for a in ir.node_args(n)} | set(g.outputs)
@@ -240,15 +247,9 @@ def split_long_columns(g: ir.Graph) -> ir.Graph:
         if K is None:
             out.append(n)
             continue
-        shape = x.shape[:k] + (C // K, K) + x.shape[k + 1:]
-        pieces = fresh_name(names, f"{n.arg}_pieces")
-        moved.add(pieces)
-        out.append(ir.View(pieces, ir.TensorType(shape, x.dtype), "reshape", n.arg, shape, n.source))
-        part = fresh_name(names, f"{n.name}_part")
-        wide = "f32" if n.op in ("sum", "mean", "prod") else x.dtype
-        out.append(ir.Reduce(part, ir.TensorType(shape[:k + 1] + shape[k + 2:], wide), n.op, pieces, (k + 1,), False,
-                             n.source))
-        out.append(ir.Reduce(n.name, n.type, n.op, part, (k,), n.keepdim, n.source))
+        nodes = _reduced_in_pieces(names, n, n.arg, x, k, K)
+        moved.add(nodes[0].name)
+        out.extend(nodes)
     if not moved:
         return g
     return reshapes_onto_maps(g.replace(nodes=out), moved)
@@ -698,8 +699,8 @@ def unit_permutes_as_reshapes(g: ir.Graph) -> ir.Graph:
 
 
 RULES = (drop_one_element_reductions, drop_unit_reduce_axes, drop_identity_reshapes, drop_identity_casts,
-         flatten_full_reductions, split_long_reductions, split_long_columns, split_long_scans, small_powers_as_products, tanh_halves_as_sigmoids,
-         unit_permutes_as_reshapes)
+         flatten_full_reductions, split_long_reductions, split_long_columns, split_long_scans,
+         small_powers_as_products, tanh_halves_as_sigmoids, unit_permutes_as_reshapes)
 
 
 def run_rewrites(g: ir.Graph, rules=RULES) -> tuple[ir.Graph, list[Fired]]:
