@@ -63,6 +63,13 @@ CASES = {
     "global_avg_pool": "torch.randn(32, 256, 56, 56).mean((2, 3))",
     "group_norm": "F.group_norm(torch.randn(32, 256, 56, 56), 32, torch.randn(256), torch.randn(256))",
     "batch_norm_eval": "nn.BatchNorm2d(256).eval()(torch.randn(32, 256, 56, 56))",
+    # statistics over dims apart (rules/apart_reductions.py): BatchNorm's, a variance's
+    "mean_channels": "torch.randn(64, 256, 56, 56).mean((0, 2, 3))",
+    "var_channels": "torch.randn(64, 256, 56, 56).var((0, 2, 3))",
+    "bn_batch_stats": "F.relu(F.batch_norm(torch.randn(64, 256, 56, 56), None, None, torch.randn(256), "
+                      "torch.randn(256), training=True))",
+    "bn_batch_stats_small": "F.relu(F.batch_norm(torch.randn(32, 64, 56, 56), None, None, torch.randn(64), "
+                            "torch.randn(64), training=True))",
     "layernorm_channels_last": "F.layer_norm(torch.randn(32, 96, 56, 56).permute(0, 2, 3, 1), (96,))",
     "amax_mid": "torch.randn(64, 1024, 512).amax(1)",
     # gathers

@@ -157,6 +157,7 @@ def _stages(fn, example_inputs, expr: str | None, arch: str | None, exported=Non
     from .graph.rules.cat_signs import negated_pieces_as_signs
     from .graph.rules.gather_sink import gathers_through_maps, split_gathers
     from .graph.rules.reshape_hoist import leading_reshapes_into_maps
+    from .graph.rules.apart_reductions import reductions_in_runs
     from .graph.rules.merged_reductions import merged_reductions
     from .graph.rules.permute_sink import permutes_into_maps, results_in_eager_layout, transposed_results_as_copies
     from .graph.rules.result_copies import result_views_as_copies
@@ -165,13 +166,14 @@ def _stages(fn, example_inputs, expr: str | None, arch: str | None, exported=Non
 
     # then a permute of a map's result moves onto its arguments, where the kernel reads them in
     # place: those of results PyTorch lays out permuted too, computed in that order; a result
-    # still transposed is copied by a kernel reading it in tiles. A reduction over neighbouring
-    # dims first becomes one over a dim of a reshape (`x.mean((2, 3))`), which the planner takes;
+    # still transposed is copied by a kernel reading it in tiles. A reduction over dims apart
+    # (`x.mean((0, 2, 3))`) first becomes one a run of neighbouring dims; one over neighbouring
+    # dims, one over a dim of a reshape (`x.mean((2, 3))`), which the planner takes;
     # one over a short dim that is not the last (a mixture of experts' sum over its top k), maps;
     # slices of a map (the halves of a masked gate/up product) are maps of slices; a gather of
     # a map (experts' rows back in token order), the map of gathered arguments; a reshape of
     # the tokens' rows ([T, D] -> [B, S, D]), a reshape of the tensors those maps read
-    graph, more = run_rewrites(graph, (merged_reductions, short_reductions_as_maps, slices_into_maps,
+    graph, more = run_rewrites(graph, (reductions_in_runs, merged_reductions, short_reductions_as_maps, slices_into_maps,
                                        split_gathers, gathers_through_maps, leading_reshapes_into_maps,
                                        negated_pieces_as_signs, rotated_cat_as_roll, results_in_eager_layout,
                                        permutes_into_maps, transposed_results_as_copies, result_views_as_copies))

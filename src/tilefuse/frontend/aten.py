@@ -1418,12 +1418,25 @@ def _running(b, x, w, bias, rm, rv, eps, out):
 @handles("batch_norm")
 def _batch_norm(b, args, kwargs, out):
     """Inference (running statistics): a per-channel scale and shift, maps that join the kernels
-    around them (a BatchNorm then ReLU is one map kernel). Training-mode statistics (a reduction
-    over every dim but the channels) stay PyTorch's."""
+    around them (a BatchNorm then ReLU is one map kernel). Batch statistics without running ones
+    to update (`F.batch_norm(x, None, None, training=True)`, `track_running_stats=False`): the
+    mean and biased variance over every dim but the channels (rules/apart_reductions.py reduces
+    them a run of dims at a time, in one pass over x), then the same maps. A training-mode
+    module's update of its running statistics stays PyTorch's."""
     x, w, bias, rm, rv, training = args[:6]
     eps = args[7] if len(args) > 7 else kwargs.get("eps", 1e-5)
+    from ..graph.rules.apart_reductions import in_runs
+
+    if training and rm is None and rv is None:
+        shape = b.type(x).shape
+        dims = (0,) + tuple(range(2, len(shape)))
+        if len(shape) < 3 or not in_runs(shape, dims, True):
+            raise Unsupported("batch statistics of fewer than 2^20 elements, or over one run of dims "
+                              "(PyTorch's BatchNorm is one launch there)")
+        _, d, rstd = _centred(b, b.cast(x, _acc(b, x)), dims, eps)
+        return b.cast(_affine(b, b.map("mul", d, rstd), w, bias), out.dtype)
     if training or rm is None or rv is None:
-        raise Unsupported("batch statistics (training mode, or no running statistics)")
+        raise Unsupported("batch statistics and running statistics to update (training mode), or neither")
     return _running(b, x, w, bias, rm, rv, eps, out)
 
 

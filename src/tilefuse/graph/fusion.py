@@ -52,6 +52,10 @@ ROW_REDUCTIONS = ("sum", "max", "min", "mean", "prod")  # the reductions a map-r
 # is 8192 rows. Scans keep a row a thread (codegen/scan.py) and their floor of session 66.
 COLUMN_MIN_ROWS = 1024
 COLUMN_LONG_ROW = 1024
+# A reduction of at most COLUMN_SMALL elements is a column kernel at any rows: a launch either way,
+# and the kernel takes the maps and reductions beside it (a variance's finish over the per-row
+# moments of rules/apart_reductions.py: 2048 elements, four launches of PyTorch's otherwise).
+COLUMN_SMALL = 16384
 SCAN_MIN_ROWS = 16384
 
 
@@ -448,7 +452,8 @@ class _Planner:
             return None
         k = axes[0]
         rows = [d for i, d in enumerate(s) if i != k]
-        if math.prod(rows) < column_min_rows(s[k], isinstance(n, ir.Scan)) and any(d != 1 for d in s[k + 1:]):
+        if (math.prod(rows) < column_min_rows(s[k], isinstance(n, ir.Scan)) and any(d != 1 for d in s[k + 1:])
+                and (isinstance(n, ir.Scan) or math.prod(s) > COLUMN_SMALL)):
             return None
         align = tuple(len(rows) if i == k else None if d == 1 else i - (i > k) for i, d in enumerate(s))
         return (tuple(rows), s[k]), align
@@ -473,7 +478,7 @@ class _Planner:
             return f"{why}: its dim is last but for dims of one element"
         rows = math.prod(d for i, d in enumerate(s) if i not in n.axes)
         row_len = s[axes[0]]
-        if rows >= column_min_rows(row_len):
+        if rows >= column_min_rows(row_len) or math.prod(s) <= COLUMN_SMALL:
             return why
         return f"{why}: {rows} rows beside it, fewer than a column kernel over rows of {row_len} takes " \
                f"({column_min_rows(row_len)})"
