@@ -74,10 +74,11 @@ def test_too_few_rows_stay_in_pytorch(monkeypatch):
     floor, long = fusion.COLUMN_MIN_ROWS, fusion.COLUMN_LONG_ROW
     softmax = lambda x: torch.softmax(x, 0)  # noqa: E731
     lone = lambda x: x.sum(0)  # noqa: E731
-    for C, rows, fn, columns in ((9, floor - 1, softmax, False), (9, floor, softmax, True),
-                                 (9, floor - 1, lone, False), (9, floor, lone, True),
+    for C, rows, fn, columns in ((17, floor - 1, softmax, False), (17, floor, softmax, True),
+                                 (17, floor - 1, lone, False), (17, floor, lone, True),
                                  (3 * long, 3 * floor - 1, lone, False), (3 * long, 3 * floor, lone, True)):
-        p = tilefuse.compile(fn, (torch.randn(C, rows),))  # (9 > small_reductions.MAX_EXTENT: no maps)
+        # (17 > small_reductions.MAX_EXTENT: no maps; 17 x 1023 > fusion.COLUMN_SMALL: not small)
+        p = tilefuse.compile(fn, (torch.randn(C, rows),))
         assert any(s.columns for s in _steps(p)) == columns, (C, rows, str(p.plan))
         if not columns:
             assert "reduction over a non-last axis runs in PyTorch" in str(p.plan)

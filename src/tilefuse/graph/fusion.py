@@ -453,7 +453,7 @@ class _Planner:
         k = axes[0]
         rows = [d for i, d in enumerate(s) if i != k]
         if (math.prod(rows) < column_min_rows(s[k], isinstance(n, ir.Scan)) and any(d != 1 for d in s[k + 1:])
-                and (isinstance(n, ir.Scan) or math.prod(s) > COLUMN_SMALL)):
+                and (isinstance(n, ir.Scan) or not 0 < math.prod(s) <= COLUMN_SMALL)):
             return None
         align = tuple(len(rows) if i == k else None if d == 1 else i - (i > k) for i, d in enumerate(s))
         return (tuple(rows), s[k]), align
@@ -478,7 +478,7 @@ class _Planner:
             return f"{why}: its dim is last but for dims of one element"
         rows = math.prod(d for i, d in enumerate(s) if i not in n.axes)
         row_len = s[axes[0]]
-        if rows >= column_min_rows(row_len) or math.prod(s) <= COLUMN_SMALL:
+        if rows >= column_min_rows(row_len) or 0 < math.prod(s) <= COLUMN_SMALL:
             return why
         return f"{why}: {rows} rows beside it, fewer than a column kernel over rows of {row_len} takes " \
                f"({column_min_rows(row_len)})"
