@@ -94,6 +94,21 @@ def test_batch_norm_left_to_pytorch_where_it_is_one_launch():
         assert len(ext) == 1 and "batch statistics" in str(p.plan), str(p.plan)
 
 
+def test_batch_norm_of_a_maps_result_stays_pytorchs():
+    """The statistics' kernel and the normalisation's would each read relu(x): written between
+    them, where the map kernel and PyTorch's BatchNorm move fewer bytes (a review's find)."""
+    x = torch.randn(32, 64, 32, 32)
+    p = tilefuse.compile(lambda x: F.batch_norm(torch.relu(x), None, None, training=True), (x,))
+    assert [s.family for s in _steps(p)] == ["mapreduce", "extern"], str(p.plan)
+    assert "computed or viewed tensor" in str(p.plan)
+
+
+def test_a_variance_about_the_mean_written_either_way_reads_x_once():
+    x = torch.randn(32, 64, 32, 32)
+    p = _check(lambda x: ((x.mean((0, 2, 3), keepdim=True) - x) ** 2).mean((0, 2, 3)), x)
+    assert len(_steps(p)) == 2 and any(n.name.endswith("_within") for n in p.graph.nodes), str(p.plan)
+
+
 def test_batch_norm_updating_running_statistics_stays_pytorchs():
     x, rm, rv = torch.randn(16, 64, 40, 40), torch.zeros(64), torch.ones(64)
     p = tilefuse.compile(lambda x, rm, rv: F.batch_norm(x, rm, rv, training=True), (x, rm, rv))
@@ -146,6 +161,7 @@ def test_any_apart_dims_any_op_matches_float64(dims, data):
     ("a small tensor of the program's", lambda x: x.sum((0, 2, 3)), (8, 64, 32, 32)),
     ("a short last run: half the tensor left for the rest", lambda x: x.sum((0, 2)), (4096, 64, 2)),
     ("few rows beside the last run", lambda x: x.sum((0, 2)), (2, 100, 60000)),
+    ("a permuted view: one run in memory", lambda x: x.transpose(1, 2).sum((0, 2)), (8, 1024, 512)),
 ])
 def test_what_stays_as_it_was(name, fn, shape):
     x = torch.randn(*shape)

@@ -1433,6 +1433,11 @@ def _batch_norm(b, args, kwargs, out):
         if len(shape) < 3 or not in_runs(shape, dims, True):
             raise Unsupported("batch statistics of fewer than 2^20 elements, or over one run of dims "
                               "(PyTorch's BatchNorm is one launch there)")
+        made = next((n for n in reversed(b.nodes) if n.name == x), None)
+        if isinstance(made, (ir.Map, ir.View)):
+            # (the statistics' kernel and the normalisation's would each read it: written between
+            # them, where PyTorch's BatchNorm reads the map's result once it is written)
+            raise Unsupported("batch statistics of a computed or viewed tensor (a map's or a view's result)")
         _, d, rstd = _centred(b, b.cast(x, _acc(b, x)), dims, eps)
         return b.cast(_affine(b, b.map("mul", d, rstd), w, bias), out.dtype)
     if training or rm is None or rv is None:

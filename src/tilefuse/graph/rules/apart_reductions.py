@@ -67,8 +67,22 @@ def in_runs(shape: tuple, axes, tensor: bool) -> list[list[int]] | None:
     return rs[::-1]
 
 
+def _in_order(g: ir.Graph, name: str, size: int) -> bool:
+    """Whether `name` is laid out in its own dims' order: maps and reshapes of written tensors,
+    not of a permuted view (`x.transpose(1, 2).sum((0, 2))` is `x.sum((0, 1))` in memory: runs
+    of the view's dims would copy it)."""
+    node = g[name]
+    if node.type.numel < size:
+        return True
+    if isinstance(node, ir.View):
+        return node.op != "permute" and _in_order(g, node.arg, size)
+    if isinstance(node, ir.Map):
+        return all(_in_order(g, a, size) for a in node.args)
+    return True
+
+
 def _taken(g: ir.Graph, n: ir.Node) -> list[list[int]] | None:
-    if not isinstance(n, ir.Reduce) or n.op not in _OPS:
+    if not isinstance(n, ir.Reduce) or n.op not in _OPS or not _in_order(g, n.arg, g[n.arg].type.numel):
         return None
     return in_runs(g[n.arg].type.shape, n.axes, isinstance(g[n.arg], (ir.Input, ir.Weight)))
 
@@ -90,6 +104,8 @@ def _centred(g: ir.Graph, n: ir.Node):
     if not (isinstance(d, ir.Map) and d.op == "sub" and d.type.shape == q.type.shape):
         return None
     a, m = d.args
+    if isinstance(g[a], ir.Reduce) and not isinstance(g[m], ir.Reduce):  # ((m - x)^2 is (x - m)^2)
+        a, m = m, a
     m = g[m]
     if not (isinstance(m, ir.Reduce) and m.op == "mean" and m.keepdim and m.axes == n.axes
             and g[a].type.shape == d.type.shape and m.type.dtype == d.type.dtype in ("f32", "f64")
