@@ -94,6 +94,20 @@ def test_batch_norm_left_to_pytorch_where_it_is_one_launch():
         assert len(ext) == 1 and "batch statistics" in str(p.plan), str(p.plan)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_a_variance_over_few_long_columns_reads_x_once_in_pieces(dtype):
+    """x.var(0) of [8192, 1024] (1024 rows of 8192: too few for a column kernel whole): x viewed
+    as 32 pieces of 256 (32768 rows of pieces), a column kernel making each piece's mean and
+    squares about it (the 16-bit upcast in it), and one combining the 32: two kernels, x read
+    once; it was PyTorch's mean, a kernel of squares and PyTorch's sum."""
+    x = (torch.randn(8192, 1024) * 2 + 3).to(dtype)
+    p = _check(lambda x: x.std(0), x)
+    steps = _steps(p)
+    assert len(steps) == 2 and all(s.columns for s in steps), str(p.plan)
+    assert steps[0].space == ((32, 1024), 256), str(p.plan)
+    assert sum(s.bytes for s in steps) < 1.05 * x.numel() * x.element_size(), str(p.plan)
+
+
 def test_batch_norm_of_a_maps_result_stays_pytorchs():
     """The statistics' kernel and the normalisation's would each read relu(x): written between
     them, where the map kernel and PyTorch's BatchNorm move fewer bytes (a review's find)."""

@@ -25,6 +25,8 @@ CASES = [
     ("variance over N, H, W", lambda x: x.var((0, 2, 3)), (32, 64, 56, 56)),
     ("var_mean over N, L", lambda x: torch.var_mean(x, (0, 2), correction=0), (64, 96, 1000)),
     ("std, odd sizes", lambda x: x.std((0, 2, 3), keepdim=True), (9, 33, 61, 67)),
+    ("variance over few long columns, in pieces", lambda x: x.var(0), (8192, 4096)),
+    ("var_mean over dim 1, in pieces", lambda x: torch.var_mean(x, 1, keepdim=True), (4, 8192, 1000)),
 ]
 
 
@@ -39,6 +41,7 @@ def test_reduction_in_runs_matches_float64(name, fn, shape, dtype):
     prog = tilefuse.compile(fn, (x,), graphs=True)
     prog.poison = True
     assert any(n.name.endswith(("_run", "_within")) or "_run_" in n.name for n in prog.graph.nodes), str(prog.graph)
+    assert all(s.family == "mapreduce" for s in prog.plan.steps if s.family != "alias" and not s.view), str(prog.plan)
     assert not any(s.family == "extern" for s in prog.plan.steps), str(prog.plan)
     ref, eager = float64_reference(fn, (x,)), fn(x)
     outs = lambda o: o if isinstance(o, tuple) else (o,)  # noqa: E731

@@ -22,9 +22,12 @@ from __future__ import annotations
 
 import math
 
+from dataclasses import dataclass
+
 from .. import ir
 from .match import Editor
 from .merged_reductions import MIN_ROWS
+from .small_reductions import MAX_EXTENT
 
 MIN_ELEMENTS = 1 << 20  # a program tensor reduced in runs: at least this many elements
 MIN_SHRINK = 50         # the first run (the last dims) divides what is left to read by at least this
@@ -91,11 +94,52 @@ def _wide(n: ir.Reduce) -> str:
     return "f32" if n.op in ("sum", "mean", "prod") and n.type.dtype in ("bf16", "f16") else n.type.dtype
 
 
+@dataclass(frozen=True)
+class _Steps:
+    """How a centred pair is reduced in two steps: over `last` of x viewed as `shape`, then over
+    `first`; `pieces`: `shape` cuts one long dim into pieces (few long columns), else it is x's."""
+
+    shape: tuple
+    last: tuple
+    first: tuple
+    pieces: bool = False
+
+
+def _steps(g: ir.Graph, n: ir.Reduce) -> _Steps | None:
+    """Two runs of dims apart; or one dim that is not last with too few rows beside it for a
+    column kernel (`x.var(0)` of [8192, 4096]), of the program's own tensor (or its upcast), cut
+    into pieces as rewrites.split_long_columns cuts a lone sum: a column kernel over the pieces'
+    rows, then one over the pieces."""
+    from ...loop.flat import split_enabled
+    from ..fusion import column_min_rows, columns_enabled
+    from ..rewrites import _column_piece
+
+    rs = _taken(g, n)
+    shape = g[n.arg].type.shape
+    if rs is not None:
+        return _Steps(shape, tuple(rs[0]), tuple(rs[1])) if len(rs) == 2 else None
+    src = g[n.arg]
+    if isinstance(src, ir.Map) and src.op == "cast":
+        src = g[src.args[0]]
+    if (len(n.axes) != 1 or not isinstance(src, (ir.Input, ir.Weight)) or not split_enabled()
+            or not columns_enabled() or all(d == 1 for d in shape[n.axes[0] + 1:])):
+        return None
+    k = n.axes[0]
+    C, rows = shape[k], math.prod(shape) // shape[k]
+    K = _column_piece(C, rows) if rows < column_min_rows(C) else None
+    if K is None:
+        return None
+    while C // K <= MAX_EXTENT and K % 2 == 0 and K >= 128:
+        K //= 2  # (more pieces than a short reduction's: their finish is then one column kernel, not maps after it)
+    return _Steps(shape[:k] + (C // K, K) + shape[k + 1:], (k + 1,), (k,), True)
+
+
 def _centred(g: ir.Graph, n: ir.Node):
-    """(the mean, the centred value's argument) where n sums or averages the squares of x - m,
-    m = x.mean(axes, keepdim=True) over the same dims in two runs (a variance, BatchNorm's
-    statistics); x may be a cast of the mean's argument (a 16-bit tensor's variance)."""
-    if not isinstance(n, ir.Reduce) or n.op not in ("sum", "mean") or len(_taken(g, n) or ()) != 2:
+    """(the mean, the centred value's argument, the steps) where n sums or averages the squares
+    of x - m, m = x.mean(axes, keepdim=True) over the same dims, reduced in two steps (_steps: a
+    variance, BatchNorm's statistics); x may be a cast of the mean's argument (a 16-bit tensor's
+    variance)."""
+    if not isinstance(n, ir.Reduce) or n.op not in ("sum", "mean"):
         return None
     q = g[n.arg]
     if not (isinstance(q, ir.Map) and q.op == "mul" and q.args[0] == q.args[1]):
@@ -108,33 +152,35 @@ def _centred(g: ir.Graph, n: ir.Node):
         a, m = m, a
     m = g[m]
     if not (isinstance(m, ir.Reduce) and m.op == "mean" and m.keepdim and m.axes == n.axes
-            and g[a].type.shape == d.type.shape and m.type.dtype == d.type.dtype in ("f32", "f64")
-            and len(_taken(g, m) or ()) == 2):
+            and g[a].type.shape == d.type.shape and m.type.dtype == d.type.dtype in ("f32", "f64")):
         return None
     cast = g[a]
     if m.arg != a and not (isinstance(cast, ir.Map) and cast.op == "cast" and cast.args == (m.arg,)):
         return None
-    return m, a
+    steps = _steps(g, m)
+    if steps is None or (not steps.pieces and len(_taken(g, n) or ()) != 2):
+        return None
+    return m, a, steps
 
 
 def reductions_in_runs(g: ir.Graph) -> ir.Graph:
-    pairs = {}  # the second moment's reduction -> (its mean, x)
+    pairs = {}  # the second moment's reduction -> (its mean, x, the steps)
     for n in g.nodes:
         c = _centred(g, n)
         if c is not None:
             pairs[n.name] = c
-    means = {m.name: n for n, (m, _) in pairs.items()}
+    means = {m.name: steps for m, _, steps in pairs.values()}
     if not pairs and not any(_taken(g, n) for n in g.nodes):
         return g
     ed = Editor(g)
     out = []
-    firsts = {}  # a pair's mean -> the mean of its first step (keepdim)
+    firsts = {}  # a pair's mean -> (the means of its first step, the whole mean), in the steps' shape
     for n in g.nodes:
         if n.name in means:
-            out += _mean_in_runs(g, ed, n, firsts)
+            out += _mean_in_steps(g, ed, n, means[n.name], firsts)
             continue
         if n.name in pairs:
-            out += _moment_in_runs(g, ed, n, *pairs[n.name], firsts)
+            out += _moment_in_steps(g, ed, n, *pairs[n.name], firsts)
             continue
         rs = _taken(g, n)
         if rs is None:
@@ -165,50 +211,83 @@ def _keep(shape: tuple, axes) -> tuple:
     return tuple(1 if i in axes else d for i, d in enumerate(shape))
 
 
-def _mean_in_runs(g: ir.Graph, ed: Editor, m: ir.Reduce, firsts: dict) -> list:
-    """The mean of a centred pair: the mean of each row of the last run (kept, for the second
+def _upcast_source(g: ir.Graph, name: str) -> str:
+    """A 16-bit tensor's f32 upcast: the tensor itself (read in place, converted where read)."""
+    c = g[name]
+    if isinstance(c, ir.Map) and c.op == "cast" and g[c.args[0]].type.dtype in ("bf16", "f16"):
+        return c.args[0]
+    return name
+
+
+def _mean_in_steps(g: ir.Graph, ed: Editor, m: ir.Reduce, st: _Steps, firsts: dict) -> list:
+    """The mean of a centred pair: the mean of each row of the first step (kept, for the second
     moment), then the mean of those."""
-    last, first = _taken(g, m)
-    shape = g[m.arg].type.shape
     # (a 16-bit tensor's upcast read in place: the reduction accumulates in f32 anyway, and the
     # cast, read by this kernel and the one normalising x, would be written between them)
-    src, c = m.arg, g[m.arg]
-    if isinstance(c, ir.Map) and c.op == "cast" and g[c.args[0]].type.dtype in ("bf16", "f16"):
-        src = c.args[0]
-    row = ir.Reduce(ed.fresh(f"{m.name}_run"), ir.TensorType(_keep(shape, last), _wide(m)), "mean", src,
-                    tuple(last), True, m.source)
-    firsts[m.name] = row.name
-    return [row, ir.Reduce(m.name, m.type, "mean", row.name, tuple(first), True, m.source)]
+    src = _upcast_source(g, m.arg)
+    out = []
+    up = None
+    if st.pieces:
+        v = ir.View(ed.fresh(f"{src}_pieces"), ir.TensorType(st.shape, g[src].type.dtype), "reshape", src, st.shape,
+                    m.source)
+        out.append(v)
+        src = v.name
+        if m.type.dtype != v.type.dtype:
+            # (a column kernel starts at the upcast both its reductions read: column_ahead)
+            up = ir.Map(ed.fresh(f"{m.name}_up"), ir.TensorType(st.shape, m.type.dtype), "cast", (src,), m.source)
+            out.append(up)
+            src = up.name
+    row = ir.Reduce(ed.fresh(f"{m.name}_run"), ir.TensorType(_keep(st.shape, st.last), _wide(m)), "mean", src,
+                    st.last, True, m.source)
+    out.append(row)
+    if st.pieces:
+        whole = ir.Reduce(ed.fresh(f"{m.name}_run"), ir.TensorType(_keep(st.shape, st.last + st.first), m.type.dtype),
+                          "mean", row.name, st.first, True, m.source)
+        out += [whole, ir.View(m.name, m.type, "reshape", whole.name, m.type.shape, m.source)]
+        firsts[m.name] = row.name, whole.name, up.name if up else v.name
+    else:
+        out.append(ir.Reduce(m.name, m.type, "mean", row.name, st.first, True, m.source))
+        firsts[m.name] = row.name, m.name, None
+    return out
 
 
-def _moment_in_runs(g: ir.Graph, ed: Editor, n: ir.Reduce, m: ir.Reduce, x: str, firsts: dict) -> list:
-    """The sum (mean) of (x - mean)^2 over two runs, from each row's own: each row of the last run
-    sums the squares about its mean (one kernel with that mean, as a norm's statistics are), and
-    the rows combine as parallel variances do, adding the size of a row times the squares of
-    the rows' means about the whole mean (Chan et al.)."""
-    last, first = _taken(g, n)
-    shape = g[x].type.shape
-    row = firsts[m.name]
+def _moment_in_steps(g: ir.Graph, ed: Editor, n: ir.Reduce, m: ir.Reduce, x: str, st: _Steps, firsts: dict) -> list:
+    """The sum (mean) of (x - mean)^2 in two steps, from each row's own: each row of the first
+    step sums the squares about its mean (one kernel with that mean, as a norm's statistics
+    are), and the rows combine as parallel variances do, adding the size of a row times the
+    squares of the rows' means about the whole mean (Chan et al.)."""
+    last, first, shape = st.last, st.first, st.shape
+    row, whole, piece = firsts[m.name]
     t = g[x].type.dtype
+    wt = ir.TensorType(shape, t)
     rt = ir.TensorType(_keep(shape, last), t)
-    ft = ir.TensorType(_keep(shape, n.axes), t)
+    ft = ir.TensorType(_keep(shape, last + first), t)
 
     def node(kind, base, typ, *rest):
         return kind(ed.fresh(f"{n.name}_{base}"), typ, *rest, n.source)
 
     out = []
-    c = g[x]
-    if isinstance(c, ir.Map) and c.op == "cast":  # (its own upcast: the one x's normalisation reads stays
-        c = node(ir.Map, "up", g[x].type, "cast", c.args)  # in that kernel, not written for both)
-        out.append(c)
-        x = c.name
-    d = node(ir.Map, "dev", c.type, "sub", (x, row))
-    q = node(ir.Map, "sq", c.type, "mul", (d.name, d.name))
-    s = node(ir.Reduce, "rowsq", rt, "sum", q.name, tuple(last), True)
-    e = node(ir.Map, "spread", rt, "sub", (row, m.name))
+    if piece is not None and g[x].type.dtype == m.type.dtype:
+        x = piece  # (the pieces of x, or their upcast, that the mean's first step read)
+    else:
+        src = _upcast_source(g, x)
+        sd = g[src].type.dtype
+        if st.pieces:
+            v = node(ir.View, "pieces", ir.TensorType(shape, sd), "reshape", src, shape)
+            out.append(v)
+            src = v.name
+        if sd != t:  # (its own upcast: the one x's normalisation reads stays in that kernel, not written for both)
+            up = node(ir.Map, "up", wt, "cast", (src,))
+            out.append(up)
+            src = up.name
+        x = src
+    d = node(ir.Map, "dev", wt, "sub", (x, row))
+    q = node(ir.Map, "sq", wt, "mul", (d.name, d.name))
+    s = node(ir.Reduce, "rowsq", rt, "sum", q.name, last, True)
+    e = node(ir.Map, "spread", rt, "sub", (row, whole))
     e2 = node(ir.Map, "spreadsq", rt, "mul", (e.name, e.name))
-    se = node(ir.Reduce, "between", ft, "sum", e2.name, tuple(first), True)
-    ss = node(ir.Reduce, "within", ft, "sum", s.name, tuple(first), True)
+    se = node(ir.Reduce, "between", ft, "sum", e2.name, first, True)
+    ss = node(ir.Reduce, "within", ft, "sum", s.name, first, True)
     size = math.prod(shape[a] for a in last)
     k = ir.Constant(ed.fresh(f"{n.name}_rowsize"), ir.TensorType((), t), float(size), n.source)
     w = node(ir.Map, "weighted", ft, "mul", (se.name, k.name))
