@@ -6,6 +6,7 @@ float64), which reductions are taken and which stay PyTorch's, what the plans ho
 their kernels build clean."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -15,6 +16,7 @@ from hypothesis import strategies as st
 import tilefuse
 from tilefuse.check import compare, float64_reference
 from tilefuse.graph import fusion
+from tilefuse.graph.interp import run_graph
 from tilefuse.graph.rules import apart_reductions as ar
 from tilefuse.runtime.launch import compile_source_only
 
@@ -199,3 +201,25 @@ def test_the_kernels_build_without_spills(arch):
     for s in _steps(p):
         src, cubin = compile_source_only(p.kernels[s.name].kernel, arch)
         assert cubin.info.clean, f"{s.name} {arch}: {cubin.info}"
+
+
+def test_equal_reductions_are_computed_once():
+    """rewrites.shared_reductions: the user's mean and the one std makes inside are one; the one
+    without kept dims a view of the other. z-scores over columns: statistics, their finish, the
+    normalisation: three kernels, no PyTorch mean beside them."""
+    from tilefuse.graph import ir, rewrites
+
+    x = torch.randn(8192, 2048)
+    p = _check(lambda x: (x - x.mean(0)) / x.std(0), x)
+    steps = _steps(p)
+    assert len(steps) == 3 and all(s.family == "mapreduce" for s in steps), str(p.plan)
+    g = ir.Graph((ir.Input("x", ir.TensorType((4, 6), "f32")),
+                  ir.Reduce("a", ir.TensorType((4,), "f32"), "sum", "x", (1,), False),
+                  ir.Reduce("b", ir.TensorType((4, 1), "f32"), "sum", "x", (1,), True),
+                  ir.Reduce("c", ir.TensorType((4, 1), "f32"), "max", "x", (1,), True)), ("x",), ("a", "b", "c"))
+    h = rewrites.shared_reductions(g)
+    assert [type(n).__name__ for n in h.nodes] == ["Input", "Reduce", "View", "Reduce"], str(h)
+    assert h["b"].keepdim and h["a"].arg == "b" and h["c"].op == "max", str(h)
+    xs = np.random.default_rng(0).standard_normal((4, 6)).astype(np.float32)
+    for want, got in zip(run_graph(g, {"x": xs}), run_graph(h, {"x": xs})):
+        assert np.array_equal(want, got)

@@ -65,6 +65,38 @@ def flatten_full_reductions(g: ir.Graph) -> ir.Graph:
     return g.replace(nodes=out) if changed else g
 
 
+def shared_reductions(g: ir.Graph) -> ir.Graph:
+    """Equal reductions (op, argument, dims, result type) are computed once; the others, with or
+    without the kept dims, are views of it.
+
+    `(x - x.mean(0)) / x.std(0)` reduces x's mean twice (the user's, and the one std makes
+    inside): two row reductions in a kernel, or, over dims that are not last, a PyTorch mean
+    beside the variance's kernels reading x again. The one with kept dims stays (a variance's
+    mean is one: rules/apart_reductions.py matches it), at the first one's place."""
+    key = lambda n: (n.op, n.arg, n.axes, n.type.dtype)  # noqa: E731
+    seen: dict = {}
+    for n in g.nodes:
+        if isinstance(n, ir.Reduce):
+            seen.setdefault(key(n), []).append(n)
+    dup = {k: v for k, v in seen.items() if len(v) > 1}
+    if not dup:
+        return g
+    out, done = [], set()
+    for n in g.nodes:
+        k = key(n) if isinstance(n, ir.Reduce) else None
+        if k not in dup:
+            out.append(n)
+            continue
+        if k in done:
+            continue
+        done.add(k)
+        same = dup[k]
+        keep = next((m for m in same if m.keepdim), same[0])
+        out.append(keep)
+        out += [ir.View(m.name, m.type, "reshape", keep.name, m.type.shape, m.source) for m in same if m is not keep]
+    return g.replace(nodes=out)
+
+
 def drop_unit_reduce_axes(g: ir.Graph) -> ir.Graph:
     """A reduction over some dims of one element and some longer reduces the argument viewed
     without its dims of one element (a free reshape), its result reshaped back.
@@ -698,7 +730,7 @@ def unit_permutes_as_reshapes(g: ir.Graph) -> ir.Graph:
     return g.replace(nodes=out) if changed else g
 
 
-RULES = (drop_one_element_reductions, drop_unit_reduce_axes, drop_identity_reshapes, drop_identity_casts,
+RULES = (shared_reductions, drop_one_element_reductions, drop_unit_reduce_axes, drop_identity_reshapes, drop_identity_casts,
          flatten_full_reductions, split_long_reductions, split_long_columns, split_long_scans,
          small_powers_as_products, tanh_halves_as_sigmoids, unit_permutes_as_reshapes)
 
