@@ -69,6 +69,7 @@ CASES = {
     "bn_batch_stats": "F.relu(F.batch_norm(torch.randn(64, 256, 56, 56), None, None, torch.randn(256), "
                       "torch.randn(256), training=True))",
     "var_columns": "torch.randn(8192, 4096).var(0)",
+    "zscore_columns": "(lambda x: (x - x.mean(0)) / x.std(0))(torch.randn(8192, 4096))",
     "bn_batch_stats_small": "F.relu(F.batch_norm(torch.randn(32, 64, 56, 56), None, None, torch.randn(64), "
                             "torch.randn(64), training=True))",
     "layernorm_channels_last": "F.layer_norm(torch.randn(32, 96, 56, 56).permute(0, 2, 3, 1), (96,))",

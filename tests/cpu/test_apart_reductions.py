@@ -203,13 +203,15 @@ def test_the_kernels_build_without_spills(arch):
         assert cubin.info.clean, f"{s.name} {arch}: {cubin.info}"
 
 
-def test_equal_reductions_are_computed_once():
-    """rewrites.shared_reductions: the user's mean and the one std makes inside are one; the one
-    without kept dims a view of the other. z-scores over columns: statistics, their finish, the
-    normalisation: three kernels, no PyTorch mean beside them."""
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_equal_reductions_are_computed_once(dtype):
+    """rewrites.shared_reductions: the user's mean and the one std makes inside are one (a bf16
+    mean is the cast of its upcast's f32 mean); the one without kept dims a view of the other.
+    z-scores over columns: statistics, their finish, the normalisation: three kernels, no
+    PyTorch mean beside them."""
     from tilefuse.graph import ir, rewrites
 
-    x = torch.randn(8192, 2048)
+    x = torch.randn(8192, 2048, dtype=dtype)
     p = _check(lambda x: (x - x.mean(0)) / x.std(0), x)
     steps = _steps(p)
     assert len(steps) == 3 and all(s.family == "mapreduce" for s in steps), str(p.plan)
