@@ -66,28 +66,14 @@ def flatten_full_reductions(g: ir.Graph) -> ir.Graph:
 
 
 def shared_reductions(g: ir.Graph) -> ir.Graph:
-    """Equal reductions (op, argument, dims) are computed once; the others, with or without the
-    kept dims, are views of it.
+    """Equal reductions (op, argument, dims, result type) are computed once; the others, with or
+    without the kept dims, are views of it.
 
     `(x - x.mean(0)) / x.std(0)` reduces x's mean twice (the user's, and the one std makes
     inside): two row reductions in a kernel, or, over dims that are not last, a PyTorch mean
     beside the variance's kernels reading x again. The one with kept dims stays (a variance's
-    mean is one: rules/apart_reductions.py matches it), at the first one's place. A 16-bit
-    tensor's sum or mean and its float32 upcast's are one too (the user's bf16 mean beside
-    std's f32 one): PyTorch accumulates 16-bit sums in float32 and rounds once, so the 16-bit
-    result is the float32 one cast."""
-    def source(n):
-        c = g[n.arg]
-        if (n.op in ("sum", "mean") and isinstance(c, ir.Map) and c.op == "cast" and c.type.dtype == "f32"
-                and g[c.args[0]].type.dtype in ("bf16", "f16")):
-            return c.args[0]
-        return n.arg
-
-    def key(n):
-        src = source(n)
-        wide = n.type.dtype in ("bf16", "f16", "f32") and g[src].type.dtype in ("bf16", "f16") and n.op in ("sum", "mean")
-        return n.op, src, n.axes, "16-bit source" if wide else n.type.dtype
-
+    mean is one: rules/apart_reductions.py matches it), at the first one's place."""
+    key = lambda n: (n.op, n.arg, n.axes, n.type.dtype)  # noqa: E731
     seen: dict = {}
     for n in g.nodes:
         if isinstance(n, ir.Reduce):
@@ -95,7 +81,6 @@ def shared_reductions(g: ir.Graph) -> ir.Graph:
     dup = {k: v for k, v in seen.items() if len(v) > 1}
     if not dup:
         return g
-    names = {n.name for n in g.nodes}
     out, done = [], set()
     for n in g.nodes:
         k = key(n) if isinstance(n, ir.Reduce) else None
@@ -106,19 +91,9 @@ def shared_reductions(g: ir.Graph) -> ir.Graph:
             continue
         done.add(k)
         same = dup[k]
-        keep = min(same, key=lambda m: (m.type.dtype != "f32", not m.keepdim))
-        if g[keep.arg].type.dtype != g[source(keep)].type.dtype:  # (its upcast may come later: read the source)
-            keep = dataclasses.replace(keep, arg=source(keep))
+        keep = next((m for m in same if m.keepdim), same[0])
         out.append(keep)
-        for m in same:
-            if m.name == keep.name:
-                continue
-            if m.type.dtype == keep.type.dtype:
-                out.append(ir.View(m.name, m.type, "reshape", keep.name, m.type.shape, m.source))
-                continue
-            v = ir.View(fresh_name(names, f"{m.name}_wide"), ir.TensorType(m.type.shape, keep.type.dtype), "reshape",
-                        keep.name, m.type.shape, m.source)
-            out += [v, ir.Map(m.name, m.type, "cast", (v.name,), m.source)]
+        out += [ir.View(m.name, m.type, "reshape", keep.name, m.type.shape, m.source) for m in same if m is not keep]
     return g.replace(nodes=out)
 
 
