@@ -21,7 +21,6 @@ one launch in PyTorch and would be two here.
 from __future__ import annotations
 
 import math
-
 from dataclasses import dataclass
 
 from .. import ir
@@ -267,16 +266,11 @@ def _moment_in_steps(g: ir.Graph, ed: Editor, n: ir.Reduce, m: ir.Reduce, x: str
         return kind(ed.fresh(f"{n.name}_{base}"), typ, *rest, n.source)
 
     out = []
-    if piece is not None and g[x].type.dtype == m.type.dtype:
-        x = piece  # (the pieces of x, or their upcast, that the mean's first step read)
+    if piece is not None:
+        x = piece  # (the pieces of x, or their upcast, that the mean's first step read: x's dtype is the mean's)
     else:
         src = _upcast_source(g, x)
-        sd = g[src].type.dtype
-        if st.pieces:
-            v = node(ir.View, "pieces", ir.TensorType(shape, sd), "reshape", src, shape)
-            out.append(v)
-            src = v.name
-        if sd != t:  # (its own upcast: the one x's normalisation reads stays in that kernel, not written for both)
+        if g[src].type.dtype != t:  # (its own upcast: the one x's normalisation reads stays in that kernel)
             up = node(ir.Map, "up", wt, "cast", (src,))
             out.append(up)
             src = up.name
