@@ -4,9 +4,11 @@ rotated rounds), each checked equal to the default's output; beside them the sam
 with column kernels off (TILEFUSE_COLUMNS=0: PyTorch's reductions and row kernels of the
 maps, what tilefuse did before), eager and torch.compile.
 
-    python3 bench/columns_probe.py [--only REGEX] [--quick]
+    python3 bench/columns_probe.py [--only REGEX] [--quick | --batches]
 
-(--quick: the default beside a row a thread, registers and streamed, only.)
+(--quick: the default beside a row a thread, registers and streamed, only. --batches: the
+default beside batches of 1, 2 and 4 neighbouring rows a thread, each column's element of them
+read as one vector, at splits of 4, 8 and 16 threads a row.)
 
 Every case is compiled with TILEFUSE_COLUMN_MIN_ROWS=1, so that cases of fewer rows than a
 column kernel takes by default (graph/fusion.py, COLUMN_MIN_ROWS) measure one against what the
@@ -46,6 +48,10 @@ CASES = {
     "softmax dim 1 32x128x56x56": (lambda x: torch.softmax(x, 1), [(32, 128, 56, 56)]),
     "layernorm channels-first 32x96x56x56": (ln_channels_first, [(32, 96, 56, 56), (96,), (96,)]),
     "mean dim 1 64x512x1024": (lambda x: x.mean(1), [(64, 512, 1024)]),
+    "mean dim 1 16x512x4096": (lambda x: x.mean(1), [(16, 512, 4096)]),
+    "mean dim 1 256x128x2048": (lambda x: x.mean(1), [(256, 128, 2048)]),
+    "mean dim 1 f32 16x512x4096": (lambda x: x.mean(1), [(16, 512, 4096)], torch.float32),
+    "softmax dim 1 f32 32x128x56x56": (lambda x: torch.softmax(x, 1), [(32, 128, 56, 56)], torch.float32),
     "amax dim 1 16x256x4096": (lambda x: x.amax(1), [(16, 256, 4096)]),
     "softmax dim 1 8x64x8192": (lambda x: torch.softmax(x, 1), [(8, 64, 8192)]),
     "layernorm channels-first f32 32x96x56x56": (ln_channels_first, [(32, 96, 56, 56), (96,), (96,)], torch.float32),
@@ -69,18 +75,30 @@ CASES = {
 
 
 def variants_of(d):
-    stream = replace(d, stage="stream", min_blocks=2)
+    stream = replace(d, stage="stream", min_blocks=2, batch=1)
     return (("stream unroll 8", replace(stream, unroll=8)), ("stream unroll 16", replace(stream, unroll=16)),
             ("stream unroll 32", replace(stream, unroll=32)), ("stream 16, 128 threads", replace(stream, unroll=16, threads=128)),
-            ("regs", replace(d, stage="regs", min_blocks=1)), ("regs, 2 CTAs/SM", replace(d, stage="regs", min_blocks=2)),
-            ("regs, 128 threads", replace(d, stage="regs", threads=128, min_blocks=1))) + across_of(d)
+            ("regs", replace(d, stage="regs", min_blocks=1, batch=1)), ("regs, 2 CTAs/SM", replace(d, stage="regs", min_blocks=2, batch=1)),
+            ("regs, 128 threads", replace(d, stage="regs", threads=128, min_blocks=1, batch=1))) + across_of(d)
 
 
 def row_a_thread(d):
     """A row a thread, as column kernels were before rows were split (session 67)."""
-    base = replace(d, threads=128, group=1, vector=1, across=False, two_pass=False)
+    base = replace(d, threads=128, group=1, vector=1, across=False, two_pass=False, batch=1)
     return (("a row a thread, stream 32", replace(base, stage="stream", unroll=32, min_blocks=2)),
             ("a row a thread, regs", replace(base, stage="regs", min_blocks=1)))
+
+
+def batches_of(d):
+    """A thread's batch of 1, 2 or 4 neighbouring rows (MapReduceSchedule.batch with across: one
+    vector load a column for the batch), at splits of 4, 8 and 16 threads a row, registers."""
+    out = []
+    for g in (4, 8, 16):
+        for batch in (1, 2, 4):
+            out.append((f"across {g}, batch {batch}, regs",
+                        replace(d, threads=g * 32, group=g, across=True, two_pass=False, min_blocks=1,
+                                stage="regs", batch=batch)))
+    return tuple(out)
 
 
 def across_of(d):
@@ -90,7 +108,7 @@ def across_of(d):
         for rows in (32, 64):
             if g * rows > 1024:
                 continue
-            base = replace(d, threads=g * rows, group=g, across=True, two_pass=False, min_blocks=1)
+            base = replace(d, threads=g * rows, group=g, across=True, two_pass=False, min_blocks=1, batch=1)
             out.append((f"across {g} x {rows} rows, stream 16", replace(base, stage="stream", unroll=16)))
             out.append((f"across {g} x {rows} rows, regs", replace(base, stage="regs")))
     return tuple(out)
@@ -100,6 +118,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--only", default="", help="cases whose name matches this regex")
     ap.add_argument("--quick", action="store_true", help="time the default beside a row a thread only")
+    ap.add_argument("--batches", action="store_true", help="time the default beside batches of 1, 2, 4 rows")
     args = ap.parse_args()
     copy = copy_bandwidth()
     out = {"gpu": torch.cuda.get_device_name(), "copy_bytes_per_s": copy, "cases": {}}
@@ -117,7 +136,7 @@ def main():
         k = lowered.kernel
         d = mapreduce.default_schedule(k)
         variants = {"default": op.ck}
-        for label, s in (row_a_thread(d) if args.quick else variants_of(d)):
+        for label, s in (row_a_thread(d) if args.quick else batches_of(d) if args.batches else variants_of(d)):
             try:
                 variants[label] = compile_kernel(k, None, s)
             except Exception as e:  # noqa: BLE001 (a variant that does not build is reported, not fatal)

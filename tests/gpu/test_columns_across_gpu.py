@@ -1,7 +1,9 @@
 """Column kernels whose rows are split between threads a warp apart (MapReduceSchedule.across),
 on the GPU: every split of 2-32 threads, 32 or 64 rows a CTA, registers and streamed, against
 the float64 reference under the 2x rule, outputs poisoned; row counts that leave the last CTA
-part empty, row lengths the split does not divide, 16-bit and f32."""
+part empty, row lengths the split does not divide, 16-bit and f32; batches of 2 and 4
+neighbouring rows read as one vector a column (an odd row count leaves the last batch part
+empty), and a misaligned input, which runs the scalar variant."""
 from __future__ import annotations
 
 import math
@@ -41,6 +43,10 @@ def _schedules(C):
             yield MapReduceSchedule(threads=g * rows, group=g, vector=1, stage="stream", unroll=16, across=True)
             if math.ceil(C / g) <= 192:
                 yield MapReduceSchedule(threads=g * rows, group=g, vector=1, stage="regs", across=True)
+            for batch in (2, 4):
+                if math.ceil(C / g) * batch <= 128:
+                    yield MapReduceSchedule(threads=g * rows, group=g, vector=1, stage="regs", across=True,
+                                            batch=batch)
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -90,4 +96,28 @@ def test_the_default_split_runs_in_the_program():
     ref, eager = float64_reference(fn, (x,)), fn(x)
     for call in range(3):
         c = compare(f"call {call}", prog(x), ref, eager)
+        assert c.ok, c
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_a_batch_of_neighbouring_rows_read_as_vectors_needs_them_aligned(dtype):
+    """The default schedule of a 16-bit column kernel reads a column's element of two
+    neighbouring rows as one 4-byte vector: an input starting 2 bytes past a 4-byte boundary
+    (a view at an odd offset) runs the kernel's scalar variant instead, with the same values."""
+    import tilefuse
+    from tilefuse.check import compare, float64_reference
+    from tilefuse.codegen import mapreduce
+
+    torch.manual_seed(5)
+    flat = torch.randn(1 + 8 * 96 * 32 * 64, device="cuda", dtype=dtype)
+    fn = lambda x: x.mean(1) * x.amax(1)  # noqa: E731
+    aligned = flat[:-1].view(8, 96, 32, 64).clone()
+    prog = tilefuse.compile(fn, (aligned,))
+    (lw,) = prog.kernels.values()
+    s = mapreduce.default_schedule(lw.kernel)
+    assert s.across and s.batch == (2 if dtype == torch.bfloat16 else 1), s
+    for x in (aligned, flat[1:].view(8, 96, 32, 64)):
+        assert x.data_ptr() % 4 == (2 if x is not aligned and dtype == torch.bfloat16 else 0)
+        ref, eager = float64_reference(fn, (x,)), fn(x)
+        c = compare(f"offset {x.storage_offset()}", prog(x), ref, eager)
         assert c.ok, c

@@ -53,6 +53,41 @@ def strided_rows(kernel: ir.Kernel) -> bool:
     return across > 0 and across >= along
 
 
+def row_vector_loads(kernel: ir.Kernel, batch: int, kind=ir.Load) -> dict:
+    """The loads inside the row's loops that a thread of a column kernel can read for its
+    `batch` neighbouring rows (MapReduceSchedule.across with a batch) as one vector: element
+    (r0 + b, c) lies at offset(r0, c) + b for every r0 a multiple of `batch`, and that offset is
+    a multiple of `batch` (a vector-aligned address where the buffer is). Keyed by the load's
+    index with its loop's column variable renamed (the passes' loads of one element share a
+    vector): {key: [(column variable, Load), ...]}. Empty where the batch's rows are no
+    vector: 16 bytes at most, no gathered index, every division of the row by a multiple of
+    the batch. `kind=ir.Store`: the stores inside the loops that can be written so."""
+    from .tiles import _divisors, _flat, _subst
+
+    parts = ir.row_kernel_parts(kernel)
+    out: dict = {}
+    for col, s in _accesses(parts):
+        if not isinstance(s, kind) or any(ir.index_values(e) for e in s.index):
+            continue
+        buf = kernel.buffer(s.buf)
+        size = dtypes.itemsize(buf.dtype)
+        if size * batch > 16:
+            continue
+        # (each // and % of the row by a multiple of the batch: the batch's rows share every
+        # quotient at any row count, a rows_free kernel's too)
+        if any(k % batch for e in s.index for k in _divisors(e, parts.row_var)):
+            continue
+        a = _flat(buf, s.index, parts.row_var, col, batch, 1, (parts.rows, 1, parts.col_extent))
+        if a is None or a.dr != 1 or a.align % batch:
+            continue
+        key = (s.buf, tuple(_subst(e, col, ir.Var(ROW_VECTOR_COLUMN)) for e in s.index))
+        out.setdefault(key, []).append((col, s))
+    return out
+
+
+ROW_VECTOR_COLUMN = "tf_rv_c"  # the column variable of row_vector_loads' keys
+
+
 REGS_MAX_COLUMNS = 96  # columns a thread takes in registers (the passes unrolled whole)
 MIN_SHARE = 8  # columns a thread of a split row keeps at least: rows under twice this stay a row a thread
 FILL_THREADS = 132 * 512  # threads a grid wants at least: a quarter of an H100's / H200's
@@ -83,7 +118,40 @@ def row_bytes(kernel: ir.Kernel) -> int:
     return parts.col_extent * sum(seen.values())
 
 
-def default_schedule(kernel: ir.Kernel, arch: str = "sm_90a"):
+def vector_words(kernel: ir.Kernel, batch: int) -> list[int]:
+    """Registers a column of each of row_vector_loads' vectors takes (32-bit words), loads and
+    stores."""
+    from .mapreduce import _words
+
+    return [_words(kernel.buffer(b).dtype, batch) for kind in (ir.Load, ir.Store)
+            for b, _ in row_vector_loads(kernel, batch, kind)]
+
+
+MAX_VECTOR_WORDS = 48  # a batch's vectors' registers a thread (C = 512 LayerNorm's 64 spilled at 128)
+
+
+def _row_batch(kernel: ir.Kernel, R: int, C: int) -> int:
+    """2 where a thread can read its two neighbouring rows' elements of a column as one vector
+    and every such vector is of 16-bit elements (or 8-bit): a warp's load of a column then
+    covers 128 bytes where a row a thread covered 64. H200, bf16, one process
+    (bench/columns_probe.py --batches, bench/results/s71/): `x.mean(1)` over [256, 128, 2048]
+    39.2 -> 34.5 us, over [16, 512, 4096] 21.6 -> 21.0, `x.amax(1)` over [16, 256, 4096] 13.4 ->
+    12.9. 1 where the row's elements are stored too (softmax over channels 16.6 -> 22.6,
+    channels-first RMSNorm 24.5 -> 28.8, LayerNorm 20.6 -> 22.1: each row's store is its own,
+    and a warp's store then covers 64 bytes over 128) and for f32 (128 bytes a warp already;
+    its mean 33.9 -> 42.3)."""
+    if R < 64 or C < 2 * MIN_SHARE:
+        return 1
+    stores = [s for _, s in _accesses(ir.row_kernel_parts(kernel)) if isinstance(s, ir.Store)]
+    if len(stores) != sum(len(v) for v in row_vector_loads(kernel, 2, ir.Store).values()):
+        return 1  # (a row's store on its own would half-fill a warp's sectors: the batch's are one vector)
+    loads = row_vector_loads(kernel, 2)
+    if not loads or any(dtypes.itemsize(kernel.buffer(b).dtype) > 2 for b, _ in loads):
+        return 1
+    return 2
+
+
+def default_schedule(kernel: ir.Kernel, arch: str = "sm_90a", batch: bool = True):
     """Each row split between G threads a warp apart (G = split_of), neighbouring lanes on
     neighbouring rows, 32 rows a CTA (64 at G = 2, 128 threads). A thread's share of up to
     REGS_MAX_COLUMNS columns is taken in registers (its passes unrolled whole, every load of a
@@ -96,18 +164,32 @@ def default_schedule(kernel: ir.Kernel, arch: str = "sm_90a"):
     mean over 512: 23.6 -> 21.8 (G 8), a max over 256: 14.3 -> 13.5 (G 8), softmax over 64
     8.8 -> 8.6 (G 2), log_softmax over dim 0 of 1000 x 65536 165.3 -> 104.6 (G 8, 64 rows a CTA).
     G 16 and 32 were slower at every one of these (65536 rows or more). A kernel a split
-    cannot take (a grid reduction's) keeps a row a thread."""
+    cannot take (a grid reduction's) keeps a row a thread.
+
+    Where a column's elements of two neighbouring rows are one 16-bit pair in memory
+    (_row_batch), a thread takes both rows (batch 2, MapReduceSchedule.across): G is chosen for
+    half the rows, and the pair is read as one 4-byte load, if its columns fit in registers."""
     from .mapreduce import MAX_STAGED_WORDS, MapReduceSchedule, staged_words
 
     parts = ir.row_kernel_parts(kernel)
     C, R = parts.col_extent, parts.rows
     g = 1 if ir.grid_parts(kernel) is not None else split_of(C, R, row_bytes(kernel))
     if g > 1:
+        batch = _row_batch(kernel, R, C) if batch else 1
+        if batch > 1:
+            g = split_of(C, R // batch, row_bytes(kernel))  # (fewer threads fill the GPU)
+        words = sum(vector_words(kernel, batch)) if batch > 1 else 0
+        stores = any(isinstance(s, ir.Store) for _, s in _accesses(parts))
+        while (batch > 1 and not stores and -(-C // g) * words > MAX_VECTOR_WORDS and g < MAX_SPLIT
+               and C >= MIN_SHARE * 2 * g):
+            g *= 2  # (a reduction's batch in registers: [16, 512, 4096]'s mean 22.0 us at 8 a row, 20.4 at 16)
         per = -(-C // g)
         rows = 64 if g == 2 or REGS_MAX_COLUMNS < per else 32
         stage = "regs" if per <= 128 and per * staged_words(kernel, 1) <= MAX_STAGED_WORDS else "stream"
+        if batch > 1 and (stage != "regs" or per * words > MAX_VECTOR_WORDS):
+            return default_schedule(kernel, arch, batch=False)
         return MapReduceSchedule(threads=g * rows, group=g, vector=1, stage=stage, unroll=16, min_blocks=1,
-                                 across=True)
+                                 across=True, batch=batch)
     # (a row a thread stages C chunks of its row streams: `e.t().to(torch.int32)` over 40 i64
     # columns held 80 registers, which render refuses)
     if C <= REGS_MAX_COLUMNS and C * staged_words(kernel, 1) <= MAX_STAGED_WORDS:

@@ -9,6 +9,7 @@ writes such a formula by hand. `row_layouts(schedule, C, ...)` is the entry poin
                                  (slots, group):(1, slots) rows across lanes (a split column row)
     (slot, row block) -> row     (slots, blocks):(1, slots)
     (slot, b, row block) -> row  (slots, batch, blocks):(1, slots, slots*batch)   batch > 1
+                                 (slots, batch, blocks):(batch, 1, slots*batch)   ... rows across lanes
     block -> (rank, row block)   (cluster, blocks):(1, cluster)          blockIdx.x's digits
     (lane, rank) -> p            (group, cluster):(1, group)             thread within the row
     (p, j) -> chunk              (P, nchunk):(1, P)                      chunk j of thread p
@@ -104,11 +105,13 @@ def row_layouts(*, threads: int, group: int, cluster: int, vector: int, nchunk: 
     group's rows `slots` apart, so each of a warp's loads covers neighbouring rows).
     `across`: a row group's threads lie `slots` apart and neighbouring threads take
     neighbouring rows (a column kernel's row split between warps: a warp's loads of one column
-    stay one run of neighbouring rows)."""
+    stay one run of neighbouring rows); a batch's rows are then neighbours too, so a thread
+    reads a column's element of its `batch` rows as one vector."""
     rpc = threads // group
     P = group * cluster
     blocks = max(1, -(-rows // (rpc * batch)))
     row = (Layout((rpc, blocks), (1, rpc)) if batch == 1
+           else Layout((rpc, batch, blocks), (batch, 1, rpc * batch)) if across
            else Layout((rpc, batch, blocks), (1, rpc, rpc * batch)))
     if across:
         thread = Layout((group, rpc), (rpc, 1))

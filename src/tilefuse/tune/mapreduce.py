@@ -158,7 +158,8 @@ def _admits_columns(k: Mapping, d: mr.MapReduceSchedule, C: int, R: int) -> bool
     whole row apart); a row a thread, or split between 2-32 threads a warp apart (`across`, and
     only then), at least 8 columns a thread; a thread's columns in registers (up to twice
     REGS_MAX_COLUMNS) or streamed 8-32 an iteration; 64-1024 threads a CTA, no more row slots
-    than rows beyond a warp's."""
+    than rows beyond a warp's; a split row's thread may take a batch of 2-4 neighbouring rows in
+    registers (up to 128 columns of them)."""
     from ..codegen import columns
 
     g = k.get("group", 1)
@@ -177,8 +178,11 @@ def _admits_columns(k: Mapping, d: mr.MapReduceSchedule, C: int, R: int) -> bool
         return False
     if "unroll" in k and k["unroll"] != d.unroll and (k["stage"] != "stream" or k["unroll"] not in COLUMN_UNROLLS):
         return False
-    if k.get("l2_hints") or k.get("batch", 1) != 1 or k.get("two_pass"):
+    if k.get("l2_hints") or k.get("two_pass"):
         return False
+    b = k.get("batch", 1)
+    if b > 1 and (g == 1 or k.get("stage") != "regs" or -(-C // g) * b > 128):
+        return False  # a batch of neighbouring rows a thread, read as vectors: split rows, in registers
     return True
 
 
