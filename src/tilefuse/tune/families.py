@@ -87,13 +87,15 @@ def families() -> tuple[str, ...]:
 def _register_builtin():
     from . import gemm, mapreduce
 
-    register_family("mapreduce", mapreduce.space, mapreduce.build, knobs_fn=mapreduce.knobs_of, version="6")
+    register_family("mapreduce", mapreduce.space, mapreduce.build, knobs_fn=mapreduce.knobs_of, version="7")
     # mapreduce version 2: l2_hints joined the space and 16-32 KB norm rows got a new default;
     # version 3: two_pass joined it and LayerNorm's short rows got a new default;
     # version 4: batch joined it, and RMSNorm's and LayerNorm's short rows take a batch of 2;
     # version 5: the generator stores a value in the pass that makes it (keep.Moved), sizes
     # staging by the widest chunk, and mid-length rows (1032-6143 bf16 columns) got new defaults;
-    # version 6: LayerNorm's one-pass variance folds its groups about the running mean
+    # version 6: LayerNorm's one-pass variance folds its groups about the running mean;
+    # version 7: a column kernel's batch of neighbouring rows (vector loads and stores a column)
+    # joined the space, and 16-bit column kernels take a batch of 2 by default
     register_family(gemm.FAMILY, gemm.space, gemm.build, compile_fn=gemm.compile_task, problem_fn=gemm.gemm_check,
                     knobs_fn=gemm.knobs_of, describe_fn=gemm.describe, version="2", portable=True)
     # gemm version 2: rings deeper than 8 stages joined the space (picks of version 1 are re-tuned)
