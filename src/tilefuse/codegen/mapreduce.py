@@ -2533,6 +2533,19 @@ def _render(kernel: ir.Kernel, schedule: MapReduceSchedule | None, arch: str, ke
                         moved=len(kept.moved), period=0 if periodic else None)  # (at_rows sets the period)
 
 
+def _open_batch_columns(ctx: _Ctx, em: _Emitter, B: int, limit: str) -> str:
+    """Opens a scope at the batch's first row and the loop over this thread's chunks (column c0
+    of chunk j); returns the column's guard (empty where every chunk is inside the row)."""
+    em.open("")
+    em(f"const long long r = {ctx.lay.c_row('slot', 'blockIdx.x', 0)};  // the batch's first row")
+    em(f"const bool whole = r + {B - 1} < {limit};  // every row of the batch exists")
+    em("#pragma unroll")
+    em.open(f"for (int j = 0; j < {ctx.nchunk}; ++j)")
+    em(f"const int c0 = {ctx.lay.c_column(0)};  // first column of chunk j")
+    em("const int c = c0; (void)c;")
+    return "" if ctx.full else f" && c0 < {ctx.C}"
+
+
 def _emit_row_vectors(ctx: _Ctx, em: _Emitter, groups: dict) -> dict:
     """A column kernel's batch of neighbouring rows (MapReduceSchedule.across, batch > 1): each
     load of columns.row_vector_loads read for all the batch's rows at once, chunk j's column as
@@ -2552,14 +2565,7 @@ def _emit_row_vectors(ctx: _Ctx, em: _Emitter, groups: dict) -> dict:
         em(f"unsigned rv{i}[{ctx.nchunk}][{w}];  // {bname}")
         for _, s in loads:
             names[id(s)] = f"rv{i}"
-    em.open("")
-    em(f"const long long r = {ctx.lay.c_row('slot', 'blockIdx.x', 0)};  // the batch's first row")
-    em(f"const bool whole = r + {B - 1} < {limit};  // every row of the batch exists")
-    em("#pragma unroll")
-    em.open(f"for (int j = 0; j < {ctx.nchunk}; ++j)")
-    em(f"const int c0 = {ctx.lay.c_column(0)};  // first column of chunk j")
-    em("const int c = c0; (void)c;")
-    col_ok = "" if ctx.full else f" && c0 < {ctx.C}"
+    col_ok = _open_batch_columns(ctx, em, B, limit)
     for i, ((bname, _), loads) in enumerate(groups.items()):
         col, s = loads[0]
         buf = ctx.kernel.buffer(bname)
@@ -2593,14 +2599,7 @@ def _emit_row_vector_stores(ctx: _Ctx, em: _Emitter, groups: dict):
         return
     B, limit = ctx.sched.batch, ("tf_rows" if ctx.rows_arg else str(ctx.parts.rows))
     em("// ---- the batch's rows' values, one vector store a column")
-    em.open("")
-    em(f"const long long r = {ctx.lay.c_row('slot', 'blockIdx.x', 0)};  // the batch's first row")
-    em(f"const bool whole = r + {B - 1} < {limit};  // every row of the batch exists")
-    em("#pragma unroll")
-    em.open(f"for (int j = 0; j < {ctx.nchunk}; ++j)")
-    em(f"const int c0 = {ctx.lay.c_column(0)};  // first column of chunk j")
-    em("const int c = c0; (void)c;")
-    col_ok = "" if ctx.full else f" && c0 < {ctx.C}"
+    col_ok = _open_batch_columns(ctx, em, B, limit)
     for i, ((bname, _), sts) in enumerate(groups.items()):
         col, s = sts[0]
         buf = ctx.kernel.buffer(bname)
