@@ -193,6 +193,7 @@ class _Stream:
     base_index: tuple  # the index with the column replaced by its constant offset
     name: str          # C identifier stem
     wrap: tuple | None = None  # (k, n): a roll's stream, chunk c0 read at column (c0 + k) % n
+    split: tuple | None = None  # (m, S): the row read as pieces of m, piece c // m at S apart (_split_load)
     clamp: tuple | None = None  # (k, lo, hi): a pad's stream, column c read at min(max(c + k, lo), hi)
 
     @property
@@ -341,6 +342,48 @@ def _contiguous(buf: ir.Buffer, index: tuple, cvar: str, vector: int, row_values
     return base
 
 
+def _split_load(buf: ir.Buffer, index: tuple, cvar: str, vector: int, row_values=frozenset()):
+    """(base_index, (m, S)) where buf[index] reads the row as pieces of m contiguous elements,
+    piece c // m at S elements apart (heads merged back into a row: [B, H, S, D] read at
+    (b, c // D, s, c % D)), each chunk of `vector` inside one piece and aligned; else None."""
+    if len(index) != len(buf.shape) or not buf.shape:
+        return None
+    c_dims = [i for i, e in enumerate(index) if cvar in ir.index_vars(e)]
+    if len(c_dims) != 2:
+        return None
+
+    def part(e, op):
+        if (isinstance(e, ir.IBin) and e.op == op and isinstance(e.a, ir.Var) and e.a.name == cvar
+                and isinstance(e.b, ir.IConst)):
+            return e.b.value
+        return None
+
+    (i, j) = c_dims
+    if part(index[i], "%") is None:
+        i, j = j, i
+    m = part(index[i], "%")
+    if m is None or part(index[j], "//") != m or m % vector or buf.shape[i] != m:
+        return None
+    strides = [1] * len(buf.shape)
+    for d in range(len(buf.shape) - 2, -1, -1):
+        strides[d] = strides[d + 1] * buf.shape[d + 1]
+    if strides[i] != 1 or strides[j] % vector:
+        return None
+    const_part = 0
+    for d, e in enumerate(index):
+        if d in (i, j):
+            continue
+        if not ir.index_values(e) <= row_values:
+            return None
+        if isinstance(e, ir.IConst):
+            const_part += e.value * strides[d]
+        elif strides[d] % vector:
+            return None
+    if const_part % vector:
+        return None
+    return tuple(ir.IConst(0) if d in (i, j) else e for d, e in enumerate(index)), (m, strides[j])
+
+
 def _inner_blocks(parts: ir.RowKernel):
     return [s for s in parts.body if isinstance(s, (ir.Loop, ir.Reduce))]
 
@@ -356,7 +399,8 @@ def _choose_vector(kernel: ir.Kernel, parts: ir.RowKernel) -> int:
                 buf = kernel.buffer(s.buf)
                 rv = _row_values(parts) if isinstance(s, ir.Load) else frozenset()
                 if (_contiguous(buf, s.index, blk.var, 1, rv) is not None
-                        or isinstance(s, ir.Load) and _clamped_load(buf, s.index, blk.var, 1, rv, defs, consts)):
+                        or isinstance(s, ir.Load) and (_clamped_load(buf, s.index, blk.var, 1, rv, defs, consts)
+                                                       or _split_load(buf, s.index, blk.var, 1, rv))):
                     sizes.append(dtypes.itemsize(buf.dtype))
     if not sizes:
         return 1
@@ -396,13 +440,15 @@ def _analyse(kernel: ir.Kernel, parts: ir.RowKernel, vector: int) -> _Analysis:
             buf = kernel.buffer(s.buf)
             base = _contiguous(buf, s.index, blk.var, vector,
                                row_values if isinstance(s, ir.Load) else frozenset())
-            clamp = None
+            clamp = split = None
             if base is None and isinstance(s, ir.Load):
                 base, clamp = _clamped_load(buf, s.index, blk.var, vector, row_values, defs, consts) or (None, None)
+            if base is None and isinstance(s, ir.Load):
+                base, split = _split_load(buf, s.index, blk.var, vector, row_values) or (None, None)
             if base is None:
                 continue
             wrap = _stream_wrap(s.index, blk.var)
-            key = (buf.name, tuple(str(e) for e in base), wrap, clamp)
+            key = (buf.name, tuple(str(e) for e in base), wrap, clamp) + ((split,) if split else ())
             table = ins if isinstance(s, ir.Load) else outs
             if isinstance(s, ir.Store):
                 if key in stores_seen:  # two stores to one chunk in a loop: keep them scalar
@@ -410,13 +456,16 @@ def _analyse(kernel: ir.Kernel, parts: ir.RowKernel, vector: int) -> _Analysis:
                 stores_seen.add(key)
             if key not in table:
                 stem = _ident(buf.name) + ("" if not any(k[0] == buf.name for k in table) else f"_{len(table)}")
-                table[key] = _Stream(key, buf, base, stem, wrap, clamp)
+                table[key] = _Stream(key, buf, base, stem, wrap=wrap, clamp=clamp, split=split)
             (lmap if isinstance(s, ir.Load) else smap)[id(s)] = key
     return _Analysis(ins, outs, lmap, smap)
 
 
 def _chunk_col(st: _Stream) -> str:
     """The column a stream's chunk c0 starts at in its buffer's row."""
+    if st.split is not None:
+        m, stride = st.split
+        return f"((long long)(c0 / {m}) * {stride} + c0 % {m})"
     return "c0" if st.wrap is None else f"((c0 + {st.wrap[0]}) % {st.wrap[1]})"
 
 
