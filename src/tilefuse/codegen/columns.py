@@ -12,6 +12,8 @@ reduction's) take a thread each, with no exchange at all.
 """
 from __future__ import annotations
 
+import math
+
 from .. import dtypes
 from ..loop import ir
 
@@ -65,6 +67,13 @@ def row_vector_loads(kernel: ir.Kernel, batch: int, kind=ir.Load) -> dict:
     from .tiles import _divisors, _flat, _subst
 
     parts = ir.row_kernel_parts(kernel)
+    rows = parts.rows
+    if rows <= 0:  # a rows_free kernel (mapreduce.rows_free), run at any row count: analysed for a
+        # count too large to fold a division of the row (its rows 0: every r // k read as 0 and r
+        # % k as r, which passed rows 3 elements apart as neighbours: found by review)
+        whole = math.lcm(batch, *(k for _, s in _accesses(parts) for e in s.index
+                                   for k in _divisors(e, parts.row_var)))
+        rows = whole * -(-(1 << 40) // whole)
     out: dict = {}
     for col, s in _accesses(parts):
         if not isinstance(s, kind) or any(ir.index_values(e) for e in s.index):
@@ -77,7 +86,7 @@ def row_vector_loads(kernel: ir.Kernel, batch: int, kind=ir.Load) -> dict:
         # quotient at any row count, a rows_free kernel's too)
         if any(k % batch for e in s.index for k in _divisors(e, parts.row_var)):
             continue
-        a = _flat(buf, s.index, parts.row_var, col, batch, 1, (parts.rows, 1, parts.col_extent))
+        a = _flat(buf, s.index, parts.row_var, col, batch, 1, (rows, 1, parts.col_extent))
         if a is None or a.dr != 1 or a.align % batch:
             continue
         key = (s.buf, tuple(_subst(e, col, ir.Var(ROW_VECTOR_COLUMN)) for e in s.index))
@@ -136,10 +145,10 @@ def _row_batch(kernel: ir.Kernel, R: int, C: int) -> int:
     covers 128 bytes where a row a thread covered 64. H200, bf16, one process
     (bench/columns_probe.py --batches, bench/results/s71/): `x.mean(1)` over [256, 128, 2048]
     39.2 -> 34.5 us, over [16, 512, 4096] 21.6 -> 21.0, `x.amax(1)` over [16, 256, 4096] 13.4 ->
-    12.9. 1 where the row's elements are stored too (softmax over channels 16.6 -> 22.6,
-    channels-first RMSNorm 24.5 -> 28.8, LayerNorm 20.6 -> 22.1: each row's store is its own,
-    and a warp's store then covers 64 bytes over 128) and for f32 (128 bytes a warp already;
-    its mean 33.9 -> 42.3)."""
+    12.9. 1 where a store in the row's loops is no such pair (each row's store its own, a warp's
+    store then covers 64 bytes over 128: softmax over channels 16.6 -> 22.6, channels-first
+    RMSNorm 24.5 -> 28.8, LayerNorm 20.6 -> 22.1 before stores were paired too) and for f32
+    (128 bytes a warp already; its mean 33.9 -> 42.3)."""
     if R < 64 or C < 2 * MIN_SHARE:
         return 1
     stores = [s for _, s in _accesses(ir.row_kernel_parts(kernel)) if isinstance(s, ir.Store)]
@@ -186,7 +195,10 @@ def default_schedule(kernel: ir.Kernel, arch: str = "sm_90a", batch: bool = True
         per = -(-C // g)
         rows = 64 if g == 2 or REGS_MAX_COLUMNS < per else 32
         stage = "regs" if per <= 128 and per * staged_words(kernel, 1) <= MAX_STAGED_WORDS else "stream"
-        if batch > 1 and (stage != "regs" or per * words > MAX_VECTOR_WORDS):
+        if batch > 1 and (stage != "regs" or per * words > MAX_VECTOR_WORDS
+                          or per * staged_words(kernel, 1) * batch > MAX_STAGED_WORDS):
+            # (a row stream beside the columns, `(x * y[:, :, None]).sum(1)`'s y, is staged for
+            # each row of the batch: 96 registers at 768 columns, which render refuses)
             return default_schedule(kernel, arch, batch=False)
         return MapReduceSchedule(threads=g * rows, group=g, vector=1, stage=stage, unroll=16, min_blocks=1,
                                  across=True, batch=batch)
