@@ -114,3 +114,41 @@ def test_not_taken_leaves_the_graph_as_it_is(name, fn):
     x, r = torch.randn(6, 8), torch.randn(2, 3, 8)
     g = _graph(fn, (x, r))
     assert leading_reshapes_into_maps(g) is g, name
+
+
+def _hf_loss(x, w, labels):
+    """What transformers' causal LM returns with labels: bf16 logits and the f32 loss computed
+    from `logits.float()` flattened to [B*S, V] (its ForCausalLMLoss, the shift left out)."""
+    logits = x @ w.t()
+    return logits, F.cross_entropy(logits.float().view(-1, w.shape[0]), labels.view(-1), ignore_index=-100)
+
+
+@pytest.mark.parametrize("b, s, d, v", [(2, 8, 32, 96), (1, 5, 16, 40), (3, 1, 24, 200)])
+def test_returned_logits_are_read_by_the_loss_kernel_as_they_lie(b, s, d, v):
+    """The logits are returned, so the GEMM stores them (bf16); the loss's f32 cast of them,
+    read under a reshape to [B*S, V], is computed in the loss's kernel from those bf16 logits.
+    Before, the reshape ended that kernel's rows: the GEMM's epilogue also wrote f32 logits,
+    three times the bytes of the bf16 ones moved again (a 2-layer Mistral's 32000-wide LM head
+    took 1.56 ms for 0.78 on an H200, bench/LOG_blocks.md session 72)."""
+    x, w = torch.randn(b, s, d, dtype=torch.bfloat16), torch.randn(v, d, dtype=torch.bfloat16)
+    labels = torch.randint(0, v, (b, s))
+    labels[0, 0] = -100
+    p = tilefuse.compile(_hf_loss, (x, w, labels))
+    (gemm,) = [st for st in p.plan.steps if st.family == "gemm"]
+    assert [p.graph[o].type.dtype for o in gemm.outputs] == ["bf16"], str(p.plan)
+    wide = [o for st in p.plan.steps for o in st.outputs
+            if p.graph[o].type.dtype == "f32" and p.graph[o].type.numel >= b * s * v]
+    assert not wide, f"f32 logits written: {wide}\n{p.plan}"
+    for got, want in zip(p(x, w, labels), _hf_loss(x, w, labels)):
+        torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_a_widening_of_a_value_not_returned_is_not_hoisted_from_a_matmul():
+    """Only a returned (stored) value is read where it lies: a widening of a matmul's result
+    that is not returned stays in the epilogue's reach (rules/lmhead_ce.py takes that loss)."""
+    def fn(x, w):
+        return torch.logsumexp((x @ w.t()).float().view(-1, w.shape[0]), -1)
+
+    x, w = torch.randn(2, 4, 8), torch.randn(16, 8)
+    g = _graph(fn, (x, w))
+    assert leading_reshapes_into_maps(g) is g

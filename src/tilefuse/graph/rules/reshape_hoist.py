@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 
+from ... import dtypes
 from .. import ir
 from .match import Editor
 from .slice_sink import _from_contraction
@@ -67,6 +68,8 @@ def _closure(g: ir.Graph, name: str, users: dict, memo: dict, top: bool = True) 
     if isinstance(n, ir.Gather):
         return _row_gather(g, n)
     if isinstance(n, ir.Map):
+        if _stored_widening(g, name):
+            return True
         if _from_contraction(g, name, memo):
             return False
         rank = len(n.type.shape)
@@ -79,6 +82,19 @@ def _closure(g: ir.Graph, name: str, users: dict, memo: dict, top: bool = True) 
                 return False
         return True
     return False
+
+
+def _stored_widening(g: ir.Graph, name: str) -> bool:
+    """A widening cast of a result the program returns, so it is in memory anyway: transformers'
+    loss, `logits.float().view(-1, V)` beside the returned logits (a matmul's result, or its
+    epilogue's). No epilogue wants the cast (contraction.match leaves a widening that maps read
+    to its readers), and under the reshape it ended the loss kernel's rows: the f32 logits were
+    written by a kernel of their own, twice the logits' bytes, and read back."""
+    n = g[name]
+    if not (isinstance(n, ir.Map) and n.op == "cast" and len(n.args) == 1):
+        return False
+    a = g[n.args[0]]
+    return a.name in g.outputs and dtypes.itemsize(n.type.dtype) > dtypes.itemsize(a.type.dtype)
 
 
 def _hoistable(g: ir.Graph, r: ir.View, users: dict, memo: dict) -> str | None:
@@ -95,7 +111,8 @@ def _hoistable(g: ir.Graph, r: ir.View, users: dict, memo: dict) -> str | None:
         return "gather" if readers == [r.name] and _row_gather(g, x) else None
     if any(isinstance(g[v], ir.Gather) and g[v].arg == u for u in readers for v in users.get(u, [])):
         return None  # (a reshape of it is a gather's table: the map stays whole, in memory, for that)
-    if not isinstance(x, ir.Map) or not readers or _from_contraction(g, r.arg, memo):
+    if not isinstance(x, ir.Map) or not readers or (_from_contraction(g, r.arg, memo)
+                                                      and not _stored_widening(g, r.arg)):
         return None
     if not all(isinstance(g[u], ir.View) and g[u].op == "reshape" and g[u].type.shape == r.type.shape for u in readers):
         return None
