@@ -1105,8 +1105,16 @@ def views_read_in_place(p: Plan) -> Plan:
                 and n.type.numel > 0  # (an empty one keeps its step: compiler._refuse_empty says why)
                 and all(step_of[u].family == "mapreduce" and step_of[u].head is None
                         and (not moved or maps_only(step_of[u]) and not _gathers_from(g[u], name))
-                        if not isinstance(g[u], ir.View) else consumable(u, moved) for u in users[name]))
+                        if not isinstance(g[u], ir.View) else consumable(u, moved) or not moved and strided(u)
+                        for u in users[name])
+                and not all(isinstance(g[u], ir.View) and strided(u) for u in users[name]))
         return memo[name, transposed]
+
+    def strided(name: str) -> bool:
+        """A strided view an extern reads in place (SDPA's q, k, v; `_mark_attention_views`): a
+        view under it that kernels read too stays a strided view for it, not a copy."""
+        s = step_of.get(name)
+        return s is not None and s.family == "extern" and s.view
 
     def root(name: str) -> str:
         while name in region:
@@ -1129,13 +1137,19 @@ def views_read_in_place(p: Plan) -> Plan:
     # a view read by a view that keeps its copy keeps its own (each was judged in its own
     # context: under a transposing permute a strided slice reads through, on its own it is a
     # copy, and the copy reads the permute: fuzz crash 9502758)
-    while dropped := {x for x in region if any(isinstance(g[u], ir.View) and u not in region for u in users[x])}:
+    while dropped := {x for x in region if any(isinstance(g[u], ir.View) and u not in region and not strided(u)
+                                               for u in users[x])}:
         region -= dropped
     if not region:
         return p
     steps = []
     for s in p.steps:
         if s.nodes[0] in region and s.family in ("extern", "alias"):
+            if s.family == "extern" and any(strided(u) for u in users[s.nodes[0]]):
+                # (kernels read it through `reads`; the extern's strided view is made from it)
+                s.view, s.bytes = True, 0
+                s.note = "strided view: kernels and the externs after it read it in place, no copy"
+                steps.append(s)
             continue
         if s.family == "mapreduce" and region & set(s.inputs):
             s.reads = {x: root(x) for x in s.inputs if x in region}

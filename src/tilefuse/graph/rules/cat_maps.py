@@ -1,0 +1,146 @@
+"""A `cat` along the last dim with a computed piece becomes a select of its pieces: one kernel.
+
+    cat((f(a, ...), b), -1)   ->   where(j < A, f(a[.., min(j, A-1)], ...), b[.., max(j - A, 0)])
+
+j is the output's column, A the first piece's width. GPT-NeoX, StableLM and Phi-3 rotate part
+of each head (partial rotary) and put it back beside the rest: `cat((q_rot * cos +
+rotate_half(q_rot) * sin, q_pass), -1)`. In PyTorch's op the rotated part is written by a
+kernel of its own, then the cat copies it and the slice of the projection beside it: and the
+slices of the projection feeding both were copies too (a view read by a kernel and by a cat
+keeps its copy). As a select, one map kernel reads the projection where it lies and writes q
+(or k) once, as torch.compile's kernel does.
+
+Each piece is computed at its clamped column: a map's arguments are gathered along the last
+dim at that column (a map of gathered arguments is the gathered map: gather_sink.py), down to
+the tensors it reads (views of memory, weights, kernels' results); a tensor of size 1 there
+broadcasts and stays. Columns outside a piece compute a value the select drops, at an index
+inside the piece (loop/lower.py `index_range` bounds the clamp, so no range check), and a
+piece's columns are read as 16-byte streams where its offset is a whole number of chunks
+(codegen/mapreduce.py `_clamped_column`). The values are the pieces' own, selected: the same
+bits as PyTorch's cat.
+
+An empty piece is dropped, and a cat of one piece left is that piece (Phi-3 cats its fully
+rotated q with an empty pass-through). Taken for float cats along the last dim whose pieces
+all have the cat's dtype and rank, at least one of them a map (a cat of tensors in memory alone
+is PyTorch's copy, which reads them in place), whose trees hold no more than MAX_MAPS maps
+and gather only float tensors (a kernel gathers floats: fusion.gathers_in). A cat along
+another dim (a KV cache's, along the sequence; runtime/resize.py grows it) is left alone.
+"""
+from __future__ import annotations
+
+from ... import dtypes
+from .. import ir
+from ..rewrites import substitute
+from .cat_signs import _pieces
+from .match import Editor, prune
+
+MAX_MAPS = 32  # per piece: a longer chain is gathered where a kernel of its own wrote it
+
+
+def _maps(g: ir.Graph, name: str, width: int, budget: list) -> bool:
+    """Whether the piece's tree can be computed at other columns: every tensor it gathers is a
+    float one, and it holds no more than the budget's maps."""
+    n = g[name]
+    t = n.type
+    if not t.shape or t.shape[-1] != width or isinstance(n, ir.Constant):
+        return True  # (broadcasts along the last dim: read as it is)
+    if isinstance(n, ir.Map) and name not in g.outputs:
+        budget[0] -= 1
+        return budget[0] >= 0 and all(_maps(g, a, width, budget) for a in n.args)
+    return dtypes.is_float(t.dtype)
+
+
+class _At:
+    """A piece's tree recomputed at the clamped columns `index` ([1, .., 1, m], in range)."""
+
+    def __init__(self, g: ir.Graph, ed: Editor, out: list, width: int, index: str, m: int, rank: int, source: str):
+        self.g, self.ed, self.out, self.width, self.index, self.m, self.rank = g, ed, out, width, index, m, rank
+        self.source, self.memo = source, {}
+
+    def __call__(self, name: str) -> str:
+        if name not in self.memo:
+            self.memo[name] = self._at(name)
+        return self.memo[name]
+
+    def _at(self, name: str) -> str:
+        g, n = self.g, self.g[name]
+        t = n.type
+        if not t.shape or t.shape[-1] != self.width or isinstance(n, ir.Constant):
+            return name
+        wide = ir.TensorType(t.shape[:-1] + (self.m,), t.dtype)
+        if isinstance(n, ir.Map) and name not in g.outputs:
+            m = ir.Map(self.ed.fresh(f"{name}_at"), wide, n.op, tuple(self(a) for a in n.args), n.source)
+            self.out.append(m)
+            return m.name
+        table = name
+        if len(t.shape) < self.rank:  # (a gather's table has its result's rank)
+            full = (1,) * (self.rank - len(t.shape)) + t.shape
+            v = ir.View(self.ed.fresh(f"{name}_ranked"), ir.TensorType(full, t.dtype), "reshape", name, full,
+                        self.source)
+            self.out.append(v)
+            table, wide = v.name, ir.TensorType(full[:-1] + (self.m,), t.dtype)
+        gat = ir.Gather(self.ed.fresh(f"{name}_at"), wide, table, self.index, self.rank - 1, self.source)
+        self.out.append(gat)
+        return gat.name
+
+
+def _const(ed: Editor, out: list, value: int, source: str) -> str:
+    c = ir.Constant(ed.fresh("c"), ir.TensorType((), "i64"), value, source)
+    out.append(c)
+    return c.name
+
+
+def _select(g: ir.Graph, ed: Editor, n: ir.Extern, names: list) -> list:
+    """The nodes computing cat `n` of `names` (non-empty pieces) as a select; the last is named n."""
+    out, src = [], n.source
+    rank, m = len(n.type.shape), n.type.shape[-1]
+    i64 = lambda shape: ir.TensorType(shape, "i64")  # noqa: E731
+    pos = ir.Iota(ed.fresh("cat_col"), i64((1,) * (rank - 1) + (m,)), rank - 1, src)
+    out.append(pos)
+    col = pos.type
+    values, starts, off = [], [], 0
+    for x in names:
+        w = g[x].type.shape[-1]
+        shifted = ir.Map(ed.fresh("cat_shift"), col, "sub", (pos.name, _const(ed, out, off, src)), src)
+        low = ir.Map(ed.fresh("cat_low"), col, "max", (shifted.name, _const(ed, out, 0, src)), src)
+        out += [shifted, low]
+        at = ir.Map(ed.fresh("cat_at"), col, "min", (low.name, _const(ed, out, w - 1, src)), src)
+        out.append(at)
+        values.append(_At(g, ed, out, w, at.name, m, rank, src)(x))
+        starts.append(off)
+        off += w
+    picked = values[-1]
+    for k in range(len(values) - 2, -1, -1):  # where(j < start of the next piece, this piece, the rest)
+        before = ir.Map(ed.fresh("cat_in"), ir.TensorType(col.shape, "bool"), "lt",
+                        (pos.name, _const(ed, out, starts[k + 1], src)), src)
+        name = n.name if k == 0 else ed.fresh("cat_pick")
+        sel = ir.Map(name, n.type, "where", (before.name, values[k], picked), src)
+        out += [before, sel]
+        picked = sel.name
+    return out
+
+
+def cats_as_maps(g: ir.Graph) -> ir.Graph:
+    ed, out, renamed, changed = Editor(g), [], {}, False
+    for n in g.nodes:
+        found = _pieces(g, n) if dtypes.is_float(n.type.dtype) and n.type.shape else None
+        rank = len(n.type.shape)
+        if (found is None or found[1] != rank - 1
+                or any(g[x].type.dtype != n.type.dtype or len(g[x].type.shape) != rank for x in found[0])):
+            out.append(n)
+            continue
+        names = [x for x in found[0] if g[x].type.shape[-1] > 0]
+        if len(names) == 1 and g[names[0]].type.shape == n.type.shape:
+            renamed[n.name] = names[0]  # (the others were empty)
+            out.append(n)
+            changed = True
+            continue
+        if (len(names) < 2 or not any(isinstance(g[x], ir.Map) and x not in g.outputs for x in names)
+                or not all(_maps(g, x, g[x].type.shape[-1], [MAX_MAPS]) for x in names)):
+            out.append(n)
+            continue
+        out += _select(g, ed, n, names)
+        changed = True
+    if not changed:
+        return g
+    return prune(substitute(ir.Graph(tuple(out), g.inputs, g.outputs, ed.weights, g.writes, g.layouts), renamed))
