@@ -4,7 +4,7 @@
     python3 bench/model_sweep.py --plan-only [--only ...]   # no GPU: each model's plan at tiny sizes
 
 Issue 5's table times Llama, Qwen2, GPT-2 and Mixtral; a user brings other models. This sweep
-runs every architecture of tests/cpu/hf_arch_fixtures.py (Mistral, Phi-3, Gemma 1-3, GPT-NeoX,
+runs Llama, Qwen2 and GPT-2 and every architecture of tests/cpu/hf_arch_fixtures.py (Mistral, Phi-3, Gemma 1-3, GPT-NeoX,
 OPT, BERT, Qwen3, OLMo, StableLM, Falcon, GPT-J, BLOOM, Cohere, Granite; Mixtral and Qwen2-MoE
 with --only) the way a user does: the transformers model built from its config with random
 weights (1-D parameters perturbed, as the fixtures do), bf16, `torch.compile(model,
@@ -37,9 +37,38 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, os.environ.get("TILEFUSE_SRC", str(ROOT / "src")))
 sys.path.insert(0, str(ROOT / "tests" / "cpu"))
 
-from hf_arch_fixtures import ARCHS, TINY, Sizes, Wrap, build, draw_inputs, perturb, sizes_for  # noqa: E402
+from hf_arch_fixtures import ARCHS as FIXTURES  # noqa: E402
+from hf_arch_fixtures import TINY, Arch, Sizes, Wrap, _ids, _llama_like, draw_inputs, perturb  # noqa: E402
 
+# the three issue 5 names (tests/cpu/test_models.py covers them), then the fixtures' architectures
+ARCHS = {
+    "llama": Arch("causal", "LlamaForCausalLM", "LlamaConfig", lambda s: _llama_like(s), note="GQA 2:1"),
+    "qwen2": Arch("causal", "Qwen2ForCausalLM", "Qwen2Config", lambda s: _llama_like(s), note="q/k/v biases, GQA 2:1"),
+    "gpt2": Arch("causal", "GPT2LMHeadModel", "GPT2Config",
+                 lambda s: dict(n_embd=s.hidden, n_layer=s.layers, n_head=s.heads, n_positions=s.positions),
+                 note="LayerNorm, GELU-tanh, learned positions, Conv1D projections"),
+    **FIXTURES,
+}
 DEFAULT = [n for n, a in ARCHS.items() if not a.experts_in_pytorch]  # MoE: bench/blocks.py hf_mixtral
+
+
+def sizes_for(name: str, s: Sizes) -> Sizes:
+    from dataclasses import replace
+
+    return replace(s, layers=max(s.layers, ARCHS[name].layers))
+
+
+def build(name: str, s: Sizes):
+    """The model from its config class with random weights, as the fixtures build theirs."""
+    import transformers
+
+    a = ARCHS[name]
+    cfg = getattr(transformers, a.config)(**{**_ids(s, a.kind), **a.config_kw(s)})
+    cfg._attn_implementation = a.attn
+    model = getattr(transformers, a.model)(cfg)
+    if a.kind == "causal":
+        model.loss_type = "ForCausalLM"
+    return model
 
 
 def _model(name: str, s: Sizes, device: str, seed: int = 0):
