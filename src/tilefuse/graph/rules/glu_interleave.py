@@ -7,6 +7,13 @@ W is built once, here. Each gate value then sits next to its up value in the sam
 tile, so act(g)·u is a pairwise epilogue on adjacent accumulator columns, and the matmul
 reads x once instead of twice. The rule fires for any activation: act is whatever chain of
 elementwise ops leads from the gate to the product (silu, gelu, gelu-tanh, relu...).
+
+A model that keeps gate and up in one weight (Phi-3's `gate_up_proj`, then `chunk(2, -1)`)
+multiplies halves of one product: act(y[..., :F]) ⊙ y[..., F:]. Its weight's columns are
+interleaved the same way, and the halves become the even and odd columns: the SwiGLU that was
+a kernel of its own, reading the 2F-wide product back, is the GEMM's epilogue, which writes F.
+Only where the halves are all that read the product (anything else would read it in the
+order it had).
 """
 from __future__ import annotations
 
@@ -76,8 +83,78 @@ def _gate_of(g, f, up):
     return None
 
 
+def _half(g: ir.Graph, name: str):
+    """(contraction, start) when `name` is a slice of a weight contraction's last dim holding
+    exactly its first or second half with step 1; else None."""
+    n = g[name]
+    if not (isinstance(n, ir.View) and n.op == "slice"):
+        return None
+    y = g[n.arg]
+    rank = len(n.type.shape)
+    if not isinstance(y, ir.Contraction) or weight_operand(g, y.b) is None or not rank:
+        return None
+    dim, start, end, step = n.params
+    width = y.type.shape[-1]
+    if dim % rank != rank - 1 or step != 1 or width % 2 or (start, min(end, width)) not in ((0, width // 2),
+                                                                                        (width // 2, width)):
+        return None
+    return y, start
+
+
+def _chunked_pairs(g: ir.Graph, users) -> list:
+    """(product, gate half, up half): mul(act(y[..., gate half]), y[..., up half]) of one weight
+    contraction y that only these two halves read."""
+    found = []
+    for n in g.nodes:
+        if not (isinstance(n, ir.Map) and n.op == "mul"):
+            continue
+        for f, u in (n.args, n.args[::-1]):
+            up = peel_casts(g, u)
+            hu = _half(g, up)
+            if hu is None:
+                continue
+            y = hu[0]
+            others = [v for v in users[y.name] if v != up]
+            if len(others) != 1 or _half(g, others[0]) is None or _half(g, others[0])[1] == hu[1]:
+                continue
+            if y.name in g.outputs or not elementwise_of(g, f, others[0]):
+                continue
+            found.append((y, others[0], up))
+            break
+    return found
+
+
+def _interleave_halves(g: ir.Graph) -> ir.Graph:
+    """Each chunked gate/up product: its weight's columns interleaved, its halves strided views."""
+    found = _chunked_pairs(g, g.users())
+    if not found:
+        return g
+    ed = Editor(g)
+    emit: dict[str, list] = {}
+    for y, gate, up in found:
+        if y.name in emit:
+            continue
+        wo = weight_operand(g, y.b)
+        m = wo.matrix(g, exact=True)  # (K, 2F); interleaving is exact
+        k, n = m.shape
+        g0, u0 = g[gate].params[1], g[up].params[1]
+        both = torch.stack((m[:, g0:g0 + n // 2], m[:, u0:u0 + n // 2]), dim=-1).reshape(k, n)
+        note = f"{g[wo.weight].source or wo.weight}: gate and up halves interleaved by column"
+        nodes, b = ed.operand(f"{wo.weight}_glu", both, wo, g[wo.weight].type.dtype, note, y.source)
+        last = len(y.type.shape) - 1
+        emit[y.name] = nodes + [ir.Contraction(y.name, y.type, y.a, b, y.source)]
+        for i, half in enumerate((gate, up)):
+            h = g[half]
+            emit[half] = [ir.View(h.name, h.type, "slice", y.name, (last, i, n, 2), h.source)]
+    out = []
+    for node in g.nodes:
+        out.extend(emit.get(node.name, [node]))
+    return ed.graph(out)
+
+
 def interleave_glu(g: ir.Graph) -> ir.Graph:
     """Each gate/up pair becomes one contraction with interleaved weights and two strided views."""
+    g = _interleave_halves(g)
     pairs = _glu_pairs(g)
     if not pairs:
         return g
