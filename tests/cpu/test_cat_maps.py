@@ -137,3 +137,58 @@ def test_the_kernels_build_without_spills(arch, dtype):
         src, cubin = compile_source_only(lw.kernel, arch)
         assert cubin.info.clean, f"{arch} {src.schedule}: {cubin.info}"
     torch.testing.assert_close(p(x).float(), fn(x).float(), rtol=2e-2, atol=2e-2)
+
+
+def test_many_pieces_are_left_to_pytorch():
+    """Every column computes every piece, so a cat of more than MAX_PIECES (a NeRF encoding's 21
+    sines and cosines, 18 slices doubled: one kernel past the registers a row may hold; review,
+    session 72) stays PyTorch's cat, and what is compiled builds."""
+    def nerf(x):
+        return torch.cat([x] + [f(x * 2.0 ** i) for i in range(10) for f in (torch.sin, torch.cos)], -1)
+
+    widths = [8] * 9 + [16] * 9
+
+    def slices(x):
+        ps, at = [], 0
+        for w in widths:
+            ps.append(x[:, at:at + w] * 2)
+            at += w
+        return torch.cat(ps, -1)
+
+    for fn, x in ((nerf, torch.randn(64, 3)), (slices, torch.randn(64, sum(widths), dtype=torch.bfloat16))):
+        g = _graph(fn, (x,))
+        assert cats_as_maps(g) is g
+        p = tilefuse.compile(fn, (x,))
+        for lw in p.kernels.values():
+            _, cubin = compile_source_only(lw.kernel, "sm_90a")
+            assert cubin.info.spill_stores == 0
+        assert torch.equal(p(x), fn(x)) or torch.allclose(p(x).float(), fn(x).float(), rtol=1e-5, atol=1e-5)
+
+
+def test_a_cache_grown_along_the_last_dim_stays_resizable():
+    """A key cache kept transposed ([B, D, S]) and grown by a cat along its last dim: a piece
+    that is a program input stays PyTorch's cat, which a program resized for the next length
+    runs without a compile (review, session 72: as a select, each length compiled anew)."""
+    from tilefuse.frontend import backend as tb
+
+    w = torch.randn(8, 8)
+
+    def step(x, kc):
+        return torch.cat((kc, (x @ w).transpose(1, 2) * 0.5), -1)
+
+    x = torch.randn(2, 1, 8)
+    g = _graph(step, (x, torch.randn(2, 8, 5)))
+    assert cats_as_maps(g) is g
+    tb.register()
+    torch._dynamo.reset()
+    tb.reset()
+    try:
+        f = torch.compile(step, backend="tilefuse")
+        kc = torch.randn(2, 8, 3)
+        for _ in range(6):
+            out = f(x, kc)
+            torch.testing.assert_close(out, step(x, kc))
+            kc = out
+        assert sum(r.resized for r in tb.reports()) >= 2, tb.summary()
+    finally:
+        torch._dynamo.reset()

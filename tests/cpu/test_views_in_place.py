@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -228,3 +229,20 @@ def test_a_view_whose_reader_keeps_its_copy_keeps_its_own():
         for t in s.inputs:
             assert t in made or not isinstance(p.graph[t], ir.View), (s.name, t, str(p.plan))
     torch.testing.assert_close(p(x), f(x))
+
+
+@pytest.mark.parametrize("name, fn", [
+    # a slice under the transpose SDPA's v is cut from, the q half read by kernels
+    ("slice under a kept permute", lambda y: (lambda qv: F.scaled_dot_product_attention(
+        qv[..., :4] * 2, qv[..., :4] * 3, qv[..., 4:]))(y[..., 1:].transpose(1, 2))),
+    # the kept view an alias (a reshape of a slice)
+    ("kept alias", lambda y: (lambda qv: F.scaled_dot_product_attention(
+        qv[..., :4] * 2, qv[..., :4] * 3, qv[..., 4:]))(y[:, 1:].view(1, 4, 2, 8))),
+])
+def test_a_view_kept_for_an_extern_is_made_from_what_exists(name, fn):
+    """A view kernels read and an extern reads in place through a strided view stays one only
+    where it is an extern step over a tensor that is made; else it keeps its copy (review,
+    session 72: the view under it was dropped and the strided view ran on nothing)."""
+    y = torch.randn(1, 4, 2, 9) if name != "kept alias" else torch.randn(1, 5, 16)
+    p = tilefuse.compile(fn, (y,))
+    torch.testing.assert_close(p(y), fn(y), rtol=1e-5, atol=1e-5)

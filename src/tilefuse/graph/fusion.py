@@ -1137,6 +1137,11 @@ def views_read_in_place(p: Plan) -> Plan:
     # a view read by a view that keeps its copy keeps its own (each was judged in its own
     # context: under a transposing permute a strided slice reads through, on its own it is a
     # copy, and the copy reads the permute: fuzz crash 9502758)
+    # a view kept as a strided view for an extern is made at run time from its argument, so that
+    # argument must exist: an extern step whose argument is not itself dropped (review, session 72:
+    # a slice under a kept transpose, or a kept alias, ran on nothing)
+    region -= {x for x in region if any(strided(u) for u in users[x])
+               and (step_of[x].family != "extern" or g[x].arg in region)}
     while dropped := {x for x in region if any(isinstance(g[u], ir.View) and u not in region and not strided(u)
                                                for u in users[x])}:
         region -= dropped

@@ -20,11 +20,13 @@ piece's columns are read as 16-byte streams where its offset is a whole number o
 bits as PyTorch's cat.
 
 An empty piece is dropped, and a cat of one piece left is that piece (Phi-3 cats its fully
-rotated q with an empty pass-through). Taken for float cats along the last dim whose pieces
-all have the cat's dtype and rank, at least one of them a map (a cat of tensors in memory alone
-is PyTorch's copy, which reads them in place), whose trees hold no more than MAX_MAPS maps
-and gather only float tensors (a kernel gathers floats: fusion.gathers_in). A cat along
-another dim (a KV cache's, along the sequence; runtime/resize.py grows it) is left alone.
+rotated q with an empty pass-through). Taken for float cats along the last dim of 2 to
+MAX_PIECES pieces (each column computes every piece: a NeRF encoding's 21 would be 21 times the
+sines), all of the cat's dtype and rank, at least one of them a map (a cat of tensors in memory
+alone is PyTorch's copy, which reads them in place), none of them a program input (a cache grown
+call by call, which runtime/resize.py resizes in PyTorch's cat), whose trees hold no more than
+MAX_MAPS maps together and gather only float tensors (a kernel gathers floats:
+fusion.gathers_in). A cat along another dim (a KV cache's, along the sequence) is left alone.
 """
 from __future__ import annotations
 
@@ -34,20 +36,35 @@ from ..rewrites import substitute
 from .cat_signs import _pieces
 from .match import Editor, prune
 
-MAX_MAPS = 32  # per piece: a longer chain is gathered where a kernel of its own wrote it
+MAX_PIECES = 4  # every column computes every piece's tree: more pieces, that many times the work
+MAX_MAPS = 32  # over all pieces: each is computed at every column of the cat
 
 
-def _maps(g: ir.Graph, name: str, width: int, budget: list) -> bool:
+def _maps(g: ir.Graph, name: str, width: int, budget: list, seen: set) -> bool:
     """Whether the piece's tree can be computed at other columns: every tensor it gathers is a
-    float one, and it holds no more than the budget's maps."""
+    float one, and the pieces hold no more than the budget's maps (each counted once)."""
+    if name in seen:
+        return True
+    seen.add(name)
     n = g[name]
     t = n.type
     if not t.shape or t.shape[-1] != width or isinstance(n, ir.Constant):
         return True  # (broadcasts along the last dim: read as it is)
     if isinstance(n, ir.Map) and name not in g.outputs:
         budget[0] -= 1
-        return budget[0] >= 0 and all(_maps(g, a, width, budget) for a in n.args)
+        return budget[0] >= 0 and all(_maps(g, a, width, budget, seen) for a in n.args)
     return dtypes.is_float(t.dtype)
+
+
+def _input_piece(g: ir.Graph, name: str) -> bool:
+    """A piece that is a whole program input under views that cut nothing: a cache the program
+    grows (a key cache kept transposed, grown along its last dim), whose size changes from call
+    to call; its cat stays PyTorch's, which a resized program runs at any size
+    (runtime/resize.py). A slice of an input is a piece like any other."""
+    n = g[name]
+    while isinstance(n, ir.View) and n.op != "slice":
+        n = g[n.arg]
+    return isinstance(n, ir.Input)
 
 
 class _At:
@@ -135,8 +152,10 @@ def cats_as_maps(g: ir.Graph) -> ir.Graph:
             out.append(n)
             changed = True
             continue
-        if (len(names) < 2 or not any(isinstance(g[x], ir.Map) and x not in g.outputs for x in names)
-                or not all(_maps(g, x, g[x].type.shape[-1], [MAX_MAPS]) for x in names)):
+        budget, seen = [MAX_MAPS], set()
+        if (not 2 <= len(names) <= MAX_PIECES or any(_input_piece(g, x) for x in names)
+                or not any(isinstance(g[x], ir.Map) and x not in g.outputs for x in names)
+                or not all(_maps(g, x, g[x].type.shape[-1], budget, seen) for x in names)):
             out.append(n)
             continue
         out += _select(g, ed, n, names)
