@@ -94,6 +94,32 @@ def test_llama_mlp_runs_as_two_gemms_and_a_norm():
     assert families.count("extern") == 0
 
 
+class ChunkedSwiGLU(nn.Module):
+    """Phi-3's MLP: RMSNorm -> one gate/up weight, chunked -> up * silu(gate) -> down -> + residual."""
+
+    def __init__(self, d, f):
+        super().__init__()
+        self.norm = nn.RMSNorm(d, eps=1e-6)
+        self.gate_up, self.down = nn.Linear(d, 2 * f, bias=False), nn.Linear(f, d, bias=False)
+        with torch.no_grad():
+            self.norm.weight.copy_(1 + 0.3 * torch.randn(d))
+
+    def forward(self, x):
+        gate, up = self.gate_up(self.norm(x)).chunk(2, dim=-1)
+        return x + self.down(up * F.silu(gate))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_a_chunked_gate_up_weight_is_a_pairwise_swiglu_gemm(dtype):
+    """One gate/up weight's halves, interleaved once when compiling: the SwiGLU is the GEMM's
+    pairwise epilogue, as for separate gate and up weights (session 72, not yet run on a GPU)."""
+    torch.manual_seed(0)
+    prog, families = _run(ChunkedSwiGLU(256, 688), [torch.randn(2, 100, 256)], dtype)
+    gemms = [s.gemm for s in prog.plan.steps if s.family == "gemm"]
+    assert len(gemms) == 2 and sum(bool(g.pairwise) for g in gemms) == 1
+    assert families.count("extern") == 0
+
+
 def _block():
     """A small native Llama block (GQA, 4 heads) with its norm weights away from 1."""
     torch.manual_seed(0)
