@@ -37,8 +37,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, os.environ.get("TILEFUSE_SRC", str(ROOT / "src")))
 sys.path.insert(0, str(ROOT / "tests" / "cpu"))
 
-from hf_arch_fixtures import ARCHS as FIXTURES  # noqa: E402
-from hf_arch_fixtures import TINY, Arch, Sizes, Wrap, _ids, _llama_like, draw_inputs, perturb  # noqa: E402
+import hf_arch_fixtures as fixtures  # noqa: E402
+from hf_arch_fixtures import TINY, Arch, Sizes, Wrap, _llama_like, draw_inputs, perturb  # noqa: E402
 
 # the three issue 5 names (tests/cpu/test_models.py covers them), then the fixtures' architectures
 ARCHS = {
@@ -47,33 +47,18 @@ ARCHS = {
     "gpt2": Arch("causal", "GPT2LMHeadModel", "GPT2Config",
                  lambda s: dict(n_embd=s.hidden, n_layer=s.layers, n_head=s.heads, n_positions=s.positions),
                  note="LayerNorm, GELU-tanh, learned positions, Conv1D projections"),
-    **FIXTURES,
+    **fixtures.ARCHS,
 }
 DEFAULT = [n for n, a in ARCHS.items() if not a.experts_in_pytorch]  # MoE: bench/blocks.py hf_mixtral
 
 
 def sizes_for(name: str, s: Sizes) -> Sizes:
-    from dataclasses import replace
-
-    return replace(s, layers=max(s.layers, ARCHS[name].layers))
-
-
-def build(name: str, s: Sizes):
-    """The model from its config class with random weights, as the fixtures build theirs."""
-    import transformers
-
-    a = ARCHS[name]
-    cfg = getattr(transformers, a.config)(**{**_ids(s, a.kind), **a.config_kw(s)})
-    cfg._attn_implementation = a.attn
-    model = getattr(transformers, a.model)(cfg)
-    if a.kind == "causal":
-        model.loss_type = "ForCausalLM"
-    return model
+    return fixtures.sizes_for(name, s, ARCHS)
 
 
 def _model(name: str, s: Sizes, device: str, seed: int = 0):
     torch.manual_seed(seed)
-    hf = build(name, s)
+    hf = fixtures.build(name, s, ARCHS)
     gen = torch.Generator().manual_seed(seed + 1)
     perturb(hf, gen)
     names, x, outs = draw_inputs(ARCHS[name].kind, s, hf.config.vocab_size, hf.config.pad_token_id, gen, device)
@@ -118,15 +103,6 @@ def plan_only(names, s: Sizes) -> None:
             print(f"{name:10s} FAILS: {type(e).__name__}: {str(e)[:200]}", flush=True)
 
 
-def _kernel_us(fn, x, calls: int = 5) -> dict:
-    """GPU us per forward of each kernel name (torch.profiler), largest first."""
-    sys.path.insert(0, str(ROOT / "bench"))
-    from mapreduce import kernel_times
-
-    per = {k: v["us"] * v["count"] for k, v in kernel_times(fn, x, calls).items()}
-    return dict(sorted(per.items(), key=lambda kv: -kv[1]))
-
-
 def run_model(name: str, s: Sizes, rounds: int, settle_s: float, profile: bool = False) -> dict:
     from tilefuse.analyze.bench import fresh_compile, sustained_ms
     from tilefuse.check import compare, flatten, float64_reference
@@ -167,6 +143,9 @@ def run_model(name: str, s: Sizes, rounds: int, settle_s: float, profile: bool =
             for k in keys[i % 3:] + keys[:i % 3]:
                 per[k].append(sustained_ms(runs[k], seconds=0.5, settle_s=settle_s))
         if profile:
+            sys.path.insert(0, str(ROOT / "bench"))
+            from blocks import kernel_us as _kernel_us
+
             row["kernels_us"] = {"tilefuse": _kernel_us(tf, x), "torch.compile": _kernel_us(tc, x)}
             for who, ks in row["kernels_us"].items():
                 print(f"  {name} {who}: {sum(ks.values()):.0f} us in kernels; "

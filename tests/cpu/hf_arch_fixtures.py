@@ -168,15 +168,16 @@ ARCHS: dict[str, Arch] = {
 }
 
 
-def sizes_for(name: str, s: Sizes) -> Sizes:
-    """`s` with at least the architecture's own number of layers."""
-    return replace(s, layers=max(s.layers, ARCHS[name].layers))
+def sizes_for(name: str, s: Sizes, archs: dict | None = None) -> Sizes:
+    """`s` with at least the architecture's own number of layers (`archs`: another table, by
+    default ARCHS)."""
+    return replace(s, layers=max(s.layers, (archs or ARCHS)[name].layers))
 
 
-def build(name: str, s: Sizes) -> nn.Module:
+def build(name: str, s: Sizes, archs: dict | None = None) -> nn.Module:
     import transformers
 
-    a = ARCHS[name]
+    a = (archs or ARCHS)[name]
     cfg = getattr(transformers, a.config)(**{**_ids(s, a.kind), **a.config_kw(s)})
     cfg._attn_implementation = a.attn
     model = getattr(transformers, a.model)(cfg)

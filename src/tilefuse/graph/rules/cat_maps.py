@@ -34,6 +34,7 @@ from ... import dtypes
 from .. import ir
 from ..rewrites import substitute
 from .cat_signs import _pieces
+from .gather_sink import _made_type, _table
 from .match import Editor, prune
 
 MAX_PIECES = 4  # every column computes every piece's tree: more pieces, that many times the work
@@ -89,13 +90,9 @@ class _At:
             m = ir.Map(self.ed.fresh(f"{name}_at"), wide, n.op, tuple(self(a) for a in n.args), n.source)
             self.out.append(m)
             return m.name
-        table = name
-        if len(t.shape) < self.rank:  # (a gather's table has its result's rank)
-            full = (1,) * (self.rank - len(t.shape)) + t.shape
-            v = ir.View(self.ed.fresh(f"{name}_ranked"), ir.TensorType(full, t.dtype), "reshape", name, full,
-                        self.source)
-            self.out.append(v)
-            table, wide = v.name, ir.TensorType(full[:-1] + (self.m,), t.dtype)
+        table = _table(self.g, self.ed, self.out, name, self.rank, self.source)  # (at the gather's rank)
+        if table != name:
+            wide = ir.TensorType(_made_type(self.out, table).shape[:-1] + (self.m,), t.dtype)
         gat = ir.Gather(self.ed.fresh(f"{name}_at"), wide, table, self.index, self.rank - 1, self.source)
         self.out.append(gat)
         return gat.name

@@ -115,7 +115,8 @@ def _chunked_pairs(g: ir.Graph, users) -> list:
                 continue
             y = hu[0]
             others = [v for v in users[y.name] if v != up]
-            if len(others) != 1 or _half(g, others[0]) is None or _half(g, others[0])[1] == hu[1]:
+            hg = _half(g, others[0]) if len(others) == 1 else None
+            if hg is None or hg[1] == hu[1]:
                 continue
             if y.name in g.outputs or not elementwise_of(g, f, others[0]):
                 continue
