@@ -59,3 +59,41 @@ def test_short_map_kernels_build_clean_at_their_default(name, C, dtype, arch):
         src, cubin = compile_source_only(lw.kernel, arch)
         assert src.schedule == mr.default_schedule(lw.kernel, arch), src.schedule
         assert cubin.info.clean, f"{src.schedule}: {cubin.info}"
+
+
+def _masks(a, b, c, d):
+    """Gemma 2's two masks as transformers 5.17 builds them: a bool row and an i64 row each."""
+    return (torch.where(a & (b == 3), 1.0, -1e30).to(torch.bfloat16),
+            torch.where(c & (d == 5), 1.0, -1e30).to(torch.bfloat16))
+
+
+def _wide(*xs):
+    """Six i64 rows beside a bool one: past render's registers at any chunk width of a short map."""
+    m = xs[0]
+    for x in xs[1:]:
+        m = m & (x > 0)
+    return torch.where(m, 2.0, 0.0).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_80"])
+@pytest.mark.parametrize("fn,n_i64", [(_masks, 2), (_wide, 6)], ids=["gemma2 masks", "six i64 rows"])
+def test_wide_streams_beside_narrow_ones_get_a_default_that_builds(fn, n_i64, arch):
+    """The chunk width follows the narrowest stream (bool: 16 a chunk), so two chunks a thread of
+    the i64 rows held 72 registers, past what render accepts (MAX_STAGED_WORDS): the program
+    failed to build and Gemma 2 fell back to eager (model_sweep, H200, transformers 5.17).
+    Now the default holds at most MAX_STAGED_WORDS, or streams the row, and builds clean."""
+    S = 2048
+    if fn is _masks:
+        xs = (torch.rand(4096, S) > 0.5, torch.randint(0, 8, (4096, S)),
+              torch.rand(4096, S) > 0.5, torch.randint(0, 8, (4096, S)))
+    else:
+        xs = (torch.rand(4096, S) > 0.5,) + tuple(torch.randint(-4, 4, (4096, S)) for _ in range(n_i64))
+    p = tilefuse.compile(fn, xs)
+    for lw in p.kernels.values():
+        s = mr.default_schedule(lw.kernel, arch)
+        assert s.stage != "regs" or mr.held_words(lw.kernel, s) <= mr.MAX_STAGED_WORDS, s
+        src, cubin = compile_source_only(lw.kernel, arch)
+        assert src.schedule == s and cubin.info.spill_stores == 0 and cubin.info.spill_loads == 0, cubin.info
+    got, want = p(*xs), fn(*xs)
+    for g, w in zip(got if isinstance(got, tuple) else (got,), want if isinstance(want, tuple) else (want,)):
+        assert torch.equal(g, w)

@@ -534,7 +534,23 @@ def default_schedule(kernel: ir.Kernel, arch: str = "sm_90a", stage: str | None 
     """A schedule from the row length, the kernel's kind, the staged bytes and the target
     (see _default_schedule); a kernel ending in a grid reduction takes one row per row group."""
     sch = _default_schedule(kernel, arch, stage)
-    return replace(sch, batch=1) if sch.batch > 1 and ir.grid_parts(kernel) is not None else sch
+    sch = replace(sch, batch=1) if sch.batch > 1 and ir.grid_parts(kernel) is not None else sch
+    if sch.stage == "regs" and held_words(kernel, sch) > MAX_STAGED_WORDS:
+        # the heuristics aim at STAGE_WORDS, but a row of many wide streams can outgrow what
+        # render accepts: streamed, it is read again instead of failing the program's build
+        sch = replace(sch, stage="stream", batch=1)
+    return sch
+
+
+def held_words(kernel: ir.Kernel, sch: MapReduceSchedule) -> int:
+    """Registers of row chunks a thread holds with `sch` in the registers stage (what render checks)."""
+    gp = ir.grid_parts(kernel)
+    head = gp.head if gp is not None else kernel
+    parts = ir.row_kernel_parts(head)
+    V = sch.vector
+    ana = _analyse(head, parts, V)
+    nchunk, _ = _plan_chunks(parts.col_extent, V, sch.group * sch.cluster)
+    return nchunk * sch.batch * sum(_words(st.buf.dtype, V) for st in ana.in_streams.values() if st.per_row)
 
 
 def _default_schedule(kernel: ir.Kernel, arch: str = "sm_90a", stage: str | None = None) -> MapReduceSchedule:
@@ -656,12 +672,27 @@ def _short_map_schedule(kernel: ir.Kernel, parts: ir.RowKernel, v: int) -> MapRe
     over rows of 128 35.3 against 40.7, x * 2 over rows of 1024 33.5 against 35.2; each the best
     of 30 neighbours (16-byte chunks at two a thread: 1.03-1.47x the best). More than 16
     registers of staged chunks (RoPE's three streams: 16) leave too few of the 32 a thread
-    gets at 2048 threads an SM (six f32 inputs: a stack frame): 1024 threads an SM then."""
+    gets at 2048 threads an SM (six f32 inputs: a stack frame): 1024 threads an SM then.
+    Wide streams next to narrow ones (Gemma 2's mask under transformers 5.17: two bool and
+    two i64 rows, 36 registers a chunk of 8) take one chunk a thread, then narrower chunks,
+    until render accepts them (MAX_STAGED_WORDS), at 512 threads an SM.
+    """
+
+    def layout(v: int, per: int) -> MapReduceSchedule:
+        group = _pow2ceil(-(-(-(-parts.col_extent // v)) // per))
+        threads = max(256, group)
+        per_sm = 2048 if per * staged_words(kernel, v) <= 16 else 1024
+        sch = MapReduceSchedule(threads=threads, group=group, vector=v, min_blocks=max(1, per_sm // threads))
+        # more than 32 registers of chunks held (the masks' 36) spill under 1024 threads' cap of 64
+        return replace(sch, min_blocks=max(1, 512 // threads)) if held_words(kernel, sch) > 32 else sch
+
     v //= 2
-    group = _pow2ceil(-(-(-(-parts.col_extent // v)) // 2))
-    threads = max(256, group)
-    per_sm = 2048 if 2 * staged_words(kernel, v) <= 16 else 1024
-    return MapReduceSchedule(threads=threads, group=group, vector=v, min_blocks=max(1, per_sm // threads))
+    sch = layout(v, 2)
+    if held_words(kernel, sch) > MAX_STAGED_WORDS:
+        sch = layout(v, 1)
+    while held_words(kernel, sch) > MAX_STAGED_WORDS and sch.vector > 1 and sch.group < 1024:
+        sch = layout(sch.vector // 2, 1)
+    return sch  # (default_schedule streams what still does not fit)
 
 
 def _centred(kernel: ir.Kernel) -> bool:
@@ -2357,8 +2388,8 @@ def _render(kernel: ir.Kernel, schedule: MapReduceSchedule | None, arch: str, ke
     if C + P * V >= 2**31 or (not rows_arg and R + sch.rows_per_cta >= 2**31):
         raise ValueError(f"kernel {kernel.name}: {R} rows of {C} elements are too many "
                          f"(row and column indices are 32-bit)")
-    staged_regs = nchunk * sch.batch * sum(_words(st.buf.dtype, V) for st in ana.in_streams.values() if st.per_row)
-    if sch.stage == "regs" and staged_regs > MAX_STAGED_WORDS:
+    staged_regs = held_words(kernel, sch) if sch.stage == "regs" else 0
+    if staged_regs > MAX_STAGED_WORDS:
         raise ValueError(f"kernel {kernel.name}: {sch} would hold {staged_regs} registers of row per thread "
                          f"(at most {MAX_STAGED_WORDS}); use more threads, a cluster, or stage='stream'")
     stores = {x: x for x in ir.walk(parts.body) if isinstance(x, ir.Store)}
