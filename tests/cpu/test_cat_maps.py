@@ -3,7 +3,9 @@ its pieces, each computed at its clamped column, so one kernel reads the pieces'
 they lie and writes the cat once. The rewritten graph computes PyTorch's cat bit for bit (the
 interpreter, random shapes); partial-rotary RoPE (GPT-NeoX, StableLM) is one kernel with no
 copy of the projection's views; an empty piece is dropped (Phi-3); other cats are left alone;
-the kernels build without spills."""
+the kernels build without spills. A stack along a new last dim viewed back flat (GPT-J's and
+Cohere's interleaved rotary) is a select too (stacks_as_maps), and with the cat after it one
+kernel reading q and k where they lie."""
 from __future__ import annotations
 
 import pytest
@@ -16,7 +18,7 @@ from tilefuse.check import compare, float64_reference
 from tilefuse.frontend.capture import export, to_graph
 from tilefuse.graph import ir
 from tilefuse.graph.interp import run_graph, to_torch
-from tilefuse.graph.rules.cat_maps import cats_as_maps
+from tilefuse.graph.rules.cat_maps import cats_as_maps, stacks_as_maps
 from tilefuse.runtime.launch import compile_source_only
 
 
@@ -192,3 +194,99 @@ def test_a_cache_grown_along_the_last_dim_stays_resizable():
         assert sum(r.resized for r in tb.reports()) >= 2, tb.summary()
     finally:
         torch._dynamo.reset()
+
+
+def _stacks(g):
+    return [n.name for n in g.nodes if isinstance(n, ir.Extern) and n.target == "aten.stack.default"]
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.data())
+def test_an_interleaving_stack_is_a_select_bit_for_bit(data):
+    """2 to 4 pieces of one random width, maps of strided slices and broadcast vectors beside
+    plain views, stacked along a new last dim and flattened: each column is its piece's value."""
+    k = data.draw(st.integers(2, 4))
+    w = data.draw(st.integers(1, 6))
+    kinds = data.draw(st.lists(st.sampled_from(["map", "view", "neg"]), min_size=k, max_size=k))
+    if "view" in kinds and set(kinds) == {"view"}:
+        kinds[0] = "map"
+    x = torch.randn(2, 3, k * w + 3)
+    v = torch.randn(1, 1, w)
+
+    def fn(x, v):
+        pieces = []
+        for i, kind in enumerate(kinds):
+            s = x[..., i:i + k * w:k]  # (a strided slice: piece i's columns)
+            pieces.append(torch.tanh(s) * v + 0.5 if kind == "map" else -s if kind == "neg" else s)
+        return torch.stack(pieces, -1).flatten(-2) * 3
+
+    g = _graph(fn, (x, v))
+    out = stacks_as_maps(g)
+    assert not _stacks(out), str(out)
+    (got,) = _run(out, (x, v))
+    (want,) = _run(g, (x, v))
+    assert torch.equal(got, want)
+    torch.testing.assert_close(got, fn(x, v))
+
+
+def _interleaved_rope(q, cos, sin):
+    """GPT-J's rotary on the first 16 of 64 dims of each head: pairs (2i, 2i+1) rotated."""
+    q = q.view(2, 24, 4, 64)
+    rot, rest = q[..., :16], q[..., 16:]
+    x1, x2 = rot[..., ::2], rot[..., 1::2]
+    turned = torch.stack((-x2, x1), -1).flatten(-2)
+    return torch.cat((rot * cos + turned * sin, rest), -1).transpose(1, 2)
+
+
+def test_interleaved_rotary_is_one_kernel_reading_the_projection_in_place():
+    """No stack, no copy of the strided slices x[..., ::2] and x[..., 1::2] (a step of 2 reads the
+    sectors a copy would: fusion.MAX_SECTOR_STEP): one kernel for the rotation and the cat."""
+    x, w = torch.randn(2, 24, 128, dtype=torch.bfloat16), torch.randn(256, 128, dtype=torch.bfloat16)
+    ang = torch.randn(24, 1, 8)
+    cos = torch.repeat_interleave(ang.cos(), 2, -1).bfloat16()
+    sin = torch.repeat_interleave(ang.sin(), 2, -1).bfloat16()
+
+    def fn(x, w):
+        q = x @ w.t()
+        r = _interleaved_rope(q, cos, sin)
+        return torch.nn.functional.scaled_dot_product_attention(r, r, r)
+
+    p = tilefuse.compile(fn, (x, w))
+    externs = [s for s in p.plan.steps if s.family == "extern" and not s.view]
+    assert [type(p.graph[s.nodes[0]]).__name__ for s in externs] == ["Attention"], str(p.plan)
+    assert not _stacks(p.graph) and not _cats(p.graph)
+    check = compare("interleaved rope", p(x, w), float64_reference(fn, (x, w)), fn(x, w))
+    assert check.ok, check
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_80"])
+def test_the_interleaved_rotary_kernels_build_without_spills(arch):
+    x = torch.randn(2, 4, 96, 64, dtype=torch.bfloat16)
+    ang = torch.randn(96, 8)
+    cos = torch.repeat_interleave(ang.cos(), 2, -1).bfloat16()
+    sin = torch.repeat_interleave(ang.sin(), 2, -1).bfloat16()
+
+    def fn(x):
+        rot, rest = x[..., :16], x[..., 16:]
+        turned = torch.stack((-rot[..., 1::2], rot[..., ::2]), -1).flatten(-2)
+        return torch.cat((rot * cos + turned * sin, rest), -1)
+
+    p = tilefuse.compile(fn, (x,))
+    assert p.kernels and not _stacks(p.graph)
+    for lw in p.kernels.values():
+        src, cubin = compile_source_only(lw.kernel, arch)
+        assert cubin.info.clean, f"{arch} {src.schedule}: {cubin.info}"
+    check = compare("interleaved rope", p(x), float64_reference(fn, (x,)), fn(x))
+    assert check.ok, check
+
+
+@pytest.mark.parametrize("name, fn", [
+    ("along a dim that is not new and last", lambda x: torch.stack((torch.sin(x), x), 0).flatten(0, 1)),
+    ("not flattened back", lambda x: torch.stack((torch.sin(x), x), -1) * 2),
+    ("of views alone", lambda x: torch.stack((x[:, ::2], x[:, 1::2]), -1).flatten(-2) * 2),
+    ("of integers", lambda x: torch.stack(((x > 0).long(), x.long()), -1).flatten(-2)),
+])
+def test_stacks_not_taken(name, fn):
+    x = torch.randn(4, 6)
+    g = _graph(fn, (x,))
+    assert stacks_as_maps(g) is g, name

@@ -456,7 +456,8 @@ class _Lowerer:
 
 def index_range(g: g_ir.Graph, name: str) -> tuple[int, int] | None:
     """(least, greatest) an integer tensor's elements can be, from how it is made (iotas,
-    integer constants, views, and add / sub / min / max / casts of these), or None."""
+    integer constants, views, and add / sub / mul / min / max / casts of these, floor division
+    and remainder by a positive constant), or None."""
     return _index_range(g, name, {})
 
 
@@ -480,14 +481,22 @@ def _node_range(g: g_ir.Graph, n, memo: dict) -> tuple[int, int] | None:
         return (n.value, n.value) if isinstance(n.value, int) and not isinstance(n.value, bool) else None
     if isinstance(n, g_ir.View):
         return _index_range(g, n.arg, memo)
-    if not isinstance(n, g_ir.Map) or n.op not in ("add", "sub", "min", "max", "cast"):
+    if not isinstance(n, g_ir.Map) or n.op not in ("add", "sub", "mul", "min", "max", "cast", "floordiv", "mod"):
         return None
     spans = [_index_range(g, a, memo) for a in n.args]
     if None in spans:
         return None
+    if n.op in ("floordiv", "mod"):  # by a positive constant (a stack's select's column and piece)
+        (alo, ahi), (blo, bhi) = spans
+        if blo != bhi or blo <= 0:
+            return None
+        return (alo // blo, ahi // blo) if n.op == "floordiv" else (0, blo - 1) if alo < 0 else (0, min(ahi, blo - 1))
     if n.op == "cast":  # (an integer's value, where the new dtype holds the range: index_range checks)
         return spans[0]
     (alo, ahi), (blo, bhi) = spans
+    if n.op == "mul":
+        corners = (alo * blo, alo * bhi, ahi * blo, ahi * bhi)
+        return min(corners), max(corners)
     return {"add": (alo + blo, ahi + bhi), "sub": (alo - bhi, ahi - blo),
             "min": (min(alo, blo), min(ahi, bhi)), "max": (max(alo, blo), max(ahi, bhi))}[n.op]
 

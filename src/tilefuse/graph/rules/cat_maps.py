@@ -54,7 +54,38 @@ def _maps(g: ir.Graph, name: str, width: int, budget: list, seen: set) -> bool:
     if isinstance(n, ir.Map) and name not in g.outputs:
         budget[0] -= 1
         return budget[0] >= 0 and all(_maps(g, a, width, budget, seen) for a in n.args)
-    return dtypes.is_float(t.dtype)
+    if _along_columns(g, n) and name not in g.outputs:  # (a stack's select's, under a cat)
+        budget[0] -= 1
+        return budget[0] >= 0 and _maps(g, n.index, width, budget, seen)
+    if _sliced_map(g, n):
+        budget[0] -= 1
+        return budget[0] >= 0 and _maps(g, n.arg, g[n.arg].type.shape[-1], budget, seen)
+    return dtypes.is_float(t.dtype) or _column(n)
+
+
+def _sliced_map(g: ir.Graph, n) -> bool:
+    """A slice of the last dim of a map computed in the program (Cohere's x[..., ::2] of q cast
+    to f32): at column c it is the map at column start + step c, computed there, so the map's
+    own result need not be in memory for a kernel to gather it."""
+    if not (isinstance(n, ir.View) and n.op == "slice" and n.type.shape):
+        return False
+    rank = len(n.type.shape)
+    dim, start, _, step = n.params
+    a = g[n.arg]
+    return (dim % rank == rank - 1 and 0 <= start and step >= 1 and isinstance(a, ir.Map)
+            and n.arg not in g.outputs and len(a.type.shape) == rank)
+
+
+def _along_columns(g: ir.Graph, n) -> bool:
+    """A gather of a float tensor along the last dim, without wrapping: at another column it
+    is the same gather at its index's value there."""
+    return (isinstance(n, ir.Gather) and n.axis == len(n.type.shape) - 1 and not n.wrap
+            and dtypes.is_float(g[n.arg].type.dtype))
+
+
+def _column(n) -> bool:
+    """An iota along the last dim: its value at a column is the column (a stack's select's)."""
+    return isinstance(n, ir.Iota) and n.axis == len(n.type.shape) - 1 and n.type.dtype == "i64"
 
 
 def _input_piece(g: ir.Graph, name: str) -> bool:
@@ -85,11 +116,27 @@ class _At:
         t = n.type
         if not t.shape or t.shape[-1] != self.width or isinstance(n, ir.Constant):
             return name
+        if _column(n):
+            return self.index
+        if _sliced_map(g, n):
+            _, start, _, step = n.params
+            itype, index = _made_type(self.out, self.index), self.index
+            for op, c in (("mul", step), ("add", start)):
+                if c != (1 if op == "mul" else 0):
+                    moved = ir.Map(self.ed.fresh("slice_col"), itype, op, (index, _const(self.ed, self.out, c, self.source)),
+                                   self.source)
+                    self.out.append(moved)
+                    index = moved.name
+            return _At(g, self.ed, self.out, g[n.arg].type.shape[-1], index, self.m, self.rank, self.source)(n.arg)
         wide = ir.TensorType(t.shape[:-1] + (self.m,), t.dtype)
         if isinstance(n, ir.Map) and name not in g.outputs:
             m = ir.Map(self.ed.fresh(f"{name}_at"), wide, n.op, tuple(self(a) for a in n.args), n.source)
             self.out.append(m)
             return m.name
+        if _along_columns(g, n) and name not in g.outputs:
+            gat = ir.Gather(self.ed.fresh(f"{name}_at"), wide, n.arg, self(n.index), n.axis, n.source)
+            self.out.append(gat)
+            return gat.name
         table = _table(self.g, self.ed, self.out, name, self.rank, self.source)  # (at the gather's rank)
         if table != name:
             wide = ir.TensorType(_made_type(self.out, table).shape[:-1] + (self.m,), t.dtype)
@@ -160,3 +207,100 @@ def cats_as_maps(g: ir.Graph) -> ir.Graph:
     if not changed:
         return g
     return prune(substitute(ir.Graph(tuple(out), g.inputs, g.outputs, ed.weights, g.writes, g.layouts), renamed))
+
+
+def _stacked(g: ir.Graph, n) -> list | None:
+    """The pieces of `n` = reshape(stack((p0, .., pk-1), -1), (.., k w)): a stack along a new
+    last dim flattened back, which interleaves the pieces' columns; else None."""
+    if not (isinstance(n, ir.View) and n.op == "reshape" and n.type.shape):
+        return None
+    s = g[n.arg]
+    if not (isinstance(s, ir.Extern) and s.target == "aten.stack.default" and not s.kwargs and s.args
+            and isinstance(s.args[0], (tuple, list)) and s.args[0]
+            and all(isinstance(r, ir.Ref) for r in s.args[0])):
+        return None
+    rank = len(s.type.shape)
+    dim = s.args[1] if len(s.args) > 1 else 0
+    if not isinstance(dim, int) or rank < 2 or dim % rank != rank - 1:
+        return None
+    if n.type.shape != s.type.shape[:-2] + (s.type.shape[-2] * s.type.shape[-1],):
+        return None
+    return [r.name for r in s.args[0]]
+
+
+def _interleave(g: ir.Graph, ed: Editor, n: ir.View, names: list) -> list:
+    """The nodes computing `n` as a select of its pieces at column j // k by j % k; the last is named n."""
+    out, src = [], n.source
+    rank, m, k = len(n.type.shape), n.type.shape[-1], len(names)
+    col = ir.TensorType((1,) * (rank - 1) + (m,), "i64")
+    pos = ir.Iota(ed.fresh("stack_col"), col, rank - 1, src)
+    at = ir.Map(ed.fresh("stack_at"), col, "floordiv", (pos.name, _const(ed, out, k, src)), src)
+    which = ir.Map(ed.fresh("stack_which"), col, "mod", (pos.name, _const(ed, out, k, src)), src)
+    out += [pos, at, which]
+    values = [_At(g, ed, out, m // k, at.name, m, rank, src)(x) for x in names]
+    picked = values[-1]
+    for i in range(k - 2, -1, -1):
+        this = ir.Map(ed.fresh("stack_is"), ir.TensorType(col.shape, "bool"), "eq",
+                      (which.name, _const(ed, out, i, src)), src)
+        sel = ir.Map(n.name if i == 0 else ed.fresh("stack_pick"), n.type, "where", (this.name, values[i], picked), src)
+        out += [this, sel]
+        picked = sel.name
+    return out
+
+
+def _pairwise_epilogue(g: ir.Graph, n, names: list) -> bool:
+    """Whether the pieces are maps of column slices of a contraction's output of the stack's own
+    shape (or of maps of it): rope_into_projection's pair form, which a GEMM
+    computes in its pairwise epilogue (contraction.stack_halves), so the stack stays for it."""
+    seen, todo = set(), list(names)
+    while todo:
+        x = todo.pop()
+        if x in seen:
+            continue
+        seen.add(x)
+        m = g[x]
+        if isinstance(m, ir.Map):
+            todo += m.args
+        elif isinstance(m, ir.View) and m.op == "slice" and _gemm_output(g, m.arg, n.type.shape):
+            return True
+    return False
+
+
+def _gemm_output(g: ir.Graph, name: str, shape: tuple) -> bool:
+    """Whether `name` is a contraction of `shape` or maps of one, with no view between."""
+    x = g[name]
+    if x.type.shape != shape:
+        return False
+    if isinstance(x, ir.Contraction):
+        return True
+    return isinstance(x, ir.Map) and any(_gemm_output(g, a, shape) for a in x.args)
+
+
+def stacks_as_maps(g: ir.Graph) -> ir.Graph:
+    """A stack along a new last dim viewed back flat, `stack((-x2, x1), -1).flatten(-2)` (GPT-J's
+    and Cohere's interleaved rotary: x1, x2 = x[..., ::2], x[..., 1::2]), becomes a select of its
+    pieces: column j is piece j % k at column j // k, each piece computed there as a cat's are
+    (`_At`). The stack was a PyTorch copy of the pieces, each a copy or a kernel's result of
+    its own; as a map, the kernel that reads it computes it where it stands (the rotation, then
+    the cat of the rotated part beside the rest: cats_as_maps, which runs next). Same values,
+    selected: the same bits. Taken on the cat's terms: float, 2 to MAX_PIECES pieces of the
+    result's dtype and rank, one of them a map, none a program input, MAX_MAPS maps at most;
+    not rope_into_projection's pair form, which its GEMM's epilogue computes."""
+    ed, out, changed = Editor(g), [], False
+    for n in g.nodes:
+        names = _stacked(g, n) if dtypes.is_float(n.type.dtype) else None
+        rank = len(n.type.shape)
+        budget, seen = [MAX_MAPS], set()
+        if (names is None or not 2 <= len(names) <= MAX_PIECES
+                or any(g[x].type.dtype != n.type.dtype or len(g[x].type.shape) != rank
+                       or g[x].type.shape[-1] * len(names) != n.type.shape[-1] or _input_piece(g, x) for x in names)
+                or n.type.shape[-1] == 0 or _pairwise_epilogue(g, n, names)
+                or not any(isinstance(g[x], ir.Map) and x not in g.outputs for x in names)
+                or not all(_maps(g, x, g[x].type.shape[-1], budget, seen) for x in names)):
+            out.append(n)
+            continue
+        out += _interleave(g, ed, n, names)
+        changed = True
+    if not changed:
+        return g
+    return prune(ir.Graph(tuple(out), g.inputs, g.outputs, ed.weights, g.writes, g.layouts))
