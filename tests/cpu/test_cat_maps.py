@@ -203,21 +203,23 @@ def _stacks(g):
 @settings(max_examples=30, deadline=None)
 @given(st.data())
 def test_an_interleaving_stack_is_a_select_bit_for_bit(data):
-    """2 to 4 pieces of one random width, maps of strided slices and broadcast vectors beside
-    plain views, stacked along a new last dim and flattened: each column is its piece's value."""
+    """2 to 4 pieces of one random width, maps of strided slices and broadcast vectors, strided
+    slices of a map (computed at their columns) beside plain views, stacked along a new last dim
+    and flattened: each column is its piece's value."""
     k = data.draw(st.integers(2, 4))
     w = data.draw(st.integers(1, 6))
-    kinds = data.draw(st.lists(st.sampled_from(["map", "view", "neg"]), min_size=k, max_size=k))
-    if "view" in kinds and set(kinds) == {"view"}:
+    kinds = data.draw(st.lists(st.sampled_from(["map", "view", "neg", "sliced map"]), min_size=k, max_size=k))
+    if set(kinds) == {"view"}:
         kinds[0] = "map"
     x = torch.randn(2, 3, k * w + 3)
     v = torch.randn(1, 1, w)
 
     def fn(x, v):
-        pieces = []
+        pieces, t = [], torch.tanh(x) * 2  # (a map that is read only through its slices)
         for i, kind in enumerate(kinds):
             s = x[..., i:i + k * w:k]  # (a strided slice: piece i's columns)
-            pieces.append(torch.tanh(s) * v + 0.5 if kind == "map" else -s if kind == "neg" else s)
+            pieces.append(torch.tanh(s) * v + 0.5 if kind == "map" else -s if kind == "neg"
+                          else t[..., i:i + k * w:k] if kind == "sliced map" else s)
         return torch.stack(pieces, -1).flatten(-2) * 3
 
     g = _graph(fn, (x, v))

@@ -114,3 +114,48 @@ def test_only_16bit_matmuls_by_default_and_f32_rows_far_from_zero_keep_their_dig
         eager = m(x).double()
         got = tilefuse.compile(m, (x,))(x).double()
     assert (got - ref).abs().max() <= 2 * (eager - ref).abs().max() + 1e-6
+
+
+class PostNorm(nn.Module):
+    """BERT's post-norm: h = LayerNorm(x); the projection of h, and h again as the residual."""
+
+    def __init__(self, d=24, n=24):
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.proj = nn.Linear(d, n)
+
+    def forward(self, x):
+        h = self.norm(x)
+        return self.proj(h) + h
+
+
+class ReturnsNorm(NormLinear):
+    def forward(self, x):
+        h = self.norm(x)
+        return self.proj(h), h
+
+
+def test_a_norm_read_beside_its_matmuls_is_not_folded():
+    """Where the norm's output is read by more than contractions (a residual, or returned), the
+    norm kernel writes it anyway: the matmul reads it, plainly, with no row scale and rank-1
+    correction in its epilogue for nothing saved (rmsnorm_matmul.read_beside_contractions)."""
+    torch.manual_seed(5)
+    for m in (PostNorm(), ReturnsNorm()):
+        assert_exact(randomise_norms(m), layernorm_into_matmul, torch.randn(3, 5, 24), fires=False)
+
+
+def test_a_norm_feeding_several_matmuls_alone_is_folded_into_each():
+    """Pre-norm, read by q, k and v through a row reshape: folded, the statistics made once."""
+    class QKV(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm = nn.LayerNorm(24)
+            self.q, self.k = nn.Linear(24, 16), nn.Linear(24, 16)
+
+        def forward(self, x):
+            h = self.norm(x).reshape(-1, 24)
+            return self.q(h) * self.k(h)
+
+    torch.manual_seed(6)
+    _, g2 = assert_exact(randomise_norms(QKV()), layernorm_into_matmul, torch.randn(3, 5, 24))
+    assert len([n for n in nodes_of(g2, ir.Reduce) if n.axes == (2,)]) == 2

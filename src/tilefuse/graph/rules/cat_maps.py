@@ -284,7 +284,7 @@ def stacks_as_maps(g: ir.Graph) -> ir.Graph:
     its own; as a map, the kernel that reads it computes it where it stands (the rotation, then
     the cat of the rotated part beside the rest: cats_as_maps, which runs next). Same values,
     selected: the same bits. Taken on the cat's terms: float, 2 to MAX_PIECES pieces of the
-    result's dtype and rank, one of them a map, none a program input, MAX_MAPS maps at most;
+    result's dtype and rank, one of them a map (or a slice of one), none a program input, MAX_MAPS maps at most;
     not rope_into_projection's pair form, which its GEMM's epilogue computes."""
     ed, out, changed = Editor(g), [], False
     for n in g.nodes:
@@ -295,7 +295,7 @@ def stacks_as_maps(g: ir.Graph) -> ir.Graph:
                 or any(g[x].type.dtype != n.type.dtype or len(g[x].type.shape) != rank
                        or g[x].type.shape[-1] * len(names) != n.type.shape[-1] or _input_piece(g, x) for x in names)
                 or n.type.shape[-1] == 0 or _pairwise_epilogue(g, n, names)
-                or not any(isinstance(g[x], ir.Map) and x not in g.outputs for x in names)
+                or not any(isinstance(g[x], ir.Map) and x not in g.outputs or _sliced_map(g, g[x]) for x in names)
                 or not all(_maps(g, x, g[x].type.shape[-1], budget, seen) for x in names)):
             out.append(n)
             continue
