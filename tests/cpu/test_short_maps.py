@@ -97,3 +97,34 @@ def test_wide_streams_beside_narrow_ones_get_a_default_that_builds(fn, n_i64, ar
     got, want = p(*xs), fn(*xs)
     for g, w in zip(got if isinstance(got, tuple) else (got,), want if isinstance(want, tuple) else (want,)):
         assert torch.equal(g, w)
+
+
+STREAM_DTYPES = [torch.bool, torch.int64, torch.int32, torch.float32, torch.bfloat16, torch.float16]
+
+
+@pytest.mark.parametrize("C", [64, 256, 1024, 2048, 4096], ids=str)
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_80"])
+def test_every_mix_of_stream_dtypes_gets_a_default_that_renders(C, arch):
+    """Maps reading 1 to 6 rows of any mix of dtypes: the default schedule is one render accepts
+    (the registers it holds, the chunk width, the threads), whatever the row length. A default
+    render refused failed the whole program's build (Gemma 2's masks, session 73)."""
+    import random
+
+    rnd = random.Random(C)
+    for trial in range(12):
+        dts = [rnd.choice(STREAM_DTYPES) for _ in range(rnd.randint(1, 6))]
+
+        def fn(*xs):
+            acc = torch.zeros((), dtype=torch.float32)
+            for x in xs:
+                acc = acc + (x.float() if x.dtype != torch.bool else x.float() * 2)
+            return acc.to(torch.bfloat16)
+
+        xs = tuple((torch.rand(8, C) > 0.5) if d == torch.bool
+                   else torch.randint(-5, 5, (8, C), dtype=d) if not d.is_floating_point
+                   else torch.randn(8, C, dtype=d) for d in dts)
+        p = tilefuse.compile(fn, xs)
+        for lw in p.kernels.values():
+            sch = mr.default_schedule(lw.kernel, arch)
+            mr.render(lw.kernel, sch, arch)  # (raises where render refuses the schedule)
+            assert sch.stage != "regs" or mr.held_words(lw.kernel, sch) <= mr.MAX_STAGED_WORDS, (dts, sch)
