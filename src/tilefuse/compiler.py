@@ -142,7 +142,11 @@ def _stages(fn, example_inputs, expr: str | None, arch: str | None, exported=Non
         fired = fired + more
     # after CODA: it folds what the rules built, too; a causal mask known by then becomes
     # is_causal; grouped-query attention reads k and v before their repeat
-    graph, more = run_rewrites(graph, (fold_weights, causal_masks, repeated_kv_into_attention))
+    # attention written out in ops (transformers' eager attention) becomes SDPA first
+    from .graph.rules.eager_attention import eager_attention_as_sdpa
+
+    graph, more = run_rewrites(graph, (eager_attention_as_sdpa, fold_weights, causal_masks,
+                                       repeated_kv_into_attention))
     fired = fired + more
     if gemm and rope_epilogue_enabled():  # needs the folded cos/sin tables
         from .graph.rules.rope_epilogue import rope_into_projection

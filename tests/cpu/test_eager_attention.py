@@ -1,0 +1,159 @@
+"""graph/rules/eager_attention.py: attention written out in ops (transformers' eager attention:
+GPT-J's in f32 from bf16 q and k, Llama's in bf16 with its scale and additive mask) becomes one
+Attention node, run as SDPA. The rewritten graph is within the 2x rule of a float64 reference
+(the interpreter); a causal mask becomes is_causal; where the pattern is not attention as SDPA
+computes it (another softmax dim, a soft cap between, 32-bit q, k and v, the probabilities read
+elsewhere) nothing changes."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import tilefuse
+from tilefuse.check import compare, float64_reference
+from tilefuse.frontend.capture import export, to_graph
+from tilefuse.graph import ir
+from tilefuse.graph.rules.eager_attention import eager_attention_as_sdpa
+
+B, H, S, D = 2, 4, 24, 16
+
+
+def _qkv(dtype=torch.bfloat16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(B, H, S, D, generator=g).to(dtype) for _ in range(3))
+
+
+def _causal(dtype):
+    lowest = torch.finfo(dtype).min
+    return torch.triu(torch.full((S, S), lowest, dtype=dtype), 1)[None, None]
+
+
+def gptj(q, k, v, mask):
+    """GPT-J: f32 scores of the bf16 q and k, divided by sqrt(D), masked, softmax, bf16 p @ v."""
+    s = torch.matmul(q.float(), k.float().transpose(-1, -2)) / torch.tensor(math.sqrt(D))
+    p = torch.softmax(s + mask, -1).to(v.dtype)
+    return torch.matmul(p, v)
+
+
+def llama(q, k, v, mask):
+    """transformers' eager_attention_forward: bf16 scores scaled, masked, f32 softmax, cast back."""
+    s = torch.matmul(q, k.transpose(2, 3)) * D ** -0.5 + mask
+    p = torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(p, v)
+
+
+def unmasked(q, k, v, mask):
+    return torch.matmul(torch.softmax(torch.matmul(q, k.transpose(-2, -1)), -1), v)
+
+
+def _attention(g):
+    return [n for n in g.nodes if isinstance(n, ir.Attention)]
+
+
+@pytest.mark.parametrize("fn", [gptj, llama, unmasked], ids=lambda f: f.__name__)
+@pytest.mark.parametrize("mask_kind", ["causal", "random"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_eager_attention_is_sdpa_within_the_2x_rule(fn, mask_kind, dtype):
+    q, k, v = _qkv(dtype)
+    mask = _causal(dtype) if mask_kind == "causal" else (torch.randn(B, 1, S, S) * 2).to(dtype)
+    g = to_graph(export(fn, (q, k, v, mask)))
+    g2 = eager_attention_as_sdpa(g)
+    (att,) = _attention(g2)
+    assert not [n for n in g2.nodes if isinstance(n, ir.Contraction)], str(g2)
+    scale = {"gptj": 1 / math.sqrt(D), "llama": D ** -0.5, "unmasked": 1.0}[fn.__name__]
+    assert att.scale == pytest.approx(scale, rel=1e-6) and (att.mask is None) == (fn is unmasked)
+    p = tilefuse.compile(fn, (q, k, v, mask))
+    assert [type(p.graph[s.nodes[0]]).__name__ for s in p.plan.steps if s.family == "extern" and not s.view] \
+        == ["Attention"], str(p.plan)
+    check = compare(fn.__name__, p(q, k, v, mask), float64_reference(fn, (q, k, v, mask)), fn(q, k, v, mask))
+    assert check.ok, check
+
+
+def test_a_causal_mask_computed_in_the_program_becomes_is_causal():
+    """The mask made from the sequence length (as transformers' is) is folded and recognised."""
+    def fn(q, k, v):
+        i = torch.arange(S)
+        mask = torch.where(i[None, :] <= i[:, None], 0.0, torch.finfo(torch.float32).min)
+        return gptj(q, k, v, mask)
+
+    q, k, v = _qkv()
+    p = tilefuse.compile(fn, (q, k, v))
+    (att,) = _attention(p.graph)
+    assert att.causal and att.mask is None
+    check = compare("causal", p(q, k, v), float64_reference(fn, (q, k, v)), fn(q, k, v))
+    assert check.ok, check
+
+
+def test_an_f32_mask_with_rows_masked_whole_stays_finite():
+    """An f32 mask (min f32, which is -inf in bf16) beside bf16 q: clamped to bf16's lowest
+    before the cast, so a query row masked everywhere is uniform, as eager's, not NaN."""
+    q, k, v = _qkv()
+    mask = torch.zeros(B, 1, S, S)
+    mask[:, :, 3, :] = torch.finfo(torch.float32).min  # (row 3 sees nothing)
+    mask[:, :, 5:, :7] = torch.finfo(torch.float32).min
+    g2 = eager_attention_as_sdpa(to_graph(export(gptj, (q, k, v, mask))))
+    (att,) = _attention(g2)
+    assert g2[att.mask].type.dtype == "bf16"
+    p = tilefuse.compile(gptj, (q, k, v, mask))
+    got, want = p(q, k, v, mask), gptj(q, k, v, mask)
+    assert torch.isfinite(got).all()
+    check = compare("rows masked whole", got, float64_reference(gptj, (q, k, v, mask)), want)
+    assert check.ok, check
+
+
+@pytest.mark.parametrize("name, fn, dtype", [
+    ("softmax over another dim", lambda q, k, v, m: torch.matmul(torch.softmax(q @ k.transpose(-1, -2) + m, -2), v),
+     torch.bfloat16),
+    ("a soft cap between (Gemma 2)", lambda q, k, v, m: torch.matmul(
+        torch.softmax(torch.tanh((q @ k.transpose(-1, -2)) / 50.0) * 50.0 + m, -1), v), torch.bfloat16),
+    ("32-bit q, k and v", llama, torch.float32),
+    ("k reshaped, not transposed", lambda q, k, v, m: torch.matmul(torch.softmax(q @ k.reshape(B, H, D, S) + m, -1), v),
+     torch.bfloat16),
+    ("a tensor scale", lambda q, k, v, m: torch.matmul(torch.softmax(q @ k.transpose(-1, -2) * m[..., :1] , -1), v),
+     torch.bfloat16),
+])
+def test_not_taken(name, fn, dtype):
+    q, k, v = _qkv(dtype)
+    mask = _causal(dtype)
+    g = to_graph(export(fn, (q, k, v, mask)))
+    assert eager_attention_as_sdpa(g) is g, name
+
+
+def test_probabilities_read_elsewhere_are_kept():
+    """output_attentions: the probabilities are returned, so they are computed as before."""
+    def fn(q, k, v, mask):
+        p = torch.softmax(q @ k.transpose(-1, -2) * 0.25 + mask, -1)
+        return p @ v, p
+
+    q, k, v = _qkv()
+    g = to_graph(export(fn, (q, k, v, _causal(torch.bfloat16))))
+    assert eager_attention_as_sdpa(g) is g
+
+
+def test_hf_llama_with_eager_attention_runs_sdpa():
+    """A 2-layer Llama loaded with attn_implementation="eager": the same plan of attention as
+    with SDPA, and its logits within the 2x rule."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
+                                   max_position_embeddings=64)
+    cfg._attn_implementation = "eager"
+    class Logits(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.m = transformers.LlamaForCausalLM(cfg)
+
+        def forward(self, ids):
+            return self.m(input_ids=ids).logits
+
+    model = Logits().to(torch.bfloat16).eval()
+    ids = torch.randint(0, 256, (2, 16))
+    p = tilefuse.compile(model, (ids,))
+    atts = _attention(p.graph)
+    assert len(atts) == 2 and all(a.causal for a in atts), str(p.plan)
+    with torch.no_grad():
+        check = compare("eager llama", p(ids), float64_reference(model, (ids,)), model(ids))
+    assert check.ok, check
