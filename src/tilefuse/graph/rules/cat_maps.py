@@ -22,7 +22,7 @@ bits as PyTorch's cat.
 An empty piece is dropped, and a cat of one piece left is that piece (Phi-3 cats its fully
 rotated q with an empty pass-through). Taken for float cats along the last dim of 2 to
 MAX_PIECES pieces (each column computes every piece: a NeRF encoding's 21 would be 21 times the
-sines), all of the cat's dtype and rank, at least one of them a map (a cat of tensors in memory
+sines), all of the cat's dtype and rank, at least one of them a map or a slice of one (a cat of tensors in memory
 alone is PyTorch's copy, which reads them in place), none of them a program input (a cache grown
 call by call, which runtime/resize.py resizes in PyTorch's cat), whose trees hold no more than
 MAX_MAPS maps together and gather only float tensors (a kernel gathers floats:
@@ -181,6 +181,15 @@ def _select(g: ir.Graph, ed: Editor, n: ir.Extern, names: list) -> list:
     return out
 
 
+def _selectable(g: ir.Graph, names: list) -> bool:
+    """2 to MAX_PIECES pieces, none a program input, one computed (a map, or a slice of one),
+    their trees computable at other columns within MAX_MAPS maps."""
+    budget, seen = [MAX_MAPS], set()
+    return (2 <= len(names) <= MAX_PIECES and not any(_input_piece(g, x) for x in names)
+            and any(isinstance(g[x], ir.Map) and x not in g.outputs or _sliced_map(g, g[x]) for x in names)
+            and all(_maps(g, x, g[x].type.shape[-1], budget, seen) for x in names))
+
+
 def cats_as_maps(g: ir.Graph) -> ir.Graph:
     ed, out, renamed, changed = Editor(g), [], {}, False
     for n in g.nodes:
@@ -196,10 +205,7 @@ def cats_as_maps(g: ir.Graph) -> ir.Graph:
             out.append(n)
             changed = True
             continue
-        budget, seen = [MAX_MAPS], set()
-        if (not 2 <= len(names) <= MAX_PIECES or any(_input_piece(g, x) for x in names)
-                or not any(isinstance(g[x], ir.Map) and x not in g.outputs for x in names)
-                or not all(_maps(g, x, g[x].type.shape[-1], budget, seen) for x in names)):
+        if not _selectable(g, names):
             out.append(n)
             continue
         out += _select(g, ed, n, names)
@@ -290,13 +296,10 @@ def stacks_as_maps(g: ir.Graph) -> ir.Graph:
     for n in g.nodes:
         names = _stacked(g, n) if dtypes.is_float(n.type.dtype) else None
         rank = len(n.type.shape)
-        budget, seen = [MAX_MAPS], set()
-        if (names is None or not 2 <= len(names) <= MAX_PIECES
+        if (names is None or n.type.shape[-1] == 0
                 or any(g[x].type.dtype != n.type.dtype or len(g[x].type.shape) != rank
-                       or g[x].type.shape[-1] * len(names) != n.type.shape[-1] or _input_piece(g, x) for x in names)
-                or n.type.shape[-1] == 0 or _pairwise_epilogue(g, n, names)
-                or not any(isinstance(g[x], ir.Map) and x not in g.outputs or _sliced_map(g, g[x]) for x in names)
-                or not all(_maps(g, x, g[x].type.shape[-1], budget, seen) for x in names)):
+                       or g[x].type.shape[-1] * len(names) != n.type.shape[-1] for x in names)
+                or _pairwise_epilogue(g, n, names) or not _selectable(g, names)):
             out.append(n)
             continue
         out += _interleave(g, ed, n, names)

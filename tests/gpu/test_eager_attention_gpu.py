@@ -1,0 +1,49 @@
+"""graph/rules/eager_attention.py on the GPU: attention written out in ops (GPT-J's f32 scores of
+bf16 q and k; transformers' bf16 eager path) runs as SDPA, within the 2x rule of a float64
+reference, with a causal mask (is_causal) and with a random additive one, outputs poisoned first."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+
+B, H, S, D = 2, 8, 1024, 64
+
+
+def gptj(q, k, v, mask):
+    s = torch.matmul(q.float(), k.float().transpose(-1, -2)) / math.sqrt(D)
+    return torch.matmul(torch.softmax(s + mask, -1).to(v.dtype), v)
+
+
+def llama(q, k, v, mask):
+    s = torch.matmul(q, k.transpose(2, 3)) * D ** -0.5 + mask
+    return torch.matmul(torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype), v)
+
+
+@pytest.mark.parametrize("fn", [gptj, llama], ids=lambda f: f.__name__)
+@pytest.mark.parametrize("mask_kind", ["causal", "random"])
+def test_eager_attention_runs_as_sdpa_within_the_2x_rule(fn, mask_kind):
+    import tilefuse
+    from tilefuse.check import compare, float64_reference
+    from tilefuse.graph import ir
+
+    torch.manual_seed(4)
+    q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    if mask_kind == "causal":
+        mask = torch.triu(torch.full((S, S), torch.finfo(torch.bfloat16).min, device="cuda"), 1)
+        mask = mask.to(torch.bfloat16)[None, None]
+    else:
+        mask = (torch.randn(B, 1, S, S, device="cuda") * 2).to(torch.bfloat16)
+    prog = tilefuse.compile(fn, (q, k, v, mask))
+    prog.poison = True
+    assert [type(prog.graph[s.nodes[0]]).__name__ for s in prog.plan.steps
+            if s.family == "extern" and not s.view] == ["Attention"], str(prog.plan)
+    assert not any(isinstance(n, ir.Contraction) for n in prog.graph.nodes)
+    check = compare(fn.__name__, prog(q, k, v, mask), float64_reference(fn, (q, k, v, mask)), fn(q, k, v, mask))
+    assert check.ok, check
