@@ -210,9 +210,13 @@ def main(argv=None) -> int:
             print(f"{r['model']:10} ERROR {r['error'][:150]}")
             continue
         ext = {k.replace("aten.", "").replace(".default", ""): v for k, v in r["plan"]["externs"].items()}
+        fell = r["plan"]["eager_graphs"]  # (graphs the backend ran in eager: their time is eager's)
         print(f"{r['model']:10} {r['eager_ms']:9.3f} {r['torch_compile_ms']:9.3f} {r['tilefuse_ms']:9.3f} "
               f"{r['vs_torch_compile']:7.3f} {r['vs_eager']:8.3f} {r['tilefuse_compile_s']:12.1f} "
-              f"{r['torch_compile_s']:13.1f}  {ext}")
+              f"{r['torch_compile_s']:13.1f}  {ext}" + (f"  EAGER {len(fell)} of {r['plan']['graphs']} graphs" if fell else ""))
+    for r in rows:
+        for why in r.get("plan", {}).get("eager_graphs", []):
+            print(f"{r['model']}: a graph ran in eager: {why[:300]}")
     return 0
 
 

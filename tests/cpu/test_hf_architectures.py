@@ -54,3 +54,21 @@ def test_a_model_that_did_not_run_in_tilefuse_fails_the_guard(how, monkeypatch):
     assert_checks_pass(run)
     with pytest.raises(AssertionError, match=re.escape(why)):
         assert_ran_in_tilefuse(run)
+
+
+@pytest.mark.parametrize("name", ["gptj", "cohere"])
+def test_interleaved_rotary_and_eager_attention_leave_no_pytorch_stack_or_score_matmul(name):
+    """GPT-J's and Cohere's interleaved rotary (`stack` of strided slices, flattened) runs in
+    kernels (cat_maps.stacks_as_maps), and GPT-J's eager attention (f32 score matmuls, softmax,
+    p @ v) runs as SDPA (rules/eager_attention.py): no stack extern, no matmul of two activations
+    left to PyTorch, and the outputs still within the 2x rule."""
+    from tilefuse.graph import ir
+
+    run = run_architecture(name, TINY, "cpu")  # (the loss's 2x rule needs its 16 draws)
+    assert_checks_pass(run)
+    for st in run.stages:
+        g, plan = st.graph, st.plan
+        ext = [g[s.nodes[0]] for s in plan.steps if s.family == "extern" and not s.view]
+        assert not [n for n in ext if isinstance(n, ir.Extern) and n.target == "aten.stack.default"], str(plan)
+        assert not [n for n in ext if isinstance(n, ir.Contraction)], str(plan)
+        assert any(isinstance(n, ir.Attention) for n in ext)
