@@ -547,10 +547,12 @@ def held_words(kernel: ir.Kernel, sch: MapReduceSchedule) -> int:
     gp = ir.grid_parts(kernel)
     head = gp.head if gp is not None else kernel
     parts = ir.row_kernel_parts(head)
-    V = sch.vector
-    ana = _analyse(head, parts, V)
-    nchunk, _ = _plan_chunks(parts.col_extent, V, sch.group * sch.cluster)
-    return nchunk * sch.batch * sum(_words(st.buf.dtype, V) for st in ana.in_streams.values() if st.per_row)
+    nchunk, _ = _plan_chunks(parts.col_extent, sch.vector, sch.group * sch.cluster)
+    return _held(_analyse(head, parts, sch.vector), nchunk, sch)
+
+
+def _held(ana: _Analysis, nchunk: int, sch: MapReduceSchedule) -> int:
+    return nchunk * sch.batch * sum(_words(st.buf.dtype, sch.vector) for st in ana.in_streams.values() if st.per_row)
 
 
 def _default_schedule(kernel: ir.Kernel, arch: str = "sm_90a", stage: str | None = None) -> MapReduceSchedule:
@@ -2388,7 +2390,7 @@ def _render(kernel: ir.Kernel, schedule: MapReduceSchedule | None, arch: str, ke
     if C + P * V >= 2**31 or (not rows_arg and R + sch.rows_per_cta >= 2**31):
         raise ValueError(f"kernel {kernel.name}: {R} rows of {C} elements are too many "
                          f"(row and column indices are 32-bit)")
-    staged_regs = held_words(kernel, sch) if sch.stage == "regs" else 0
+    staged_regs = _held(ana, nchunk, sch) if sch.stage == "regs" else 0
     if staged_regs > MAX_STAGED_WORDS:
         raise ValueError(f"kernel {kernel.name}: {sch} would hold {staged_regs} registers of row per thread "
                          f"(at most {MAX_STAGED_WORDS}); use more threads, a cluster, or stage='stream'")

@@ -968,7 +968,7 @@ def attention_only_views(g: ir.Graph, steps) -> frozenset:
         n = g[name]
         if name not in extern or not isinstance(n, ir.View):
             return False
-        return n.op in ("permute", "slice") and _last_dim_whole(n) and not _strided_last_dim(n)
+        return n.op in ("permute", "slice") and _last_dim_whole(n)
 
     def for_attention_only(name: str) -> bool:
         if name not in memo:
@@ -1030,28 +1030,28 @@ def _mark_attention_views(p: "Plan") -> "Plan":
     return p
 
 
-MAX_SECTOR_STEP = 4  # a slice of the last dim with a step up to this reads the sectors a copy would
-
-
 def _last_dim_whole(n: ir.View) -> bool:
-    """A permute that keeps the last dim last, a slice of the last dim with a small step (or of
-    another dim), any other view: its last dim is read in runs of memory. A step of 2 to
-    MAX_SECTOR_STEP reads every 32-byte sector of the run (8 bytes apart at most), as PyTorch's
-    copy of the slice does, without the copy's write and read back (GPT-J's x[..., ::2] and
-    x[..., 1::2] of q and k, read by one kernel)."""
+    """A permute that keeps the last dim last, a slice of the last dim with step 1 (or of
+    another dim), any other view: its last dim stays contiguous in memory."""
     rank = len(n.type.shape)
     if n.op == "permute":
         return n.params[-1] % rank == rank - 1
     if n.op == "slice":
         dim, _, _, step = n.params
-        return 1 <= step <= MAX_SECTOR_STEP or dim % rank != rank - 1
+        return step == 1 or dim % rank != rank - 1
     return True
 
 
-def _strided_last_dim(n: ir.View) -> bool:
-    """A slice of the last dim with a step: no stride-1 last dim for an extern (SDPA's kernels need one)."""
+MAX_SECTOR_STEP = 4  # a slice of the last dim with a step up to this reads the sectors a copy would
+
+
+def _small_step(n: ir.View) -> bool:
+    """A slice of the last dim with a step of 2 to MAX_SECTOR_STEP: a kernel reading through it
+    reads every 32-byte sector of the row (8 bytes apart at most), as PyTorch's copy of the slice
+    does, without the copy's write and read back (GPT-J's x[..., ::2] and x[..., 1::2] of q and
+    k, read by one kernel). Not for an extern: SDPA's kernels need a stride-1 last dim."""
     rank = len(n.type.shape)
-    return n.op == "slice" and n.params[3] != 1 and n.params[0] % rank == rank - 1
+    return n.op == "slice" and 2 <= n.params[3] <= MAX_SECTOR_STEP and n.params[0] % rank == rank - 1
 
 
 _READ_THROUGH = ("permute", "slice", "expand", "reshape", "roll")  # views loop/views.py reads through
@@ -1113,7 +1113,7 @@ def views_read_in_place(p: Plan) -> Plan:
             memo[name, transposed] = (
                 isinstance(n, ir.View) and s is not None and s.family in ("extern", "alias")
                 and not s.view and name not in outputs and bool(users.get(name))
-                and (_keeps_rows(n) or moved and n.op in _READ_THROUGH)
+                and (_keeps_rows(n) or _small_step(n) or moved and n.op in _READ_THROUGH)
                 and n.type.numel > 0  # (an empty one keeps its step: compiler._refuse_empty says why)
                 and all(step_of[u].family == "mapreduce" and step_of[u].head is None
                         and (not moved or maps_only(step_of[u]) and not _gathers_from(g[u], name))

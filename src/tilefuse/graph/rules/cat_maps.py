@@ -111,6 +111,13 @@ class _At:
             self.memo[name] = self._at(name)
         return self.memo[name]
 
+    def _column_map(self, op: str, index: str, c: int) -> str:
+        """op(index, c): the columns an index of the same shape reads."""
+        col = ir.TensorType((1,) * (self.rank - 1) + (self.m,), "i64")
+        moved = ir.Map(self.ed.fresh("slice_col"), col, op, (index, _const(self.ed, self.out, c, self.source)), self.source)
+        self.out.append(moved)
+        return moved.name
+
     def _at(self, name: str) -> str:
         g, n = self.g, self.g[name]
         t = n.type
@@ -118,15 +125,13 @@ class _At:
             return name
         if _column(n):
             return self.index
-        if _sliced_map(g, n):
+        if _sliced_map(g, n):  # the map itself, at column start + step j
             _, start, _, step = n.params
-            itype, index = _made_type(self.out, self.index), self.index
-            for op, c in (("mul", step), ("add", start)):
-                if c != (1 if op == "mul" else 0):
-                    moved = ir.Map(self.ed.fresh("slice_col"), itype, op, (index, _const(self.ed, self.out, c, self.source)),
-                                   self.source)
-                    self.out.append(moved)
-                    index = moved.name
+            index = self.index
+            if step != 1:
+                index = self._column_map("mul", index, step)
+            if start:
+                index = self._column_map("add", index, start)
             return _At(g, self.ed, self.out, g[n.arg].type.shape[-1], index, self.m, self.rank, self.source)(n.arg)
         wide = ir.TensorType(t.shape[:-1] + (self.m,), t.dtype)
         if isinstance(n, ir.Map) and name not in g.outputs:
@@ -170,15 +175,23 @@ def _select(g: ir.Graph, ed: Editor, n: ir.Extern, names: list) -> list:
         values.append(_At(g, ed, out, w, at.name, m, rank, src)(x))
         starts.append(off)
         off += w
-    picked = values[-1]
-    for k in range(len(values) - 2, -1, -1):  # where(j < start of the next piece, this piece, the rest)
-        before = ir.Map(ed.fresh("cat_in"), ir.TensorType(col.shape, "bool"), "lt",
-                        (pos.name, _const(ed, out, starts[k + 1], src)), src)
-        name = n.name if k == 0 else ed.fresh("cat_pick")
-        sel = ir.Map(name, n.type, "where", (before.name, values[k], picked), src)
-        out += [before, sel]
+    picks = _picks(ed, out, n, values, ("cat_in", "lt", pos.name, starts[1:]), "cat_pick")  # j < the next start
+    return out + picks
+
+
+def _picks(ed: Editor, out: list, n, values: list, test: tuple, base: str) -> list:
+    """where(op(by, bounds[k]), values[k], the rest), from the last piece back, the outermost
+    named n: `test` is (the condition's name, op, by, bounds). Their constants go to `out`."""
+    cond_name, op, by, bounds = test
+    picks, picked = [], values[-1]
+    for k in range(len(values) - 2, -1, -1):
+        col = (1,) * (len(n.type.shape) - 1) + (n.type.shape[-1],)
+        cond = ir.Map(ed.fresh(cond_name), ir.TensorType(col, "bool"), op,
+                      (by, _const(ed, out, bounds[k], n.source)), n.source)
+        sel = ir.Map(n.name if k == 0 else ed.fresh(base), n.type, "where", (cond.name, values[k], picked), n.source)
+        picks += [cond, sel]
         picked = sel.name
-    return out
+    return picks
 
 
 def _selectable(g: ir.Graph, names: list) -> bool:
@@ -244,14 +257,8 @@ def _interleave(g: ir.Graph, ed: Editor, n: ir.View, names: list) -> list:
     which = ir.Map(ed.fresh("stack_which"), col, "mod", (pos.name, _const(ed, out, k, src)), src)
     out += [pos, at, which]
     values = [_At(g, ed, out, m // k, at.name, m, rank, src)(x) for x in names]
-    picked = values[-1]
-    for i in range(k - 2, -1, -1):
-        this = ir.Map(ed.fresh("stack_is"), ir.TensorType(col.shape, "bool"), "eq",
-                      (which.name, _const(ed, out, i, src)), src)
-        sel = ir.Map(n.name if i == 0 else ed.fresh("stack_pick"), n.type, "where", (this.name, values[i], picked), src)
-        out += [this, sel]
-        picked = sel.name
-    return out
+    picks = _picks(ed, out, n, values, ("stack_is", "eq", which.name, range(k)), "stack_pick")
+    return out + picks
 
 
 def _pairwise_epilogue(g: ir.Graph, n, names: list) -> bool:
@@ -306,4 +313,4 @@ def stacks_as_maps(g: ir.Graph) -> ir.Graph:
         changed = True
     if not changed:
         return g
-    return prune(ir.Graph(tuple(out), g.inputs, g.outputs, ed.weights, g.writes, g.layouts))
+    return ed.graph(out)

@@ -89,11 +89,11 @@ def _scores(g: ir.Graph, name: str, chain: list):
     n = g[name]
     if isinstance(n, ir.Map) and n.op == "add":
         for s, m in (n.args, n.args[::-1]):
-            inner = []
-            if _scaled(g, _casts(g, s, inner)) is not None:
-                chain.append(name)
-                chain += inner
-                name, mask = _casts(g, s, []), m
+            inner: list = []
+            under = _casts(g, s, inner)
+            if _scaled(g, under) is not None:
+                chain += [name] + inner
+                name, mask = under, m
                 break
         else:
             return None

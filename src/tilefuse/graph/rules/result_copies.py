@@ -27,7 +27,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from .. import ir
-from ..fusion import _STRIDED_READERS, _keeps_rows, _strided_last_dim
+from ..fusion import _STRIDED_READERS, _keeps_rows
 from ..rewrites import _subst_refs
 from .match import Editor
 from .permute_sink import _through_views, layout_views
@@ -46,7 +46,7 @@ def _copyable(g: ir.Graph, name: str, kept: frozenset) -> bool:
     if name in kept or not isinstance(g[name], ir.View) or g[name].type.numel == 0:
         return False
     chain, base = _chain(g, name)
-    return (any(v.op != "reshape" for v in chain) and all(_keeps_rows(v) and not _strided_last_dim(v) for v in chain)
+    return (any(v.op != "reshape" for v in chain) and all(_keeps_rows(v) for v in chain)
             and not isinstance(base, (ir.Constant, ir.Iota, ir.Attention))
             and not (isinstance(base, ir.Input) and base.name in g.writes))
 
