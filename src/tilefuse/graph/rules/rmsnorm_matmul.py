@@ -88,8 +88,9 @@ def read_beside_contractions(g: ir.Graph, z: str) -> bool:
     """Whether the norm's output z is read by more than contractions (through row reshapes):
     a post-norm model's residual (BERT adds it after attention and after the MLP). The norm
     kernel then writes z anyway, and the plain GEMM on it is cheaper than the fold, whose
-    epilogue applies the row scale and the rank-1 correction for nothing saved (BERT, H200: the
-    folded q, k and v GEMMs ran at 533 TFLOP/s against 687 for the plain ones beside them)."""
+    epilogue applies the row scale and the rank-1 correction for nothing saved (BERT, H200, a
+    profile with programmatic launch on: the folded q, k and v GEMMs at 533 TFLOP/s against 687
+    for the plain ones beside them; not yet measured without it)."""
     if _USERS[0] is not g:
         _USERS[:] = [g, g.users()]
     users = _USERS[1]
