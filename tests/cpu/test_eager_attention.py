@@ -157,3 +157,93 @@ def test_hf_llama_with_eager_attention_runs_sdpa():
     with torch.no_grad():
         check = compare("eager llama", p(ids), float64_reference(model, (ids,)), model(ids))
     assert check.ok, check
+
+
+def _alibi(dtype, seed=1):
+    """Bloom's ALiBi: head h adds slope_h · j to its scores of key j, as [B·H, 1, S]."""
+    slopes = 2.0 ** (-8.0 * torch.arange(1, H + 1) / H)
+    pos = torch.arange(S).float()
+    return (slopes[None, :, None, None] * pos).expand(B, H, 1, S).reshape(B * H, 1, S).to(dtype)
+
+
+def bloom(q, k, v, alibi, mask):
+    """transformers' BloomAttention: ALiBi as baddbmm's input on [B·H, S, D] q, kᵀ and v, the
+    scores viewed [B, H, S, S] for the mask, an f32 softmax cast back, viewed [B·H, S, S] for p @ v."""
+    q3, k3, v3 = (t.reshape(B * H, S, D) for t in (q, k, v))
+    s = alibi.baddbmm(q3, k3.transpose(1, 2), beta=1.0, alpha=D ** -0.5)
+    s = s.view(B, H, S, S) + mask
+    p = torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.bmm(p.view(B * H, S, S), v3)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("mask_kind", ["causal", "padding"])
+def test_bloom_alibi_attention_is_sdpa_with_the_masks_summed(dtype, mask_kind):
+    """Scores regrouped [B·H] <-> [B, H] between baddbmm, the mask and p @ v: one Attention in
+    the mask's [B, H, S, S] shape on q, k and v as given (no copies), its mask ALiBi plus the
+    causal (or padding) mask, summed once in f32 and clamped, so masked rows stay finite."""
+    q, k, v = _qkv(dtype)
+    alibi = _alibi(dtype)
+    mask = _causal(dtype).expand(B, 1, S, S).clone()
+    if mask_kind == "padding":
+        mask[1, :, :, :5] = torch.finfo(dtype).min  # the second sequence's first 5 keys are padding
+    args = (q, k, v, alibi, mask)
+    g = to_graph(export(bloom, args))
+    assert any(isinstance(n, ir.Contraction) for n in g.nodes)  # baddbmm lowered: a matmul, not an extern
+    assert not [n for n in g.nodes if isinstance(n, ir.Extern)], str(g)
+    g2 = eager_attention_as_sdpa(g)
+    (att,) = _attention(g2)
+    assert not [n for n in g2.nodes if isinstance(n, ir.Contraction)], str(g2)
+    assert g2[att.q].type.shape == (B, H, S, D) and att.q == g.inputs[0] and att.scale == pytest.approx(D ** -0.5)
+    assert g2[att.mask].type == ir.TensorType((B, H, S, S), g2[att.q].type.dtype)
+    p = tilefuse.compile(bloom, args)
+    got = p(*args)
+    assert torch.isfinite(got).all()
+    check = compare("bloom", got, float64_reference(bloom, args), bloom(*args))
+    assert check.ok, check
+
+
+def test_layers_adding_the_same_masks_share_one_summed_mask():
+    """Two Bloom layers with one ALiBi and one causal mask: the summed mask is built once."""
+    def two(q, k, v, alibi, mask):
+        o = bloom(q, k, v, alibi, mask).reshape(B, H, S, D)
+        return bloom(o, k, v, alibi, mask)
+
+    q, k, v = _qkv()
+    args = (q, k, v, _alibi(torch.bfloat16), _causal(torch.bfloat16).expand(B, 1, S, S).clone())
+    g2 = eager_attention_as_sdpa(to_graph(export(two, args)))
+    atts = _attention(g2)
+    assert len(atts) == 2 and atts[0].mask == atts[1].mask
+    p = tilefuse.compile(two, args)
+    check = compare("two layers", p(*args), float64_reference(two, args), two(*args))
+    assert check.ok, check
+
+
+@pytest.mark.parametrize("alpha, beta", [(0.5, 1.0), (1.0, 0.0), (2.0, 0.5)])
+def test_baddbmm_is_beta_bias_plus_alpha_product(alpha, beta):
+    """torch.baddbmm lowers to a batched matmul and maps (beta 0 ignores the input, NaN included)."""
+    g = torch.Generator().manual_seed(3)
+    bias = torch.randn(5, 1, 9, generator=g)
+    if beta == 0:
+        bias[0, 0, 0] = float("nan")
+    x, y = torch.randn(5, 7, 6, generator=g), torch.randn(5, 6, 9, generator=g)
+
+    def fn(bias, x, y):
+        return torch.baddbmm(bias, x, y, beta=beta, alpha=alpha)
+
+    p = tilefuse.compile(fn, (bias, x, y))
+    assert not [n for n in p.graph.nodes if isinstance(n, ir.Extern)]
+    torch.testing.assert_close(p(bias, x, y), fn(bias, x, y), rtol=1e-5, atol=1e-5)
+
+
+def test_not_taken_where_a_reshape_splits_the_key_dim():
+    """A view of the scores that does not keep the last two dims (keys split in two) is not
+    attention over those keys."""
+    def fn(q, k, v):
+        s = (q @ k.transpose(-1, -2)).reshape(B, H, S, 2, S // 2)
+        p = torch.softmax(s, -1).reshape(B, H, S, S)
+        return p @ v
+
+    q, k, v = _qkv()
+    g = to_graph(export(fn, (q, k, v)))
+    assert eager_attention_as_sdpa(g) is g

@@ -884,6 +884,15 @@ def _(draw, dtype):
     return (lambda b, x, w: torch.addmm(b, x, w)), [randn((n,), dtype), randn((m, k), dtype), randn((k, n), dtype)]
 
 
+@case("baddbmm", "baddbmm")
+def _(draw, dtype):
+    b, m, k, n = draw(st.integers(1, 3)), draw(DIM), draw(DIM), draw(DIM)
+    bias = randn((b, 1, n) if draw(st.booleans()) else (n,), dtype)  # broadcast along rows (Bloom's ALiBi) or a row
+    alpha, beta = draw(st.sampled_from([1.0, 0.125])), draw(st.sampled_from([1.0, 0.5]))
+    return (lambda c, x, y: torch.baddbmm(c, x, y, alpha=alpha, beta=beta)), \
+        [bias, randn((b, m, k), dtype), randn((b, k, n), dtype)]
+
+
 @case("sdpa", "scaled_dot_product_attention")
 def _(draw, dtype):
     b, h, L, d = draw(st.integers(1, 2)), draw(st.integers(1, 3)), draw(DIM), draw(st.sampled_from([1, 4, 8]))

@@ -1909,8 +1909,10 @@ def _linear(b, args, kwargs, out):
     return b.map("add", y, bias) if bias is not None else y
 
 
-@handles("addmm")
+@handles("addmm", "baddbmm")
 def _addmm(b, args, kwargs, out):
+    """beta · bias + alpha · (x @ w): baddbmm is addmm of batched operands (Bloom's ALiBi
+    scores, `alibi.baddbmm(q, kᵀ, alpha=1/√d)`), which eager_attention_as_sdpa then finds."""
     bias, x, w = args[:3]
     beta, alpha = kwargs.get("beta", 1), kwargs.get("alpha", 1)
     if not dtypes.is_float(out.dtype) and any(isinstance(v, float) and not v.is_integer() for v in (beta, alpha)):

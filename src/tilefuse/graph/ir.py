@@ -221,8 +221,8 @@ class Attention:
     source: str = field(default="", compare=False)
 
     def describe(self):
-        extra = ", causal" if self.causal else ""
-        return f"attention({self.q}, {self.k}, {self.v}{extra})"
+        extra = (f", mask={self.mask}" if self.mask else "") + (f", scale={self.scale:.6g}" if self.scale is not None else "")
+        return f"attention({self.q}, {self.k}, {self.v}{extra}{', causal' if self.causal else ''})"
 
 
 @dataclass(frozen=True)
