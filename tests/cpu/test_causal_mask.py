@@ -96,8 +96,38 @@ def test_a_causal_mask_becomes_is_causal_and_the_function_is_unchanged(mask_fn, 
     assert err <= EXACT, err
 
 
-@pytest.mark.parametrize("mask_fn, L, S", [(_one_ahead, 6, 6), (_window, 6, 6), (_additive_small, 6, 6),
-                                           (_bottom_right, 4, 9)])
+def _window_additive(i, j, dtype):  # Mistral's window of 4 as an additive mask
+    return torch.where((j <= i) & (j > i - 4), torch.zeros((), dtype=dtype), torch.full((), NEG, dtype=dtype))
+
+
+def _diagonal(i, j, dtype):  # a window of one key: each query sees itself
+    return j == i
+
+
+def _window_with_a_hole(i, j, dtype):  # the window of 3 without key 0: not a band
+    return (j <= i) & (j > i - 3) & (j != 0)
+
+
+def _window_bottom_right(i, j, dtype):  # L < S, a window of 3 aligned to the last key: stays
+    off = j.shape[-1] - i.shape[0]
+    return (j <= i + off) & (j > i + off - 3)
+
+
+@pytest.mark.parametrize("mask_fn, window, batch_mask", [
+    (_window, 3, True), (_window, 3, False), (_window_additive, 4, True), (_diagonal, 1, False)])
+def test_a_sliding_window_mask_becomes_a_causal_window(mask_fn, window, batch_mask):
+    """Query i keeps keys i - W < j <= i: causal with window W, no mask, the same function."""
+    inputs = _qkv(7, 7)
+    g, g2 = _rewrite(MaskedAttention(mask_fn, batch_mask), inputs)
+    (after,) = nodes_of(g2, ir.Attention)
+    assert after.mask is None and after.causal and after.window == window
+    assert f"causal, window={window}" in after.describe()
+    err = rel_error(run(g2, inputs, "f64"), run(g, inputs, "f64"))
+    assert err <= EXACT, err
+
+
+@pytest.mark.parametrize("mask_fn, L, S", [(_one_ahead, 6, 6), (_window_with_a_hole, 6, 6), (_additive_small, 6, 6),
+                                           (_bottom_right, 4, 9), (_window_bottom_right, 4, 9)])
 def test_a_mask_that_is_not_the_causal_one_stays(mask_fn, L, S):
     inputs = _qkv(L, S)
     g, g2 = _rewrite(MaskedAttention(mask_fn, batch_mask=True), inputs)
@@ -175,3 +205,21 @@ def test_a_mask_shared_by_layers_is_evaluated_once(monkeypatch):
     g, g2 = _rewrite(TwoLayers(), inputs)
     assert all(a.causal and a.mask is None for a in nodes_of(g2, ir.Attention))
     assert len(calls) == 1
+
+
+@pytest.mark.parametrize("heads_kv", [3, 1])
+def test_a_window_runs_in_pytorch_as_sdpa_with_the_band_mask(heads_kv):
+    """Off the GPU (and where flash attention's window is not taken) the runtime gives SDPA the
+    band i - W < j <= i as a mask: the same values as the interpreter's window."""
+    from tilefuse.graph.interp import _attention
+    from tilefuse.runtime.program import run_extern
+
+    q, k, v = _qkv(9, 9, h=3)
+    k, v = k[:, :heads_kv], v[:, :heads_kv]
+    n = ir.Attention("a", ir.TensorType(tuple(q.shape), "f64"), "q", "k", "v", True, 0.4, None, window=4)
+    got = run_extern(n, {"q": q, "k": k, "v": v}.__getitem__)
+    i, j = torch.arange(9)[:, None], torch.arange(9)
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=(j <= i) & (j > i - 4), scale=0.4, enable_gqa=heads_kv != 3)
+    assert rel_error(got, want) <= EXACT
+    interp = torch.from_numpy(_attention(n, q.numpy(), k.numpy(), v.numpy(), None, "f64"))
+    assert rel_error(interp, want) <= EXACT

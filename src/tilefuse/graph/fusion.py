@@ -866,9 +866,10 @@ def extern_cost(g: ir.Graph, s: Step) -> tuple[int, int]:
     elif isinstance(n, ir.Attention):
         q, k = g[n.q].type.shape, g[n.k].type.shape
         flops = 4 * q[-2] * k[-2] * q[-1] * int(n.type.numel // (q[-2] * q[-1]))
-        if n.causal:  # the kernel skips what lies above the (top-left) diagonal
+        if n.causal:  # the kernel skips what lies above the (top-left) diagonal, and outside the window
             L, S = q[-2], k[-2]
-            kept = L * (L + 1) // 2 if L <= S else S * (S + 1) // 2 + (L - S) * S
+            c = min(S, n.window or S)  # query i keeps min(i + 1, c) keys
+            kept = L * (L + 1) // 2 if L <= c else c * (c + 1) // 2 + (L - c) * c
             flops = flops * kept // (L * S)
     return nbytes, flops
 

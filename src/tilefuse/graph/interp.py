@@ -129,7 +129,10 @@ def _attention(n: ir.Attention, q, k, v, mask, precision):
     s = np.matmul(q, np.swapaxes(k, -1, -2)) * scale
     if n.causal:
         L, S = s.shape[-2:]
-        s = np.where(np.tril(np.ones((L, S), bool)), s, -np.inf)
+        kept = np.tril(np.ones((L, S), bool))
+        if n.window:  # and only the last `window` keys up to the diagonal
+            kept &= ~np.tril(np.ones((L, S), bool), -n.window)
+        s = np.where(kept, s, -np.inf)
     if mask is not None:
         s = np.where(mask, s, -np.inf) if mask.dtype == bool else s + mask.astype(t)
     s = s - s.max(-1, keepdims=True)

@@ -208,7 +208,8 @@ class Attention:
     """scaled_dot_product_attention(q, k, v). Runs as extern until the attention family lands.
 
     k and v may have fewer heads than q (grouped-query attention, SDPA's enable_gqa): query
-    head h then reads KV head h // (H / Hkv)."""
+    head h then reads KV head h // (H / Hkv). `window` (with causal): query i sees only the
+    keys i - window < j <= i, a sliding window (rules/causal_mask.py finds it in a mask)."""
 
     name: str
     type: TensorType
@@ -219,10 +220,12 @@ class Attention:
     scale: float | None = None
     mask: str | None = None
     source: str = field(default="", compare=False)
+    window: int | None = None
 
     def describe(self):
         extra = (f", mask={self.mask}" if self.mask else "") + (f", scale={self.scale:.6g}" if self.scale is not None else "")
-        return f"attention({self.q}, {self.k}, {self.v}{extra}{', causal' if self.causal else ''})"
+        causal = f", causal, window={self.window}" if self.window else (", causal" if self.causal else "")
+        return f"attention({self.q}, {self.k}, {self.v}{extra}{causal})"
 
 
 @dataclass(frozen=True)

@@ -584,8 +584,7 @@ def substitute(g: ir.Graph, alias: dict[str, str]) -> ir.Graph:
         elif isinstance(n, ir.Contraction):
             n = ir.Contraction(n.name, n.type, r(n.a), r(n.b), n.source)
         elif isinstance(n, ir.Attention):
-            n = ir.Attention(n.name, n.type, r(n.q), r(n.k), r(n.v), n.causal, n.scale,
-                             r(n.mask) if n.mask else None, n.source)
+            n = dataclasses.replace(n, q=r(n.q), k=r(n.k), v=r(n.v), mask=r(n.mask) if n.mask else None)
         elif isinstance(n, ir.Extern):
             n = dataclasses.replace(n, args=_subst_refs(n.args, r),
                                     kwargs=tuple((k, _subst_refs(v, r)) for k, v in n.kwargs))

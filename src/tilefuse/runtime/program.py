@@ -493,6 +493,72 @@ def _planless_takes(args, kw) -> bool:
     return can_use_flash_attention(p, False) or can_use_efficient_attention(p, False)
 
 
+# A sliding window (ir.Attention.window) runs on flash attention's own window (FlashAttention 2's
+# local attention, `aten._flash_attention_forward`'s window_size_left), which visits only the key
+# blocks of the band, where SDPA with the window as a mask visits them all. The op is PyTorch's
+# private one, so it is first checked against SDPA with the mask, once a process for each device,
+# dtype, head size and head grouping; where it is missing or disagrees, SDPA with the mask runs,
+# and a warning says so. TILEFUSE_FLASH_WINDOW=0 always takes the mask.
+FLASH_WINDOW = os.environ.get("TILEFUSE_FLASH_WINDOW", "1") != "0"
+_WINDOW_CHECKED: dict = {}
+
+
+def _band(L: int, S: int, window: int, device) -> torch.Tensor:
+    """[L, S] bool: query i keeps keys i - window < j <= i."""
+    i = torch.arange(L, device=device)[:, None]
+    j = torch.arange(S, device=device)
+    return (j <= i) & (j > i - window)
+
+
+def _flash_window(q, k, v, scale, window: int) -> torch.Tensor:
+    """Causal attention to the last `window` keys, q, k and v [B, H, S, D] read as the [B, S, H, D]
+    views flash attention takes (its output comes back in q's layout, viewed [B, H, S, D])."""
+    out = torch.ops.aten._flash_attention_forward(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, None, q.shape[-2], k.shape[-2], 0.0, True,
+        False, scale=scale, window_size_left=window - 1, window_size_right=0)[0]
+    return out.transpose(1, 2)
+
+
+def _flash_window_takes(q, k, v) -> bool:
+    D = q.shape[-1]
+    return (q.is_cuda and q.dim() == k.dim() == v.dim() == 4 and q.dtype in (torch.bfloat16, torch.float16)
+            and q.dtype == k.dtype == v.dtype and D % 8 == 0 and D <= 256 and k.shape[-1] == v.shape[-1] == D
+            and q.shape[1] % k.shape[1] == 0 and k.shape[1] == v.shape[1] and q.shape[0] == k.shape[0]
+            and all(t.stride(-1) == 1 for t in (q, k, v)))
+
+
+def _flash_window_agrees(q, k) -> bool:
+    """Whether flash attention's window gives what the mask gives (checked once: see above)."""
+    key = (q.device, q.dtype, q.shape[-1], q.shape[1] // k.shape[1])
+    if key in _WINDOW_CHECKED:
+        return _WINDOW_CHECKED[key]
+    if torch.cuda.is_current_stream_capturing():
+        return False  # (checked on a call that is not being captured)
+    H, D, L, W = q.shape[1] // k.shape[1] * 2, q.shape[-1], 300, 5
+    gen = torch.Generator(device=q.device).manual_seed(0)
+    qq, kk, vv = (torch.randn(2, h, L, D, device=q.device, generator=gen).to(q.dtype) for h in (H, 2, 2))
+    try:
+        got = _flash_window(qq, kk, vv, 0.3, W).float()
+        kr, vr = (t.float().repeat_interleave(H // 2, dim=1) for t in (kk, vv))
+        want = F.scaled_dot_product_attention(qq.float(), kr, vr, attn_mask=_band(L, L, W, q.device), scale=0.3)
+        ok = bool((got - want).abs().max() <= 0.05)
+        why = "gives other values than the mask"
+    except RuntimeError as e:
+        ok, why = False, f"is not available ({str(e).splitlines()[0]})"
+    if not ok:
+        warnings.warn(f"tilefuse: flash attention's sliding window {why} on {torch.cuda.get_device_name(q.device)} "
+                      f"({q.dtype}, head size {D}): windowed attention runs as SDPA with a mask", stacklevel=2)
+    _WINDOW_CHECKED[key] = ok
+    return ok
+
+
+def _windowed_attention(n: ir.Attention, q, k, v) -> torch.Tensor:
+    if FLASH_WINDOW and _flash_window_takes(q, k, v) and _flash_window_agrees(q, k):
+        return _flash_window(q, k, v, n.scale, n.window)
+    band = _band(q.shape[-2], k.shape[-2], n.window, q.device)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=band, scale=n.scale, enable_gqa=k.shape[-3] != q.shape[-3])
+
+
 def run_extern(n, get) -> torch.Tensor:
     """Run one graph node in PyTorch: the explicit fallback the plan shows."""
     if isinstance(n, ir.Contraction):
@@ -502,6 +568,8 @@ def run_extern(n, get) -> torch.Tensor:
         return torch.matmul(a, b)
     if isinstance(n, ir.Attention):
         q, k = get(n.q), get(n.k)
+        if n.window:
+            return _windowed_attention(n, q, k, get(n.v))
         args = (q, k, get(n.v))
         kw = dict(attn_mask=get(n.mask) if n.mask else None, is_causal=n.causal, scale=n.scale,
                   enable_gqa=k.shape[-3] != q.shape[-3])

@@ -12,8 +12,13 @@ The rule evaluates the mask's cone when it depends on weights, constants and ind
 SDPA's own causal mask, tril(ones(L, S)) (top-left aligned): equal everywhere, the
 attention becomes causal with no mask. An additive float mask qualifies when its allowed
 entries are 0 and its masked ones -inf or the dtype's lowest value (exp underflows to 0 in
-both; a causal row always keeps its diagonal, so no row is fully masked). Anything else
-(a padding mask from an input, a sliding window) is left as it is.
+both; a causal row always keeps its diagonal, so no row is fully masked).
+
+A sliding window (Mistral's, Gemma 3's sliding layers: query i keeps keys i - W < j <= i) is
+found the same way where the queries are the keys (L == S): the attention becomes causal with
+`window` W and no mask, which flash attention runs on the band alone (runtime.program), and
+which PyTorch otherwise gets as a mask made at run time. Anything else (a padding mask from
+an input) is left as it is.
 """
 from __future__ import annotations
 
@@ -39,31 +44,43 @@ def causal_masks(g: ir.Graph) -> ir.Graph:
         if isinstance(n, ir.Attention) and n.mask is not None:
             key = (n.mask, g[n.q].type.shape[-2], g[n.k].type.shape[-2])
             if key not in seen:
-                seen[key] = _is_causal_mask(g, n.mask, *key[1:])
-            if seen[key]:
-                n = dataclasses.replace(n, causal=True, mask=None)
+                seen[key] = _causal_window(g, n.mask, *key[1:])
+            if seen[key] is not None:
+                n = dataclasses.replace(n, causal=True, mask=None, window=seen[key] or None)
                 changed = True
         nodes.append(n)
     return prune(g.replace(nodes)) if changed else g
 
 
-def _is_causal_mask(g: ir.Graph, mask: str, L: int, S: int) -> bool:
+def _causal_window(g: ir.Graph, mask: str, L: int, S: int) -> int | None:
+    """0 where the mask is SDPA's causal one, W where it is a causal window of W keys (L == S,
+    W < S), else None."""
     m = g[mask].type
     if tuple(m.shape[-2:]) != (L, S) or m.numel > MAX_MASK_ELEMENTS:
-        return False
+        return None
     try:
         value = known_value(g, mask)
     except (ValueError, IndexError, TypeError):  # a cone the interpreter refuses: leave the mask
-        return False
+        return None
     if value is None:
-        return False
-    tri = np.tri(L, S, dtype=bool)  # [i, j] = j <= i: SDPA's is_causal
+        return None
     if value.dtype == bool:
-        return bool(np.all(value == tri))
-    if not dtypes.is_float(m.dtype):
-        return False
-    lowest = torch.finfo(dtypes.to_torch(m.dtype)).min  # -inf is below it too
-    return bool(np.all(np.where(tri, value == 0, value <= lowest)))
+        kept = value
+    elif dtypes.is_float(m.dtype):
+        lowest = torch.finfo(dtypes.to_torch(m.dtype)).min  # -inf is below it too
+        if not np.all((value == 0) | (value <= lowest)):
+            return None
+        kept = value == 0
+    else:
+        return None
+    tri = np.tri(L, S, dtype=bool)  # [i, j] = j <= i: SDPA's is_causal
+    if np.all(kept == tri):
+        return 0
+    w = int(np.count_nonzero(kept[(0,) * (kept.ndim - 2) + (-1,)]))  # the last query's keys
+    if L != S or not 0 < w < S:
+        return None
+    band = tri & ~np.tri(L, S, -w, dtype=bool)  # i - w < j <= i
+    return w if np.all(kept == band) else None
 
 
 def known_value(g: ir.Graph, name: str) -> np.ndarray | None:
