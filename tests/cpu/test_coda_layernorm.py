@@ -70,6 +70,35 @@ def test_without_affine_and_without_matmul_bias():
     assert_exact(NormLinear(affine=False, bias=False), layernorm_into_matmul, torch.randn(7, 24))
 
 
+class CohereForm(nn.Module):
+    """Cohere's bias-free LayerNorm written out: `x - mean` computed twice (once for the variance,
+    once to normalise), the gain on the left."""
+
+    def __init__(self, d=24, n=40, in_f32=True):
+        super().__init__()
+        self.weight = nn.Parameter(1 + 0.1 * torch.randn(d))
+        self.proj = nn.Linear(d, n, bias=False)
+        self.in_f32 = in_f32
+
+    def forward(self, x):
+        h = x.float() if self.in_f32 else x
+        mean = h.mean(-1, keepdim=True)
+        var = (h - mean).pow(2).mean(-1, keepdim=True)
+        h = self.weight.to(h.dtype) * ((h - mean) * torch.rsqrt(var + 1e-5))
+        return self.proj(h.to(x.dtype))
+
+
+def test_cohere_form_with_the_difference_computed_twice_is_folded():
+    """Exact in f64 as written without Cohere's f32 casts (whose rounding of the normalised rows
+    the fold moves), within the 2x rule in bf16 with them."""
+    torch.manual_seed(5)
+    x = torch.randn(3, 5, 24)
+    g, g2 = assert_exact(CohereForm(in_f32=False), layernorm_into_matmul, x)
+    (mm,) = nodes_of(g2, ir.Contraction)
+    assert g2[peel_casts(g2, mm.a)].name == g2.inputs[0], "the matmul reads x itself"
+    assert_bf16(CohereForm(), layernorm_into_matmul, x)
+
+
 def test_gpt2_conv1d_form():
     torch.manual_seed(3)
     m = randomise_norms(Conv1DForm())

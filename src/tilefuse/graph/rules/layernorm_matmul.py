@@ -64,7 +64,10 @@ def match(g: ir.Graph, z: str) -> LayerNormMatch | None:
     if eps_var is None:
         return None
     sq = _row_mean(g, eps_var[1])
-    if sq is None or not (isinstance(g[sq], ir.Map) and g[sq].op == "mul" and g[sq].args == (d, d)):
+    # (x − μ)² from the same difference, or from one computed again (Cohere's LayerNorm writes
+    # `x - mean` twice, and nothing merges the two)
+    if sq is None or not (isinstance(g[sq], ir.Map) and g[sq].op == "mul"
+                          and all(_centred(g, a) == (xf, mean) for a in g[sq].args)):
         return None
     if g[xf].type.shape != shape:
         return None
