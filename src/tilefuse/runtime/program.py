@@ -524,6 +524,7 @@ def _flash_window_takes(q, k, v) -> bool:
     return (q.is_cuda and q.dim() == k.dim() == v.dim() == 4 and q.dtype in (torch.bfloat16, torch.float16)
             and q.dtype == k.dtype == v.dtype and D % 8 == 0 and D <= 256 and k.shape[-1] == v.shape[-1] == D
             and q.shape[1] % k.shape[1] == 0 and k.shape[1] == v.shape[1] and q.shape[0] == k.shape[0]
+            and q.shape[-2] == k.shape[-2]  # (flash aligns its window to the last key; the band here, to the first)
             and all(t.stride(-1) == 1 for t in (q, k, v)))
 
 
