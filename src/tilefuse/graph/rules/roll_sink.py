@@ -44,26 +44,33 @@ def _movable(g: ir.Graph, name: str, rank: int, dim: int, count: list) -> bool:
     return count[0] <= MAX_MAPS and all(_movable(g, a, rank, dim, count) for a in n.args)
 
 
-def rolls_into_maps(g: ir.Graph) -> ir.Graph:
-    ed, out, changed = Editor(g), [], False
-    made: dict = {}  # (tensor, its dim, shift) -> its rolled version's name
+class _Rolled:
+    """Rolled versions of tensors, each made once (a class, not a recursive closure: a closure
+    that calls itself is a reference cycle, which would keep the Editor's weights alive until
+    Python's cyclic collector ran)."""
 
-    def rolled(name: str, rank: int, dim: int, shift: int, source: str) -> str:
-        n = g[name]
+    def __init__(self, g: ir.Graph):
+        self.g, self.ed, self.out, self.made = g, Editor(g), [], {}
+
+    def __call__(self, name: str, rank: int, dim: int, shift: int, source: str) -> str:
+        n = self.g[name]
         d = _along(n.type, rank, dim)
         if d is None:
             return name
         key = (name, d, shift)
-        if key not in made:
+        if key not in self.made:
             if isinstance(n, ir.Map):
-                args = tuple(rolled(a, rank, dim, shift, source) for a in n.args)
-                new = ir.Map(ed.fresh(f"{name}_rolled"), n.type, n.op, args, n.source)
+                args = tuple(self(a, rank, dim, shift, source) for a in n.args)
+                new = ir.Map(self.ed.fresh(f"{name}_rolled"), n.type, n.op, args, n.source)
             else:
-                new = ir.View(ed.fresh(f"{name}_rolled"), n.type, "roll", name, (d, shift), source)
-            out.append(new)
-            made[key] = new.name
-        return made[key]
+                new = ir.View(self.ed.fresh(f"{name}_rolled"), n.type, "roll", name, (d, shift), source)
+            self.out.append(new)
+            self.made[key] = new.name
+        return self.made[key]
 
+
+def rolls_into_maps(g: ir.Graph) -> ir.Graph:
+    rolled, changed = _Rolled(g), False
     for n in g.nodes:
         if isinstance(n, ir.View) and n.op == "roll" and isinstance(g[n.arg], ir.Map):
             rank = len(n.type.shape)
@@ -71,8 +78,8 @@ def rolls_into_maps(g: ir.Graph) -> ir.Graph:
             if _movable(g, n.arg, rank, dim, [0]):
                 top = g[n.arg]
                 args = tuple(rolled(a, rank, dim, shift, n.source) for a in top.args)
-                out.append(ir.Map(n.name, n.type, top.op, args, n.source))
+                rolled.out.append(ir.Map(n.name, n.type, top.op, args, n.source))
                 changed = True
                 continue
-        out.append(n)
-    return prune(ed.graph(out)) if changed else g
+        rolled.out.append(n)
+    return prune(rolled.ed.graph(rolled.out)) if changed else g
