@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import tilefuse
-from coda_fixtures import capture
 from tilefuse.check import compare, float64_reference
+from tilefuse.frontend.capture import export, to_graph
 from tilefuse.graph import ir
 from tilefuse.graph.interp import run_graph
 from tilefuse.graph.rules import roll_sink
@@ -62,22 +62,18 @@ def test_the_norm_and_the_rotation_are_one_kernel(monkeypatch):
 
 
 def test_an_argument_of_size_one_along_the_roll_is_taken_as_it_is():
-    """The row's statistic (one value a row) is read as it is; q and the weight are rolled views."""
-    x = torch.randn(4, 8)
-    r = torch.randn(4, 1)
+    """A row's statistic (one value a row, [4, 1]) is read as it is; x under the exp is rolled."""
+    x, r = torch.randn(4, 8), torch.randn(4, 1)
 
     def fn(x, r):
         return torch.roll(torch.exp(x) * r, 3, -1)
 
-    g = tilefuse.compile(fn, (x, r)).graph
-    top = [n for n in g.nodes if n.name in g.outputs][0]
-    assert isinstance(top, ir.Map) and top.op == "mul"
-    assert r_input_is_read_unrolled(g, top)
+    g = rolls_into_maps(to_graph(export(fn, (x, r))))
+    (top,) = [g[o] for o in g.outputs]
+    assert isinstance(top, ir.Map) and top.op == "mul" and g.inputs[1] in top.args
+    (e,) = [g[a] for a in top.args if a != g.inputs[1]]
+    assert e.op == "exp" and g[e.args[0]].op == "roll" and g[e.args[0]].arg == g.inputs[0]
     torch.testing.assert_close(tilefuse.compile(fn, (x, r))(x, r), fn(x, r))
-
-
-def r_input_is_read_unrolled(g: ir.Graph, top: ir.Map) -> bool:
-    return g.inputs[1] in top.args and any(isinstance(g[a], ir.Map) and g[a].op == "exp" for a in top.args)
 
 
 def test_not_moved_onto_a_reduction_along_the_rolled_dim():
@@ -87,7 +83,7 @@ def test_not_moved_onto_a_reduction_along_the_rolled_dim():
         return torch.roll(torch.softmax(x, 0), 2, 1)
 
     x = torch.randn(5, 7)
-    g = capture(_Fn(fn), x)
+    g = to_graph(export(fn, (x,)))
     assert any(isinstance(n, ir.View) and n.op == "roll" for n in g.nodes)
     assert rolls_into_maps(g) is g
     torch.testing.assert_close(tilefuse.compile(fn, (x,))(x), fn(x))
@@ -103,21 +99,12 @@ def test_rolled_maps_compute_the_same_function():
         def fn(x, a, c, dim=dim):
             return torch.roll(torch.tanh(x * a + c) - a, 1, dim)
 
-        g = capture(_Fn(fn), x, a, c)
+        g = to_graph(export(fn, (x, a, c)))
         g2 = rolls_into_maps(g)
         assert g2 is not g and not any(isinstance(n, ir.View) and n.op == "roll" and isinstance(g2[n.arg], ir.Map)
                                        for n in g2.nodes)
         feed = dict(zip(g.inputs, (x, a, c)))
         assert (run_graph(g, feed)[0] == run_graph(g2, feed)[0]).all()
-
-
-class _Fn(torch.nn.Module):
-    def __init__(self, fn):
-        super().__init__()
-        self.fn = fn
-
-    def forward(self, *xs):
-        return self.fn(*xs)
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_80"])
