@@ -194,8 +194,12 @@ def test_bloom_alibi_attention_is_sdpa_with_the_masks_summed(dtype, mask_kind):
     g2 = eager_attention_as_sdpa(g)
     (att,) = _attention(g2)
     assert not [n for n in g2.nodes if isinstance(n, ir.Contraction)], str(g2)
-    assert g2[att.q].type.shape == (B, H, S, D) and att.q == g.inputs[0] and att.scale == pytest.approx(D ** -0.5)
-    assert g2[att.mask].type == ir.TensorType((B, H, S, S), g2[att.q].type.dtype)
+    assert (att.q, att.k, att.v) == tuple(g.inputs[:3]) and att.scale == pytest.approx(D ** -0.5)
+    cast = g2[att.mask]  # cast(max(alibi + mask in f32, lowest)) to q's dtype, [B, H, S, S]
+    assert cast.type == ir.TensorType((B, H, S, S), g2[att.q].type.dtype) and cast.op == "cast"
+    floor = g2[cast.args[0]]
+    assert floor.op == "max" and g2[floor.args[1]].value == torch.finfo(dtype).min
+    assert g2[floor.args[0]].op == "add" and g2[floor.args[0]].type.dtype == "f32"
     p = tilefuse.compile(bloom, args)
     got = p(*args)
     assert torch.isfinite(got).all()
@@ -234,6 +238,35 @@ def test_baddbmm_is_beta_bias_plus_alpha_product(alpha, beta):
     p = tilefuse.compile(fn, (bias, x, y))
     assert not [n for n in p.graph.nodes if isinstance(n, ir.Extern)]
     torch.testing.assert_close(p(bias, x, y), fn(bias, x, y), rtol=1e-5, atol=1e-5)
+
+
+def test_not_taken_where_p_at_v_broadcasts_across_the_regrouped_batch():
+    """Probabilities regrouped to [N, 1, S, S] against v [N, S, D]: p @ v broadcasts to [N, N, S, D]
+    (every batch's probabilities times every batch's v), which is not attention."""
+    def fn(q, k, v):
+        s = (q @ k.transpose(1, 2)).reshape(6, 1, S, S)
+        return torch.softmax(s, -1) @ v
+
+    q, k, v = (t.reshape(B * H, S, D)[:6] for t in _qkv())
+    g = to_graph(export(fn, (q, k, v)))
+    assert eager_attention_as_sdpa(g) is g
+
+
+def test_a_second_scaled_matmul_beside_the_scores_is_a_mask():
+    """`q @ kᵀ · c + q @ rᵀ` (a relative-position term): the first is the scores, the second a mask
+    computed as before, as the rule took it before it followed sums."""
+    def fn(q, k, v, r):
+        s = q @ k.transpose(-1, -2) * 0.25 + q @ r.transpose(-1, -2)
+        return torch.softmax(s, -1) @ v
+
+    q, k, v = _qkv()
+    r = _qkv(seed=1)[0]
+    g2 = eager_attention_as_sdpa(to_graph(export(fn, (q, k, v, r))))
+    (att,) = _attention(g2)
+    assert att.mask is not None and len([n for n in g2.nodes if isinstance(n, ir.Contraction)]) == 1
+    p = tilefuse.compile(fn, (q, k, v, r))
+    check = compare("relative", p(q, k, v, r), float64_reference(fn, (q, k, v, r)), fn(q, k, v, r))
+    assert check.ok, check
 
 
 def test_not_taken_where_a_reshape_splits_the_key_dim():

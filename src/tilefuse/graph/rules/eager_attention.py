@@ -103,7 +103,7 @@ def _through(g: ir.Graph, name: str, chain: list) -> str:
 def _scores(g: ir.Graph, name: str, chain: list, masks: list, depth: int = 0) -> tuple | None:
     """(scores contraction, scale) for name = scores [· c | / c] plus masks, in any order and
     grouping, through float casts and leading regroupings; each mask is appended to `masks` as
-    (tensor, the scores' shape where it is added). None unless exactly one term is scores."""
+    (tensor, the scores' shape where it is added). None where no term is scores."""
     inner: list = []
     under = _through(g, name, inner)
     found = _scaled(g, under)
@@ -119,8 +119,10 @@ def _scores(g: ir.Graph, name: str, chain: list, masks: list, depth: int = 0) ->
         got = _scores(g, s, sub_chain, sub_masks, depth + 1)
         if got is not None:
             hits.append((got, sub_chain, sub_masks, s, m))
-    if len(hits) != 1:  # neither side holds the scores, or both do
+    if not hits:
         return None
+    # (where both sides are scaled matmuls, `q @ kᵀ · c + q @ rᵀ`, the second is a mask, computed
+    # as before: _private refuses the pattern if that mask reads the scores themselves)
     got, sub_chain, sub_masks, s, m = hits[0]
     mt = g[m].type
     if (g[s].type.shape != n.type.shape or not dtypes.is_float(mt.dtype) or len(mt.shape) > len(n.type.shape)
@@ -182,7 +184,9 @@ def _match(g: ir.Graph, pv: ir.Contraction):
     if not (tq.dtype == tk.dtype == tv.dtype == pv.type.dtype and tq.dtype in SIXTEEN and g[pv.a].type.dtype == tv.dtype
             and rank >= 3 and len(tk.shape) == len(tv.shape) == rank
             and tq.shape[:-2] == tk.shape[:-2] == tv.shape[:-2] and tq.shape[-1] == tk.shape[-1]
-            and tk.shape[-2] == tv.shape[-2] and _regrouped(g[x].type.shape, g[s].type.shape)):
+            and tk.shape[-2] == tv.shape[-2] and _regrouped(g[x].type.shape, g[s].type.shape)
+            and g[pv.a].type.shape[:-2] == tv.shape[:-2]  # p @ v batched as q and k are, no broadcast
+            and math.prod(pv.type.shape[:-2]) == math.prod(tq.shape[:-2])):
         return None
     return q, k, v, scale, masks, g[x].type.shape, chain
 
