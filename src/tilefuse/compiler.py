@@ -157,9 +157,11 @@ def _stages(fn, example_inputs, expr: str | None, arch: str | None, exported=Non
         fired = fired + more
     # what rotate-half RoPE left (HF's at a decode step: its k goes into the cache): neg's as
     # signs, then the cat of the two halves as a roll, which the kernel reading it reads in place
-    # (a roll of a q/k norm's output moves below the norm's maps, onto q itself: one kernel)
+    # (RoPE after a q/k norm is computed in the norm's order, and a roll of the norm's output
+    # moves below the norm's maps, onto q itself: one kernel)
     from .graph.rules.cat_maps import cats_as_maps, stacks_as_maps
     from .graph.rules.cat_roll import rotated_cat_as_roll
+    from .graph.rules.permute_lift import maps_in_source_order
     from .graph.rules.roll_sink import rolls_into_maps
     from .graph.rules.cat_signs import negated_pieces_as_signs
     from .graph.rules.gather_sink import gathers_through_maps, split_gathers
@@ -182,7 +184,7 @@ def _stages(fn, example_inputs, expr: str | None, arch: str | None, exported=Non
     # the tokens' rows ([T, D] -> [B, S, D]), a reshape of the tensors those maps read
     graph, more = run_rewrites(graph, (reductions_in_runs, merged_reductions, short_reductions_as_maps, slices_into_maps,
                                        split_gathers, gathers_through_maps, leading_reshapes_into_maps,
-                                       negated_pieces_as_signs, rotated_cat_as_roll, rolls_into_maps, stacks_as_maps, cats_as_maps,
+                                       negated_pieces_as_signs, rotated_cat_as_roll, maps_in_source_order, rolls_into_maps, stacks_as_maps, cats_as_maps,
                                        results_in_eager_layout,
                                        permutes_into_maps, transposed_results_as_copies, result_views_as_copies))
     fired = fired + more
