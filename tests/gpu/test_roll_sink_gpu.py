@@ -1,6 +1,6 @@
-"""graph/rules/roll_sink.py and permute_lift.py on the GPU: Gemma 3's and Qwen3's q norm and rotate-half RoPE as one kernel (q
-read a second time at the rotated column), within the 2x rule of a float64 reference, outputs
-poisoned first."""
+"""graph/rules/roll_sink.py and permute_lift.py on the GPU: Gemma 3's and Qwen3's q norm and
+rotate-half RoPE as one kernel (q read a second time at the rotated column), within the 2x rule
+of a float64 reference, outputs poisoned first."""
 from __future__ import annotations
 
 import pytest
