@@ -51,7 +51,7 @@ CASES = {
 @pytest.mark.parametrize("C,dtype", [(128, torch.bfloat16), (1024, torch.bfloat16), (64, torch.float32),
                                      (256, torch.float16)], ids=str)
 def test_short_map_kernels_build_clean_at_their_default(name, C, dtype, arch):
-    """No spill and no stack frame at the default itself (the build halves min_blocks where a
+    """No spill and no stack frame at the default itself (the build lowers min_blocks where a
     default spills; here it must not need to)."""
     fn, n = CASES[name]
     p = tilefuse.compile(fn, tuple(torch.randn(4096, C, dtype=dtype) for _ in range(n)))
