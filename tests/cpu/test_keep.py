@@ -368,11 +368,11 @@ def test_build_renders_again_without_moving_when_it_would_spill(monkeypatch):
     assert src.source == mapreduce.render(k, None, ARCH, keep_values=False).source
 
 
-def test_build_halves_a_spilling_default_schedules_ctas_per_sm(monkeypatch):
+def test_build_lowers_a_spilling_default_schedules_ctas_per_sm(monkeypatch):
     """A default schedule whose kernel spills (with nothing kept or moved to give up) is built
-    again with half its min_blocks until ptxas reports none; a schedule given is built once,
-    spills and all. (add_then_scale_x at 32768 x 256 bf16 spilled 44 bytes on sm_90a under its
-    default's 8 CTAs an SM; at 4 it does not.)"""
+    again with fewer CTAs an SM (min_blocks halved above 4, one fewer from 4) until ptxas reports
+    none; a schedule given is built once, spills and all. (add_then_scale_x at 32768 x 256 bf16
+    spilled 44 bytes on sm_90a under its default's 8 CTAs an SM; at 4 it does not.)"""
     k = lowered("rmsnorm", (32768, 256))
     sch = mapreduce.default_schedule(k, ARCH)
     assert sch.min_blocks == 8
@@ -382,9 +382,9 @@ def test_build_halves_a_spilling_default_schedules_ctas_per_sm(monkeypatch):
     calls = _fake_compile(monkeypatch, lambda s: True)
     src, cubin, _ = launch._build(k, ARCH, sch)
     assert len(calls) == 1 and src.schedule == sch and not cubin.info.clean
-    calls = _fake_compile(monkeypatch, lambda s: True)  # never clean: down to one CTA an SM, then given up
+    calls = _fake_compile(monkeypatch, lambda s: True)  # never clean: 8, 4, 3, 2, 1 CTAs an SM, then given up
     src, cubin, _ = launch._build(k, ARCH, None)
-    assert [src.schedule.min_blocks, len(calls)] == [1, 4] and not cubin.info.clean
+    assert [src.schedule.min_blocks, len(calls)] == [1, 5] and not cubin.info.clean
 
 
 def test_a_spilling_default_is_built_clean():
