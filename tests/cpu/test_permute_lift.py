@@ -105,3 +105,59 @@ def test_the_fused_kernel_builds_clean(arch):
     (step,) = _kernels(prog)
     src, cubin = compile_source_only(prog.kernels[step.name].kernel, arch)
     assert cubin.info.clean, f"{src.schedule}: {cubin.info}"
+
+
+def _norm(x):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+
+def _roll_of_low_rank(q, k, v, cos, sin):
+    """A roll of a lower-rank table (its dim counted from its own first dim)."""
+    x = _norm(q.view(B, S, H, D)).permute(1, 2, 0, 3)  # [S, H, B, D]
+    return F.scaled_dot_product_attention(x * torch.roll(cos, 3, dims=1) + x * sin, k, v)
+
+
+def _low_rank_permute(q, k, v, w, sin):
+    """A rank-3 permute of a computed map broadcast into a rank-4 map."""
+    x = _norm(q.view(S, B, D)).permute(1, 0, 2)  # [B, S, D]
+    return F.scaled_dot_product_attention(x * w, k, v)
+
+
+def _low_rank_computed(q, k, v, cos, sin):
+    """Only a lower-rank computed tensor under the permute: permutes_into_maps would move it back."""
+    r = q.view(B, S, H, D).pow(2).mean((0, 1, 2))  # [D]
+    x = (q.view(B, S, H, D) * r).transpose(1, 2)
+    return F.scaled_dot_product_attention(x * cos + 1, k, v)
+
+
+def _other_order(q, k, v, cos, sin):
+    """p = (2, 0, 1, 3), a permute that is not its own inverse, tables of two ranks."""
+    x = _norm(q.view(B, S, H, D)).permute(2, 0, 1, 3)  # [H, B, S, D]
+    h = D // 2
+    return F.scaled_dot_product_attention(x * cos + torch.cat((-x[..., h:], x[..., :h]), -1) * sin, k, v)
+
+
+def _args(shapes):
+    g = torch.Generator().manual_seed(2)
+    return tuple(torch.randn(*s, generator=g) for s in shapes)
+
+
+@pytest.mark.parametrize("fn, shapes, fires", [
+    (_roll_of_low_rank, [(B, S, H * D), (S, H, B, D), (S, H, B, D), (B, D), (B, D)], False),
+    (_low_rank_permute, [(S, B * D), (H, B, S, D), (H, B, S, D), (H, B, S, D), (1,)], False),
+    (_low_rank_computed, [(B, S, H * D), (B, H, S, D), (B, H, S, D), (S, D), (S, D)], False),
+    (_other_order, [(B, S, H * D), (H, B, S, D), (H, B, S, D), (H, 1, S, D), (S, D)], True),
+], ids=["roll of a lower-rank table", "lower-rank permute", "lower-rank computed", "p=(2,0,1,3)"])
+def test_edge_cases_keep_the_function(fn, shapes, fires):
+    """Where it is not taken the graph is left as it is; where it is, the interpreter's values
+    before and after are the same bits (cases a review found: the first two were taken and wrong)."""
+    from tilefuse.graph.interp import run_graph
+    from tilefuse.graph.rules.cat_roll import rotated_cat_as_roll
+    from tilefuse.graph.rules.cat_signs import negated_pieces_as_signs
+
+    args = _args(shapes)
+    g = rotated_cat_as_roll(negated_pieces_as_signs(to_graph(export(fn, args))))
+    g2 = maps_in_source_order(g)
+    assert (g2 is not g) == fires
+    feed = dict(zip(g.inputs, args))
+    assert (run_graph(g, feed)[0] == run_graph(g2, feed)[0]).all()

@@ -94,7 +94,7 @@ def _build(kernel: ir.Kernel, arch: str, schedule, use_cache: bool = True):
     """(source, cubin, cache hit). Where values kept between passes (codegen/keep.py), or
     stores moved to an earlier pass, would spill, the kernel is built again without them; a
     default schedule whose kernel still spills registers is built again with fewer CTAs per SM
-    budgeted for registers (min_blocks: one fewer up to 4, else half), down to one: ptxas, not
+    budgeted for registers (min_blocks: half, but not below 4, above 4; one fewer from 4), down to one: ptxas, not
     an estimate, says what fits. (One fewer: Gemma 3's and Qwen3's q norm with its rotation
     spilled 4 bytes at 4, and fit at 3 where halving gave 2.) A schedule given (tuned, or asked
     for) is built as it is."""
@@ -113,7 +113,7 @@ def _build(kernel: ir.Kernel, arch: str, schedule, use_cache: bool = True):
         spills = cubin.info.spill_stores or cubin.info.spill_loads  # a stack frame alone (f32 sin's) is no spill
         if not spills or schedule is not None or sched.min_blocks <= 1:
             return src, cubin, hit
-        sched = replace(sched, min_blocks=sched.min_blocks - 1 if sched.min_blocks <= 4 else sched.min_blocks // 2)
+        sched = replace(sched, min_blocks=sched.min_blocks - 1 if sched.min_blocks <= 4 else max(4, sched.min_blocks // 2))
 
 
 def compile_source_only(kernel: ir.Kernel, arch: str = "sm_90a", schedule=None,

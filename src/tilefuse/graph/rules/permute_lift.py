@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from .. import ir
 from .match import Editor, prune
+from .permute_sink import _movable
 
 MAX_MAPS = 16
 
@@ -53,23 +54,25 @@ def _constant_everywhere(t: ir.TensorType) -> bool:
     return all(d == 1 for d in t.shape)
 
 
-def _chain(g: ir.Graph, name: str, rank: int, found: dict) -> bool:
-    """Whether `name` lifts: maps and rolls down to permutes (their orders gathered in found["p"],
-    found["fuses"] set where one permutes a computed map) and tensors in memory."""
+def _chain(g: ir.Graph, users, name: str, rank: int, found: dict) -> bool:
+    """Whether `name` lifts: maps and rolls of full rank down to permutes of full rank (their
+    orders gathered in found["p"]; found["fuses"] set where one permutes a computed map that
+    permutes_into_maps would not move the permute back onto) and tensors in memory."""
     n = g[name]
     if _constant_everywhere(n.type) or len(n.type.shape) < rank and not isinstance(n, (ir.Map, ir.View)):
         return True
+    full = len(n.type.shape) == rank
     if isinstance(n, ir.View) and n.op == "permute":
         found.setdefault("p", set()).add(_perm(n))
-        if isinstance(g[n.arg], ir.Map) and _computed(g, n.arg):
+        if isinstance(g[n.arg], ir.Map) and _computed(g, n.arg) and not _movable(g, n.arg, users, rank):
             found["fuses"] = True
-        return True
+        return full
     if isinstance(n, ir.View) and n.op == "roll":
-        return _chain(g, n.arg, rank, found)
+        return full and _chain(g, users, n.arg, rank, found)
     if isinstance(n, ir.Map):
         found["maps"] = found.get("maps", 0) + 1
-        return (found["maps"] <= MAX_MAPS and len(n.type.shape) == rank
-                and all(_chain(g, a, rank, found) for a in n.args))
+        return (found["maps"] <= MAX_MAPS and full
+                and all(_chain(g, users, a, rank, found) for a in n.args))
     return isinstance(n, (ir.Input, ir.Weight)) or isinstance(n, ir.View) and n.op in ("reshape", "expand", "slice")
 
 
@@ -131,7 +134,7 @@ def maps_in_source_order(g: ir.Graph) -> ir.Graph:
         found: dict = {}
         if (isinstance(n, ir.Map) and readers and n.name not in g.outputs and len(n.type.shape) >= 3
                 and all(isinstance(g[u], ir.Attention) and n.name in (g[u].q, g[u].k, g[u].v) for u in readers)
-                and _chain(g, n.name, len(n.type.shape), found) and found.get("fuses")
+                and _chain(g, users, n.name, len(n.type.shape), found) and found.get("fuses")
                 and len(found["p"]) == 1):
             (p,) = found["p"]
             if p[-1] == len(p) - 1 and p != tuple(range(len(p))):
