@@ -21,14 +21,9 @@ from __future__ import annotations
 
 from .. import ir
 from .match import Editor, prune
-from .permute_sink import _movable
+from .permute_sink import _movable, _perm
 
 MAX_MAPS = 16
-
-
-def _perm(v: ir.View) -> tuple[int, ...]:
-    rank = len(v.type.shape)
-    return tuple(d % rank for d in v.params)
 
 
 def _computed(g: ir.Graph, name: str) -> bool:
