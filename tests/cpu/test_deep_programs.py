@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import sys
 
+import pytest
 import torch
 
 import tilefuse
@@ -120,3 +121,54 @@ def test_a_long_chain_after_a_matmul_fills_the_epilogue_up_to_its_limit_and_runs
     ref = f(x.double(), w.double())
     err = (c.program(x, w).double() - ref).abs().max()
     assert err <= 2 * (f(x, w).double() - ref).abs().max()
+
+
+def test_a_map_chain_deeper_than_the_recursion_limit_then_a_softmax_is_two_kernels_equal_to_eager():
+    """The reduction rules (apart_reductions' layout walk) follow the chain above the softmax
+    with a stack of their own; it is split before the softmax (RECOMPUTE_LIMIT)."""
+    steps = sys.getrecursionlimit() // 2 + 100
+
+    def f(x):
+        for _ in range(steps):
+            x = x * 0.999 + 0.001
+        return torch.softmax(x, -1)
+
+    x = torch.randn(5, 40)
+    c = tilefuse.compile(f, (x,))
+    assert [s.family for s in c.stages.plan.steps] == ["mapreduce", "mapreduce"]
+    torch.testing.assert_close(c(x), f(x), rtol=1e-5, atol=1e-6)
+
+
+def test_maps_reading_one_tensor_twice_sixty_deep_compile_in_a_walk_of_their_size():
+    """`x * x` sixty times over: 2^60 paths from the sum to x. The rules that ask what a tensor
+    is made of (its layout, whether maps of the program's tensors, whether a GEMM's output) visit
+    each node once; a walk of every path never ended."""
+    def f(x):
+        for _ in range(60):
+            x = torch.tanh(x * x)
+        return x.reshape(6, 10).sum(-1), x.sum(0)
+
+    x = torch.randn(3, 20)
+    c = tilefuse.compile(f, (x,))
+    for got, want in zip(c(x), f(x)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def _deep(x):
+    for _ in range(sys.getrecursionlimit() // 2 + 100):
+        x = x * 0.999 + 0.001
+    return x
+
+
+@pytest.mark.parametrize("name, fn, shapes", [
+    ("slice", lambda x: _deep(x)[:, :24] * x[:, 24:], [(6, 48)]),
+    ("row gather", lambda x, i: _deep(x)[i].sum(-1), [(12, 32), "index"]),
+    ("leading reshape", lambda x: torch.softmax(_deep(x).reshape(2, 3, 40), -1), [(6, 40)]),
+])
+def test_a_view_below_a_chain_deeper_than_the_recursion_limit_compiles_equal_to_eager(name, fn, shapes):
+    """The rules that move a slice, a row gather or a leading reshape up through the maps above
+    it walk without recursion and stop after MAX_PASSES maps (one map a pass: a chain of
+    thousands took minutes, or ran out of stack); what they leave computes the same function."""
+    inputs = tuple(torch.randint(0, 12, (7,)) if s == "index" else torch.randn(*s) for s in shapes)
+    c = tilefuse.compile(fn, inputs)
+    torch.testing.assert_close(c(*inputs), fn(*inputs), rtol=1e-5, atol=1e-6)

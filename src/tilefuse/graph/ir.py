@@ -309,6 +309,20 @@ def post_order(root, children) -> list:
     return order
 
 
+def reached(root, children):
+    """`root` and each name it reaches through `children(x)`, once each, walked with a list for a
+    stack: a chain deeper than Python's recursion limit costs no recursion, and a DAG whose maps
+    read one tensor twice (`x * x` repeated) costs its size, not its number of paths."""
+    seen, todo = {root}, [root]
+    while todo:
+        x = todo.pop()
+        yield x
+        for c in children(x):
+            if c not in seen:
+                seen.add(c)
+                todo.append(c)
+
+
 def node_args(n) -> tuple[str, ...]:
     """Names of the tensors a node reads."""
     if isinstance(n, Map):

@@ -241,12 +241,12 @@ def _maps_of_tensors(g: ir.Graph, name: str, size: int) -> bool:
     """Whether `name` is computed by maps and views alone from the program's tensors (smaller
     operands, broadcast, from anything): a reshape moves up to them (reshapes_onto_maps), where
     a gather's or a scan's result of that size would be written whole first (a flip's)."""
-    node = g[name]
-    if node.type.numel < size or isinstance(node, (ir.Input, ir.Weight, ir.Constant, ir.Iota)):
-        return True
-    if isinstance(node, ir.View):
-        return _maps_of_tensors(g, node.arg, size)
-    return isinstance(node, ir.Map) and all(_maps_of_tensors(g, a, size) for a in node.args)
+    def below(x):
+        n = g[x]
+        return ir.node_args(n) if n.type.numel >= size and isinstance(n, (ir.View, ir.Map)) else ()
+
+    return all(g[x].type.numel < size or isinstance(g[x], (ir.Input, ir.Weight, ir.Constant, ir.Iota, ir.View, ir.Map))
+               for x in ir.reached(name, below))
 
 
 def split_long_columns(g: ir.Graph) -> ir.Graph:

@@ -73,14 +73,12 @@ def _in_order(g: ir.Graph, name: str, size: int) -> bool:
     """Whether `name` is laid out in its own dims' order: maps and reshapes of written tensors,
     not of a permuted view (`x.transpose(1, 2).sum((0, 2))` is `x.sum((0, 1))` in memory: runs
     of the view's dims would copy it)."""
-    node = g[name]
-    if node.type.numel < size:
-        return True
-    if isinstance(node, ir.View):
-        return node.op != "permute" and _in_order(g, node.arg, size)
-    if isinstance(node, ir.Map):
-        return all(_in_order(g, a, size) for a in node.args)
-    return True
+    def below(x):
+        n = g[x]
+        return () if n.type.numel < size or not isinstance(n, (ir.View, ir.Map)) else ir.node_args(n)
+
+    return not any(isinstance(g[x], ir.View) and g[x].op == "permute" and g[x].type.numel >= size
+                   for x in ir.reached(name, below))
 
 
 def _taken(g: ir.Graph, n: ir.Node) -> list[list[int]] | None:

@@ -281,12 +281,11 @@ def _pairwise_epilogue(g: ir.Graph, n, names: list) -> bool:
 
 def _gemm_output(g: ir.Graph, name: str, shape: tuple) -> bool:
     """Whether `name` is a contraction of `shape` or maps of one, with no view between."""
-    x = g[name]
-    if x.type.shape != shape:
-        return False
-    if isinstance(x, ir.Contraction):
-        return True
-    return isinstance(x, ir.Map) and any(_gemm_output(g, a, shape) for a in x.args)
+    def below(x):
+        n = g[x]
+        return n.args if isinstance(n, ir.Map) and n.type.shape == shape else ()
+
+    return any(isinstance(g[x], ir.Contraction) and g[x].type.shape == shape for x in ir.reached(name, below))
 
 
 def stacks_as_maps(g: ir.Graph) -> ir.Graph:

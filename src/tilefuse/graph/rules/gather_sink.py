@@ -22,7 +22,7 @@ range reads NaN, which a bool or integer table cannot hold. Arguments of size 1 
 broadcast, and stay as they are. `split_gathers` rewrites the slices a reduction over a split
 dim made (`out.view(T, k, D)`, sliced at each j) into gathers at the slices of the index, for a
 gather of a map (it prepares the first rule; gathers of tables in memory are left alone). The
-first repeats until nothing moves.
+first repeats until nothing moves, at most MAX_PASSES times.
 """
 from __future__ import annotations
 
@@ -30,7 +30,8 @@ import math
 
 from ... import dtypes
 from .. import ir
-from .match import Editor
+from .match import MAX_PASSES, Editor
+
 
 
 def _row_gather(g: ir.Graph, name: str) -> bool:
@@ -148,7 +149,7 @@ def _table(g: ir.Graph, ed: Editor, out: list, a: str, rank: int, source: str) -
 
 
 def gathers_through_maps(g: ir.Graph) -> ir.Graph:
-    while True:
+    for _ in range(MAX_PASSES):
         users = g.users()
         moving = {n.name for n in g.nodes if _movable(g, n.name, users)}
         if not moving:
@@ -185,6 +186,7 @@ def gathers_through_maps(g: ir.Graph) -> ir.Graph:
                 out += nodes
             out.append(ir.Map(n.name, n.type, m.op, tuple(args), m.source))
         g = ed.graph(out)
+    return g  # (a gather MAX_PASSES maps up a chain reads the map there, written whole)
 
 
 def _made_type(out: list, name: str) -> ir.TensorType:

@@ -12,6 +12,11 @@ from ... import dtypes
 from ...tensors import to_torch
 from .. import ir
 
+# passes of the rules that move a view or a gather one map up a pass (slice_sink, gather_sink,
+# reshape_hoist): a chain of thousands of maps would cost time squared; past this the view
+# stays where it is and the map it reads is written whole (a correct, slower plan)
+MAX_PASSES = 64
+
 
 def float_cast(g: ir.Graph, name: str) -> bool:
     """`name` is a cast from a float dtype to a float dtype: a change of precision, which a

@@ -27,7 +27,7 @@ import math
 
 from ... import dtypes
 from .. import ir
-from .match import Editor
+from .match import MAX_PASSES, Editor
 from .slice_sink import _from_contraction
 
 
@@ -52,36 +52,48 @@ def _row_gather(g: ir.Graph, n: ir.Gather) -> bool:
             and all(s == 1 for s in n.type.shape[1:-1]) and all(s == 1 for s in g[n.arg].type.shape[1:-1]))
 
 
-def _closure(g: ir.Graph, name: str, users: dict, memo: dict, top: bool = True) -> bool:
+def _closure(g: ir.Graph, name: str, users: dict, fed: set, top: bool = True) -> bool:
     """Whether the reshape moves all the way up from `name`: through maps, reshapes and row
     gathers each read only by the node below it, to tensors in memory (a free view there) or
     arguments that broadcast over the leading dims. Stopping short would leave a reshape of a
     value some kernel computes, which ends that kernel as the reshape below did (a norm's
     statistics under it would be written, and read back by a kernel of their own)."""
-    n = g[name]
-    if isinstance(n, _IN_MEMORY) or isinstance(n, ir.Constant):
-        return True
-    if not top and (len(users.get(name, [])) != 1 or name in g.outputs):
-        return False
-    if isinstance(n, ir.View):
-        return n.op == "reshape" and _closure(g, n.arg, users, memo, False)
-    if isinstance(n, ir.Gather):
-        return _row_gather(g, n)
-    if isinstance(n, ir.Map):
-        if _stored_widening(g, name):
-            return True
-        if _from_contraction(g, name, memo):
+    todo, seen = [(name, top)], {name}
+    while todo:  # (a stack: a chain deeper than the recursion limit; `seen`: maps reading x twice)
+        name, top = todo.pop()
+        n = g[name]
+        if isinstance(n, _IN_MEMORY) or isinstance(n, ir.Constant):
+            continue
+        if not top and (len(users.get(name, [])) != 1 or name in g.outputs):
             return False
-        rank = len(n.type.shape)
-        lead = n.type.shape[:-1]
-        for a in n.args:
-            if _broadcast(g, a, rank):
-                continue
-            s = g[a].type.shape
-            if len(s) != rank or s[:-1] != lead or not _closure(g, a, users, memo, False):
+        if isinstance(n, ir.View):
+            if n.op != "reshape":
                 return False
-        return True
-    return False
+            below = [n.arg]
+        elif isinstance(n, ir.Gather):
+            if not _row_gather(g, n):
+                return False
+            below = []
+        elif isinstance(n, ir.Map):
+            if _stored_widening(g, name):
+                continue
+            if name in fed:
+                return False
+            rank, lead, below = len(n.type.shape), n.type.shape[:-1], []
+            for a in n.args:
+                if _broadcast(g, a, rank):
+                    continue
+                s = g[a].type.shape
+                if len(s) != rank or s[:-1] != lead:
+                    return False
+                below.append(a)
+        else:
+            return False
+        for a in below:
+            if a not in seen:
+                seen.add(a)
+                todo.append((a, False))
+    return True
 
 
 def _stored_widening(g: ir.Graph, name: str) -> bool:
@@ -97,7 +109,7 @@ def _stored_widening(g: ir.Graph, name: str) -> bool:
     return a.name in g.outputs and dtypes.itemsize(n.type.dtype) > dtypes.itemsize(a.type.dtype)
 
 
-def _hoistable(g: ir.Graph, r: ir.View, users: dict, memo: dict) -> str | None:
+def _hoistable(g: ir.Graph, r: ir.View, users: dict, fed: set) -> str | None:
     """'map', 'view' or 'gather': what the reshape r moves onto, or None."""
     if not (isinstance(r, ir.View) and r.op == "reshape"):
         return None
@@ -105,24 +117,24 @@ def _hoistable(g: ir.Graph, r: ir.View, users: dict, memo: dict) -> str | None:
     if not _regroups(x.type.shape, r.type.shape) or r.arg in g.outputs:
         return None
     if isinstance(x, ir.View) and x.op == "reshape":
-        return "view" if isinstance(g[x.arg], (ir.Map, ir.Gather, ir.View)) and _closure(g, x.arg, users, memo) else None
+        return "view" if isinstance(g[x.arg], (ir.Map, ir.Gather, ir.View)) and _closure(g, x.arg, users, fed) else None
     readers = users.get(r.arg, [])
     if isinstance(x, ir.Gather):
         return "gather" if readers == [r.name] and _row_gather(g, x) else None
     if any(isinstance(g[v], ir.Gather) and g[v].arg == u for u in readers for v in users.get(u, [])):
         return None  # (a reshape of it is a gather's table: the map stays whole, in memory, for that)
-    if not isinstance(x, ir.Map) or not readers or (_from_contraction(g, r.arg, memo)
+    if not isinstance(x, ir.Map) or not readers or (r.arg in fed
                                                       and not _stored_widening(g, r.arg)):
         return None
     if not all(isinstance(g[u], ir.View) and g[u].op == "reshape" and g[u].type.shape == r.type.shape for u in readers):
         return None
-    return "map" if _closure(g, r.arg, users, memo) else None
+    return "map" if _closure(g, r.arg, users, fed) else None
 
 
 def leading_reshapes_into_maps(g: ir.Graph) -> ir.Graph:
-    while True:
-        users, memo = g.users(), {}
-        moves = {n.name: k for n in g.nodes if (k := _hoistable(g, n, users, memo)) is not None}
+    for _ in range(MAX_PASSES):
+        users, fed = g.users(), _from_contraction(g)
+        moves = {n.name: k for n in g.nodes if (k := _hoistable(g, n, users, fed)) is not None}
         if not moves:
             return g
         # a map read by several reshapes moves once, under the first; the others read that one
@@ -144,6 +156,7 @@ def leading_reshapes_into_maps(g: ir.Graph) -> ir.Graph:
             else:
                 out += _map_of_reshapes(g, ed, n)
         g = ed.graph(out)
+    return g  # (a reshape MAX_PASSES maps up a chain stays there)
 
 
 def _map_of_reshapes(g: ir.Graph, ed: Editor, r: ir.View) -> list:

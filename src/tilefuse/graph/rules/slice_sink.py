@@ -17,12 +17,14 @@ interleaved columns read as even and odd slices, its partial row sums; moved sli
 and each argument the slice would cut is a tensor in memory, not a generated one (a constant or
 an iota of more than one element, which the planner reads through no view: permute_sink.py
 says the same). Slices along the last dim only: rows stay rows. Each pass moves the slices one
-map up; passes repeat until none moves.
+map up; passes repeat until none moves, at most
+MAX_PASSES of them.
 """
 from __future__ import annotations
 
 from .. import ir
-from .match import Editor
+from .match import MAX_PASSES, Editor
+
 
 
 def _last_dim_slice(g: ir.Graph, name: str) -> bool:
@@ -39,38 +41,58 @@ def _cut(g: ir.Graph, a: str) -> bool:
 
 
 def _generated(g: ir.Graph, a: str) -> bool:
-    n = g[a]
-    return isinstance(n, (ir.Iota, ir.Constant)) or (isinstance(n, ir.Map) and all(
-        _generated(g, x) for x in n.args))
+    """Whether `a` is an iota, a constant, or maps of those alone."""
+    def below(x):
+        return g[x].args if isinstance(g[x], ir.Map) else ()
+
+    return all(isinstance(g[x], (ir.Iota, ir.Constant, ir.Map)) for x in ir.reached(a, below))
 
 
-def _from_contraction(g: ir.Graph, a: str, memo: dict) -> bool:
-    """Whether `a` is computed by maps and views from a matmul's result: a GEMM's epilogue (its
+def _from_contraction(g: ir.Graph) -> set[str]:
+    """The tensors computed by maps and views from a matmul's result: a GEMM's epilogue (its
     row scale, its pairwise SwiGLU or RoPE on interleaved columns, its partial row sums) is
-    matched on the maps after it, which a slice moved above them would split."""
-    if a not in memo:
-        n = g[a]
-        memo[a] = False  # (cut cycles; the graph has none)
-        memo[a] = isinstance(n, ir.Contraction) or (
-            isinstance(n, (ir.Map, ir.View)) and any(_from_contraction(g, x, memo) for x in ir.node_args(n)))
-    return memo[a]
+    matched on the maps after it, which a slice moved above them would split. One sweep in the
+    graph's order (each node after its arguments)."""
+    fed = set()
+    for n in g.nodes:
+        if isinstance(n, ir.Contraction) or (
+                isinstance(n, (ir.Map, ir.View)) and any(a in fed for a in ir.node_args(n))):
+            fed.add(n.name)
+    return fed
 
 
-def _sinkable(g: ir.Graph, m: str, users: dict, memo: dict) -> bool:
+def _sinkable(g: ir.Graph, m: str, users: dict, fed: set) -> bool:
     n = g[m]
     if not isinstance(n, ir.Map) or m in g.outputs or not users.get(m):
         return False
     if not all(_last_dim_slice(g, u) and g[u].params[3] == 1 for u in users[m]):
         return False
-    if _from_contraction(g, m, memo):
+    if m in fed:
         return False
     return all(not _cut(g, a) or not _generated(g, a) for a in n.args)
 
 
+def _same_slices(g: ir.Graph) -> dict[str, str]:
+    """Each last-dim slice of a map that repeats an earlier one (same map, same bounds) -> that
+    one. `x * x` sliced becomes `slice(x) * slice(x)`: without this the two would become two
+    copies of all that x is made of, a chain of such maps 2^depth nodes."""
+    first, alias = {}, {}
+    for n in g.nodes:
+        if _last_dim_slice(g, n.name) and isinstance(g[n.arg], ir.Map) and n.name not in g.outputs:
+            key = (n.arg, n.params, n.type)
+            alias.update({n.name: first[key]} if key in first else {})
+            first.setdefault(key, n.name)
+    return alias
+
+
 def slices_into_maps(g: ir.Graph) -> ir.Graph:
-    while True:
-        users, memo = g.users(), {}
-        moving = {m for m in (n.name for n in g.nodes) if _sinkable(g, m, users, memo)}
+    from ..rewrites import substitute
+
+    for _ in range(MAX_PASSES):
+        same = _same_slices(g)
+        g = substitute(g, same) if same else g
+        users, fed = g.users(), _from_contraction(g)
+        moving = {m for m in (n.name for n in g.nodes) if _sinkable(g, m, users, fed)}
         if not moving:
             return g
         ed = Editor(g)
@@ -94,3 +116,4 @@ def slices_into_maps(g: ir.Graph) -> ir.Graph:
                 continue
             out.append(n)
         g = ed.graph(out)
+    return g  # (slices MAX_PASSES maps up a chain read the map there, written whole)
