@@ -12,11 +12,13 @@ import sys
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import tilefuse
 from tilefuse.frontend.builder import Builder
 from tilefuse.graph import ir
 from tilefuse.graph.fusion import RECOMPUTE_LIMIT, plan
+from tilefuse.runtime.launch import compile_source_only
 
 from test_fusion import check_invariants
 
@@ -172,3 +174,24 @@ def test_a_view_below_a_chain_deeper_than_the_recursion_limit_compiles_equal_to_
     inputs = tuple(torch.randint(0, 12, (7,)) if s == "index" else torch.randn(*s) for s in shapes)
     c = tilefuse.compile(fn, inputs)
     torch.testing.assert_close(c(*inputs), fn(*inputs), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name, last", [
+    ("softmax", lambda x: torch.softmax(x, -1)),  # codegen.patterns.online_lse: same_value, _depends_on
+    ("layer_norm", lambda x: F.layer_norm(x, (64,))),  # codegen.patterns.centred_squares
+])
+def test_a_row_kernel_below_maps_reading_one_tensor_twice_renders_and_builds_without_spills(name, last):
+    """The CUDA patterns (an online log-sum-exp, centred squares) compare and search a row's
+    values through their arguments; below `tanh(x * x)` forty deep (2^40 paths) they visit each
+    value once, where they walked every path (the render never ended), and the kernel builds."""
+    def f(x):
+        for _ in range(40):
+            x = torch.tanh(x * x)
+        return last(x)
+
+    p = tilefuse.compile(f, (torch.randn(8, 64, dtype=torch.bfloat16),))
+    steps = [s for s in p.stages.plan.steps if s.family == "mapreduce"]
+    assert steps
+    for s in steps:
+        src, cubin = compile_source_only(p.kernels[s.name].kernel, "sm_90a")
+        assert cubin.info.clean, f"{s.name}: {cubin.info}"

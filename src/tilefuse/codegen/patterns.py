@@ -67,7 +67,7 @@ def same_value(a: ir.Reduce, va: str, b: ir.Reduce, vb: str) -> bool:
     (Structurally: the same loads at the same indices, the same ops, the same outer values.)"""
     da, db = _defs(a.body), _defs(b.body)
 
-    def eq(x: str, y: str) -> bool:
+    def here(x: str, y: str) -> bool:  # x and y alike, their arguments aside
         sx, sy = da.get(x), db.get(y)
         if sx is None or sy is None:  # defined outside the loops: the same row value
             return sx is None and sy is None and x == y
@@ -80,10 +80,21 @@ def same_value(a: ir.Reduce, va: str, b: ir.Reduce, vb: str) -> bool:
             return sx.dtype == sy.dtype and sx.value == sy.value
         if isinstance(sx, ir.IndexValue):
             return sx.dtype == sy.dtype and _rename(sx.expr, a.var, b.var) == sy.expr
-        return sx.op == sy.op and sx.dtype == sy.dtype and len(sx.args) == len(sy.args) \
-            and all(eq(p, q) for p, q in zip(sx.args, sy.args))
+        return sx.op == sy.op and sx.dtype == sy.dtype and len(sx.args) == len(sy.args)
 
-    return eq(va, vb)
+    # every pair the two values reach side by side alike: a stack and a seen set, so a chain
+    # deeper than the recursion limit or `x * x` repeated (2^depth paths) costs its pairs
+    seen, todo = {(va, vb)}, [(va, vb)]
+    while todo:
+        x, y = todo.pop()
+        if not here(x, y):
+            return False
+        sx = da.get(x)
+        for pair in zip(sx.args, db[y].args) if isinstance(sx, ir.Op) else ():
+            if pair not in seen:
+                seen.add(pair)
+                todo.append(pair)
+    return True
 
 
 @dataclass(frozen=True)
@@ -138,11 +149,18 @@ def online_lse(a, b) -> OnlineLse | None:
 
 
 def _depends_on(defs: dict, v: str, target: str) -> bool:
-    s = defs.get(v)
-    if s is None:
-        return v == target
-    if isinstance(s, ir.Op):
-        return any(_depends_on(defs, x, target) for x in s.args)
+    """Whether v is computed from `target` through the Ops of `defs`: a walk with a stack and a
+    seen set (a chain deeper than the recursion limit; `x * x` repeated, 2^depth paths)."""
+    seen, todo = {v}, [v]
+    while todo:
+        x = todo.pop()
+        s = defs.get(x)
+        if s is None and x == target:
+            return True
+        for a in s.args if isinstance(s, ir.Op) else ():
+            if a not in seen:
+                seen.add(a)
+                todo.append(a)
     return False
 
 
