@@ -55,3 +55,23 @@ def test_a_map_chain_deeper_than_the_recursion_limit_after_a_matmul_on_the_gpu()
     assert [s.family for s in c.stages.plan.steps] == ["gemm", "mapreduce"]
     assert [len(lg.spec.maps) for lg in c.stages.gemms.values()] == [MAX_EPILOGUE]
     _check(_matmul_then_chain, c, torch.randn_like(x), w)
+
+
+def _diamond_then(last):
+    def f(x):
+        for _ in range(40):
+            x = x + 0.1 * torch.sin(x * x)  # 3^40 paths from the result to x; the rows stay apart
+        return last(x)
+    return f
+
+
+@pytest.mark.parametrize("name", ["softmax", "layer_norm"])
+def test_a_row_kernel_below_maps_reading_one_tensor_twice_on_the_gpu(name):
+    """The online log-sum-exp and centred-squares kernels below `x + 0.1 sin(x * x)` forty deep
+    (their patterns once walked every path): built by NVRTC and within the 2x rule."""
+    last = (lambda x: torch.softmax(x, -1)) if name == "softmax" else (lambda x: torch.nn.functional.layer_norm(x, (1000,)))
+    fn = _diamond_then(last)
+    x = torch.randn(64, 1000, device="cuda", dtype=torch.bfloat16)
+    c = tilefuse.compile(fn, (x,))
+    assert [s.family for s in c.stages.plan.steps] == ["mapreduce"]
+    _check(fn, c, torch.randn_like(x))
