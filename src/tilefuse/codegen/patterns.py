@@ -31,6 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .. import dtypes
+from ..graph import ir as g_ir
 from ..loop import ir
 
 _INDEX_DTYPES = ("i32", "i64")
@@ -82,19 +83,13 @@ def same_value(a: ir.Reduce, va: str, b: ir.Reduce, vb: str) -> bool:
             return sx.dtype == sy.dtype and _rename(sx.expr, a.var, b.var) == sy.expr
         return sx.op == sy.op and sx.dtype == sy.dtype and len(sx.args) == len(sy.args)
 
-    # every pair the two values reach side by side alike: a stack and a seen set, so a chain
-    # deeper than the recursion limit or `x * x` repeated (2^depth paths) costs its pairs
-    seen, todo = {(va, vb)}, [(va, vb)]
-    while todo:
-        x, y = todo.pop()
-        if not here(x, y):
-            return False
-        sx = da.get(x)
-        for pair in zip(sx.args, db[y].args) if isinstance(sx, ir.Op) else ():
-            if pair not in seen:
-                seen.add(pair)
-                todo.append(pair)
-    return True
+    def below(pair):  # (called only on pairs `here` passed: two Ops of as many arguments, or none)
+        sx = da.get(pair[0])
+        return zip(sx.args, db[pair[1]].args) if isinstance(sx, ir.Op) else ()
+
+    # each pair once (g_ir.reached): a chain deeper than the recursion limit or `x * x` repeated
+    # (2^depth paths) costs its pairs
+    return all(here(x, y) for x, y in g_ir.reached((va, vb), below))
 
 
 @dataclass(frozen=True)
@@ -149,19 +144,12 @@ def online_lse(a, b) -> OnlineLse | None:
 
 
 def _depends_on(defs: dict, v: str, target: str) -> bool:
-    """Whether v is computed from `target` through the Ops of `defs`: a walk with a stack and a
-    seen set (a chain deeper than the recursion limit; `x * x` repeated, 2^depth paths)."""
-    seen, todo = {v}, [v]
-    while todo:
-        x = todo.pop()
-        s = defs.get(x)
-        if s is None and x == target:
-            return True
-        for a in s.args if isinstance(s, ir.Op) else ():
-            if a not in seen:
-                seen.add(a)
-                todo.append(a)
-    return False
+    """Whether v is computed from `target` through the Ops of `defs`, each value visited once
+    (g_ir.reached: a chain deeper than the recursion limit; `x * x` repeated, 2^depth paths)."""
+    def below(x):
+        return defs[x].args if isinstance(defs.get(x), ir.Op) else ()
+
+    return any(x == target and x not in defs for x in g_ir.reached(v, below))
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,6 @@ from .. import ir
 from .match import MAX_PASSES, Editor
 
 
-
 def _row_gather(g: ir.Graph, name: str) -> bool:
     """A gather along dim 0 whose index is one value a row (shape [N, 1, ..., 1])."""
     n = g[name]

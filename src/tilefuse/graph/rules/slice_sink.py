@@ -17,14 +17,12 @@ interleaved columns read as even and odd slices, its partial row sums; moved sli
 and each argument the slice would cut is a tensor in memory, not a generated one (a constant or
 an iota of more than one element, which the planner reads through no view: permute_sink.py
 says the same). Slices along the last dim only: rows stay rows. Each pass moves the slices one
-map up; passes repeat until none moves, at most
-MAX_PASSES of them.
+map up; passes repeat until none moves, at most MAX_PASSES of them.
 """
 from __future__ import annotations
 
 from .. import ir
 from .match import MAX_PASSES, Editor
-
 
 
 def _last_dim_slice(g: ir.Graph, name: str) -> bool:
