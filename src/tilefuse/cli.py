@@ -104,6 +104,10 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--seed", type=_seed_arg, default=0, help="seed of the search and of --model's weights (default 0)")
     lay = sub.add_parser("layout", help="print or draw a CuTe layout", add_help=False)
     lay.add_argument("rest", nargs=argparse.REMAINDER)
+    sub.add_parser("env", help="list the environment variables tilefuse reads, as set here",
+                   description="List the TILEFUSE_* environment variables: each one's value in this "
+                               "environment (or its default) and what it changes. Switches take 1/0, "
+                               "on/off, true/false or yes/no.")
     return p
 
 
@@ -135,6 +139,8 @@ def main(argv: list[str] | None = None) -> int:
         _model_options(args)
         if args.command == "compile":
             return cmd_compile(args)
+        if args.command == "env":
+            return cmd_env()
         if args.command == "tune":
             from .tune.command import run as cmd_tune
 
@@ -150,6 +156,30 @@ def main(argv: list[str] | None = None) -> int:
         print(f"tilefuse: error: {type(e).__name__}: {e}" if not _known(e) else f"tilefuse: error: {e}",
               file=sys.stderr)
         return 1
+
+
+def cmd_env() -> int:
+    """The variables of tilefuse.env as a table; a value a switch would refuse is marked, and
+    makes the exit status 1, so that a script can check its settings before a long run."""
+    from rich.markup import escape
+    from rich.table import Table
+
+    from . import env
+
+    table = Table(title="tilefuse environment variables", title_justify="left")
+    for col in ("variable", "value", "what it changes"):
+        table.add_column(col, overflow="fold")
+    bad = 0
+    for name, shown, what in env.table():
+        problem = env.check(name)
+        if problem:
+            bad += 1
+            shown = f"{escape(shown)} [red]invalid: {escape(problem.split(': ', 1)[-1])}[/]"
+        else:
+            shown = escape(shown)
+        table.add_row(name, shown, escape(what))
+    make_console().print(table)
+    return 1 if bad else 0
 
 
 def make_console():

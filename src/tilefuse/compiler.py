@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from . import env
 from . import collector
 from .frontend.capture import export_and_log, to_graph
 from .graph import ir
@@ -38,9 +39,7 @@ class Compiled:
 def gemm_enabled(arch: str | None) -> bool:
     """Generated GEMMs are planned for sm_80 and newer targets (sm_90a: TMA + wgmma; others:
     cp.async + mma.sync) and for the CPU interpreter; TILEFUSE_GEMM=0 leaves every matmul to cuBLAS."""
-    import os
-
-    if os.environ.get("TILEFUSE_GEMM", "1") == "0":
+    if not env.switch("TILEFUSE_GEMM"):
         return False
     if arch is None:
         if torch.cuda.is_available():
@@ -81,18 +80,14 @@ def norm_partials_enabled() -> bool:
     """A norm's row sums in the producing GEMM's epilogue (graph/rules/rmsnorm_partials.py,
     layernorm_partials.py); on by default; TILEFUSE_NORM_PARTIALS=0 turns them off (to compare,
     bench/LOG_blocks.md)."""
-    import os
-
-    return os.environ.get("TILEFUSE_NORM_PARTIALS", "1") != "0"
+    return env.switch("TILEFUSE_NORM_PARTIALS")
 
 
 def rope_epilogue_enabled() -> bool:
     """RoPE moved into the Q/K projections' epilogues (graph/rules/rope_epilogue.py); on by
     default since it was checked and timed on an H100 (bench/LOG_blocks.md);
     TILEFUSE_ROPE_EPILOGUE=0 turns it off."""
-    import os
-
-    return os.environ.get("TILEFUSE_ROPE_EPILOGUE", "1") != "0"
+    return env.switch("TILEFUSE_ROPE_EPILOGUE")
 
 
 def _partials_target(arch: str | None) -> bool:

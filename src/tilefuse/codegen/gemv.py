@@ -34,6 +34,7 @@ import hashlib
 import re
 from dataclasses import dataclass, replace
 
+from .. import env
 from ..loop import ir
 from . import cexpr, epilogue as epi
 from .mapreduce import arch_number
@@ -110,20 +111,14 @@ class GemvSource:
 
 def enabled(environ=None) -> bool:
     """TILEFUSE_GEMV=0 (or false/off/no) runs short GEMMs in the tile templates."""
-    import os
-
-    value = (os.environ if environ is None else environ).get(ENV, "1")
-    return value.strip().lower() not in ("0", "false", "off", "no")
+    return env.switch(ENV, environ)
 
 
 def groups_enabled(environ=None) -> bool:
     """A program runs its consecutive GEMVs of one A as one launch (render_group;
     runtime.runner) unless TILEFUSE_GEMV_GROUPS=0 (or false/off/no): a decode step 4-6% faster
     (H200, session 54)."""
-    import os
-
-    value = (os.environ if environ is None else environ).get(GROUPS_ENV, "1")
-    return value.strip().lower() not in ("0", "false", "off", "no")
+    return env.switch(GROUPS_ENV, environ)
 
 
 def takes(problem: GemmProblem, environ=None) -> bool:

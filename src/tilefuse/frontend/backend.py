@@ -16,7 +16,6 @@ graph, the fused kernels, the externs grouped by reason and every fallback.
 """
 from __future__ import annotations
 
-import os
 import sys
 import time
 import warnings
@@ -26,6 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .. import env
 from ..graph.rules.match import interning
 from ..runtime.program import OverlappingWrites
 from ..runtime.shared_weights import WeightPool, storages
@@ -128,7 +128,7 @@ def summary() -> str:
 
 
 def _logging() -> bool:
-    return "summary" in os.environ.get("TILEFUSE_LOG", "").lower().split(",")
+    return "summary" in [w.strip() for w in env.raw("TILEFUSE_LOG").lower().split(",")]
 
 
 def _log(msg: str) -> None:

@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import itertools
 import math
-import os
 from dataclasses import dataclass, field
 from typing import Optional
 
 from .. import dtypes
+from .. import env
 from . import ir
 from .contraction import GemmSpec, match as match_gemm
 
@@ -62,12 +62,12 @@ SCAN_MIN_ROWS = 16384
 def scans_enabled() -> bool:
     """TILEFUSE_SCANS=0 leaves every scan (cumsum, cumprod, cummax, cummin) to PyTorch, as before
     map-reduce kernels took them (for A/B runs)."""
-    return os.environ.get("TILEFUSE_SCANS", "1") != "0"
+    return env.switch("TILEFUSE_SCANS")
 
 
 def columns_enabled() -> bool:
     """TILEFUSE_COLUMNS=0 leaves reductions over a dim that is not last to PyTorch (for A/B runs)."""
-    return os.environ.get("TILEFUSE_COLUMNS", "1") != "0"
+    return env.switch("TILEFUSE_COLUMNS")
 
 
 def column_min_rows(row_len: int = 1, scan: bool = False) -> int:
@@ -75,12 +75,9 @@ def column_min_rows(row_len: int = 1, scan: bool = False) -> int:
     length in whole COLUMN_LONG_ROWs (SCAN_MIN_ROWS for a scan), or TILEFUSE_COLUMN_MIN_ROWS
     where set, as it is (1: column kernels at any size, as the fuzzer's small programs and the
     probes want them)."""
-    v = os.environ.get("TILEFUSE_COLUMN_MIN_ROWS")
-    if v is not None:
-        try:
-            return max(1, int(v))
-        except ValueError:
-            raise ValueError(f"TILEFUSE_COLUMN_MIN_ROWS must be a whole number of rows, not {v!r}") from None
+    n = env.rows("TILEFUSE_COLUMN_MIN_ROWS")
+    if n is not None:
+        return n
     return SCAN_MIN_ROWS if scan else COLUMN_MIN_ROWS * max(1, row_len // COLUMN_LONG_ROW)
 
 
@@ -827,7 +824,7 @@ class _Planner:
 def gathers_enabled() -> bool:
     """TILEFUSE_GATHERS=0 leaves every gather to torch.gather (an extern step), as before they
     were computed in map-reduce kernels."""
-    return os.environ.get("TILEFUSE_GATHERS", "1") != "0"
+    return env.switch("TILEFUSE_GATHERS")
 
 
 def _elementwise_args(n) -> tuple[str, ...]:
@@ -1182,7 +1179,7 @@ GRID_REDUCE_OPS = ("sum", "max", "min")
 
 def grid_reduce_enabled() -> bool:
     """TILEFUSE_GRID_REDUCE=1 fuses full reductions of per-row values into their row kernel."""
-    return os.environ.get("TILEFUSE_GRID_REDUCE", "0") == "1"
+    return env.switch("TILEFUSE_GRID_REDUCE")
 
 
 def _grid_tail_ok(g: ir.Graph, tail: Step, scratch: set) -> bool:

@@ -28,10 +28,10 @@ narrower chunks (`gelu(x + b)`, rows of 98: 57.7 -> 63.3 us; `x * s`, rows of 10
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import replace
 
 from .. import dtypes
+from .. import env
 from . import ir as L
 
 K_CHOICES = (1024, 2048, 512, 4096, 256)  # preferred first: rows the row kernel reads at full speed
@@ -93,7 +93,7 @@ def wanted(C: int) -> bool:
 def enabled() -> bool:
     """TILEFUSE_FLAT_ROWS=0 keeps every map kernel's rows (for A/B runs; TILEFUSE_MERGED_ROWS=0
     turns off merged rows alone)."""
-    return os.environ.get("TILEFUSE_FLAT_ROWS", "1") != "0"
+    return env.switch("TILEFUSE_FLAT_ROWS")
 
 
 def _maps_alone(kernel: L.Kernel):
@@ -202,7 +202,7 @@ def merged_rows(kernel: L.Kernel) -> L.Kernel | None:
 
     Rows already LONG and 16-byte aligned are left as they are; a merged row whose bytes are
     whole 16-byte chunks is preferred, then the longest."""
-    found = _maps_alone(kernel) if os.environ.get("TILEFUSE_MERGED_ROWS", "1") != "0" else None
+    found = _maps_alone(kernel) if env.switch("TILEFUSE_MERGED_ROWS") else None
     if found is None:
         return None
     loop, head, inner, whole = found
@@ -259,7 +259,7 @@ SPLIT_MAX = 4096      # ... and at most
 def split_enabled() -> bool:
     """TILEFUSE_SPLIT=0 keeps few long rows whole: map kernels here, reductions in
     rewrites.split_long_reductions (for A/B runs)."""
-    return os.environ.get("TILEFUSE_SPLIT", "1") != "0"
+    return env.switch("TILEFUSE_SPLIT")
 
 
 def split_rows(kernel: L.Kernel) -> L.Kernel | None:

@@ -21,13 +21,14 @@ from dataclasses import asdict
 from pathlib import Path
 
 from . import nvrtc
+from .. import env
 
 _MAGIC = b"TFCUBIN1"
 
 
 def cache_dir() -> Path:
-    env = os.environ.get("TILEFUSE_CACHE_DIR")
-    return Path(env) if env else Path.home() / ".cache" / "tilefuse" / "cubin"
+    folder = env.raw("TILEFUSE_CACHE_DIR")
+    return Path(folder).expanduser() if folder else Path.home() / ".cache" / "tilefuse" / "cubin"
 
 
 def cache_key(source: str, arch: str, options: tuple[str, ...], version: tuple[int, int]) -> str:

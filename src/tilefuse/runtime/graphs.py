@@ -73,6 +73,8 @@ from typing import Callable
 
 import torch
 
+from .. import env
+
 ENV = "TILEFUSE_CUDA_GRAPHS"
 MEMORY_ENV = "TILEFUSE_GRAPH_MEMORY"
 DEFAULT_MEMORY = 0.25  # of the device's memory, for all captured slots together
@@ -92,8 +94,7 @@ FIRST_CALL: contextvars.ContextVar = contextvars.ContextVar("tilefuse_first_call
 
 def enabled_by_env(environ=None) -> bool:
     """TILEFUSE_CUDA_GRAPHS=0 (or false/off/no) turns CUDA graphs off; anything else leaves them on."""
-    value = (os.environ if environ is None else environ).get(ENV, "1")
-    return value.strip().lower() not in ("0", "false", "off", "no")
+    return env.switch(ENV, environ)
 
 
 def memory_limit(total: int | None, environ=None) -> float:
@@ -101,7 +102,7 @@ def memory_limit(total: int | None, environ=None) -> float:
     device's `total` bytes ("0.25": a number with a point, at most 1) or a size ("8GiB", "512MB",
     "1000000" bytes); unlimited where `total` is unknown (an emulated capture) and nothing is set."""
     raw = (os.environ if environ is None else environ).get(MEMORY_ENV, "").strip()
-    if not raw:
+    if not raw:  # not env.raw: unset means a fraction of a known device's memory, else no limit
         return DEFAULT_MEMORY * total if total else float("inf")
     m = re.fullmatch(r"(\d+(?:\.\d*)?|\.\d+)\s*([kmg]i?b|b)?", raw.lower())
     if m is None:

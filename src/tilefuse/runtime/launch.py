@@ -20,6 +20,7 @@ import functools
 from dataclasses import dataclass, field, replace
 
 from .. import dtypes
+from .. import env
 from ..codegen import mapreduce
 from ..loop import ir
 from . import cache, nvrtc
@@ -50,10 +51,7 @@ def pdl_enabled(arch: str, environ=None, driver_version: int | None = None) -> b
     sm_90 and later (where its tf_pdl_wait is an instruction; codegen/cexpr.py), with a driver
     of CUDA 12.3 or later (`driver_version` as cuDriverGetVersion gives it: queried once where
     None), unless TILEFUSE_PDL=0 (or false/off/no)."""
-    import os
-
-    value = (os.environ if environ is None else environ).get(PDL_ENV, "1")
-    if value.strip().lower() in ("0", "false", "off", "no"):
+    if not env.switch(PDL_ENV, environ):
         return False
     if nvrtc.arch_number(arch) < 90:
         return False

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import dtypes
+from .. import env
 from ..graph import ir
 from ..codegen.gemv import takes as gemv_takes
 from ..graph.fusion import Plan
@@ -438,7 +439,7 @@ def _exact_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 # A mask is taken where every query row keeps a key (_keeps_a_key: one reduction and a wait, on a
 # call that would plan for 35-70 ms): how a row with every key masked comes out is the backend's
 # choice, and a first call must give what its replays give.
-PLANLESS = os.environ.get("TILEFUSE_PLANLESS_ATTENTION", "1") != "0"
+PLANLESS = env.switch("TILEFUSE_PLANLESS_ATTENTION")
 PLANLESS_MAX_FLOPS = 2.5e11
 _PLANLESS_LOCK = threading.Lock()
 
@@ -499,7 +500,7 @@ def _planless_takes(args, kw) -> bool:
 # private one, so it is first checked against SDPA with the mask, once a process for each device,
 # dtype, head size and head grouping; where it is missing or disagrees, SDPA with the mask runs,
 # and a warning says so. TILEFUSE_FLASH_WINDOW=0 always takes the mask.
-FLASH_WINDOW = os.environ.get("TILEFUSE_FLASH_WINDOW", "1") != "0"
+FLASH_WINDOW = env.switch("TILEFUSE_FLASH_WINDOW")
 _WINDOW_CHECKED: dict = {}
 
 

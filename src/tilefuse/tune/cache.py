@@ -27,14 +27,16 @@ import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .. import env
+
 SCHEMA = 1
 _checked: set = set()  # (pid, path) already validated in this process
 _writes = 0  # entries put or deleted by this process (`state`)
 
 
 def default_path() -> Path:
-    env = os.environ.get("TILEFUSE_CACHE_DIR")
-    base = Path(env) if env else Path.home() / ".cache" / "tilefuse"
+    folder = env.raw("TILEFUSE_CACHE_DIR")
+    base = Path(folder).expanduser() if folder else Path.home() / ".cache" / "tilefuse"
     return base / "tune.sqlite"
 
 
@@ -44,7 +46,7 @@ def state() -> tuple:
     an earlier lookup gave (runtime.program's shared kernels). Another process tuning
     meanwhile is seen by kernels this process has not compiled yet; the file's own state is
     no key: opening it for a read creates it, and SQLite's WAL files come and go on reads."""
-    return str(default_path()), os.environ.get("TILEFUSE_TUNED", "1"), _writes
+    return str(default_path()), env.switch("TILEFUSE_TUNED"), _writes
 
 
 def _wrote() -> None:

@@ -8,8 +8,9 @@ or TILEFUSE_TUNED=0 all mean the heuristic default, with a note saying which.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
+
+from .. import env
 
 
 @dataclass(frozen=True)
@@ -43,7 +44,7 @@ def choose(kernel, arch: str | None = None, device_index: int | None = None, cac
         space = fam.space(kernel, target)
         return Choice(fam.build(kernel, space.as_dict(space.default), target), False, f"heuristic default ({why})")
 
-    if os.environ.get("TILEFUSE_TUNED", "1") == "0":
+    if not env.switch("TILEFUSE_TUNED"):
         return default("TILEFUSE_TUNED=0")
     if device is None:
         return default("no GPU here; tuned knobs are per GPU")
