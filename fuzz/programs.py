@@ -136,7 +136,8 @@ class Gen:
         t = self.env[x]
         rank = t.dim()
         y = self.pick()
-        cat = r.choice(["bin", "bin", "scal", "un", "un", "red", "red", "view", "view", "cast", "cmp", "misc", "nn", "mm", "inplace"])
+        cat = r.choice(["bin", "bin", "scal", "un", "un", "red", "red", "view", "view", "cast", "cmp", "misc", "nn", "mm", "inplace",
+                        "late"])
         if cat == "bin":
             op = r.choice(["+", "-", "*", "/", "**", "%", "//"] + ["torch.maximum", "torch.minimum", "torch.fmod", "torch.remainder",
                             "torch.atan2", "torch.logical_and", "torch.logical_or", "torch.logical_xor", "&", "|", "^",
@@ -311,6 +312,35 @@ class Gen:
                   f"F.scaled_dot_product_attention({x}, {x}, {x})" if rank >= 3 else f"{x} @ {y}",
                   f"F.scaled_dot_product_attention({x}, {x}, {x}, is_causal=True)" if rank >= 3 else f"{x} @ {y}",
                   ]
+            return r.choice(ch)
+        if cat == "late":  # forms tilefuse took into its kernels after the generator's first ops
+            if rank == 0: return None
+            sh = list(t.shape)
+            last = sh[-1]
+            d = dimarg(r, rank)
+            k = r.randrange(1, last + 1)
+            p = r.choice([1, 2, 3])
+            ch = [f"torch.topk({x}, {k}, dim=-1, largest={r.choice([True, False])})", f"torch.sort({x}, dim={d}, descending={r.choice([True, False])})",
+                  f"torch.kthvalue({x}, {k}, dim=-1)", f"torch.aminmax({x}, dim={d})",
+                  f"F.pad({x}, ({p}, {r.choice([0, 1, 2])}), value={scal(r)})", f"F.pad({x}.float(), ({p}, {p}), mode='replicate')" if rank >= 2 else f"F.pad({x}, (1, 0))",
+                  f"torch.roll({x}, {r.choice([1, -1, 2])}, {d})", f"torch.cat([{x}[..., {k - 1}:], {x}[..., :{k - 1}]], -1)",
+                  f"torch.cat([{x}[..., ::2], {x}[..., 1::2]], -1)", f"torch.flip({x}, [{d}])",
+                  f"({x} * 2 + 1)[..., {r.randrange(last)}:]", f"({x}.float() * {x}.float())[..., ::2].sum(-1)",
+                  f"F.embedding(torch.tensor([{', '.join(str(r.randrange(sh[0])) for _ in range(r.choice([1, 3, 5])))}]), {x}.reshape({sh[0]}, -1))",
+                  f"{x}.repeat_interleave({r.choice([2, 3])}, dim={d})",
+                  f"{x}.unsqueeze(-1).expand(*{x}.shape, 2).reshape(*{x}.shape[:-1], -1)",
+                  f"torch.tril({x})" if rank >= 2 else f"{x}.cumsum(0)", f"torch.triu({x}, 1)" if rank >= 2 else f"{x}.cummax(0)[0]",
+                  f"torch.cummin({x}, {d})[0]", f"{x}.cumsum({d}) - {x}", f"torch.prod({x}, {d})",
+                  ]
+            if rank >= 3 and str(t.dtype).startswith("torch.float"):
+                ch += [f"F.interpolate({x}, scale_factor=2, mode='nearest')",
+                       f"F.avg_pool1d({x}, {r.choice([c for c in (1, 2, 3) if last % c == 0])})",
+                       f"F.max_pool1d({x}, {r.choice([c for c in (1, 2, 3) if last % c == 0])})",
+                       f"{x}.transpose(1, 2).contiguous()", f"({x} * 2).transpose(-1, -2).contiguous()",
+                       f"{x} * torch.sigmoid({x}.mean(-1, keepdim=True))"]
+            if rank == 4 and str(t.dtype).startswith("torch.float"):
+                ch += [f"{x}.mean((2, 3))", f"{x}.var((0, 2, 3))", f"F.layer_norm({x}.permute(0, 2, 3, 1), ({sh[1]},)).permute(0, 3, 1, 2)",
+                       f"torch.softmax({x}, 1)", f"{x} * torch.sigmoid({x}.mean((2, 3), keepdim=True))"]
             return r.choice(ch)
         if cat == "inplace":
             op = r.choice([f"add_({scal(r)})", f"mul_({scal(r)})", f"add_({y})", "relu_()", "clamp_(min=0)", f"sub_({y}, alpha=2)",

@@ -488,12 +488,16 @@ def _verdict(c) -> str:
     return word + (f" over {c.draws} draws" if c.draws > 1 else "") + (f" {c.note}" if c.note else "")
 
 
-def _print_draws(console, checks) -> None:
+def _print_draws(console, checks, routed: bool = False) -> None:
     """Say which outputs were judged over several input draws, and why."""
     from .check import VALUES
 
     many = [c for c in checks if c.draws > 1]
-    if many:
+    if many and routed:
+        console.print(f"{', '.join(c.name for c in many)}: checked over {many[0].draws} input draws together "
+                      f"(a mixture of experts routes a token whose router scores nearly tie by their rounding, "
+                      f"eager's too: how often that happens is judged, not one draw's luck)")
+    elif many:
         console.print(f"{', '.join(c.name for c in many)}: checked over {many[0].draws} input draws (an output "
                       f"of fewer than {VALUES} values is judged on its values from several draws together: "
                       f"one draw's rounding error is too much a matter of luck)")
@@ -520,7 +524,7 @@ def cmd_run_model(args) -> int:
     from rich.table import Table
 
     from . import models
-    from .check import Results, check_outputs, flatten, float64_reference
+    from .check import VALUES, Results, check_outputs, flatten, float64_reference
     from .frontend import backend as tb
 
     console = make_console()
@@ -551,7 +555,12 @@ def cmd_run_model(args) -> int:
         eager = flatten(model(*inputs))
     first = Results(out, flatten(float64_reference(model, inputs)), eager)
     names = [args.output] if len(out) == 1 else [f"{args.output}{i}" for i in range(len(out))]
-    checks = check_outputs(names, first, lambda k: run(built.fresh_inputs(_draw_seed(seed, k))))
+    draws = VALUES if built.routed else 1
+    with console.status("") as status:
+        def progress(k, n):
+            status.update(f"checking: input draw {k + 1} of {n}")
+
+        checks = check_outputs(names, first, lambda k: run(built.fresh_inputs(_draw_seed(seed, k))), draws, progress)
     where = "CUDA kernels" if device == "cuda" else "the Loop IR interpreter (no GPU)"
     shape = f"{args.layers} layers, hidden {args.hidden}, batch {args.batch} x seq {args.seq}, vocab {args.vocab}"
     table = Table(title=escape(f"tilefuse run --model {args.model} ({shape}, {args.dtype or 'bf16'}) [{where}]"))
@@ -560,7 +569,7 @@ def cmd_run_model(args) -> int:
     for c, o in zip(checks, out):
         table.add_row(*_row(c, o), _verdict(c))
     console.print(table)
-    _print_draws(console, checks)
+    _print_draws(console, checks, built.routed)
     console.print(f"first call (compile + run): {compile_s:.2f} s; seed {seed} (--seed {seed} repeats this run)")
     console.print(tb.summary(), markup=False)
     if args.bench:

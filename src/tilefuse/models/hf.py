@@ -129,6 +129,12 @@ class Built:
     inputs: tuple  # (ids,) or (ids, labels)
     config: object
 
+    @property
+    def routed(self) -> bool:
+        """Whether the model routes each token to the top k of its router's rounded scores (a
+        mixture of experts): its outputs are judged over several draws (tilefuse.check)."""
+        return getattr(self.config, "num_experts_per_tok", None) is not None
+
     def fresh_inputs(self, seed: int) -> tuple:
         """Inputs like `inputs`, drawn from `seed`: a scalar output (the loss) is checked over
         several input draws (tilefuse.check.check_outputs)."""
