@@ -15,7 +15,8 @@ interpreter and becomes a Weight holding its value:
   inv_freq @ positions: a matmul per call, and the RoPE rules need the tables as weights).
 
 Left alone: transposes that generated GEMMs read through (they read the stored matrix as a
-K-major B, so folding would only copy the weight), results larger than their largest argument
+K-major B, so folding would only copy the weight) and that torch._grouped_mm reads as a
+column-major B, as eager passes it (a mixture of experts' weights), results larger than their largest argument
 beyond GROW_MAX_BYTES (an expand would trade a free broadcast for memory) or larger than
 FOLD_MAX_BYTES, and outputs.
 """
@@ -27,6 +28,7 @@ from .. import dtypes
 from ..tensors import to_numpy, to_torch
 from . import ir
 from .contraction import why_not
+from .fusion import grouped_mm_b
 from .interp import (_extern, _gather, constant_value, eval_contraction, eval_map, eval_reduce, eval_scan, eval_view,
                      iota_value)
 from .rules.match import prune
@@ -40,11 +42,12 @@ RANDOM_WORDS = ("rand", "bernoulli", "dropout", "normal", "uniform", "multinomia
 
 
 def _read_through(g: ir.Graph, users, n) -> bool:
-    """Is n a transpose that every user reads as the B of a generated GEMM?"""
+    """Is n a transpose that every user reads where it lies: as the B of a generated GEMM, or as
+    the B of torch._grouped_mm (fusion.grouped_mm_b)?"""
     if not (isinstance(n, ir.View) and n.op == "permute") or not users[n.name]:
         return False
-    return all(isinstance(g[u], ir.Contraction) and g[u].b == n.name and why_not(g, g[u]) is None
-               for u in users[n.name])
+    return grouped_mm_b(g, users, n.name) or all(
+        isinstance(g[u], ir.Contraction) and g[u].b == n.name and why_not(g, g[u]) is None for u in users[n.name])
 
 
 _SHAPE_ONLY = {"new_ones", "new_zeros", "new_full", "ones_like", "zeros_like", "full_like"}

@@ -18,8 +18,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Optional
 
-from .. import dtypes
-from .. import env
+from .. import dtypes, env
 from . import ir
 from .contraction import GemmSpec, match as match_gemm
 
@@ -950,6 +949,18 @@ def _swaps_last_two(perm: tuple) -> bool:
     return r >= 2 and tuple(perm) == tuple(range(r - 2)) + (r - 1, r - 2)
 
 
+def grouped_mm_b(g: ir.Graph, users: dict, name: str) -> bool:
+    """Is `name` a transpose of the last two dims that only mixtures of experts' grouped matmuls
+    read? torch._grouped_mm takes such a column-major B as it lies (eager passes it
+    `w.transpose(-2, -1)`), so it stays a view: not copied each call (2.3 ms of a 2-layer
+    Mixtral's 9.8 on an H200), nor folded into a row-major copy, which PyTorch's CPU kernel takes
+    7-9x slower (graph/fold.py)."""
+    n = g[name]
+    return (isinstance(n, ir.View) and n.op == "permute" and name not in g.outputs and _swaps_last_two(n.params)
+            and bool(users.get(name))
+            and all(isinstance(g[u], ir.Extern) and g[u].target.startswith("aten._grouped_mm.") for u in users[name]))
+
+
 def attention_only_views(g: ir.Graph, steps) -> frozenset:
     """Permute and slice externs whose values only attention externs (or a cat) read, directly
     or through aliases and other such views: SDPA takes strided q/k/v, so the head transposes and
@@ -979,14 +990,7 @@ def attention_only_views(g: ir.Graph, steps) -> frozenset:
                                   for u in us))
         return memo[name]
 
-    # a transposed weight that only a mixture of experts' grouped matmul reads: torch._grouped_mm
-    # takes a column-major B as it lies (eager passes it `w.transpose(-2, -1)`), where a copy
-    # moved every expert's weights each call (2.3 ms of a 2-layer Mixtral's 9.8 on an H200)
-    grouped = {name for name in extern
-               if isinstance(g[name], ir.View) and g[name].op == "permute" and name not in g.outputs
-               and _swaps_last_two(g[name].params)
-               and users.get(name) and all(isinstance(g[u], ir.Extern) and g[u].target.startswith("aten._grouped_mm.")
-                                           and u in extern for u in users[name])}
+    grouped = {name for name in extern if grouped_mm_b(g, users, name) and all(u in extern for u in users[name])}
     return frozenset(name for name in extern if viewable(name) and for_attention_only(name)) | grouped
 
 
