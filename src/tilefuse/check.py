@@ -213,12 +213,21 @@ def float64_reference(fn, inputs):
     Casts the program makes itself (`x.to(torch.bfloat16)`, `.half()`, `.float()`, `type_as`,
     a `dtype=` argument) keep float64 values float64: a reference rounded to bf16 at its end
     would equal eager's own bf16 result, make PyTorch's error 0 and the 2x bound the floor,
-    and fail any correct kernel whose sum order rounds one element the other way.
+    and fail any correct kernel whose sum order rounds one element the other way. Floats made
+    from integers are float64 too, by a cast (`randint(...).bfloat16()`) or by promotion
+    (`cos` of an int tensor, under float64 as the default dtype): until then such a program's
+    reference was eager itself, and `F.instance_norm(randint(...).bfloat16())` FAILed with a
+    correctly rounded result (error 3e-3 against PyTorch's 0).
     """
     fn64 = copy.deepcopy(fn).double() if isinstance(fn, torch.nn.Module) else fn
     args = [x.double() if isinstance(x, torch.Tensor) and x.is_floating_point() else x for x in inputs]
-    with torch.no_grad(), _KeepFloat64():
-        return fn64(*args)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        with torch.no_grad(), _KeepFloat64():
+            return fn64(*args)
+    finally:
+        torch.set_default_dtype(default)
 
 
 _CASTS = {torch.Tensor.to, torch.Tensor.type, torch.Tensor.type_as, torch.Tensor.bfloat16, torch.Tensor.half,
@@ -247,15 +256,16 @@ _GROUPED = {torch._grouped_mm} | ({torch.nn.functional.grouped_mm} if hasattr(to
 
 
 class _KeepFloat64(torch.overrides.TorchFunctionMode):
-    """Float casts of float64 tensors return them unchanged; float `dtype=` arguments become
-    float64; where a float64 tensor meets a lower-precision float one (an integer tensor cast
-    with `.float()`, say, then a matmul with a float64 buffer, as transformers' rotary
-    embedding does), the other is raised to float64 too rather than failing the op."""
+    """Float casts of float64 tensors return them unchanged, and of integer and bool tensors
+    give float64 (exact); float `dtype=` arguments become float64; where a float64 tensor meets
+    a lower-precision float one (an integer tensor cast with `.float()`, say, then a matmul with
+    a float64 buffer, as transformers' rotary embedding does), the other is raised to float64
+    too rather than failing the op."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
         tensors = [a for a in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
-        if any(t.dtype == torch.float64 for t in tensors):
+        if any(t.dtype == torch.float64 for t in tensors) or (tensors and not any(t.is_floating_point() for t in tensors)):
             if isinstance(kwargs.get("dtype"), torch.dtype) and kwargs["dtype"].is_floating_point:
                 kwargs["dtype"] = torch.float64
             if func not in _CASTS and any(t.is_floating_point() and t.dtype != torch.float64 for t in tensors):
@@ -264,10 +274,11 @@ class _KeepFloat64(torch.overrides.TorchFunctionMode):
                 args, kwargs = torch.utils._pytree.tree_map(up, (args, kwargs))
             if func in _GROUPED:
                 return _grouped_mm64(*args, **kwargs)
-            if func in _CASTS and args and isinstance(args[0], torch.Tensor) and args[0].dtype == torch.float64:
+            if func in _CASTS and args and isinstance(args[0], torch.Tensor) and (
+                    args[0].dtype == torch.float64 or not args[0].is_floating_point()):
                 out = func(*args, **kwargs)
                 if isinstance(out, torch.Tensor) and out.is_floating_point():
-                    return args[0] if out.device == args[0].device else args[0].to(out.device)
+                    return args[0].to(device=out.device, dtype=torch.float64)
                 return out
         return func(*args, **kwargs)
 
