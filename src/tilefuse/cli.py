@@ -78,7 +78,9 @@ def _parser() -> argparse.ArgumentParser:
                        description="Run a program (generated CUDA kernels on a GPU, the Loop IR interpreter "
                                    "without one) on fresh random inputs and compare it with PyTorch: within "
                                    "2x PyTorch's error against a float64 reference; an output of fewer than 16 "
-                                   "values (a loss) is judged over enough input draws to give 16.")
+                                   "values (a loss) is judged over enough input draws to give 16, and a mixture "
+                                   "of experts' outputs over 16 draws together (a near tie of its router's scores "
+                                   "routes by rounding, eager's too).")
     program_args(r, model=True)
     model_args(r)
     r.add_argument("--bench", action="store_true", help="on a GPU: time it against eager and torch.compile")
