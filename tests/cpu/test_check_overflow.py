@@ -53,3 +53,31 @@ def test_float64_outputs_near_the_top_and_bottom_of_the_range_are_judged_not_nan
         assert not c.ok and abs(c.error - 0.01) < 1e-6, (magnitude, c)
     assert rel_error(torch.zeros(4, dtype=torch.float64), torch.zeros(4, dtype=torch.float64)) == 0.0
     assert rel_error(torch.ones(4), torch.zeros(4)) == 2.0  # a zero reference: the absolute norm
+
+
+def test_where_the_reference_is_not_finite_pytorchs_value_passes_and_another_fails():
+    """`sqrt(log_softmax(x, dtype=f16))`: a float64 -1.4e-11 that f16 rounds to -0 is NaN in
+    the reference alone; PyTorch's 0 there, and the output's, pass (fuzzing). A value that is
+    neither the reference's nor PyTorch's still fails."""
+    ref = torch.rand(32, dtype=torch.float64)
+    ref[3] = float("nan")
+    eager = ref.half()
+    eager[3] = 0.0
+    assert compare("pytorchs", eager.clone(), ref, eager).ok
+    other = eager.clone()
+    other[3] = 0.5
+    assert not compare("other", other, ref, eager).ok
+
+
+def test_a_nan_pytorch_also_gives_passes_and_one_it_does_not_fails():
+    """Eager's own NaN where the float64 reference has none (an f16 overflow, inf - inf): the
+    output's NaN there passes; a NaN where PyTorch's value is finite still fails."""
+    ref = torch.rand(32, dtype=torch.float64) + 1
+    eager = ref.half()
+    eager[5] = float("nan")
+    out = ref.half()
+    out[5] = float("nan")
+    assert compare("same nan", out, ref, eager).ok
+    out[6] = float("nan")
+    c = compare("own nan", out, ref, eager)
+    assert not c.ok and "NaN where the reference has none" in c.note

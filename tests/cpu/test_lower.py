@@ -24,7 +24,7 @@ from tilefuse.loop.interp import run_kernel
 from tilefuse.loop.ir import Load, Reduce, Store, row_kernel_parts, walk
 from tilefuse.loop.lower import lower_step
 from tilefuse.loop.verify import verify
-from tilefuse.tensors import to_numpy, to_torch
+from tilefuse.tensors import to_torch
 
 F32_TOL = 1e-5
 
@@ -453,6 +453,25 @@ def test_a_reduced_16_bit_value_is_the_same_value_at_every_use(dt, form):
     got = compile_stages(f, [x]).program(x)
     assert torch.equal(got[0][:4], torch.zeros(4, 16, dtype=dt)) and (got[0] <= 0).all()
     assert torch.equal(got[1], torch.ones(9, dtype=dt))
+
+
+@pytest.mark.parametrize("dt", [torch.bfloat16, torch.float16])
+def test_a_16_bit_value_cast_somewhere_is_the_cast_value_at_every_use(dt):
+    """A 16-bit op result that the kernel also casts (to f32 and back, to int) is its rounded
+    value at its other uses too: `v - v.float().to(dt)` is exactly 0 and `v != logsumexp(v)`
+    over one element False, as in PyTorch. Before, the cast rounded and the subtraction read
+    the unrounded f32 (41 for v = c * c, c = -179 in bf16; fuzzing)."""
+    c = torch.cat([torch.tensor([-179.0, 250.0]), (torch.randn(62) * 100).clamp(-250, 250)]).to(dt).reshape(64, 1)
+    d = (torch.randn(64, 1) * 0.3).to(dt)
+
+    def f(c, d):
+        v, w = c * c, c + d
+        return v - v.float().to(dt), w != torch.logsumexp(w, -1, keepdim=True), (w - w.long()).float()
+
+    got, want = compile_stages(f, [c, d]).program(c, d), f(c, d)
+    assert not got[0].any() and not got[1].any(), got[:2]
+    for g, e in zip(got, want):
+        assert g.dtype == e.dtype and torch.equal(g, e)
 
 
 @pytest.mark.parametrize("dt", [torch.bfloat16, torch.float16])

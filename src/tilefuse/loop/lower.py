@@ -71,7 +71,7 @@ class _Lowerer:
         self.as_rows: set[str] = set()  # views read in place as (rows, last dim) of their tensor (buffer_through)
         self.casts: dict[tuple, str] = {}  # (id(block), value, dtype) -> the value converted, in that block
         self.blocks: list[list] = []  # every block made, kept alive: the casts' keys are their ids
-        self.reduced16 = _reduced_16bit_maps(graph, step)
+        self.rounded16 = _rounded_16bit_maps(graph, step)
 
     def block(self) -> list:
         """A new statement list. It stays referenced until lowering ends, so its id() (a key of
@@ -169,11 +169,11 @@ class _Lowerer:
             self.dtype[v] = n.type.dtype
         elif isinstance(n, g_ir.Map):
             v = self.emit_map(n, block, memo, col)
-            if name in self.reduced16:
-                # a 16-bit result a reduction of this kernel is computed from is rounded to its
-                # dtype for every use, not only in the reduction (emit_reduce): `x - x.amax()` of
-                # a bf16 softsign(x) was -0.0006 for a row of equal values, where PyTorch's is 0
-                # (fuzzing)
+            if name in self.rounded16:
+                # a 16-bit result whose rounded value the kernel also uses (a reduction of it, or
+                # an explicit cast) is rounded to its dtype for every use: `x - x.amax()` of a
+                # bf16 softsign(x) was -0.0006 for a row of equal values, and `v - v.float().bfloat16()`
+                # of a bf16 v = c * c was 41, where PyTorch's are 0 (fuzzing)
                 v = self.convert(v, n.type.dtype, block)
         elif isinstance(n, g_ir.View):
             v = self.emit(n.arg, block, memo, col)
@@ -501,14 +501,17 @@ def _node_range(g: g_ir.Graph, n, memo: dict) -> tuple[int, int] | None:
             "min": (min(alo, blo), min(ahi, bhi)), "max": (max(alo, blo), max(ahi, bhi))}[n.op]
 
 
-def _reduced_16bit_maps(graph: g_ir.Graph, step) -> frozenset[str]:
-    """The bf16/f16 maps of this step that one of its 16-bit reductions is computed from (the
-    value it reads, through views, and the 16-bit maps under it in the step), so that each is
-    one value wherever the kernel uses it: `v + (-v).amin()` reads -v, and v itself must be
-    rounded for the sum of equal values to be 0."""
+def _rounded_16bit_maps(graph: g_ir.Graph, step) -> frozenset[str]:
+    """The bf16/f16 maps of this step whose rounded value the kernel uses: the value one of its
+    16-bit reductions or scans reads, or an explicit cast takes (through views), and the 16-bit
+    maps under it in the step, so that each is one value wherever the kernel uses it:
+    `v + (-v).amin()` reads -v, and v itself must be rounded for the sum of equal values to be 0."""
     out, seen = set(), set()
     todo = [graph[n].arg for n in step.nodes  # (a scan's too: `cummax(x) - x` is 0 where x is the max)
             if isinstance(graph[n], (g_ir.Reduce, g_ir.Scan)) and graph[graph[n].arg].type.dtype in ("bf16", "f16")]
+    todo += [graph[n].args[0] for n in step.nodes
+             if isinstance(graph[n], g_ir.Map) and graph[n].op == "cast"
+             and graph[graph[n].args[0]].type.dtype in ("bf16", "f16")]
     while todo:
         a = todo.pop()
         if a in seen or a not in step.nodes:
