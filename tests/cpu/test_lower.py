@@ -455,6 +455,27 @@ def test_a_reduced_16_bit_value_is_the_same_value_at_every_use(dt, form):
     assert torch.equal(got[1], torch.ones(9, dtype=dt))
 
 
+INT_SUMS = {
+    "sum i32 then long": lambda x: torch.sum(x, 1, dtype=torch.int32).long(),
+    "sum i32 then double": lambda x: torch.sum(x, 1, dtype=torch.int32).double(),
+    "column sum i32 then long": lambda x: torch.sum(x, 0, dtype=torch.int32).long(),
+    "full sum i32 then long": lambda x: torch.sum(x, dtype=torch.int32).long(),
+    "sum i8 compared": lambda x: torch.sum((x % 100).to(torch.int8), 1, dtype=torch.int8) < 0,
+    "prod i8 then long": lambda x: torch.prod((x % 100).to(torch.int8), 1, dtype=torch.int8).long(),
+}
+
+
+@pytest.mark.parametrize("form", list(INT_SUMS))
+def test_an_integer_sum_of_a_narrower_dtype_wraps_before_its_uses_in_the_kernel(form):
+    """`sum(x, dtype=torch.int32)` accumulates in i64 and wraps as int32, also where an op of
+    the same kernel reads it, as in PyTorch: `.long()` of two 2e9 summed was 4e9, PyTorch's
+    -294967296 (a store narrowed it, a use in the kernel did not; fuzzing)."""
+    x = torch.full((64, 2), 2_000_000_000, dtype=torch.int64)
+    x[1::3] = 1_999_999_999
+    got, want = compile_stages(INT_SUMS[form], [x]).program(x), INT_SUMS[form](x)
+    assert got.dtype == want.dtype and torch.equal(got, want), (got, want)
+
+
 @pytest.mark.parametrize("dt", [torch.bfloat16, torch.float16])
 def test_a_16_bit_value_cast_somewhere_is_the_cast_value_at_every_use(dt):
     """A 16-bit op result that the kernel also casts (to f32 and back, to int) is its rounded

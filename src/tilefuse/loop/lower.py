@@ -390,6 +390,11 @@ class _Lowerer:
             self.row_block += [L.Const(k, float(self.space[1]), acc_t), L.Op(m, "div", (v, k), acc_t)]
             self.dtype[m] = acc_t
             v = m
+        if not dtypes.is_float(acc_t) and acc_t != dtypes.compute_type(n.type.dtype):
+            # an integer sum or product of a narrower dtype (`sum(x, dtype=torch.int32)`) wraps
+            # as that dtype: a store narrowed it, but a use in the kernel read the i64 accumulator
+            # (`sum(x, dtype=int32).long()` of 2e9 + 2e9 was 4e9, PyTorch's -294967296; fuzzing)
+            v = self.convert(v, n.type.dtype, self.row_block)
         return v
 
     def emit_scan(self, n: g_ir.Scan, block, memo, col):
