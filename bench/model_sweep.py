@@ -106,6 +106,7 @@ def run_model(name: str, s: Sizes, rounds: int, settle_s: float, profile: bool =
     from tilefuse.analyze.bench import fresh_compile, sustained_ms
     from tilefuse.check import VALUES, Results, check_outputs, flatten, float64_reference
     from tilefuse.frontend import backend as tb
+    from tilefuse.models import hf
 
     s = sizes_for(name, s)
     row: dict = {"model": name, "sizes": vars(s) if hasattr(s, "__dict__") else str(s), "note": ARCHS[name].note}
@@ -131,7 +132,7 @@ def run_model(name: str, s: Sizes, rounds: int, settle_s: float, profile: bool =
             return results(draw_inputs(ARCHS[name].kind, s, model.hf.config.vocab_size,
                                        model.hf.config.pad_token_id, gen, "cuda")[1])
 
-        routed = getattr(model.hf.config, "num_experts_per_tok", None) is not None  # check.py: judged over draws
+        routed = hf.routes(model.hf.config)  # check.py: judged over draws
         checks = check_outputs([f"{name}.{i}" for i in range(len(got))], results(x, got), draw,
                                draws=VALUES if routed else 1)
         row["check"] = [{"ok": c.ok, "error": c.error, "bound": c.bound, "draws": c.draws} for c in checks]

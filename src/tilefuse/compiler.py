@@ -7,8 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import env
-from . import collector
+from . import collector, env
 from .frontend.capture import export_and_log, to_graph
 from .graph import ir
 from .graph.fold import fold_weights

@@ -122,6 +122,12 @@ def token_inputs(vocab: int, batch: int, seq: int, output: str, device, seed: in
     return (ids, torch.randint(0, vocab, (batch, seq), generator=g).to(device)) if output == "loss" else (ids,)
 
 
+def routes(cfg) -> bool:
+    """Whether a model of this config routes each token to the top k of its router's rounded
+    scores (a mixture of experts): its outputs are judged over several draws (tilefuse.check)."""
+    return getattr(cfg, "num_experts_per_tok", None) is not None
+
+
 @dataclass
 class Built:
     name: str
@@ -131,9 +137,7 @@ class Built:
 
     @property
     def routed(self) -> bool:
-        """Whether the model routes each token to the top k of its router's rounded scores (a
-        mixture of experts): its outputs are judged over several draws (tilefuse.check)."""
-        return getattr(self.config, "num_experts_per_tok", None) is not None
+        return routes(self.config)
 
     def fresh_inputs(self, seed: int) -> tuple:
         """Inputs like `inputs`, drawn from `seed`: a scalar output (the loss) is checked over
