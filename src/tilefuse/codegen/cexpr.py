@@ -412,6 +412,24 @@ _CMP = {"eq": "==", "ne": "!=", "lt": "<", "le": "<=", "gt": ">", "ge": ">="}
 _ARITH = {"add": "+", "sub": "-", "mul": "*", "div": "/"}
 
 
+_UNSIGNED = {"int": "unsigned", "long long": "unsigned long long"}
+_WRAPPING = ("add", "sub", "mul", "neg", "abs")
+
+
+def _wrapping(name: str, a: list[str], ct: str) -> str:
+    """A 32- or 64-bit integer add, sub, mul, neg or abs that wraps as PyTorch's does, computed
+    in the unsigned type: signed overflow is undefined in C++, and nvcc used that to fold
+    abs(-(x * x)) into x * x (x * x >= 0 where nothing overflows), giving -5e8 where PyTorch's
+    wrapped product, negated and abs'd, is 5e8 (GPU fuzzing, session 79). abs(INT_MIN) stays
+    INT_MIN, as in PyTorch. (8- and 16-bit values are promoted to int first: no overflow.)"""
+    u = _UNSIGNED[ct]
+    if name == "neg":
+        return f"(({ct})(({u})0 - ({u})({a[0]})))"
+    if name == "abs":
+        return f"({a[0]} < 0 ? ({ct})(({u})0 - ({u})({a[0]})) : {a[0]})"
+    return f"(({ct})(({u})({a[0]}) {_ARITH[name]} ({u})({a[1]})))"
+
+
 FAST_OPS = ("exp", "div", "sigmoid", "ncdf", "expm1", "tanh", "log1p")  # the ops with a special-function spelling (op's fast)
 
 
@@ -466,9 +484,11 @@ def op(name: str, args: list[str], arg_dtypes: list[str], dtype: str, fast: bool
     elif name == "sigmoid":
         one = const(1, dtypes.compute_type(dtype))
         e = f"({one} / ({one} + {'exp' if f64 else 'expf'}(-{conv(0)})))"
+    elif name in _WRAPPING and ct in _UNSIGNED:
+        e = _wrapping(name, [conv(i) for i in range(info.arity)], ct)
     elif name == "neg":
         e = f"(-{conv(0)})"
-    elif name == "abs":
+    elif name == "abs":  # (8-bit integers: promoted to int, so -(-128) is 128, narrowed where stored)
         e = f"{'fabs' if f64 else 'fabsf'}({conv(0)})" if is_float else f"({conv(0)} < 0 ? -{conv(0)} : {conv(0)})"
     elif name == "relu":
         zero = const(0, dtypes.compute_type(dtype))
