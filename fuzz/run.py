@@ -49,8 +49,14 @@ class TO(Exception): pass
 def handler(*a): raise TO()
 signal.signal(signal.SIGALRM, handler)
 t_end = time.time() + float(os.environ.get("FUZZ_SECONDS", "1e9"))
+def save_stats(last):
+    """The counts so far and the seed being judged: a process killed mid-run (the host's
+    out-of-memory killer took one in session 79) leaves both, naming the seed that killed it."""
+    json.dump({**stats, "at": last}, open(f"{outdir}/stats_{start}.json", "w"))
+
 for seed in range(start, start + count):
     if time.time() > t_end: break
+    save_stats(seed)
     g = Gen(seed)
     signal.alarm(30)
     try:
@@ -89,5 +95,5 @@ for seed in range(start, start + count):
     elif st == "skip":
         with open(f"{outdir}/skips.log", "a") as fh:
             fh.write(f"{seed}: {msg[:200]}\n")
-json.dump(stats, open(f"{outdir}/stats_{start}.json", "w"))
+json.dump(stats, open(f"{outdir}/stats_{start}.json", "w"))  # (no "at": the run ended)
 print(start, stats, flush=True)
