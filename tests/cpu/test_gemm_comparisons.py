@@ -95,3 +95,42 @@ def test_a_widening_cast_that_is_returned_is_still_written_by_the_epilogue():
     x, w = torch.randn(64, 128, dtype=torch.bfloat16), torch.randn(96, 128, dtype=torch.bfloat16)
     p = tilefuse.compile(lambda x, w: F.gelu(x @ w.t()).float(), (x, w))
     assert [s.family for s in p.plan.steps if s.family != "alias" and not s.view] == ["gemm"], str(p.plan)
+
+
+MASKS = {
+    "(y > 0).float()": lambda y: (y > 0).float(),
+    "(y > 0).half() * 2 + y": lambda y: (y > 0).to(y.dtype) * 2 + y,
+    "y.bool().float() * 3": lambda y: y.bool().float() * 3,
+    "any(y, dim=-2)": lambda y: torch.any(y, dim=-2),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MASKS))
+def test_a_comparison_cast_back_to_a_number_in_the_epilogue(name):
+    """A truth value the epilogue makes, cast to a number (a mask as floats): the cast is a
+    conversion of the bool, not the pass-through a float-to-float cast is there. It was dropped,
+    so the epilogue stored a bool into an f32 buffer and the Loop IR verifier refused the kernel:
+    `(x @ w.T > 0).float()` did not compile (CPU fuzzing, session 79). Eager's values, and the
+    sm_90a kernel builds with no spills."""
+    from tilefuse.codegen import gemm_sm90
+
+    g = torch.Generator().manual_seed(79)
+    x, w = (torch.randn(n, 128, generator=g).half() for n in (96, 160))
+    x[:3] = 0  # (rows whose product is exactly 0: False)
+    fn = lambda x, w: MASKS[name](F.linear(x, w))  # noqa: E731
+    p = tilefuse.compile(fn, (x, w))
+    got, want = p(x, w), fn(x, w)
+    assert got.dtype == want.dtype
+    # (the epilogue compares the f32 accumulator, eager its f16 rounding: only elements whose
+    # product rounds to 0 in f16 and is not 0 in f32 may differ, and none do at these sizes;
+    # `+ y` adds the f32 product where eager adds its f16 rounding: within an f16 rounding)
+    if got.is_floating_point():  # the project's rule: within twice eager's error against float64
+        ref = fn(x.double(), w.double())
+        err, eager_err = (got.double() - ref).abs().max(), (want.double() - ref).abs().max()
+        assert err <= 2 * eager_err + 1e-6, (err, eager_err)
+    else:
+        assert torch.equal(got, want)
+    (lg,) = p.gemms.values()
+    problem = lg.problem()
+    src = gemm_sm90.render(problem, gemm_sm90.default_schedule(problem))
+    assert nvrtc.compile_cuda(src.source, src.name, "sm_90a").info.clean

@@ -121,6 +121,8 @@ def lower_gemm_step(graph: g_ir.Graph, step: Step, name: str | None = None) -> L
         args = [value(a, p) for a in n.args]
         if n.op == "cast":
             v = args[0]
+            if (graph[n.args[0]].type.dtype == "bool") != (n.type.dtype == "bool"):  # a truth value made a number, or back
+                return e.op("cast", v, dtype="bool" if n.type.dtype == "bool" else "f32")
             if n.type.dtype in ("bf16", "f16") and n.name not in s.outs:  # an explicit rounding inside the chain
                 v = e.op("cast", e.op("cast", v, dtype=n.type.dtype), dtype="f32")
             return v
