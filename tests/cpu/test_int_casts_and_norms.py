@@ -53,6 +53,9 @@ CASES = [
     # true division of integers goes straight to f32: a 0-dim i64 beside an i32 tensor had been
     # cast to i32 first and wrapped (-2462023543 became 1832943753: a fuzzing finding)
     ("i32 divided by a 0-dim i64", lambda x: x / (x.sum().long() * 0 - 2462023543), (_ints(-1000, 1000, 4, 8, dtype=torch.int32),)),
+    # so do atan2's (given its float dtype): a u8 tensor's i64 product beside it was
+    # cast to u8 first (1728 became 192; CPU fuzzing, session 79)
+    ("atan2 of a 0-dim i64 product and uint8", lambda x: torch.atan2(torch.prod(x), x), (_ints(2, 9, 1, 4, dtype=torch.uint8),)),
     ("std of uint8 clamped by a float", lambda x: torch.std(torch.clamp(x, -1, 1e5), dim=0), (_ints(0, 256, 7, 3, dtype=torch.uint8),)),
     ("maximum of uint8 tensors", lambda x: torch.maximum(x, x.flip(-1)), (_ints(0, 256, 8, 40, dtype=torch.uint8),)),
     ("relu of bf16 cast to uint8 then to int8", lambda x: torch.relu(x.byte()).char(), (_randn(4, 64, dtype=torch.bfloat16, scale=100),)),

@@ -123,11 +123,12 @@ class Builder:
         if op != "cast" and kind != "logic":
             head, operands = (args[:1], args[1:]) if op == "where" else ((), args)
             common = self.result_type(*operands)
-            if kind == "float" and dtype is None and not dtypes.is_float(common) and common != "bool":
-                # integers into a float op (true division): each goes straight to the default
+            if kind == "float" and not dtypes.is_float(common) and common != "bool":
+                # integers into a float op (true division, atan2): each goes straight to the
                 # float, as PyTorch computes it; through their common integer type a 0-dim i64
-                # beside an i32 tensor wrapped first (i32 / i64(-2462023543) divided by 1832943753)
-                common = "f32"
+                # beside an i32 tensor wrapped first (i32 / i64(-2462023543) divided by 1832943753;
+                # atan2 of a u8 tensor's i64 product beside it took the product mod 256)
+                common = dtype if dtype is not None and dtypes.is_float(dtype) else "f32"
             args = (*head, *self._to_common(operands, common))
         types = [self.type(a) for a in args]
         shape = broadcast_shapes(*(t.shape for t in types))
