@@ -69,10 +69,7 @@ def test_abs_of_a_negated_square_keeps_its_abs_in_the_ptx(dtype):
 def test_the_signed_spelling_loses_the_abs():
     """The hazard itself: the same ops written with signed int arithmetic compile to PTX with
     no abs (nvcc assumes x * x does not overflow), which is why op() spells them unsigned."""
-    x = "x"
-    sq = f"({x} * {x})"
-    signed = f"(-{sq})"
-    body = f"int v = {signed}; o[threadIdx.x] = (v < 0 ? -v : v);"
+    body = "int v = -(x * x); o[threadIdx.x] = (v < 0 ? -v : v);"
     src = f'extern "C" __global__ void k(const int* a, int* o) {{ int x = a[threadIdx.x]; {body} }}'
     assert not re.search(r"\babs\.s32\b", _ptx(src, "k"))
     wrapped = cexpr.op("abs", [cexpr.op("neg", [cexpr.op("mul", ["x", "x"], ["i32", "i32"], "i32")], ["i32"], "i32")],

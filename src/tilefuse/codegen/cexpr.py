@@ -426,7 +426,7 @@ def _wrapping(name: str, a: list[str], ct: str) -> str:
     if name == "neg":
         return f"(({ct})(({u})0 - ({u})({a[0]})))"
     if name == "abs":
-        return f"({a[0]} < 0 ? ({ct})(({u})0 - ({u})({a[0]})) : {a[0]})"
+        return f"({a[0]} < 0 ? {_wrapping('neg', a, ct)} : {a[0]})"
     return f"(({ct})(({u})({a[0]}) {_ARITH[name]} ({u})({a[1]})))"
 
 
