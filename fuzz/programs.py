@@ -6,6 +6,7 @@ shapes; special values (zeros, halves, large and tiny magnitudes) appear on purp
 matmuls; `MAXN` caps every value's element count."""
 import random, torch, math
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 FD = ["torch.float32", "torch.float64", "torch.bfloat16", "torch.float16"]
 ID = ["torch.int32", "torch.int64", "torch.uint8", "torch.int8"]
@@ -70,6 +71,40 @@ def dimarg(r, rank):
     if rank == 0: return r.choice([0, -1])
     return r.randrange(-rank, rank)
 
+PEAK = 1 << 28  # elements: a line any of whose ops makes a value larger is never run on real tensors
+
+
+class _Largest(TorchDispatchMode):
+    """Records the largest value any op makes (on meta tensors: shapes only, no memory)."""
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in (out if isinstance(out, (tuple, list)) else [out]):
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+def too_big(line, env):
+    """Whether `line` would make a value its size check rejects (> MAXN elements, outside a
+    tuple) or a temporary of more than PEAK elements: found on meta tensors, so a line that
+    broadcasts two large values is refused before it takes gigabytes. A line meta tensors
+    cannot run (data-dependent sizes, .item()) is left to the real run, as before."""
+    meta = {k: v.to("meta") for k, v in env.items()}
+    mode = _Largest()
+    try:
+        with torch.no_grad(), mode:
+            val = eval(line, {"torch": torch, "F": F, "math": math}, meta)
+    except Exception:
+        return mode.largest > PEAK
+    if mode.largest > PEAK:
+        return True
+    return isinstance(val, torch.Tensor) and val.numel() > MAXN
+
+
 class Gen:
     def __init__(self, seed):
         self.r = random.Random(seed)
@@ -103,6 +138,8 @@ class Gen:
             line = self.gen_line()
             if line is None: continue
             v = f"v{len(self.lines)}"
+            if too_big(line, self.env):
+                continue
             try:
                 with torch.no_grad():
                     val = eval(line, {"torch": torch, "F": F, "math": math}, dict(self.env))
