@@ -9,7 +9,7 @@ import os
 import torch
 
 import tilefuse
-from tilefuse.runtime.launch import load_function
+from tilefuse.runtime.launch import CompiledKernel, load_function
 
 
 def rss_mb() -> float:
@@ -21,9 +21,7 @@ def main():
     x = torch.randn(64, 300, device="cuda")
     fn = tilefuse.compile(lambda a: torch.softmax(a * 2, -1), [x])
     fn(x)
-    from tilefuse.runtime import launch
-    seen = [o for o in gc.get_objects() if isinstance(o, launch.CompiledKernel)]
-    ck = seen[0]
+    ck = next(o for o in gc.get_objects() if isinstance(o, CompiledKernel))
     print("cubin bytes", len(ck.cubin.data))
     torch.cuda.synchronize()
     r0, f0 = rss_mb(), torch.cuda.mem_get_info()[0]

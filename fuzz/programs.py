@@ -71,6 +71,7 @@ def dimarg(r, rank):
     if rank == 0: return r.choice([0, -1])
     return r.randrange(-rank, rank)
 
+NAMES = {"torch": torch, "F": F, "math": math}  # what a generated line may name
 PEAK = 1 << 28  # elements: a line any of whose ops makes a value larger is never run on real tensors
 
 
@@ -94,15 +95,13 @@ def too_big(line, env):
     broadcasts two large values is refused before it takes gigabytes. A line meta tensors
     cannot run (data-dependent sizes, .item()) is left to the real run, as before."""
     meta = {k: v.to("meta") for k, v in env.items()}
-    mode = _Largest()
+    mode, val = _Largest(), None
     try:
         with torch.no_grad(), mode:
-            val = eval(line, {"torch": torch, "F": F, "math": math}, meta)
+            val = eval(line, dict(NAMES), meta)
     except Exception:
-        return mode.largest > PEAK
-    if mode.largest > PEAK:
-        return True
-    return isinstance(val, torch.Tensor) and val.numel() > MAXN
+        pass
+    return mode.largest > PEAK or (isinstance(val, torch.Tensor) and val.numel() > MAXN)
 
 
 class Gen:
@@ -142,7 +141,7 @@ class Gen:
                 continue
             try:
                 with torch.no_grad():
-                    val = eval(line, {"torch": torch, "F": F, "math": math}, dict(self.env))
+                    val = eval(line, dict(NAMES), dict(self.env))
             except Exception:
                 continue
             if isinstance(val, (tuple, list)):
